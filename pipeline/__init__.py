@@ -1,0 +1,1 @@
+"""charstream orchestration: config, stage graph, process supervision, tracing, CLI."""

@@ -1,0 +1,65 @@
+"""The ``charstream`` command line.
+
+Each command lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``;
+modules are imported only when their command runs, so ``charstream --help`` stays fast and a
+command's heavy imports (torch, aiortc) cost nothing to the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# (command words, module, one-line help)
+COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
+    (("demo",), "pipeline.demo", "live character demo on CPU: scripted agent -> WebRTC client, writes trace + mp4"),
+    (("serve",), "stages.egress.serve", "serve the web page and WebRTC endpoint for a browser session"),
+    (("bench", "transport"), "transport.bench", "ZeroMQ channel latency, throughput and backpressure"),
+    (("bench", "model"), "pipeline.bench_model", "CPU step and decode time of a model preset"),
+    (("bench", "gpu"), "pipeline.bench_gpu", "GPU step breakdown, kernels, decoder, against the reference numbers"),
+    (("model", "info"), "pipeline.model_info", "parameters, per-rank memory and FLOPs of a preset"),
+    (("trace", "report"), "pipeline.trace_report", "median/p90 per trace segment and a waterfall PNG"),
+    (("train",), "pipeline.training.train", "train the tiny character model"),
+    (("lipsync",), "pipeline.quality.lipsync", "lip-sync confidence and offset of a video or session"),
+    (("quality",), "pipeline.quality.gate", "quality gate: candidate vs baseline against rerun variance"),
+]
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.ArgumentParser]]:
+    parser = argparse.ArgumentParser(
+        prog="charstream",
+        description="Real-time serving for live conversational video characters.",
+    )
+    top = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    groups: dict[str, argparse._SubParsersAction] = {}
+    leaves: dict[tuple[str, ...], argparse.ArgumentParser] = {}
+    for words, module, help_text in COMMANDS:
+        if len(words) == 1:
+            sub = top.add_parser(words[0], help=help_text, description=help_text)
+        else:
+            if words[0] not in groups:
+                group_parser = top.add_parser(words[0], help=f"{words[0]} commands")
+                groups[words[0]] = group_parser.add_subparsers(dest="subcommand", metavar="SUBCOMMAND", required=True)
+            sub = groups[words[0]].add_parser(words[1], help=help_text, description=help_text)
+        sub.set_defaults(_module=module)
+        leaves[words] = sub
+    return parser, leaves
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser, leaves = build_parser()
+    # Only the chosen command's module is imported; it adds its own arguments to its parser.
+    words = tuple(a for a in argv[:2] if not a.startswith("-"))
+    for key in (words[:2], words[:1]):
+        if key in leaves:
+            module = importlib.import_module(leaves[key].get_default("_module"))
+            module.add_arguments(leaves[key])
+            break
+    args = parser.parse_args(argv)
+    return int(importlib.import_module(args._module).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

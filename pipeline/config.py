@@ -1,0 +1,105 @@
+"""Typed configuration for a charstream session, one section per concern.
+
+Every field has a default that runs the embedded CPU demo; ``from_dict`` builds a config from
+plain data (JSON/TOML) and rejects unknown keys with the path of the offending key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from model.config import ModelConfig, get_preset
+
+
+@dataclass
+class TransportConfig:
+    default_capacity: int = 4  # credits per edge, in messages
+    capacities: dict[str, int] = field(default_factory=dict)  # per edge name, overrides the default
+    max_message_bytes: int = 64 * 1024 * 1024
+    heartbeat_s: float = 0.25
+    dead_after_s: float = 1.5  # a peer silent this long is dead (kill -9 ends the session within 2 s)
+
+
+@dataclass
+class IngestConfig:
+    adapter: str = "scripted"  # scripted | zmq | pipecat | livekit
+    think_delay_s: float = 0.4  # stands for STT + LLM in the scripted agent
+    user_voice: str = "en-us"
+    agent_voice: str = "en+f3"
+    vad_threshold: float = 0.5
+    vad_silence_ms: int = 300  # end of speech is back-dated by this window
+    zmq_endpoint: str = "tcp://127.0.0.1:5790"
+
+
+@dataclass
+class DiffusionConfig:
+    tp: int = 1
+    device: str = "cpu"
+    seed: int = 0
+    fp8_cache: bool = False  # CPU default keeps the bf16 ring; GPUs use FP8 e4m3
+
+
+@dataclass
+class DecodeConfig:
+    device: str = "cpu"
+
+
+@dataclass
+class PlayoutConfig:
+    target_depth_chunks: int = 2
+    max_depth_chunks: int = 8
+
+
+@dataclass
+class EgressConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    codec: str = "VP8"  # VP8 | H264
+
+
+@dataclass
+class TracingConfig:
+    jsonl_path: str | None = None
+    otel_exporter: str = "none"  # none | console | otlp | memory
+    otlp_endpoint: str = "http://127.0.0.1:4318/v1/traces"
+    prometheus_port: int | None = None
+
+
+@dataclass
+class PipelineConfig:
+    preset: str = "tiny"
+    placement: str = "inproc"  # inproc (one process) | processes (edge, diffusion ranks, decoder)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    ingest: IngestConfig = field(default_factory=IngestConfig)
+    diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    playout: PlayoutConfig = field(default_factory=PlayoutConfig)
+    egress: EgressConfig = field(default_factory=EgressConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
+
+    @property
+    def model(self) -> ModelConfig:
+        return get_preset(self.preset)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PipelineConfig:
+        return _build(cls, data, "")
+
+
+def _build(kind: type, data: dict[str, Any], path: str):
+    if not isinstance(data, dict):
+        raise ValueError(f"config {path or '<root>'}: expected a table, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(kind)}
+    unknown = set(data) - set(fields)
+    if unknown:
+        raise ValueError(f"config {path or '<root>'}: unknown key(s) {sorted(unknown)}; known: {sorted(fields)}")
+    values = {}
+    for name, value in data.items():
+        default = fields[name].default_factory() if fields[name].default_factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(default):
+            values[name] = _build(type(default), value, f"{path}{name}.")
+        else:
+            values[name] = value
+    return kind(**values)

@@ -1,0 +1,15 @@
+import subprocess
+import sys
+
+from pipeline.cli import COMMANDS, build_parser
+
+
+def test_help_lists_every_command():
+    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "--help"], capture_output=True, text=True, check=True)
+    for words, _, _ in COMMANDS:
+        assert words[0] in out.stdout
+
+
+def test_every_command_has_a_parser():
+    _, leaves = build_parser()
+    assert set(leaves) == {words for words, _, _ in COMMANDS}
