@@ -4,6 +4,11 @@ Every message carries the session id, a chunk index or sequence number, and a tr
 Arrays are numpy (tensors are converted at the stage boundary); the codec sends them as raw
 multipart frames. Audio on the media timeline is 48 kHz mono int16; chunk ``n`` covers media
 time ``[n * CHUNK_SECONDS, (n + 1) * CHUNK_SECONDS)``.
+
+Turn-start rollback (DESIGN.md): when agent speech starts, conditioning sends ``Control(TURN_START)``;
+playout drops its unplayed chunks and broadcasts ``Control(ROLLBACK, chunk=last_committed,
+epoch=e+1)``; every stage then discards data of older epochs, conditioning restarts at
+``last_committed + 1`` with the speech, and diffusion rewinds its ring write pointer to match.
 """
 
 from __future__ import annotations
@@ -87,6 +92,7 @@ class Conditioning:
     audio_tokens: np.ndarray  # float32, (n_audio_tokens, audio_dim)
     audio: np.ndarray  # int16, (SAMPLES_PER_CHUNK,) — the chunk's own span, carried to playout
     speaking: bool
+    epoch: int = 0  # bumped by each rollback; data of an older epoch is stale
     trace: TraceContext = field(default_factory=TraceContext)
 
 
@@ -97,6 +103,7 @@ class Latents:
     latents: np.ndarray  # float32 or float16, (C, h, w): one latent frame
     audio: np.ndarray  # int16, (SAMPLES_PER_CHUNK,)
     speaking: bool
+    epoch: int = 0  # bumped by each rollback; data of an older epoch is stale
     trace: TraceContext = field(default_factory=TraceContext)
 
 
@@ -107,11 +114,13 @@ class VideoChunk:
     frames: np.ndarray  # uint8, (FRAMES_PER_CHUNK, H, W, 3) RGB
     audio: np.ndarray  # int16, (SAMPLES_PER_CHUNK,)
     speaking: bool
+    epoch: int = 0  # bumped by each rollback; data of an older epoch is stale
     trace: TraceContext = field(default_factory=TraceContext)
 
 
 class ControlKind(StrEnum):
     INTERRUPT = "interrupt"  # barge-in: drop unplayed speech, return to listening
+    TURN_START = "turn_start"  # conditioning -> playout: agent speech begins at media chunk ``chunk``
     ROLLBACK = "rollback"  # playout -> diffusion: last committed chunk in ``chunk``
     SHUTDOWN = "shutdown"
     ERROR = "error"  # a stage failed; ``detail['stage']`` and ``detail['error']`` say which and why
@@ -125,6 +134,7 @@ class Control:
     seq: int
     kind: ControlKind
     chunk: int | None = None
+    epoch: int = 0
     detail: dict[str, str | int | float | bool | None] = field(default_factory=dict)
     trace: TraceContext = field(default_factory=TraceContext)
 
