@@ -1,0 +1,152 @@
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from pipeline.config import TracingConfig
+from pipeline.tracing import REGISTRY, STAGES, SessionMetrics, TurnTracer, read_jsonl
+from transport.messages import TRACE_POINTS, TraceContext
+
+
+def stamps_for(t0: float, gaps=(1.2, 0.21, 0.08, 0.05, 0.1, 0.09)) -> dict[str, float]:
+    out, t = {TRACE_POINTS[0]: t0}, t0
+    for point, gap in zip(TRACE_POINTS[1:], gaps, strict=True):
+        t += gap
+        out[point] = t
+    return out
+
+
+def test_turn_is_written_once_when_its_last_stamp_arrives(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    tracer = TurnTracer("s1", TracingConfig(jsonl_path=str(path), otel_exporter="memory"))
+    stamps = stamps_for(1000.0)
+    # Stamps arrive piecemeal from different stages, as they do in a session.
+    tracer.merge(TraceContext(7, {p: stamps[p] for p in TRACE_POINTS[:3]}))
+    tracer.merge(TraceContext(7, {p: stamps[p] for p in TRACE_POINTS[3:6]}))
+    tracer.merge(TraceContext(7, {"conditioning_ready": 5.0}))  # a re-stamp after a retry must not win
+    assert read_jsonl(path) == []  # not complete yet
+    tracer.merge(TraceContext(7, {"client_first_speaking_frame": stamps["client_first_speaking_frame"]}))
+    tracer.merge(TraceContext(7, {"client_first_speaking_frame": 9e9}))  # after export: ignored
+    tracer.merge(TraceContext(None, {"user_speech_end": 1.0}))  # idle chunks carry no turn
+    tracer.close()
+    (line,) = read_jsonl(path)
+    assert line["turn_id"] == 7 and line["session_id"] == "s1" and line["complete"] and line["in_order"]
+    assert line["stamps"] == stamps
+    assert list(line["stamps"]) == list(TRACE_POINTS)
+    assert line["segments"]["pipeline"] == pytest.approx(0.21 + 0.08 + 0.05 + 0.1)
+    assert line["segments"]["total"] == pytest.approx(1.2 + 0.21 + 0.08 + 0.05 + 0.1 + 0.09)
+    assert line["stages"]["diffusion"] == pytest.approx(0.08)
+    assert "timestamp" in line and line["event"] == "turn"
+
+
+def test_spans_nest_conversation_turn_stage_with_stamp_times():
+    exporter = InMemorySpanExporter()
+    tracer = TurnTracer("s2", TracingConfig(otel_exporter="memory"), exporter=exporter)
+    for turn_id, t0 in ((1, 2000.0), (2, 2010.0)):
+        tracer.merge(TraceContext(turn_id, stamps_for(t0)))
+    tracer.close()
+    spans = exporter.get_finished_spans()
+    by_name: dict[str, list] = {}
+    for s in spans:
+        by_name.setdefault(s.name, []).append(s)
+    (conversation,) = by_name["conversation"]
+    assert len(by_name["turn"]) == 2
+    assert all(t.parent.span_id == conversation.context.span_id for t in by_name["turn"])
+    assert {s.context.trace_id for s in spans} == {conversation.context.trace_id}
+    turn1 = next(t for t in by_name["turn"] if t.attributes["charstream.turn_id"] == 1)
+    stamps = stamps_for(2000.0)
+    assert turn1.start_time == int(stamps["user_speech_end"] * 1e9)
+    assert turn1.end_time == int(stamps["client_first_speaking_frame"] * 1e9)
+    assert turn1.attributes["charstream.stamp.decode_done"] == stamps["decode_done"]
+    children = [s for s in spans if s.parent is not None and s.parent.span_id == turn1.context.span_id]
+    assert [c.name for c in sorted(children, key=lambda c: c.start_time)] == list(STAGES)
+    for c in children:
+        a, b = STAGES[c.name]
+        assert (c.start_time, c.end_time) == (int(stamps[a] * 1e9), int(stamps[b] * 1e9))
+
+
+def test_incomplete_turns_are_flushed_marked_incomplete(tmp_path):
+    path = tmp_path / "t.jsonl"
+    tracer = TurnTracer("s3", TracingConfig(jsonl_path=str(path)))
+    tracer.merge(TraceContext(1, {"user_speech_end": 1.0, "agent_first_audio": 2.0}))
+    tracer.merge(TraceContext(2, {"user_speech_end": 5.0}))
+    tracer.flush(before_turn=2)
+    assert [t["turn_id"] for t in read_jsonl(path)] == [1]
+    tracer.close()
+    lines = read_jsonl(path)
+    assert [t["turn_id"] for t in lines] == [1, 2]
+    assert not lines[0]["complete"] and lines[0]["segments"] == {"agent": 1.0}
+
+
+def test_bad_exporter_and_bad_trace_file_are_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="otel_exporter"):
+        TurnTracer("s", TracingConfig(otel_exporter="zipkin"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"event": "turn"}\nnot json\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        read_jsonl(bad)
+
+
+def test_otlp_exporter_posts_spans_to_a_collector():
+    received: list[tuple[str, bytes]] = []
+
+    class Collector(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server's naming)
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            received.append((self.path, body))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Collector)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        endpoint = f"http://127.0.0.1:{server.server_port}/v1/traces"
+        tracer = TurnTracer("s-otlp", TracingConfig(otel_exporter="otlp", otlp_endpoint=endpoint))
+        tracer.merge(TraceContext(3, stamps_for(3000.0)))
+        tracer.close()  # shutdown flushes the batch processor
+    finally:
+        server.shutdown()
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    names = []
+    for path, body in received:
+        assert path == "/v1/traces"
+        request = ExportTraceServiceRequest.FromString(body)
+        names += [s.name for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans]
+    assert sorted(names) == sorted(["conversation", "turn", *STAGES])
+
+
+def test_session_metrics_are_labelled_and_released():
+    m = SessionMetrics("metrics-session")
+    m.observe_step(0.12)
+    m.observe_step(0.2)
+    m.set_depth(3)
+    m.underrun()
+    m.underrun(2)
+    m.set_fps(23.9)
+    value = REGISTRY.get_sample_value
+    labels = {"session": "metrics-session"}
+    assert value("charstream_step_seconds_count", labels) == 2
+    assert value("charstream_step_seconds_sum", labels) == pytest.approx(0.32)
+    assert value("charstream_playout_depth_chunks", labels) == 3
+    assert value("charstream_underruns_total", labels) == 3
+    assert value("charstream_fps", labels) == pytest.approx(23.9)
+    before = value("charstream_session_average_fps_bucket", {"le": "24.0"}) or 0
+    m.close(average_fps=23.9)
+    assert value("charstream_session_average_fps_bucket", {"le": "24.0"}) == before + 1
+    assert value("charstream_playout_depth_chunks", labels) is None
+
+
+def test_trace_lines_are_plain_json(tmp_path):
+    path = tmp_path / "x.jsonl"
+    tracer = TurnTracer("s4", TracingConfig(jsonl_path=str(path)))
+    tracer.merge(TraceContext(1, stamps_for(10.0)))
+    tracer.close()
+    (raw,) = path.read_text().splitlines()
+    assert json.loads(raw)["stamps"]["user_speech_end"] == 10.0
