@@ -1,0 +1,73 @@
+"""3-D rotary position embedding (time, height, width), interleaved pairs, theta 10,000.
+
+Per head, channels ``[0, d_t)`` carry time, then ``[d_t, d_t + d_h)`` height, then width, with
+``d_h = d_w = 2 * (head_dim // 6)`` and ``d_t = head_dim - 2 * d_h`` (16 -> 8/4/4, 128 -> 44/42/42).
+Pairs ``(x[2i], x[2i+1])`` rotate as complex numbers by ``position * theta^(-2i / d_group)``.
+Keys are rotated once, when written into the cache; queries on every pass.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+THETA = 10_000.0
+
+
+class RopeFreqs(NamedTuple):
+    """Per-group frequency vectors (float32): lengths d_t/2, d_h/2, d_w/2."""
+
+    t: torch.Tensor
+    h: torch.Tensor
+    w: torch.Tensor
+
+
+def rope_split(head_dim: int) -> tuple[int, int, int]:
+    """Channel widths (d_t, d_h, d_w) of the three position groups."""
+    d_h = 2 * (head_dim // 6)
+    d_t = head_dim - 2 * d_h
+    if head_dim % 2 or d_h == 0 or d_t <= 0:
+        raise ValueError(f"head_dim {head_dim} cannot hold 3-D RoPE (needs an even head_dim >= 6)")
+    return d_t, d_h, d_h
+
+
+def _group_freqs(d_group: int, theta: float) -> torch.Tensor:
+    return theta ** (-torch.arange(0, d_group, 2, dtype=torch.float64) / d_group)
+
+
+def rope_freqs(head_dim: int, device: torch.device | str = "cpu", theta: float = THETA) -> RopeFreqs:
+    d_t, d_h, d_w = rope_split(head_dim)
+    return RopeFreqs(*(_group_freqs(d, theta).to(device=device, dtype=torch.float32) for d in (d_t, d_h, d_w)))
+
+
+def rope_angles(positions: torch.Tensor, freqs: RopeFreqs) -> torch.Tensor:
+    """Angles (T, head_dim // 2) for integer positions (T, 3) = (t, h, w)."""
+    p = positions.to(torch.float32)
+    return torch.cat(
+        [p[:, 0:1] * freqs.t[None], p[:, 1:2] * freqs.h[None], p[:, 2:3] * freqs.w[None]], dim=-1
+    )
+
+
+def rotate_pairs(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs of ``x`` (..., 2 * n) by ``angles`` broadcastable to (..., n). fp32 math."""
+    xf = x.float().unflatten(-1, (-1, 2))
+    cos, sin = angles.cos(), angles.sin()
+    x0, x1 = xf[..., 0], xf[..., 1]
+    return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, freqs: RopeFreqs) -> torch.Tensor:
+    """RoPE on ``x`` (T, n_heads, head_dim) at ``positions`` (T, 3); returns x's dtype."""
+    angles = rope_angles(positions, freqs)[:, None, :]  # broadcast over heads
+    return rotate_pairs(x, angles).to(x.dtype)
+
+
+def frame_positions(t: int, grid: tuple[int, int], n_audio_tokens: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Positions (T, 3) of one frame's tokens: video tokens on the (h, w) grid, then audio at h = w = 0."""
+    gh, gw = grid
+    hh, ww = torch.meshgrid(torch.arange(gh), torch.arange(gw), indexing="ij")
+    video = torch.stack([torch.full((gh * gw,), t), hh.flatten(), ww.flatten()], dim=-1)
+    audio = torch.zeros(n_audio_tokens, 3, dtype=torch.long)
+    audio[:, 0] = t
+    return torch.cat([video, audio]).to(device=device, dtype=torch.long)
