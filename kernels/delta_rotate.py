@@ -11,8 +11,10 @@ fixed position. FP8: dequantise -> rotate -> requantise with the same per-head s
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-from kernels.fp8 import dequantise, quantise
+from kernels.fp8 import FP8_MAX, dequantise, is_fp8, quantise
 from model.rope import rotate_pairs
 
 
@@ -30,6 +32,62 @@ def delta_rotate_reference(
     ring_t.copy_(quantise(rotated, scale, k_all.dtype))
 
 
+@triton.jit
+def _delta_rotate_kernel(
+    k, stride_kl, stride_kh, stride_ks, k_scale, stride_sl, freqs_t, delta, n_heads, n_slots, sink_slots,
+    NT: tl.constexpr, PAIRS: tl.constexpr, BLOCK_S: tl.constexpr,
+    DELTA_IN_TENSOR: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr,
+):
+    # One program: BLOCK_S ring slots of one (layer, head); only the temporal channels are read
+    # and written, so the pass moves about half of each 128-byte FP8 key row.
+    layer = tl.program_id(0) // n_heads
+    head = tl.program_id(0) % n_heads
+    s = sink_slots + tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
+    pair = tl.arange(0, PAIRS)
+    ch = tl.arange(0, 2 * PAIRS)
+    if DELTA_IN_TENSOR:
+        dt = tl.load(delta).to(tl.float32)
+    else:
+        dt = delta
+    angle = -dt * tl.load(freqs_t + pair, mask=pair < NT, other=0.0)
+    cos = tl.cos(angle)[None, :]
+    sin = tl.sin(angle)[None, :]
+    mask = (s < n_slots)[:, None] & (ch < 2 * NT)[None, :]
+    ptr = k + layer * stride_kl + head * stride_kh + s[:, None] * stride_ks + ch[None, :]
+    x = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+    if QUANT:
+        scale = tl.load(k_scale + layer * stride_sl + head)
+        x = x * scale
+    xe, xo = tl.split(tl.reshape(x, (BLOCK_S, PAIRS, 2)))
+    x = tl.reshape(tl.join(xe * cos - xo * sin, xe * sin + xo * cos), (BLOCK_S, 2 * PAIRS))
+    if QUANT:
+        x = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
+    tl.store(ptr, x.to(k.dtype.element_ty), mask=mask)
+
+
+def delta_rotate_triton(
+    k_all: torch.Tensor,
+    k_scale: torch.Tensor,
+    delta_t: int | torch.Tensor,
+    freqs_t: torch.Tensor,
+    sink_slots: int,
+    block_s: int = 64,
+) -> None:
+    """The position reset over every layer and head in one launch, in place."""
+    n_layers, n_heads, n_slots, _ = k_all.shape
+    if k_all.stride(-1) != 1 or k_scale.stride(-1) != 1:
+        raise ValueError("k_all needs a contiguous head_dim and k_scale a contiguous head axis")
+    n_pairs = freqs_t.numel()
+    grid = (n_layers * n_heads, triton.cdiv(n_slots - sink_slots, block_s))
+    _delta_rotate_kernel[grid](
+        k_all, k_all.stride(0), k_all.stride(1), k_all.stride(2), k_scale, k_scale.stride(0),
+        freqs_t, delta_t if isinstance(delta_t, torch.Tensor) else float(delta_t), n_heads, n_slots, sink_slots,
+        NT=n_pairs, PAIRS=triton.next_power_of_2(n_pairs), BLOCK_S=block_s,
+        DELTA_IN_TENSOR=isinstance(delta_t, torch.Tensor), QUANT=is_fp8(k_all), FP8_MAX=FP8_MAX,
+        num_warps=4,
+    )
+
+
 def delta_rotate(
     k_all: torch.Tensor,
     k_scale: torch.Tensor,
@@ -37,5 +95,6 @@ def delta_rotate(
     freqs_t: torch.Tensor,
     sink_slots: int,
 ) -> None:
-    """Dispatcher: the Triton kernel on CUDA when available, the PyTorch reference otherwise."""
-    delta_rotate_reference(k_all, k_scale, delta_t, freqs_t, sink_slots)
+    """Dispatcher: the Triton kernel on CUDA, the PyTorch reference otherwise."""
+    rotate = delta_rotate_triton if k_all.is_cuda else delta_rotate_reference
+    rotate(k_all, k_scale, delta_t, freqs_t, sink_slots)

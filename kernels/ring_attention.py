@@ -10,10 +10,14 @@ Softmax is order-free once positions are baked into the keys, so the ring is nev
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
-from kernels.fp8 import dequantise
+from kernels.fp8 import dequantise, is_fp8
 
 
 def ring_attention_reference(
@@ -26,11 +30,7 @@ def ring_attention_reference(
     sink_slots: int,
     tokens_per_frame: int,
 ) -> torch.Tensor:
-    n_slots = k_cache.shape[1]
-    if n_slots != sink_slots + ring_valid.numel() * tokens_per_frame:
-        raise ValueError(
-            f"cache has {n_slots} slots, expected {sink_slots} sink + {ring_valid.numel()} x {tokens_per_frame} ring"
-        )
+    _check_layout(k_cache, ring_valid, sink_slots, tokens_per_frame)
     k = dequantise(k_cache, k_scale[:, None, None])
     v = dequantise(v_cache, v_scale[:, None, None])
     slot_valid = torch.cat(
@@ -38,6 +38,96 @@ def ring_attention_reference(
     )
     out = F.scaled_dot_product_attention(q.float().transpose(0, 1), k, v, attn_mask=slot_valid[None, None, :])
     return out.transpose(0, 1).to(q.dtype)
+
+
+def _check_layout(k_cache: torch.Tensor, ring_valid: torch.Tensor, sink_slots: int, tokens_per_frame: int) -> None:
+    n_slots = k_cache.shape[1]
+    if n_slots != sink_slots + ring_valid.numel() * tokens_per_frame:
+        raise ValueError(
+            f"cache has {n_slots} slots, expected {sink_slots} sink + {ring_valid.numel()} x {tokens_per_frame} ring"
+        )
+
+
+@triton.jit
+def _ring_attention_kernel(
+    q, stride_qt, stride_qh, k, v, stride_kh, stride_ks, k_scale, v_scale, ring_valid,
+    out, stride_ot, stride_oh, n_tokens, n_slots, sink_slots, tokens_per_frame, softmax_scale_log2,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr,
+):
+    # Flash attention over the cache in slot order, one (query block, head) per program. FP8 K/V
+    # are widened in registers; the per-head K scale folds into the softmax scale and the V scale
+    # into the final normalisation, so dequantised K/V never exist in memory.
+    head = tl.program_id(1)
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, D)
+    mmask = m < n_tokens
+    qb = tl.load(q + m[:, None] * stride_qt + head * stride_qh + d[None, :], mask=mmask[:, None], other=0.0)
+    scale = softmax_scale_log2
+    if QUANT:
+        scale = scale * tl.load(k_scale + head)
+    # A finite start: a block with no valid slot leaves the running max finite, so no inf - inf.
+    m_i = tl.full((BLOCK_M,), -1.0e30, tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    for start in range(0, n_slots, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        in_range = n < n_slots
+        in_ring = (n >= sink_slots) & in_range
+        frame_ok = tl.load(ring_valid + (n - sink_slots) // tokens_per_frame, mask=in_ring, other=0)
+        valid = (n < sink_slots) | (frame_ok != 0)
+        offs = head * stride_kh + n[:, None] * stride_ks + d[None, :]
+        kb = tl.load(k + offs, mask=in_range[:, None], other=0.0).to(qb.dtype)
+        vb = tl.load(v + offs, mask=in_range[:, None], other=0.0).to(qb.dtype)
+        s = tl.dot(qb, tl.trans(kb)) * scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(qb.dtype), vb)
+        m_i = m_new
+    if QUANT:
+        acc = acc * tl.load(v_scale + head)
+    acc = acc / l_i[:, None]
+    dst = m[:, None] * stride_ot + head * stride_oh + d[None, :]
+    tl.store(out + dst, acc.to(out.dtype.element_ty), mask=mmask[:, None])
+
+
+def ring_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    ring_valid: torch.Tensor,
+    sink_slots: int,
+    tokens_per_frame: int,
+    block_m: int = 64,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The ring attention in one launch; the block shape defaults are the H200 sweep's best (docs/gpu-notes.md).
+
+    ``out`` (T, n_heads, head_dim), any strides with a contiguous head_dim, lets the caller have the
+    result land straight in a larger buffer (e.g. the output projection's input) with no copy."""
+    _check_layout(k_cache, ring_valid, sink_slots, tokens_per_frame)
+    if q.stride(-1) != 1 or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("q, k_cache and v_cache need a contiguous head_dim; k_cache and v_cache the same strides")
+    n_tokens, n_heads, head_dim = q.shape
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(q.shape)} with a contiguous head_dim, got {tuple(out.shape)}")
+    _ring_attention_kernel[(triton.cdiv(n_tokens, block_m), n_heads)](
+        q, q.stride(0), q.stride(1), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
+        k_scale, v_scale, ring_valid.view(torch.uint8), out, out.stride(0), out.stride(1),
+        n_tokens, k_cache.shape[1], sink_slots, tokens_per_frame, math.log2(math.e) / math.sqrt(head_dim),
+        D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, QUANT=is_fp8(k_cache),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
 
 
 def ring_attention(
@@ -50,5 +140,6 @@ def ring_attention(
     sink_slots: int,
     tokens_per_frame: int,
 ) -> torch.Tensor:
-    """Dispatcher: the Triton kernel on CUDA when available, the PyTorch reference otherwise."""
-    return ring_attention_reference(q, k_cache, v_cache, k_scale, v_scale, ring_valid, sink_slots, tokens_per_frame)
+    """Dispatcher: the Triton kernel on CUDA, the PyTorch reference otherwise."""
+    attend = ring_attention_triton if q.is_cuda else ring_attention_reference
+    return attend(q, k_cache, v_cache, k_scale, v_scale, ring_valid, sink_slots, tokens_per_frame)

@@ -10,8 +10,10 @@ int64 device tensor (a CUDA graph replays with a moving pointer); ``positions`` 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-from kernels.fp8 import quantise
+from kernels.fp8 import FP8_MAX, is_fp8, quantise
 from model.rope import RopeFreqs, apply_rope
 
 
@@ -38,6 +40,91 @@ def ring_write_reference(
     v_cache.view(as_bits).index_copy_(1, slots, v_stored.contiguous().view(as_bits))
 
 
+@triton.jit
+def _rope_pair_freqs(pair, ft_ptr, fh_ptr, fw_ptr, NT: tl.constexpr, NH: tl.constexpr, NW: tl.constexpr):
+    """Frequency and position group (0 = t, 1 = h, 2 = w) of each interleaved channel pair in ``pair``."""
+    in_t = pair < NT
+    in_h = (pair >= NT) & (pair < NT + NH)
+    in_w = (pair >= NT + NH) & (pair < NT + NH + NW)
+    f = tl.load(ft_ptr + pair, mask=in_t, other=0.0)
+    f += tl.load(fh_ptr + (pair - NT), mask=in_h, other=0.0)
+    f += tl.load(fw_ptr + (pair - NT - NH), mask=in_w, other=0.0)
+    return f, tl.where(in_t, 0, tl.where(in_h, 1, 2))
+
+
+@triton.jit
+def _ring_write_kernel(
+    k_new, v_new, stride_nt, stride_nh,
+    k_cache, v_cache, stride_ch, stride_cs,
+    k_scale, v_scale, slot, pos, stride_pt,
+    ft, fh, fw, n_tokens,
+    D: tl.constexpr, NT: tl.constexpr, NH: tl.constexpr, NW: tl.constexpr, BLOCK_T: tl.constexpr,
+    SLOT_IN_TENSOR: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr,
+):
+    # One program: BLOCK_T tokens x all channels of one head, K and V together.
+    head = tl.program_id(1)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = t < n_tokens
+    ch = tl.arange(0, D)
+    freq, group = _rope_pair_freqs(tl.arange(0, D // 2), ft, fh, fw, NT, NH, NW)
+    pt = tl.load(pos + t * stride_pt, mask=tmask, other=0)
+    ph = tl.load(pos + t * stride_pt + 1, mask=tmask, other=0)
+    pw = tl.load(pos + t * stride_pt + 2, mask=tmask, other=0)
+    p = tl.where(group[None, :] == 0, pt[:, None], tl.where(group[None, :] == 1, ph[:, None], pw[:, None]))
+    angle = p.to(tl.float32) * freq[None, :]
+    cos = tl.cos(angle)
+    sin = tl.sin(angle)
+
+    src = t[:, None] * stride_nt + head * stride_nh + ch[None, :]
+    k = tl.load(k_new + src, mask=tmask[:, None], other=0.0).to(tl.float32)
+    v = tl.load(v_new + src, mask=tmask[:, None], other=0.0).to(tl.float32)
+    # Interleaved pairs (x[2i], x[2i+1]) rotate as complex numbers.
+    ke, ko = tl.split(tl.reshape(k, (BLOCK_T, D // 2, 2)))
+    k = tl.reshape(tl.join(ke * cos - ko * sin, ke * sin + ko * cos), (BLOCK_T, D))
+    if QUANT:
+        k = tl.clamp(k / tl.load(k_scale + head), -FP8_MAX, FP8_MAX)
+        v = tl.clamp(v / tl.load(v_scale + head), -FP8_MAX, FP8_MAX)
+
+    # The write pointer may live on the device, so a CUDA graph replays with a moving ring position.
+    if SLOT_IN_TENSOR:
+        start = tl.load(slot)
+    else:
+        start = slot
+    dst = head * stride_ch + (start + t)[:, None] * stride_cs + ch[None, :]
+    tl.store(k_cache + dst, k.to(k_cache.dtype.element_ty), mask=tmask[:, None])
+    tl.store(v_cache + dst, v.to(v_cache.dtype.element_ty), mask=tmask[:, None])
+
+
+def ring_write_triton(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    slot_start: int | torch.Tensor,
+    positions: torch.Tensor,
+    freqs: RopeFreqs,
+    block_t: int = 16,
+) -> None:
+    """RoPE(K) + per-head FP8 quantisation + write of K and V for all heads: one launch."""
+    n_tokens, n_heads, head_dim = k_new.shape
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache must share strides with a contiguous head_dim")
+    if k_new.stride() != v_new.stride() or k_new.stride(-1) != 1 or positions.stride(-1) != 1:
+        raise ValueError("k_new/v_new must share strides with a contiguous head_dim; positions (T, 3) row-major")
+    quant = is_fp8(k_cache)
+    _ring_write_kernel[(triton.cdiv(n_tokens, block_t), n_heads)](
+        k_new, v_new, k_new.stride(0), k_new.stride(1),
+        k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
+        k_scale, v_scale, slot_start, positions, positions.stride(0),
+        freqs.t, freqs.h, freqs.w, n_tokens,
+        D=head_dim, NT=freqs.t.numel(), NH=freqs.h.numel(), NW=freqs.w.numel(), BLOCK_T=block_t,
+        SLOT_IN_TENSOR=isinstance(slot_start, torch.Tensor), QUANT=quant, FP8_MAX=FP8_MAX,
+        num_warps=4,
+    )
+
+
 def ring_write(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -49,5 +136,6 @@ def ring_write(
     positions: torch.Tensor,
     freqs: RopeFreqs,
 ) -> None:
-    """Dispatcher: the Triton kernel on CUDA when available, the PyTorch reference otherwise."""
-    ring_write_reference(k_cache, v_cache, k_scale, v_scale, k_new, v_new, slot_start, positions, freqs)
+    """Dispatcher: the Triton kernel on CUDA, the PyTorch reference otherwise."""
+    write = ring_write_triton if k_cache.is_cuda else ring_write_reference
+    write(k_cache, v_cache, k_scale, v_scale, k_new, v_new, slot_start, positions, freqs)

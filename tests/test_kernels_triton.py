@@ -1,0 +1,119 @@
+"""The Triton cache kernels against their PyTorch references on the CPU, through Triton's interpreter.
+
+The interpreter must be switched on before Triton compiles anything, so the checks run in one
+child process (``python tests/test_kernels_triton.py`` with TRITON_INTERPRET=1) that prints a JSON
+report; the tests assert on it. The interpreter covers fp32 and bf16 (it truncates to bf16 where the GPU
+rounds, and its fp8 rounding and bf16 dot are not faithful), so the FP8 paths are checked on the GPU (tests/test_kernels_gpu.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+H, D, T, SINK, RING = 3, 16, 12, 12, 3  # T = 12: not a multiple of the kernels' blocks
+POISON = 1000.0
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _run_checks() -> dict[str, dict[str, float]]:
+    from kernels.delta_rotate import delta_rotate_reference, delta_rotate_triton
+    from kernels.ring_attention import ring_attention_reference, ring_attention_triton
+    from kernels.ring_write import ring_write_reference, ring_write_triton
+    from model.rope import rope_freqs
+
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))  # fresh inputs each run
+    freqs = rope_freqs(D)
+    n_slots = SINK + RING * T
+    report: dict[str, dict[str, float]] = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype).removeprefix("torch.")
+        scale = torch.rand(H, generator=g) + 0.5  # unused in plain mode, passed as in FP8 mode
+        k_new, v_new = (torch.randn(T, H, D, generator=g).to(dtype) for _ in range(2))
+        positions = torch.stack(
+            [torch.full((T,), 7), torch.randint(0, 5, (T,), generator=g), torch.randint(0, 9, (T,), generator=g)], 1
+        )
+        caches = [torch.full((2, H, n_slots, D), POISON, dtype=dtype) for _ in range(4)]
+        slot = SINK + T  # ring position 1
+        ring_write_reference(caches[0][1], caches[1][1], scale, scale, k_new, v_new, slot, positions, freqs)
+        ring_write_triton(caches[2][1], caches[3][1], scale, scale, k_new, v_new, torch.tensor(slot), positions, freqs)
+        written = slice(slot, slot + T)
+        report[f"write_{name}"] = {
+            "k_rel": _rel(caches[2][1][:, written], caches[0][1][:, written]),
+            "v_rel": _rel(caches[3][1][:, written], caches[1][1][:, written]),
+            "poison_left_in_written": float((caches[2][1][:, written] == POISON).sum() + (caches[3][1][:, written] == POISON).sum()),
+            "others_changed": float((caches[2] != caches[0]).sum() - (caches[2][1][:, written] != caches[0][1][:, written]).sum()),
+        }
+
+        k_all = torch.randn(2, H, n_slots, D, generator=g).to(dtype)
+        k_scale = torch.rand(2, H, generator=g) + 0.5
+        rotated = [k_all.clone(), k_all.clone()]
+        delta_rotate_reference(rotated[0], k_scale, -5, freqs.t, SINK)
+        delta_rotate_triton(rotated[1], k_scale, torch.tensor(-5), freqs.t, SINK, block_s=8)
+        report[f"rotate_{name}"] = {
+            "rel": _rel(rotated[1], rotated[0]),
+            "changed_fraction": float((rotated[1] != k_all).float().mean()),
+            "sink_or_hw_changed": float(
+                (rotated[1][:, :, :SINK] != k_all[:, :, :SINK]).sum() + (rotated[1][..., 2 * freqs.t.numel():] != k_all[..., 2 * freqs.t.numel():]).sum()
+            ),
+        }
+
+    # The interpreter's bf16 dot is not faithful: attention is checked in fp32 here, bf16/fp8 on the GPU.
+    k_cache, v_cache = (torch.randn(H, n_slots, D, generator=g) for _ in range(2))
+    q = torch.randn(T, H, D, generator=g)
+    scale = torch.rand(H, generator=g) + 0.5
+    for valid in ([True, False, True], [False, False, False], [True, True, True]):
+        ring_valid = torch.tensor(valid)
+        ref = ring_attention_reference(q, k_cache, v_cache, scale, scale, ring_valid, SINK, T)
+        buf = torch.full((T, H + 1, D), POISON)  # a wider buffer: out may be a strided view into it
+        out = ring_attention_triton(q, k_cache, v_cache, scale, scale, ring_valid, SINK, T,
+                                    block_m=8, block_n=8, out=buf[:, 1:])
+        report["attention_" + "".join("1" if v else "0" for v in valid)] = {
+            "rel": _rel(out, ref),
+            "poison_left": float((buf[:, 1:] == POISON).sum()),
+            "outside_changed": float((buf[:, 0] != POISON).sum()),
+        }
+    return report
+
+
+@pytest.fixture(scope="module")
+def report() -> dict[str, dict[str, float]]:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_ring_write_triton_matches_reference(report, dtype):
+    r = report[f"write_{dtype}"]
+    tol = 1e-6 if dtype == "float32" else 1e-2  # the interpreter truncates to bf16: up to one ulp (2^-7)
+    assert r["k_rel"] < tol and r["v_rel"] < tol
+    assert r["poison_left_in_written"] == 0 and r["others_changed"] == 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_delta_rotate_triton_matches_reference(report, dtype):
+    r = report[f"rotate_{dtype}"]
+    assert r["rel"] < (1e-6 if dtype == "float32" else 1e-2)
+    assert r["changed_fraction"] > 0.2  # the temporal channels of the ring did move
+    assert r["sink_or_hw_changed"] == 0
+
+
+@pytest.mark.parametrize("valid", ["101", "000", "111"])
+def test_ring_attention_triton_matches_reference(report, valid):
+    r = report[f"attention_{valid}"]
+    assert r["rel"] < 1e-5  # fp32 through the interpreter's dot
+    assert r["poison_left"] == 0 and r["outside_changed"] == 0
+
+
+if __name__ == "__main__":
+    print(json.dumps(_run_checks()))
