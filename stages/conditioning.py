@@ -1,0 +1,271 @@
+"""Conditioning: agent speech on the 48 kHz media timeline → one ``Conditioning`` per chunk, forever.
+
+The stream never stops: with no speech to place, every chunk is a listening chunk (silence,
+``speaking=False``) and the loop runs as fast as downstream credit allows. Agent speech of a turn
+is placed on the timeline at a chunk boundary:
+
+1. the turn's first audio arrives → send ``Control(TURN_START, chunk=next_chunk)`` and hold;
+2. playout drops its unplayed idle chunks and broadcasts ``Control(ROLLBACK, chunk=c, epoch=e)``;
+3. the speech is placed at chunk ``c + 1`` and emission restarts there in epoch ``e``.
+
+A speaking chunk is emitted once its whole span plus the look-ahead has arrived (the agent streams
+at real-time pace), or the turn has ended. The turn's first speaking chunk carries the turn's trace
+stamps and ``conditioning_ready``; that stamp marks it as the chunk whose first frame is the
+turn's first speaking frame. ``start_sample`` of ``AgentAudio`` is used relative to the turn's
+first audio, so adapters may count from the turn or from the session.
+
+Bad input (wrong rate or dtype, audio without a turn, a turn end without a start, an agent that
+stops sending mid-turn) is logged with the turn id and dropped or ended; listening continues.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import anyio
+import numpy as np
+
+from stages.base import Stage, StageContext
+from transport.messages import (
+    SAMPLES_PER_CHUNK,
+    TIMELINE_RATE,
+    AgentAudio,
+    Conditioning,
+    Control,
+    ControlKind,
+    Message,
+    TraceContext,
+    TurnEvent,
+    TurnKind,
+)
+
+# (audio int16 at 48 kHz: the chunk's span followed by the look-ahead) -> (n_audio_tokens, audio_dim) float32
+EncodeFn = Callable[[np.ndarray], np.ndarray]
+
+MAX_GAP_SAMPLES = 5 * TIMELINE_RATE  # an agent jumping ahead further than this is a protocol error
+KEEP_TURN_STAMPS = 16  # stamps of turns whose speech has not arrived yet (bounded)
+
+
+@dataclass
+class _Turn:
+    turn_id: int
+    first_start_sample: int  # the adapter's start_sample of the turn's first audio
+    trace: TraceContext
+    buffer: np.ndarray = field(default_factory=lambda: np.zeros(SAMPLES_PER_CHUNK * 8, np.int16))
+    length: int = 0  # samples held, from the turn's first sample (buffer grows by doubling)
+    placed_at: int | None = None  # timeline sample of the turn's first sample, once placed
+    ended: bool = False
+    turn_start_sent_at: float = 0.0
+    last_audio_at: float = 0.0
+
+    @property
+    def audio(self) -> np.ndarray:
+        return self.buffer[:self.length]
+
+    def append(self, offset: int, samples: np.ndarray) -> None:
+        """Write ``samples`` at ``offset`` (>= length); a gap before it stays silent."""
+        end = offset + len(samples)
+        if end > len(self.buffer):
+            grown = np.zeros(max(end, 2 * len(self.buffer)), np.int16)
+            grown[:self.length] = self.audio
+            self.buffer = grown
+        self.buffer[self.length:offset] = 0
+        self.buffer[offset:end] = samples
+        self.length = max(self.length, end)
+
+
+class ConditioningStage(Stage):
+    name = "conditioning"
+
+    def __init__(self, encode: EncodeFn, lookahead_ms: float, rollback_wait_s: float = 0.5,
+                 stall_s: float = 1.0) -> None:
+        self.encode = encode
+        self.lookahead = int(round(lookahead_ms * TIMELINE_RATE / 1000))
+        self.rollback_wait_s = rollback_wait_s  # placement without a ROLLBACK answer after this long
+        self.stall_s = stall_s  # a speaking turn with no new audio this long is ended
+        self.next_chunk = 0
+        self.epoch = 0
+        self.turn: _Turn | None = None
+        self._closed: OrderedDict[int, None] = OrderedDict()  # finished/interrupted turns: late audio is dropped
+        self._pending_stamps: OrderedDict[int, dict[str, float]] = OrderedDict()
+        self._changed: anyio.Event | None = None  # created in setup, inside the event loop
+        self._silence_tokens: np.ndarray | None = None
+        self.errors = 0
+
+    # --- inputs -------------------------------------------------------------------------------
+
+    async def process(self, msg: Message, ctx: StageContext) -> None:
+        if isinstance(msg, AgentAudio):
+            await self._on_audio(msg, ctx)
+        elif isinstance(msg, TurnEvent):
+            self._on_turn_event(msg, ctx)
+        else:
+            self._error(ctx, None, f"unexpected message {type(msg).__name__}")
+        self._wake()
+
+    async def control(self, msg: Control, ctx: StageContext) -> None:
+        if msg.kind == ControlKind.ROLLBACK and msg.chunk is not None and msg.epoch > self.epoch:
+            self.epoch = msg.epoch
+            self.next_chunk = msg.chunk + 1
+            start = self.next_chunk * SAMPLES_PER_CHUNK
+            turn = self.turn
+            # Speech not yet committed moves up to the first uncommitted chunk.
+            if turn is not None and (turn.placed_at is None or turn.placed_at >= start):
+                turn.placed_at = start
+            ctx.log.debug("rollback", chunk=msg.chunk, epoch=msg.epoch,
+                          turn_id=turn.turn_id if turn else None)
+        elif msg.kind == ControlKind.INTERRUPT:
+            self._interrupt(ctx, msg.trace.turn_id)
+        self._wake()
+
+    async def _on_audio(self, msg: AgentAudio, ctx: StageContext) -> None:
+        turn_id = msg.trace.turn_id
+        samples = msg.samples
+        if turn_id is None:
+            return self._error(ctx, None, "agent audio without a turn id: dropped")
+        if msg.sample_rate != TIMELINE_RATE:
+            return self._error(ctx, turn_id, f"agent audio at {msg.sample_rate} Hz; ingest must resample to "
+                                             f"{TIMELINE_RATE} Hz: dropped")
+        if not isinstance(samples, np.ndarray) or samples.dtype != np.int16 or samples.ndim != 1:
+            return self._error(ctx, turn_id, "agent audio must be mono int16 samples, got "
+                                             f"{getattr(samples, 'dtype', type(samples))} "
+                                             f"{getattr(samples, 'shape', '')}: dropped")
+        if turn_id in self._closed:
+            return
+        turn = self.turn
+        if turn is None or turn.turn_id != turn_id:
+            if turn is not None:  # a new turn supersedes the old one's remaining speech
+                ctx.log.warning("turn superseded", turn_id=turn.turn_id, by_turn_id=turn_id)
+                self._close(turn.turn_id)
+            trace = TraceContext(turn_id, dict(self._pending_stamps.pop(turn_id, {})))
+            trace.stamps.update(msg.trace.stamps)
+            trace.stamps.setdefault("agent_first_audio", time.time())
+            turn = self.turn = _Turn(turn_id, msg.start_sample, trace, turn_start_sent_at=time.monotonic())
+            ctx.log.info("agent speech begins", turn_id=turn_id, chunk=self.next_chunk)
+            await ctx.send_control(Control(ctx.session_id, 0, ControlKind.TURN_START, chunk=self.next_chunk,
+                                           epoch=self.epoch, trace=TraceContext(turn_id)))
+        offset = msg.start_sample - turn.first_start_sample
+        have = len(turn.audio)
+        if offset < have:  # overlap with what we already hold: keep the first copy
+            samples = samples[have - offset:]
+            offset = have
+        if offset - have > MAX_GAP_SAMPLES:
+            return self._error(ctx, turn_id, f"agent audio jumps {offset - have} samples ahead: dropped")
+        if len(samples):
+            turn.append(offset, samples)
+        turn.last_audio_at = time.monotonic()
+
+    def _on_turn_event(self, msg: TurnEvent, ctx: StageContext) -> None:
+        turn_id = msg.turn_id
+        if msg.kind == TurnKind.INTERRUPT:
+            self._interrupt(ctx, turn_id)
+        elif msg.kind == TurnKind.AGENT_TURN_END:
+            if self.turn is not None and self.turn.turn_id == turn_id:
+                self.turn.ended = True
+            elif turn_id not in self._closed:
+                self._error(ctx, turn_id, "agent turn end without a start: ignored")
+        else:  # user speech start/end, agent turn start: their stamps ride on the turn's first chunk
+            stamps = dict(msg.trace.stamps)
+            if msg.kind == TurnKind.USER_SPEECH_END:
+                stamps.setdefault("user_speech_end", msg.at)
+            if self.turn is not None and self.turn.turn_id == turn_id:
+                for point, at in stamps.items():
+                    self.turn.trace.stamps.setdefault(point, at)
+            elif turn_id not in self._closed:
+                self._pending_stamps.setdefault(turn_id, {}).update(stamps)
+                while len(self._pending_stamps) > KEEP_TURN_STAMPS:
+                    self._pending_stamps.popitem(last=False)
+
+    def _interrupt(self, ctx: StageContext, turn_id: int | None) -> None:
+        turn = self.turn
+        if turn is not None and (turn_id is None or turn.turn_id == turn_id):
+            ctx.log.info("barge-in: speech dropped, listening", turn_id=turn.turn_id)
+            self._close(turn.turn_id)
+        elif turn_id is not None:
+            self._close(turn_id)  # speech of that turn that arrives later is dropped too
+
+    def _close(self, turn_id: int) -> None:
+        if self.turn is not None and self.turn.turn_id == turn_id:
+            self.turn = None
+        self._closed[turn_id] = None
+        while len(self._closed) > KEEP_TURN_STAMPS:
+            self._closed.popitem(last=False)
+
+    def _error(self, ctx: StageContext, turn_id: int | None, problem: str) -> None:
+        self.errors += 1
+        ctx.log.error("bad agent input", turn_id=turn_id, problem=problem)
+
+    def _wake(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+
+    # --- the chunk loop ----------------------------------------------------------------------
+
+    async def run(self, ctx: StageContext) -> None:
+        self._silence_tokens = np.asarray(
+            await anyio.to_thread.run_sync(self.encode, np.zeros(SAMPLES_PER_CHUNK + self.lookahead, np.int16)),
+            np.float32)
+        while True:
+            wait = self._wait_needed(ctx)
+            if wait is not None:
+                with anyio.move_on_after(wait):
+                    await self._changed.wait()
+                self._changed = anyio.Event()
+                continue
+            chunk, epoch = self.next_chunk, self.epoch
+            message = await self._build(chunk, epoch)
+            await ctx.emit(message)
+            if self.epoch == epoch and self.next_chunk == chunk:  # a rollback meanwhile set its own restart
+                self.next_chunk = chunk + 1
+
+    def _wait_needed(self, ctx: StageContext) -> float | None:
+        """Seconds to wait for input before chunk ``next_chunk`` can be built; None: build it now."""
+        turn = self.turn
+        if turn is None:
+            return None
+        now = time.monotonic()
+        if turn.placed_at is None:
+            left = turn.turn_start_sent_at + self.rollback_wait_s - now
+            if left > 0:
+                return left
+            ctx.log.warning("no rollback answer to turn start; speech placed at the next chunk",
+                            turn_id=turn.turn_id, chunk=self.next_chunk)
+            turn.placed_at = self.next_chunk * SAMPLES_PER_CHUNK
+        start = self.next_chunk * SAMPLES_PER_CHUNK - turn.placed_at
+        if turn.ended:
+            if start >= len(turn.audio):  # all of the turn's speech is out: back to listening
+                self._close(turn.turn_id)
+            return None
+        if start < 0 or len(turn.audio) >= start + SAMPLES_PER_CHUNK + self.lookahead:
+            return None
+        left = turn.last_audio_at + self.stall_s - now
+        if left > 0:
+            return left
+        self._error(ctx, turn.turn_id, f"agent audio stalled for {self.stall_s:.1f} s mid-turn: turn ended")
+        turn.ended = True
+        return None
+
+    async def _build(self, chunk: int, epoch: int) -> Conditioning:
+        start = chunk * SAMPLES_PER_CHUNK
+        turn = self.turn
+        rel = start - turn.placed_at if turn is not None and turn.placed_at is not None else None
+        if turn is None or rel is None or rel + SAMPLES_PER_CHUNK <= 0 or rel >= len(turn.audio):
+            return Conditioning(self._session, chunk, self._silence_tokens, np.zeros(SAMPLES_PER_CHUNK, np.int16),
+                                speaking=False, epoch=epoch, trace=TraceContext(None))
+        window = np.zeros(SAMPLES_PER_CHUNK + self.lookahead, np.int16)
+        lo, hi = max(rel, 0), min(rel + len(window), len(turn.audio))
+        window[lo - rel:hi - rel] = turn.audio[lo:hi]
+        tokens = np.asarray(await anyio.to_thread.run_sync(self.encode, window), np.float32)
+        trace = TraceContext(turn.turn_id)
+        if rel <= 0:  # the turn's first speaking chunk carries the turn's trace
+            trace.stamps.update(turn.trace.stamps)
+            trace.stamp("conditioning_ready")
+        return Conditioning(self._session, chunk, tokens, window[:SAMPLES_PER_CHUNK].copy(), speaking=True,
+                            epoch=epoch, trace=trace)
+
+    async def setup(self, ctx: StageContext) -> None:
+        self._session = ctx.session_id
+        self._changed = anyio.Event()

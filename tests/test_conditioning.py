@@ -1,0 +1,229 @@
+"""The conditioning stage driven directly: real anyio tasks, a bounded downstream edge."""
+
+import time
+
+import anyio
+import numpy as np
+import pytest
+import structlog
+from structlog.testing import capture_logs
+
+from stages.base import StageContext
+from stages.conditioning import ConditioningStage
+from transport.messages import (
+    SAMPLES_PER_CHUNK,
+    AgentAudio,
+    Conditioning,
+    Control,
+    ControlKind,
+    TraceContext,
+    TurnEvent,
+    TurnKind,
+)
+
+LOOKAHEAD_MS = 40.0
+LOOKAHEAD = 1920  # 40 ms at 48 kHz
+FRAME = 960  # 20 ms at 48 kHz, the adapters' frame
+
+
+def encode(window: np.ndarray) -> np.ndarray:
+    """A stand-in feature map that exposes alignment: 4 tokens = mean |x| of the window's quarters."""
+    assert window.dtype == np.int16 and window.shape == (SAMPLES_PER_CHUNK + LOOKAHEAD,)
+    return np.abs(window.astype(np.float32)).reshape(4, -1).mean(axis=1, keepdims=True).repeat(8, axis=1)
+
+
+class Harness:
+    """Runs the stage as the runner would: ``run`` as a task, ``process``/``control`` fed beside it."""
+
+    def __init__(self, stage: ConditioningStage, capacity: int = 2):
+        self.stage = stage
+        self.send, self.receive = anyio.create_memory_object_stream[Conditioning](capacity)
+        self.controls: list[Control] = []
+        self.ctx = StageContext("conditioning", "sess", emit=self.send.send, send_control=self._control,
+                                log=structlog.get_logger().bind(stage="conditioning"))
+
+    async def _control(self, msg: Control) -> None:
+        self.controls.append(msg)
+
+    async def next(self, timeout: float = 2.0) -> Conditioning:
+        with anyio.fail_after(timeout):
+            return await self.receive.receive()
+
+    async def speech(self, turn_id: int, samples: np.ndarray, start: int = 0, pace_s: float = 0.0) -> None:
+        for i in range(0, len(samples), FRAME):
+            trace = TraceContext(turn_id, {"agent_first_audio": time.time()} if i == 0 else {})
+            await self.stage.process(AgentAudio("sess", i // FRAME, samples[i:i + FRAME], start + i, trace=trace),
+                                     self.ctx)
+            if pace_s:
+                await anyio.sleep(pace_s)
+
+
+def tone(n: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return (rng.integers(1000, 8000, n) * rng.choice([-1, 1], n)).astype(np.int16)
+
+
+async def started(stage: ConditioningStage, tg, capacity: int = 2) -> Harness:
+    h = Harness(stage, capacity)
+    await stage.setup(h.ctx)
+    tg.start_soon(stage.run, h.ctx)
+    return h
+
+
+@pytest.mark.anyio
+async def test_listening_stream_is_continuous_and_bounded_by_credit():
+    async with anyio.create_task_group() as tg:
+        h = await started(ConditioningStage(encode, LOOKAHEAD_MS), tg, capacity=2)
+        first = [await h.next() for _ in range(5)]
+        assert [c.chunk for c in first] == [0, 1, 2, 3, 4]
+        assert all(not c.speaking and c.trace.turn_id is None and not c.audio.any() for c in first)
+        assert first[0].audio_tokens.shape == (4, 8) and first[0].audio_tokens.dtype == np.float32
+        await anyio.sleep(0.1)  # nobody reads: the stage must stop at the edge's capacity
+        assert h.send.statistics().current_buffer_used == 2
+        assert (await h.next()).chunk == 5
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_turn_start_rollback_places_speech_at_the_first_uncommitted_chunk():
+    speech = tone(int(2.3 * SAMPLES_PER_CHUNK))
+    async with anyio.create_task_group() as tg:
+        h = await started(ConditioningStage(encode, LOOKAHEAD_MS), tg)
+        for expected in range(4):
+            assert (await h.next()).chunk == expected
+        # The agent's turn: the user's end of speech, then its reply streamed in 20 ms frames.
+        await h.stage.process(TurnEvent("sess", 0, TurnKind.USER_SPEECH_END, 7, at=100.0), h.ctx)
+        await h.speech(7, speech[:FRAME], start=123_456)
+        (turn_start,) = h.controls
+        assert turn_start.kind == ControlKind.TURN_START and turn_start.trace.turn_id == 7
+        assert turn_start.chunk >= 4 and turn_start.epoch == 0
+        # Stale listening chunks already queued on the edge are still there (downstream drops them by epoch).
+        # At most one more (built before the turn start, waiting for credit) follows; then the stage holds.
+        stale = []
+        for _ in range(2):
+            await anyio.sleep(0.05)
+            while h.send.statistics().current_buffer_used:
+                stale.append(await h.next())
+        assert 1 <= len(stale) <= 3 and all(c.epoch == 0 and not c.speaking for c in stale)
+        await h.stage.control(Control("sess", 1, ControlKind.ROLLBACK, chunk=2, epoch=1), h.ctx)
+        await h.speech(7, speech[FRAME:], start=123_456 + FRAME)
+        await h.stage.process(TurnEvent("sess", 1, TurnKind.AGENT_TURN_END, 7, at=time.time()), h.ctx)
+        chunks = [await h.next() for _ in range(5)]
+        assert [c.chunk for c in chunks] == [3, 4, 5, 6, 7] and all(c.epoch == 1 for c in chunks)
+        assert [c.speaking for c in chunks] == [True, True, True, False, False]
+        padded = np.zeros(3 * SAMPLES_PER_CHUNK, np.int16)
+        padded[:len(speech)] = speech
+        assert np.array_equal(np.concatenate([c.audio for c in chunks[:3]]), padded)
+        # Tokens are the encoding of the chunk's span plus its look-ahead.
+        for i, c in enumerate(chunks[:3]):
+            window = np.zeros(SAMPLES_PER_CHUNK + LOOKAHEAD, np.int16)
+            part = padded[i * SAMPLES_PER_CHUNK:(i + 1) * SAMPLES_PER_CHUNK + LOOKAHEAD]
+            window[:len(part)] = part
+            assert np.array_equal(c.audio_tokens, encode(window))
+        # Only the first speaking chunk carries the turn's trace, in contract order.
+        stamps = chunks[0].trace.stamps
+        assert chunks[0].trace.turn_id == 7 and stamps["user_speech_end"] == 100.0
+        assert stamps["agent_first_audio"] <= stamps["conditioning_ready"]
+        assert all("conditioning_ready" not in c.trace.stamps for c in chunks[1:])
+        assert [c.trace.turn_id for c in chunks] == [7, 7, 7, None, None]
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_a_speaking_chunk_waits_for_its_span_and_look_ahead():
+    speech = tone(3 * SAMPLES_PER_CHUNK)
+    async with anyio.create_task_group() as tg:
+        h = await started(ConditioningStage(encode, LOOKAHEAD_MS, stall_s=5.0), tg, capacity=8)
+        await h.speech(1, speech[:SAMPLES_PER_CHUNK])  # exactly one chunk, no look-ahead yet
+        await h.stage.control(Control("sess", 1, ControlKind.ROLLBACK, chunk=-1, epoch=1), h.ctx)
+        await anyio.sleep(0.1)
+        queued = []
+        while h.send.statistics().current_buffer_used:
+            queued.append(await h.next())
+        assert not any(c.epoch == 1 for c in queued)
+        await h.speech(1, speech[SAMPLES_PER_CHUNK:SAMPLES_PER_CHUNK + LOOKAHEAD], start=SAMPLES_PER_CHUNK)
+        first = await h.next()
+        assert (first.chunk, first.epoch, first.speaking) == (0, 1, True)
+        assert np.array_equal(first.audio, speech[:SAMPLES_PER_CHUNK])
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_barge_in_returns_to_listening_at_the_next_chunk_and_drops_late_speech():
+    speech = tone(6 * SAMPLES_PER_CHUNK)
+    async with anyio.create_task_group() as tg:
+        h = await started(ConditioningStage(encode, LOOKAHEAD_MS), tg)
+        await h.speech(2, speech[:4 * SAMPLES_PER_CHUNK])
+        await h.stage.control(Control("sess", 1, ControlKind.ROLLBACK, chunk=0, epoch=1), h.ctx)
+        spoken = []
+        while len(spoken) < 2:
+            c = await h.next()
+            if c.epoch == 1:
+                spoken.append(c)
+        assert [(c.chunk, c.speaking) for c in spoken] == [(1, True), (2, True)]
+        # The user talks over the character: ingest interrupts, playout rolls back to the chunk on screen.
+        await h.stage.process(TurnEvent("sess", 2, TurnKind.INTERRUPT, 2, at=time.time()), h.ctx)
+        await h.speech(2, speech[4 * SAMPLES_PER_CHUNK:], start=4 * SAMPLES_PER_CHUNK)  # arrives too late
+        await h.stage.control(Control("sess", 2, ControlKind.ROLLBACK, chunk=1, epoch=2), h.ctx)
+        after = []
+        while len(after) < 4:
+            c = await h.next()
+            if c.epoch == 2:
+                after.append(c)
+        assert [c.chunk for c in after] == [2, 3, 4, 5]
+        assert not any(c.speaking or c.audio.any() for c in after)
+        assert len(h.controls) == 1  # the late audio of the interrupted turn started nothing
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_bad_input_is_logged_with_the_turn_and_listening_continues():
+    async with anyio.create_task_group() as tg:
+        h = await started(ConditioningStage(encode, LOOKAHEAD_MS), tg)
+        with capture_logs() as logs:
+            await h.stage.process(AgentAudio("sess", 0, np.zeros(441, np.int16), 0, sample_rate=22_050,
+                                             trace=TraceContext(4)), h.ctx)
+            await h.stage.process(AgentAudio("sess", 1, np.full(960, np.nan, np.float32), 0,
+                                             trace=TraceContext(4)), h.ctx)
+            await h.stage.process(AgentAudio("sess", 2, np.zeros(960, np.int16), 0), h.ctx)
+            await h.stage.process(TurnEvent("sess", 3, TurnKind.AGENT_TURN_END, 9, at=0.0), h.ctx)
+        errors = [e for e in logs if e["log_level"] == "error"]
+        assert [e["turn_id"] for e in errors] == [4, 4, None, 9]
+        assert "22050 Hz" in errors[0]["problem"] and "int16" in errors[1]["problem"]
+        assert "without a start" in errors[3]["problem"]
+        assert h.stage.errors == 4 and h.controls == []  # nothing was taken for speech
+        chunks = [await h.next() for _ in range(4)]
+        assert [c.chunk for c in chunks] == [0, 1, 2, 3] and not any(c.speaking for c in chunks)
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_an_agent_that_stops_mid_turn_is_ended_and_no_rollback_answer_still_places_speech():
+    speech = tone(int(1.5 * SAMPLES_PER_CHUNK))
+    async with anyio.create_task_group() as tg:
+        h = await started(ConditioningStage(encode, LOOKAHEAD_MS, rollback_wait_s=0.1, stall_s=0.3), tg,
+                          capacity=16)
+        await anyio.sleep(0.05)
+        with capture_logs() as logs:
+            await h.speech(3, speech)  # then silence from the agent: no more audio, no turn end
+            t0 = time.monotonic()
+            spoken = []
+            while len(spoken) < 2:
+                c = await h.next()
+                if c.speaking:
+                    spoken.append(c)
+            waited = time.monotonic() - t0
+            after = await h.next()
+        assert waited >= 0.3  # the partial second chunk waited for the stall window
+        assert spoken[1].chunk == spoken[0].chunk + 1 and not after.speaking
+        assert np.array_equal(spoken[1].audio[:len(speech) - SAMPLES_PER_CHUNK], speech[SAMPLES_PER_CHUNK:])
+        assert not spoken[1].audio[len(speech) - SAMPLES_PER_CHUNK:].any()
+        events = [e["event"] for e in logs]
+        assert any("no rollback answer" in e for e in events)
+        assert any("stalled" in e.get("problem", "") and e["turn_id"] == 3 for e in logs)
+        tg.cancel_scope.cancel()
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
