@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -114,9 +115,11 @@ class TurnTracer:
     """Collects one session's turn stamps and exports each turn once (JSONL + OTel spans)."""
 
     def __init__(self, session_id: str, config: TracingConfig | None = None, jsonl: IO[str] | None = None,
-                 exporter: SpanExporter | None = None) -> None:
+                 exporter: SpanExporter | None = None,
+                 on_turn: Callable[[TurnRecord], None] | None = None) -> None:
         config = config or TracingConfig()
         self.session_id = session_id
+        self.on_turn = on_turn  # called with each exported turn (progress displays, overlays)
         self.exporter = exporter if exporter is not None else make_span_exporter(config)
         self._owned_file: IO[str] | None = None
         if jsonl is None and config.jsonl_path:
@@ -189,6 +192,8 @@ class TurnTracer:
             self._jsonl.info("turn", **data)
         if self._conversation is not None:
             self._export_spans(record, data)
+        if self.on_turn is not None:
+            self.on_turn(record)
 
     def _export_spans(self, record: TurnRecord, data: dict[str, Any]) -> None:
         stamps = record.stamps

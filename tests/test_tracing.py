@@ -20,7 +20,8 @@ def stamps_for(t0: float, gaps=(1.2, 0.21, 0.08, 0.05, 0.1, 0.09)) -> dict[str, 
 
 def test_turn_is_written_once_when_its_last_stamp_arrives(tmp_path):
     path = tmp_path / "trace.jsonl"
-    tracer = TurnTracer("s1", TracingConfig(jsonl_path=str(path), otel_exporter="memory"))
+    seen = []
+    tracer = TurnTracer("s1", TracingConfig(jsonl_path=str(path), otel_exporter="memory"), on_turn=seen.append)
     stamps = stamps_for(1000.0)
     # Stamps arrive piecemeal from different stages, as they do in a session.
     tracer.merge(TraceContext(7, {p: stamps[p] for p in TRACE_POINTS[:3]}))
@@ -31,6 +32,7 @@ def test_turn_is_written_once_when_its_last_stamp_arrives(tmp_path):
     tracer.merge(TraceContext(7, {"client_first_speaking_frame": 9e9}))  # after export: ignored
     tracer.merge(TraceContext(None, {"user_speech_end": 1.0}))  # idle chunks carry no turn
     tracer.close()
+    assert [r.turn_id for r in seen] == [7] and seen[0].complete
     (line,) = read_jsonl(path)
     assert line["turn_id"] == 7 and line["session_id"] == "s1" and line["complete"] and line["in_order"]
     assert line["stamps"] == stamps
