@@ -20,6 +20,9 @@ class TransportConfig:
     max_message_bytes: int = 64 * 1024 * 1024
     heartbeat_s: float = 0.25
     dead_after_s: float = 1.5  # a peer silent this long is dead (kill -9 ends the session within 2 s)
+    cross_process: str = "ipc"  # endpoints between processes: ipc (one host) | tcp
+    tcp_host: str = "127.0.0.1"  # address tcp endpoints bind to; not loopback => CURVE is required
+    curve: bool = False  # force CURVE on tcp even on loopback
 
 
 @dataclass

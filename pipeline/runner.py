@@ -1,0 +1,479 @@
+"""Wires stages from a graph and runs a session, in one process (inproc://) or across processes.
+
+A ``Graph`` names nodes (stage factory ``"module:Class"`` + kwargs, so a spawned process can build
+it, and a process group) and edges (from, to, capacity, optionally the message types they carry).
+``run_session(graph, config, session_id)`` runs it and returns a ``SessionResult``; ``Session``
+does the same with a ``stop()`` and the ids of its processes.
+
+Placement (``config.placement``): ``inproc`` runs every node in this process over inproc://;
+``processes`` runs group ``"main"`` here and spawns one process per other group, with ipc://
+(or tcp://, ``config.transport.cross_process``) between processes and inproc:// inside each.
+
+Per stage: ``setup`` -> register on the control bus -> (once every stage of the session is set
+up) ``run`` as a task beside the dispatch loop that feeds ``control`` first, then ``process`` ->
+``teardown``, always. The session ends when a stage sends ``Control(SHUTDOWN)``, when ``stop()``
+is called or SIGINT/SIGTERM arrives (clean), or with an error naming the stage when a stage
+raises or its process dies; then every stage gets SHUTDOWN and every process is stopped.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import socket
+import tempfile
+import threading
+import time
+import traceback
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from pipeline.config import PipelineConfig
+from pipeline.logs import configure_logging, get_logger
+from pipeline.supervisor import Child, Supervisor, describe_exit
+from stages.base import Stage, StageContext
+from transport.channel import ControlClient, ControlHub, Receiver, Sender, Transport, Wakeup
+from transport.messages import Control, ControlKind, Message
+from transport.security import CurveKeys, curve_required
+
+LOCAL_GROUP = "main"  # in "processes" placement, this group runs in the caller's process
+STOP_GRACE_S = 1.0  # how long stage processes get to exit after SHUTDOWN before SIGTERM
+
+
+@dataclass
+class Node:
+    name: str
+    factory: str  # "package.module:Class" (or any callable returning a Stage), called with **kwargs
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    group: str = LOCAL_GROUP  # process group: nodes of one group share a process
+
+
+@dataclass
+class Edge:
+    src: str
+    dst: str
+    capacity: int | None = None  # None: TransportConfig.capacities[name] or default_capacity
+    types: tuple[str, ...] = ()  # message type names carried (e.g. ("Conditioning",)); () = all
+
+    @property
+    def name(self) -> str:
+        return f"{self.src}->{self.dst}"
+
+
+@dataclass
+class Graph:
+    nodes: list[Node]
+    edges: list[Edge] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Graph:
+        """``{"nodes": [{"name", "factory", "kwargs"?, "group"?}], "edges": [{"from", "to", "capacity"?, "types"?}]}``"""
+        nodes = [Node(**n) for n in data["nodes"]]
+        edges = [
+            Edge(e["from"], e["to"], e.get("capacity"), tuple(e.get("types", ()))) for e in data.get("edges", [])
+        ]
+        return cls(nodes, edges)
+
+    def validate(self) -> None:
+        names = [n.name for n in self.nodes]
+        if len(set(names)) != len(names):
+            raise ValueError(f"graph: duplicate node names in {names}")
+        for n in self.nodes:
+            if ":" not in n.factory:
+                raise ValueError(f"graph: node {n.name!r}: factory {n.factory!r} is not 'module:Class'")
+        edge_names = [e.name for e in self.edges]
+        if len(set(edge_names)) != len(edge_names):
+            raise ValueError(f"graph: duplicate edges in {edge_names}")
+        for e in self.edges:
+            if e.src not in names or e.dst not in names:
+                raise ValueError(f"graph: edge {e.name} names an unknown node (nodes: {names})")
+            if e.capacity is not None and e.capacity < 1:
+                raise ValueError(f"graph: edge {e.name}: capacity must be >= 1")
+
+
+@dataclass
+class SessionResult:
+    session_id: str
+    ok: bool
+    ended_by: str  # "shutdown by <stage>", "stop: <reason>", "signal SIGTERM", or "error"
+    error: str | None = None
+    failed_stage: str | None = None
+    duration_s: float = 0.0
+    edges: dict[str, dict[str, Any]] = field(default_factory=dict)  # edge -> {"sender": .., "receiver": ..}
+    processes: dict[str, int] = field(default_factory=dict)  # group -> pid (spawned groups)
+    stages: dict[str, Stage] = field(default_factory=dict)  # stage objects that ran in this process
+
+
+@dataclass
+class GroupSpec:
+    """Everything one process needs to run its nodes (picklable for spawn)."""
+
+    group: str
+    session_id: str
+    nodes: list[Node]
+    inputs: list[tuple[Edge, str, int]]  # (edge, endpoint, capacity) for edges into this group
+    outputs: list[tuple[Edge, str]]  # (edge, endpoint) for edges out of this group's nodes
+    control_endpoint: str
+    config: PipelineConfig
+    keys: CurveKeys | None
+
+
+def build_stage(node: Node) -> Stage:
+    module, _, attr = node.factory.partition(":")
+    factory = getattr(importlib.import_module(module), attr)
+    return factory(**node.kwargs)
+
+
+class _GroupRun:
+    """The nodes of one process group: channels, contexts, lifecycle, failure reporting."""
+
+    def __init__(self, spec: GroupSpec, transport: Transport, stop: anyio.Event) -> None:
+        self.spec = spec
+        self.transport = transport
+        self.stop = stop
+        self.stages: dict[str, Stage] = {}
+        self.error: str | None = None
+        self.failed_stage: str | None = None
+        self.ended_by = "stop"
+        self.clients: dict[str, ControlClient] = {}
+        self.receivers: dict[str, list[Receiver]] = {n.name: [] for n in spec.nodes}
+        self.senders: dict[str, list[tuple[tuple[str, ...], Sender]]] = {n.name: [] for n in spec.nodes}
+        self.wakeups = {n.name: Wakeup() for n in spec.nodes}
+        self._seq = 0
+
+    async def fail(self, stage: str, exc: BaseException) -> None:
+        if self.error is not None:
+            return
+        self.error = f"stage {stage!r} failed: {type(exc).__name__}: {exc}"
+        self.failed_stage = stage
+        self.ended_by = "error"
+        get_logger(session_id=self.spec.session_id, stage=stage).error(
+            "stage_failed", error=self.error, traceback="".join(traceback.format_exception(exc))
+        )
+        self._seq += 1
+        detail = {"stage": stage, "error": f"{type(exc).__name__}: {exc}"}
+        await self.clients[stage].send(Control(self.spec.session_id, self._seq, ControlKind.ERROR, detail=detail))
+        self.stop.set()
+
+    def context(self, name: str) -> StageContext:
+        outs = self.senders[name]
+
+        async def emit(msg: Message) -> None:
+            kind = type(msg).__name__
+            targets = [s for types, s in outs if not types or kind in types]
+            if not targets:
+                raise RuntimeError(f"stage {name!r} emitted a {kind} but has no outgoing edge for it")
+            for sender in targets:
+                await sender.send(msg)
+
+        async def send_control(msg: Control) -> None:
+            await self.clients[name].send(msg)
+            if msg.kind == ControlKind.SHUTDOWN:  # the bus does not echo to the sender: stop here too
+                self.ended_by = f"shutdown by {name}"
+                self.stop.set()
+
+        return StageContext(
+            stage=name,
+            session_id=self.spec.session_id,
+            emit=emit,
+            send_control=send_control,
+            log=get_logger(session_id=self.spec.session_id, stage=name),
+            config=self.spec.config,
+        )
+
+    async def dispatch(self, name: str, ctx: StageContext) -> None:
+        """Control first (it overtakes data), then data round-robin over the stage's inputs."""
+        stage, client, receivers, wakeup = self.stages[name], self.clients[name], self.receivers[name], self.wakeups[name]
+        turn = 0
+        while True:
+            ready = wakeup.arm()
+            control = client.take()
+            if control is not None:
+                await stage.control(control, ctx)
+                if control.kind == ControlKind.SHUTDOWN:
+                    self.ended_by = "shutdown"
+                    self.stop.set()
+                    return
+                continue
+            for i in range(len(receivers)):
+                msg = await receivers[(turn + i) % len(receivers)].take()
+                if msg is not None:
+                    turn = (turn + i + 1) % len(receivers)
+                    await stage.process(msg, ctx)
+                    break
+            else:
+                await ready.wait()
+
+    async def guarded(self, name: str, work) -> None:
+        try:
+            await self.clients[name].started.wait()
+            await work()
+        except Exception as e:
+            await self.fail(name, e)
+
+    async def run(self) -> None:
+        spec = self.spec
+        async with AsyncExitStack() as stack:
+            for node in spec.nodes:
+                self.clients[node.name] = await stack.enter_async_context(
+                    ControlClient(self.transport, spec.control_endpoint, node.name, self.wakeups[node.name])
+                )
+            for edge, endpoint, capacity in spec.inputs:
+                self.receivers[edge.dst].append(await stack.enter_async_context(
+                    Receiver(self.transport, endpoint, edge.name, capacity, self.wakeups[edge.dst])
+                ))
+            for edge, endpoint in spec.outputs:
+                sender = await stack.enter_async_context(Sender(self.transport, endpoint, edge.name, edge.src))
+                self.senders[edge.src].append((edge.types, sender))
+            contexts = {n.name: self.context(n.name) for n in spec.nodes}
+            try:
+                await self._lifecycle(contexts)
+            finally:
+                with anyio.CancelScope(shield=True):
+                    for name, stage in reversed(self.stages.items()):
+                        try:
+                            await stage.teardown()
+                        except Exception as e:
+                            await self.fail(name, e)
+
+    async def _lifecycle(self, contexts: dict[str, StageContext]) -> None:
+        for node in self.spec.nodes:
+            try:
+                self.stages[node.name] = build_stage(node)
+                await self.stages[node.name].setup(contexts[node.name])
+            except Exception as e:
+                await self.fail(node.name, e)
+                return
+        for client in self.clients.values():
+            await client.register()
+        async with anyio.create_task_group() as tg:
+            for name, stage in self.stages.items():
+                ctx = contexts[name]
+                tg.start_soon(self.guarded, name, lambda s=stage, c=ctx: s.run(c))
+                tg.start_soon(self.guarded, name, lambda n=name, c=ctx: self.dispatch(n, c))
+            await self.stop.wait()
+            tg.cancel_scope.cancel()
+
+    def report(self) -> dict[str, Any]:
+        edges: dict[str, dict[str, Any]] = {}
+        for receivers in self.receivers.values():
+            for r in receivers:
+                edges.setdefault(r.name, {})["receiver"] = r.stats.as_dict()
+        for senders in self.senders.values():
+            for _, s in senders:
+                edges.setdefault(s.name, {})["sender"] = s.stats.as_dict()
+        return {
+            "group": self.spec.group,
+            "error": self.error,
+            "failed_stage": self.failed_stage,
+            "ended_by": self.ended_by,
+            "edges": edges,
+        }
+
+
+def _group_process(spec: GroupSpec) -> dict[str, Any]:
+    """Entry point of a spawned stage process: run the group until SHUTDOWN/SIGTERM, return its report."""
+    configure_logging()
+
+    async def main() -> dict[str, Any]:
+        transport = Transport(spec.config.transport, spec.keys)
+        stop = anyio.Event()
+        group = _GroupRun(spec, transport, stop)
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def on_sigterm() -> None:
+                    with anyio.open_signal_receiver(signal.SIGTERM) as signals:
+                        async for _ in signals:
+                            group.ended_by = "signal SIGTERM"
+                            stop.set()
+
+                tg.start_soon(on_sigterm)
+                await group.run()
+                tg.cancel_scope.cancel()
+        except Exception as e:  # channel set-up failures (bind, CURVE policy) end up here
+            group.error = group.error or f"process group {spec.group!r} failed: {type(e).__name__}: {e}"
+        finally:
+            transport.close()
+        return group.report()
+
+    return anyio.run(main)
+
+
+def _free_tcp_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def plan_groups(graph: Graph, config: PipelineConfig, session_id: str, ipc_dir: str) -> list[GroupSpec]:
+    """One GroupSpec per process: endpoints inproc inside a process, ipc/tcp between processes."""
+    graph.validate()
+    group_of = {n.name: (LOCAL_GROUP if config.placement == "inproc" else n.group) for n in graph.nodes}
+    distributed = len(set(group_of.values())) > 1 or LOCAL_GROUP not in group_of.values()
+    tconf = config.transport
+    counter = iter(range(1_000_000))
+
+    def endpoint(local: bool) -> str:
+        if local:
+            return f"inproc://{session_id}/{next(counter)}"
+        if tconf.cross_process == "tcp":
+            host = f"[{tconf.tcp_host}]" if ":" in tconf.tcp_host else tconf.tcp_host
+            return f"tcp://{host}:{_free_tcp_port(tconf.tcp_host)}"
+        if tconf.cross_process != "ipc":
+            raise ValueError(f"transport.cross_process must be ipc or tcp, got {tconf.cross_process!r}")
+        return f"ipc://{ipc_dir}/{next(counter)}.sock"
+
+    control = endpoint(not distributed)
+    specs = {
+        g: GroupSpec(g, session_id, [n for n in graph.nodes if group_of[n.name] == g], [], [], control, config, None)
+        for g in dict.fromkeys(group_of.values())
+    }
+    for e in graph.edges:
+        ep = endpoint(group_of[e.src] == group_of[e.dst])
+        capacity = e.capacity or tconf.capacities.get(e.name, tconf.default_capacity)
+        specs[group_of[e.dst]].inputs.append((e, ep, capacity))
+        specs[group_of[e.src]].outputs.append((e, ep))
+    return list(specs.values())
+
+
+class Session:
+    """One running session: ``await session.run()``; ``session.stop()`` ends it cleanly."""
+
+    def __init__(
+        self, graph: Graph, config: PipelineConfig, session_id: str, *, handle_signals: bool = True
+    ) -> None:
+        self.graph = graph
+        self.config = config
+        self.session_id = session_id
+        self.handle_signals = handle_signals and threading.current_thread() is threading.main_thread()
+        self.started = anyio.Event()  # every stage is set up and running
+        self.pids: dict[str, int] = {}  # process group -> pid, once launched
+        self.log = get_logger(session_id=session_id)
+        self._ended = anyio.Event()
+        self._local_done = anyio.Event()
+        self._local_done.set()  # until a local group runs
+        self._result: SessionResult | None = None
+        self._group_of = {n.name: n.group for n in graph.nodes}
+
+    def stop(self, reason: str = "requested") -> None:
+        """End the session cleanly (idempotent; call from the session's event loop)."""
+        self._end(True, f"stop: {reason}")
+
+    def _end(self, ok: bool, ended_by: str, error: str | None = None, stage: str | None = None) -> None:
+        if self._ended.is_set():
+            return
+        self._result = SessionResult(self.session_id, ok, ended_by, error, stage)
+        (self.log.info if ok else self.log.error)("session_ending", ended_by=ended_by, error=error)
+        self._ended.set()
+
+    def _on_control(self, msg: Control, sender: str) -> None:
+        if msg.kind == ControlKind.ERROR:
+            stage = str(msg.detail.get("stage", sender))
+            self._end(False, "error", f"stage {stage!r} failed: {msg.detail.get('error')}", stage)
+        elif msg.kind == ControlKind.SHUTDOWN:
+            self._end(True, f"shutdown by {sender}")
+
+    def _on_silent(self, stage: str) -> None:
+        self._end(False, "error", f"stage {stage!r} stopped answering heartbeats", stage)
+
+    async def _watch(self, supervisor: Supervisor, child: Child, reports: dict[str, dict]) -> None:
+        code = await supervisor.wait_exit(child)
+        report = child.report()
+        if report is not None:
+            reports[child.name] = report
+        stages = [n for n, g in self._group_of.items() if g == child.name]
+        if report is not None and report.get("error"):
+            self._end(False, "error", report["error"], report.get("failed_stage"))
+        elif report is not None and report.get("ended_by", "").startswith("shutdown"):
+            self._end(True, report["ended_by"])
+        else:
+            names = ", ".join(repr(s) for s in stages)
+            self._end(
+                False, "error",
+                f"stage {names} (process group {child.name!r}, pid {child.pid}) died: {describe_exit(code)}",
+                stages[0] if stages else None,
+            )
+
+    async def _signals(self) -> None:
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                self._end(True, f"signal {signal.Signals(signum).name}")
+
+    async def run(self) -> SessionResult:
+        configure_logging()
+        start = time.monotonic()
+        config = self.config
+        with tempfile.TemporaryDirectory(prefix="cs-") as ipc_dir:
+            specs = plan_groups(self.graph, config, self.session_id, ipc_dir)
+            endpoints = [specs[0].control_endpoint] + [ep for s in specs for _, ep, _ in s.inputs]
+            keys = CurveKeys.generate() if any(curve_required(ep, config.transport.curve) for ep in endpoints) else None
+            for s in specs:
+                s.keys = keys
+            transport = Transport(config.transport, keys)
+            supervisor = Supervisor()
+            reports: dict[str, dict] = {}
+            local: _GroupRun | None = None
+            try:
+                expected = {n.name for n in self.graph.nodes}
+                async with ControlHub(transport, specs[0].control_endpoint, expected, self._on_control, self._on_silent) as hub:
+                    async with anyio.create_task_group() as tg:
+                        for spec in specs:
+                            if spec.group == LOCAL_GROUP:
+                                self._local_done = anyio.Event()
+                                local = _GroupRun(spec, transport, anyio.Event())
+                                tg.start_soon(self._run_local, local)
+                            else:
+                                child = supervisor.launch(spec.group, _group_process, spec)
+                                self.pids[spec.group] = child.pid
+                                tg.start_soon(self._watch, supervisor, child, reports)
+                        if self.handle_signals:
+                            tg.start_soon(self._signals)
+                        tg.start_soon(self._mark_started, hub)
+                        await self._ended.wait()
+                        await hub.broadcast(Control(self.session_id, 0, ControlKind.SHUTDOWN,
+                                                    detail={"reason": self._result.ended_by}))
+                        if local is not None:
+                            local.stop.set()
+                        await supervisor.stop_all(STOP_GRACE_S)
+                        await self._local_done.wait()
+                        tg.cancel_scope.cancel()
+            finally:
+                supervisor.kill_all()
+                transport.close()
+        result = self._result
+        result.duration_s = time.monotonic() - start
+        result.processes = dict(self.pids)
+        if local is not None:
+            reports[LOCAL_GROUP] = local.report()
+            result.stages = dict(local.stages)
+        for report in reports.values():
+            for edge, ends in report["edges"].items():
+                result.edges.setdefault(edge, {}).update(ends)
+        return result
+
+    async def _mark_started(self, hub: ControlHub) -> None:
+        await hub.started.wait()
+        self.started.set()
+        self.log.info("session_started", pids=self.pids, pid=os.getpid())
+
+    async def _run_local(self, group: _GroupRun) -> None:
+        try:
+            await group.run()
+        except Exception as e:  # channel set-up failures (bind, CURVE policy)
+            group.error = group.error or f"process group {LOCAL_GROUP!r} failed: {type(e).__name__}: {e}"
+        finally:
+            self._local_done.set()
+        if group.error:
+            self._end(False, "error", group.error, group.failed_stage)
+        elif group.ended_by.startswith("shutdown by"):
+            self._end(True, group.ended_by)
+
+
+async def run_session(graph: Graph, config: PipelineConfig, session_id: str) -> SessionResult:
+    """Run a session until a stage sends SHUTDOWN, a stage fails, or SIGINT/SIGTERM arrives."""
+    return await Session(graph, config, session_id).run()

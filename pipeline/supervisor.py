@@ -1,0 +1,122 @@
+"""Stage processes: spawn, watch, stop. No orphans, and a death is noticed at once.
+
+* Children are started with ``multiprocessing`` *spawn* (no forked event loops, CUDA-safe).
+* Each child asks the kernel for SIGKILL when its parent dies (``prctl(PR_SET_PDEATHSIG)``), and
+  exits at once if the parent is already gone: a killed parent leaves no stage process behind.
+  PDEATHSIG follows the *thread* that spawned the child, so launch from the event loop's thread.
+* Each child's ``Process.sentinel`` is watched on the event loop, so a ``kill -9`` is seen
+  within milliseconds; its last words (a report dict) come back over a one-way pipe.
+* Children ignore SIGINT (Ctrl-C reaches the whole process group; the parent coordinates) and
+  stopping escalates: wait ``grace`` for a clean exit, then SIGTERM, then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Linux: SIGKILL this process when its parent dies; exit now if that already happened."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def describe_exit(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        return f"killed by signal {signal.Signals(-exitcode).name}"
+    return f"exited with status {exitcode}"
+
+
+def _child_entry(parent_pid: int, target: Callable[..., dict], results, args: tuple) -> None:
+    die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    report = target(*args)
+    results.send(report)
+    results.close()
+    sys.exit(1 if report.get("error") else 0)
+
+
+@dataclass
+class Child:
+    name: str
+    process: multiprocessing.process.BaseProcess
+    results: multiprocessing.connection.Connection
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def report(self) -> dict[str, Any] | None:
+        """What the child sent before exiting, if anything (None after a kill)."""
+        try:
+            return self.results.recv() if self.results.poll() else None
+        except (EOFError, OSError):
+            return None
+
+
+class Supervisor:
+    """Launches spawned children and stops them; ``kill_all`` is the last-resort cleanup."""
+
+    def __init__(self) -> None:
+        self._mp = multiprocessing.get_context("spawn")
+        self.children: dict[str, Child] = {}
+
+    def launch(self, name: str, target: Callable[..., dict], *args: Any) -> Child:
+        """Run ``target(*args)`` in a spawned process; it returns a report dict (``error`` key)."""
+        receive, send = self._mp.Pipe(duplex=False)
+        process = self._mp.Process(
+            target=_child_entry, args=(os.getpid(), target, send, args), name=f"charstream-{name}"
+        )
+        process.start()
+        send.close()
+        self.children[name] = Child(name, process, receive)
+        return self.children[name]
+
+    async def wait_exit(self, child: Child) -> int:
+        """Returns the child's exit code as soon as it exits (sentinel readable)."""
+        await anyio.wait_readable(child.process.sentinel)
+        child.process.join()
+        return child.process.exitcode
+
+    async def stop_all(self, grace_s: float) -> None:
+        """Wait up to ``grace_s`` for children to exit, then SIGTERM, then SIGKILL the rest."""
+        for sig, wait_s in ((None, grace_s), (signal.SIGTERM, 0.5), (signal.SIGKILL, 1.0)):
+            alive = [c for c in self.children.values() if c.process.is_alive()]
+            if sig is not None:
+                for c in alive:
+                    os.kill(c.pid, sig)
+            deadline = time.monotonic() + wait_s
+            while alive and time.monotonic() < deadline:
+                await anyio.sleep(0.01)
+                alive = [c for c in alive if c.process.is_alive()]
+            if not alive:
+                break
+        for c in self.children.values():
+            c.process.join(timeout=0)
+
+    def kill_all(self) -> None:
+        """Synchronous cleanup for error paths: SIGKILL anything still running and reap it."""
+        for c in self.children.values():
+            if c.process.is_alive():
+                c.process.kill()
+            c.process.join(timeout=1.0)
+            c.results.close()

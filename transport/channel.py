@@ -1,0 +1,484 @@
+"""ZeroMQ channels with credit-based backpressure, and the control bus that overtakes data.
+
+Data edge = one ``Receiver`` (ROUTER, binds) and its ``Sender`` (DEALER, connects, identity = the
+sending stage). The sender says HELLO; the receiver grants ``capacity`` credits; every data message
+spends one; the receiver returns one when its consumer *takes* the message. So at most ``capacity``
+messages are ever between producer and consumer (in ZeroMQ queues, kernel buffers or the receiver's
+queue), whatever the consumer's speed: ZeroMQ's high-water marks never come into play.
+
+Frames on the wire (after the ROUTER's identity frame): ``[kind, *payload]`` with kind one of
+HELLO, CREDIT (payload: count, 4 bytes), BEAT (heartbeat), BYE, DATA (payload: codec frames),
+CTRL (control bus: codec frames of a ``Control``), GO (control bus: every stage is ready).
+
+A bad DATA message (see ``transport.codec``) is counted and logged, and its credit is returned: the
+channel keeps working and nothing valid is lost. Heartbeats run both ways every ``heartbeat_s``;
+a peer silent for ``dead_after_s`` (after first contact, ipc/tcp only: inproc peers share our fate)
+makes ``send``/``take`` raise ``PeerDeadError``.
+
+The control bus: a ``ControlHub`` (ROUTER) in the session's parent and one ``ControlClient`` per
+stage. A client's message is broadcast to every other registered client and to the hub's owner.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import anyio.abc
+import zmq
+import zmq.asyncio
+
+from pipeline.config import TransportConfig
+from pipeline.logs import get_logger
+from transport.codec import MessageError, decode, encode
+from transport.messages import Control, Message
+from transport.security import CurveKeys, Security
+
+HELLO, CREDIT, BEAT, BYE, DATA, CTRL, GO = b"H", b"C", b"B", b"X", b"D", b"K", b"G"
+SEND_LINGER_MS = 200  # lets a closing sender flush what it already sent, without hanging on a dead peer
+CONTROL_QUEUE = 1024  # control is rare; past this a stage is not reading its control at all
+
+
+class ChannelError(RuntimeError):
+    """A channel-level failure (dead peer, protocol misuse), naming the channel and the peer."""
+
+    def __init__(self, problem: str, channel: str, peer: str = "?") -> None:
+        super().__init__(f"channel {channel!r}, peer {peer!r}: {problem}")
+        self.channel = channel
+        self.peer = peer
+
+
+class PeerDeadError(ChannelError):
+    """The peer missed heartbeats for ``dead_after_s``."""
+
+
+@dataclass
+class ChannelStats:
+    sent: int = 0
+    received: int = 0
+    bad: int = 0  # malformed, invalid or over-credit messages (dropped, counted, logged)
+    max_in_flight: int = 0  # sender side: sent minus credits returned, at its peak
+    last_error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
+class Transport:
+    """One process's ZeroMQ context, CURVE policy and transport config, shared by its channels."""
+
+    def __init__(self, config: TransportConfig, keys: CurveKeys | None = None) -> None:
+        self.config = config
+        self.ctx = zmq.asyncio.Context()
+        self.security = Security(self.ctx, keys, config.curve)
+
+    def capacity(self, edge: str, override: int | None = None) -> int:
+        return override or self.config.capacities.get(edge, self.config.default_capacity)
+
+    def close(self) -> None:
+        self.security.close()
+        self.ctx.destroy(linger=0)
+
+
+class Wakeup:
+    """Wakes one waiting task when any of the channels sharing it has news (single event loop)."""
+
+    def __init__(self) -> None:
+        self._event = anyio.Event()
+
+    def arm(self) -> anyio.Event:
+        """A fresh event to wait on; arm *before* checking the queues, then wait if they were empty."""
+        self._event = anyio.Event()
+        return self._event
+
+    def notify(self) -> None:
+        self._event.set()
+
+
+class _Liveness:
+    """Last-heard times of peers; a peer silent for ``dead_after`` is dead.
+
+    If our own event loop stalled (the heartbeat tick itself came late), every peer gets the benefit
+    of the doubt: we could not have heard them.
+    """
+
+    def __init__(self, dead_after: float, enabled: bool) -> None:
+        self.dead_after = dead_after
+        self.enabled = enabled
+        self.last_seen: dict[bytes, float] = {}
+        self._last_tick = time.monotonic()
+
+    def seen(self, peer: bytes) -> None:
+        self.last_seen[peer] = time.monotonic()
+
+    def forget(self, peer: bytes) -> None:
+        self.last_seen.pop(peer, None)
+
+    def dead(self) -> list[bytes]:
+        now = time.monotonic()
+        if now - self._last_tick > self.dead_after / 2:
+            self.last_seen = dict.fromkeys(self.last_seen, now)
+        self._last_tick = now
+        if not self.enabled:
+            return []
+        return [p for p, t in self.last_seen.items() if now - t > self.dead_after]
+
+
+class _Endpoint:
+    """Socket + task group + heartbeat loop shared by every channel end (an async context manager)."""
+
+    socket_type: int = zmq.ROUTER
+
+    def __init__(self, transport: Transport, endpoint: str, name: str, wakeup: Wakeup | None) -> None:
+        self.transport = transport
+        self.endpoint = endpoint
+        self.name = name
+        self.wakeup = wakeup or Wakeup()
+        self.stats = ChannelStats()
+        self.error: ChannelError | None = None
+        self.live = _Liveness(transport.config.dead_after_s, not endpoint.startswith("inproc://"))
+        self.log = get_logger(channel=name, endpoint=endpoint)
+        self.sock: zmq.asyncio.Socket | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    def _open(self, sock: zmq.asyncio.Socket) -> None:
+        raise NotImplementedError
+
+    async def _on_frames(self, frames: list[zmq.Frame]) -> None:
+        raise NotImplementedError
+
+    async def _beat(self) -> None:
+        raise NotImplementedError
+
+    def _fail(self, error: ChannelError) -> None:
+        if self.error is None:
+            self.error = error
+            self.log.error("channel_failed", error=str(error))
+        self.wakeup.notify()
+
+    def _count_bad(self, error: Exception) -> None:
+        self.stats.bad += 1
+        self.stats.last_error = str(error)
+        self.log.warning("bad_message", error=str(error), bad=self.stats.bad)
+
+    async def __aenter__(self):
+        self.sock = self.transport.ctx.socket(self.socket_type)
+        self.sock.linger = 0
+        self.sock.reconnect_ivl = 20  # ms: a peer that binds late (a process still starting) is found fast
+        self._open(self.sock)
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._tg.start_soon(self._pump)
+        self._tg.start_soon(self._heartbeat)
+        return self
+
+    async def __aexit__(self, *exc_info) -> bool:
+        self._tg.cancel_scope.cancel()
+        await self._tg.__aexit__(None, None, None)
+        self._close()
+        return False
+
+    def _close(self) -> None:
+        self.sock.close()
+
+    async def _pump(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            await self._on_frames(frames)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await anyio.sleep(self.transport.config.heartbeat_s)
+            await self._beat()
+            for peer in self.live.dead():
+                self.live.forget(peer)
+                self._fail(PeerDeadError(
+                    f"no heartbeat for {self.live.dead_after:.2f} s", self.name, peer.decode(errors="replace")
+                ))
+
+
+class Receiver(_Endpoint):
+    """The receiving end of a data edge: binds, grants credits, validates and queues messages."""
+
+    def __init__(
+        self, transport: Transport, endpoint: str, name: str, capacity: int, wakeup: Wakeup | None = None
+    ) -> None:
+        super().__init__(transport, endpoint, name, wakeup)
+        self.capacity = capacity
+        self._queue: collections.deque[tuple[bytes, Message]] = collections.deque()
+        self._credit_out: dict[bytes, int] = {}  # credits each peer holds and has not spent
+        self._queued: collections.Counter[bytes] = collections.Counter()
+
+    def _open(self, sock: zmq.asyncio.Socket) -> None:
+        self.transport.security.server(sock, self.endpoint)
+        sock.bind(self.endpoint)
+
+    async def _grant(self, peer: bytes, count: int) -> None:
+        if count > 0:
+            self._credit_out[peer] += count
+            await self.sock.send_multipart([peer, CREDIT, count.to_bytes(4, "little")])
+
+    async def _on_frames(self, frames: list[zmq.Frame]) -> None:
+        peer, kind = frames[0].bytes, frames[1].bytes if len(frames) > 1 else b""
+        known = peer in self._credit_out
+        if known:
+            self.live.seen(peer)
+        if kind == DATA and known:
+            if self._credit_out[peer] <= 0:
+                self._count_bad(ChannelError("data message without credit (dropped)", self.name, peer.decode(errors="replace")))
+                return
+            self._credit_out[peer] -= 1
+            try:
+                msg = decode(frames[2:], self.transport.config.max_message_bytes, self.name, peer.decode(errors="replace"))
+            except MessageError as e:
+                self._count_bad(e)
+                await self._grant(peer, 1)  # the bad message spent a credit; give it back
+                return
+            self._queue.append((peer, msg))
+            self._queued[peer] += 1
+            self.stats.received += 1
+            self.wakeup.notify()
+        elif kind == HELLO:
+            # A new (or restarted) sender holds no credit: grant what its queued messages leave free.
+            self._credit_out[peer] = 0
+            self.live.seen(peer)
+            await self._grant(peer, self.capacity - self._queued[peer])
+        elif kind == BYE and known:
+            del self._credit_out[peer]
+            self.live.forget(peer)
+        elif kind != BEAT or not known:
+            problem = f"unexpected frame kind {kind[:8]!r}" if known else "message from a peer that never said hello"
+            self._count_bad(ChannelError(f"{problem} ({len(frames) - 1} frames dropped)", self.name, peer.decode(errors="replace")))
+
+    async def _beat(self) -> None:
+        for peer in self._credit_out:
+            await self.sock.send_multipart([peer, BEAT])
+
+    async def take(self) -> Message | None:
+        """The next message if one is queued (returning its credit to the sender), else None."""
+        if self.error is not None:
+            raise self.error
+        if not self._queue:
+            return None
+        peer, msg = self._queue.popleft()
+        self._queued[peer] -= 1
+        if peer in self._credit_out:
+            await self._grant(peer, 1)
+        return msg
+
+    async def recv(self) -> Message:
+        """Wait for the next message."""
+        while True:
+            event = self.wakeup.arm()
+            msg = await self.take()
+            if msg is not None:
+                return msg
+            await event.wait()
+
+    def pending(self) -> int:
+        return len(self._queue)
+
+
+class Sender(_Endpoint):
+    """The sending end of a data edge: connects, spends one credit per message, awaits when out."""
+
+    socket_type = zmq.DEALER
+
+    def __init__(self, transport: Transport, endpoint: str, name: str, identity: str) -> None:
+        super().__init__(transport, endpoint, name, None)
+        self.identity = identity
+        self.peer = name.split("->")[-1]
+        self.credits = 0
+        self._granted = False  # the first CREDIT is the initial grant; later ones return taken messages
+        self._taken = 0
+
+    def _open(self, sock: zmq.asyncio.Socket) -> None:
+        sock.routing_id = self.identity.encode()
+        sock.sndhwm = 0  # credits bound what is queued; a HWM would only add a second, silent limit
+        self.transport.security.client(sock, self.endpoint)
+        sock.connect(self.endpoint)
+
+    async def __aenter__(self):
+        await super().__aenter__()
+        await self.sock.send(HELLO)
+        return self
+
+    def _close(self) -> None:
+        if self.error is None:
+            self.sock.send(BYE, flags=zmq.NOBLOCK)
+        self.sock.close(linger=SEND_LINGER_MS)
+
+    async def _on_frames(self, frames: list[zmq.Frame]) -> None:
+        self.live.seen(self.peer.encode())
+        kind = frames[0].bytes
+        if kind == CREDIT and len(frames) == 2 and len(frames[1].bytes) == 4:
+            count = int.from_bytes(frames[1].bytes, "little")
+            self.credits += count
+            if self._granted:
+                self._taken += count
+            self._granted = True
+            self.wakeup.notify()
+        elif kind != BEAT:
+            self._count_bad(ChannelError(f"unexpected frame kind {kind[:8]!r} from the receiver", self.name, self.peer))
+
+    async def _beat(self) -> None:
+        await self.sock.send(BEAT)
+
+    async def send(self, msg: Message) -> None:
+        """Encode and send ``msg``; awaits a credit first (backpressure). Raises on a dead peer."""
+        frames = encode(msg, self.transport.config.max_message_bytes)
+        while self.credits <= 0:
+            if self.error is not None:
+                raise self.error
+            event = self.wakeup.arm()
+            if self.credits <= 0 and self.error is None:
+                await event.wait()
+        if self.error is not None:
+            raise self.error
+        self.credits -= 1
+        await self.sock.send_multipart([DATA, *frames], copy=False)
+        self.stats.sent += 1
+        self.stats.max_in_flight = max(self.stats.max_in_flight, self.in_flight)
+
+    @property
+    def in_flight(self) -> int:
+        """Messages sent and not yet taken (or dropped as bad) by the receiver."""
+        return self.stats.sent - self._taken
+
+
+class ControlHub(_Endpoint):
+    """The session's control bus: registers stage clients, broadcasts control, watches liveness."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        endpoint: str,
+        expected: set[str],
+        on_control: Callable[[Control, str], None],
+        on_dead: Callable[[str], None],
+    ) -> None:
+        super().__init__(transport, endpoint, "control", None)
+        self.expected = expected
+        self.on_control = on_control
+        self.on_dead = on_dead
+        self.registered: set[bytes] = set()
+        self.started = anyio.Event()
+
+    def _open(self, sock: zmq.asyncio.Socket) -> None:
+        self.transport.security.server(sock, self.endpoint)
+        sock.bind(self.endpoint)
+
+    async def _on_frames(self, frames: list[zmq.Frame]) -> None:
+        peer, kind = frames[0].bytes, frames[1].bytes if len(frames) > 1 else b""
+        name = peer.decode(errors="replace")
+        if kind == HELLO:
+            self.registered.add(peer)
+            self.live.seen(peer)
+            if not self.started.is_set() and {p.decode() for p in self.registered} >= self.expected:
+                for p in self.registered:
+                    await self.sock.send_multipart([p, GO])
+                self.started.set()
+            elif self.started.is_set():
+                await self.sock.send_multipart([peer, GO])
+            return
+        if peer not in self.registered:
+            self._count_bad(ChannelError("message from an unregistered client", self.name, name))
+            return
+        self.live.seen(peer)
+        if kind == CTRL:
+            try:
+                msg = decode(frames[2:], self.transport.config.max_message_bytes, self.name, name)
+                if not isinstance(msg, Control):
+                    raise MessageError(f"{type(msg).__name__} on the control bus", self.name, name)
+            except MessageError as e:
+                self._count_bad(e)
+                return
+            for p in self.registered - {peer}:
+                await self.sock.send_multipart([p, CTRL, *frames[2:]], copy=False)
+            self.stats.received += 1
+            self.on_control(msg, name)
+        elif kind == BYE:
+            self.registered.discard(peer)
+            self.live.forget(peer)
+        elif kind != BEAT:
+            self._count_bad(ChannelError(f"unexpected frame kind {kind[:8]!r}", self.name, name))
+
+    async def _beat(self) -> None:
+        for p in self.registered:
+            await self.sock.send_multipart([p, BEAT])
+
+    def _fail(self, error: ChannelError) -> None:
+        # A silent stage is the session's problem, not the bus's: report it and keep serving the rest.
+        self.log.error("stage_silent", error=str(error))
+        self.on_dead(error.peer)
+
+    async def broadcast(self, msg: Control) -> None:
+        frames = encode(msg, self.transport.config.max_message_bytes)
+        for p in self.registered:
+            await self.sock.send_multipart([p, CTRL, *frames], copy=False)
+        self.stats.sent += 1
+
+
+class ControlClient(_Endpoint):
+    """A stage's end of the control bus: sends control, queues what others broadcast."""
+
+    socket_type = zmq.DEALER
+
+    def __init__(self, transport: Transport, endpoint: str, stage: str, wakeup: Wakeup | None = None) -> None:
+        super().__init__(transport, endpoint, f"control:{stage}", wakeup)
+        self.stage = stage
+        self.started = anyio.Event()
+        self._queue: collections.deque[Control] = collections.deque()
+        self._registered = False
+
+    def _open(self, sock: zmq.asyncio.Socket) -> None:
+        sock.routing_id = self.stage.encode()
+        self.transport.security.client(sock, self.endpoint)
+        sock.connect(self.endpoint)
+
+    def _close(self) -> None:
+        if self._registered and self.error is None:
+            self.sock.send(BYE, flags=zmq.NOBLOCK)
+        self.sock.close(linger=SEND_LINGER_MS)
+
+    async def register(self) -> None:
+        """Tell the hub this stage is ready; ``started`` is set once every stage of the session is."""
+        self._registered = True
+        await self.sock.send(HELLO)
+
+    async def _on_frames(self, frames: list[zmq.Frame]) -> None:
+        self.live.seen(b"hub")
+        kind = frames[0].bytes
+        if kind == CTRL:
+            try:
+                msg = decode(frames[1:], self.transport.config.max_message_bytes, self.name, "hub")
+            except MessageError as e:
+                self._count_bad(e)
+                return
+            if len(self._queue) >= CONTROL_QUEUE:
+                self._count_bad(ChannelError("control queue full: message dropped", self.name, "hub"))
+                return
+            self._queue.append(msg)
+            self.stats.received += 1
+            self.wakeup.notify()
+        elif kind == GO:
+            self.started.set()
+        elif kind != BEAT:
+            self._count_bad(ChannelError(f"unexpected frame kind {kind[:8]!r}", self.name, "hub"))
+
+    async def _beat(self) -> None:
+        if self._registered:
+            await self.sock.send(BEAT)
+
+    async def send(self, msg: Control) -> None:
+        await self.sock.send_multipart([CTRL, *encode(msg, self.transport.config.max_message_bytes)], copy=False)
+        self.stats.sent += 1
+
+    def take(self) -> Control | None:
+        if self.error is not None:
+            raise self.error
+        return self._queue.popleft() if self._queue else None
