@@ -1,0 +1,335 @@
+"""The WebRTC egress server: aiohttp signaling + one aiortc peer connection per session.
+
+HTTP API (JSON; errors are ``{"error": "..."}`` with a 4xx/5xx status):
+
+* ``GET /`` — the web page (``static/``).
+* ``POST /session`` with header ``X-Charstream-Key: <server key>`` → ``{"session_id", "token"}``:
+  reserves a session; the token admits exactly one offer.
+* ``POST /offer`` with ``{"token", "sdp", "type": "offer"}`` → the SDP answer. A wrong token is
+  403, a token already used (replayed offer) 409, a malformed body or SDP 400, too many sessions
+  503. On success the session factory builds the session's media (``SessionMedia``).
+* ``POST /hangup`` with ``{"token"}`` — closes the session.
+
+A session ends when the peer connection fails or closes, when the client stops answering
+data-channel pings for ``client_timeout_s`` (it vanished), on hangup, or on server stop; its
+peer connection, tasks, mic queue and media are released then. Nothing one session does can stop
+another or the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+from aiohttp import web
+from aiortc import RTCPeerConnection, RTCRtpSender, RTCSessionDescription
+from aiortc.mediastreams import MediaStreamTrack
+
+from pipeline.config import EgressConfig
+from pipeline.tracing import SEGMENTS, intervals
+from stages.egress.mic import UserAudioQueue, pump_microphone
+from stages.egress.timing import BadReport, ClientTiming, _number
+from stages.egress.tracks import PlayoutAudioTrack, PlayoutVideoTrack, TrackStart
+from stages.playout import PlayoutOutput
+from transport.messages import TraceContext
+
+log = structlog.get_logger("egress")
+STATIC_DIR = Path(__file__).parent / "static"
+CODECS = {"VP8": "video/VP8", "H264": "video/H264"}
+MAX_OFFER_BYTES = 256 * 1024
+
+
+@dataclass
+class SessionMedia:
+    """What a session factory returns for one session."""
+
+    output: PlayoutOutput  # the playout the tracks stream
+    user_audio: UserAudioQueue = field(default_factory=UserAudioQueue)  # the mic, for ingest's VAD
+    on_turn: Callable[[TraceContext], None] | None = None  # a turn got its client stamp (e.g. TurnTracer.merge)
+    close: Callable[[], Awaitable[None]] | None = None  # stop the session's pipeline
+
+
+SessionFactory = Callable[[str], Awaitable[SessionMedia]]
+
+
+class OfferError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def video_codec_preferences(codec: str) -> list:
+    if codec not in CODECS:
+        raise ValueError(f"egress codec must be one of {sorted(CODECS)}, got {codec!r}")
+    return [c for c in RTCRtpSender.getCapabilities("video").codecs
+            if c.mimeType == CODECS[codec] or c.mimeType == "video/rtx"]
+
+
+class PeerSession:
+    """One browser (or test client) session: its peer connection, tracks, timing and tasks."""
+
+    def __init__(self, server: EgressServer, session_id: str, token: str) -> None:
+        self.server = server
+        self.session_id = session_id
+        self.token = token
+        self.state = "reserved"  # reserved -> active -> closed
+        self.pc: RTCPeerConnection | None = None
+        self.media: SessionMedia | None = None
+        self.video: PlayoutVideoTrack | None = None
+        self.timing: ClientTiming | None = None
+        self.channel = None
+        self.tasks: list[asyncio.Task] = []
+        self.bad_messages = 0
+        self.last_heard = time.monotonic()
+        self.turn_segments: dict[int, dict[str, float]] = {}
+        self.closed = asyncio.Event()
+        self.log = log.bind(session_id=session_id)
+
+    async def answer(self, offer: RTCSessionDescription) -> RTCSessionDescription:
+        config = self.server.config
+        self.state = "active"
+        self.media = await self.server.factory(self.session_id)
+        start = TrackStart(self.media.output)
+        self.video = PlayoutVideoTrack(start)
+        audio = PlayoutAudioTrack(start)
+        self.timing = ClientTiming(self.media.output, self.video.frame_index, on_turn=self._on_turn)
+        self.pc = pc = RTCPeerConnection()
+        pc.on("connectionstatechange", self._on_connection_state)
+        pc.on("track", self._on_track)
+        pc.on("datachannel", self._on_datachannel)
+        # Transceivers exist before the offer is applied, so the codec preference shapes the answer.
+        video_transceiver = pc.addTransceiver(self.video, direction="sendonly")
+        video_transceiver.setCodecPreferences(video_codec_preferences(config.codec))
+        audio_transceiver = pc.addTransceiver(audio, direction="sendrecv")
+        self.video.sender = video_transceiver.sender
+        try:
+            await pc.setRemoteDescription(offer)
+        except Exception as e:  # aiortc raises ValueError/OperationError/... for a bad SDP
+            raise OfferError(400, f"offer SDP rejected: {type(e).__name__}: {e}") from e
+        if video_transceiver.mid is None or audio_transceiver.mid is None:
+            raise OfferError(400, "offer must have one audio and one video media section")
+        await pc.setLocalDescription(await pc.createAnswer())
+        self.tasks.append(asyncio.create_task(self._keepalive(), name=f"keepalive-{self.session_id}"))
+        self.last_heard = time.monotonic()
+        return pc.localDescription
+
+    # --- events --------------------------------------------------------------------------------
+
+    async def _on_connection_state(self) -> None:
+        state = self.pc.connectionState if self.pc else "closed"
+        self.log.info("peer_connection_state", state=state)
+        if state in ("failed", "closed"):
+            await self.server.close_session(self.session_id, f"peer connection {state}")
+
+    def _on_track(self, track: MediaStreamTrack) -> None:
+        if track.kind == "audio" and self.media is not None:
+            self.tasks.append(asyncio.create_task(
+                pump_microphone(track, self.media.user_audio, self.session_id), name=f"mic-{self.session_id}"))
+
+    def _on_datachannel(self, channel) -> None:
+        if self.channel is not None:
+            self.log.warning("extra_datachannel_ignored", label=channel.label)
+            return
+        self.channel = channel
+        channel.on("message", self._on_message)
+
+    def _on_message(self, raw: Any) -> None:
+        self.last_heard = time.monotonic()
+        try:
+            if not isinstance(raw, str):
+                raise BadReport("binary message")
+            try:
+                msg = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise BadReport(f"not JSON: {e}") from None
+            if not isinstance(msg, dict):
+                raise BadReport(f"expected a JSON object, got {type(msg).__name__}")
+            kind = msg.get("type")
+            if kind == "pong":
+                self.timing.clock.add(_number(msg, "server_ms") / 1e3, _number(msg, "client_ms") / 1e3, time.time())
+            elif kind == "frame":
+                self.timing.on_frame(msg)
+            elif kind == "hello":
+                self.log.info("client_hello", agent=str(msg.get("agent", ""))[:200])
+            else:
+                raise BadReport(f"unknown message type {kind!r}")
+        except BadReport as e:
+            self.bad_messages += 1
+            self.log.warning("datachannel_message_dropped", error=str(e), raw=str(raw)[:120])
+
+    def _on_turn(self, trace: TraceContext) -> None:
+        segments = {name: round(s * 1e3, 1) for name, s in intervals(trace.stamps, SEGMENTS).items()}
+        self.turn_segments[trace.turn_id] = segments
+        self.log.info("client_first_speaking_frame", turn_id=trace.turn_id, segments_ms=segments)
+        self._send({"type": "turn", "turn_id": trace.turn_id, "segments_ms": segments})
+        if self.media is not None and self.media.on_turn is not None:
+            self.media.on_turn(trace)
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        if self.channel is not None and self.channel.readyState == "open":
+            self.channel.send(json.dumps(msg))
+
+    async def _keepalive(self) -> None:
+        config = self.server.config
+        ping = 0
+        while True:
+            # A few quick pings first: the clock offset is needed from the first frame report.
+            await asyncio.sleep(config.ping_interval_s if ping > 5 else min(0.1, config.ping_interval_s))
+            ping += 1
+            self._send({"type": "ping", "id": ping, "server_ms": time.time() * 1e3})
+            if time.monotonic() - self.last_heard > config.client_timeout_s:
+                await self.server.close_session(self.session_id, "client vanished (no data-channel reply)")
+                return
+
+    # --- teardown ------------------------------------------------------------------------------
+
+    async def close(self, reason: str) -> None:
+        if self.state == "closed":
+            return
+        self.state = "closed"
+        self.log.info("session_closed", reason=reason, bad_messages=self.bad_messages,
+                      median_delivery_ms=self.timing.median_delivery_ms() if self.timing else None)
+        current = asyncio.current_task()
+        for task in self.tasks:
+            if task is not current:
+                task.cancel()
+        if self.pc is not None:
+            await self.pc.close()
+        if self.media is not None:
+            self.media.user_audio.close()
+            if self.media.close is not None:
+                try:
+                    await self.media.close()
+                except Exception:
+                    self.log.exception("session_media_close_failed")
+        self.closed.set()
+
+
+class EgressServer:
+    def __init__(self, config: EgressConfig, factory: SessionFactory, access_key: str | None = None) -> None:
+        video_codec_preferences(config.codec)  # fail fast on a bad codec name
+        self.config = config
+        self.factory = factory
+        self.access_key = access_key or secrets.token_urlsafe(16)
+        self.sessions: dict[str, PeerSession] = {}
+        self._by_token: dict[str, PeerSession] = {}
+        self.app = web.Application(client_max_size=MAX_OFFER_BYTES)
+        self.app.add_routes([
+            web.get("/", self._index),
+            web.static("/static", STATIC_DIR),
+            web.post("/session", self._create_session),
+            web.post("/offer", self._offer),
+            web.post("/hangup", self._hangup),
+        ])
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    def create_session(self) -> tuple[str, str]:
+        """Reserve a session; returns (session_id, token). The token admits one offer."""
+        if len(self.sessions) >= self.config.max_sessions:
+            raise OfferError(503, f"server full ({self.config.max_sessions} sessions)")
+        session_id = secrets.token_hex(6)
+        token = secrets.token_urlsafe(24)
+        session = PeerSession(self, session_id, token)
+        self.sessions[session_id] = session
+        self._by_token[token] = session
+        return session_id, token
+
+    async def close_session(self, session_id: str, reason: str) -> None:
+        session = self.sessions.pop(session_id, None)
+        if session is None:
+            return
+        self._by_token.pop(session.token, None)
+        await session.close(reason)
+
+    async def start(self) -> str:
+        self._runner = web.AppRunner(self.app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # the real port when config.port is 0
+        self.url = f"http://{self.config.host}:{port}"
+        log.info("egress_listening", url=self.url, codec=self.config.codec)
+        return self.url
+
+    async def stop(self) -> None:
+        for session_id in list(self.sessions):
+            await self.close_session(session_id, "server stopping")
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # --- handlers ------------------------------------------------------------------------------
+
+    async def _index(self, request: web.Request) -> web.StreamResponse:
+        return web.FileResponse(STATIC_DIR / "index.html")
+
+    async def _create_session(self, request: web.Request) -> web.Response:
+        if not secrets.compare_digest(request.headers.get("X-Charstream-Key", ""), self.access_key):
+            return _error(403, "wrong or missing X-Charstream-Key")
+        try:
+            session_id, token = self.create_session()
+        except OfferError as e:
+            return _error(e.status, str(e))
+        return web.json_response({"session_id": session_id, "token": token})
+
+    async def _offer(self, request: web.Request) -> web.Response:
+        try:
+            body = await _json_body(request)
+            token, sdp, kind = body.get("token"), body.get("sdp"), body.get("type")
+            if not isinstance(token, str) or not isinstance(sdp, str) or kind != "offer":
+                raise OfferError(400, 'body must be {"token": str, "sdp": str, "type": "offer"}')
+            session = self._by_token.get(token)
+            if session is None:
+                raise OfferError(403, "unknown session token")
+            if session.state != "reserved":
+                raise OfferError(409, "this session already has a connection (replayed offer?)")
+        except OfferError as e:
+            log.warning("offer_rejected", status=e.status, error=str(e), peer=request.remote)
+            return _error(e.status, str(e))
+        try:
+            answer = await session.answer(RTCSessionDescription(sdp=sdp, type="offer"))
+        except OfferError as e:
+            await self.close_session(session.session_id, f"offer rejected: {e}")
+            log.warning("offer_rejected", status=e.status, error=str(e), session_id=session.session_id)
+            return _error(e.status, str(e))
+        except Exception as e:
+            await self.close_session(session.session_id, f"session setup failed: {e}")
+            log.exception("session_setup_failed", session_id=session.session_id)
+            return _error(500, f"session setup failed: {type(e).__name__}: {e}")
+        return web.json_response({"sdp": answer.sdp, "type": answer.type, "session_id": session.session_id})
+
+    async def _hangup(self, request: web.Request) -> web.Response:
+        try:
+            body = await _json_body(request)
+        except OfferError as e:
+            return _error(e.status, str(e))
+        token = body.get("token")
+        session = self._by_token.get(token) if isinstance(token, str) else None
+        if session is None:
+            return _error(403, "unknown session token")
+        await self.close_session(session.session_id, "client hung up")
+        return web.json_response({"closed": session.session_id})
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise OfferError(400, f"body is not JSON: {e}") from None
+    except web.HTTPRequestEntityTooLarge:
+        raise OfferError(413, f"body larger than {MAX_OFFER_BYTES} bytes") from None
+    if not isinstance(body, dict):
+        raise OfferError(400, "body must be a JSON object")
+    return body
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)

@@ -1,0 +1,132 @@
+// charstream web client: WebRTC receive (video + audio), microphone send, timing reports.
+// Data channel "timing" (protocol in stages/egress/timing.py): answer pings, report each presented
+// video frame (requestVideoFrameCallback: RTP timestamp + presentation time), show turn latencies.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const params = new URLSearchParams(location.search);
+const state = { status: "idle", framesReported: 0, pings: 0, turns: [], micSent: false, error: null };
+window.charstream = state; // read by tests and for debugging
+
+let pc = null, channel = null, token = null, micTrack = null;
+
+function setStatus(text) { state.status = text; $("status").textContent = text; }
+const wallMs = () => performance.timeOrigin + performance.now();
+
+async function postJSON(path, body, headers = {}) {
+  const r = await fetch(path, { method: "POST", headers: { "Content-Type": "application/json", ...headers },
+                               body: JSON.stringify(body) });
+  const data = await r.json().catch(() => ({ error: `HTTP ${r.status}` }));
+  if (!r.ok) throw new Error(data.error || `HTTP ${r.status}`);
+  return data;
+}
+
+function send(msg) { if (channel && channel.readyState === "open") channel.send(JSON.stringify(msg)); }
+
+function onMessage(event) {
+  let msg;
+  try { msg = JSON.parse(event.data); } catch { return; }
+  if (msg.type === "ping") {
+    send({ type: "pong", id: msg.id, server_ms: msg.server_ms, client_ms: wallMs() });
+    state.pings += 1;
+  } else if (msg.type === "turn") {
+    state.turns.push(msg);
+    showTurn(msg);
+  }
+}
+
+function showTurn(msg) {
+  const rows = Object.entries(msg.segments_ms)
+    .map(([name, ms]) => `<tr><td>${name}</td><td>${Math.round(ms)} ms</td></tr>`).join("");
+  $("segments").innerHTML = `<tr><td>turn</td><td>${msg.turn_id}</td></tr>` + rows;
+  $("overlay").hidden = false;
+}
+
+function watchFrames(video) {
+  if (!("requestVideoFrameCallback" in HTMLVideoElement.prototype)) {
+    setStatus("connected (no requestVideoFrameCallback: no timing reports)");
+    return;
+  }
+  const onFrame = (now, meta) => {
+    if (meta.rtpTimestamp !== undefined) {
+      send({ type: "frame", rtp: meta.rtpTimestamp, presented_ms: performance.timeOrigin + meta.presentationTime });
+      state.framesReported += 1;
+    }
+    if (pc) video.requestVideoFrameCallback(onFrame);
+  };
+  video.requestVideoFrameCallback(onFrame);
+}
+
+async function connect() {
+  $("connect").disabled = true;
+  setStatus("connecting");
+  try {
+    token = params.get("token");
+    if (!token) {
+      ({ token } = await postJSON("/session", {}, { "X-Charstream-Key": params.get("key") || "" }));
+    }
+    pc = new RTCPeerConnection();
+    pc.addTransceiver("video", { direction: "recvonly" });
+    try {
+      const mic = await navigator.mediaDevices.getUserMedia({ audio: { echoCancellation: true } });
+      micTrack = mic.getAudioTracks()[0];
+      pc.addTransceiver(micTrack, { direction: "sendrecv" });
+      state.micSent = true;
+      $("mic").disabled = false;
+    } catch (err) {
+      console.warn("no microphone:", err);
+      pc.addTransceiver("audio", { direction: "recvonly" });
+    }
+    channel = pc.createDataChannel("timing");
+    channel.onmessage = onMessage;
+    channel.onopen = () => send({ type: "hello", agent: navigator.userAgent });
+    const video = $("video");
+    const stream = new MediaStream();
+    pc.ontrack = (event) => { stream.addTrack(event.track); video.srcObject = stream; };
+    pc.onconnectionstatechange = () => {
+      setStatus(pc ? pc.connectionState : "closed");
+      if (pc && (pc.connectionState === "failed" || pc.connectionState === "closed")) disconnect();
+    };
+    await pc.setLocalDescription(await pc.createOffer());
+    await new Promise((resolve) => {  // no trickle ICE: send the offer with all candidates
+      if (pc.iceGatheringState === "complete") return resolve();
+      pc.addEventListener("icegatheringstatechange", () => pc.iceGatheringState === "complete" && resolve());
+    });
+    const answer = await postJSON("/offer", { token, sdp: pc.localDescription.sdp, type: "offer" });
+    await pc.setRemoteDescription(answer);
+    watchFrames(video);
+    $("disconnect").disabled = false;
+  } catch (err) {
+    state.error = String(err);
+    setStatus(`error: ${err.message || err}`);
+    await disconnect();
+  }
+}
+
+async function disconnect() {
+  const closing = pc;
+  pc = null;
+  if (closing) closing.close();
+  if (micTrack) { micTrack.stop(); micTrack = null; }
+  if (token && closing) postJSON("/hangup", { token }).catch(() => {});
+  token = null;
+  $("connect").disabled = false;
+  $("disconnect").disabled = true;
+  $("mic").disabled = true;
+  if (!state.error) setStatus("disconnected");
+}
+
+function toggleMic() {
+  if (!micTrack) return;
+  micTrack.enabled = !micTrack.enabled;
+  $("mic").textContent = micTrack.enabled ? "Mic on" : "Mic off";
+  $("mic").setAttribute("aria-pressed", String(micTrack.enabled));
+}
+
+setInterval(() => {
+  $("stats").textContent = `frames reported ${state.framesReported} · pings ${state.pings}`;
+}, 500);
+$("connect").onclick = connect;
+$("disconnect").onclick = disconnect;
+$("mic").onclick = toggleMic;
+if (params.get("autoconnect")) connect();

@@ -1,0 +1,343 @@
+"""Playout: the session's jitter buffer and its 24 fps clock.
+
+Chunks (4 frames + their 8,000 audio samples) arrive from decode into a bounded buffer. Once
+``target_depth_chunks`` chunks wait behind the first one, the clock starts: frame ``n`` of the
+output timeline is released at ``t0 + n / 24`` (absolute deadlines on the monotonic clock, so
+sleep error never accumulates), together with exactly its 2,000 samples. The buffer therefore
+holds ``target_depth_chunks × 166.7 ms`` of media ahead of the playhead: an upstream stall
+shorter than that is absorbed. When the buffer runs dry the clock keeps going: the last frame is
+held with silence (an underrun, counted) until the buffer is back at its target depth.
+
+Released frames go to a ``PlayoutOutput``: a bounded history that egress tracks (and recorders)
+read by output index. The output timeline is what the WebRTC tracks stamp as pts, so audio and
+video leave with one clock.
+
+Turn-start rollback (transport/messages.py): on ``Control(TURN_START)`` (or ``INTERRUPT``) the
+unplayed chunks are dropped, ``Control(ROLLBACK, chunk=last_committed, epoch=e+1)`` is sent, and
+chunks of older epochs are discarded afterwards. The playing chunk is committed (its frames are
+already out), so ``last_committed`` is the chunk on screen. The first new chunk then plays as soon
+as it arrives instead of waiting for the full target depth: that is the point of the rollback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeline.config import PlayoutConfig
+from pipeline.tracing import SessionMetrics, TurnTracer
+from stages.base import Stage, StageContext
+from transport.messages import (
+    FRAMES_PER_CHUNK,
+    SAMPLES_PER_CHUNK,
+    SAMPLES_PER_FRAME,
+    TIMELINE_RATE,
+    VIDEO_FPS,
+    Control,
+    ControlKind,
+    Message,
+    TraceContext,
+    VideoChunk,
+)
+
+FRAME_SECONDS = 1.0 / VIDEO_FPS
+
+
+class PlayoutClosed(Exception):
+    """The session's playout ended; readers stop."""
+
+
+@dataclass
+class ReleasedFrame:
+    index: int  # position on the output timeline: due at t0 + index / 24
+    image: np.ndarray  # uint8 (H, W, 3) RGB
+    audio: np.ndarray  # int16 (SAMPLES_PER_FRAME,)
+    chunk: int | None  # None for a hold frame (underrun)
+    frame_in_chunk: int
+    speaking: bool
+    epoch: int
+    trace: TraceContext | None
+    first_speaking: bool  # the frame that got the turn's playout_first_speaking_frame stamp
+    released_at: float  # wall clock (time.time()) of the release
+
+
+class PlayoutOutput:
+    """The frames one session's playout released: a bounded history read by output index.
+
+    Readers keep their own cursor (``await frame_at(i)``) instead of a queue each, so a reader
+    that starts late or falls behind costs no memory: it resumes at the oldest frame still held.
+    """
+
+    def __init__(self, history_frames: int = 48) -> None:
+        self.history_frames = history_frames
+        self._history: deque[ReleasedFrame] = deque(maxlen=history_frames)
+        self.next_index = 0
+        self.t0: float | None = None  # monotonic deadline of frame 0
+        self.closed = False
+        self._changed = asyncio.Event()
+        self._started = asyncio.Event()
+
+    def start(self, t0: float) -> None:
+        self.t0 = t0
+        self._started.set()
+
+    async def wait_started(self) -> None:
+        await self._started.wait()
+        if self.closed:
+            raise PlayoutClosed
+
+    def deadline(self, seconds_of_media: float) -> float:
+        """Monotonic time at which the given media time (from output frame 0) is due."""
+        assert self.t0 is not None, "playout clock not started"
+        return self.t0 + seconds_of_media
+
+    def publish(self, frame: ReleasedFrame) -> None:
+        self._history.append(frame)
+        self.next_index = frame.index + 1
+        self._wake()
+
+    async def frame_at(self, index: int) -> ReleasedFrame:
+        """The frame at ``index`` once released; the oldest held one if ``index`` fell out of history."""
+        while not self.closed and index >= self.next_index:
+            changed = self._changed
+            await changed.wait()
+        if self.closed:
+            raise PlayoutClosed
+        oldest = self._history[0].index
+        return self._history[max(index, oldest) - oldest]
+
+    def find(self, index: int) -> ReleasedFrame | None:
+        """A released frame still in history, or None."""
+        if not self._history or not self._history[0].index <= index < self.next_index:
+            return None
+        return self._history[index - self._history[0].index]
+
+    def close(self) -> None:
+        self.closed = True
+        self._started.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        # One event per release: waiters of this release wake, later waiters wait on the new one.
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+
+@dataclass
+class PlayoutStats:
+    """Per-session playout figures; ``summary()`` is what reports and fleet queries read."""
+
+    depth: int = 0
+    max_depth_seen: int = 0
+    frames_released: int = 0
+    fresh_frames: int = 0  # released frames that came from a chunk (not held)
+    underruns: int = 0  # times the buffer ran dry
+    underrun_frames: int = 0  # hold frames released during underruns
+    late_chunks: int = 0  # chunks that arrived while playout was starved for them
+    late_ticks: int = 0  # frames released more than one frame period after their deadline
+    stale_chunks: int = 0  # chunks of an older epoch, discarded
+    invalid_chunks: int = 0  # malformed chunks, discarded with an error log
+    rollbacks: int = 0
+    rolled_back_chunks: int = 0  # unplayed chunks dropped by rollbacks
+    elapsed_s: float = 0.0  # wall time from the clock's start to the last release
+
+    @property
+    def achieved_fps(self) -> float:
+        """Fresh frames per second of wall time: 24 when nothing stalled, less for each held frame."""
+        return self.fresh_frames / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def summary(self) -> dict[str, float | int]:
+        data = {k: v for k, v in self.__dict__.items()}
+        data["achieved_fps"] = round(self.achieved_fps, 3)
+        return data
+
+
+class Playout(Stage):
+    """Consumes ``VideoChunk``; releases frames + audio on the 24 fps clock into ``output``."""
+
+    name = "playout"
+
+    def __init__(self, config: PlayoutConfig | None = None, output: PlayoutOutput | None = None,
+                 tracer: TurnTracer | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config or PlayoutConfig()
+        if self.config.target_depth_chunks < 0 or self.config.max_depth_chunks < self.config.target_depth_chunks + 1:
+            raise ValueError(f"playout: need 0 <= target_depth_chunks < max_depth_chunks, got {self.config}")
+        self.output = output or PlayoutOutput(self.config.history_frames)
+        self.tracer = tracer
+        self.clock = clock
+        self.stats = PlayoutStats()
+        self.epoch = 0
+        self.last_committed: int | None = None  # last chunk whose frames started leaving
+        self._buffer: deque[VideoChunk] = deque()
+        self._buffer_changed = asyncio.Event()
+        self._playing: VideoChunk | None = None
+        self._position = 0  # next frame of ``_playing``
+        self._last_image: np.ndarray | None = None
+        self._starved = True  # waiting for depth (at start and after an underrun)
+        self._resume_depth = self.config.target_depth_chunks + 1
+        self._stamped_turns: set[int] = set()
+        self._control_seq = 0
+        self._metrics: SessionMetrics | None = None
+        self._ctx: StageContext | None = None
+
+    async def setup(self, ctx: StageContext) -> None:
+        self._ctx = ctx
+        self._metrics = SessionMetrics(ctx.session_id)
+
+    # --- input ---------------------------------------------------------------------------------
+
+    async def process(self, msg: Message, ctx: StageContext) -> None:
+        if not isinstance(msg, VideoChunk):
+            ctx.log.error("playout_unexpected_message", type=type(msg).__name__)
+            return
+        problem = _check_chunk(msg)
+        if problem:
+            self.stats.invalid_chunks += 1
+            ctx.log.error("playout_invalid_chunk", chunk=msg.chunk, problem=problem)
+            return
+        # Waiting for room is the backpressure: while we wait, upstream gets no credit.
+        while len(self._buffer) >= self.config.max_depth_chunks:
+            await self._wait_buffer_change()
+        if msg.epoch < self.epoch:  # checked after the wait: a rollback may have happened meanwhile
+            self.stats.stale_chunks += 1
+            return
+        if msg.epoch > self.epoch:
+            ctx.log.warning("playout_epoch_ahead", chunk=msg.chunk, epoch=msg.epoch, playout_epoch=self.epoch)
+            self.epoch = msg.epoch
+        if self._starved and self.output.t0 is not None:
+            self.stats.late_chunks += 1
+        self._buffer.append(msg)
+        self._set_depth()
+        self._notify_buffer()
+
+    async def control(self, msg: Control, ctx: StageContext) -> None:
+        if msg.kind in (ControlKind.TURN_START, ControlKind.INTERRUPT):
+            await self.rollback(ctx, reason=msg.kind)
+
+    async def rollback(self, ctx: StageContext, reason: str = ControlKind.TURN_START) -> Control:
+        """Drop every unplayed chunk, bump the epoch, tell upstream where to regenerate from."""
+        dropped = [c.chunk for c in self._buffer]
+        self._buffer.clear()
+        self.epoch += 1
+        self.stats.rollbacks += 1
+        self.stats.rolled_back_chunks += len(dropped)
+        # Speech should start as soon as its first chunk exists, not after a full re-buffer.
+        self._resume_depth = 1
+        self._set_depth()
+        self._notify_buffer()
+        self._control_seq += 1
+        last = self.last_committed if self.last_committed is not None else -1
+        rollback = Control(ctx.session_id, self._control_seq, ControlKind.ROLLBACK, chunk=last, epoch=self.epoch,
+                           detail={"reason": str(reason), "dropped": len(dropped)})
+        ctx.log.info("playout_rollback", last_committed=last, epoch=self.epoch, dropped=dropped, reason=str(reason))
+        await ctx.send_control(rollback)
+        return rollback
+
+    # --- the clock -----------------------------------------------------------------------------
+
+    async def run(self, ctx: StageContext) -> None:
+        while len(self._buffer) < self._resume_depth:
+            await self._wait_buffer_change()
+        t0 = self.clock()
+        wall0 = time.time()
+        self.output.start(t0)
+        index = 0
+        try:
+            while True:
+                deadline = t0 + index * FRAME_SECONDS
+                delay = deadline - self.clock()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                elif -delay > FRAME_SECONDS:
+                    self.stats.late_ticks += 1
+                frame = self._next_frame(index)
+                self.output.publish(frame)
+                self.stats.frames_released += 1
+                self.stats.elapsed_s = max(frame.released_at - wall0, 0.0) + FRAME_SECONDS
+                if frame.first_speaking and self.tracer is not None and frame.trace is not None:
+                    self.tracer.merge(frame.trace)
+                if index % VIDEO_FPS == 0 and self._metrics is not None:
+                    self._metrics.set_fps(self.stats.achieved_fps)
+                index += 1
+        finally:
+            self.output.close()
+
+    def _next_frame(self, index: int) -> ReleasedFrame:
+        now = time.time()
+        if self._playing is None or self._position == FRAMES_PER_CHUNK:
+            self._playing = None
+            if self._starved and len(self._buffer) >= self._resume_depth:
+                self._starved = False
+            if not self._starved and self._buffer:
+                self._resume_depth = self.config.target_depth_chunks + 1
+                self._playing = self._buffer.popleft()
+                self._position = 0
+                self.last_committed = self._playing.chunk
+                self._set_depth()
+                self._notify_buffer()
+            elif not self._starved:
+                self._starved = True
+                self.stats.underruns += 1
+                if self._metrics is not None:
+                    self._metrics.underrun()
+                if self._ctx is not None:
+                    self._ctx.log.warning("playout_underrun", frame=index, underruns=self.stats.underruns)
+        chunk = self._playing
+        if chunk is None:  # underrun: hold the last frame, play silence
+            self.stats.underrun_frames += 1
+            image = self._last_image if self._last_image is not None else np.zeros((16, 16, 3), np.uint8)
+            return ReleasedFrame(index, image, np.zeros(SAMPLES_PER_FRAME, np.int16), None, 0, False, self.epoch,
+                                 None, False, now)
+        position = self._position
+        self._position += 1
+        self.stats.fresh_frames += 1
+        image = chunk.frames[position]
+        self._last_image = image
+        audio = chunk.audio[position * SAMPLES_PER_FRAME:(position + 1) * SAMPLES_PER_FRAME]
+        first_speaking = False
+        turn = chunk.trace.turn_id
+        if position == 0 and chunk.speaking and turn is not None and turn not in self._stamped_turns:
+            self._stamped_turns.add(turn)
+            chunk.trace.stamp("playout_first_speaking_frame", now)
+            first_speaking = True
+        return ReleasedFrame(index, image, audio, chunk.chunk, position, chunk.speaking, chunk.epoch, chunk.trace,
+                             first_speaking, now)
+
+    # --- helpers -------------------------------------------------------------------------------
+
+    async def _wait_buffer_change(self) -> None:
+        event = self._buffer_changed
+        await event.wait()
+
+    def _notify_buffer(self) -> None:
+        self._buffer_changed.set()
+        self._buffer_changed = asyncio.Event()
+
+    def _set_depth(self) -> None:
+        self.stats.depth = len(self._buffer)
+        self.stats.max_depth_seen = max(self.stats.max_depth_seen, self.stats.depth)
+        if self._metrics is not None:
+            self._metrics.set_depth(self.stats.depth)
+
+    async def teardown(self) -> None:
+        self.output.close()
+        if self._metrics is not None:
+            self._metrics.close(self.stats.achieved_fps if self.stats.frames_released else None)
+            self._metrics = None
+
+
+def _check_chunk(chunk: VideoChunk) -> str | None:
+    frames, audio = chunk.frames, chunk.audio
+    if not isinstance(frames, np.ndarray) or frames.dtype != np.uint8 or frames.ndim != 4 \
+            or frames.shape[0] != FRAMES_PER_CHUNK or frames.shape[3] != 3:
+        return f"frames must be uint8 ({FRAMES_PER_CHUNK}, H, W, 3), got {getattr(frames, 'dtype', type(frames))} " \
+               f"{getattr(frames, 'shape', '')}"
+    if not isinstance(audio, np.ndarray) or audio.dtype != np.int16 or audio.shape != (SAMPLES_PER_CHUNK,):
+        return f"audio must be int16 ({SAMPLES_PER_CHUNK},) at {TIMELINE_RATE} Hz, got " \
+               f"{getattr(audio, 'dtype', type(audio))} {getattr(audio, 'shape', '')}"
+    return None
