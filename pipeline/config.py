@@ -51,8 +51,9 @@ class DecodeConfig:
 
 @dataclass
 class PlayoutConfig:
-    target_depth_chunks: int = 2
-    max_depth_chunks: int = 8
+    target_depth_chunks: int = 2  # chunks queued behind the playing one: absorbs a stall of this many chunks
+    max_depth_chunks: int = 8  # a full buffer withholds credit from decode (backpressure)
+    history_frames: int = 48  # released frames kept for egress readers and client-report lookups
 
 
 @dataclass
@@ -60,6 +61,10 @@ class EgressConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     codec: str = "VP8"  # VP8 | H264
+    max_sessions: int = 16
+    ping_interval_s: float = 1.0  # data-channel ping: clock offset estimate + liveness
+    client_timeout_s: float = 10.0  # no pong this long: the client vanished, its session is closed
+    user_audio_queue_frames: int = 100  # 20 ms mic frames held for ingest before the oldest is dropped
 
 
 @dataclass
