@@ -1,0 +1,80 @@
+"""Per-row FP8 quantisation of activations (the A operand of the FP8 weight GEMMs), with an
+optional GELU on a tail of columns -- the MLP half of a parallel block's output-projection input --
+fused into the same pass.
+
+``quantize_rows(x, act_from)``: x (M, K) bf16/fp32 -> (xq (M, K) float8_e4m3fn, scale (M, 1) float32)
+with ``x' = x`` on columns ``[0, act_from)`` and ``gelu_tanh(x)`` on ``[act_from, K)`` (``act_from = K``:
+no activation), ``scale = max(amax(|x'|), tiny) / 448`` and ``xq = x' / scale``. Dequantised = xq x scale.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels.fp8 import FP8_DTYPE, FP8_MAX
+
+MIN_AMAX = 1e-12  # an all-zero row gets a tiny scale instead of a division by zero
+
+
+def quantize_rows_reference(x: torch.Tensor, act_from: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    k = x.shape[-1]
+    act_from = k if act_from is None else act_from
+    xf = x.float()
+    if act_from < k:
+        xf = torch.cat([xf[:, :act_from], F.gelu(xf[:, act_from:], approximate="tanh")], dim=1)
+    scale = xf.abs().amax(dim=1, keepdim=True).clamp_min(MIN_AMAX) / FP8_MAX
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+@triton.jit
+def _gelu_tanh(x):
+    # 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3)
+    u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+    return x / (1.0 + tl.exp(-2.0 * u))
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x, stride_xm, xq, stride_qm, scale_out, n_cols, act_from,
+    BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
+):
+    # One program per row, two sweeps: amax, then scale and store (the second reads from L2).
+    row = tl.program_id(0)
+    amax = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        c = start + tl.arange(0, BLOCK)
+        v = tl.load(x + row * stride_xm + c, mask=c < n_cols, other=0.0).to(tl.float32)
+        v = tl.where(c >= act_from, _gelu_tanh(v), v)
+        amax = tl.maximum(amax, tl.abs(v))
+    scale = tl.maximum(tl.max(amax, 0), MIN_AMAX) / FP8_MAX
+    tl.store(scale_out + row, scale)
+    for start in range(0, n_cols, BLOCK):
+        c = start + tl.arange(0, BLOCK)
+        v = tl.load(x + row * stride_xm + c, mask=c < n_cols, other=0.0).to(tl.float32)
+        v = tl.where(c >= act_from, _gelu_tanh(v), v)
+        q = tl.clamp(v / scale, -FP8_MAX, FP8_MAX)
+        tl.store(xq + row * stride_qm + c, q.to(xq.dtype.element_ty), mask=c < n_cols)
+
+
+def quantize_rows_triton(
+    x: torch.Tensor, act_from: int | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One launch. ``out`` = preallocated (xq, scale), so a CUDA graph reuses the same buffers."""
+    m, k = x.shape
+    if x.stride(1) != 1:
+        raise ValueError("x needs contiguous rows")
+    xq, scale = out if out is not None else (torch.empty(m, k, dtype=FP8_DTYPE, device=x.device),
+                                             torch.empty(m, 1, dtype=torch.float32, device=x.device))
+    _quantize_rows_kernel[(m,)](
+        x, x.stride(0), xq, xq.stride(0), scale, k, k if act_from is None else act_from,
+        BLOCK=2048, FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX, num_warps=8,
+    )
+    return xq, scale
+
+
+def quantize_rows(x: torch.Tensor, act_from: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dispatcher: the Triton kernel on CUDA, the PyTorch reference otherwise."""
+    return quantize_rows_triton(x, act_from) if x.is_cuda else quantize_rows_reference(x, act_from)

@@ -1,0 +1,120 @@
+"""The Triton kernels and FP8 GEMMs against their PyTorch references on the GPU, at the shapes of one
+TP=4 shard of characters-57b (15 heads x 128, 757 tokens per frame), on fresh random inputs, with
+poisoned outputs. Run through the device tool (docs/gpu-notes.md); skipped without CUDA.
+
+Tolerances: a stored FP8 value may differ from the reference's by one e4m3 step (fp32 arithmetic
+in a different order can round the other way: 2^-3 relative, 2^-9 absolute near zero) in under 1%
+of elements; bf16 outputs by bf16 rounding (rel. norm < 1e-2); attention over FP8 K/V against the
+fp32 reference over the same stored values by bf16 rounding of q and p (< 2e-2).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.delta_rotate import delta_rotate_reference, delta_rotate_triton
+from kernels.fp8 import FP8_DTYPE
+from kernels.quantize_rows import quantize_rows_reference, quantize_rows_triton
+from kernels.ring_attention import ring_attention_reference, ring_attention_triton
+from kernels.ring_write import ring_write_reference, ring_write_triton
+from model.fp8_linear import Fp8Linear
+from model.rope import frame_positions, rope_freqs
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+H, D, T, GRID, AUDIO = 15, 128, 757, (22, 34), 9
+SINK, RING = T, 10
+N_SLOTS = SINK + RING * T
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _assert_fp8_close(got: torch.Tensor, ref: torch.Tensor) -> None:
+    g, r = got.float(), ref.float()
+    assert not torch.isnan(g).any()
+    step = 0.125 * torch.maximum(g.abs(), r.abs()) + 2.0**-9
+    assert ((g - r).abs() <= step).all(), "an FP8 value differs by more than one e4m3 step"
+    assert (g != r).float().mean() < 0.01
+
+
+def _poisoned(shape, dtype) -> torch.Tensor:
+    return torch.full(shape, 300.0 if dtype == FP8_DTYPE else 1e4, device="cuda").to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [FP8_DTYPE, torch.bfloat16])
+def test_ring_write(dtype):
+    freqs = rope_freqs(D, "cuda")
+    k_new, v_new = (torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16) * 3 for _ in range(2))
+    positions = frame_positions(17, GRID, AUDIO, "cuda")
+    k_scale, v_scale = (torch.rand(H, device="cuda") * 0.02 + 0.01 for _ in range(2))
+    slot = SINK + 6 * T
+    ref = [_poisoned((H, N_SLOTS, D), dtype) for _ in range(2)]
+    got = [_poisoned((H, N_SLOTS, D), dtype) for _ in range(2)]
+    ring_write_reference(*ref, k_scale, v_scale, k_new, v_new, slot, positions, freqs)
+    ring_write_triton(*got, k_scale, v_scale, k_new, v_new, torch.tensor(slot, device="cuda"), positions, freqs)
+    for g, r in zip(got, ref, strict=True):
+        if dtype == FP8_DTYPE:
+            _assert_fp8_close(g, r)
+        else:
+            assert _rel(g[:, slot : slot + T], r[:, slot : slot + T]) < 1e-2
+        untouched = torch.ones(N_SLOTS, dtype=torch.bool, device="cuda")
+        untouched[slot : slot + T] = False
+        assert (g[:, untouched].float() == r[:, untouched].float()).all()  # still the poison
+        assert (g[:, slot : slot + T].float() != _poisoned((1,), dtype).float()).any()
+
+
+@pytest.mark.parametrize("dtype", [FP8_DTYPE, torch.bfloat16])
+def test_ring_attention(dtype):
+    k_cache, v_cache = ((torch.randn(H, N_SLOTS, D, device="cuda") * 100).clamp(-448, 448).to(dtype) for _ in range(2))
+    k_scale, v_scale = (torch.rand(H, device="cuda") * 0.02 + 0.005 for _ in range(2))
+    if dtype != FP8_DTYPE:
+        k_scale, v_scale = torch.ones_like(k_scale), torch.ones_like(v_scale)
+        k_cache, v_cache = k_cache / 100, v_cache / 100
+    ring_valid = torch.rand(RING, device="cuda") < 0.7
+    ring_valid[0] = False
+    q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
+    ref = ring_attention_reference(q, k_cache, v_cache, k_scale, v_scale, ring_valid, SINK, T)
+    buf = torch.full((T, 2 * H, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out = ring_attention_triton(q, k_cache, v_cache, k_scale, v_scale, ring_valid, SINK, T, out=buf[:, H:])
+    assert not torch.isnan(out).any()
+    assert torch.isnan(buf[:, :H]).all()
+    assert _rel(out, ref) < 2e-2
+
+
+@pytest.mark.parametrize("dtype", [FP8_DTYPE, torch.bfloat16])
+def test_delta_rotate(dtype):
+    freqs = rope_freqs(D, "cuda")
+    k_all = (torch.randn(4, H, N_SLOTS, D, device="cuda") * 60).clamp(-448, 448).to(dtype)
+    k_scale = torch.rand(4, H, device="cuda") * 0.02 + 0.01
+    ref, got = k_all.clone(), k_all.clone()
+    delta_rotate_reference(ref, k_scale, 42, freqs.t, SINK)
+    delta_rotate_triton(got, k_scale, torch.tensor(42, device="cuda"), freqs.t, SINK)
+    if dtype == FP8_DTYPE:
+        _assert_fp8_close(got, ref)
+    else:
+        assert _rel(got, ref) < 1e-2
+    assert (got[:, :, :SINK].float() == k_all[:, :, :SINK].float()).all()
+    assert (got[..., 44:].float() == k_all[..., 44:].float()).all()
+    assert (got[:, :, SINK:, :44].float() != k_all[:, :, SINK:, :44].float()).float().mean() > 0.5
+
+
+@pytest.mark.parametrize("act_from", [None, 1920])
+def test_quantize_rows(act_from):
+    x = torch.randn(T, 9600, device="cuda", dtype=torch.bfloat16) * torch.rand(T, 1, device="cuda") * 10
+    xq, scale = quantize_rows_triton(x, act_from)
+    rq, rscale = quantize_rows_reference(x, act_from)
+    assert torch.allclose(scale, rscale, rtol=1e-5)
+    _assert_fp8_close(xq, rq)
+
+
+def test_fp8_linear_matches_bf16_matmul():
+    w = torch.randn(2048, 7680, device="cuda") * 0.02
+    x = torch.randn(T, 7680, device="cuda", dtype=torch.bfloat16)
+    layer = Fp8Linear.from_weight(w)
+    ref = x.float() @ w.t()
+    assert _rel(layer(x), ref) < 0.06  # two e4m3 operands: ~3-4% per product, averaged over 7680
+    exact = Fp8Linear.from_weight(w, fast_accum=False)
+    assert _rel(exact(x), ref) < 0.06
