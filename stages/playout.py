@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.config import PlayoutConfig
+from pipeline.config import PipelineConfig, PlayoutConfig
 from pipeline.tracing import SessionMetrics, TurnTracer
 from stages.base import Stage, StageContext
 from transport.messages import (
@@ -128,6 +128,20 @@ class PlayoutOutput:
         self._changed = asyncio.Event()
 
 
+_OUTPUTS: dict[str, PlayoutOutput] = {}
+
+
+def session_output(session_id: str, history_frames: int = 48) -> PlayoutOutput:
+    """The session's PlayoutOutput in this process, created by whichever side asks first.
+
+    The runner builds stages from import paths, so egress (which serves the session's peer
+    connection) and the playout stage meet here, by session id; playout's teardown removes it.
+    """
+    if session_id not in _OUTPUTS:
+        _OUTPUTS[session_id] = PlayoutOutput(history_frames)
+    return _OUTPUTS[session_id]
+
+
 @dataclass
 class PlayoutStats:
     """Per-session playout figures; ``summary()`` is what reports and fleet queries read."""
@@ -157,17 +171,16 @@ class PlayoutStats:
         return data
 
 
-class Playout(Stage):
+class PlayoutStage(Stage):
     """Consumes ``VideoChunk``; releases frames + audio on the 24 fps clock into ``output``."""
 
     name = "playout"
 
     def __init__(self, config: PlayoutConfig | None = None, output: PlayoutOutput | None = None,
                  tracer: TurnTracer | None = None, clock: Callable[[], float] = time.monotonic) -> None:
-        self.config = config or PlayoutConfig()
-        if self.config.target_depth_chunks < 0 or self.config.max_depth_chunks < self.config.target_depth_chunks + 1:
-            raise ValueError(f"playout: need 0 <= target_depth_chunks < max_depth_chunks, got {self.config}")
-        self.output = output or PlayoutOutput(self.config.history_frames)
+        self.config = config or PlayoutConfig()  # built by the runner: setup takes ctx.config.playout
+        self._config_given = config is not None
+        self.output = output  # None: the session's shared one (``session_output``), found in setup
         self.tracer = tracer
         self.clock = clock
         self.stats = PlayoutStats()
@@ -186,6 +199,15 @@ class Playout(Stage):
         self._ctx: StageContext | None = None
 
     async def setup(self, ctx: StageContext) -> None:
+        if not self._config_given and isinstance(ctx.config, PipelineConfig):
+            self.config = ctx.config.playout
+        config = self.config
+        if config.target_depth_chunks < 0 or config.max_depth_chunks < config.target_depth_chunks + 1:
+            raise ValueError(f"playout: need 0 <= target_depth_chunks < max_depth_chunks, got {config}")
+        self._resume_depth = config.target_depth_chunks + 1
+        if self.output is None:
+            self.output = session_output(ctx.session_id, config.history_frames)
+        self.tracer = self.tracer or ctx.extras.get("tracer")
         self._ctx = ctx
         self._metrics = SessionMetrics(ctx.session_id)
 
@@ -325,7 +347,10 @@ class Playout(Stage):
             self._metrics.set_depth(self.stats.depth)
 
     async def teardown(self) -> None:
-        self.output.close()
+        if self.output is not None:
+            self.output.close()
+            if _OUTPUTS.get(self._ctx.session_id if self._ctx else None) is self.output:
+                del _OUTPUTS[self._ctx.session_id]
         if self._metrics is not None:
             self._metrics.close(self.stats.achieved_fps if self.stats.frames_released else None)
             self._metrics = None

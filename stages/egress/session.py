@@ -1,6 +1,6 @@
-"""A self-contained egress session without the model: a test-card source feeding a real Playout.
+"""A self-contained egress session without the model: a test-card source feeding a real PlayoutStage.
 
-``testcard_session`` is a ``SessionFactory`` for ``EgressServer``: it runs the Playout stage on
+``testcard_session`` is a ``SessionFactory`` for ``EgressServer``: it runs the PlayoutStage stage on
 its own (setup, clock loop, teardown) with a source that produces test-card chunks at the real
 24 fps rate, one flash+click chunk every ``flash_every`` chunks. Tests, benchmarks and
 ``charstream serve --source testcard`` use it; the full pipeline's session graph provides its own
@@ -20,14 +20,14 @@ from pipeline.config import EgressConfig, PlayoutConfig
 from stages.base import StageContext
 from stages.egress.mic import UserAudioQueue
 from stages.egress.server import SessionMedia
-from stages.egress.testcard import testcard_chunk
-from stages.playout import Playout
+from stages.egress.testcard import card_chunk
+from stages.playout import PlayoutStage
 from transport.messages import CHUNK_SECONDS, Control, Message
 
 
 @dataclass
 class TestcardSession:
-    playout: Playout
+    playout: PlayoutStage
     ctx: StageContext
     controls: list[Control] = field(default_factory=list)  # what playout sent upstream (rollbacks)
     tasks: list[asyncio.Task] = field(default_factory=list)
@@ -39,8 +39,8 @@ class TestcardSession:
         await self.playout.teardown()
 
 
-async def start_playout(session_id: str, playout: Playout,
-                        source: Callable[[Playout, StageContext], Awaitable[None]]) -> TestcardSession:
+async def start_playout(session_id: str, playout: PlayoutStage,
+                        source: Callable[[PlayoutStage, StageContext], Awaitable[None]]) -> TestcardSession:
     """Run ``playout`` with ``source`` feeding it: the few duties of the runner, for one stage."""
     controls: list[Control] = []
 
@@ -59,14 +59,14 @@ async def start_playout(session_id: str, playout: Playout,
     return session
 
 
-def realtime_testcard(height: int = 128, width: int = 128, flash_every: int = 12, speaking: bool = False):
+def realtime_card(height: int = 128, width: int = 128, flash_every: int = 12, speaking: bool = False):
     """A source producing test-card chunks on absolute deadlines at the media rate."""
 
-    async def source(playout: Playout, ctx: StageContext) -> None:
+    async def source(playout: PlayoutStage, ctx: StageContext) -> None:
         start = time.monotonic()
         chunk = 0
         while True:
-            await playout.process(testcard_chunk(ctx.session_id, chunk, height, width,
+            await playout.process(card_chunk(ctx.session_id, chunk, height, width,
                                                  flash=flash_every > 0 and chunk % flash_every == 0,
                                                  speaking=speaking, epoch=playout.epoch), ctx)
             chunk += 1
@@ -77,15 +77,15 @@ def realtime_testcard(height: int = 128, width: int = 128, flash_every: int = 12
     return source
 
 
-def testcard_factory(playout_config: PlayoutConfig | None = None, egress_config: EgressConfig | None = None,
+def card_factory(playout_config: PlayoutConfig | None = None, egress_config: EgressConfig | None = None,
                      height: int = 128, width: int = 128, flash_every: int = 12):
     """A ``SessionFactory`` serving the test card; ``factory.sessions`` holds the live ones."""
     egress_config = egress_config or EgressConfig()
     sessions: dict[str, TestcardSession] = {}
 
     async def factory(session_id: str) -> SessionMedia:
-        session = await start_playout(session_id, Playout(playout_config),
-                                      realtime_testcard(height, width, flash_every))
+        session = await start_playout(session_id, PlayoutStage(playout_config),
+                                      realtime_card(height, width, flash_every))
         sessions[session_id] = session
 
         async def close() -> None:

@@ -60,7 +60,7 @@ def chunk_audio(chunk: int, flash: bool = False) -> np.ndarray:
     return audio
 
 
-def testcard_chunk(session_id: str, chunk: int, height: int = 128, width: int = 128, flash: bool = False,
+def card_chunk(session_id: str, chunk: int, height: int = 128, width: int = 128, flash: bool = False,
                    speaking: bool = False, epoch: int = 0, turn_id: int | None = None) -> VideoChunk:
     frames = np.stack([frame_image(chunk * FRAMES_PER_CHUNK + i, height, width, flash=flash and i == 0)
                        for i in range(FRAMES_PER_CHUNK)])
