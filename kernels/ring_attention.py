@@ -36,8 +36,11 @@ def ring_attention_reference(
     slot_valid = torch.cat(
         [torch.ones(sink_slots, dtype=torch.bool, device=q.device), ring_valid.repeat_interleave(tokens_per_frame)]
     )
-    out = F.scaled_dot_product_attention(q.float().transpose(0, 1), k, v, attn_mask=slot_valid[None, None, :])
-    return out.transpose(0, 1).to(q.dtype)
+    # 4-D inputs: CPU SDPA takes its fused kernel for those (3-D falls back to the slow math path).
+    out = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1)[None], k[None], v[None], attn_mask=slot_valid[None, None, None, :]
+    )
+    return out[0].transpose(0, 1).to(q.dtype)
 
 
 def _check_layout(k_cache: torch.Tensor, ring_valid: torch.Tensor, sink_slots: int, tokens_per_frame: int) -> None:
