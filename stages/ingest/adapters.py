@@ -1,0 +1,112 @@
+"""The one interface every voice agent implements, and the registry that picks one by config.
+
+An adapter is a source of events: the agent's turns and speech (at the agent's own rate), and, where
+the adapter also owns the user's microphone (the scripted agent plays the simulated user), the user's
+audio. The ingest stage (``stages.ingest.stage``) pulls the events, resamples, detects the user's
+turns with silero-vad, stamps the trace, and tells the adapter what it detected:
+
+    adapter = create_adapter(config.ingest)
+    await adapter.start()
+    async for event in adapter.events():      # AgentTurnStart, AgentAudioFrame, AgentTurnEnd, ...
+        ...
+    await adapter.notify(turn_event)          # USER_SPEECH_START / USER_SPEECH_END, as VAD saw them
+    await adapter.interrupt(turn_ref)         # barge-in: stop producing this turn's speech
+    await adapter.close()
+
+Pulling is the backpressure: an adapter produces its next event only when ingest asks for it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import numpy as np
+
+from transport.messages import TurnEvent
+
+if TYPE_CHECKING:
+    from pipeline.config import IngestConfig
+
+TurnRef = str | int | None  # the agent's own name for a turn (echoed back on interrupt)
+
+
+@dataclass
+class AgentTurnStart:
+    turn_ref: TurnRef = None
+
+
+@dataclass
+class AgentAudioFrame:
+    """Agent speech at the agent's rate: int16 or float32, interleaved if ``channels`` > 1."""
+
+    samples: np.ndarray
+    sample_rate: int
+    channels: int = 1
+    turn_ref: TurnRef = None
+
+
+@dataclass
+class AgentTurnEnd:
+    turn_ref: TurnRef = None
+    reason: str = "done"  # done | interrupted
+
+
+@dataclass
+class UserAudioFrame:
+    """The user's microphone audio, for turn detection; ``at`` is the wall time of its first sample."""
+
+    samples: np.ndarray
+    sample_rate: int
+    at: float
+
+
+@dataclass
+class AgentDisconnected:
+    """The agent went away (socket silent past its deadline, or said goodbye)."""
+
+    detail: str
+
+
+AgentEvent = AgentTurnStart | AgentAudioFrame | AgentTurnEnd | UserAudioFrame | AgentDisconnected
+
+
+@runtime_checkable
+class AgentAdapter(Protocol):
+    name: str
+
+    async def start(self) -> None:
+        """Open sockets, synthesise, connect: whatever must happen before the first event."""
+
+    def events(self) -> AsyncIterator[AgentEvent]:
+        """The agent's events, in order; ends when the conversation is over."""
+
+    async def notify(self, event: TurnEvent) -> None:
+        """The user's turn as ingest detected it (USER_SPEECH_START / USER_SPEECH_END)."""
+
+    async def interrupt(self, turn_ref: TurnRef) -> None:
+        """Barge-in: the user spoke over turn ``turn_ref``; stop producing its speech."""
+
+    async def close(self) -> None:
+        """Release everything; called once, also after an error."""
+
+
+# IngestConfig.adapter -> "module:factory"; a factory takes the IngestConfig and returns an adapter.
+# pipecat and livekit drive charstream from inside their own pipelines: they push into a PushAdapter.
+ADAPTERS: dict[str, str] = {
+    "scripted": "stages.ingest.scripted:ScriptedAgent",
+    "zmq": "stages.ingest.external:ExternalAgent",
+    "pipecat": "stages.ingest.push:PushAdapter",
+    "livekit": "stages.ingest.push:PushAdapter",
+}
+
+
+def create_adapter(config: IngestConfig) -> AgentAdapter:
+    """The adapter named by ``config.adapter``, built from the config."""
+    target = ADAPTERS.get(config.adapter)
+    if target is None:
+        raise ValueError(f"unknown ingest adapter {config.adapter!r}; known: {sorted(ADAPTERS)}")
+    module, factory = target.split(":")
+    return getattr(importlib.import_module(module), factory)(config)

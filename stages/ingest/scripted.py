@@ -1,0 +1,160 @@
+"""The built-in scripted agent: a conversation played for real, with espeak-ng voices and silero-vad.
+
+Each script line is a user utterance and the character's reply. Both are synthesised with espeak-ng
+(``stages.ingest.tts``): the user in ``IngestConfig.user_voice``, the character in ``agent_voice``.
+The agent runs one 20 ms tick at real-time pace and, per tick, yields the simulated user's
+microphone (48 kHz, speech or silence: ingest's VAD listens to it) and, while replying, one 20 ms
+frame of the reply at espeak's own 22,050 Hz (ingest resamples it, as for any agent).
+
+A turn: the user speaks → ingest's VAD detects the end of speech and ``notify``s the agent →
+the agent "thinks" for ``think_delay_s`` (standing for STT + LLM) → it streams the reply. So the end
+of speech is detected, never assumed. A line with ``barge_in_after_s`` starts the user speaking that
+long into the previous reply: the VAD hears it, ingest interrupts, and the agent drops the rest.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import anyio
+import numpy as np
+
+from pipeline.config import IngestConfig
+from stages.ingest.adapters import (
+    AgentAudioFrame,
+    AgentEvent,
+    AgentTurnEnd,
+    AgentTurnStart,
+    TurnRef,
+    UserAudioFrame,
+)
+from stages.ingest.resample import resample, to_int16
+from stages.ingest.tts import Speech, synthesize
+from transport.messages import TurnEvent, TurnKind
+
+TICK_S = 0.02
+MIC_RATE = 48_000  # the simulated user's microphone, like a WebRTC track
+MIC_FRAME = int(MIC_RATE * TICK_S)
+VAD_MISSED_AFTER_S = 3.0  # no end of speech this long after the user's line: the VAD missed it
+
+
+@dataclass
+class ScriptLine:
+    user: str
+    agent: str
+    barge_in_after_s: float | None = None  # the user starts this line this far into the previous reply
+
+
+DEFAULT_SCRIPT = [
+    ScriptLine("Hi there! Who am I talking to?",
+               "Hello! I'm Ada, a live video character. I can see you're curious about how I work."),
+    ScriptLine("How do you make your face move?",
+               "A small video model draws each frame from my voice, four frames at a time, as I speak."),
+    ScriptLine("Can I interrupt you while you are talking?",
+               "Of course. If you start speaking while I talk, I stop and listen to you right away."),
+    ScriptLine("That sounds great. Thank you!",
+               "You're welcome! It was lovely talking with you. Goodbye for now."),
+]
+
+
+@dataclass
+class _Line:
+    user: np.ndarray  # int16 at MIC_RATE
+    agent: Speech  # espeak output at its own rate
+    barge_in_after_s: float | None
+
+
+class ScriptedAgent:
+    name = "scripted"
+
+    def __init__(self, config: IngestConfig | None = None, script: list[ScriptLine] | None = None) -> None:
+        self.config = config or IngestConfig()
+        if script is None and self.config.script is not None:
+            script = [ScriptLine(**line) for line in self.config.script]
+        self.script = script or DEFAULT_SCRIPT
+        self._lines: list[_Line] = []
+        self._user_end: float | None = None  # detection time of the current user line's end (VAD)
+        self._interrupted: set[TurnRef] = set()
+
+    async def start(self) -> None:
+        self._lines = await anyio.to_thread.run_sync(self._synthesise)
+
+    def _synthesise(self) -> list[_Line]:
+        lines = []
+        for line in self.script:
+            user = synthesize(line.user, self.config.user_voice)
+            mic = to_int16(resample(user.samples.astype(np.float32) / 32768.0, user.sample_rate, MIC_RATE))
+            lines.append(_Line(mic, synthesize(line.agent, self.config.agent_voice), line.barge_in_after_s))
+        return lines
+
+    async def notify(self, event: TurnEvent) -> None:
+        if event.kind == TurnKind.USER_SPEECH_END:
+            self._user_end = time.time()
+        elif event.kind == TurnKind.USER_SPEECH_START:  # a pause inside the line ended no turn
+            self._user_end = None
+
+    async def interrupt(self, turn_ref: TurnRef) -> None:
+        self._interrupted.add(turn_ref)
+
+    async def close(self) -> None:
+        pass
+
+    async def events(self) -> AsyncIterator[AgentEvent]:
+        """The conversation, one 20 ms tick at a time (see the module docstring)."""
+        lines, config = self._lines, self.config
+        start = time.time()
+        tick = 0
+        user_line = -1  # the last line whose user part started
+        mic_speech: np.ndarray | None = None  # the user speech being played into the microphone
+        said = 0
+        user_done_at: float | None = None  # the user's line ended; waiting for the VAD's end of speech
+        think_until: float | None = None
+        reply_line: int | None = None  # the line whose reply is streaming
+        sent = 0
+        reply_started = 0.0
+        next_user_at = start + config.lead_in_s  # when the next user line may start without barging in
+        while True:
+            now = time.time()
+            nxt = user_line + 1
+            idle = mic_speech is None and user_done_at is None and think_until is None
+            if idle and nxt < len(lines):
+                barge = lines[nxt].barge_in_after_s
+                if (reply_line is None and now >= next_user_at) or (
+                        reply_line is not None and barge is not None and now - reply_started >= barge):
+                    user_line, mic_speech, said, self._user_end = nxt, lines[nxt].user, 0, None
+            # the simulated microphone
+            mic = np.zeros(MIC_FRAME, np.int16)
+            if mic_speech is not None:
+                part = mic_speech[said:said + MIC_FRAME]
+                mic[:len(part)] = part
+                said += MIC_FRAME
+                if said >= len(mic_speech):
+                    mic_speech, user_done_at = None, now
+            yield UserAudioFrame(mic, MIC_RATE, now)
+            # the agent: end of user speech (as the VAD saw it) -> think -> reply
+            if user_done_at is not None and self._user_end is not None:
+                think_until, user_done_at = self._user_end + config.think_delay_s, None
+            elif user_done_at is not None and now - user_done_at > VAD_MISSED_AFTER_S:
+                raise RuntimeError(f"scripted agent: no end of speech detected {VAD_MISSED_AFTER_S} s after "
+                                   f"line {user_line}'s user speech ended (VAD threshold too high?)")
+            if reply_line is not None and reply_line in self._interrupted:
+                yield AgentTurnEnd(reply_line, "interrupted")
+                reply_line, next_user_at = None, now + config.lead_in_s
+            if think_until is not None and now >= think_until and reply_line is None:
+                think_until, reply_line, sent, reply_started = None, user_line, 0, now
+                yield AgentTurnStart(reply_line)
+            if reply_line is not None:
+                reply = lines[reply_line].agent
+                step = int(round(reply.sample_rate * TICK_S))
+                yield AgentAudioFrame(reply.samples[sent:sent + step], reply.sample_rate, turn_ref=reply_line)
+                sent += step
+                if sent >= len(reply.samples):
+                    yield AgentTurnEnd(reply_line)
+                    reply_line, next_user_at = None, now + config.lead_in_s
+            if user_line == len(lines) - 1 and mic_speech is None and user_done_at is None \
+                    and think_until is None and reply_line is None:
+                return  # the last line is answered (or was interrupted and nothing follows)
+            tick += 1
+            await anyio.sleep(max(0.0, start + tick * TICK_S - time.time()))

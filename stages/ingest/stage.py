@@ -1,0 +1,336 @@
+"""The ingest stage: agent events → ``AgentAudio`` (48 kHz timeline) + ``TurnEvent``; user audio → VAD
+turns and barge-in.
+
+It pulls events from the configured adapter (``stages.ingest.adapters``) and:
+
+- **turns**: a turn id opens when the user starts speaking (VAD); the agent turn that follows answers
+  it and carries the same id. Its trace holds ``user_speech_end`` (VAD, back-dated) and
+  ``agent_first_audio`` (wall clock when the turn's first audio reached ingest).
+- **audio**: validated (rate, format, NaN, clipping), resampled to 48 kHz int16 by a streaming
+  polyphase filter, and emitted as the agent sends it. A turn's audio is contiguous on the media
+  timeline: ``start_sample`` of its first frame is the media clock when it arrived (or the end of
+  earlier speech). Audio more than ``max_ahead_s`` ahead of the media clock waits, so a burst from a
+  faster-than-real-time TTS never floods the pipeline (and a barge-in has little to drop).
+- **user audio** (the scripted user, or the client's microphone through ``feed_user_audio``):
+  silero-vad at 16 kHz → USER_SPEECH_START / USER_SPEECH_END. User speech while the character speaks
+  is a **barge-in**: the turn is marked interrupted (its remaining audio is dropped here),
+  ``Control(INTERRUPT)`` goes to every stage (conditioning drops the turn's unplayed speech), a
+  TurnEvent(INTERRUPT) follows, and the adapter is told to stop.
+- **bad input** never ends the session: rejected frames, repaired samples, a turn end without a
+  start, an agent that disconnects mid-turn are logged with the turn id and counted in ``stats``.
+
+The media clock: sample ``(now - media_t0) · 48000``; ``media_t0`` is the constructor argument, else
+``ctx.extras["media_t0"]``, else the wall clock at setup.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import numpy as np
+
+from pipeline.config import IngestConfig
+from stages.base import Stage, StageContext
+from stages.ingest.adapters import (
+    AgentAdapter,
+    AgentAudioFrame,
+    AgentDisconnected,
+    AgentEvent,
+    AgentTurnEnd,
+    AgentTurnStart,
+    TurnRef,
+    UserAudioFrame,
+    create_adapter,
+)
+from stages.ingest.audio_input import AudioFormatError, Repairs, to_float_mono
+from stages.ingest.resample import StreamingResampler, to_int16
+from stages.ingest.vad import UserAudioVAD, VadEvent
+from transport.messages import (
+    SAMPLES_PER_CHUNK,
+    TIMELINE_RATE,
+    AgentAudio,
+    Control,
+    ControlKind,
+    Message,
+    TraceContext,
+    TurnEvent,
+    TurnKind,
+)
+
+KEEP_TRACES = 16  # traces of recent user turns not yet answered (bounded)
+
+
+@dataclass
+class IngestStats:
+    frames_in: int = 0  # agent audio frames received
+    frames_rejected: int = 0  # refused (format) or dropped (interrupted turn)
+    samples_emitted: int = 0  # 48 kHz samples sent downstream
+    samples_repaired: int = 0  # NaN/inf silenced + out-of-range clipped
+    turns: int = 0  # agent turns started
+    interrupts: int = 0  # barge-ins
+    protocol_errors: int = 0  # turn end without start, disconnect mid-turn, ...
+    vad_events: list[tuple[str, float, float]] = field(default_factory=list)  # (kind, at, detected_at)
+
+
+@dataclass
+class _AgentTurn:
+    turn_id: int
+    ref: TurnRef
+    trace: TraceContext
+    next_sample: int | None = None  # timeline position of the next sample; set by the first audio
+    rate: int | None = None
+    resampler: StreamingResampler | None = None
+    interrupted: bool = False
+    repairs: Repairs = field(default_factory=Repairs)
+
+
+class IngestStage(Stage):
+    name = "ingest"
+
+    def __init__(self, config: IngestConfig | dict[str, Any] | None = None, adapter: AgentAdapter | None = None,
+                 media_t0: float | None = None) -> None:
+        self.config = IngestConfig(**config) if isinstance(config, dict) else config
+        self.adapter = adapter
+        self.media_t0 = media_t0
+        self.stats = IngestStats()
+        self._ctx: StageContext | None = None
+        self._vad: UserAudioVAD | None = None
+        self._seq = 0
+        self._next_turn_id = 0
+        self._user_turn: int | None = None  # opened by user speech, not yet answered by the agent
+        self._traces: OrderedDict[int, TraceContext] = OrderedDict()
+        self._turn: _AgentTurn | None = None  # the agent turn being ingested
+        self._last_turn: _AgentTurn | None = None
+        self._speech_until = 0  # timeline sample where emitted agent speech ends
+        self._wake = anyio.Event()  # set on barge-in: a pacing wait ends early
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    async def setup(self, ctx: StageContext) -> None:
+        self._ctx = ctx
+        if self.config is None:
+            self.config = getattr(ctx.config, "ingest", None) or IngestConfig()
+        if self.media_t0 is None:
+            self.media_t0 = ctx.extras.get("media_t0", time.time())
+        if self.adapter is None:
+            self.adapter = create_adapter(self.config)
+        self._vad = await anyio.to_thread.run_sync(
+            lambda: UserAudioVAD(self.config.vad_threshold, self.config.vad_silence_ms, self.config.vad_start_ms)
+        )
+        await self.adapter.start()
+
+    async def run(self, ctx: StageContext) -> None:
+        async for event in self.adapter.events():
+            await self._on_agent_event(event)
+        if self._turn is not None:
+            self._protocol_error("agent events ended mid-turn: turn ended", self._turn.turn_id)
+            await self._end_turn("ended")
+        ctx.log.info("agent_finished", turns=self.stats.turns, interrupts=self.stats.interrupts)
+
+    async def teardown(self) -> None:
+        if self.adapter is not None:
+            await self.adapter.close()
+
+    async def process(self, msg: Message, ctx: StageContext) -> None:
+        self._protocol_error(f"ingest has no data input; got {type(msg).__name__}", None)
+
+    # --- clock ---------------------------------------------------------------------------------
+
+    def media_now(self) -> int:
+        """The media clock, in timeline samples."""
+        return int((time.time() - self.media_t0) * TIMELINE_RATE)
+
+    @property
+    def character_speaking(self) -> bool:
+        turn = self._turn
+        return (turn is not None and not turn.interrupted) or self._speech_until > self.media_now()
+
+    # --- user audio → VAD ----------------------------------------------------------------------
+
+    async def feed_user_audio(self, samples: np.ndarray, at_wall_time: float, sample_rate: int = 48_000) -> None:
+        """The user's microphone audio (mono int16/float32, 48 kHz from WebRTC), first sample at
+        ``at_wall_time``. Detected speech start/end become TurnEvents; speech over the character is a
+        barge-in."""
+        if sample_rate != self._vad.sample_rate:
+            self._protocol_error(f"user audio at {sample_rate} Hz; the VAD takes {self._vad.sample_rate} Hz", None)
+            return
+        try:
+            events = self._vad.feed(samples, at_wall_time)
+        except AudioFormatError as e:
+            self._protocol_error(f"user audio refused: {e}", self._user_turn)
+            return
+        for event in events:
+            await self._on_vad(event)
+
+    async def _on_vad(self, event: VadEvent) -> None:
+        ctx = self._ctx
+        self.stats.vad_events.append((event.kind.value, event.at, event.detected_at))
+        del self.stats.vad_events[:-64]
+        if event.kind == TurnKind.USER_SPEECH_START:
+            if self.character_speaking:
+                await self._barge_in(event)
+            self._next_turn_id += 1
+            self._user_turn = self._next_turn_id
+            self._traces[self._user_turn] = TraceContext(self._user_turn)
+            while len(self._traces) > KEEP_TRACES:
+                self._traces.popitem(last=False)
+            ctx.log.info("user_speech_start", turn_id=self._user_turn, at=event.at)
+            message = TurnEvent(ctx.session_id, self._next_seq(), TurnKind.USER_SPEECH_START, self._user_turn,
+                                event.at, TraceContext(self._user_turn))
+        else:
+            if self._user_turn is None:  # VAD ends only what it started; defensive
+                return
+            trace = self._traces.get(self._user_turn) or TraceContext(self._user_turn)
+            trace.stamp("user_speech_end", event.at)
+            ctx.log.info("user_speech_end", turn_id=self._user_turn, at=event.at,
+                         detected_after_s=round(event.detected_at - event.at, 3))
+            message = TurnEvent(ctx.session_id, self._next_seq(), TurnKind.USER_SPEECH_END, self._user_turn,
+                                event.at, _copy(trace))
+        await ctx.emit(message)
+        await self.adapter.notify(message)
+
+    async def _barge_in(self, event: VadEvent) -> None:
+        ctx = self._ctx
+        turn = self._turn or self._last_turn
+        turn_id = turn.turn_id if turn is not None else None
+        now = self.media_now()
+        drop_from = -(-now // SAMPLES_PER_CHUNK)  # first chunk boundary at or after now
+        if turn is not None:
+            turn.interrupted = True
+        self._speech_until = min(self._speech_until, now)
+        self._wake.set()
+        self.stats.interrupts += 1
+        ctx.log.info("barge_in", turn_id=turn_id, user_speech_at=event.at, drop_from_chunk=drop_from)
+        await ctx.send_control(Control(ctx.session_id, self._next_seq(), ControlKind.INTERRUPT, chunk=drop_from,
+                                       detail={"turn_id": turn_id, "at_sample": now}, trace=TraceContext(turn_id)))
+        await ctx.emit(TurnEvent(ctx.session_id, self._next_seq(), TurnKind.INTERRUPT, turn_id or 0, time.time(),
+                                 TraceContext(turn_id)))
+        if turn is not None:
+            await self.adapter.interrupt(turn.ref)
+
+    # --- agent events --------------------------------------------------------------------------
+
+    async def _on_agent_event(self, event: AgentEvent) -> None:
+        if isinstance(event, AgentAudioFrame):
+            await self._on_audio(event)
+        elif isinstance(event, UserAudioFrame):
+            await self.feed_user_audio(event.samples, event.at, event.sample_rate)
+        elif isinstance(event, AgentTurnStart):
+            await self._start_turn(event.turn_ref)
+        elif isinstance(event, AgentTurnEnd):
+            if self._turn is None:
+                last = self._last_turn.turn_id if self._last_turn else None
+                self._protocol_error("agent turn end without a start: ignored", last, turn_ref=event.turn_ref)
+            else:
+                await self._end_turn(event.reason)
+        elif isinstance(event, AgentDisconnected):
+            turn_id = self._turn.turn_id if self._turn else None
+            if self._turn is not None:
+                self._protocol_error(f"agent disconnected mid-turn ({event.detail}): turn ended", turn_id)
+                await self._end_turn("disconnected")
+            else:
+                self._ctx.log.warning("agent_disconnected", detail=event.detail, turn_id=turn_id)
+        else:
+            self._protocol_error(f"unknown agent event {type(event).__name__}", None)
+
+    async def _start_turn(self, turn_ref: TurnRef) -> None:
+        ctx = self._ctx
+        if self._turn is not None:
+            self._protocol_error("agent turn start while a turn is open: the open turn is ended", self._turn.turn_id)
+            await self._end_turn("superseded")
+        if self._user_turn is not None:  # the answer to the user's last utterance
+            turn_id, self._user_turn = self._user_turn, None
+        else:  # the agent speaks first (a greeting): a turn without user speech
+            self._next_turn_id += 1
+            turn_id = self._next_turn_id
+        trace = self._traces.pop(turn_id, None) or TraceContext(turn_id)
+        self._turn = _AgentTurn(turn_id, turn_ref, trace)
+        self.stats.turns += 1
+        ctx.log.info("agent_turn_start", turn_id=turn_id, turn_ref=turn_ref)
+        await ctx.emit(TurnEvent(ctx.session_id, self._next_seq(), TurnKind.AGENT_TURN_START, turn_id, time.time(),
+                                 _copy(trace)))
+
+    async def _end_turn(self, reason: str) -> None:
+        ctx, turn = self._ctx, self._turn
+        if turn.resampler is not None and not turn.interrupted:
+            await self._emit_audio(turn, to_int16(turn.resampler.flush()))
+        if turn.repairs:
+            ctx.log.warning("agent_audio_repaired", turn_id=turn.turn_id, non_finite=turn.repairs.non_finite,
+                            clipped=turn.repairs.clipped)
+        self._last_turn, self._turn = turn, None
+        reason = "interrupted" if turn.interrupted else reason
+        ctx.log.info("agent_turn_end", turn_id=turn.turn_id, reason=reason)
+        await ctx.emit(TurnEvent(ctx.session_id, self._next_seq(), TurnKind.AGENT_TURN_END, turn.turn_id, time.time(),
+                                 _copy(turn.trace)))
+
+    async def _on_audio(self, frame: AgentAudioFrame) -> None:
+        self.stats.frames_in += 1
+        if self._turn is None:
+            self._ctx.log.warning("agent audio without a turn start: turn started", turn_ref=frame.turn_ref)
+            self.stats.protocol_errors += 1
+            await self._start_turn(frame.turn_ref)
+        turn = self._turn
+        if turn.interrupted:
+            self.stats.frames_rejected += 1
+            return
+        try:
+            audio, repairs = to_float_mono(frame.samples, frame.sample_rate, frame.channels)
+        except AudioFormatError as e:
+            self.stats.frames_rejected += 1
+            self._ctx.log.error("agent_audio_rejected", turn_id=turn.turn_id, problem=str(e))
+            return
+        if repairs:
+            if not turn.repairs:  # warn at once, summarise at the turn's end
+                self._ctx.log.warning("agent_audio_bad_samples", turn_id=turn.turn_id,
+                                      non_finite=repairs.non_finite, clipped=repairs.clipped)
+            turn.repairs.non_finite += repairs.non_finite
+            turn.repairs.clipped += repairs.clipped
+            self.stats.samples_repaired += repairs.non_finite + repairs.clipped
+        if turn.rate != frame.sample_rate:
+            if turn.resampler is not None:  # the agent changed rate mid-turn: finish the old stream
+                self._ctx.log.warning("agent_rate_changed", turn_id=turn.turn_id, old=turn.rate, new=frame.sample_rate)
+                await self._emit_audio(turn, to_int16(turn.resampler.flush()))
+            turn.rate = frame.sample_rate
+            turn.resampler = StreamingResampler(frame.sample_rate, TIMELINE_RATE)
+        if "agent_first_audio" not in turn.trace.stamps:
+            turn.trace.stamp("agent_first_audio")
+        await self._emit_audio(turn, to_int16(turn.resampler.push(audio)))
+
+    async def _emit_audio(self, turn: _AgentTurn, samples: np.ndarray) -> None:
+        if not len(samples):
+            return
+        ctx = self._ctx
+        if turn.next_sample is None:
+            turn.next_sample = max(self.media_now(), self._speech_until)
+        # pace: wait while this audio would start more than max_ahead_s ahead of the media clock
+        ahead = (turn.next_sample - self.media_now()) / TIMELINE_RATE - self.config.max_ahead_s
+        if ahead > 0:
+            self._wake = anyio.Event()
+            with anyio.move_on_after(ahead):
+                await self._wake.wait()
+        if turn.interrupted:
+            self.stats.frames_rejected += 1
+            return
+        start, turn.next_sample = turn.next_sample, turn.next_sample + len(samples)
+        self._speech_until = max(self._speech_until, turn.next_sample)
+        self.stats.samples_emitted += len(samples)
+        await ctx.emit(AgentAudio(ctx.session_id, self._next_seq(), samples, start, TIMELINE_RATE, _copy(turn.trace)))
+
+    # --- helpers -------------------------------------------------------------------------------
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _protocol_error(self, problem: str, turn_id: int | None, **extra: Any) -> None:
+        self.stats.protocol_errors += 1
+        self._ctx.log.error("agent_protocol_error", turn_id=turn_id, problem=problem, **extra)
+
+
+def _copy(trace: TraceContext) -> TraceContext:
+    """Messages may be shared in-process: each gets its own snapshot of the turn's stamps."""
+    return TraceContext(trace.turn_id, dict(trace.stamps))

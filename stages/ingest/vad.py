@@ -1,0 +1,140 @@
+"""Turn detection on the user's audio with silero-vad (the model ships inside the pip package).
+
+``UserAudioVAD.feed(samples, at_wall_time)`` takes the user's microphone audio as it arrives — 48 kHz
+int16 from the WebRTC track, or any supported rate — resamples it to 16 kHz, runs silero-vad on
+32 ms windows and returns the speech start/end events that became certain in this block:
+
+- start: ``start_ms`` of consecutive windows with probability ≥ ``threshold``; ``at`` is the wall
+  time the first of them began.
+- end: after speech, ``silence_ms`` of consecutive windows below ``threshold``; ``at`` is back-dated
+  by the silence window to when the silence began, the convention of Pipecat and LiveKit, so
+  ``user_speech_end`` measures the user, not the detector. ``detected_at`` says when it was known.
+  (One threshold both ways, as LiveKit: silero's probability decays over ~100 ms after speech
+  stops, so a lower "negative" threshold would date the end ~30-60 ms late.)
+
+Wall times come from the caller: ``at_wall_time`` is the wall clock of the block's first sample.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from stages.ingest.audio_input import to_float_mono
+from stages.ingest.resample import StreamingResampler
+from transport.messages import TurnKind
+
+VAD_RATE = 16_000
+WINDOW = 512  # samples per silero window at 16 kHz (32 ms)
+WINDOW_S = WINDOW / VAD_RATE
+
+_load_lock = threading.Lock()
+
+
+def load_silero() -> torch.jit.ScriptModule:
+    """A fresh silero-vad JIT model (each stream needs its own: the model holds its recurrent state)."""
+    with _load_lock:
+        from silero_vad import load_silero_vad
+
+        # One intra-op thread, as silero's own import sets for the whole process: with two threads
+        # on a busy 2-core machine the OpenMP workers spin against each other and a 32 ms window
+        # took up to 150 ms instead of 0.5-1 ms (measured). Processes that run CPU diffusion
+        # beside the VAD must set their own thread count after this.
+        torch.set_num_threads(1)
+        model = load_silero_vad(onnx=False)
+    model.eval()
+    with torch.inference_mode():  # the JIT profiles and optimises its first runs: do them now
+        for _ in range(8):
+            model(torch.zeros(WINDOW), VAD_RATE)
+    model.reset_states()
+    return model
+
+
+@dataclass
+class VadEvent:
+    kind: TurnKind  # USER_SPEECH_START or USER_SPEECH_END
+    at: float  # wall clock: speech onset, or the back-dated end of speech
+    detected_at: float  # wall clock of the end of the window that decided it
+    probability: float  # the deciding window's speech probability
+
+
+class UserAudioVAD:
+    """Streaming speech start/end detector for one user's audio."""
+
+    def __init__(self, threshold: float = 0.5, silence_ms: int = 300, start_ms: int = 64,
+                 sample_rate: int = 48_000) -> None:
+        self.threshold = threshold
+        self.silence_windows = max(1, round(silence_ms / (WINDOW_S * 1000)))
+        self.start_windows = max(1, round(start_ms / (WINDOW_S * 1000)))
+        self.sample_rate = sample_rate
+        self._model = load_silero()
+        self._resampler = StreamingResampler(sample_rate, VAD_RATE) if sample_rate != VAD_RATE else None
+        self.reset()
+
+    @property
+    def speaking(self) -> bool:
+        return self._speaking
+
+    def reset(self) -> None:
+        self._model.reset_states()
+        if self._resampler is not None:
+            self._resampler.reset()
+        self._pending = np.zeros(0, np.float32)  # 16 kHz samples not yet in a full window
+        self._n_in = 0  # input samples fed
+        self._n_windows = 0  # windows evaluated
+        self._anchor = (0.0, 0.0)  # (16 kHz sample index, its wall time), refreshed by every feed
+        self._speaking = False
+        self._run = 0  # consecutive speech windows (quiet) or silent windows (speaking)
+        self._run_start = 0  # index of the first window of the current run
+
+    def feed(self, samples: np.ndarray, at_wall_time: float) -> list[VadEvent]:
+        """Feed one block of user audio (int16 or float32 mono) whose first sample was at ``at_wall_time``."""
+        audio, _ = to_float_mono(samples, self.sample_rate)
+        # anchor the 16 kHz index of this block's first sample to its wall time (absorbs capture gaps)
+        self._anchor = (self._n_in * VAD_RATE / self.sample_rate, at_wall_time)
+        self._n_in += len(audio)
+        if self._resampler is not None:
+            audio = self._resampler.push(audio)
+        self._pending = np.concatenate([self._pending, audio])
+        events = []
+        while len(self._pending) >= WINDOW:
+            window, self._pending = self._pending[:WINDOW], self._pending[WINDOW:]
+            with torch.inference_mode():
+                p = float(self._model(torch.from_numpy(window.copy()), VAD_RATE))
+            event = self._step(p)
+            if event is not None:
+                events.append(event)
+            self._n_windows += 1
+        return events
+
+    def _wall(self, window_index: int) -> float:
+        """Wall time of the first sample of window ``window_index``."""
+        index, wall = self._anchor
+        return wall + (window_index * WINDOW - index) / VAD_RATE
+
+    def _step(self, p: float) -> VadEvent | None:
+        i = self._n_windows
+        if not self._speaking:
+            if p >= self.threshold:
+                if self._run == 0:
+                    self._run_start = i
+                self._run += 1
+                if self._run >= self.start_windows:
+                    self._speaking, self._run = True, 0
+                    return VadEvent(TurnKind.USER_SPEECH_START, self._wall(self._run_start), self._wall(i + 1), p)
+            else:
+                self._run = 0
+            return None
+        if p >= self.threshold:
+            self._run = 0
+        else:
+            if self._run == 0:
+                self._run_start = i
+            self._run += 1
+            if self._run >= self.silence_windows:
+                self._speaking, self._run = False, 0
+                return VadEvent(TurnKind.USER_SPEECH_END, self._wall(self._run_start), self._wall(i + 1), p)
+        return None
