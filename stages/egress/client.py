@@ -76,6 +76,7 @@ class EgressClient:
         self.sender_reports: dict[str, list[tuple[float, int]]] = {"video": [], "audio": []}  # (ntp s, rtp)
         self.turns: list[dict[str, Any]] = []  # the server's per-turn latency messages
         self.pings_answered = 0
+        self.silent = False  # True: send nothing on the data channel (a client that vanished without closing)
         self._tasks: list[asyncio.Task] = []
         self._origins: dict[str, Any] = {}
 
@@ -193,8 +194,39 @@ class EgressClient:
             self.turns.append(msg)
 
     def _send(self, msg: dict[str, Any]) -> None:
-        if self.channel is not None and self.channel.readyState == "open":
+        if self.channel is not None and self.channel.readyState == "open" and not self.silent:
             self.channel.send(json.dumps(msg))
+
+
+class AudioSamplesTrack(MediaStreamTrack):
+    """A microphone stand-in: plays 48 kHz int16 mono samples in real time (20 ms frames), then silence."""
+
+    kind = "audio"
+
+    def __init__(self, samples: np.ndarray, loop: bool = False) -> None:
+        super().__init__()
+        self.samples = samples.astype(np.int16)
+        self.loop = loop
+        self._position = 0
+        self._start: float | None = None
+
+    async def recv(self) -> av.AudioFrame:
+        if self._start is None:
+            self._start = time.monotonic()
+        delay = self._start + self._position / TIMELINE_RATE - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        n = TIMELINE_RATE // 50
+        chunk = np.zeros(n, np.int16)
+        offset = self._position % len(self.samples) if self.loop else self._position
+        piece = self.samples[offset:offset + n]
+        chunk[:len(piece)] = piece
+        frame = av.AudioFrame.from_ndarray(chunk.reshape(1, -1), format="s16", layout="mono")
+        frame.sample_rate = TIMELINE_RATE
+        frame.pts = self._position
+        frame.time_base = fractions.Fraction(1, TIMELINE_RATE)
+        self._position += n
+        return frame
 
 
 class Recorder:

@@ -46,6 +46,9 @@ class UserAudioQueue:
         self.received = 0
         self.dropped = 0
 
+    def __len__(self) -> int:
+        return len(self._frames)
+
     def put(self, frame: UserAudioFrame) -> None:
         if self.closed:
             return

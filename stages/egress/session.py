@@ -78,14 +78,15 @@ def realtime_card(height: int = 128, width: int = 128, flash_every: int = 12, sp
 
 
 def card_factory(playout_config: PlayoutConfig | None = None, egress_config: EgressConfig | None = None,
-                     height: int = 128, width: int = 128, flash_every: int = 12):
-    """A ``SessionFactory`` serving the test card; ``factory.sessions`` holds the live ones."""
+                 height: int = 128, width: int = 128, flash_every: int = 12,
+                 source: Callable[[PlayoutStage, StageContext], Awaitable[None]] | None = None):
+    """A ``SessionFactory`` serving the test card (or ``source``); ``factory.sessions`` holds the live ones."""
     egress_config = egress_config or EgressConfig()
+    source = source or realtime_card(height, width, flash_every)
     sessions: dict[str, TestcardSession] = {}
 
     async def factory(session_id: str) -> SessionMedia:
-        session = await start_playout(session_id, PlayoutStage(playout_config),
-                                      realtime_card(height, width, flash_every))
+        session = await start_playout(session_id, PlayoutStage(playout_config), source)
         sessions[session_id] = session
 
         async def close() -> None:

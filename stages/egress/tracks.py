@@ -89,7 +89,8 @@ class PlayoutVideoTrack(MediaStreamTrack):
         """The output frame a received RTP timestamp belongs to (None until the origin is known)."""
         if self.rtp_origin is None:
             return None
-        return ((rtp_timestamp - self.rtp_origin) % 2**32) // VIDEO_PTS_PER_FRAME
+        # Nearest frame: a decoder may hand back the timestamp a tick off (aiortc's VP8 path does).
+        return ((rtp_timestamp - self.rtp_origin + VIDEO_PTS_PER_FRAME // 2) % 2**32) // VIDEO_PTS_PER_FRAME
 
     def _learn_rtp_origin(self) -> None:
         # aiortc adds a private random origin to our pts and keeps it in a local variable. Its send

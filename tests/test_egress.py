@@ -1,0 +1,216 @@
+"""Egress over real aiortc on loopback: rate, A/V sync, stall absorption, turn timing, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import numpy as np
+import pytest
+
+from pipeline.config import EgressConfig, PlayoutConfig
+from stages.egress.client import AudioSamplesTrack, EgressClient, SignalingError
+from stages.egress.server import EgressServer
+from stages.egress.session import card_factory
+from stages.egress.testcard import CLICK_AMPLITUDE, card_chunk
+from transport.messages import CHUNK_SECONDS, TIMELINE_RATE
+
+FLASH_EVERY = 12  # chunks: one flash + click every 2 s
+STALL_AFTER, STALL_S = 30, 0.263
+TURN_CHUNK = 40  # first speaking chunk of turn 1
+
+
+def staged_source(turn_stamps: dict[str, float]):
+    """Test card at the media rate, a 263 ms upstream stall after chunk 30, speech from chunk 40."""
+
+    async def source(playout, ctx) -> None:
+        start = time.monotonic()
+        n = 0
+        while True:
+            speaking = n >= TURN_CHUNK
+            chunk = card_chunk(ctx.session_id, n, flash=n % FLASH_EVERY == 0, speaking=speaking,
+                               turn_id=1 if speaking else None)
+            if n == TURN_CHUNK:  # what ingest/conditioning would have stamped on the turn
+                now = time.time()
+                turn_stamps.update(user_speech_end=now - 0.9, agent_first_audio=now - 0.4)
+                chunk.trace.stamps.update(turn_stamps)
+            await playout.process(chunk, ctx)
+            if n == STALL_AFTER:
+                start += STALL_S
+            n += 1
+            delay = start + n * CHUNK_SECONDS - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+
+    return source
+
+
+@pytest.fixture(scope="module")
+def ten_seconds():
+    """One 11.5 s session over loopback; the tests below check different things it recorded."""
+
+    async def main():
+        factory = card_factory(PlayoutConfig(target_depth_chunks=2), source=staged_source({}))
+        server = EgressServer(EgressConfig(port=0), factory)
+        url = await server.start()
+        session_id, token = server.create_session()
+        client = EgressClient(keep_images=True)
+        await client.connect(url, token)
+        await client.wait_for_video(1, timeout=10)
+        await asyncio.sleep(11.5)
+        peer = server.sessions[session_id]
+        playout = factory.sessions[session_id].playout
+        result = dict(video=list(client.video), audio=list(client.audio), client=client, turns=list(client.turns),
+                      stats=playout.stats.summary(), delivery_ms=peer.timing.median_delivery_ms(),
+                      turn_segments=dict(peer.turn_segments), reports=peer.timing.frames_reported,
+                      unmatched=peer.timing.unmatched_reports)
+        await client.close()
+        await server.stop()
+        result["left"] = (dict(server.sessions), dict(factory.sessions))
+        return result
+
+    return asyncio.run(main())
+
+
+def test_client_receives_24_fps_over_10_s(ten_seconds):
+    arrivals = np.array([v.arrival for v in ten_seconds["video"]])
+    window = arrivals[(arrivals >= arrivals[0] + 1.0) & (arrivals < arrivals[0] + 11.0)]
+    assert abs(len(window) / 10.0 - 24) <= 0.5
+    rtp = np.array([v.rtp for v in ten_seconds["video"]], np.int64)
+    steps = np.diff(rtp) % 2**32  # consecutive frames (±1 tick of decoder rounding): none skipped or repeated
+    assert steps.min() >= 3748 and steps.max() <= 3752
+
+
+def test_audio_video_offset_at_the_client_is_within_one_frame(ten_seconds):
+    client = ten_seconds["client"]
+    flashes = [v for v in ten_seconds["video"] if v.image.mean() > 200]
+    assert len(flashes) >= 4
+    offsets = []
+    for flash in flashes:
+        video_at = client.sender_time("video", flash.rtp)
+        clicks = [(a, int(np.argmax(np.abs(a.samples) > CLICK_AMPLITUDE // 3))) for a in ten_seconds["audio"]
+                  if (np.abs(a.samples) > CLICK_AMPLITUDE // 3).any()]
+        # the click nearest in media time to this flash (by sender-report mapped times)
+        times = [client.sender_time("audio", a.rtp + i) for a, i in clicks]
+        audio_at = min(times, key=lambda t: abs(t - video_at))
+        offsets.append(audio_at - video_at)
+    print("A/V offsets (ms):", [round(o * 1e3, 1) for o in offsets])
+    assert max(abs(o) for o in offsets) <= 1 / 24
+
+
+def test_263ms_stall_with_two_chunk_buffer_causes_no_underrun(ten_seconds):
+    stats = ten_seconds["stats"]
+    assert stats["underruns"] == 0 and stats["underrun_frames"] == 0 and stats["late_chunks"] == 0
+    assert stats["frames_released"] > 11 * 24
+
+
+def test_client_reports_give_delivery_and_the_turns_client_stamp(ten_seconds):
+    assert ten_seconds["reports"] >= 200 and ten_seconds["unmatched"] < 10
+    assert 0 < ten_seconds["delivery_ms"] < 500
+    [turn] = ten_seconds["turns"]  # the server told the client the turn's latency segments
+    assert turn["turn_id"] == 1 and set(turn["segments_ms"]) == {"agent", "pipeline", "delivery", "total"}
+    assert turn["segments_ms"] == ten_seconds["turn_segments"][1]
+    assert 0 < turn["segments_ms"]["delivery"] < 500
+    assert ten_seconds["left"] == ({}, {})  # server stop released every session
+
+
+def test_h264_is_negotiated_when_configured():
+    async def main():
+        factory = card_factory()
+        server = EgressServer(EgressConfig(port=0, codec="H264"), factory)
+        url = await server.start()
+        _, token = server.create_session()
+        client = EgressClient(keep_images=True)
+        await client.connect(url, token)
+        await client.wait_for_video(24, timeout=15)
+        answer = client.pc.remoteDescription.sdp
+        frame = client.video[-1].image
+        await client.close()
+        await server.stop()
+        return answer, frame
+
+    answer, frame = asyncio.run(main())
+    video_section = answer[answer.index("m=video"):]
+    assert "H264/90000" in video_section and "VP8/90000" not in video_section
+    assert frame.shape == (128, 128, 3) and frame.std() > 20  # the colour bars, decoded
+
+
+def test_bad_input_is_refused_and_other_sessions_keep_running():
+    async def post(http, url, path, body, headers=None):
+        async with http.post(url + path, data=body, headers=headers or {}) as r:
+            return r.status, await r.json()
+
+    async def main():
+        factory = card_factory()
+        server = EgressServer(EgressConfig(port=0, client_timeout_s=1.5, ping_interval_s=0.25), factory,
+                              access_key="k")
+        url = await server.start()
+        out = {}
+        async with aiohttp.ClientSession() as http:
+            out["not_json"] = await post(http, url, "/offer", "{nope")
+            out["missing"] = await post(http, url, "/offer", json.dumps({"sdp": "x"}))
+            out["wrong_token"] = await post(http, url, "/offer", json.dumps({"token": "t", "sdp": "x", "type": "offer"}))
+            out["no_key"] = await post(http, url, "/session", "{}")
+            out["key"] = await post(http, url, "/session", "{}", {"X-Charstream-Key": "k"})
+            out["bad_sdp"] = await post(http, url, "/offer", json.dumps(
+                {"token": out["key"][1]["token"], "sdp": "v=0\r\nthis is not sdp", "type": "offer"}))
+            out["after_bad_sdp"] = dict(server.sessions)
+
+        speech = (3000 * np.sin(2 * np.pi * 220 * np.arange(TIMELINE_RATE) / TIMELINE_RATE)).astype(np.int16)
+        a = EgressClient(mic=AudioSamplesTrack(speech, loop=True))
+        b = EgressClient()
+        id_a, token_a = server.create_session()
+        id_b, token_b = server.create_session()
+        await a.connect(url, token_a)
+        await b.connect(url, token_b)
+        await a.wait_for_video(12, timeout=10)
+        await b.wait_for_video(12, timeout=10)
+        try:  # the same offer again: a replay
+            await b_replay(url, token_a, a)
+        except SignalingError as e:
+            out["replay"] = e.status
+        a.channel.send("not json at all")
+        a.channel.send(json.dumps({"type": "frame", "rtp": "x"}))
+        a.channel.send(json.dumps(["a", "list"]))
+        b.silent = True  # b vanishes without closing
+        await asyncio.sleep(3.0)
+        out["b_closed"] = id_b not in server.sessions and id_b not in factory.sessions
+        frames_before = len(a.video)
+        await asyncio.sleep(1.0)
+        out["a_still_streaming"] = len(a.video) - frames_before
+        out["a_bad_messages"] = server.sessions[id_a].bad_messages
+        mic = server.sessions[id_a].media.user_audio
+        out["mic_frames"] = mic.received
+        frames = []
+        while len(mic):
+            frames.append((await mic.get()).samples)
+        out["mic_rms"] = float(np.sqrt(np.mean(np.concatenate(frames).astype(np.float64) ** 2)))
+        await a.close()
+        await b.close()
+        await asyncio.sleep(0.5)
+        out["left"] = (dict(server.sessions), dict(factory.sessions))
+        await server.stop()
+        return out
+
+    async def b_replay(url, token, client):
+        body = {"token": token, "sdp": client.pc.localDescription.sdp, "type": "offer"}
+        async with aiohttp.ClientSession() as http, http.post(url + "/offer", json=body) as r:
+            data = await r.json()
+            if r.status != 200:
+                raise SignalingError(r.status, data["error"])
+
+    out = asyncio.run(main())
+    assert out["not_json"][0] == 400 and "not JSON" in out["not_json"][1]["error"]
+    assert out["missing"][0] == 400
+    assert out["wrong_token"] == (403, {"error": "unknown session token"})
+    assert out["no_key"][0] == 403
+    assert out["bad_sdp"][0] == 400 and "offer" in out["bad_sdp"][1]["error"]
+    assert out["after_bad_sdp"] == {}  # the failed session was released
+    assert out["replay"] == 409
+    assert out["b_closed"]
+    assert out["a_still_streaming"] >= 18
+    assert out["a_bad_messages"] == 3
+    assert out["mic_frames"] >= 50 and out["mic_rms"] > 1000  # the mic tone arrived at 48 kHz
+    assert out["left"] == ({}, {})
