@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from transport.messages import TIMELINE_RATE
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -32,6 +34,10 @@ class ModelConfig:
     window_frames: int  # ring of W latent frames
     reset_every: int  # position reset (delta rotation) every R steps
     noise_levels: tuple[float, ...]  # the 4 fixed flow-matching levels, high to low
+    rollback_frames: int = 4  # ring storage beyond the window, so a turn-start rollback of this many is exact
+    kv_headroom: float = 2.0  # FP8 per-head scale = headroom x the sink frame's amax / 448 (docs/MODEL.md)
+    audio_context_ms: float = 80.0  # left context of a chunk's audio window (model/audio_encoder.py)
+    audio_layers: int = 2  # transformer layers of the audio encoder
 
     @property
     def latent_height(self) -> int:
@@ -61,8 +67,52 @@ class ModelConfig:
         """Cached key/value slots per layer (sink + ring), in tokens."""
         return (self.sink_frames + self.window_frames) * self.tokens_per_step
 
+    @property
+    def ring_frames(self) -> int:
+        """Ring storage in frames: the attention window plus the rollback margin."""
+        return self.window_frames + self.rollback_frames
+
+    @property
+    def storage_slots(self) -> int:
+        """Slots allocated per layer: sink + ring storage (window + rollback margin)."""
+        return (self.sink_frames + self.ring_frames) * self.tokens_per_step
+
     def with_(self, **changes) -> ModelConfig:
         return replace(self, **changes)
+
+    def validate(self, tp: int = 1) -> ModelConfig:
+        """Raise ValueError naming the first inconsistent field; returns self so calls chain."""
+        problems = []
+        if self.n_heads * self.head_dim != self.dim:
+            problems.append(f"n_heads x head_dim = {self.n_heads} x {self.head_dim} != dim {self.dim}")
+        if tp < 1 or self.n_heads % tp:
+            problems.append(f"n_heads {self.n_heads} is not divisible by the tensor-parallel size {tp}")
+        if tp >= 1 and self.ffn_dim % tp:
+            problems.append(f"ffn_dim {self.ffn_dim} is not divisible by the tensor-parallel size {tp}")
+        cell = self.vae_spatial * self.patch
+        if self.height % cell or self.width % cell:
+            problems.append(f"{self.height}x{self.width} video is not a multiple of VAE x patch = {cell}")
+        if self.head_dim % 2 or self.head_dim < 6:
+            problems.append(f"head_dim {self.head_dim} cannot hold 3-D RoPE (even, >= 6)")
+        if TIMELINE_RATE % self.audio_rate or self.audio_rate < 8_000:
+            problems.append(
+                f"audio_rate {self.audio_rate} Hz must divide the {TIMELINE_RATE} Hz timeline and be >= 8 kHz"
+            )
+        if self.n_audio_tokens < 1:
+            problems.append("n_audio_tokens must be >= 1")
+        if self.sink_frames < 1 or self.window_frames < 1 or self.rollback_frames < 0:
+            problems.append("sink_frames and window_frames must be >= 1, rollback_frames >= 0")
+        if self.reset_every < 1:
+            problems.append(f"reset_every {self.reset_every} must be >= 1")
+        levels = self.noise_levels
+        decreasing = all(0 < b < a for a, b in zip(levels, levels[1:], strict=False))
+        if len(levels) != 4 or levels[0] != 1.0 or not decreasing:
+            problems.append(f"noise_levels {levels} must be 4 strictly decreasing levels from 1.0 (pure noise)")
+        if self.kv_headroom < 1:
+            problems.append(f"kv_headroom {self.kv_headroom} must be >= 1")
+        if problems:
+            raise ValueError(f"model config {self.name!r}: " + "; ".join(problems))
+        return self
 
 
 TINY = ModelConfig(
@@ -111,6 +161,7 @@ CHARACTERS_57B = ModelConfig(
     window_frames=7,  # (1 + 7) x 757 = 6,056 slots; the reference quotes 5,788 (see docs)
     reset_every=42,
     noise_levels=(1.0, 0.75, 0.5, 0.25),
+    rollback_frames=3,
 )
 
 PRESETS: dict[str, ModelConfig] = {c.name: c for c in (TINY, CHARACTERS_57B)}

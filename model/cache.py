@@ -1,0 +1,159 @@
+"""KV ring cache of one TP rank: sink slots + a ring of frames, all layers in one tensor each.
+
+Layout (the contract with kernels/): ``k``, ``v`` are (n_layers, n_heads, n_slots, head_dim) in
+float8_e4m3fn or the model dtype; ``k_scale``, ``v_scale`` float32 (n_layers, n_heads). Slots are
+the sink (``sink_frames * T``) followed by ``ring_frames * T`` ring slots; absolute frame ``f``
+lives at ring position ``f % ring_frames``. Storage is allocated once and never reallocated.
+
+Keys carry RoPE and FP8 from the moment they are written; attention reads the ring in place under
+the ``ring_valid`` mask. Time positions: the sink sits at ``t = 0 .. sink_frames - 1``; frame ``f``
+at ``t = sink_frames + f - offset(f)`` where the offset grows by ``reset_every`` each time the
+newest position would reach ``sink_frames + window + reset_every`` -- one delta rotation of the
+ring keys moves every cached frame back with it.
+
+Scale policy (FP8): a layer's per-head scales are set when the sink frame is written --
+K: headroom x the largest (even, odd) pair norm / 448 (a pair's norm bounds both rotated values
+at every position, so RoPE can never push a key past the range the sink saw); V: headroom x amax / 448.
+Later values beyond the range saturate at +-448 and are counted in ``saturated``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.delta_rotate import delta_rotate
+from kernels.fp8 import FP8_MAX, is_fp8
+from kernels.ring_attention import ring_attention
+from kernels.ring_write import ring_write
+from model.config import ModelConfig
+from model.rope import RopeFreqs
+
+
+def position_offset(frame: int, window_frames: int, reset_every: int) -> int:
+    """Time offset in force while frame ``frame`` is written (a multiple of ``reset_every``)."""
+    return reset_every * max(0, (frame - window_frames) // reset_every)
+
+
+class KVCache:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        n_heads: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        freqs: RopeFreqs,
+        n_slots: int | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.tokens_per_frame = cfg.tokens_per_step
+        self.sink_slots = cfg.sink_frames * self.tokens_per_frame
+        self.ring_frames = cfg.ring_frames
+        needed = cfg.storage_slots
+        if n_slots is not None and n_slots < needed:
+            raise ValueError(
+                f"KV cache of {n_slots} slots cannot hold {cfg.sink_frames} sink + {cfg.window_frames} window "
+                f"+ {cfg.rollback_frames} rollback frames x {self.tokens_per_frame} tokens = {needed} slots"
+            )
+        shape = (cfg.n_blocks, n_heads, needed, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_scale = torch.ones(cfg.n_blocks, n_heads, dtype=torch.float32, device=device)
+        self.v_scale = torch.ones_like(self.k_scale)
+        self.ring_valid = torch.zeros(self.ring_frames, dtype=torch.bool, device=device)
+        self.saturated = torch.zeros((), dtype=torch.int64, device=device)
+        self.freqs = freqs
+        # Host bookkeeping: which absolute frame each ring position holds (None: nothing usable).
+        self.slot_frame: list[int | None] = [None] * self.ring_frames
+        self.offset = 0  # time offset currently baked into the ring keys
+        self.write_start = 0  # first slot of the frame being written
+        self.writing_sink = False
+        self.next_frame = 0
+
+    @property
+    def fp8(self) -> bool:
+        return is_fp8(self.k)
+
+    def reset(self) -> None:
+        """A new session: forget every frame (storage is reused, not reallocated)."""
+        self.slot_frame = [None] * self.ring_frames
+        self.ring_valid.zero_()
+        self.saturated.zero_()
+        self.offset = 0
+        self.next_frame = 0
+
+    def begin_sink(self) -> None:
+        """Next writes go to the sink slots; attention sees the sink only."""
+        self.ring_valid.zero_()
+        self.write_start = 0
+        self.writing_sink = True
+
+    def begin_frame(self) -> tuple[int, int]:
+        """Prepare to write frame ``next_frame``: apply a due position reset, mark the window valid.
+
+        Returns (frame index, its time position). The frame's ring position counts as valid at once:
+        every pass writes its K/V there before attending.
+        """
+        frame = self.next_frame
+        self._shift_to(position_offset(frame, self.cfg.window_frames, self.cfg.reset_every))
+        ring_pos = frame % self.ring_frames
+        self.slot_frame[ring_pos] = frame
+        oldest = frame - self.cfg.window_frames + 1
+        valid = [f is not None and oldest <= f <= frame for f in self.slot_frame]
+        self.ring_valid.copy_(torch.tensor(valid, dtype=torch.bool))
+        self.write_start = self.sink_slots + ring_pos * self.tokens_per_frame
+        self.writing_sink = False
+        return frame, self.cfg.sink_frames + frame - self.offset
+
+    def end_frame(self) -> None:
+        self.next_frame += 1
+
+    def rollback(self, k: int) -> int:
+        """Rewind the write pointer by ``k`` frames. Returns how many of the rewound window's frames were
+        already overwritten in the ring (0 = exact: as if the dropped frames were never generated)."""
+        if not 0 <= k <= self.next_frame:
+            raise ValueError(f"cannot roll back {k} frames: {self.next_frame} generated this session")
+        self.next_frame -= k
+        self.slot_frame = [f if f is not None and f < self.next_frame else None for f in self.slot_frame]
+        wanted = range(max(0, self.next_frame - self.cfg.window_frames + 1), self.next_frame)
+        return sum(f not in self.slot_frame for f in wanted)
+
+    def _shift_to(self, offset: int) -> None:
+        if offset != self.offset:
+            # One in-place rotation of every ring key's time channels: position t -> t - delta.
+            delta_rotate(self.k, self.k_scale, offset - self.offset, self.freqs.t, self.sink_slots)
+            self.offset = offset
+
+    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, positions: torch.Tensor) -> None:
+        """Write pre-RoPE K/V (n_tokens, n_heads, head_dim) of the current frame (or the sink)."""
+        k_scale, v_scale = self.k_scale[layer], self.v_scale[layer]
+        if self.fp8:
+            if self.writing_sink:  # the sink fixes this layer's scales for the session
+                k_scale.copy_(_pair_amax(k_new) * self.cfg.kv_headroom / FP8_MAX)
+                v_scale.copy_(v_new.float().abs().amax(dim=(0, 2)).clamp_min(1e-6) * self.cfg.kv_headroom / FP8_MAX)
+            self.saturated += _over_range(k_new, v_new, k_scale, v_scale)
+        ring_write(self.k[layer], self.v[layer], k_scale, v_scale, k_new, v_new, self.write_start, positions, self.freqs)
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Attention of RoPE'd queries (n_tokens, n_heads, head_dim) over the sink + valid ring frames."""
+        return ring_attention(
+            q, self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer],
+            self.ring_valid, self.sink_slots, self.tokens_per_frame,
+        )
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.k_scale, self.v_scale))
+
+
+def _pair_amax(k: torch.Tensor) -> torch.Tensor:
+    """Per head: the largest norm of an interleaved RoPE pair, (n_heads,)."""
+    pairs = k.float().unflatten(-1, (-1, 2)).norm(dim=-1)
+    return pairs.amax(dim=(0, 2)).clamp_min(1e-6)
+
+
+def _over_range(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor) -> torch.Tensor:
+    """Values that saturate (V) or may saturate at some rotation (K pairs) under the current scales."""
+    limit_k = (k_scale * FP8_MAX)[None, :, None]
+    limit_v = (v_scale * FP8_MAX)[None, :, None]
+    k_pairs = k.float().unflatten(-1, (-1, 2)).norm(dim=-1)
+    return (k_pairs > limit_k).sum() + (v.float().abs() > limit_v).sum()
+

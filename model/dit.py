@@ -1,0 +1,180 @@
+"""Parallel-block autoregressive video DiT.
+
+Each block reads ONE normalised input (adaLN on the noise level) and computes three branches from it
+-- self-attention of the frame's tokens over the cached context plus themselves, cross-attention to
+the chunk's audio tokens, and a GELU MLP -- then sums them. The branches' input projections are one
+fused GEMM (``w_in`` -> q, k, v, cross-q, mlp-up) and their output projections another (``w_out`` over
+the concatenated [attn, cross, mlp] outputs), so tensor parallelism splits ``w_in`` by columns and
+``w_out`` by rows and needs exactly one all-reduce per block (model/tp.py adds it as a hook).
+
+Tensors are frame-structured: x is (batch, frames, tokens_per_frame, dim); a frame's tokens are its
+video tokens (the patched latent grid, row-major) followed by its audio tokens. How frames attend to
+each other is the caller's business: ``forward`` takes a ``SelfAttention`` -- the KV ring cache at
+inference (model/generator.py), a block-causal mask in training (model/teacher_forcing.py), the
+naive re-RoPE window in tests (model/naive.py).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.config import ModelConfig
+
+NOISE_FEATURES = 256  # sinusoidal features of the noise level
+
+
+class SelfAttention(Protocol):
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q, k, v: (B, F, T, heads, head_dim), QK-normed, before RoPE. Returns the same shape."""
+        ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def noise_features(sigma: torch.Tensor) -> torch.Tensor:
+    """Sinusoidal features (..., NOISE_FEATURES) of noise levels in [0, 1]."""
+    half = NOISE_FEATURES // 2
+    freqs = torch.exp(-math.log(10_000.0) * torch.arange(half, device=sigma.device, dtype=torch.float32) / half)
+    angles = sigma.float()[..., None] * 1000.0 * freqs
+    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+
+def _frame_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """SDPA over (B, F, H, n, D) with batch and frames folded: CPU's fused kernel wants 4-D."""
+    out = F.scaled_dot_product_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1))
+    return out.unflatten(0, q.shape[:2])
+
+
+class ParallelBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        # Local sizes: model/tp.py divides heads and ffn by the TP size when it shards the block.
+        self.n_heads, self.head_dim, self.ffn_dim = cfg.n_heads, cfg.head_dim, cfg.ffn_dim
+        hd = cfg.n_heads * cfg.head_dim
+        self.norm = nn.LayerNorm(cfg.dim, elementwise_affine=False, eps=1e-6)
+        self.modulation = nn.Parameter(torch.zeros(3, cfg.dim))  # this block's offset to the shared adaLN
+        self.w_in = nn.Linear(cfg.dim, 4 * hd + cfg.ffn_dim, bias=False)  # [q | k | v | cross-q | mlp-up]
+        self.w_out = nn.Linear(2 * hd + cfg.ffn_dim, cfg.dim, bias=False)  # over [attn | cross | mlp]
+        self.w_cross_kv = nn.Linear(cfg.dim, 2 * hd, bias=False)  # audio context -> [cross-k | cross-v]
+        self.q_norm = RMSNorm(cfg.head_dim)
+        self.k_norm = RMSNorm(cfg.head_dim)  # QK-norm also bounds key magnitudes: good for FP8 scales
+        self.cross_q_norm = RMSNorm(cfg.head_dim)
+        self.cross_k_norm = RMSNorm(cfg.head_dim)
+
+    def cross_context(self, audio_ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cross-attention K/V (B, F, heads, A, head_dim) from the audio context (B, F, A, dim)."""
+        kv = self.w_cross_kv(audio_ctx).unflatten(-1, (2, self.n_heads, self.head_dim))
+        k, v = self.cross_k_norm(kv[..., 0, :, :]), kv[..., 1, :, :]
+        return k.transpose(-3, -2), v.transpose(-3, -2)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        ada: torch.Tensor,
+        cross_kv: tuple[torch.Tensor, torch.Tensor],
+        self_attn: SelfAttention,
+        layer: int,
+    ) -> torch.Tensor:
+        shift, scale, gate = (ada + self.modulation).unsqueeze(2).unbind(dim=3)  # each (B, F, 1, dim)
+        h = self.norm(x) * (1 + scale) + shift
+        fused = self.w_in(h)
+        hd = self.n_heads * self.head_dim
+        q, k, v, cq = (t.unflatten(-1, (self.n_heads, self.head_dim)) for t in fused[..., : 4 * hd].split(hd, -1))
+        attn = self_attn(layer, self.q_norm(q), self.k_norm(k), v)
+        cross = _frame_attention(self.cross_q_norm(cq).transpose(-3, -2), *cross_kv).transpose(-3, -2)
+        mlp = F.gelu(fused[..., 4 * hd :], approximate="tanh")
+        out = self.w_out(torch.cat([attn.flatten(-2), cross.flatten(-2), mlp], dim=-1))  # TP: all-reduced here
+        return x + gate * out
+
+
+class DiT(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.tp_rank, self.tp_world = 0, 1  # set by model/tp.py when sharded
+        patch_dim = cfg.latent_channels * cfg.patch**2
+        self.patch_embed = nn.Linear(patch_dim, cfg.dim)
+        self.audio_embed = nn.Linear(cfg.audio_dim, cfg.dim)  # audio tokens in the frame's own sequence
+        self.audio_context = nn.Linear(cfg.audio_dim, cfg.dim)  # what cross-attention reads
+        self.noise_mlp = nn.Sequential(nn.Linear(NOISE_FEATURES, cfg.dim), nn.SiLU(), nn.Linear(cfg.dim, cfg.dim))
+        # adaLN-single (PixArt-alpha): one modulation shared by all blocks, each adds a learned offset.
+        # Per-block adaLN matrices would add 60 x 3 d^2 = 10.6 B parameters to characters-57b.
+        self.adaln = nn.Linear(cfg.dim, 3 * cfg.dim)
+        self.blocks = nn.ModuleList(ParallelBlock(cfg) for _ in range(cfg.n_blocks))
+        self.final_norm = nn.LayerNorm(cfg.dim, elementwise_affine=False, eps=1e-6)
+        self.final_adaln = nn.Linear(cfg.dim, 2 * cfg.dim)
+        self.head = nn.Linear(cfg.dim, patch_dim)
+
+    @torch.no_grad()
+    def init_random_(self, seed: int, tp_world: int = 1) -> DiT:
+        """Deterministic random weights on any device: Linear ~ U(+-1/sqrt(fan_in)), norms 1, offsets 0.
+
+        ``tp_world``: fan-in of a row-parallel shard is its full width (the shard's width x world).
+        """
+        gen = torch.Generator(device=next(self.parameters()).device).manual_seed(seed)
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith("modulation") or name.endswith("bias"):
+                param.zero_()
+            else:
+                fan_in = param.shape[1] * (tp_world if name.endswith("w_out.weight") else 1)
+                bound = 1.0 / math.sqrt(fan_in)
+                param.copy_(torch.rand(param.shape, generator=gen, device=param.device) * 2 * bound - bound)
+        return self
+
+    def patchify(self, latents: torch.Tensor) -> torch.Tensor:
+        """(B, F, C, h, w) -> (B, F, video_tokens, C * p * p), tokens row-major over the grid."""
+        p = self.cfg.patch
+        b, f, c, h, w = latents.shape
+        x = latents.reshape(b, f, c, h // p, p, w // p, p).permute(0, 1, 3, 5, 2, 4, 6)
+        return x.reshape(b, f, (h // p) * (w // p), c * p * p)
+
+    def unpatchify(self, tokens: torch.Tensor) -> torch.Tensor:
+        p, (gh, gw) = self.cfg.patch, self.cfg.grid
+        b, f = tokens.shape[:2]
+        x = tokens.reshape(b, f, gh, gw, -1, p, p).permute(0, 1, 4, 2, 5, 3, 6)
+        return x.reshape(b, f, -1, gh * p, gw * p)
+
+    def cross_context(self, audio_tokens: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-block cross-attention K/V for audio tokens (B, F, A, audio_dim): once per step, not per pass."""
+        ctx = self.audio_context(audio_tokens.to(self.head.weight.dtype))
+        return [block.cross_context(ctx) for block in self.blocks]
+
+    def forward(
+        self,
+        latents: torch.Tensor,
+        sigma: torch.Tensor,
+        audio_tokens: torch.Tensor,
+        self_attn: SelfAttention,
+        cross_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> torch.Tensor:
+        """Flow-matching velocity (B, F, C, h, w) for noisy latents (B, F, C, h, w) at levels ``sigma`` (B, F)
+        with the chunks' audio tokens (B, F, A, audio_dim)."""
+        dtype = self.head.weight.dtype
+        if cross_kv is None:
+            cross_kv = self.cross_context(audio_tokens)
+        video = self.patch_embed(self.patchify(latents.to(dtype)))
+        x = torch.cat([video, self.audio_embed(audio_tokens.to(dtype))], dim=2)
+        emb = F.silu(self.noise_mlp(noise_features(sigma).to(dtype)))
+        ada = self.adaln(emb).unflatten(-1, (3, self.cfg.dim))
+        for layer, block in enumerate(self.blocks):
+            x = block(x, ada, cross_kv[layer], self_attn, layer)
+        shift, scale = self.final_adaln(emb).unflatten(-1, (2, self.cfg.dim)).unsqueeze(2).unbind(dim=3)
+        x = self.final_norm(x[:, :, : self.cfg.video_tokens]) * (1 + scale) + shift
+        return self.unpatchify(self.head(x))
