@@ -144,7 +144,7 @@ def _array(cls: type, spec: Any, view: memoryview) -> tuple[str, np.ndarray]:
     name, dtype, shape = spec
     if name not in _ARRAY_FIELDS[cls]:
         raise MessageError(f"{cls.__name__}: {name!r} is not an array field")
-    if dtype not in _DTYPES:
+    if not isinstance(dtype, str) or dtype not in _DTYPES:
         raise MessageError(f"{cls.__name__}.{name}: dtype {dtype!r} not allowed")
     if not (
         isinstance(shape, list)
@@ -160,19 +160,19 @@ def _array(cls: type, spec: Any, view: memoryview) -> tuple[str, np.ndarray]:
     return name, np.frombuffer(view, dtype=dtype).reshape(shape)
 
 
-def _fields(cls: type, data: dict[str, Any], skip: set[str]) -> dict[str, Any]:
+def _fields(cls: type, data: dict[str, Any], skip: set[str], prefix: str = "") -> dict[str, Any]:
     hints = _HINTS[cls]
     unknown = set(data) - (set(hints) - skip)
     if unknown:
-        raise _Mismatch(f"unknown field(s) {sorted(map(str, unknown))}")
+        raise _Mismatch(f"unknown field(s) {sorted(prefix + str(k) for k in unknown)}")
     values = {}
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
         if f.name in data:
-            values[f.name] = _convert(data[f.name], hints[f.name], f.name)
+            values[f.name] = _convert(data[f.name], hints[f.name], prefix + f.name)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise _Mismatch(f"missing field {f.name!r}")
+            raise _Mismatch(f"missing field {prefix + f.name!r}")
     return values
 
 
@@ -194,7 +194,7 @@ def _convert(value: Any, hint: Any, path: str) -> Any:
     if hint is TraceContext:
         if not isinstance(value, dict):
             raise _Mismatch(f"{path}: expected a map, got {type(value).__name__}")
-        return TraceContext(**_fields(TraceContext, value, set()))
+        return TraceContext(**_fields(TraceContext, value, set(), f"{path}."))
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         try:
             return hint(value)
