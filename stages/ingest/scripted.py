@@ -37,6 +37,7 @@ from transport.messages import TurnEvent, TurnKind
 TICK_S = 0.02
 MIC_RATE = 48_000  # the simulated user's microphone, like a WebRTC track
 MIC_FRAME = int(MIC_RATE * TICK_S)
+SILENCE_LEVEL = 328  # |sample| at or below -40 dBFS counts as silence (ground truth of speech bounds)
 VAD_MISSED_AFTER_S = 3.0  # no end of speech this long after the user's line: the VAD missed it
 
 
@@ -62,6 +63,7 @@ DEFAULT_SCRIPT = [
 @dataclass
 class _Line:
     user: np.ndarray  # int16 at MIC_RATE
+    user_voiced: tuple[int, int]  # first and last non-silent sample of ``user``
     agent: Speech  # espeak output at its own rate
     barge_in_after_s: float | None
 
@@ -77,6 +79,9 @@ class ScriptedAgent:
         self._lines: list[_Line] = []
         self._user_end: float | None = None  # detection time of the current user line's end (VAD)
         self._interrupted: set[TurnRef] = set()
+        # ground truth for tests and reports: (what, line, wall time), e.g. ("user_speech_end", 0, t)
+        # where the user's end is the wall time of the line's last non-silent sample
+        self.truth: list[tuple[str, int, float]] = []
 
     async def start(self) -> None:
         self._lines = await anyio.to_thread.run_sync(self._synthesise)
@@ -86,7 +91,9 @@ class ScriptedAgent:
         for line in self.script:
             user = synthesize(line.user, self.config.user_voice)
             mic = to_int16(resample(user.samples.astype(np.float32) / 32768.0, user.sample_rate, MIC_RATE))
-            lines.append(_Line(mic, synthesize(line.agent, self.config.agent_voice), line.barge_in_after_s))
+            voiced = np.flatnonzero(np.abs(mic.astype(np.int32)) > SILENCE_LEVEL)
+            lines.append(_Line(mic, (int(voiced[0]), int(voiced[-1])),
+                               synthesize(line.agent, self.config.agent_voice), line.barge_in_after_s))
         return lines
 
     async def notify(self, event: TurnEvent) -> None:
@@ -129,6 +136,9 @@ class ScriptedAgent:
             if mic_speech is not None:
                 part = mic_speech[said:said + MIC_FRAME]
                 mic[:len(part)] = part
+                for what, sample in zip(("user_speech_start", "user_speech_end"), lines[user_line].user_voiced, strict=True):
+                    if said <= sample < said + MIC_FRAME:  # stamped like the frame the VAD hears it in
+                        self.truth.append((what, user_line, now + (sample - said) / MIC_RATE))
                 said += MIC_FRAME
                 if said >= len(mic_speech):
                     mic_speech, user_done_at = None, now
@@ -144,6 +154,7 @@ class ScriptedAgent:
                 reply_line, next_user_at = None, now + config.lead_in_s
             if think_until is not None and now >= think_until and reply_line is None:
                 think_until, reply_line, sent, reply_started = None, user_line, 0, now
+                self.truth.append(("agent_turn_start", reply_line, now))
                 yield AgentTurnStart(reply_line)
             if reply_line is not None:
                 reply = lines[reply_line].agent

@@ -18,6 +18,7 @@ Wall times come from the caller: ``at_wall_time`` is the wall clock of the block
 from __future__ import annotations
 
 import threading
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,7 +45,9 @@ def load_silero() -> torch.jit.ScriptModule:
         # took up to 150 ms instead of 0.5-1 ms (measured). Processes that run CPU diffusion
         # beside the VAD must set their own thread count after this.
         torch.set_num_threads(1)
-        model = load_silero_vad(onnx=False)
+        with warnings.catch_warnings():  # torch 2.13 deprecates torch.jit.load, which silero uses
+            warnings.simplefilter("ignore", DeprecationWarning)
+            model = load_silero_vad(onnx=False)
     model.eval()
     with torch.inference_mode():  # the JIT profiles and optimises its first runs: do them now
         for _ in range(8):

@@ -1,0 +1,118 @@
+"""The scripted agent through the ingest stage, in real time: real espeak voices, real silero-vad.
+
+One conversation of two lines, the second barging in on the first reply, covers: end of speech
+detected (not assumed) and back-dated, the think delay, the reply streamed at real-time pace on the
+48 kHz timeline, and barge-in stopping the character within one chunk.
+"""
+
+import anyio
+import numpy as np
+import pytest
+from ingest_support import Recorder
+
+from pipeline.config import IngestConfig
+from stages.ingest.adapters import create_adapter
+from stages.ingest.scripted import ScriptedAgent, ScriptLine
+from stages.ingest.stage import IngestStage
+from transport.messages import SAMPLES_PER_CHUNK, TIMELINE_RATE, ControlKind, TurnKind
+
+THINK_S = 0.25
+SCRIPT = [
+    ScriptLine("What is the weather like today?",
+               "It is sunny and warm today, with a light breeze from the west all afternoon and evening."),
+    ScriptLine("Wait, what about tomorrow?", "Tomorrow brings rain.", barge_in_after_s=1.0),
+]
+
+
+@pytest.fixture(scope="module")
+def conversation():
+    config = IngestConfig(think_delay_s=THINK_S, lead_in_s=0.3)
+    agent = ScriptedAgent(config, SCRIPT)
+    stage = IngestStage(config, agent)
+    rec = Recorder()
+
+    async def main():
+        ctx = rec.context()
+        await stage.setup(ctx)
+        with anyio.fail_after(30):
+            await stage.run(ctx)
+        await stage.teardown()
+
+    anyio.run(main)
+    return stage, agent, rec
+
+
+def _truth(agent, what, line):
+    return [t for w, i, t in agent.truth if w == what and i == line][0]
+
+
+def test_registry_builds_the_scripted_agent_by_default():
+    assert isinstance(create_adapter(IngestConfig()), ScriptedAgent)
+    with pytest.raises(ValueError, match="unknown ingest adapter"):
+        create_adapter(IngestConfig(adapter="carrier-pigeon"))
+
+
+def test_turns_are_detected_and_answered_in_order(conversation):
+    stage, agent, rec = conversation
+    kinds = [(e.kind, e.turn_id) for e in rec.turn_events()]
+    assert kinds == [
+        (TurnKind.USER_SPEECH_START, 1), (TurnKind.USER_SPEECH_END, 1), (TurnKind.AGENT_TURN_START, 1),
+        (TurnKind.INTERRUPT, 1), (TurnKind.USER_SPEECH_START, 2), (TurnKind.AGENT_TURN_END, 1),
+        (TurnKind.USER_SPEECH_END, 2), (TurnKind.AGENT_TURN_START, 2), (TurnKind.AGENT_TURN_END, 2),
+    ], kinds
+    assert stage.stats.turns == 2 and stage.stats.protocol_errors == 0
+
+
+def test_trace_stamps_come_from_the_vad_and_the_first_audio(conversation):
+    stage, agent, rec = conversation
+    for turn_id, line in ((1, 0), (2, 1)):
+        audio = rec.audio(turn_id)
+        stamps = audio[0].trace.stamps
+        assert all(a.trace.stamps == stamps for a in audio)
+        # user_speech_end: silero's back-dated end, within 100 ms of the synthesised speech's end
+        assert abs(stamps["user_speech_end"] - _truth(agent, "user_speech_end", line)) <= 0.100
+        # the agent thought for THINK_S after the VAD *detected* the end (silence window later)
+        detected = [d for kind, at, d in stage.stats.vad_events
+                    if kind == "user_speech_end" and at == stamps["user_speech_end"]][0]
+        assert stamps["agent_first_audio"] - detected >= THINK_S - 0.005
+        assert stamps["agent_first_audio"] - detected < THINK_S + 0.2
+        end_event = [e for e in rec.turn_events() if e.kind == TurnKind.USER_SPEECH_END and e.turn_id == turn_id][0]
+        assert end_event.at == stamps["user_speech_end"]
+
+
+def test_reply_streams_on_the_timeline_at_real_time_pace(conversation):
+    stage, agent, rec = conversation
+    audio = rec.audio(2)
+    assert all(a.sample_rate == TIMELINE_RATE and a.samples.dtype == np.int16 for a in audio)
+    for a, b in zip(audio, audio[1:], strict=False):
+        assert b.start_sample == a.start_sample + len(a.samples)  # contiguous
+    reply = agent._lines[1].agent
+    total = sum(len(a.samples) for a in audio)
+    assert abs(total - reply.duration * TIMELINE_RATE) <= 1
+    # real-time pace: emitted over about the reply's duration, never far ahead of the media clock
+    sent_at = [t for t, m in rec.data if m in audio]
+    assert sent_at[-1] - sent_at[0] == pytest.approx(reply.duration, abs=0.1)
+    for t, a in zip(sent_at, audio, strict=True):
+        assert a.start_sample / TIMELINE_RATE <= (t - stage.media_t0) + 0.05
+
+
+def test_barge_in_stops_the_character_within_one_chunk(conversation):
+    stage, agent, rec = conversation
+    assert stage.stats.interrupts == 1
+    [(_, control)] = rec.controls
+    assert control.kind == ControlKind.INTERRUPT and control.trace.turn_id == 1
+    start = [e for e in rec.turn_events() if e.kind == TurnKind.USER_SPEECH_START and e.turn_id == 2][0]
+    detected = [d for kind, at, d in stage.stats.vad_events if kind == "user_speech_start" and at == start.at][0]
+    detected_sample = (detected - stage.media_t0) * TIMELINE_RATE
+    # the user really started speaking over the reply, and the VAD heard it promptly
+    assert abs(start.at - _truth(agent, "user_speech_start", 1)) <= 0.15
+    interrupted = rec.audio(1)
+    speech_end = interrupted[-1].start_sample + len(interrupted[-1].samples)
+    assert interrupted[0].start_sample < detected_sample  # the character was speaking
+    assert speech_end - detected_sample <= SAMPLES_PER_CHUNK  # ... and stopped within one chunk
+    # downstream drops from a chunk boundary no later than one chunk after the interrupt
+    assert 0 <= control.chunk * SAMPLES_PER_CHUNK - control.detail["at_sample"] < SAMPLES_PER_CHUNK
+    # the adapter was told, and its reply was cut short
+    assert 0 in agent._interrupted
+    reply = agent._lines[0].agent
+    assert sum(len(a.samples) for a in interrupted) < 0.8 * reply.duration * TIMELINE_RATE

@@ -1,0 +1,82 @@
+"""silero-vad turn detection on real espeak speech: the end of speech is known from synthesis."""
+
+import numpy as np
+import pytest
+
+from stages.ingest.resample import resample, to_int16
+from stages.ingest.tts import synthesize
+from stages.ingest.vad import UserAudioVAD
+from transport.messages import TurnKind
+
+T0 = 1_000.0  # wall clock of the first fed sample (any origin works: the VAD only adds offsets)
+LEAD_S = 0.6
+
+
+def _speech_48k(text: str, voice: str) -> tuple[np.ndarray, float, float]:
+    """Speech between silences at 48 kHz, and the true start/end (first/last non-silent sample, s)."""
+    speech = synthesize(text, voice)
+    audio = resample(speech.samples.astype(np.float32) / 32768.0, speech.sample_rate, 48_000)
+    signal = to_int16(np.concatenate([np.zeros(int(LEAD_S * 48_000)), audio, np.zeros(48_000)]))
+    voiced = np.flatnonzero(np.abs(signal.astype(np.int32)) > 328)  # above -40 dBFS
+    return signal, voiced[0] / 48_000, voiced[-1] / 48_000
+
+
+def _feed(vad: UserAudioVAD, signal: np.ndarray, block: int = 960) -> list:
+    events = []
+    for i in range(0, len(signal), block):
+        events += vad.feed(signal[i:i + block], T0 + i / 48_000)
+    return events
+
+
+@pytest.mark.parametrize("text,voice", [
+    ("Hello, can you tell me about the weather today?", "en-us"),
+    ("What time does the museum open on Sunday?", "en+m3"),
+    ("Okay.", "en+f3"),
+])
+def test_end_of_speech_within_100ms_of_the_true_end(text, voice):
+    signal, true_start, true_end = _speech_48k(text, voice)
+    vad = UserAudioVAD(threshold=0.5, silence_ms=300)
+    events = _feed(vad, signal)
+    kinds = [e.kind for e in events]
+    assert kinds == [TurnKind.USER_SPEECH_START, TurnKind.USER_SPEECH_END], kinds
+    start, end = events
+    assert abs((end.at - T0) - true_end) <= 0.100, (end.at - T0, true_end)
+    assert abs((start.at - T0) - true_start) <= 0.150, (start.at - T0, true_start)
+    # back-dated by the silence window: known ~300 ms after the end it reports
+    assert end.detected_at - end.at == pytest.approx(0.300, abs=0.033)
+    assert not vad.speaking
+
+
+def test_block_size_does_not_change_the_decision():
+    signal, _, true_end = _speech_48k("Tell me a story about a dragon.", "en-us")
+    ends = []
+    for block in (480, 960, 4_000):
+        events = _feed(UserAudioVAD(), signal, block)
+        ends.append([e.at for e in events if e.kind == TurnKind.USER_SPEECH_END][0])
+    assert max(ends) - min(ends) < 1e-6
+    assert abs(ends[0] - T0 - true_end) <= 0.100
+
+
+def test_quiet_noise_is_not_speech():
+    rng = np.random.default_rng(0)
+    noise = to_int16(rng.normal(0, 0.003, 48_000 * 3))
+    assert _feed(UserAudioVAD(), noise) == []
+
+
+def test_wall_times_follow_the_callers_stamps_across_a_capture_gap():
+    signal, _, true_end = _speech_48k("Good morning.", "en-us")
+    vad = UserAudioVAD()
+    events = []
+    gap = 5.0  # the caller's clock jumps (e.g. the track paused) before the speech
+    cut = int(0.3 * 48_000)
+    events += vad.feed(signal[:cut], T0)
+    for i in range(cut, len(signal), 960):
+        events += vad.feed(signal[i:i + 960], T0 + gap + i / 48_000)
+    end = [e for e in events if e.kind == TurnKind.USER_SPEECH_END][0]
+    assert abs(end.at - T0 - gap - true_end) <= 0.100
+
+
+def test_rejects_audio_it_cannot_read():
+    vad = UserAudioVAD()
+    with pytest.raises(ValueError, match="unsupported sample format"):
+        vad.feed(np.zeros(960, np.int64), T0)
