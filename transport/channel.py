@@ -201,6 +201,13 @@ class _Endpoint:
                 ))
 
 
+def _bind(end: _Endpoint, sock: zmq.asyncio.Socket) -> None:
+    end.transport.security.server(sock, end.endpoint)
+    sock.bind(end.endpoint)
+    if end.endpoint.endswith(":*"):  # tcp port chosen by the OS: publish the real endpoint
+        end.endpoint = sock.last_endpoint.decode()
+
+
 class Receiver(_Endpoint):
     """The receiving end of a data edge: binds, grants credits, validates and queues messages."""
 
@@ -214,8 +221,7 @@ class Receiver(_Endpoint):
         self._queued: collections.Counter[bytes] = collections.Counter()
 
     def _open(self, sock: zmq.asyncio.Socket) -> None:
-        self.transport.security.server(sock, self.endpoint)
-        sock.bind(self.endpoint)
+        _bind(self, sock)
 
     async def _grant(self, peer: bytes, count: int) -> None:
         if count > 0:
@@ -369,8 +375,7 @@ class ControlHub(_Endpoint):
         self.started = anyio.Event()
 
     def _open(self, sock: zmq.asyncio.Socket) -> None:
-        self.transport.security.server(sock, self.endpoint)
-        sock.bind(self.endpoint)
+        _bind(self, sock)
 
     async def _on_frames(self, frames: list[zmq.Frame]) -> None:
         peer, kind = frames[0].bytes, frames[1].bytes if len(frames) > 1 else b""

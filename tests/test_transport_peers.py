@@ -1,0 +1,35 @@
+"""Channel peers that run in spawned processes for the transport tests (no tests here)."""
+
+from __future__ import annotations
+
+import anyio
+
+from pipeline.config import TransportConfig
+from transport.channel import Receiver, Sender, Transport
+
+
+def slow_consumer(endpoint: str, config: TransportConfig, capacity: int, count: int, delay_s: float) -> int:
+    """Takes ``count`` messages, ``delay_s`` apart; returns the number of messages in order."""
+
+    async def main() -> int:
+        transport = Transport(config)
+        in_order = 0
+        async with Receiver(transport, endpoint, "producer->consumer", capacity) as rx:
+            for i in range(count):
+                msg = await rx.recv()
+                in_order += msg.chunk == i
+                await anyio.sleep(delay_s)
+        transport.close()
+        return in_order
+
+    return anyio.run(main)
+
+
+def idle_sender(endpoint: str, config: TransportConfig) -> None:
+    """Says hello, then only heartbeats, forever (the test kills it)."""
+
+    async def main() -> None:
+        async with Sender(Transport(config), endpoint, "idle->rx", "idle"):
+            await anyio.sleep_forever()
+
+    anyio.run(main)
