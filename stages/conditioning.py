@@ -2,17 +2,19 @@
 
 The stream never stops: with no speech to place, every chunk is a listening chunk (silence,
 ``speaking=False``) and the loop runs as fast as downstream credit allows. Agent speech of a turn
-is placed on the timeline at a chunk boundary:
+is placed on the timeline at a chunk boundary (turn-start rollback, transport/messages.py):
 
-1. the turn's first audio arrives → send ``Control(TURN_START, chunk=next_chunk)`` and hold;
-2. playout drops its unplayed idle chunks and broadcasts ``Control(ROLLBACK, chunk=c, epoch=e)``;
+1. once the turn's first chunk of audio plus the look-ahead is in (the agent streams at real-time
+   pace, so ~210 ms after its first audio), send ``Control(TURN_START, chunk=next_chunk)``;
+   listening chunks keep flowing until then, so playout has something to show meanwhile;
+2. playout drops its unplayed chunks and broadcasts ``Control(ROLLBACK, chunk=c, epoch=e)``;
 3. the speech is placed at chunk ``c + 1`` and emission restarts there in epoch ``e``.
 
-A speaking chunk is emitted once its whole span plus the look-ahead has arrived (the agent streams
-at real-time pace), or the turn has ended. The turn's first speaking chunk carries the turn's trace
-stamps and ``conditioning_ready``; that stamp marks it as the chunk whose first frame is the
-turn's first speaking frame. ``start_sample`` of ``AgentAudio`` is used relative to the turn's
-first audio, so adapters may count from the turn or from the session.
+A speaking chunk is emitted once its whole span plus the look-ahead has arrived, or the turn has
+ended. The turn's first speaking chunk carries the turn's trace stamps and ``conditioning_ready``.
+``start_sample`` of ``AgentAudio`` is used relative to the turn's first audio, so adapters may
+count from the turn or from the session. TURN_START is sent from ``process`` (the dispatch loop),
+never behind the chunk loop's wait for credit.
 
 Bad input (wrong rate or dtype, audio without a turn, a turn end without a start, an agent that
 stops sending mid-turn) is logged with the turn id and dropped or ended; listening continues.
@@ -58,7 +60,7 @@ class _Turn:
     length: int = 0  # samples held, from the turn's first sample (buffer grows by doubling)
     placed_at: int | None = None  # timeline sample of the turn's first sample, once placed
     ended: bool = False
-    turn_start_sent_at: float = 0.0
+    turn_start_sent_at: float | None = None
     last_audio_at: float = 0.0
 
     @property
@@ -101,7 +103,7 @@ class ConditioningStage(Stage):
         if isinstance(msg, AgentAudio):
             await self._on_audio(msg, ctx)
         elif isinstance(msg, TurnEvent):
-            self._on_turn_event(msg, ctx)
+            await self._on_turn_event(msg, ctx)
         else:
             self._error(ctx, None, f"unexpected message {type(msg).__name__}")
         self._wake()
@@ -112,8 +114,10 @@ class ConditioningStage(Stage):
             self.next_chunk = msg.chunk + 1
             start = self.next_chunk * SAMPLES_PER_CHUNK
             turn = self.turn
-            # Speech not yet committed moves up to the first uncommitted chunk.
-            if turn is not None and (turn.placed_at is None or turn.placed_at >= start):
+            # Speech that asked for this rollback, or is placed but not yet committed, starts at the
+            # first uncommitted chunk.
+            if turn is not None and turn.turn_start_sent_at is not None and (
+                    turn.placed_at is None or turn.placed_at >= start):
                 turn.placed_at = start
             ctx.log.debug("rollback", chunk=msg.chunk, epoch=msg.epoch,
                           turn_id=turn.turn_id if turn else None)
@@ -143,10 +147,8 @@ class ConditioningStage(Stage):
             trace = TraceContext(turn_id, dict(self._pending_stamps.pop(turn_id, {})))
             trace.stamps.update(msg.trace.stamps)
             trace.stamps.setdefault("agent_first_audio", time.time())
-            turn = self.turn = _Turn(turn_id, msg.start_sample, trace, turn_start_sent_at=time.monotonic())
-            ctx.log.info("agent speech begins", turn_id=turn_id, chunk=self.next_chunk)
-            await ctx.send_control(Control(ctx.session_id, 0, ControlKind.TURN_START, chunk=self.next_chunk,
-                                           epoch=self.epoch, trace=TraceContext(turn_id)))
+            turn = self.turn = _Turn(turn_id, msg.start_sample, trace)
+            ctx.log.info("agent speech begins", turn_id=turn_id)
         offset = msg.start_sample - turn.first_start_sample
         have = len(turn.audio)
         if offset < have:  # overlap with what we already hold: keep the first copy
@@ -157,14 +159,28 @@ class ConditioningStage(Stage):
         if len(samples):
             turn.append(offset, samples)
         turn.last_audio_at = time.monotonic()
+        await self._maybe_turn_start(ctx)
 
-    def _on_turn_event(self, msg: TurnEvent, ctx: StageContext) -> None:
+    async def _maybe_turn_start(self, ctx: StageContext) -> None:
+        """Ask for the rollback once the turn's first chunk can be built."""
+        turn = self.turn
+        if turn is None or turn.turn_start_sent_at is not None:
+            return
+        if turn.length < SAMPLES_PER_CHUNK + self.lookahead and not turn.ended:
+            return
+        turn.turn_start_sent_at = time.monotonic()
+        ctx.log.info("turn start", turn_id=turn.turn_id, chunk=self.next_chunk, epoch=self.epoch)
+        await ctx.send_control(Control(ctx.session_id, 0, ControlKind.TURN_START, chunk=self.next_chunk,
+                                       epoch=self.epoch, trace=TraceContext(turn.turn_id)))
+
+    async def _on_turn_event(self, msg: TurnEvent, ctx: StageContext) -> None:
         turn_id = msg.turn_id
         if msg.kind == TurnKind.INTERRUPT:
             self._interrupt(ctx, turn_id)
         elif msg.kind == TurnKind.AGENT_TURN_END:
             if self.turn is not None and self.turn.turn_id == turn_id:
                 self.turn.ended = True
+                await self._maybe_turn_start(ctx)
             elif turn_id not in self._closed:
                 self._error(ctx, turn_id, "agent turn end without a start: ignored")
         else:  # user speech start/end, agent turn start: their stamps ride on the turn's first chunk
@@ -210,6 +226,7 @@ class ConditioningStage(Stage):
             np.float32)
         while True:
             wait = self._wait_needed(ctx)
+            await self._maybe_turn_start(ctx)  # a stalled agent's short first chunk still starts its turn
             if wait is not None:
                 with anyio.move_on_after(wait):
                     await self._changed.wait()
@@ -228,6 +245,9 @@ class ConditioningStage(Stage):
             return None
         now = time.monotonic()
         if turn.placed_at is None:
+            if turn.turn_start_sent_at is None:  # still gathering the first chunk: keep listening
+                self._check_stall(ctx, turn, now)
+                return None
             left = turn.turn_start_sent_at + self.rollback_wait_s - now
             if left > 0:
                 return left
@@ -236,17 +256,20 @@ class ConditioningStage(Stage):
             turn.placed_at = self.next_chunk * SAMPLES_PER_CHUNK
         start = self.next_chunk * SAMPLES_PER_CHUNK - turn.placed_at
         if turn.ended:
-            if start >= len(turn.audio):  # all of the turn's speech is out: back to listening
+            if start >= turn.length:  # all of the turn's speech is out: back to listening
                 self._close(turn.turn_id)
             return None
-        if start < 0 or len(turn.audio) >= start + SAMPLES_PER_CHUNK + self.lookahead:
+        if start < 0 or turn.length >= start + SAMPLES_PER_CHUNK + self.lookahead:
             return None
-        left = turn.last_audio_at + self.stall_s - now
-        if left > 0:
-            return left
+        return None if self._check_stall(ctx, turn, now) else turn.last_audio_at + self.stall_s - now
+
+    def _check_stall(self, ctx: StageContext, turn: _Turn, now: float) -> bool:
+        """End a turn whose agent sent nothing for ``stall_s``; True when it did."""
+        if turn.ended or now - turn.last_audio_at < self.stall_s:
+            return False
         self._error(ctx, turn.turn_id, f"agent audio stalled for {self.stall_s:.1f} s mid-turn: turn ended")
         turn.ended = True
-        return None
+        return True
 
     async def _build(self, chunk: int, epoch: int) -> Conditioning:
         start = chunk * SAMPLES_PER_CHUNK

@@ -87,26 +87,31 @@ async def test_listening_stream_is_continuous_and_bounded_by_credit():
 @pytest.mark.anyio
 async def test_turn_start_rollback_places_speech_at_the_first_uncommitted_chunk():
     speech = tone(int(2.3 * SAMPLES_PER_CHUNK))
+    first_ready = SAMPLES_PER_CHUNK + LOOKAHEAD  # audio the first speaking chunk needs
     async with anyio.create_task_group() as tg:
         h = await started(ConditioningStage(encode, LOOKAHEAD_MS), tg)
         for expected in range(4):
             assert (await h.next()).chunk == expected
         # The agent's turn: the user's end of speech, then its reply streamed in 20 ms frames.
         await h.stage.process(TurnEvent("sess", 0, TurnKind.USER_SPEECH_END, 7, at=100.0), h.ctx)
-        await h.speech(7, speech[:FRAME], start=123_456)
+        await h.speech(7, speech[:first_ready - FRAME], start=123_456)
+        # Not enough for the first speaking chunk yet: no turn start, listening goes on meanwhile.
+        assert h.controls == []
+        listening = [await h.next() for _ in range(3)]
+        assert all(not c.speaking and c.epoch == 0 for c in listening)
+        await h.speech(7, speech[first_ready - FRAME:first_ready], start=123_456 + first_ready - FRAME)
         (turn_start,) = h.controls
         assert turn_start.kind == ControlKind.TURN_START and turn_start.trace.turn_id == 7
-        assert turn_start.chunk >= 4 and turn_start.epoch == 0
-        # Stale listening chunks already queued on the edge are still there (downstream drops them by epoch).
-        # At most one more (built before the turn start, waiting for credit) follows; then the stage holds.
+        assert turn_start.chunk >= 7 and turn_start.epoch == 0
+        # At most the chunks already queued or built follow; then the stage holds for the rollback.
         stale = []
         for _ in range(2):
             await anyio.sleep(0.05)
             while h.send.statistics().current_buffer_used:
                 stale.append(await h.next())
-        assert 1 <= len(stale) <= 3 and all(c.epoch == 0 and not c.speaking for c in stale)
+        assert len(stale) <= 3 and all(c.epoch == 0 and not c.speaking for c in stale)
         await h.stage.control(Control("sess", 1, ControlKind.ROLLBACK, chunk=2, epoch=1), h.ctx)
-        await h.speech(7, speech[FRAME:], start=123_456 + FRAME)
+        await h.speech(7, speech[first_ready:], start=123_456 + first_ready)
         await h.stage.process(TurnEvent("sess", 1, TurnKind.AGENT_TURN_END, 7, at=time.time()), h.ctx)
         chunks = [await h.next() for _ in range(5)]
         assert [c.chunk for c in chunks] == [3, 4, 5, 6, 7] and all(c.epoch == 1 for c in chunks)
@@ -132,19 +137,22 @@ async def test_turn_start_rollback_places_speech_at_the_first_uncommitted_chunk(
 @pytest.mark.anyio
 async def test_a_speaking_chunk_waits_for_its_span_and_look_ahead():
     speech = tone(3 * SAMPLES_PER_CHUNK)
+    second_ready = 2 * SAMPLES_PER_CHUNK + LOOKAHEAD
     async with anyio.create_task_group() as tg:
         h = await started(ConditioningStage(encode, LOOKAHEAD_MS, stall_s=5.0), tg, capacity=8)
-        await h.speech(1, speech[:SAMPLES_PER_CHUNK])  # exactly one chunk, no look-ahead yet
+        await h.speech(1, speech[:second_ready - FRAME])
         await h.stage.control(Control("sess", 1, ControlKind.ROLLBACK, chunk=-1, epoch=1), h.ctx)
-        await anyio.sleep(0.1)
-        queued = []
-        while h.send.statistics().current_buffer_used:
-            queued.append(await h.next())
-        assert not any(c.epoch == 1 for c in queued)
-        await h.speech(1, speech[SAMPLES_PER_CHUNK:SAMPLES_PER_CHUNK + LOOKAHEAD], start=SAMPLES_PER_CHUNK)
         first = await h.next()
-        assert (first.chunk, first.epoch, first.speaking) == (0, 1, True)
+        while first.epoch != 1:
+            first = await h.next()
+        assert (first.chunk, first.speaking) == (0, True)
         assert np.array_equal(first.audio, speech[:SAMPLES_PER_CHUNK])
+        await anyio.sleep(0.1)  # 20 ms short of the second chunk's look-ahead: it must wait
+        assert h.send.statistics().current_buffer_used == 0
+        await h.speech(1, speech[second_ready - FRAME:second_ready], start=second_ready - FRAME)
+        second = await h.next()
+        assert (second.chunk, second.epoch, second.speaking) == (1, 1, True)
+        assert np.array_equal(second.audio, speech[SAMPLES_PER_CHUNK:2 * SAMPLES_PER_CHUNK])
         tg.cancel_scope.cancel()
 
 
