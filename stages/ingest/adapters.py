@@ -70,7 +70,16 @@ class AgentDisconnected:
     detail: str
 
 
-AgentEvent = AgentTurnStart | AgentAudioFrame | AgentTurnEnd | UserAudioFrame | AgentDisconnected
+@dataclass
+class AgentError:
+    """The agent sent something unusable (the adapter has already told the agent); ingest logs it
+    with the turn id and goes on."""
+
+    problem: str
+    turn_ref: TurnRef = None
+
+
+AgentEvent = AgentTurnStart | AgentAudioFrame | AgentTurnEnd | UserAudioFrame | AgentDisconnected | AgentError
 
 
 @runtime_checkable

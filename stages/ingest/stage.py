@@ -39,6 +39,7 @@ from stages.ingest.adapters import (
     AgentAdapter,
     AgentAudioFrame,
     AgentDisconnected,
+    AgentError,
     AgentEvent,
     AgentTurnEnd,
     AgentTurnStart,
@@ -227,6 +228,8 @@ class IngestStage(Stage):
                 self._protocol_error("agent turn end without a start: ignored", last, turn_ref=event.turn_ref)
             else:
                 await self._end_turn(event.reason)
+        elif isinstance(event, AgentError):
+            self._protocol_error(event.problem, self._turn.turn_id if self._turn else None, turn_ref=event.turn_ref)
         elif isinstance(event, AgentDisconnected):
             turn_id = self._turn.turn_id if self._turn else None
             if self._turn is not None:
