@@ -36,7 +36,7 @@ from pipeline.config import PipelineConfig
 from pipeline.logs import configure_logging, get_logger
 from pipeline.supervisor import Child, Supervisor, describe_exit
 from stages.base import Stage, StageContext
-from transport.channel import ControlClient, ControlHub, Receiver, Sender, Transport, Wakeup
+from transport.channel import ControlClient, ControlHub, PeerDeadError, Receiver, Sender, Transport, Wakeup
 from transport.messages import Control, ControlKind, Message
 from transport.security import CurveKeys, curve_required
 
@@ -146,16 +146,23 @@ class _GroupRun:
         self._seq = 0
 
     async def fail(self, stage: str, exc: BaseException) -> None:
+        """Record the first failure, tell the session (Control ERROR), stop the group.
+
+        A peer that stopped answering heartbeats is the failed stage, not the one that noticed.
+        """
         if self.error is not None:
             return
-        self.error = f"stage {stage!r} failed: {type(exc).__name__}: {exc}"
-        self.failed_stage = stage
+        culprit, why = stage, f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, PeerDeadError) and exc.peer != "hub":
+            culprit, why = exc.peer, f"stopped answering heartbeats (noticed by {stage!r}: {exc})"
+        self.error = f"stage {culprit!r} failed: {why}"
+        self.failed_stage = culprit
         self.ended_by = "error"
         get_logger(session_id=self.spec.session_id, stage=stage).error(
             "stage_failed", error=self.error, traceback="".join(traceback.format_exception(exc))
         )
         self._seq += 1
-        detail = {"stage": stage, "error": f"{type(exc).__name__}: {exc}"}
+        detail = {"stage": culprit, "error": why}
         await self.clients[stage].send(Control(self.spec.session_id, self._seq, ControlKind.ERROR, detail=detail))
         self.stop.set()
 
@@ -353,6 +360,7 @@ class Session:
         self.handle_signals = handle_signals and threading.current_thread() is threading.main_thread()
         self.started = anyio.Event()  # every stage is set up and running
         self.pids: dict[str, int] = {}  # process group -> pid, once launched
+        self.ended_at: float | None = None  # time.monotonic() when the end (or the error) was decided
         self.log = get_logger(session_id=session_id)
         self._ended = anyio.Event()
         self._local_done = anyio.Event()
@@ -368,6 +376,7 @@ class Session:
         if self._ended.is_set():
             return
         self._result = SessionResult(self.session_id, ok, ended_by, error, stage)
+        self.ended_at = time.monotonic()
         (self.log.info if ok else self.log.error)("session_ending", ended_by=ended_by, error=error)
         self._ended.set()
 
@@ -379,7 +388,7 @@ class Session:
             self._end(True, f"shutdown by {sender}")
 
     def _on_silent(self, stage: str) -> None:
-        self._end(False, "error", f"stage {stage!r} stopped answering heartbeats", stage)
+        self._end(False, "error", f"stage {stage!r} failed: stopped answering heartbeats (noticed by the control hub)", stage)
 
     async def _watch(self, supervisor: Supervisor, child: Child, reports: dict[str, dict]) -> None:
         code = await supervisor.wait_exit(child)

@@ -12,10 +12,10 @@ from transport.messages import Conditioning, Control, ControlKind, Message
 
 
 class Source(Stage):
-    """Emits ``count`` Conditioning messages (chunk = 0..count-1), ``size`` float32 values each."""
+    """Emits ``count`` Conditioning messages (chunk = 0..count-1), then ``control_after`` if given."""
 
-    def __init__(self, count: int, size: int = 16, period_s: float = 0.0) -> None:
-        self.count, self.size, self.period_s = count, size, period_s
+    def __init__(self, count: int, size: int = 16, period_s: float = 0.0, control_after: str | None = None) -> None:
+        self.count, self.size, self.period_s, self.control_after = count, size, period_s, control_after
         self.sent = 0
 
     async def run(self, ctx: StageContext) -> None:
@@ -25,6 +25,8 @@ class Source(Stage):
             self.sent += 1
             if self.period_s:
                 await anyio.sleep(self.period_s)
+        if self.control_after:
+            await ctx.send_control(Control(ctx.session_id, 1, ControlKind(self.control_after)))
 
 
 class Relay(Stage):
@@ -38,7 +40,7 @@ class Sink(Stage):
     def __init__(self, expect: int = 0, delay_s: float = 0.0) -> None:
         self.expect, self.delay_s = expect, delay_s
         self.chunks: list[int] = []
-        self.controls: list[Control] = []
+        self.controls: list[tuple[int, ControlKind]] = []  # (data messages processed before it, kind)
         self.torn_down = False
 
     async def process(self, msg: Message, ctx: StageContext) -> None:
@@ -50,7 +52,7 @@ class Sink(Stage):
             await ctx.send_control(Control(ctx.session_id, 1, ControlKind.SHUTDOWN))
 
     async def control(self, msg: Control, ctx: StageContext) -> None:
-        self.controls.append(msg)
+        self.controls.append((len(self.chunks), msg.kind))
 
     async def teardown(self) -> None:
         self.torn_down = True
@@ -67,12 +69,18 @@ class FailAfter(Stage):
 
 
 class Idle(Stage):
-    """Does nothing until shut down; writes its pid to ``pid_file`` if given."""
+    """Does nothing until shut down; notes its pid at setup and ``teardown`` in ``note_file`` if given."""
 
-    def __init__(self, pid_file: str | None = None) -> None:
-        self.pid_file = pid_file
+    def __init__(self, note_file: str | None = None) -> None:
+        self.note_file = note_file
 
     async def setup(self, ctx: StageContext) -> None:
-        if self.pid_file:
-            with open(self.pid_file, "w") as f:
-                f.write(str(os.getpid()))
+        self._note(f"pid {os.getpid()}\n")
+
+    async def teardown(self) -> None:
+        self._note("teardown\n")
+
+    def _note(self, text: str) -> None:
+        if self.note_file:
+            with open(self.note_file, "a") as f:
+                f.write(text)

@@ -1,0 +1,227 @@
+"""The runner and supervisor with real sockets and real spawned processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import anyio
+import psutil
+import pytest
+
+from pipeline.config import PipelineConfig, TransportConfig
+from pipeline.runner import Edge, Graph, Node, Session, run_session
+from transport.messages import ControlKind
+
+STAGES = "test_runner_stages"
+TESTS_DIR = Path(__file__).parent
+REPO = TESTS_DIR.parent
+
+
+def chain(count: int, groups=("main", "main"), **sink) -> Graph:
+    return Graph(
+        [
+            Node("src", f"{STAGES}:Source", {"count": count}, groups[0]),
+            Node("relay", f"{STAGES}:Relay", {}, groups[1]),
+            Node("sink", f"{STAGES}:Sink", {"expect": count, **sink}, "main"),
+        ],
+        [Edge("src", "relay", capacity=3), Edge("relay", "sink", capacity=2)],
+    )
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def assert_no_stage_processes(pids):
+    assert pids and all(gone(pid) for pid in pids), {p: not gone(p) for p in pids}
+    assert not [c for c in psutil.Process().children(recursive=True) if c.pid in pids]
+
+
+def test_inproc_session_delivers_in_order_and_ends_on_shutdown():
+    result = anyio.run(run_session, chain(200), PipelineConfig(placement="inproc"), "s-inproc")
+    assert result.ok and result.ended_by == "shutdown by sink", result.error
+    assert result.stages["sink"].chunks == list(range(200))
+    assert result.stages["sink"].torn_down
+    assert result.edges["relay->sink"]["sender"]["max_in_flight"] <= 2
+    assert result.edges["src->relay"]["sender"]["max_in_flight"] <= 3
+    assert result.edges["relay->sink"]["receiver"]["received"] == 200 and result.processes == {}
+
+
+@pytest.mark.parametrize(
+    "transport",
+    [TransportConfig(), TransportConfig(cross_process="tcp", curve=True)],
+    ids=["ipc", "tcp-curve"],
+)
+def test_session_across_spawned_processes(transport):
+    config = PipelineConfig(placement="processes", transport=transport)
+    result = anyio.run(run_session, chain(100, groups=("producer", "middle")), config, "s-procs")
+    assert result.ok and result.ended_by == "shutdown by sink", result.error
+    assert result.stages["sink"].chunks == list(range(100))
+    assert set(result.processes) == {"producer", "middle"}
+    assert result.edges["src->relay"]["sender"]["sent"] == 100  # reported back by the child
+    assert result.edges["src->relay"]["sender"]["max_in_flight"] <= 3
+    assert_no_stage_processes(result.processes.values())
+
+
+def test_control_overtakes_queued_data():
+    # Source fills the sink's whole window (capacity 10) and only then sends INTERRUPT; the sink
+    # handles 1 message / 20 ms, so FIFO would put the control after all 10.
+    graph = Graph(
+        [
+            Node("src", f"{STAGES}:Source", {"count": 10, "control_after": "interrupt"}),
+            Node("sink", f"{STAGES}:Sink", {"expect": 10, "delay_s": 0.02}),
+        ],
+        [Edge("src", "sink", capacity=10)],
+    )
+    result = anyio.run(run_session, graph, PipelineConfig(), "s-ctl")
+    assert result.ok, result.error
+    sink = result.stages["sink"]
+    assert sink.chunks == list(range(10))
+    [(data_before, kind)] = sink.controls
+    assert kind == ControlKind.INTERRUPT
+    assert data_before <= 3, f"control waited behind {data_before} data messages"
+
+
+@pytest.mark.parametrize("placement", ["inproc", "processes"])
+def test_a_failing_stage_ends_the_session_with_an_error_naming_it(placement):
+    graph = Graph(
+        [
+            Node("src", f"{STAGES}:Source", {"count": 50}),
+            Node("fragile", f"{STAGES}:FailAfter", {"after": 5}, "worker"),
+            Node("sink", f"{STAGES}:Sink", {}),
+        ],
+        [Edge("src", "fragile"), Edge("src", "sink")],
+    )
+    result = anyio.run(run_session, graph, PipelineConfig(placement=placement), "s-fail")
+    assert not result.ok and result.failed_stage == "fragile"
+    assert "'fragile'" in result.error and "boom after 5" in result.error
+    assert result.stages["sink"].torn_down  # every stage is torn down, also on error
+    if placement == "processes":
+        assert_no_stage_processes(result.processes.values())
+
+
+def test_stop_ends_cleanly():
+    async def main():
+        session = Session(chain(10**6), PipelineConfig(), "s-stop")
+        async with anyio.create_task_group() as tg:
+
+            async def stop_soon():
+                await session.started.wait()
+                await anyio.sleep(0.1)
+                session.stop("test over")
+
+            tg.start_soon(stop_soon)
+            return await session.run()
+
+    result = anyio.run(main)
+    assert result.ok and result.ended_by == "stop: test over"
+    assert 0 < len(result.stages["sink"].chunks) < 10**6 and result.stages["sink"].torn_down
+
+
+def _victim_graph(note_file: Path) -> Graph:
+    return Graph(
+        [
+            Node("victim", f"{STAGES}:Idle", {"note_file": str(note_file)}, "doomed"),
+            Node("sink", f"{STAGES}:Sink", {}),
+        ],
+        [Edge("victim", "sink")],
+    )
+
+
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
+def test_a_dead_or_frozen_stage_process_ends_the_session_naming_the_stage(fault, tmp_path):
+    config = PipelineConfig(placement="processes", transport=TransportConfig(heartbeat_s=0.1, dead_after_s=0.6))
+    session = Session(_victim_graph(tmp_path / "victim.txt"), config, "s-kill")
+    hit_at: list[float] = []
+
+    async def main():
+        async with anyio.create_task_group() as tg:
+
+            async def strike():
+                await session.started.wait()
+                hit_at.append(time.monotonic())
+                os.kill(session.pids["doomed"], getattr(signal, fault))
+
+            tg.start_soon(strike)
+            with anyio.fail_after(30):  # nothing hangs
+                return await session.run()
+
+    result = anyio.run(main)
+    assert not result.ok and result.failed_stage == "victim"
+    assert "'victim'" in result.error
+    assert ("killed by signal SIGKILL" if fault == "SIGKILL" else "stopped answering heartbeats") in result.error
+    assert session.ended_at - hit_at[0] < 2.0, f"noticed after {session.ended_at - hit_at[0]:.2f} s"
+    assert_no_stage_processes(result.processes.values())
+
+
+SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r})
+import anyio
+from pipeline.config import PipelineConfig
+from pipeline.runner import Edge, Graph, Node, Session
+
+def main():
+    graph = Graph(
+        [Node("victim", "test_runner_stages:Idle", {{"note_file": {note!r}}}, "doomed"),
+         Node("sink", "test_runner_stages:Sink", {{}})],
+        [Edge("victim", "sink")],
+    )
+    session = Session(graph, PipelineConfig(placement="processes"), "s-signal")
+
+    async def go():
+        async with anyio.create_task_group() as tg:
+            async def announce():
+                await session.started.wait()
+                print("STARTED", session.pids["doomed"], flush=True)
+            tg.start_soon(announce)
+            result = await session.run()
+            print("RESULT", result.ok, result.ended_by, result.stages["sink"].torn_down, flush=True)
+
+    anyio.run(go)
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def _start_script(tmp_path: Path, note: Path) -> tuple[subprocess.Popen, int]:
+    script = tmp_path / "session_main.py"
+    script.write_text(textwrap.dedent(SCRIPT.format(tests=str(TESTS_DIR), note=str(note))))
+    env = {**os.environ, "CHARSTREAM_LOG_LEVEL": "error"}
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE, text=True, env=env)
+    line = proc.stdout.readline()
+    assert line.startswith("STARTED"), line
+    return proc, int(line.split()[1])
+
+
+def _wait_gone(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return gone(pid)
+
+
+def test_sigterm_shuts_down_cleanly_and_parent_death_leaves_no_orphans(tmp_path):
+    note = tmp_path / "clean.txt"
+    proc, child = _start_script(tmp_path, note)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0
+    assert "RESULT True signal SIGTERM True" in out
+    assert _wait_gone(child, 5)
+    assert note.read_text().splitlines() == [f"pid {child}", "teardown"]  # the child tore down too
+
+    proc, child = _start_script(tmp_path, tmp_path / "killed.txt")
+    proc.kill()  # SIGKILL: the parent gets no chance to clean up; PDEATHSIG must take the child
+    proc.wait(timeout=10)
+    assert _wait_gone(child, 5)
