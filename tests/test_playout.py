@@ -26,7 +26,8 @@ SIZE = 32
 def realtime_source(chunks: int, stall_after: int | None = None, stall_s: float = 0.0, speaking_from: int | None = None):
     """Chunks at the media rate on absolute deadlines; optionally one pause after chunk ``stall_after``."""
 
-    async def source(playout: PlayoutStage, ctx) -> None:
+    async def source(session) -> None:
+        playout, ctx = session.playout, session.ctx
         start = time.monotonic()
         for n in range(chunks):
             speaking = speaking_from is not None and n >= speaking_from
@@ -129,7 +130,8 @@ async def collect_from(output, index: int, count: int) -> list:
 
 
 def test_turn_start_rollback_drops_exactly_the_unplayed_chunks():
-    async def fast_source(playout, ctx):  # as fast as credit allows: the buffer fills to its max
+    async def fast_source(session):  # as fast as credit allows: the buffer fills to its max
+        playout, ctx = session.playout, session.ctx
         for n in range(100):
             await playout.process(card_chunk(ctx.session_id, n, SIZE, SIZE), ctx)
 

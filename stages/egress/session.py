@@ -1,10 +1,16 @@
 """A self-contained egress session without the model: a test-card source feeding a real PlayoutStage.
 
-``testcard_session`` is a ``SessionFactory`` for ``EgressServer``: it runs the PlayoutStage stage on
-its own (setup, clock loop, teardown) with a source that produces test-card chunks at the real
-24 fps rate, one flash+click chunk every ``flash_every`` chunks. Tests, benchmarks and
-``charstream serve --source testcard`` use it; the full pipeline's session graph provides its own
-factory returning the same ``SessionMedia``.
+``card_factory`` is a ``SessionFactory`` for ``EgressServer``. Per session it runs the playout
+stage on its own (setup, clock loop, teardown) and a source that behaves like the generator:
+it produces test-card chunks as fast as playout's backpressure lets it, one flash+click chunk
+every ``flash_every`` chunks. The user's microphone goes through silero-vad; at each end of user
+speech the session does what the full pipeline does on a turn start — playout rolls back the
+unplayed chunks and the source regenerates from ``last_committed + 1`` with "speech" (a red
+border and a higher tone) for ``turn_chunks`` chunks, stamping the turn's trace — so the page's
+latency overlay shows real figures: back-dated end of speech → first speaking frame on screen,
+with an agent that answers instantly. Tests, benchmarks and ``charstream serve --source
+testcard`` use it; the full pipeline's session graph provides its own factory returning the
+same ``SessionMedia``.
 """
 
 from __future__ import annotations
@@ -14,23 +20,30 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import structlog
 
 from pipeline.config import EgressConfig, PlayoutConfig
 from stages.base import StageContext
-from stages.egress.mic import UserAudioQueue
+from stages.egress.mic import UserAudioClosed, UserAudioQueue
 from stages.egress.server import SessionMedia
 from stages.egress.testcard import card_chunk
-from stages.playout import PlayoutStage
-from transport.messages import CHUNK_SECONDS, Control, Message
+from stages.playout import FRAME_SECONDS, PlayoutStage
+from transport.messages import TIMELINE_RATE, Control, Message, TurnKind
+
+Source = Callable[["CardSession"], Awaitable[None]]  # feeds session.playout (with session.ctx)
 
 
 @dataclass
-class TestcardSession:
+class CardSession:
     playout: PlayoutStage
     ctx: StageContext
     controls: list[Control] = field(default_factory=list)  # what playout sent upstream (rollbacks)
     tasks: list[asyncio.Task] = field(default_factory=list)
+    turn_starts: asyncio.Queue[float] = field(default_factory=lambda: asyncio.Queue(maxsize=4))  # user speech ends
+    vad_events: list = field(default_factory=list)
+    mic_frames: int = 0
+    mic_peak_rms: float = 0.0
 
     async def close(self) -> None:
         for task in self.tasks:
@@ -39,8 +52,7 @@ class TestcardSession:
         await self.playout.teardown()
 
 
-async def start_playout(session_id: str, playout: PlayoutStage,
-                        source: Callable[[PlayoutStage, StageContext], Awaitable[None]]) -> TestcardSession:
+async def start_playout(session_id: str, playout: PlayoutStage, source: Source) -> CardSession:
     """Run ``playout`` with ``source`` feeding it: the few duties of the runner, for one stage."""
     controls: list[Control] = []
 
@@ -53,48 +65,85 @@ async def start_playout(session_id: str, playout: PlayoutStage,
     ctx = StageContext("playout", session_id, emit, send_control, structlog.get_logger("playout").bind(
         session_id=session_id))
     await playout.setup(ctx)
-    session = TestcardSession(playout, ctx, controls)
+    session = CardSession(playout, ctx, controls)
     session.tasks = [asyncio.create_task(playout.run(ctx), name=f"playout-{session_id}"),
-                     asyncio.create_task(source(playout, ctx), name=f"source-{session_id}")]
+                     asyncio.create_task(source(session), name=f"source-{session_id}")]
     return session
 
 
-def realtime_card(height: int = 128, width: int = 128, flash_every: int = 12, speaking: bool = False):
-    """A source producing test-card chunks on absolute deadlines at the media rate."""
+def card_source(height: int, width: int, flash_every: int, turn_chunks: int) -> Source:
+    """Test-card chunks as fast as backpressure allows; a turn start rolls back and "speaks"."""
 
-    async def source(playout: PlayoutStage, ctx: StageContext) -> None:
-        start = time.monotonic()
-        chunk = 0
+    async def source(session: CardSession) -> None:
+        playout, ctx = session.playout, session.ctx
+        chunk, turn_id, speaking_left = 0, 0, 0
         while True:
-            await playout.process(card_chunk(ctx.session_id, chunk, height, width,
-                                                 flash=flash_every > 0 and chunk % flash_every == 0,
-                                                 speaking=speaking, epoch=playout.epoch), ctx)
+            trace_stamps = {}
+            speech_end = None
+            # While the buffer is full, wait for room or a turn start, whichever comes first.
+            while playout.stats.depth >= playout.config.max_depth_chunks and speech_end is None:
+                try:
+                    speech_end = await asyncio.wait_for(session.turn_starts.get(), FRAME_SECONDS)
+                except TimeoutError:
+                    pass
+            if speech_end is None and not session.turn_starts.empty():
+                speech_end = session.turn_starts.get_nowait()
+            if speech_end is not None:
+                rollback = await playout.rollback(ctx)
+                chunk, turn_id, speaking_left = rollback.chunk + 1, turn_id + 1, turn_chunks
+                trace_stamps = {"user_speech_end": speech_end, "agent_first_audio": time.time()}
+            speaking = speaking_left > 0
+            msg = card_chunk(ctx.session_id, chunk, height, width, flash=flash_every > 0 and chunk % flash_every == 0,
+                             speaking=speaking, epoch=playout.epoch, turn_id=turn_id if speaking else None)
+            msg.trace.stamps.update(trace_stamps)
+            await playout.process(msg, ctx)
             chunk += 1
-            delay = start + chunk * CHUNK_SECONDS - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
+            speaking_left = max(speaking_left - 1, 0)
 
     return source
 
 
+async def listen(session: CardSession, user_audio: UserAudioQueue) -> None:
+    """The user's mic through silero-vad; each end of speech starts a turn."""
+    from stages.ingest.vad import UserAudioVAD  # torch + silero: loaded only once a mic is heard
+
+    vad = None
+    while True:
+        try:
+            frame = await user_audio.get()
+        except UserAudioClosed:
+            return
+        if vad is None:
+            vad = await asyncio.to_thread(UserAudioVAD, sample_rate=TIMELINE_RATE)
+        session.mic_frames += 1
+        rms = float(np.sqrt(np.mean(frame.samples.astype(np.float64) ** 2)))
+        session.mic_peak_rms = max(session.mic_peak_rms, rms)
+        for event in vad.feed(frame.samples, frame.received_at - len(frame.samples) / TIMELINE_RATE):
+            session.vad_events.append(event)
+            session.ctx.log.info("user_vad", kind=str(event.kind), at=event.at, probability=round(event.probability, 2))
+            if event.kind == TurnKind.USER_SPEECH_END and not session.turn_starts.full():
+                session.turn_starts.put_nowait(event.at)
+
+
 def card_factory(playout_config: PlayoutConfig | None = None, egress_config: EgressConfig | None = None,
-                 height: int = 128, width: int = 128, flash_every: int = 12,
-                 source: Callable[[PlayoutStage, StageContext], Awaitable[None]] | None = None):
+                 height: int = 128, width: int = 128, flash_every: int = 12, turn_chunks: int = 18,
+                 source: Source | None = None):
     """A ``SessionFactory`` serving the test card (or ``source``); ``factory.sessions`` holds the live ones."""
     egress_config = egress_config or EgressConfig()
-    source = source or realtime_card(height, width, flash_every)
-    sessions: dict[str, TestcardSession] = {}
+    sessions: dict[str, CardSession] = {}
 
     async def factory(session_id: str) -> SessionMedia:
-        session = await start_playout(session_id, PlayoutStage(playout_config), source)
+        user_audio = UserAudioQueue(egress_config.user_audio_queue_frames)
+        session = await start_playout(session_id, PlayoutStage(playout_config),
+                                      source or card_source(height, width, flash_every, turn_chunks))
+        session.tasks.append(asyncio.create_task(listen(session, user_audio), name=f"vad-{session_id}"))
         sessions[session_id] = session
 
         async def close() -> None:
             sessions.pop(session_id, None)
             await session.close()
 
-        return SessionMedia(session.playout.output, UserAudioQueue(egress_config.user_audio_queue_frames),
-                            close=close)
+        return SessionMedia(session.playout.output, user_audio, close=close)
 
     factory.sessions = sessions  # type: ignore[attr-defined]
     return factory

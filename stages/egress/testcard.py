@@ -29,12 +29,16 @@ CLICK_SAMPLES = 96  # 2 ms
 CLICK_AMPLITUDE = 30000
 
 
-def frame_image(number: int, height: int, width: int, flash: bool = False) -> np.ndarray:
-    """One RGB frame: colour bars, a bar moving one step per frame, and ``number`` in digits."""
+def frame_image(number: int, height: int, width: int, flash: bool = False, speaking: bool = False) -> np.ndarray:
+    """One RGB frame: colour bars, a bar moving one step per frame, ``number`` in digits; a red
+    border while speaking."""
     if flash:
         return np.full((height, width, 3), 255, np.uint8)
     columns = np.arange(width) * len(_BARS) // width
     image = np.repeat(_BARS[columns][None], height, axis=0)
+    if speaking:
+        border = max(height // 16, 2)
+        image[:border] = image[-border:] = image[:, :border] = image[:, -border:] = (230, 30, 30)
     bar = (number * 4) % width
     image[:, bar:bar + max(width // 32, 2)] = 255
     scale = max(height // 32, 1)
@@ -51,19 +55,21 @@ def frame_image(number: int, height: int, width: int, flash: bool = False) -> np
     return image
 
 
-def chunk_audio(chunk: int, flash: bool = False) -> np.ndarray:
-    """The chunk's 8,000 samples of a quiet continuous tone; a flash chunk starts with a click."""
+def chunk_audio(chunk: int, flash: bool = False, speaking: bool = False) -> np.ndarray:
+    """The chunk's 8,000 samples of a quiet continuous tone (a fifth up while speaking); a flash
+    chunk starts with a click."""
     t = (chunk * SAMPLES_PER_CHUNK + np.arange(SAMPLES_PER_CHUNK)) / TIMELINE_RATE
-    audio = (TONE_AMPLITUDE * np.sin(2 * np.pi * TONE_HZ * t)).astype(np.int16)
+    tone = TONE_HZ * 1.5 if speaking else TONE_HZ
+    audio = (TONE_AMPLITUDE * np.sin(2 * np.pi * tone * t)).astype(np.int16)
     if flash:
         audio[:CLICK_SAMPLES] = CLICK_AMPLITUDE
     return audio
 
 
 def card_chunk(session_id: str, chunk: int, height: int = 128, width: int = 128, flash: bool = False,
-                   speaking: bool = False, epoch: int = 0, turn_id: int | None = None) -> VideoChunk:
-    frames = np.stack([frame_image(chunk * FRAMES_PER_CHUNK + i, height, width, flash=flash and i == 0)
+               speaking: bool = False, epoch: int = 0, turn_id: int | None = None) -> VideoChunk:
+    frames = np.stack([frame_image(chunk * FRAMES_PER_CHUNK + i, height, width, flash and i == 0, speaking)
                        for i in range(FRAMES_PER_CHUNK)])
-    return VideoChunk(session_id, chunk, frames, chunk_audio(chunk, flash), speaking, epoch,
+    return VideoChunk(session_id, chunk, frames, chunk_audio(chunk, flash, speaking), speaking, epoch,
                       TraceContext(turn_id=turn_id))
 

@@ -1,0 +1,106 @@
+"""The web page in a real headless Chromium (Debian's, driven by Playwright): connect, play, mic, reports."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+import wave
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline.config import EgressConfig
+from stages.egress.server import EgressServer
+from stages.egress.session import card_factory
+from stages.ingest.tts import synthesize
+from transport.messages import TurnKind
+
+CHROMIUM = "/usr/bin/chromium"
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(shutil.which(CHROMIUM) is None, reason="Debian chromium not installed (make browser)"),
+]
+
+
+def chromium_args(fake_mic_wav: Path) -> list[str]:
+    return ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync",
+            "--autoplay-policy=no-user-gesture-required", "--use-fake-ui-for-media-stream",
+            "--use-fake-device-for-media-stream", f"--use-file-for-fake-audio-capture={fake_mic_wav}"]
+
+
+def write_speech_wav(path: Path) -> None:
+    """espeak-ng speech with silence around it (Chromium loops the file as the microphone)."""
+    speech = synthesize("Hello there, can you hear me? Tell me about the weather today.")
+    silence = np.zeros(speech.sample_rate // 2, np.int16)
+    samples = np.concatenate([silence, speech.samples, silence])
+    with wave.open(str(path), "wb") as f:
+        f.setnchannels(1)
+        f.setsampwidth(2)
+        f.setframerate(speech.sample_rate)
+        f.writeframes(samples.tobytes())
+
+
+def test_page_connects_plays_sends_mic_and_reports_frames():
+    from playwright.async_api import async_playwright
+
+    async def main(tmp: Path):
+        wav = tmp / "speech.wav"
+        write_speech_wav(wav)
+        factory = card_factory()
+        server = EgressServer(EgressConfig(host="127.0.0.1", port=0), factory, access_key="browser-key")
+        url = await server.start()
+        out: dict = {}
+        async with async_playwright() as p:
+            context = await p.chromium.launch_persistent_context(
+                str(tmp / "profile"), executable_path=CHROMIUM, headless=True, args=chromium_args(wav))
+            page = await context.new_page()
+            page.on("console", lambda m: out.setdefault("console", []).append(m.text))
+            await page.goto(f"{url}/?key=browser-key&autoconnect=1")
+            await page.wait_for_function("window.charstream.framesReported >= 48", timeout=20_000)
+            [peer] = server.sessions.values()
+            [card] = factory.sessions.values()
+            # The fake mic's speech reaches silero-vad through the VAD-facing queue; its end of
+            # speech starts a turn, whose latency segments come back to the page's overlay.
+            await page.wait_for_function("window.charstream.turns.length >= 1", timeout=20_000)
+            out["vad"] = list(card.vad_events)
+            out["mic"] = (card.mic_frames, card.mic_peak_rms)
+            out["video"] = await page.evaluate(
+                "(() => { const v = document.getElementById('video');"
+                " return {w: v.videoWidth, h: v.videoHeight, t: v.currentTime, paused: v.paused}; })()")
+            out["page"] = await page.evaluate("window.charstream")
+            out["reports"] = peer.timing.frames_reported
+            out["unmatched"] = peer.timing.unmatched_reports
+            out["deliveries"] = [d.seconds for d in peer.timing.chunk_deliveries]
+            out["rtt"] = peer.timing.clock.rtt
+            ARTIFACTS.mkdir(exist_ok=True)
+            await page.screenshot(path=str(ARTIFACTS / "browser_page.png"))
+            await page.click("#disconnect")
+            for _ in range(50):
+                if not server.sessions and not factory.sessions:
+                    break
+                await asyncio.sleep(0.1)
+            out["left"] = (dict(server.sessions), dict(factory.sessions))
+            await context.close()
+        await server.stop()
+        return out
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = asyncio.run(main(Path(tmp)))
+    print({k: v for k, v in out.items() if k not in ("deliveries",)})
+    assert out["video"]["w"] == 128 and out["video"]["h"] == 128 and out["video"]["t"] > 0 and not out["video"]["paused"]
+    assert out["page"]["micSent"] and out["page"]["pings"] >= 3 and out["page"]["error"] is None
+    assert out["mic"][0] >= 100 and out["mic"][1] > 500  # speech energy arrived, not silence
+    kinds = [e.kind for e in out["vad"]]
+    assert kinds[:2] == [TurnKind.USER_SPEECH_START, TurnKind.USER_SPEECH_END]  # silero heard the user
+    [turn] = out["page"]["turns"][:1]
+    assert set(turn["segments_ms"]) == {"agent", "pipeline", "delivery", "total"}
+    assert 0 < turn["segments_ms"]["delivery"] < 500
+    assert out["reports"] >= 48 and out["unmatched"] <= 5  # first-frame reports arrive and map to frames
+    assert len(out["deliveries"]) >= 8 and 0 < float(np.median(out["deliveries"])) < 0.5
+    assert (ARTIFACTS / "browser_page.png").stat().st_size > 1000
+    assert out["left"] == ({}, {})  # disconnect released the session
