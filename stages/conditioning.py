@@ -26,6 +26,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import anyio
 import numpy as np
@@ -44,7 +45,7 @@ from transport.messages import (
     TurnKind,
 )
 
-# (audio int16 at 48 kHz: the chunk's span followed by the look-ahead) -> (n_audio_tokens, audio_dim) float32
+# int16 48 kHz window [chunk start - context, chunk end + look-ahead) -> (n_audio_tokens, audio_dim) float32
 EncodeFn = Callable[[np.ndarray], np.ndarray]
 
 MAX_GAP_SAMPLES = 5 * TIMELINE_RATE  # an agent jumping ahead further than this is a protocol error
@@ -82,10 +83,11 @@ class _Turn:
 class ConditioningStage(Stage):
     name = "conditioning"
 
-    def __init__(self, encode: EncodeFn, lookahead_ms: float, rollback_wait_s: float = 0.5,
+    def __init__(self, encode: EncodeFn, lookahead_ms: float, context_ms: float = 0.0, rollback_wait_s: float = 0.5,
                  stall_s: float = 1.0) -> None:
         self.encode = encode
         self.lookahead = int(round(lookahead_ms * TIMELINE_RATE / 1000))
+        self.context = int(round(context_ms * TIMELINE_RATE / 1000))
         self.rollback_wait_s = rollback_wait_s  # placement without a ROLLBACK answer after this long
         self.stall_s = stall_s  # a speaking turn with no new audio this long is ended
         self.next_chunk = 0
@@ -221,9 +223,8 @@ class ConditioningStage(Stage):
     # --- the chunk loop ----------------------------------------------------------------------
 
     async def run(self, ctx: StageContext) -> None:
-        self._silence_tokens = np.asarray(
-            await anyio.to_thread.run_sync(self.encode, np.zeros(SAMPLES_PER_CHUNK + self.lookahead, np.int16)),
-            np.float32)
+        window = np.zeros(self.context + SAMPLES_PER_CHUNK + self.lookahead, np.int16)
+        self._silence_tokens = np.asarray(await anyio.to_thread.run_sync(self.encode, window), np.float32)
         while True:
             wait = self._wait_needed(ctx)
             await self._maybe_turn_start(ctx)  # a stalled agent's short first chunk still starts its turn
@@ -278,17 +279,41 @@ class ConditioningStage(Stage):
         if turn is None or rel is None or rel + SAMPLES_PER_CHUNK <= 0 or rel >= len(turn.audio):
             return Conditioning(self._session, chunk, self._silence_tokens, np.zeros(SAMPLES_PER_CHUNK, np.int16),
                                 speaking=False, epoch=epoch, trace=TraceContext(None))
-        window = np.zeros(SAMPLES_PER_CHUNK + self.lookahead, np.int16)
-        lo, hi = max(rel, 0), min(rel + len(window), len(turn.audio))
-        window[lo - rel:hi - rel] = turn.audio[lo:hi]
+        # The encoder's window: left context + the chunk + look-ahead; silence outside the turn's speech.
+        window = np.zeros(self.context + SAMPLES_PER_CHUNK + self.lookahead, np.int16)
+        first = rel - self.context
+        lo, hi = max(first, 0), min(first + len(window), turn.length)
+        window[lo - first:hi - first] = turn.audio[lo:hi]
         tokens = np.asarray(await anyio.to_thread.run_sync(self.encode, window), np.float32)
+        audio = window[self.context:self.context + SAMPLES_PER_CHUNK].copy()
         trace = TraceContext(turn.turn_id)
         if rel <= 0:  # the turn's first speaking chunk carries the turn's trace
             trace.stamps.update(turn.trace.stamps)
             trace.stamp("conditioning_ready")
-        return Conditioning(self._session, chunk, tokens, window[:SAMPLES_PER_CHUNK].copy(), speaking=True,
-                            epoch=epoch, trace=trace)
+        return Conditioning(self._session, chunk, tokens, audio, speaking=True, epoch=epoch, trace=trace)
 
     async def setup(self, ctx: StageContext) -> None:
         self._session = ctx.session_id
         self._changed = anyio.Event()
+
+
+def build(preset: str = "tiny", weights: str | None = "packaged", seed: int = 0, **options) -> ConditioningStage:
+    """The runner's factory (``stages.conditioning:build``): the preset's audio encoder, trained
+    weights when ``weights`` names a file or is ``"packaged"`` and the package ships them, else
+    seeded random weights."""
+    import torch
+
+    from model.audio_encoder import AudioEncoder, make_encode_fn
+    from model.config import get_preset
+    from model.weights import packaged_weights
+    from pipeline.training.checkpoint import load_audio_encoder
+
+    cfg = get_preset(preset)
+    path = packaged_weights(preset) if weights == "packaged" else weights
+    if path:
+        encoder = load_audio_encoder(cfg, Path(path))
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            encoder = AudioEncoder(cfg).eval().requires_grad_(False)
+    return ConditioningStage(make_encode_fn(encoder), cfg.audio_lookahead_ms, cfg.audio_context_ms, **options)

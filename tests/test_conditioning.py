@@ -9,7 +9,7 @@ import structlog
 from structlog.testing import capture_logs
 
 from stages.base import StageContext
-from stages.conditioning import ConditioningStage
+from stages.conditioning import ConditioningStage, build
 from transport.messages import (
     SAMPLES_PER_CHUNK,
     AgentAudio,
@@ -21,15 +21,14 @@ from transport.messages import (
     TurnKind,
 )
 
-LOOKAHEAD_MS = 40.0
-LOOKAHEAD = 1920  # 40 ms at 48 kHz
+LOOKAHEAD = 1920  # the tiny preset's 40 ms at 48 kHz
+CONTEXT = 3840  # its 80 ms of left context
 FRAME = 960  # 20 ms at 48 kHz, the adapters' frame
 
 
-def encode(window: np.ndarray) -> np.ndarray:
-    """A stand-in feature map that exposes alignment: 4 tokens = mean |x| of the window's quarters."""
-    assert window.dtype == np.int16 and window.shape == (SAMPLES_PER_CHUNK + LOOKAHEAD,)
-    return np.abs(window.astype(np.float32)).reshape(4, -1).mean(axis=1, keepdims=True).repeat(8, axis=1)
+def stage(**options) -> ConditioningStage:
+    """The runner's factory with the tiny preset's real audio encoder (seeded random weights)."""
+    return build("tiny", weights=None, **options)
 
 
 class Harness:
@@ -73,11 +72,12 @@ async def started(stage: ConditioningStage, tg, capacity: int = 2) -> Harness:
 @pytest.mark.anyio
 async def test_listening_stream_is_continuous_and_bounded_by_credit():
     async with anyio.create_task_group() as tg:
-        h = await started(ConditioningStage(encode, LOOKAHEAD_MS), tg, capacity=2)
+        h = await started(stage(), tg, capacity=2)
         first = [await h.next() for _ in range(5)]
         assert [c.chunk for c in first] == [0, 1, 2, 3, 4]
         assert all(not c.speaking and c.trace.turn_id is None and not c.audio.any() for c in first)
-        assert first[0].audio_tokens.shape == (4, 8) and first[0].audio_tokens.dtype == np.float32
+        assert first[0].audio_tokens.shape == (4, 192) and first[0].audio_tokens.dtype == np.float32
+        assert h.stage.lookahead == LOOKAHEAD and h.stage.context == CONTEXT
         await anyio.sleep(0.1)  # nobody reads: the stage must stop at the edge's capacity
         assert h.send.statistics().current_buffer_used == 2
         assert (await h.next()).chunk == 5
@@ -89,7 +89,7 @@ async def test_turn_start_rollback_places_speech_at_the_first_uncommitted_chunk(
     speech = tone(int(2.3 * SAMPLES_PER_CHUNK))
     first_ready = SAMPLES_PER_CHUNK + LOOKAHEAD  # audio the first speaking chunk needs
     async with anyio.create_task_group() as tg:
-        h = await started(ConditioningStage(encode, LOOKAHEAD_MS), tg)
+        h = await started(stage(), tg)
         for expected in range(4):
             assert (await h.next()).chunk == expected
         # The agent's turn: the user's end of speech, then its reply streamed in 20 ms frames.
@@ -119,12 +119,12 @@ async def test_turn_start_rollback_places_speech_at_the_first_uncommitted_chunk(
         padded = np.zeros(3 * SAMPLES_PER_CHUNK, np.int16)
         padded[:len(speech)] = speech
         assert np.array_equal(np.concatenate([c.audio for c in chunks[:3]]), padded)
-        # Tokens are the encoding of the chunk's span plus its look-ahead.
+        # Tokens are the encoding of the chunk's window: left context, its span, the look-ahead.
+        timeline = np.concatenate([np.zeros(CONTEXT, np.int16), padded, np.zeros(LOOKAHEAD, np.int16)])
         for i, c in enumerate(chunks[:3]):
-            window = np.zeros(SAMPLES_PER_CHUNK + LOOKAHEAD, np.int16)
-            part = padded[i * SAMPLES_PER_CHUNK:(i + 1) * SAMPLES_PER_CHUNK + LOOKAHEAD]
-            window[:len(part)] = part
-            assert np.array_equal(c.audio_tokens, encode(window))
+            window = timeline[i * SAMPLES_PER_CHUNK:(i + 1) * SAMPLES_PER_CHUNK + CONTEXT + LOOKAHEAD]
+            assert np.allclose(c.audio_tokens, h.stage.encode(window), atol=1e-5)
+        assert not np.allclose(chunks[1].audio_tokens, chunks[0].audio_tokens)
         # Only the first speaking chunk carries the turn's trace, in contract order.
         stamps = chunks[0].trace.stamps
         assert chunks[0].trace.turn_id == 7 and stamps["user_speech_end"] == 100.0
@@ -139,7 +139,7 @@ async def test_a_speaking_chunk_waits_for_its_span_and_look_ahead():
     speech = tone(3 * SAMPLES_PER_CHUNK)
     second_ready = 2 * SAMPLES_PER_CHUNK + LOOKAHEAD
     async with anyio.create_task_group() as tg:
-        h = await started(ConditioningStage(encode, LOOKAHEAD_MS, stall_s=5.0), tg, capacity=8)
+        h = await started(stage(stall_s=5.0), tg, capacity=8)
         await h.speech(1, speech[:second_ready - FRAME])
         await h.stage.control(Control("sess", 1, ControlKind.ROLLBACK, chunk=-1, epoch=1), h.ctx)
         first = await h.next()
@@ -160,7 +160,7 @@ async def test_a_speaking_chunk_waits_for_its_span_and_look_ahead():
 async def test_barge_in_returns_to_listening_at_the_next_chunk_and_drops_late_speech():
     speech = tone(6 * SAMPLES_PER_CHUNK)
     async with anyio.create_task_group() as tg:
-        h = await started(ConditioningStage(encode, LOOKAHEAD_MS), tg)
+        h = await started(stage(), tg)
         await h.speech(2, speech[:4 * SAMPLES_PER_CHUNK])
         await h.stage.control(Control("sess", 1, ControlKind.ROLLBACK, chunk=0, epoch=1), h.ctx)
         spoken = []
@@ -187,7 +187,7 @@ async def test_barge_in_returns_to_listening_at_the_next_chunk_and_drops_late_sp
 @pytest.mark.anyio
 async def test_bad_input_is_logged_with_the_turn_and_listening_continues():
     async with anyio.create_task_group() as tg:
-        h = await started(ConditioningStage(encode, LOOKAHEAD_MS), tg)
+        h = await started(stage(), tg)
         with capture_logs() as logs:
             await h.stage.process(AgentAudio("sess", 0, np.zeros(441, np.int16), 0, sample_rate=22_050,
                                              trace=TraceContext(4)), h.ctx)
@@ -209,7 +209,7 @@ async def test_bad_input_is_logged_with_the_turn_and_listening_continues():
 async def test_an_agent_that_stops_mid_turn_is_ended_and_no_rollback_answer_still_places_speech():
     speech = tone(int(1.5 * SAMPLES_PER_CHUNK))
     async with anyio.create_task_group() as tg:
-        h = await started(ConditioningStage(encode, LOOKAHEAD_MS, rollback_wait_s=0.1, stall_s=0.3), tg,
+        h = await started(stage(rollback_wait_s=0.1, stall_s=0.3), tg,
                           capacity=16)
         await anyio.sleep(0.05)
         with capture_logs() as logs:
