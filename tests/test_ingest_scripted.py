@@ -27,7 +27,7 @@ SCRIPT = [
 @pytest.fixture(scope="module")
 def conversation():
     config = IngestConfig(think_delay_s=THINK_S, lead_in_s=0.3)
-    agent = ScriptedAgent(config, SCRIPT)
+    agent = ScriptedAgent(config, script=SCRIPT)
     stage = IngestStage(config, agent)
     rec = Recorder()
 
@@ -75,7 +75,7 @@ def test_trace_stamps_come_from_the_vad_and_the_first_audio(conversation):
         detected = [d for kind, at, d in stage.stats.vad_events
                     if kind == "user_speech_end" and at == stamps["user_speech_end"]][0]
         assert stamps["agent_first_audio"] - detected >= THINK_S - 0.005
-        assert stamps["agent_first_audio"] - detected < THINK_S + 0.2
+        assert stamps["agent_first_audio"] - detected < THINK_S + 1.0  # generous: CI machines are busy
         end_event = [e for e in rec.turn_events() if e.kind == TurnKind.USER_SPEECH_END and e.turn_id == turn_id][0]
         assert end_event.at == stamps["user_speech_end"]
 
@@ -89,9 +89,10 @@ def test_reply_streams_on_the_timeline_at_real_time_pace(conversation):
     reply = agent._lines[1].agent
     total = sum(len(a.samples) for a in audio)
     assert abs(total - reply.duration * TIMELINE_RATE) <= 1
-    # real-time pace: emitted over about the reply's duration, never far ahead of the media clock
-    sent_at = [t for t, m in rec.data if m in audio]
-    assert sent_at[-1] - sent_at[0] == pytest.approx(reply.duration, abs=0.1)
+    # real-time pace (not a burst): emitted over the reply's duration, never ahead of the media clock
+    ids = {id(a) for a in audio}
+    sent_at = [t for t, m in rec.data if id(m) in ids]
+    assert reply.duration - 0.1 <= sent_at[-1] - sent_at[0] <= reply.duration + 1.0
     for t, a in zip(sent_at, audio, strict=True):
         assert a.start_sample / TIMELINE_RATE <= (t - stage.media_t0) + 0.05
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
-from transport.messages import TurnEvent
+from transport.messages import TurnEvent, TurnKind
 
 if TYPE_CHECKING:
     from pipeline.config import IngestConfig
@@ -64,6 +64,15 @@ class UserAudioFrame:
 
 
 @dataclass
+class UserSpeech:
+    """The user's turn as a framework's own detector saw it (Pipecat's / LiveKit's VAD): handled like
+    ingest's VAD events, barge-in included. ``at``: onset, or the back-dated end of speech."""
+
+    kind: TurnKind  # USER_SPEECH_START or USER_SPEECH_END
+    at: float
+
+
+@dataclass
 class AgentDisconnected:
     """The agent went away (socket silent past its deadline, or said goodbye)."""
 
@@ -79,7 +88,8 @@ class AgentError:
     turn_ref: TurnRef = None
 
 
-AgentEvent = AgentTurnStart | AgentAudioFrame | AgentTurnEnd | UserAudioFrame | AgentDisconnected | AgentError
+AgentEvent = (AgentTurnStart | AgentAudioFrame | AgentTurnEnd | UserAudioFrame | UserSpeech | AgentDisconnected
+              | AgentError)
 
 
 @runtime_checkable
@@ -102,20 +112,21 @@ class AgentAdapter(Protocol):
         """Release everything; called once, also after an error."""
 
 
-# IngestConfig.adapter -> "module:factory"; a factory takes the IngestConfig and returns an adapter.
-# pipecat and livekit drive charstream from inside their own pipelines: they push into a PushAdapter.
+# IngestConfig.adapter -> "module:factory"; a factory takes (IngestConfig, session_id) -> adapter.
+# pipecat and livekit drive charstream from inside their own pipelines: they push into the
+# session's PushAdapter, which they find by session id (stages.ingest.push.session_adapter).
 ADAPTERS: dict[str, str] = {
     "scripted": "stages.ingest.scripted:ScriptedAgent",
     "zmq": "stages.ingest.external:ExternalAgent",
-    "pipecat": "stages.ingest.push:PushAdapter",
-    "livekit": "stages.ingest.push:PushAdapter",
+    "pipecat": "stages.ingest.push:session_adapter",
+    "livekit": "stages.ingest.push:session_adapter",
 }
 
 
-def create_adapter(config: IngestConfig) -> AgentAdapter:
-    """The adapter named by ``config.adapter``, built from the config."""
+def create_adapter(config: IngestConfig, session_id: str = "") -> AgentAdapter:
+    """The adapter named by ``config.adapter``, built from the config (for the session)."""
     target = ADAPTERS.get(config.adapter)
     if target is None:
         raise ValueError(f"unknown ingest adapter {config.adapter!r}; known: {sorted(ADAPTERS)}")
     module, factory = target.split(":")
-    return getattr(importlib.import_module(module), factory)(config)
+    return getattr(importlib.import_module(module), factory)(config, session_id)

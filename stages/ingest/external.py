@@ -48,7 +48,7 @@ class ProtocolError(ValueError):
 class ExternalAgent:
     name = "zmq"
 
-    def __init__(self, config: IngestConfig | None = None, endpoint: str | None = None) -> None:
+    def __init__(self, config: IngestConfig | None = None, session_id: str = "", endpoint: str | None = None) -> None:
         self.config = config or IngestConfig()
         self.endpoint = endpoint or self.config.zmq_endpoint  # "tcp://127.0.0.1:0" binds a free port
         self._socket: zmq.asyncio.Socket | None = None

@@ -3,6 +3,11 @@ agent's turns and speech into it, and learn about barge-in through ``on_interrup
 
 The queue is bounded: ``push`` awaits while ingest is ``capacity`` events behind, so a TTS that runs
 faster than real time is slowed to ingest's pace instead of growing memory.
+
+With ``IngestConfig.adapter`` = ``pipecat`` or ``livekit`` the runner-built ingest stage and the
+framework side meet by session id: ``session_adapter(config, session_id)`` returns the session's one
+PushAdapter (created by whichever side asks first; ``close`` removes it), the way playout's
+``session_output`` hands egress its frames.
 """
 
 from __future__ import annotations
@@ -12,8 +17,8 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from stages.ingest.adapters import AgentAudioFrame, AgentEvent, AgentTurnStart, TurnRef
-from transport.messages import TurnEvent
+from stages.ingest.adapters import AgentAudioFrame, AgentEvent, AgentTurnStart, TurnRef, UserSpeech
+from transport.messages import TurnEvent, TurnKind
 
 if TYPE_CHECKING:
     from pipeline.config import IngestConfig
@@ -22,7 +27,8 @@ if TYPE_CHECKING:
 class PushAdapter:
     name = "push"
 
-    def __init__(self, config: IngestConfig | None = None, capacity: int = 64) -> None:
+    def __init__(self, config: IngestConfig | None = None, session_id: str = "", capacity: int = 64) -> None:
+        self.session_id = session_id
         self._send, self._receive = anyio.create_memory_object_stream[AgentEvent](capacity)
         self.on_interrupt: Callable[[TurnRef], Awaitable[None]] | None = None
         self.on_turn_event: Callable[[TurnEvent], Awaitable[None]] | None = None
@@ -33,6 +39,13 @@ class PushAdapter:
     async def push(self, event: AgentEvent) -> None:
         """Hand one event to ingest; awaits while the queue is full."""
         await self._send.send(event)
+
+    async def user_speech(self, kind: TurnKind, at: float) -> None:
+        """The framework's own VAD saw the user start/stop (``at``: onset or back-dated end). A start
+        may be a barge-in: the queued audio of the current turn is dropped before it is handed on."""
+        if kind == TurnKind.USER_SPEECH_START:
+            self.drain()
+        await self._send.send(UserSpeech(kind, at))
 
     async def end(self) -> None:
         """No more events: ingest's iteration ends once the queue is drained."""
@@ -73,3 +86,15 @@ class PushAdapter:
     async def close(self) -> None:
         await self._send.aclose()
         await self._receive.aclose()
+        if _SESSIONS.get(self.session_id) is self:
+            del _SESSIONS[self.session_id]
+
+
+_SESSIONS: dict[str, PushAdapter] = {}
+
+
+def session_adapter(config: IngestConfig | None, session_id: str) -> PushAdapter:
+    """The session's PushAdapter in this process (the registry factory for pipecat/livekit)."""
+    if session_id not in _SESSIONS:
+        _SESSIONS[session_id] = PushAdapter(config, session_id)
+    return _SESSIONS[session_id]

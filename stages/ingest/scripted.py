@@ -71,7 +71,8 @@ class _Line:
 class ScriptedAgent:
     name = "scripted"
 
-    def __init__(self, config: IngestConfig | None = None, script: list[ScriptLine] | None = None) -> None:
+    def __init__(self, config: IngestConfig | None = None, session_id: str = "",
+                 script: list[ScriptLine] | None = None) -> None:
         self.config = config or IngestConfig()
         if script is None and self.config.script is not None:
             script = [ScriptLine(**line) for line in self.config.script]

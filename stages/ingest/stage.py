@@ -45,6 +45,7 @@ from stages.ingest.adapters import (
     AgentTurnStart,
     TurnRef,
     UserAudioFrame,
+    UserSpeech,
     create_adapter,
 )
 from stages.ingest.audio_input import AudioFormatError, Repairs, to_float_mono
@@ -118,7 +119,7 @@ class IngestStage(Stage):
         if self.media_t0 is None:
             self.media_t0 = ctx.extras.get("media_t0", time.time())
         if self.adapter is None:
-            self.adapter = create_adapter(self.config)
+            self.adapter = create_adapter(self.config, ctx.session_id)
         self._vad = await anyio.to_thread.run_sync(
             lambda: UserAudioVAD(self.config.vad_threshold, self.config.vad_silence_ms, self.config.vad_start_ms)
         )
@@ -220,6 +221,8 @@ class IngestStage(Stage):
             await self._on_audio(event)
         elif isinstance(event, UserAudioFrame):
             await self.feed_user_audio(event.samples, event.at, event.sample_rate)
+        elif isinstance(event, UserSpeech):
+            await self._on_vad(VadEvent(event.kind, event.at, time.time(), 1.0))
         elif isinstance(event, AgentTurnStart):
             await self._start_turn(event.turn_ref)
         elif isinstance(event, AgentTurnEnd):
