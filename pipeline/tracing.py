@@ -125,11 +125,13 @@ class TurnTracer:
         if jsonl is None and config.jsonl_path:
             Path(config.jsonl_path).parent.mkdir(parents=True, exist_ok=True)
             jsonl = self._owned_file = open(config.jsonl_path, "a", encoding="utf-8")  # noqa: SIM115
-        # A private structlog pipeline: trace lines stay JSON whatever the console logging does.
+        # A private structlog pipeline: trace lines stay JSON, and unfiltered, whatever the console
+        # logging's format and level are.
         self._jsonl = structlog.wrap_logger(
             structlog.WriteLogger(jsonl),
             processors=[structlog.processors.TimeStamper(fmt="iso", utc=True),
                         structlog.processors.JSONRenderer(sort_keys=False)],
+            wrapper_class=structlog.BoundLogger,
         ) if jsonl is not None else None
         self._provider: TracerProvider | None = None
         self._conversation = None

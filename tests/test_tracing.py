@@ -1,8 +1,10 @@
 import json
+import logging
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
+import structlog
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from pipeline.config import TracingConfig
@@ -145,10 +147,16 @@ def test_session_metrics_are_labelled_and_released():
     assert value("charstream_playout_depth_chunks", labels) is None
 
 
-def test_trace_lines_are_plain_json(tmp_path):
+def test_trace_lines_are_plain_json_whatever_the_console_log_level(tmp_path):
     path = tmp_path / "x.jsonl"
-    tracer = TurnTracer("s4", TracingConfig(jsonl_path=str(path)))
-    tracer.merge(TraceContext(1, stamps_for(10.0)))
-    tracer.close()
+    saved = structlog.get_config()
+    # The demo quiets console logs to errors: trace lines must not be filtered with them.
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+    try:
+        tracer = TurnTracer("s4", TracingConfig(jsonl_path=str(path)))
+        tracer.merge(TraceContext(1, stamps_for(10.0)))
+        tracer.close()
+    finally:
+        structlog.configure(**saved)
     (raw,) = path.read_text().splitlines()
     assert json.loads(raw)["stamps"]["user_speech_end"] == 10.0
