@@ -16,6 +16,8 @@ import triton.language as tl
 from kernels.fp8 import FP8_MAX, is_fp8, quantise
 from model.rope import RopeFreqs, apply_rope
 
+RMS_EPS = 1e-6  # model/dit.py's RMSNorm
+
 
 def ring_write_reference(
     k_cache: torch.Tensor,
@@ -53,15 +55,32 @@ def _rope_pair_freqs(pair, ft_ptr, fh_ptr, fw_ptr, NT: tl.constexpr, NH: tl.cons
 
 
 @triton.jit
+def _rope(x, cos, sin, BLOCK_T: tl.constexpr, D: tl.constexpr):
+    # Interleaved pairs (x[2i], x[2i+1]) rotate as complex numbers.
+    xe, xo = tl.split(tl.reshape(x, (BLOCK_T, D // 2, 2)))
+    return tl.reshape(tl.join(xe * cos - xo * sin, xe * sin + xo * cos), (BLOCK_T, D))
+
+
+@triton.jit
+def _rms_norm(x, weight_ptr, D: tl.constexpr, EPS: tl.constexpr):
+    w = tl.load(weight_ptr + tl.arange(0, D)).to(tl.float32)
+    return x / tl.sqrt(tl.sum(x * x, 1) / D + EPS)[:, None] * w[None, :]
+
+
+@triton.jit
 def _ring_write_kernel(
     k_new, v_new, stride_nt, stride_nh,
     k_cache, v_cache, stride_ch, stride_cs,
     k_scale, v_scale, slot, pos, stride_pt,
     ft, fh, fw, n_tokens,
+    q, cq, q_norm, k_norm, cq_norm, saturated,
     D: tl.constexpr, NT: tl.constexpr, NH: tl.constexpr, NW: tl.constexpr, BLOCK_T: tl.constexpr,
-    SLOT_IN_TENSOR: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr,
+    SLOT_IN_TENSOR: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr, PREP: tl.constexpr,
+    EPS: tl.constexpr,
 ):
-    # One program: BLOCK_T tokens x all channels of one head, K and V together.
+    # One program: BLOCK_T tokens x all channels of one head, K and V together. With PREP, the
+    # block's other per-head work rides along: QK-norms, RoPE on Q (in place), the cross-attention
+    # query's norm (in place) and the FP8 saturation count.
     head = tl.program_id(1)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < n_tokens
@@ -78,12 +97,24 @@ def _ring_write_kernel(
     src = t[:, None] * stride_nt + head * stride_nh + ch[None, :]
     k = tl.load(k_new + src, mask=tmask[:, None], other=0.0).to(tl.float32)
     v = tl.load(v_new + src, mask=tmask[:, None], other=0.0).to(tl.float32)
-    # Interleaved pairs (x[2i], x[2i+1]) rotate as complex numbers.
-    ke, ko = tl.split(tl.reshape(k, (BLOCK_T, D // 2, 2)))
-    k = tl.reshape(tl.join(ke * cos - ko * sin, ke * sin + ko * cos), (BLOCK_T, D))
+    if PREP:
+        k = _rms_norm(k, k_norm, D, EPS)
+        qv = _rms_norm(tl.load(q + src, mask=tmask[:, None], other=0.0).to(tl.float32), q_norm, D, EPS)
+        tl.store(q + src, _rope(qv, cos, sin, BLOCK_T, D).to(q.dtype.element_ty), mask=tmask[:, None])
+        cqv = _rms_norm(tl.load(cq + src, mask=tmask[:, None], other=0.0).to(tl.float32), cq_norm, D, EPS)
+        tl.store(cq + src, cqv.to(cq.dtype.element_ty), mask=tmask[:, None])
+    k = _rope(k, cos, sin, BLOCK_T, D)
     if QUANT:
-        k = tl.clamp(k / tl.load(k_scale + head), -FP8_MAX, FP8_MAX)
-        v = tl.clamp(v / tl.load(v_scale + head), -FP8_MAX, FP8_MAX)
+        ks = tl.load(k_scale + head)
+        vs = tl.load(v_scale + head)
+        if PREP:
+            # As model/cache.py counts: a K pair whose norm passes the range may saturate at some rotation.
+            ke, ko = tl.split(tl.reshape(k, (BLOCK_T, D // 2, 2)))
+            over = tl.sum(tl.sum(((ke * ke + ko * ko) > (FP8_MAX * ks) * (FP8_MAX * ks)).to(tl.int64), 1), 0)
+            over += tl.sum(tl.sum((tl.abs(v) > FP8_MAX * vs).to(tl.int64), 1), 0)
+            tl.atomic_add(saturated, over)
+        k = tl.clamp(k / ks, -FP8_MAX, FP8_MAX)
+        v = tl.clamp(v / vs, -FP8_MAX, FP8_MAX)
 
     # The write pointer may live on the device, so a CUDA graph replays with a moving ring position.
     if SLOT_IN_TENSOR:
@@ -93,6 +124,27 @@ def _ring_write_kernel(
     dst = head * stride_ch + (start + t)[:, None] * stride_cs + ch[None, :]
     tl.store(k_cache + dst, k.to(k_cache.dtype.element_ty), mask=tmask[:, None])
     tl.store(v_cache + dst, v.to(v_cache.dtype.element_ty), mask=tmask[:, None])
+
+
+def _launch(k_cache, v_cache, k_scale, v_scale, k_new, v_new, slot_start, positions, freqs, prep, block_t=16):
+    n_tokens, n_heads, head_dim = k_new.shape
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache must share strides with a contiguous head_dim")
+    if k_new.stride() != v_new.stride() or k_new.stride(-1) != 1 or positions.stride(-1) != 1:
+        raise ValueError("k_new/v_new must share strides with a contiguous head_dim; positions (T, 3) row-major")
+    q, cq, q_norm, k_norm, cq_norm, saturated = prep if prep is not None else (k_new,) * 6
+    if prep is not None and (q.stride() != k_new.stride() or cq.stride() != k_new.stride()):
+        raise ValueError("q and cq must share k_new's strides (columns of one fused projection)")
+    _ring_write_kernel[(triton.cdiv(n_tokens, block_t), n_heads)](
+        k_new, v_new, k_new.stride(0), k_new.stride(1),
+        k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
+        k_scale, v_scale, slot_start, positions, positions.stride(0),
+        freqs.t, freqs.h, freqs.w, n_tokens,
+        q, cq, q_norm, k_norm, cq_norm, saturated,
+        D=head_dim, NT=freqs.t.numel(), NH=freqs.h.numel(), NW=freqs.w.numel(), BLOCK_T=block_t,
+        SLOT_IN_TENSOR=isinstance(slot_start, torch.Tensor), QUANT=is_fp8(k_cache), FP8_MAX=FP8_MAX,
+        PREP=prep is not None, EPS=RMS_EPS, num_warps=4,
+    )
 
 
 def ring_write_triton(
@@ -105,24 +157,65 @@ def ring_write_triton(
     slot_start: int | torch.Tensor,
     positions: torch.Tensor,
     freqs: RopeFreqs,
-    block_t: int = 16,
 ) -> None:
     """RoPE(K) + per-head FP8 quantisation + write of K and V for all heads: one launch."""
-    n_tokens, n_heads, head_dim = k_new.shape
-    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
-        raise ValueError("k_cache and v_cache must share strides with a contiguous head_dim")
-    if k_new.stride() != v_new.stride() or k_new.stride(-1) != 1 or positions.stride(-1) != 1:
-        raise ValueError("k_new/v_new must share strides with a contiguous head_dim; positions (T, 3) row-major")
-    quant = is_fp8(k_cache)
-    _ring_write_kernel[(triton.cdiv(n_tokens, block_t), n_heads)](
-        k_new, v_new, k_new.stride(0), k_new.stride(1),
-        k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
-        k_scale, v_scale, slot_start, positions, positions.stride(0),
-        freqs.t, freqs.h, freqs.w, n_tokens,
-        D=head_dim, NT=freqs.t.numel(), NH=freqs.h.numel(), NW=freqs.w.numel(), BLOCK_T=block_t,
-        SLOT_IN_TENSOR=isinstance(slot_start, torch.Tensor), QUANT=quant, FP8_MAX=FP8_MAX,
-        num_warps=4,
-    )
+    _launch(k_cache, v_cache, k_scale, v_scale, k_new, v_new, slot_start, positions, freqs, None)
+
+
+def ring_write_prep_reference(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    cq: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    slot_start: int | torch.Tensor,
+    positions: torch.Tensor,
+    freqs: RopeFreqs,
+    norms: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    saturated: torch.Tensor,
+) -> None:
+    """The parallel block's per-head work between its input projection and its attentions, as
+    model/dit.py + model/cache.py do it: q <- RoPE(q_norm(q)) and cq <- cross_q_norm(cq) in place;
+    k_norm(k) and v written to the ring (``ring_write``); ``saturated`` += values out of FP8 range."""
+    q_norm, k_norm, cq_norm = norms
+    k = _rms_norm_reference(k_new, k_norm)
+    q.copy_(apply_rope(_rms_norm_reference(q, q_norm), positions, freqs))
+    cq.copy_(_rms_norm_reference(cq, cq_norm))
+    if is_fp8(k_cache):
+        limit_k, limit_v = (k_scale * FP8_MAX)[None, :, None], (v_scale * FP8_MAX)[None, :, None]
+        pair_norm = apply_rope(k, positions, freqs).unflatten(-1, (-1, 2)).norm(dim=-1)
+        saturated += (pair_norm > limit_k).sum() + (v_new.float().abs() > limit_v).sum()
+    ring_write_reference(k_cache, v_cache, k_scale, v_scale, k, v_new, slot_start, positions, freqs)
+
+
+def ring_write_prep_triton(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    cq: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    slot_start: int | torch.Tensor,
+    positions: torch.Tensor,
+    freqs: RopeFreqs,
+    norms: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    saturated: torch.Tensor,
+) -> None:
+    """``ring_write_prep_reference`` in one launch (the ring write kernel with its PREP extras on)."""
+    q_norm, k_norm, cq_norm = norms
+    _launch(k_cache, v_cache, k_scale, v_scale, k_new, v_new, slot_start, positions, freqs,
+            (q, cq, q_norm, k_norm, cq_norm, saturated))
+
+
+def _rms_norm_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """model/dit.py's RMSNorm: normalise in fp32, back to x's dtype, times the weight."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + RMS_EPS)).to(x.dtype) * weight
 
 
 def ring_write(

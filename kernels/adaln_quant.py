@@ -1,0 +1,96 @@
+"""The parallel block's input in one pass: residual update, LayerNorm, adaLN modulation, FP8 rows.
+
+``adaln_quant(x, shift, scale, residual, gate)``: x (M, dim) bf16, the residual stream, updated IN
+PLACE to ``x + gate * residual`` when a residual (the previous block's output projection) is given,
+so the previous block's ``x + gate * out`` costs no pass of its own; then
+``h = LayerNorm(x) * (1 + scale) + shift`` (no affine, eps 1e-6) is returned quantised per row for the
+FP8 input GEMM: (hq (M, dim) float8_e4m3fn, h_scale (M, 1) float32), as ``quantize_rows`` does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels.fp8 import FP8_DTYPE, FP8_MAX
+from kernels.quantize_rows import MIN_AMAX, quantize_rows_reference
+
+EPS = 1e-6
+
+
+def adaln_quant_reference(
+    x: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    residual: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if residual is not None:
+        x.copy_(x.float() + gate.float() * residual.float())
+    h = F.layer_norm(x.float(), x.shape[-1:], eps=EPS) * (1 + scale.float()) + shift.float()
+    return quantize_rows_reference(h)
+
+
+@triton.jit
+def _adaln_quant_kernel(
+    x, stride_xm, residual, stride_rm, gate, shift, scale, hq, stride_qm, h_scale, n_cols,
+    BLOCK: tl.constexpr, RESIDUAL: tl.constexpr, EPS: tl.constexpr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
+):
+    # One program holds one whole row (dim <= BLOCK) in registers: one read, two writes.
+    row = tl.program_id(0)
+    c = tl.arange(0, BLOCK)
+    mask = c < n_cols
+    v = tl.load(x + row * stride_xm + c, mask=mask, other=0.0).to(tl.float32)
+    if RESIDUAL:
+        r = tl.load(residual + row * stride_rm + c, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(gate + c, mask=mask, other=0.0).to(tl.float32)
+        stored = (v + g * r).to(x.dtype.element_ty)
+        tl.store(x + row * stride_xm + c, stored, mask=mask)
+        v = stored.to(tl.float32)  # normalise the stream as stored, as the next block will see it
+    mean = tl.sum(v, 0) / n_cols
+    centred = tl.where(mask, v - mean, 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, 0) / n_cols + EPS)
+    sh = tl.load(shift + c, mask=mask, other=0.0).to(tl.float32)
+    sc = tl.load(scale + c, mask=mask, other=0.0).to(tl.float32)
+    h = centred * rstd * (1.0 + sc) + sh
+    q_scale = tl.maximum(tl.max(tl.abs(h), 0), MIN_AMAX) / FP8_MAX
+    tl.store(h_scale + row, q_scale)
+    tl.store(hq + row * stride_qm + c, tl.clamp(h / q_scale, -FP8_MAX, FP8_MAX).to(hq.dtype.element_ty), mask=mask)
+
+
+def adaln_quant_triton(
+    x: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    residual: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One launch; ``out`` = preallocated (hq, h_scale) for CUDA-graph replays."""
+    m, n = x.shape
+    if x.stride(1) != 1 or (residual is not None and residual.stride(1) != 1):
+        raise ValueError("x and residual need contiguous rows")
+    hq, h_scale = out if out is not None else (torch.empty(m, n, dtype=FP8_DTYPE, device=x.device),
+                                               torch.empty(m, 1, dtype=torch.float32, device=x.device))
+    has_res = residual is not None
+    _adaln_quant_kernel[(m,)](
+        x, x.stride(0), residual if has_res else x, residual.stride(0) if has_res else 0, gate if has_res else shift,
+        shift, scale, hq, hq.stride(0), h_scale, n,
+        BLOCK=triton.next_power_of_2(n), RESIDUAL=has_res, EPS=EPS, FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX,
+        num_warps=16 if n > 4096 else 4,
+    )
+    return hq, h_scale
+
+
+def adaln_quant(
+    x: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    residual: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dispatcher: the Triton kernel on CUDA, the PyTorch reference otherwise."""
+    fn = adaln_quant_triton if x.is_cuda else adaln_quant_reference
+    return fn(x, shift, scale, residual, gate)

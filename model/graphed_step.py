@@ -1,0 +1,170 @@
+"""The diffusion step of one TP rank on a GPU: fused kernels, FP8 GEMMs, static buffers, one CUDA graph.
+
+``ShardStep(model, cache)`` computes what ``Generator.step`` computes (model/generator.py: 4 passes of
+the parallel-block DiT over the KV ring, Euler updates, the last pass's K/V kept) with, per block-pass:
+
+    adaln_quant     residual x += gate * out (previous block), LayerNorm, adaLN, FP8 rows   1 launch
+    w_in            FP8 GEMM -> fused [q | k | v | cross-q | mlp-up] (bf16)                1 launch
+    ring_write_prep QK-norms, RoPE(q) in place, RoPE(k) + FP8 + ring write of K and V,
+                    cross-q norm in place, saturation count                               1 launch
+    ring_attention  q over sink + valid ring, result written over the spent v columns      1 launch
+    cross attention cross-q over the step's audio K/V, written over the cross-q columns    1 launch
+    quantize_rows   GELU on the mlp columns + FP8 rows of [attn | cross | mlp]             1 launch
+    w_out           FP8 GEMM (+ the TP all-reduce under tensor parallelism)               1 launch
+
+so [attn | cross | mlp] is the fused buffer's tail and no concatenation is ever copied. The noise
+levels are fixed, so each level's adaLN modulation is computed once at construction. Everything
+that moves between steps -- the ring write pointer, the frame's time position, the ring validity,
+the noise, the audio tokens -- lives in device tensors that the graph reads, so one capture replays
+for every step of a session (the position reset's delta rotation runs outside, every R steps).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from kernels.adaln_quant import adaln_quant_triton
+from kernels.quantize_rows import quantize_rows_triton
+from kernels.ring_attention import ring_attention_triton
+from kernels.ring_write import ring_write_prep_triton
+from model.cache import KVCache
+from model.dit import DiT, noise_features
+from model.fp8_linear import Fp8Linear
+from model.rope import frame_positions
+from model.sampler import seeded_noise
+
+
+class ShardStep:
+    def __init__(self, model: DiT, cache: KVCache, tp_group: dist.ProcessGroup | None = None) -> None:
+        cfg = model.cfg
+        self.model, self.cache, self.cfg, self.tp_group = model, cache, cfg, tp_group
+        dev = cache.k.device
+        block = model.blocks[0]
+        self.n_heads, self.head_dim = block.n_heads, block.head_dim
+        self.hd = self.n_heads * self.head_dim
+        self.w_in = [Fp8Linear.from_weight(b.w_in.weight) for b in model.blocks]
+        self.w_out = [Fp8Linear.from_weight(b.w_out.weight) for b in model.blocks]
+        self.norms = [(b.q_norm.weight, b.k_norm.weight, b.cross_q_norm.weight) for b in model.blocks]
+        with torch.inference_mode():
+            self.mods, self.final_mods = self._level_modulations()
+        dtype = model.head.weight.dtype
+        t, a = cfg.tokens_per_step, cfg.n_audio_tokens
+        # Inputs the graph reads (written before each replay) and its output.
+        self.noise = torch.zeros(1, 1, cfg.latent_channels, cfg.latent_height, cfg.latent_width, device=dev)
+        self.audio = torch.zeros(1, 1, a, cfg.audio_dim, device=dev)
+        self.positions = frame_positions(0, cfg.grid, a, dev)
+        self.slot = torch.zeros((), dtype=torch.int64, device=dev)
+        self.latent = torch.zeros_like(self.noise)
+        self.x = torch.zeros(t, cfg.dim, dtype=dtype, device=dev)  # the residual stream
+        self.ones = torch.ones(self.n_heads, device=dev)  # unit scales: the cross K/V are plain bf16
+        self.no_ring = torch.zeros(0, dtype=torch.bool, device=dev)
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def _level_modulations(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per noise level: every block's (shift, scale, gate) and the final (shift, scale), as the model adds them."""
+        m = self.model
+        levels = torch.tensor(self.cfg.noise_levels, device=self.cache.k.device)
+        emb = F.silu(m.noise_mlp(noise_features(levels).to(m.head.weight.dtype)))  # (L, dim)
+        ada = m.adaln(emb).unflatten(-1, (3, self.cfg.dim))  # (L, 3, dim)
+        offsets = torch.stack([b.modulation for b in m.blocks])  # (blocks, 3, dim)
+        final = m.final_adaln(emb).unflatten(-1, (2, self.cfg.dim))  # (L, 2, dim)
+        return ada[:, None] + offsets[None], final
+
+    # -- the step body: eager, or recorded once into the graph --------------------------------------
+
+    def _block(self, layer: int, level: int, out: torch.Tensor | None, gate: torch.Tensor | None) -> torch.Tensor:
+        cache, hd, shape = self.cache, self.hd, (-1, self.n_heads, self.head_dim)
+        shift, scale, _ = self.mods[level, layer]
+        hq = adaln_quant_triton(self.x, shift, scale, out, gate)
+        fused = self.w_in[layer].forward_quantized(*hq, out_dtype=self.x.dtype)
+        q, k, v, cq = (fused[:, i * hd : (i + 1) * hd].unflatten(-1, shape[1:]) for i in range(4))
+        ring_write_prep_triton(
+            q, k, v, cq, cache.k[layer], cache.v[layer], cache.k_scale[layer], cache.v_scale[layer],
+            self.slot, self.positions, cache.freqs, self.norms[layer], cache.saturated,
+        )
+        ring_attention_triton(
+            q, cache.k[layer], cache.v[layer], cache.k_scale[layer], cache.v_scale[layer],
+            cache.ring_valid, cache.sink_slots, cache.tokens_per_frame, out=v,
+        )
+        ck, cv = self.cross_kv[layer]
+        ring_attention_triton(cq, ck, cv, self.ones, self.ones, self.no_ring, ck.shape[1], 1, block_n=16, out=cq)
+        oq = quantize_rows_triton(fused[:, 2 * hd :], act_from=2 * hd)
+        result = self.w_out[layer].forward_quantized(*oq, out_dtype=self.x.dtype)
+        if self.tp_group is not None:
+            dist.all_reduce(result, group=self.tp_group)  # the block's one collective
+        return result
+
+    def _velocity(self, latent: torch.Tensor, level: int, audio_x: torch.Tensor) -> torch.Tensor:
+        m, cfg = self.model, self.cfg
+        video = m.patch_embed(m.patchify(latent.to(self.x.dtype)))[0, 0]
+        torch.cat([video, audio_x], dim=0, out=self.x)
+        out = gate = None
+        for layer in range(cfg.n_blocks):
+            out = self._block(layer, level, out, gate)
+            gate = self.mods[level, layer, 2]
+        x = self.x + gate * out
+        shift, scale = self.final_mods[level]
+        h = m.final_norm(x[: cfg.video_tokens]) * (1 + scale) + shift
+        return m.unpatchify(m.head(h)[None, None])
+
+    def _body(self) -> None:
+        m, levels = self.model, self.cfg.noise_levels
+        audio = self.audio.to(self.x.dtype)
+        audio_x = m.audio_embed(audio)[0, 0]
+        # (1, 1, heads, A, head_dim) -> (heads, A, head_dim): the cross "cache" of this step
+        self.cross_kv = [(k[0, 0].contiguous(), v[0, 0].contiguous()) for k, v in m.cross_context(audio)]
+        latent = self.noise
+        for level, (sigma, next_sigma) in enumerate(zip(levels, [*levels[1:], 0.0], strict=True)):
+            latent = latent + (next_sigma - sigma) * self._velocity(latent, level, audio_x).float()
+        self.latent.copy_(latent)
+
+    # -- public ---------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def capture(self, warmup: int = 2) -> None:
+        """Record the step body as one CUDA graph (after warm-up runs on a side stream, as PyTorch asks).
+
+        The warm-up runs write ring slots at the current pointer; those slots and the saturation
+        count are restored afterwards, so capturing mid-session changes nothing."""
+        cache, span = self.cache, slice(int(self.slot), int(self.slot) + self.cfg.tokens_per_step)
+        saved = (cache.k[:, :, span].clone(), cache.v[:, :, span].clone(), cache.saturated.clone())
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(warmup):
+                self._body()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self._body()
+        cache.k[:, :, span], cache.v[:, :, span] = saved[:2]
+        cache.saturated.copy_(saved[2])
+
+    @torch.inference_mode()
+    def run(self, graphed: bool = True) -> torch.Tensor:
+        """One step on the current inputs (noise, audio, positions, slot); returns the latent buffer."""
+        if graphed:
+            if self.graph is None:
+                raise RuntimeError("run(graphed=True) before capture()")
+            self.graph.replay()
+        else:
+            self._body()
+        return self.latent
+
+    @torch.inference_mode()
+    def set_inputs(self, audio_tokens: torch.Tensor, noise: torch.Tensor, time_position: int) -> None:
+        """Load one step's inputs into the graph's buffers (the ring pointer comes from the cache)."""
+        self.audio.copy_(audio_tokens.reshape(self.audio.shape))
+        self.noise.copy_(noise.reshape(self.noise.shape))
+        self.positions[:, 0].fill_(time_position)
+        self.slot.fill_(self.cache.write_start)
+
+    def step(self, audio_tokens: torch.Tensor, seed: int, graphed: bool = True) -> torch.Tensor:
+        """``Generator.step`` on this path: the next latent frame (C, h, w), float32."""
+        _, t = self.cache.begin_frame()
+        self.set_inputs(audio_tokens, seeded_noise(self.noise.shape, seed), t)
+        latent = self.run(graphed)[0, 0].clone()
+        self.cache.end_frame()
+        return latent

@@ -1,0 +1,439 @@
+"""``charstream bench gpu``: one tensor-parallel shard of a preset on one GPU, against the reference.
+
+Measures, for each ``--tp-shard`` size: the 4-pass diffusion step (fused kernels + FP8 GEMMs, CUDA
+graph replay and eager), its per-kernel breakdown (each kernel timed alone at the step's shapes,
+x 240 block-passes), cache upkeep per step, the delta rotation of the whole shard cache, the ring
+attention's block-shape sweep against PyTorch's SDPA; then the full-size decoder per chunk and the
+pipelined period (decoder on a second stream of the same GPU). The measured ceilings (copy
+bandwidth, bf16 and FP8 GEMM rates) come first, so every figure has its fraction of them.
+
+Timing: CUDA events around graph replays, medians (``triton.testing.do_bench`` for single kernels,
+rotating over the 60 layers' weights and caches so L2 holds none of them). Random weights and a
+random FP8 cache: the step's cost does not depend on the values (METHOD.md: never zeros).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from model.config import ModelConfig, get_preset
+
+REFERENCE = {  # DESIGN.md, "Reference numbers" (4xH100 session) and the issue's targets (one H200)
+    "step_ms": {3: 147.4, 4: None},
+    "target_step_ms": {3: 120.0, 4: 95.0},
+    "cache_upkeep_ms": 6.2,
+    "delta_rotation_ms": 263.0,
+    "decoder_ms": 114.0,
+    "period_minus_diffusion_ms": 1.6,
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", default="characters-57b")
+    parser.add_argument("--tp-shard", type=int, nargs="+", default=[3, 4], help="TP sizes whose rank-0 shard to time")
+    parser.add_argument("--json", nargs="?", const="bench_gpu.json", default=None, help="write all figures here")
+    parser.add_argument("--steps", type=int, default=20, help="timed graph replays per measurement")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["ceilings", "kernels", "step", "decoder", "pipeline"])
+
+
+def _median_ms(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _bench(fn: Callable[[], object]) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def _cycle(fns: list[Callable[[], object]]) -> Callable[[], object]:
+    """One call runs the next of ``fns``: rotates over per-layer inputs so the L2 cache holds none."""
+    state = {"i": 0}
+
+    def call():
+        state["i"] = (state["i"] + 1) % len(fns)
+        return fns[state["i"]]()
+
+    return call
+
+
+def ceilings() -> dict[str, float]:
+    n = 1 << 30
+    src = torch.randn(n // 4, device="cuda")
+    dst = torch.empty_like(src)
+    copy_ms = _bench(lambda: dst.copy_(src))
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    bf16_ms = _bench(lambda: a @ b)
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+    sa, sb = torch.ones(8192, 1, device="cuda"), torch.ones(1, 8192, device="cuda")
+    fp8_ms = _bench(lambda: torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=True))
+    flops = 2 * 8192**3
+    return {
+        "copy_tb_s": 2 * n / copy_ms / 1e9,
+        "bf16_tflops": flops / bf16_ms / 1e9,
+        "fp8_tflops": flops / fp8_ms / 1e9,
+    }
+
+
+def shard_config(cfg: ModelConfig, tp: int) -> dict[str, int]:
+    return {"tp": tp, "heads": cfg.n_heads // tp, "ffn": cfg.ffn_dim // tp, "hd": cfg.n_heads // tp * cfg.head_dim}
+
+
+def build_shard(cfg: ModelConfig, tp: int, seed: int = 0):
+    """Rank 0's shard of ``tp`` with random weights on this GPU, and a KV cache full of random FP8
+    context (sink + a full window valid). One GPU stands for one rank: no collective runs."""
+    from kernels.fp8 import FP8_DTYPE
+    from model.cache import KVCache
+    from model.dit import DiT
+    from model.rope import rope_freqs
+    from model.tp import apply_tp
+
+    with torch.device("meta"):
+        model = DiT(cfg).to(torch.bfloat16)
+    apply_tp(model, 0, tp, None)
+    for block in model.blocks:
+        block.w_out._forward_hooks.clear()  # the all-reduce hook: not on one GPU
+    model.to_empty(device="cuda")
+    model.init_random_(seed, tp_world=tp)
+    model.eval().requires_grad_(False)
+    freqs = rope_freqs(cfg.head_dim, "cuda")
+    cache = KVCache(cfg, cfg.n_heads // tp, FP8_DTYPE, "cuda", freqs)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    for t in (cache.k, cache.v):  # random codes over most of the e4m3 range, per layer (no huge temporaries)
+        for layer in range(t.shape[0]):
+            t[layer] = (torch.randn(t.shape[1:], device="cuda", generator=gen) * 64).clamp(-448, 448).to(FP8_DTYPE)
+    cache.k_scale.uniform_(0.005, 0.02, generator=gen)
+    cache.v_scale.uniform_(0.005, 0.02, generator=gen)
+    cache.slot_frame = [None] * cache.ring_frames
+    cache.next_frame = cfg.window_frames + 1  # steady state: the whole window is valid context
+    for f in range(cache.next_frame):
+        cache.slot_frame[f % cache.ring_frames] = f
+    return model, cache
+
+
+def step_flops(cfg: ModelConfig, tp: int) -> dict[str, float]:
+    s = shard_config(cfg, tp)
+    t = cfg.tokens_per_step
+    gemm = 2 * t * cfg.dim * ((4 * s["hd"] + s["ffn"]) + (2 * s["hd"] + s["ffn"]))
+    attended = (cfg.sink_frames + cfg.window_frames) * t
+    attn = 4 * t * attended * s["hd"] + 4 * t * cfg.n_audio_tokens * s["hd"]
+    passes = len(cfg.noise_levels) * cfg.n_blocks
+    return {"gemm": gemm * passes, "attention": attn * passes}
+
+
+def kernel_breakdown(cfg: ModelConfig, tp: int, model, cache, step) -> dict[str, object]:
+    """Each kernel of a block-pass alone at the step's shapes (rotating over layers), x block-passes."""
+    from kernels.adaln_quant import adaln_quant_triton
+    from kernels.delta_rotate import delta_rotate_triton
+    from kernels.quantize_rows import quantize_rows_triton
+    from kernels.ring_attention import ring_attention_triton
+    from kernels.ring_write import ring_write_prep_triton, ring_write_triton
+
+    s = shard_config(cfg, tp)
+    t, hd, heads, d = cfg.tokens_per_step, s["hd"], s["heads"], cfg.head_dim
+    layers = range(cfg.n_blocks)
+    passes = len(cfg.noise_levels) * cfg.n_blocks
+    x = torch.randn(t, cfg.dim, device="cuda", dtype=torch.bfloat16)
+    res = torch.randn_like(x)
+    mods = step.mods[0]
+    fused = torch.randn(t, 4 * hd + s["ffn"], device="cuda", dtype=torch.bfloat16)
+    q, k, v, cq = (fused[:, i * hd : (i + 1) * hd].unflatten(-1, (heads, d)) for i in range(4))
+    hq = adaln_quant_triton(x, mods[0, 0], mods[0, 1])
+    oq = quantize_rows_triton(fused[:, 2 * hd :], act_from=2 * hd)
+    cache.begin_frame()
+    slot = torch.tensor(cache.write_start, device="cuda")
+    pos = step.positions
+    attn_args = lambda layer: (cache.k[layer], cache.v[layer], cache.k_scale[layer], cache.v_scale[layer],  # noqa: E731
+                               cache.ring_valid, cache.sink_slots, cache.tokens_per_frame)
+    out = torch.empty(t, heads, d, device="cuda", dtype=torch.bfloat16)
+    ck = torch.randn(heads, cfg.n_audio_tokens, d, device="cuda", dtype=torch.bfloat16)
+    ones = torch.ones(heads, device="cuda")
+    no_ring = torch.zeros(0, dtype=torch.bool, device="cuda")
+    per_pass = {
+        "adaln_quant": _bench(_cycle([lambda i=i: adaln_quant_triton(x, mods[i, 0], mods[i, 1], res, mods[i, 2], hq) for i in layers])),
+        "gemm_in": _bench(_cycle([lambda i=i: step.w_in[i].forward_quantized(*hq) for i in layers])),
+        "ring_write_prep": _bench(_cycle([lambda i=i: ring_write_prep_triton(
+            q, k, v, cq, cache.k[i], cache.v[i], cache.k_scale[i], cache.v_scale[i], slot, pos, cache.freqs,
+            step.norms[i], cache.saturated) for i in layers])),
+        "attention": _bench(_cycle([lambda i=i: ring_attention_triton(q, *attn_args(i), out=out) for i in layers])),
+        "cross_attention": _bench(lambda: ring_attention_triton(cq, ck, ck, ones, ones, no_ring, cfg.n_audio_tokens, 1,
+                                                                block_n=16, out=out)),
+        "quantize_rows_gelu": _bench(lambda: quantize_rows_triton(fused[:, 2 * hd :], 2 * hd, oq)),
+        "gemm_out": _bench(_cycle([lambda i=i: step.w_out[i].forward_quantized(*oq) for i in layers])),
+    }
+    ring_write_ms = _bench(_cycle([lambda i=i: ring_write_triton(
+        cache.k[i], cache.v[i], cache.k_scale[i], cache.v_scale[i], k, v, slot, pos, cache.freqs) for i in layers]))
+    # cache upkeep: the contract's ring write each block-pass + the host/device bookkeeping of a frame
+    t0 = time.perf_counter()
+    for _ in range(20):
+        cache.begin_frame()  # the same frame again: no end_frame, so no position reset either
+    torch.cuda.synchronize()
+    begin_frame_ms = (time.perf_counter() - t0) / 20 * 1e3
+    rotate_ms = _bench(lambda: delta_rotate_triton(cache.k, cache.k_scale, torch.tensor(-1, device="cuda"), cache.freqs.t,
+                                                   cache.sink_slots))
+    k_bytes = cache.k.numel()
+    return {
+        "per_block_pass_ms": per_pass,
+        "per_step_ms": {name: ms * passes for name, ms in per_pass.items()},
+        "ring_write_ms_per_call": ring_write_ms,
+        "cache_upkeep_ms_per_step": ring_write_ms * passes + begin_frame_ms + rotate_ms / cfg.reset_every,
+        "begin_frame_ms": begin_frame_ms,
+        "delta_rotation_ms": rotate_ms,
+        "delta_rotation_cache_gb": k_bytes / 1e9,
+    }
+
+
+def attention_sweep(cfg: ModelConfig, tp: int, cache) -> dict[str, float]:
+    """The ring attention's block shapes against PyTorch's SDPA (bf16 K/V; and dequantise + SDPA)."""
+    from kernels.ring_attention import ring_attention_triton
+
+    heads, t, d = cfg.n_heads // tp, cfg.tokens_per_step, cfg.head_dim
+    q = torch.randn(t, heads, d, device="cuda", dtype=torch.bfloat16)
+    layers = range(cfg.n_blocks)
+    args = lambda i: (cache.k[i], cache.v[i], cache.k_scale[i], cache.v_scale[i], cache.ring_valid,  # noqa: E731
+                      cache.sink_slots, cache.tokens_per_frame)
+    result = {}
+    for bm, bn, warps, stages in [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2),
+                                  (64, 128, 4, 2), (128, 32, 4, 3), (64, 32, 4, 3)]:
+        try:
+            result[f"triton_m{bm}_n{bn}_w{warps}_s{stages}"] = _bench(_cycle([
+                lambda i=i, bm=bm, bn=bn, w=warps, st=stages: ring_attention_triton(
+                    q, *args(i), block_m=bm, block_n=bn, num_warps=w, num_stages=st) for i in layers]))
+        except Exception as exc:  # a shape the compiler rejects (e.g. shared memory) is a result too
+            result[f"triton_m{bm}_n{bn}_w{warps}_s{stages}"] = f"failed: {type(exc).__name__}"
+    attended = (cfg.sink_frames + cfg.window_frames) * t
+    kv = [torch.randn(heads, attended, d, device="cuda", dtype=torch.bfloat16) for _ in range(8)]
+    qh = q.transpose(0, 1)
+    result["sdpa_bf16_kv"] = _bench(_cycle([lambda i=i: F.scaled_dot_product_attention(qh, kv[i], kv[(i + 1) % 8])
+                                            for i in range(8)]))
+    def dequant_sdpa(i):
+        kd = cache.k[i, :, :attended].to(torch.bfloat16) * cache.k_scale[i, :, None, None].to(torch.bfloat16)
+        vd = cache.v[i, :, :attended].to(torch.bfloat16) * cache.v_scale[i, :, None, None].to(torch.bfloat16)
+        return F.scaled_dot_product_attention(qh, kd, vd)
+    result["dequantise_then_sdpa"] = _bench(_cycle([lambda i=i: dequant_sdpa(i) for i in layers]))
+    return result
+
+
+def bench_step(cfg: ModelConfig, tp: int, reps: int) -> dict[str, object]:
+    from model.graphed_step import ShardStep
+
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    model, cache = build_shard(cfg, tp)
+    step = ShardStep(model, cache)
+    cache.begin_frame()
+    step.set_inputs(torch.randn(cfg.n_audio_tokens, cfg.audio_dim), torch.randn(step.noise.shape), cfg.sink_frames + 7)
+    build_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    step.capture()
+    capture_s = time.perf_counter() - t0
+    graphed_ms = _median_ms(lambda: step.run(graphed=True), reps)
+    graphed_again_ms = _median_ms(lambda: step.run(graphed=True), reps)
+    eager_ms = _median_ms(lambda: step.run(graphed=False), max(3, reps // 4), warmup=1)
+    flops = step_flops(cfg, tp)
+    result = {
+        "shard": shard_config(cfg, tp),
+        "build_s": build_s,
+        "capture_s": capture_s,
+        "step_graphed_ms": graphed_ms,
+        "step_graphed_repeat_ms": graphed_again_ms,
+        "step_eager_ms": eager_ms,
+        "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9,
+        "flops": flops,
+        "achieved_tflops": (flops["gemm"] + flops["attention"]) / graphed_ms / 1e9,
+        "latent_finite": bool(torch.isfinite(step.latent).all()),
+    }
+    return result, model, cache, step
+
+
+def bench_decoder(cfg: ModelConfig, reps: int) -> tuple[dict[str, float], object]:
+    from model.graphed_decoder import GraphedDecoder
+    from model.vae import Decoder, to_uint8_frames
+
+    torch.manual_seed(0)
+    shape = (cfg.latent_channels, cfg.latent_height, cfg.latent_width)
+    latents = [torch.randn(shape, device="cuda") for _ in range(4)]
+    result = {}
+    eager32 = Decoder(cfg).cuda().eval()
+    with torch.inference_mode():
+        result["eager_fp32_ms"] = _median_ms(_cycle([lambda z=z: to_uint8_frames(eager32.decode_chunk(z)[0]) for z in latents]),
+                                             max(3, reps // 4), warmup=1)
+        eager_bf16 = eager32.to(dtype=torch.bfloat16, memory_format=torch.channels_last)
+        zb = [z.to(torch.bfloat16) for z in latents]
+        result["eager_bf16_channels_last_ms"] = _median_ms(
+            _cycle([lambda z=z: to_uint8_frames(eager_bf16.decode_chunk(z)[0]) for z in zb]), reps)
+    t0 = time.perf_counter()
+    graphed = GraphedDecoder(Decoder(cfg).cuda())
+    result["capture_s"] = time.perf_counter() - t0
+    result["graphed_bf16_ms"] = _median_ms(_cycle([lambda z=z: graphed.decode(z) for z in latents]), reps)
+    return result, graphed
+
+
+def bench_pipeline(step, decoder, steps: int) -> dict[str, float]:
+    """Step n+1 on the main stream while chunk n decodes on a second stream of the same GPU.
+
+    ``handoff_only`` runs the same loop with the decoder's replay left out (the latent copy and the
+    event hand-off stay): the period a session sees when the decoder has its own GPU, less the
+    transfer between GPUs."""
+    main, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    latent_in = decoder.latent
+
+    def loop(decode: bool) -> float:
+        done, copied = torch.cuda.Event(), torch.cuda.Event()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record(main)
+        for _ in range(steps):
+            step.run(graphed=True)
+            done.record(main)
+            with torch.cuda.stream(side):
+                side.wait_event(done)
+                latent_in.copy_(step.latent[0, 0])
+                copied.record(side)
+                if decode:
+                    decoder.graph.replay()
+            main.wait_event(copied)  # the next step overwrites the latent only after the hand-off copy
+        end.record(main)
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / steps
+
+    alone = _median_ms(lambda: step.run(graphed=True), steps)
+    with torch.inference_mode():
+        handoff = loop(decode=False)
+        overlapped = loop(decode=True)
+    return {
+        "diffusion_alone_ms": alone,
+        "period_handoff_only_ms": handoff,
+        "period_minus_diffusion_handoff_only_ms": handoff - alone,
+        "period_with_decoder_same_gpu_ms": overlapped,
+        "period_minus_diffusion_same_gpu_ms": overlapped - alone,
+    }
+
+
+def _section(results: dict, name: str, fn: Callable[..., object], *args):
+    try:
+        value = fn(*args)
+    except Exception as exc:  # keep measuring the other sections; the failure is part of the record
+        traceback.print_exc()
+        results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        return None
+    return value
+
+
+def _table(results: dict) -> str:
+    rows = [("figure", "measured", "target", "reference")]
+    for tp, r in results.get("shards", {}).items():
+        step = r.get("step", {})
+        k = r.get("kernels", {})
+        if "step_graphed_ms" in step:
+            rows.append((f"step TP={tp} shard, graphed (ms)", f"{step['step_graphed_ms']:.1f}",
+                         f"<= {REFERENCE['target_step_ms'].get(int(tp), '-')}", str(REFERENCE["step_ms"].get(int(tp)) or "-")))
+            rows.append((f"step TP={tp} shard, eager (ms)", f"{step['step_eager_ms']:.1f}", "", ""))
+            rows.append(("  achieved TFLOP/s (GEMM+attn)", f"{step['achieved_tflops']:.0f}", "", ""))
+            rows.append(("  peak memory (GB)", f"{step['peak_memory_gb']:.1f}", "", ""))
+        for name, ms in k.get("per_step_ms", {}).items():
+            rows.append((f"  {name} x{4 * 60} (ms)", f"{ms:.2f}", "", ""))
+        if "cache_upkeep_ms_per_step" in k:
+            rows.append((f"cache upkeep TP={tp} (ms/step)", f"{k['cache_upkeep_ms_per_step']:.2f}", "<= 1", str(REFERENCE["cache_upkeep_ms"])))
+            rows.append((f"delta rotation TP={tp}, {k['delta_rotation_cache_gb']:.2f} GB (ms)", f"{k['delta_rotation_ms']:.3f}", "<= 1",
+                         str(REFERENCE["delta_rotation_ms"])))
+        att = r.get("attention", {})
+        if att:
+            best = min((v, n) for n, v in att.items() if isinstance(v, float) and n.startswith("triton"))
+            rows.append((f"attention TP={tp} best Triton {best[1]} (ms)", f"{best[0]:.4f}", "", ""))
+            rows.append((f"attention TP={tp} SDPA bf16 K/V (ms)", f"{att.get('sdpa_bf16_kv', float('nan')):.4f}", "", ""))
+            rows.append((f"attention TP={tp} dequantise+SDPA (ms)", f"{att.get('dequantise_then_sdpa', float('nan')):.4f}", "", ""))
+    dec = results.get("decoder", {})
+    if "graphed_bf16_ms" in dec:
+        rows.append(("decoder 704x1088 chunk, graphed bf16 (ms)", f"{dec['graphed_bf16_ms']:.2f}", "<= 40", str(REFERENCE["decoder_ms"])))
+        rows.append(("decoder eager bf16 channels-last (ms)", f"{dec['eager_bf16_channels_last_ms']:.2f}", "", ""))
+        rows.append(("decoder eager fp32 (ms)", f"{dec['eager_fp32_ms']:.2f}", "", ""))
+    pipe = results.get("pipeline", {})
+    if "period_minus_diffusion_handoff_only_ms" in pipe:
+        rows.append(("period - diffusion, decoder elsewhere (ms)", f"{pipe['period_minus_diffusion_handoff_only_ms']:.3f}", "<= 0.5",
+                     str(REFERENCE["period_minus_diffusion_ms"])))
+        rows.append(("period - diffusion, decoder same GPU (ms)", f"{pipe['period_minus_diffusion_same_gpu_ms']:.2f}", "", ""))
+    width = [max(len(r[i]) for r in rows) for i in range(4)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, width, strict=True)) for r in rows)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print("bench gpu needs a CUDA GPU (run it through the device tool)")
+        return 2
+    import triton
+
+    cfg = get_preset(args.preset)
+    results: dict[str, object] = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "commit": os.environ.get("CHARSTREAM_COMMIT", "unknown"),
+        "preset": cfg.name,
+        "reference": REFERENCE,
+        "shards": {},
+    }
+    if "ceilings" not in args.skip:
+        results["ceilings"] = _section(results, "ceilings", ceilings)
+    step = None
+    for tp in args.tp_shard:
+        shard: dict[str, object] = {}
+        results["shards"][str(tp)] = shard
+        step = None  # free the previous shard before building the next
+        torch.cuda.empty_cache()
+        if "step" in args.skip:
+            continue
+        built = _section(shard, "step", bench_step, cfg, tp, args.steps)
+        if built is None:
+            continue
+        shard["step"], model, cache, step = built
+        if "kernels" not in args.skip:
+            shard["kernels"] = _section(shard, "kernels", kernel_breakdown, cfg, tp, model, cache, step) or shard.get("kernels")
+            shard["attention"] = _section(shard, "attention", attention_sweep, cfg, tp, cache) or shard.get("attention")
+            per_step = shard["kernels"].get("per_step_ms") if isinstance(shard["kernels"], dict) else None
+            if per_step:
+                shard["kernels"]["sum_of_kernels_ms"] = sum(per_step.values())
+                shard["kernels"]["step_minus_sum_ms"] = shard["step"]["step_graphed_ms"] - sum(per_step.values())
+        print(json.dumps({tp: shard}, default=str)[:3000], flush=True)
+        model = cache = None
+    if "decoder" not in args.skip:
+        built = _section(results, "decoder", bench_decoder, cfg, args.steps)
+        if built is not None:
+            results["decoder"], decoder = built
+            if step is not None and "pipeline" not in args.skip:
+                results["pipeline"] = _section(results, "pipeline", bench_pipeline, step, decoder, args.steps)
+    print(_table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2, default=str))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    from pipeline.cli import main
+
+    sys.exit(main(["bench", "gpu", *sys.argv[1:]]))
