@@ -67,6 +67,7 @@ class EgressConfig:
     port: int = 8080
     codec: str = "VP8"  # VP8 | H264
     max_sessions: int = 16
+    offer_timeout_s: float = 30.0  # a reserved session with no offer by then is released
     ping_interval_s: float = 1.0  # data-channel ping: clock offset estimate + liveness
     client_timeout_s: float = 10.0  # no pong this long: the client vanished, its session is closed
     user_audio_queue_frames: int = 100  # 20 ms mic frames held for ingest before the oldest is dropped

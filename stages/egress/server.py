@@ -4,7 +4,7 @@ HTTP API (JSON; errors are ``{"error": "..."}`` with a 4xx/5xx status):
 
 * ``GET /`` — the web page (``static/``).
 * ``POST /session`` with header ``X-Charstream-Key: <server key>`` → ``{"session_id", "token"}``:
-  reserves a session; the token admits exactly one offer.
+  reserves a session; the token admits exactly one offer, within ``offer_timeout_s``.
 * ``POST /offer`` with ``{"token", "sdp", "type": "offer"}`` → the SDP answer. A wrong token is
   403, a token already used (replayed offer) 409, a malformed body or SDP 400, too many sessions
   503. On success the session factory builds the session's media (``SessionMedia``).
@@ -240,7 +240,13 @@ class EgressServer:
         session = PeerSession(self, session_id, token)
         self.sessions[session_id] = session
         self._by_token[token] = session
+        # A reservation that never gets its offer must not hold a slot forever.
+        asyncio.get_running_loop().call_later(self.config.offer_timeout_s, self._expire, session)
         return session_id, token
+
+    def _expire(self, session: PeerSession) -> None:
+        if session.state == "reserved" and self.sessions.get(session.session_id) is session:
+            asyncio.create_task(self.close_session(session.session_id, "no offer in time"))
 
     async def close_session(self, session_id: str, reason: str) -> None:
         session = self.sessions.pop(session_id, None)

@@ -1,0 +1,87 @@
+"""``charstream serve``: the web page and WebRTC endpoint, one session per browser connection.
+
+    charstream serve [--source pipeline|testcard] [--port 8080] [--codec VP8|H264] [--config FILE]
+
+It prints the page's address with the server key (``/?key=...``); each Connect reserves a
+session and streams it. ``--source pipeline`` (the default) runs the full session graph per
+connection (``pipeline.session.session_factory``: the character model, the configured agent
+adapter; with the default scripted agent the user is scripted too and the microphone is not
+used). ``--source testcard`` needs no model: a test card whose "character" answers each end of
+your speech (heard by silero-vad on your microphone) at once, which exercises rollback, the
+clock and the latency overlay end to end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import tomllib
+from pathlib import Path
+
+from pipeline.config import PipelineConfig
+from stages.egress.server import CODECS, EgressServer, SessionFactory
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--source", choices=["pipeline", "testcard"], default="pipeline",
+                        help="what each session streams (default: the full pipeline)")
+    parser.add_argument("--config", type=Path, help="PipelineConfig as TOML or JSON")
+    parser.add_argument("--preset", help="model preset (overrides the config)")
+    parser.add_argument("--adapter", help="agent adapter: scripted | zmq | pipecat | livekit (overrides the config)")
+    parser.add_argument("--host", help="listen address (default from config: 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="listen port (default from config: 8080; 0 picks a free one)")
+    parser.add_argument("--codec", choices=sorted(CODECS), help="video codec (default from config: VP8)")
+    parser.add_argument("--key", help="server key the page must present (default: random, printed)")
+
+
+def load_config(args: argparse.Namespace) -> PipelineConfig:
+    data = {}
+    if args.config is not None:
+        text = args.config.read_text()
+        data = json.loads(text) if args.config.suffix == ".json" else tomllib.loads(text)
+    config = PipelineConfig.from_dict(data)
+    if args.preset:
+        config.preset = args.preset
+    if args.adapter:
+        config.ingest.adapter = args.adapter
+    for name in ("host", "port", "codec"):
+        if getattr(args, name) is not None:
+            setattr(config.egress, name, getattr(args, name))
+    return config
+
+
+def make_factory(source: str, config: PipelineConfig) -> SessionFactory:
+    if source == "testcard":
+        from stages.egress.session import card_factory
+
+        return card_factory(config.playout, config.egress)
+    from pipeline.session import session_factory
+
+    return session_factory(config)
+
+
+async def serve(config: PipelineConfig, source: str, key: str | None) -> None:
+    server = EgressServer(config.egress, make_factory(source, config), access_key=key)
+    url = await server.start()
+    print(f"charstream serve ({source}, {config.egress.codec}): open {url}/?key={server.access_key}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        print("charstream serve: stopping", flush=True)
+        await server.stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args)
+        asyncio.run(serve(config, args.source, args.key))
+    except (ValueError, OSError, tomllib.TOMLDecodeError) as e:
+        print(f"charstream serve: {e}")
+        return 2
+    return 0

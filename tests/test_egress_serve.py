@@ -1,0 +1,74 @@
+"""``charstream serve --source testcard`` as a real process, and session reservations that expire."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import aiohttp
+
+from pipeline.config import EgressConfig
+from stages.egress.client import EgressClient
+from stages.egress.server import EgressServer
+from stages.egress.session import card_factory
+
+
+def test_serve_command_streams_the_test_card_and_stops_cleanly():
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "serve", "--source", "testcard", "--port", "0",
+                             "--key", "secret"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = None
+        deadline = time.monotonic() + 30
+        while url is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line, f"serve exited early with {proc.poll()}"
+            match = re.search(r"open (http://\S+)/\?key=secret", line)
+            url = match.group(1) if match else None
+        assert url is not None
+
+        async def client_session() -> tuple[int, int, int]:
+            async with aiohttp.ClientSession() as http:
+                async with http.get(url + "/") as r:
+                    page = r.status, "charstream" in await r.text()
+                async with http.post(url + "/session", headers={"X-Charstream-Key": "secret"}) as r:
+                    token = (await r.json())["token"]
+            client = EgressClient(keep_images=True)
+            await client.connect(url, token)
+            await client.wait_for_video(24, timeout=20)
+            frames = len(client.video)
+            image = client.video[-1].image
+            await client.close()
+            return page, frames, image.shape
+
+        page, frames, shape = asyncio.run(client_session())
+        assert page == (200, True) and frames >= 24 and shape == (128, 128, 3)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_reservation_without_an_offer_is_released():
+    async def main():
+        server = EgressServer(EgressConfig(port=0, offer_timeout_s=0.3, max_sessions=1), card_factory())
+        await server.start()
+        server.create_session()
+        try:
+            server.create_session()
+            full = False
+        except Exception as e:  # the one slot is taken
+            full = "server full" in str(e)
+        await asyncio.sleep(0.6)
+        left = dict(server.sessions)
+        server.create_session()  # the slot is free again
+        await server.stop()
+        return full, left
+
+    full, left = asyncio.run(main())
+    assert full and left == {}
