@@ -42,6 +42,13 @@ class IngestConfig:
 
 
 @dataclass
+class ConditioningConfig:
+    idle_lead_chunks: int = 4  # listening chunks are emitted at most this far ahead of real time
+    rollback_wait_s: float = 0.5  # no ROLLBACK answer to a TURN_START this long: place the speech anyway
+    stall_s: float = 1.0  # a speaking turn whose agent sends nothing this long is ended
+
+
+@dataclass
 class DiffusionConfig:
     tp: int = 1
     device: str = "cpu"
@@ -87,6 +94,7 @@ class PipelineConfig:
     placement: str = "inproc"  # inproc (one process) | processes (edge, diffusion ranks, decoder)
     transport: TransportConfig = field(default_factory=TransportConfig)
     ingest: IngestConfig = field(default_factory=IngestConfig)
+    conditioning: ConditioningConfig = field(default_factory=ConditioningConfig)
     diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     playout: PlayoutConfig = field(default_factory=PlayoutConfig)
