@@ -1,0 +1,192 @@
+"""Decode: ``Latents`` -> ``VideoChunk`` (4 RGB frames + the chunk's audio span), on its own device.
+
+The VAE decoder is causal in time and keeps a temporal cache across chunks (``model.vae``). The
+stage keeps the cache state *after* each of the last ``keep_states`` chunks it decoded (states are
+immutable, so a snapshot is a reference, not a copy), and decodes chunk ``n`` from the state after
+chunk ``n - 1``. Turn-start rollback (``Control(ROLLBACK, chunk=c, epoch=e)``) therefore only has
+to forget the states after ``c``: the first chunk of the new epoch, ``c + 1``, continues from the
+state of the last committed chunk, so the frames on screen stay continuous. Data of an older epoch
+is dropped; data of a newer epoch than the last ROLLBACK seen (the control message was overtaken)
+rolls back implicitly to its own chunk.
+
+Decoding runs in a worker thread (torch releases the GIL), so the event loop keeps serving
+heartbeats and control while a chunk decodes; the stage runs in its own process group in the
+``processes`` placement (``pipeline/session.py``) or beside the others ``inproc``. torch itself is
+imported in that worker thread too (in ``setup``): importing it takes seconds, and a stage process
+whose channels are already open must keep answering heartbeats meanwhile.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import anyio
+import numpy as np
+
+from model.config import get_preset
+from stages.base import Stage, StageContext
+from transport.messages import Control, ControlKind, Latents, Message, VideoChunk
+
+if TYPE_CHECKING:
+    import torch
+
+    from model.vae import CausalState, Decoder
+
+DECODER_PREFIX = "vae.decoder."  # the decoder's tensors in the packaged weights (pipeline/training/checkpoint.py)
+
+
+@dataclass
+class DecodeStats:
+    decoded: int = 0
+    stale: int = 0  # chunks of an older epoch, dropped
+    bad: int = 0  # messages that were not decodable latents, dropped
+    gaps: int = 0  # chunks decoded without the previous chunk's state (should stay 0)
+    rollbacks: int = 0
+    last_decode_s: float = 0.0
+
+
+def weights_path(preset: str, weights: str | None) -> str | None:
+    """``weights`` as a file: ``"packaged"`` is the shipped file when present; None means random weights."""
+    from model.weights import packaged_weights
+
+    path = packaged_weights(preset) if weights == "packaged" else weights
+    return str(path) if path else None
+
+
+def load_decoder(preset: str, path: str | None, device: str, dtype: torch.dtype | str, seed: int = 0) -> Decoder:
+    """The preset's decoder with the VAE decoder weights of ``path``, or seeded random weights."""
+    import torch
+
+    from model.vae import Decoder
+
+    cfg = get_preset(preset)
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        decoder = Decoder(cfg)
+    if path:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            state = {k.removeprefix(DECODER_PREFIX): f.get_tensor(k) for k in f.keys() if k.startswith(DECODER_PREFIX)}
+        if not state:
+            raise ValueError(f"{path}: no {DECODER_PREFIX!r} tensors: not a weights file with a VAE")
+        decoder.load_state_dict(state, strict=True)
+    return decoder.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+class DecodeStage(Stage):
+    name = "decode"
+
+    def __init__(self, preset: str = "tiny", weights: str | None = "packaged", device: str | None = None,
+                 dtype: str | None = None, seed: int = 0, keep_states: int = 16, threads: int | None = None) -> None:
+        self.cfg = get_preset(preset)
+        self.preset, self.weights, self.seed = preset, weights, seed
+        self.device_name, self.dtype_name, self.threads = device, dtype, threads
+        self.keep_states = keep_states  # more than playout can hold unplayed: a rollback target is always kept
+        self.epoch = 0
+        self.decoder: Decoder | None = None
+        self._states: OrderedDict[int, CausalState] = OrderedDict()  # chunk -> state after decoding it
+        self._limiter: anyio.CapacityLimiter | None = None
+        self.stats = DecodeStats()
+
+    async def setup(self, ctx: StageContext) -> None:
+        config_device = getattr(getattr(ctx.config, "decode", None), "device", None)
+        self.device = self.device_name or config_device or "cpu"
+        self.dtype = self.dtype_name or ("bfloat16" if self.device.startswith("cuda") else "float32")
+        self._limiter = anyio.CapacityLimiter(1)
+        path = await anyio.to_thread.run_sync(weights_path, self.preset, self.weights, limiter=self._limiter)
+        self.decoder = await anyio.to_thread.run_sync(self._load, path, limiter=self._limiter)
+        await anyio.to_thread.run_sync(self._decode, self._zero_latent(), None, limiter=self._limiter)  # warm-up
+        log = ctx.log.info if path else ctx.log.warning
+        log("decode_ready", preset=self.preset, device=self.device, dtype=self.dtype, weights=path or "random")
+
+    def _load(self, path: str | None) -> Decoder:
+        if self.threads:
+            import torch
+
+            torch.set_num_threads(self.threads)
+        return load_decoder(self.preset, path, self.device, self.dtype, self.seed)
+
+    def _zero_latent(self) -> np.ndarray:
+        return np.zeros((self.cfg.latent_channels, self.cfg.latent_height, self.cfg.latent_width), np.float32)
+
+    def _decode(self, latent: np.ndarray, state: CausalState | None) -> tuple[np.ndarray, CausalState]:
+        import torch
+
+        from model.vae import to_uint8_frames
+
+        with torch.inference_mode():
+            z = torch.tensor(latent, device=self.device, dtype=getattr(torch, self.dtype))  # copies: inputs are read-only
+            frames, state = self.decoder.decode_chunk(z, state)
+            return to_uint8_frames(frames).cpu().numpy(), state
+
+    def _state_before(self, chunk: int, ctx: StageContext) -> CausalState | None:
+        """The decoder state after chunk ``chunk - 1``; none kept means the session (re)starts here."""
+        if chunk - 1 in self._states:
+            return self._states[chunk - 1]
+        earlier = [c for c in self._states if c < chunk]
+        if not earlier:
+            return None
+        self.stats.gaps += 1
+        ctx.log.warning("decode_gap", chunk=chunk, continuing_from=max(earlier))
+        return self._states[max(earlier)]
+
+    def _forget_after(self, chunk: int) -> None:
+        for c in [c for c in self._states if c > chunk]:
+            del self._states[c]
+
+    async def process(self, msg: Message, ctx: StageContext) -> None:
+        if not isinstance(msg, Latents):
+            self._bad(ctx, None, f"unexpected message {type(msg).__name__}")
+            return
+        expected = (self.cfg.latent_channels, self.cfg.latent_height, self.cfg.latent_width)
+        if tuple(msg.latents.shape) != expected or msg.latents.dtype not in (np.float32, np.float16):
+            self._bad(ctx, msg.chunk, f"latents {msg.latents.dtype}{tuple(msg.latents.shape)}, expected float32/float16{expected}")
+            return
+        if msg.epoch < self.epoch:
+            self.stats.stale += 1
+            ctx.log.debug("decode_stale", chunk=msg.chunk, epoch=msg.epoch, current=self.epoch)
+            return
+        if msg.epoch > self.epoch:  # its ROLLBACK has not reached us yet: the epoch starts at this chunk
+            ctx.log.info("decode_epoch_ahead", chunk=msg.chunk, epoch=msg.epoch, previous=self.epoch)
+            self._rollback(msg.chunk - 1, msg.epoch)
+        started = time.perf_counter()
+        frames, state = await anyio.to_thread.run_sync(
+            self._decode, msg.latents, self._state_before(msg.chunk, ctx), limiter=self._limiter)
+        self.stats.last_decode_s = time.perf_counter() - started
+        if msg.epoch < self.epoch:  # rolled back while decoding
+            self.stats.stale += 1
+            return
+        self._states[msg.chunk] = state
+        self._states.move_to_end(msg.chunk)
+        while len(self._states) > self.keep_states:
+            self._states.popitem(last=False)
+        self.stats.decoded += 1
+        if msg.trace.turn_id is not None:
+            msg.trace.stamp("decode_done")
+        await ctx.emit(VideoChunk(msg.session_id, msg.chunk, frames, msg.audio, msg.speaking, msg.epoch, msg.trace))
+
+    def _rollback(self, last_committed: int, epoch: int) -> None:
+        self.epoch = epoch
+        self.stats.rollbacks += 1
+        self._forget_after(last_committed)
+
+    async def control(self, msg: Control, ctx: StageContext) -> None:
+        if msg.kind != ControlKind.ROLLBACK or msg.epoch <= self.epoch or msg.chunk is None:
+            return  # an older or already applied rollback (an epoch-ahead chunk applied it) changes nothing
+        if msg.chunk >= 0 and msg.chunk not in self._states:
+            ctx.log.warning("decode_rollback_state_missing", chunk=msg.chunk, kept=list(self._states))
+        self._rollback(msg.chunk, msg.epoch)
+        ctx.log.info("decode_rollback", last_committed=msg.chunk, epoch=msg.epoch)
+
+    def _bad(self, ctx: StageContext, chunk: int | None, problem: str) -> None:
+        self.stats.bad += 1
+        ctx.log.error("decode_bad_input", chunk=chunk, problem=problem)
+
+    async def teardown(self) -> None:
+        self._states.clear()
+        self.decoder = None
