@@ -72,3 +72,26 @@ def test_a_reservation_without_an_offer_is_released():
 
     full, left = asyncio.run(main())
     assert full and left == {}
+
+
+def test_when_the_pipeline_ends_the_page_is_told_and_the_session_released():
+    async def main():
+        factory = card_factory()
+        server = EgressServer(EgressConfig(port=0, ping_interval_s=0.2), factory)
+        url = await server.start()
+        session_id, token = server.create_session()
+        client = EgressClient()
+        await client.connect(url, token)
+        await client.wait_for_video(6, timeout=10)
+        await factory.sessions[session_id].close()  # the session's pipeline stops (or fails)
+        for _ in range(50):
+            if session_id not in server.sessions:
+                break
+            await asyncio.sleep(0.1)
+        result = client.ended, dict(server.sessions), dict(factory.sessions)
+        await client.close()
+        await server.stop()
+        return result
+
+    ended, left, cards = asyncio.run(main())
+    assert ended == "the session's pipeline ended" and left == {} and cards == {}

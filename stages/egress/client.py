@@ -75,6 +75,7 @@ class EgressClient:
         self.audio: deque[ReceivedAudio] = deque(maxlen=MAX_KEPT)
         self.sender_reports: dict[str, list[tuple[float, int]]] = {"video": [], "audio": []}  # (ntp s, rtp)
         self.turns: list[dict[str, Any]] = []  # the server's per-turn latency messages
+        self.ended: str | None = None  # the server's reason, when it ended the session
         self.pings_answered = 0
         self.silent = False  # True: send nothing on the data channel (a client that vanished without closing)
         self._tasks: list[asyncio.Task] = []
@@ -192,6 +193,8 @@ class EgressClient:
             self.pings_answered += 1
         elif msg.get("type") == "turn":
             self.turns.append(msg)
+        elif msg.get("type") == "end":
+            self.ended = msg.get("reason", "")
 
     def _send(self, msg: dict[str, Any]) -> None:
         if self.channel is not None and self.channel.readyState == "open" and not self.silent:

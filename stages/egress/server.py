@@ -187,6 +187,11 @@ class PeerSession:
             if time.monotonic() - self.last_heard > config.client_timeout_s:
                 await self.server.close_session(self.session_id, "client vanished (no data-channel reply)")
                 return
+            if self.media.output.closed:  # the session's pipeline ended (or failed): tell the page
+                self._send({"type": "end", "reason": "the session's pipeline ended"})
+                await asyncio.sleep(0.2)  # let the message leave before the connection closes
+                await self.server.close_session(self.session_id, "session media ended")
+                return
 
     # --- teardown ------------------------------------------------------------------------------
 

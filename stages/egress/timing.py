@@ -13,7 +13,9 @@ Protocol (JSON text messages on the ``timing`` data channel; times are wall-cloc
   released. Reports of a chunk's first frame are kept; the first speaking frame of a turn gets
   ``client_first_speaking_frame``.
 * server → client ``{"type": "turn", "turn_id": n, "segments_ms": {...}}`` once a turn's client
-  stamp is in (the page's latency overlay).
+  stamp is in (the page's latency overlay); ``{"type": "end", "reason": ...}`` when the session's
+  pipeline has ended.
+* A client that sends nothing for ``client_timeout_s`` (pongs included) is taken as vanished.
 """
 
 from __future__ import annotations

@@ -32,6 +32,9 @@ function onMessage(event) {
   } else if (msg.type === "turn") {
     state.turns.push(msg);
     showTurn(msg);
+  } else if (msg.type === "end") {
+    state.error = msg.reason;
+    setStatus(`ended: ${msg.reason}`);
   }
 }
 
