@@ -33,6 +33,7 @@ import numpy as np
 
 from stages.base import Stage, StageContext
 from transport.messages import (
+    CHUNK_SECONDS,
     SAMPLES_PER_CHUNK,
     TIMELINE_RATE,
     AgentAudio,
@@ -63,6 +64,7 @@ class _Turn:
     ended: bool = False
     turn_start_sent_at: float | None = None
     last_audio_at: float = 0.0
+    first_tokens: np.ndarray | None = None  # encoded while the rollback is on its way
 
     @property
     def audio(self) -> np.ndarray:
@@ -84,12 +86,16 @@ class ConditioningStage(Stage):
     name = "conditioning"
 
     def __init__(self, encode: EncodeFn, lookahead_ms: float, context_ms: float = 0.0, rollback_wait_s: float = 0.5,
-                 stall_s: float = 1.0) -> None:
+                 stall_s: float = 1.0, idle_lead_chunks: int | None = None) -> None:
         self.encode = encode
         self.lookahead = int(round(lookahead_ms * TIMELINE_RATE / 1000))
         self.context = int(round(context_ms * TIMELINE_RATE / 1000))
         self.rollback_wait_s = rollback_wait_s  # placement without a ROLLBACK answer after this long
         self.stall_s = stall_s  # a speaking turn with no new audio this long is ended
+        # Listening chunks at most this many chunks ahead of real time (None: credit alone limits them).
+        # Keeps playout's buffer shallow, so little is thrown away and its dispatch never waits for room.
+        self.idle_lead = idle_lead_chunks
+        self._anchor: tuple[int, float] | None = None  # (chunk, monotonic time it is due at playout)
         self.next_chunk = 0
         self.epoch = 0
         self.turn: _Turn | None = None
@@ -114,6 +120,7 @@ class ConditioningStage(Stage):
         if msg.kind == ControlKind.ROLLBACK and msg.chunk is not None and msg.epoch > self.epoch:
             self.epoch = msg.epoch
             self.next_chunk = msg.chunk + 1
+            self._anchor = (self.next_chunk, time.monotonic())  # chunk c is on screen now: c + 1 is next
             start = self.next_chunk * SAMPLES_PER_CHUNK
             turn = self.turn
             # Speech that asked for this rollback, or is placed but not yet committed, starts at the
@@ -223,11 +230,16 @@ class ConditioningStage(Stage):
     # --- the chunk loop ----------------------------------------------------------------------
 
     async def run(self, ctx: StageContext) -> None:
-        window = np.zeros(self.context + SAMPLES_PER_CHUNK + self.lookahead, np.int16)
-        self._silence_tokens = np.asarray(await anyio.to_thread.run_sync(self.encode, window), np.float32)
+        self._silence_tokens = await self._encode(np.zeros(self.context + SAMPLES_PER_CHUNK + self.lookahead, np.int16))
         while True:
             wait = self._wait_needed(ctx)
             await self._maybe_turn_start(ctx)  # a stalled agent's short first chunk still starts its turn
+            turn = self.turn
+            if turn is not None and turn.turn_start_sent_at is not None and turn.first_tokens is None:
+                # Encode the first speaking chunk during the rollback's round trip: its window is
+                # relative to the turn's speech, whatever chunk the speech lands on.
+                turn.first_tokens = await self._encode(self._window(turn, 0))
+                continue
             if wait is not None:
                 with anyio.move_on_after(wait):
                     await self._changed.wait()
@@ -242,13 +254,13 @@ class ConditioningStage(Stage):
     def _wait_needed(self, ctx: StageContext) -> float | None:
         """Seconds to wait for input before chunk ``next_chunk`` can be built; None: build it now."""
         turn = self.turn
-        if turn is None:
-            return None
         now = time.monotonic()
+        if turn is None:
+            return self._pace(now)
         if turn.placed_at is None:
             if turn.turn_start_sent_at is None:  # still gathering the first chunk: keep listening
                 self._check_stall(ctx, turn, now)
-                return None
+                return self._pace(now)
             left = turn.turn_start_sent_at + self.rollback_wait_s - now
             if left > 0:
                 return left
@@ -259,10 +271,21 @@ class ConditioningStage(Stage):
         if turn.ended:
             if start >= turn.length:  # all of the turn's speech is out: back to listening
                 self._close(turn.turn_id)
+                return self._pace(now)
             return None
         if start < 0 or turn.length >= start + SAMPLES_PER_CHUNK + self.lookahead:
             return None
         return None if self._check_stall(ctx, turn, now) else turn.last_audio_at + self.stall_s - now
+
+    def _pace(self, now: float) -> float | None:
+        """Seconds until listening chunk ``next_chunk`` may go (None: now)."""
+        if self.idle_lead is None:
+            return None
+        if self._anchor is None:
+            self._anchor = (self.next_chunk, now)
+        chunk, at = self._anchor
+        due = at + (self.next_chunk - chunk - self.idle_lead) * CHUNK_SECONDS
+        return due - now if due > now else None
 
     def _check_stall(self, ctx: StageContext, turn: _Turn, now: float) -> bool:
         """End a turn whose agent sent nothing for ``stall_s``; True when it did."""
@@ -276,21 +299,29 @@ class ConditioningStage(Stage):
         start = chunk * SAMPLES_PER_CHUNK
         turn = self.turn
         rel = start - turn.placed_at if turn is not None and turn.placed_at is not None else None
-        if turn is None or rel is None or rel + SAMPLES_PER_CHUNK <= 0 or rel >= len(turn.audio):
+        if turn is None or rel is None or rel + SAMPLES_PER_CHUNK <= 0 or rel >= turn.length:
             return Conditioning(self._session, chunk, self._silence_tokens, np.zeros(SAMPLES_PER_CHUNK, np.int16),
                                 speaking=False, epoch=epoch, trace=TraceContext(None))
-        # The encoder's window: left context + the chunk + look-ahead; silence outside the turn's speech.
-        window = np.zeros(self.context + SAMPLES_PER_CHUNK + self.lookahead, np.int16)
-        first = rel - self.context
-        lo, hi = max(first, 0), min(first + len(window), turn.length)
-        window[lo - first:hi - first] = turn.audio[lo:hi]
-        tokens = np.asarray(await anyio.to_thread.run_sync(self.encode, window), np.float32)
-        audio = window[self.context:self.context + SAMPLES_PER_CHUNK].copy()
+        window = self._window(turn, rel)
+        tokens = turn.first_tokens if rel == 0 and turn.first_tokens is not None else await self._encode(window)
         trace = TraceContext(turn.turn_id)
         if rel <= 0:  # the turn's first speaking chunk carries the turn's trace
             trace.stamps.update(turn.trace.stamps)
             trace.stamp("conditioning_ready")
+        audio = window[self.context:self.context + SAMPLES_PER_CHUNK].copy()
         return Conditioning(self._session, chunk, tokens, audio, speaking=True, epoch=epoch, trace=trace)
+
+    def _window(self, turn: _Turn, rel: int) -> np.ndarray:
+        """The encoder's window for the chunk starting ``rel`` samples into the turn's speech: left
+        context + the chunk + look-ahead, silence outside the speech."""
+        window = np.zeros(self.context + SAMPLES_PER_CHUNK + self.lookahead, np.int16)
+        first = rel - self.context
+        lo, hi = max(first, 0), min(first + len(window), turn.length)
+        window[lo - first:hi - first] = turn.audio[lo:hi]
+        return window
+
+    async def _encode(self, window: np.ndarray) -> np.ndarray:
+        return np.asarray(await anyio.to_thread.run_sync(self.encode, window), np.float32)
 
     async def setup(self, ctx: StageContext) -> None:
         self._session = ctx.session_id

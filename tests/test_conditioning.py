@@ -85,6 +85,25 @@ async def test_listening_stream_is_continuous_and_bounded_by_credit():
 
 
 @pytest.mark.anyio
+async def test_listening_chunks_are_paced_a_few_chunks_ahead_of_real_time():
+    async with anyio.create_task_group() as tg:
+        h = await started(stage(idle_lead_chunks=2), tg, capacity=64)
+        await anyio.sleep(0.5)  # three chunks of media time
+        early = h.send.statistics().current_buffer_used
+        assert 4 <= early <= 7  # lead 2 + the chunks due by now (0, 1, 2, 3), not the edge's 64
+        # A rollback re-anchors the schedule at the chunk on screen.
+        await h.stage.control(Control("sess", 1, ControlKind.ROLLBACK, chunk=100, epoch=1), h.ctx)
+        await anyio.sleep(0.2)
+        fresh = []
+        while h.send.statistics().current_buffer_used:
+            c = await h.next()
+            if c.epoch == 1:
+                fresh.append(c.chunk)
+        assert fresh[0] == 101 and 3 <= len(fresh) <= 5, fresh
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
 async def test_turn_start_rollback_places_speech_at_the_first_uncommitted_chunk():
     speech = tone(int(2.3 * SAMPLES_PER_CHUNK))
     first_ready = SAMPLES_PER_CHUNK + LOOKAHEAD  # audio the first speaking chunk needs
