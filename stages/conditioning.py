@@ -337,11 +337,12 @@ def build(preset: str = "tiny", weights: str | None = "packaged", seed: int = 0,
     from model.audio_encoder import AudioEncoder, make_encode_fn
     from model.config import get_preset
     from model.weights import packaged_weights
-    from pipeline.training.checkpoint import load_audio_encoder
 
     cfg = get_preset(preset)
     path = packaged_weights(preset) if weights == "packaged" else weights
     if path:
+        from pipeline.training.checkpoint import load_audio_encoder  # the trained file's layout
+
         encoder = load_audio_encoder(cfg, Path(path))
     else:
         with torch.random.fork_rng(devices=[]):
