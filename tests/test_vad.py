@@ -42,8 +42,8 @@ def test_end_of_speech_within_100ms_of_the_true_end(text, voice):
     start, end = events
     assert abs((end.at - T0) - true_end) <= 0.100, (end.at - T0, true_end)
     assert abs((start.at - T0) - true_start) <= 0.150, (start.at - T0, true_start)
-    # back-dated by the silence window: known ~300 ms after the end it reports
-    assert end.detected_at - end.at == pytest.approx(0.300, abs=0.033)
+    # back-dated by the silence window (and silero's decay before it): known >= 300 ms after the end
+    assert 0.300 - 0.033 <= end.detected_at - end.at <= 0.300 + 0.150
     assert not vad.speaking
 
 

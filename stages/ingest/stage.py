@@ -94,9 +94,10 @@ class IngestStage(Stage):
     name = "ingest"
 
     def __init__(self, config: IngestConfig | dict[str, Any] | None = None, adapter: AgentAdapter | None = None,
-                 media_t0: float | None = None) -> None:
+                 media_t0: float | None = None, user_audio: Any = None) -> None:
         self.config = IngestConfig(**config) if isinstance(config, dict) else config
         self.adapter = adapter
+        self.user_audio = user_audio  # egress's microphone queue (stages.egress.mic.UserAudioQueue), if any
         self.media_t0 = media_t0
         self.stats = IngestStats()
         self._ctx: StageContext | None = None
@@ -126,12 +127,30 @@ class IngestStage(Stage):
         await self.adapter.start()
 
     async def run(self, ctx: StageContext) -> None:
-        async for event in self.adapter.events():
-            await self._on_agent_event(event)
-        if self._turn is not None:
-            self._protocol_error("agent events ended mid-turn: turn ended", self._turn.turn_id)
-            await self._end_turn("ended")
-        ctx.log.info("agent_finished", turns=self.stats.turns, interrupts=self.stats.interrupts)
+        """Ingest the agent's events and, if there is one, the user's microphone; returns when both end."""
+        user_audio = self.user_audio or ctx.extras.get("user_audio")
+        async with anyio.create_task_group() as tg:
+            if user_audio is not None:
+                tg.start_soon(self.listen, user_audio)
+            async for event in self.adapter.events():
+                await self._on_agent_event(event)
+            if self._turn is not None:
+                self._protocol_error("agent events ended mid-turn: turn ended", self._turn.turn_id)
+                await self._end_turn("ended")
+            ctx.log.info("agent_finished", turns=self.stats.turns, interrupts=self.stats.interrupts)
+
+    async def listen(self, user_audio: Any) -> None:
+        """VAD on egress's microphone queue (``get()`` -> frames with ``samples``, 48 kHz int16, and
+        ``received_at``, the wall clock of arrival) until the queue closes."""
+        from stages.egress.mic import UserAudioClosed  # aiortc: imported only when a mic is wired
+
+        while True:
+            try:
+                frame = await user_audio.get()
+            except UserAudioClosed:
+                return
+            # the frame's first sample was captured one frame duration before it arrived
+            await self.feed_user_audio(frame.samples, frame.received_at - len(frame.samples) / TIMELINE_RATE)
 
     async def teardown(self) -> None:
         if self.adapter is not None:

@@ -9,8 +9,11 @@ int16 from the WebRTC track, or any supported rate — resamples it to 16 kHz, r
 - end: after speech, ``silence_ms`` of consecutive windows below ``threshold``; ``at`` is back-dated
   by the silence window to when the silence began, the convention of Pipecat and LiveKit, so
   ``user_speech_end`` measures the user, not the detector. ``detected_at`` says when it was known.
-  (One threshold both ways, as LiveKit: silero's probability decays over ~100 ms after speech
-  stops, so a lower "negative" threshold would date the end ~30-60 ms late.)
+  silero's probability decays over ~30-100 ms after speech stops, so the silence is dated from the
+  start of that decay: the first window below ``threshold + 0.2`` from which the probability fell
+  without recovering into the silence window. On 64 espeak utterances (16 lines × 4 voices) this put
+  the end 41 ms after the last sample above -40 dBFS on average, 91 ms at worst (dating from the
+  first window below ``threshold``: 51 ms, 106 ms).
 
 Wall times come from the caller: ``at_wall_time`` is the wall clock of the block's first sample.
 """
@@ -31,6 +34,7 @@ from transport.messages import TurnKind
 VAD_RATE = 16_000
 WINDOW = 512  # samples per silero window at 16 kHz (32 ms)
 WINDOW_S = WINDOW / VAD_RATE
+MAX_DECAY_WINDOWS = 4  # silero's probability falls within ~100 ms of the end of speech
 
 _load_lock = threading.Lock()
 
@@ -70,6 +74,7 @@ class UserAudioVAD:
     def __init__(self, threshold: float = 0.5, silence_ms: int = 300, start_ms: int = 64,
                  sample_rate: int = 48_000) -> None:
         self.threshold = threshold
+        self.decay_threshold = min(0.95, threshold + 0.2)
         self.silence_windows = max(1, round(silence_ms / (WINDOW_S * 1000)))
         self.start_windows = max(1, round(start_ms / (WINDOW_S * 1000)))
         self.sample_rate = sample_rate
@@ -92,6 +97,7 @@ class UserAudioVAD:
         self._speaking = False
         self._run = 0  # consecutive speech windows (quiet) or silent windows (speaking)
         self._run_start = 0  # index of the first window of the current run
+        self._decay_start: int | None = None  # first window of the current fall below decay_threshold
 
     def feed(self, samples: np.ndarray, at_wall_time: float) -> list[VadEvent]:
         """Feed one block of user audio (int16 or float32 mono) whose first sample was at ``at_wall_time``."""
@@ -126,11 +132,15 @@ class UserAudioVAD:
                     self._run_start = i
                 self._run += 1
                 if self._run >= self.start_windows:
-                    self._speaking, self._run = True, 0
+                    self._speaking, self._run, self._decay_start = True, 0, None
                     return VadEvent(TurnKind.USER_SPEECH_START, self._wall(self._run_start), self._wall(i + 1), p)
             else:
                 self._run = 0
             return None
+        if p >= self.decay_threshold:
+            self._decay_start = None
+        elif self._decay_start is None:
+            self._decay_start = i
         if p >= self.threshold:
             self._run = 0
         else:
@@ -139,5 +149,8 @@ class UserAudioVAD:
             self._run += 1
             if self._run >= self.silence_windows:
                 self._speaking, self._run = False, 0
-                return VadEvent(TurnKind.USER_SPEECH_END, self._wall(self._run_start), self._wall(i + 1), p)
+                began = self._run_start
+                if self._decay_start is not None:  # at most MAX_DECAY_WINDOWS earlier: a decay, not quiet speech
+                    began = max(min(self._decay_start, began), began - MAX_DECAY_WINDOWS)
+                return VadEvent(TurnKind.USER_SPEECH_END, self._wall(began), self._wall(i + 1), p)
         return None

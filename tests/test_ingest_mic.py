@@ -1,0 +1,45 @@
+"""The user's microphone from egress (a real UserAudioQueue, 20 ms frames at 48 kHz) reaches the
+ingest stage's VAD: the user's turn is detected and its end back-dated."""
+
+import time
+
+import anyio
+import numpy as np
+from ingest_support import Recorder
+
+from pipeline.config import IngestConfig
+from stages.egress.mic import UserAudioFrame, UserAudioQueue
+from stages.ingest.push import PushAdapter
+from stages.ingest.resample import resample, to_int16
+from stages.ingest.stage import IngestStage
+from stages.ingest.tts import synthesize
+from transport.messages import TurnKind
+
+
+def test_microphone_queue_drives_turn_detection():
+    speech = synthesize("Can you hear me through the microphone?", "en-us")
+    mic = to_int16(resample(speech.samples.astype(np.float32) / 32768.0, speech.sample_rate, 48_000))
+    signal = np.concatenate([np.zeros(24_000, np.int16), mic, np.zeros(48_000, np.int16)])
+    last_voiced = np.flatnonzero(np.abs(signal.astype(np.int32)) > 328)[-1]
+    queue = UserAudioQueue(max_frames=len(signal) // 960 + 1)
+    config = IngestConfig()
+    adapter = PushAdapter(config)
+    stage = IngestStage(config, adapter, user_audio=queue)
+    rec = Recorder()
+    t0 = time.time()
+    for i in range(0, len(signal) - 959, 960):  # as egress stamps them: arrival = end of the frame
+        queue.put(UserAudioFrame(signal[i:i + 960], t0 + (i + 960) / 48_000))
+    queue.close()
+
+    async def main():
+        ctx = rec.context()
+        await stage.setup(ctx)
+        await adapter.end()  # no agent: run returns once the microphone closes
+        with anyio.fail_after(20):
+            await stage.run(ctx)
+
+    anyio.run(main)
+    events = rec.turn_events()
+    assert [e.kind for e in events] == [TurnKind.USER_SPEECH_START, TurnKind.USER_SPEECH_END]
+    assert abs(events[1].at - (t0 + last_voiced / 48_000)) <= 0.100
+    assert events[1].trace.stamps["user_speech_end"] == events[1].at
