@@ -2,13 +2,15 @@
 
 Reads the ``turn`` lines ``pipeline.tracing`` writes, recomputes every interval from the raw stamps
 (the stored segments are a convenience, not the source), prints median and p90 per segment
-(agent, pipeline, delivery, total) and per stage, and writes ``report.md`` and ``waterfall.png``.
+(agent, pipeline, delivery, total) and per stage, and writes ``report.md``, ``report.json`` (the
+same numbers, seconds) and ``waterfall.png``.
 Percentiles interpolate linearly between order statistics (numpy's default).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -117,14 +119,21 @@ def draw_waterfall(turns: list[dict[str, Any]], path: str | Path) -> None:
     plt.close(fig)
 
 
+def to_json(summary: Summary, trace_path: str | Path) -> dict[str, Any]:
+    return {"trace": str(trace_path), "turns": summary.turns, "complete": summary.complete,
+            "rows": [{"kind": r.kind, "name": r.name, "n": r.n, "median_s": r.median, "p90_s": r.p90}
+                     for r in summary.rows]}
+
+
 def write_report(trace_path: str | Path, out_dir: str | Path) -> Summary:
-    """Summarise ``trace_path`` into ``out_dir``/report.md and ``out_dir``/waterfall.png."""
+    """Summarise ``trace_path`` into ``out_dir``: report.md, report.json and waterfall.png."""
     turns = read_jsonl(trace_path)
     summary = summarize(turns)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     draw_waterfall(turns, out / "waterfall.png")
     (out / "report.md").write_text(render_markdown(summary, turns), encoding="utf-8")
+    (out / "report.json").write_text(json.dumps(to_json(summary, trace_path), indent=1) + "\n", encoding="utf-8")
     return summary
 
 
@@ -146,5 +155,5 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(render_table(summary))
     out = Path(args.out or trace.parent)
-    print(f"wrote {out / 'report.md'} and {out / 'waterfall.png'}")
+    print(f"wrote {out / 'report.md'}, {out / 'report.json'} and {out / 'waterfall.png'}")
     return 0 if summary.turns else 1

@@ -70,6 +70,11 @@ def test_report_numbers_match_an_independent_recomputation(trace_file, tmp_path,
     report = (out / "report.md").read_text()
     total = [s["client_first_speaking_frame"] - s["user_speech_end"] for s in raw if "client_first_speaking_frame" in s]
     assert f"| segment | total | 10 | {quantile(total, 0.5) * 1e3:.0f} | {quantile(total, 0.9) * 1e3:.0f} |" in report
+    rows = {(r["kind"], r["name"]): r for r in json.loads((out / "report.json").read_text())["rows"]}
+    for key, (a, b) in NAMES.items():
+        values = [s[b] - s[a] for s in raw if a in s and b in s]
+        assert rows[key]["median_s"] == pytest.approx(quantile(values, 0.5), abs=1e-9)
+        assert rows[key]["p90_s"] == pytest.approx(quantile(values, 0.9), abs=1e-9)
     png = (out / "waterfall.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", png[16:24])

@@ -1,0 +1,233 @@
+"""``charstream demo``: a scripted conversation through every stage, on CPU, to a real WebRTC client.
+
+The built-in scripted agent (espeak-ng voices, silero-vad on the simulated user's microphone)
+drives a session of the full graph (``pipeline.session``): conditioning → diffusion → decode →
+playout, egress over aiortc. Without ``--serve`` an in-process aiortc client connects over
+loopback, reports presented frames on the data channel (the trace's last stamp) and records what
+it received; with ``--serve`` a browser connects to the printed address instead.
+
+Writes into ``--out`` (default ``./demo-out``): ``trace.jsonl`` (one line per turn, the seven
+contract stamps), ``report.md`` + ``waterfall.png`` (``charstream trace report``), and
+``session.mp4`` (what the client received: 24 fps video + audio; not with ``--serve``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from pipeline.config import PipelineConfig
+from pipeline.logs import configure_logging
+from pipeline.tracing import REGISTRY, SEGMENTS, TurnRecord, intervals
+from transport.messages import VIDEO_FPS
+
+QUIET_FRAMES = VIDEO_FPS // 2  # listening frames after the last reply before the demo ends
+CLIENT_GRACE_S = 5.0  # how long to wait for the client's last frame reports after that
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--turns", type=int, default=None,
+                        help="conversation turns (default: the whole script; the built-in one has 4, "
+                             "repeated when more are asked)")
+    parser.add_argument("--preset", default="tiny", help="model preset (default: tiny)")
+    parser.add_argument("--out", default="demo-out", help="output directory (default: ./demo-out)")
+    parser.add_argument("--serve", action="store_true",
+                        help="serve the web page and wait for a browser instead of the in-process client")
+    parser.add_argument("--port", type=int, default=8080, help="HTTP port with --serve (default: 8080)")
+    parser.add_argument("--script", default=None,
+                        help='JSON file: [{"user": "...", "agent": "...", "barge_in_after_s": null}, ...]')
+    parser.add_argument("--weights", default="packaged",
+                        help="weights file, 'packaged' (the trained weights shipped for the preset, if any) "
+                             "or 'random' (seeded random weights)")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="give up after this many seconds (default: 60 + 30 per turn)")
+    parser.add_argument("--verbose", action="store_true", help="structured logs (info) on stderr")
+
+
+@dataclass
+class DemoPlan:
+    config: PipelineConfig
+    script: list[dict]
+    weights: str | None
+    weights_note: str
+    out: Path
+
+
+def plan(args: argparse.Namespace) -> DemoPlan:
+    from model.config import get_preset
+    from model.weights import packaged_weights
+    from stages.ingest.scripted import DEFAULT_SCRIPT
+
+    get_preset(args.preset)  # an unknown preset fails here, before anything starts
+    if args.script:
+        script = json.loads(Path(args.script).read_text(encoding="utf-8"))
+        if not isinstance(script, list) or not script or not all(
+                isinstance(line, dict) and {"user", "agent"} <= set(line) for line in script):
+            raise ValueError(f"{args.script}: expected a non-empty JSON list of {{'user', 'agent'}} objects")
+    else:
+        script = [{"user": line.user, "agent": line.agent} for line in DEFAULT_SCRIPT]
+    turns = args.turns if args.turns is not None else len(script)
+    if turns < 1:
+        raise ValueError("--turns must be at least 1")
+    script = [script[i % len(script)] for i in range(turns)]
+
+    if args.weights == "random":
+        weights, note = None, f"seeded random weights for {args.preset!r} (asked for)"
+    elif args.weights == "packaged":
+        path = packaged_weights(args.preset)
+        weights = str(path) if path else None
+        note = (f"trained weights {path}" if path else
+                f"seeded random weights: no trained {args.preset!r} weights ship with this package yet, "
+                "so the character is noise that moves with the speech")
+    else:
+        if not Path(args.weights).is_file():
+            raise ValueError(f"--weights {args.weights}: no such file")
+        weights, note = args.weights, f"weights {args.weights}"
+
+    out = Path(args.out)
+    config = PipelineConfig(preset=args.preset)
+    config.tracing.jsonl_path = str(out / "trace.jsonl")
+    config.ingest.script = script
+    config.ingest.lead_in_s = 1.0  # the stream settles (first steps, WebRTC start) before the user speaks
+    config.egress.port = args.port if args.serve else 0
+    return DemoPlan(config, script, weights, note, out)
+
+
+class Progress:
+    """Turns as they happen: one line when the character starts answering, one with the latencies."""
+
+    def __init__(self, script: list[dict], session_id: str) -> None:
+        self.script = script
+        self.session_id = session_id
+        self.bar = tqdm(total=len(script), unit="turn", desc="conversation", dynamic_ncols=True,
+                        bar_format="{desc}: {n_fmt}/{total_fmt} turns |{bar}| {elapsed} {postfix}")
+        self.records: list[TurnRecord] = []
+
+    def speaking(self, turn_id: int) -> None:
+        line = self.script[turn_id - 1]["user"] if 1 <= turn_id <= len(self.script) else "?"
+        tqdm.write(f"turn {turn_id}: user said “{_short(line)}” → the character answers")
+
+    def turn(self, record: TurnRecord) -> None:
+        self.records.append(record)
+        seg = intervals(record.stamps, SEGMENTS)
+        parts = " · ".join(f"{name} {seg[name] * 1e3:.0f} ms" for name in SEGMENTS if name in seg)
+        tqdm.write(f"turn {record.turn_id}: {parts}" + ("" if record.complete else " (incomplete)"))
+        self.bar.update(1)
+
+    def tick(self, frames: int) -> None:
+        fps = REGISTRY.get_sample_value("charstream_fps", {"session": self.session_id})
+        underruns = REGISTRY.get_sample_value("charstream_underruns_total", {"session": self.session_id})
+        self.bar.set_postfix_str(f"{frames / VIDEO_FPS:.1f} s played · {fps or 0:.1f} fps · "
+                                 f"{int(underruns or 0)} underruns", refresh=True)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _short(text: str, n: int = 48) -> str:
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+async def watch_conversation(session, turns: int, progress: Progress) -> None:
+    """Until the last turn's reply has played out and every turn has its trace (or the session ends)."""
+    from stages.playout import PlayoutClosed
+
+    output = session.output
+    spoken: set[int] = set()
+    index = quiet = 0
+    quiet_since: float | None = None
+    try:
+        while not session.done.is_set():
+            frame = await output.frame_at(index)
+            index = frame.index + 1
+            if frame.first_speaking and frame.trace is not None:
+                spoken.add(frame.trace.turn_id)
+                progress.speaking(frame.trace.turn_id)
+            quiet = 0 if frame.speaking else quiet + 1
+            if index % VIDEO_FPS == 0:
+                progress.tick(index)
+            if len(spoken) >= turns and quiet >= QUIET_FRAMES:
+                # The last reply has played out; the client's reports of it may still be on their way.
+                quiet_since = quiet_since or time.monotonic()
+                if len(session.tracer.records) >= turns or time.monotonic() - quiet_since > CLIENT_GRACE_S:
+                    return
+    except PlayoutClosed:
+        return
+
+
+async def run_demo(args: argparse.Namespace) -> int:
+    from pipeline.session import LiveSession, session_factory
+    from pipeline.trace_report import render_table, write_report
+    from stages.egress.client import EgressClient
+    from stages.egress.server import EgressServer
+
+    demo = plan(args)
+    out = demo.out
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("trace.jsonl", "report.md", "report.json", "waterfall.png", "session.mp4"):
+        (out / name).unlink(missing_ok=True)
+    print(f"charstream demo: {len(demo.script)} turns, preset {args.preset!r}, {demo.weights_note}")
+
+    sessions: list[LiveSession] = []
+    ready = asyncio.Event()
+
+    def on_session(session: LiveSession) -> None:
+        sessions.append(session)
+        ready.set()
+
+    server = EgressServer(demo.config.egress, session_factory(demo.config, demo.weights, on_session))
+    url = await server.start()
+    client = None
+    timeout = args.timeout or 60 + 30 * len(demo.script)
+    progress: Progress | None = None
+    try:
+        if args.serve:
+            print(f"open {url}/?key={server.access_key} in a browser and press Connect "
+                  "(the user is scripted; your microphone is not used)")
+            await ready.wait()
+        else:
+            _, token = server.create_session()
+            client = EgressClient(record_path=out / "session.mp4")
+            await client.connect(url, token)
+        session = sessions[0]
+        progress = Progress(demo.script, session.session_id)
+        session.tracer.on_turn = progress.turn
+        try:
+            await asyncio.wait_for(watch_conversation(session, len(demo.script), progress), timeout)
+        except TimeoutError:
+            tqdm.write(f"charstream demo: gave up after {timeout:.0f} s")
+    finally:
+        if progress is not None:
+            progress.close()
+        if client is not None:
+            await client.close()  # finishes session.mp4
+        await server.stop()  # closes the session: its pipeline stops, its tracer flushes
+        for session in sessions:
+            await session.stop("demo finished")
+
+    result = sessions[0].result if sessions else None
+    if result is not None and not result.ok:
+        print(f"charstream demo: the session failed: {result.error}")
+    summary = write_report(out / "trace.jsonl", out)
+    print(render_table(summary))
+    files = ["trace.jsonl", "report.md", "report.json", "waterfall.png"] + ([] if args.serve else ["session.mp4"])
+    print("wrote " + ", ".join(str(out / f) for f in files))
+    if result is None or not result.ok or summary.complete < len(demo.script):
+        print(f"charstream demo: {summary.complete} of {len(demo.script)} turns have all seven stamps")
+        return 1
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging("info" if args.verbose else "error")  # the progress display shows underruns
+    try:
+        return asyncio.run(run_demo(args))
+    except (ValueError, OSError) as e:
+        print(f"charstream demo: {e}")
+        return 2

@@ -1,0 +1,142 @@
+"""One live character session: the stage graph of DESIGN.md run by ``pipeline.runner``.
+
+    ingest ─► conditioning ─► diffusion ─► decode ─► playout ─► (PlayoutOutput) ─► egress (WebRTC)
+
+Ingest, conditioning and playout live in the caller's process (group ``main``: asyncio, next to
+egress); diffusion and decode get process groups of their own, which ``placement = "processes"``
+spawns and ``"inproc"`` (the CPU demo, tests) keeps in one process. Egress is not a graph node: it
+serves the session's ``PlayoutOutput`` (``stages.playout.session_output``) to a peer connection,
+and ``session_factory`` is what the egress server calls for each new peer.
+
+The user's microphone (a browser's, through egress) is fed to ingest's VAD, except with the scripted
+agent, which plays the user itself. Each session owns a ``TurnTracer``: playout merges the first speaking frame's trace into it, egress
+the client's report; it writes the turn to the trace JSONL and exports OpenTelemetry spans.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from pipeline.config import PipelineConfig
+from pipeline.runner import Edge, Graph, Node, Session, SessionResult
+from pipeline.tracing import TurnRecord, TurnTracer
+from stages.egress.mic import UserAudioClosed, UserAudioQueue
+from stages.egress.server import SessionFactory, SessionMedia
+from stages.ingest.stage import IngestStage
+from stages.playout import PlayoutOutput, session_output
+
+_INGESTS: dict[str, IngestStage] = {}  # session id -> its ingest stage in this process (for the microphone)
+
+
+def ingest_node(session_id: str, **kwargs: Any) -> IngestStage:
+    """The runner's factory for ingest: the stage, registered so the session can feed it the mic."""
+    stage = _INGESTS[session_id] = IngestStage(**kwargs)
+    return stage
+
+
+def build_graph(config: PipelineConfig, session_id: str, tracer: TurnTracer | None = None,
+                weights: str | None = "packaged") -> Graph:
+    """The session's stages and edges. ``weights``: a weights file, ``"packaged"`` (the trained
+    weights shipped for the preset, when present) or None (seeded random weights)."""
+    model = {"preset": config.preset, "weights": weights}
+    return Graph(
+        nodes=[
+            Node("ingest", "pipeline.session:ingest_node", {"session_id": session_id, "config": config.ingest}),
+            Node("conditioning", "stages.conditioning:build",
+                 dict(model, seed=config.diffusion.seed, **dataclasses.asdict(config.conditioning))),
+            Node("diffusion", "stages.diffusion:DiffusionStage", dict(model), group="diffusion"),
+            Node("decode", "stages.decode:DecodeStage", dict(model), group="decoder"),
+            # Same process as egress: the tracer object is handed over, not pickled.
+            Node("playout", "stages.playout:PlayoutStage", {"tracer": tracer}),
+        ],
+        edges=[
+            Edge("ingest", "conditioning"),
+            # One step in hand at each model stage: enough to overlap, little to throw away on rollback.
+            Edge("conditioning", "diffusion", capacity=1),
+            Edge("diffusion", "decode", capacity=1),
+            Edge("decode", "playout", capacity=2),
+        ],
+    )
+
+
+class LiveSession:
+    """A running session: its runner ``Session``, tracer and playout output."""
+
+    def __init__(self, config: PipelineConfig, session_id: str, weights: str | None = "packaged",
+                 on_turn: Callable[[TurnRecord], None] | None = None) -> None:
+        self.config = config
+        self.session_id = session_id
+        self.tracer = TurnTracer(session_id, config.tracing, on_turn=on_turn)
+        self.output: PlayoutOutput = session_output(session_id, config.playout.history_frames)
+        self.runner = Session(build_graph(config, session_id, self.tracer, weights), config, session_id,
+                              handle_signals=False)
+        self.user_audio = UserAudioQueue(config.egress.user_audio_queue_frames)
+        self.result: SessionResult | None = None
+        self.done = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"session-{self.session_id}")
+
+    async def _run(self) -> None:
+        mic = None
+        if self.config.ingest.adapter != "scripted":  # the scripted agent is its own user
+            mic = asyncio.create_task(self._pump_microphone(), name=f"mic-{self.session_id}")
+        try:
+            self.result = await self.runner.run()
+        finally:
+            if mic is not None:
+                mic.cancel()
+            _INGESTS.pop(self.session_id, None)
+            self.tracer.close()
+            self.output.close()
+            self.done.set()
+
+    async def _pump_microphone(self) -> None:
+        await self.runner.started.wait()
+        ingest = _INGESTS[self.session_id]
+        try:
+            while True:
+                frame = await self.user_audio.get()
+                await ingest.feed_user_audio(frame.samples, frame.received_at)
+        except UserAudioClosed:
+            pass
+
+    async def stop(self, reason: str = "requested") -> SessionResult | None:
+        """End the session and wait for it (idempotent)."""
+        if self._task is None:
+            return None
+        self.runner.stop(reason)
+        await self.done.wait()
+        return self.result
+
+    def media(self) -> SessionMedia:
+        """What the egress server needs for this session's peer connection."""
+        return SessionMedia(self.output, self.user_audio, on_turn=self.tracer.merge, close=self.stop)
+
+
+def session_factory(config: PipelineConfig, weights: str | None = "packaged",
+                    on_session: Callable[[LiveSession], Any] | None = None) -> SessionFactory:
+    """An egress ``SessionFactory``: each new peer gets its own ``LiveSession`` (own trace file name
+    when several sessions share a config: ``<stem>-<session>.jsonl`` after the first)."""
+    started = 0
+
+    async def factory(session_id: str) -> SessionMedia:
+        nonlocal started
+        session_config = copy.deepcopy(config)
+        path = session_config.tracing.jsonl_path
+        if path and started:
+            stem, _, ext = path.rpartition(".")
+            session_config.tracing.jsonl_path = f"{stem}-{session_id}.{ext}" if stem else f"{path}-{session_id}"
+        started += 1
+        session = LiveSession(session_config, session_id, weights)
+        session.start()
+        if on_session is not None:
+            on_session(session)
+        return session.media()
+
+    return factory
