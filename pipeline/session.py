@@ -24,28 +24,20 @@ from typing import Any
 from pipeline.config import PipelineConfig
 from pipeline.runner import Edge, Graph, Node, Session, SessionResult
 from pipeline.tracing import TurnRecord, TurnTracer
-from stages.egress.mic import UserAudioClosed, UserAudioQueue
+from stages.egress.mic import UserAudioQueue
 from stages.egress.server import SessionFactory, SessionMedia
-from stages.ingest.stage import IngestStage
 from stages.playout import PlayoutOutput, session_output
 
-_INGESTS: dict[str, IngestStage] = {}  # session id -> its ingest stage in this process (for the microphone)
 
-
-def ingest_node(session_id: str, **kwargs: Any) -> IngestStage:
-    """The runner's factory for ingest: the stage, registered so the session can feed it the mic."""
-    stage = _INGESTS[session_id] = IngestStage(**kwargs)
-    return stage
-
-
-def build_graph(config: PipelineConfig, session_id: str, tracer: TurnTracer | None = None,
+def build_graph(config: PipelineConfig, tracer: TurnTracer | None = None, user_audio: UserAudioQueue | None = None,
                 weights: str | None = "packaged") -> Graph:
     """The session's stages and edges. ``weights``: a weights file, ``"packaged"`` (the trained
-    weights shipped for the preset, when present) or None (seeded random weights)."""
+    weights shipped for the preset, when present) or None (seeded random weights). ``tracer`` and
+    ``user_audio`` are live objects handed to nodes of the caller's process (group ``main``)."""
     model = {"preset": config.preset, "weights": weights}
     return Graph(
         nodes=[
-            Node("ingest", "pipeline.session:ingest_node", {"session_id": session_id, "config": config.ingest}),
+            Node("ingest", "stages.ingest.stage:IngestStage", {"config": config.ingest, "user_audio": user_audio}),
             Node("conditioning", "stages.conditioning:build",
                  dict(model, seed=config.diffusion.seed, **dataclasses.asdict(config.conditioning))),
             Node("diffusion", "stages.diffusion:DiffusionStage", dict(model), group="diffusion"),
@@ -72,9 +64,10 @@ class LiveSession:
         self.session_id = session_id
         self.tracer = TurnTracer(session_id, config.tracing, on_turn=on_turn)
         self.output: PlayoutOutput = session_output(session_id, config.playout.history_frames)
-        self.runner = Session(build_graph(config, session_id, self.tracer, weights), config, session_id,
-                              handle_signals=False)
         self.user_audio = UserAudioQueue(config.egress.user_audio_queue_frames)
+        mic = None if config.ingest.adapter == "scripted" else self.user_audio  # the scripted agent is its own user
+        self.runner = Session(build_graph(config, self.tracer, mic, weights), config, session_id,
+                              handle_signals=False)
         self.result: SessionResult | None = None
         self.done = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -83,28 +76,12 @@ class LiveSession:
         self._task = asyncio.create_task(self._run(), name=f"session-{self.session_id}")
 
     async def _run(self) -> None:
-        mic = None
-        if self.config.ingest.adapter != "scripted":  # the scripted agent is its own user
-            mic = asyncio.create_task(self._pump_microphone(), name=f"mic-{self.session_id}")
         try:
             self.result = await self.runner.run()
         finally:
-            if mic is not None:
-                mic.cancel()
-            _INGESTS.pop(self.session_id, None)
             self.tracer.close()
             self.output.close()
             self.done.set()
-
-    async def _pump_microphone(self) -> None:
-        await self.runner.started.wait()
-        ingest = _INGESTS[self.session_id]
-        try:
-            while True:
-                frame = await self.user_audio.get()
-                await ingest.feed_user_audio(frame.samples, frame.received_at)
-        except UserAudioClosed:
-            pass
 
     async def stop(self, reason: str = "requested") -> SessionResult | None:
         """End the session and wait for it (idempotent)."""
