@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.fp8 import dequantise, is_fp8
+from kernels.fp8 import FP8_MAX, dequantise, is_fp8
 
 
 def ring_attention_reference(
@@ -55,19 +55,30 @@ def _check_layout(k_cache: torch.Tensor, ring_valid: torch.Tensor, sink_slots: i
 def _ring_attention_kernel(
     q, stride_qt, stride_qh, k, v, stride_kh, stride_ks, k_scale, v_scale, ring_valid,
     out, stride_ot, stride_oh, n_tokens, n_slots, sink_slots, tokens_per_frame, softmax_scale_log2,
-    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr, QK_FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
-    # Flash attention over the cache in slot order, one (query block, head) per program. FP8 K/V
-    # are widened in registers; the per-head K scale folds into the softmax scale and the V scale
-    # into the final normalisation, so dequantised K/V never exist in memory.
+    # Flash attention over the cache in slot order, one (query block, head) per program.
+    # FP8 K/V: the per-head K scale folds into the softmax scale and the V scale into the final
+    # normalisation, so dequantised K/V never exist in memory. The products run in fp16, to which
+    # e4m3 widens exactly in one instruction per pair (widening to bf16 costs several and made the
+    # first version ALU-bound: docs/gpu-notes.md); QK_FP8 instead quantises each query row to e4m3
+    # and multiplies FP8 x FP8, K untouched.
     head = tl.program_id(1)
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     d = tl.arange(0, D)
     mmask = m < n_tokens
     qb = tl.load(q + m[:, None] * stride_qt + head * stride_qh + d[None, :], mask=mmask[:, None], other=0.0)
-    scale = softmax_scale_log2
+    row_scale = tl.full((BLOCK_M,), softmax_scale_log2, tl.float32)
     if QUANT:
-        scale = scale * tl.load(k_scale + head)
+        row_scale = row_scale * tl.load(k_scale + head)
+        if QK_FP8:
+            qf = qb.to(tl.float32)
+            q_scale = tl.maximum(tl.max(tl.abs(qf), 1), 1e-12) / FP8_MAX
+            row_scale = row_scale * q_scale
+            qb = (qf / q_scale[:, None]).to(k.dtype.element_ty)
+        else:
+            qb = qb.to(tl.float16)
     # A finite start: a block with no valid slot leaves the running max finite, so no inf - inf.
     m_i = tl.full((BLOCK_M,), -1.0e30, tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -80,14 +91,17 @@ def _ring_attention_kernel(
         valid = (n < sink_slots) | (frame_ok != 0)
         offs = head * stride_kh + n[:, None] * stride_ks + d[None, :]
         kb = tl.load(k + offs, mask=in_range[:, None], other=0.0).to(qb.dtype)
-        vb = tl.load(v + offs, mask=in_range[:, None], other=0.0).to(qb.dtype)
-        s = tl.dot(qb, tl.trans(kb)) * scale
+        s = tl.dot(qb, tl.trans(kb)) * row_scale[:, None]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(qb.dtype), vb)
+        if QUANT:
+            vb = tl.load(v + offs, mask=in_range[:, None], other=0.0).to(tl.float16)
+        else:
+            vb = tl.load(v + offs, mask=in_range[:, None], other=0.0).to(qb.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
         m_i = m_new
     if QUANT:
         acc = acc * tl.load(v_scale + head)
@@ -106,10 +120,11 @@ def ring_attention_triton(
     sink_slots: int,
     tokens_per_frame: int,
     block_m: int = 64,
-    block_n: int = 64,
+    block_n: int = 128,
     num_warps: int = 4,
     num_stages: int = 2,
     out: torch.Tensor | None = None,
+    qk_fp8: bool = False,
 ) -> torch.Tensor:
     """The ring attention in one launch; the block shape defaults are the H200 sweep's best (docs/gpu-notes.md).
 
@@ -127,7 +142,7 @@ def ring_attention_triton(
         q, q.stride(0), q.stride(1), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
         k_scale, v_scale, ring_valid.view(torch.uint8), out, out.stride(0), out.stride(1),
         n_tokens, k_cache.shape[1], sink_slots, tokens_per_frame, math.log2(math.e) / math.sqrt(head_dim),
-        D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, QUANT=is_fp8(k_cache),
+        D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, QUANT=is_fp8(k_cache), QK_FP8=qk_fp8, FP8_MAX=FP8_MAX,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

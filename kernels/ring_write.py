@@ -69,7 +69,7 @@ def _rms_norm(x, weight_ptr, D: tl.constexpr, EPS: tl.constexpr):
 
 @triton.jit
 def _ring_write_kernel(
-    k_new, v_new, stride_nt, stride_nh,
+    k_new, v_new, stride_nt, stride_nh, stride_vt, stride_vh,
     k_cache, v_cache, stride_ch, stride_cs,
     k_scale, v_scale, slot, pos, stride_pt,
     ft, fh, fw, n_tokens,
@@ -96,7 +96,8 @@ def _ring_write_kernel(
 
     src = t[:, None] * stride_nt + head * stride_nh + ch[None, :]
     k = tl.load(k_new + src, mask=tmask[:, None], other=0.0).to(tl.float32)
-    v = tl.load(v_new + src, mask=tmask[:, None], other=0.0).to(tl.float32)
+    v_src = t[:, None] * stride_vt + head * stride_vh + ch[None, :]
+    v = tl.load(v_new + v_src, mask=tmask[:, None], other=0.0).to(tl.float32)
     if PREP:
         k = _rms_norm(k, k_norm, D, EPS)
         qv = _rms_norm(tl.load(q + src, mask=tmask[:, None], other=0.0).to(tl.float32), q_norm, D, EPS)
@@ -130,13 +131,13 @@ def _launch(k_cache, v_cache, k_scale, v_scale, k_new, v_new, slot_start, positi
     n_tokens, n_heads, head_dim = k_new.shape
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError("k_cache and v_cache must share strides with a contiguous head_dim")
-    if k_new.stride() != v_new.stride() or k_new.stride(-1) != 1 or positions.stride(-1) != 1:
-        raise ValueError("k_new/v_new must share strides with a contiguous head_dim; positions (T, 3) row-major")
+    if k_new.stride(-1) != 1 or v_new.stride(-1) != 1 or positions.stride(-1) != 1:
+        raise ValueError("k_new/v_new need a contiguous head_dim; positions (T, 3) row-major")
     q, cq, q_norm, k_norm, cq_norm, saturated = prep if prep is not None else (k_new,) * 6
     if prep is not None and (q.stride() != k_new.stride() or cq.stride() != k_new.stride()):
         raise ValueError("q and cq must share k_new's strides (columns of one fused projection)")
     _ring_write_kernel[(triton.cdiv(n_tokens, block_t), n_heads)](
-        k_new, v_new, k_new.stride(0), k_new.stride(1),
+        k_new, v_new, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
         k_scale, v_scale, slot_start, positions, positions.stride(0),
         freqs.t, freqs.h, freqs.w, n_tokens,

@@ -35,11 +35,23 @@ from model.fp8_linear import Fp8Linear
 from model.rope import frame_positions
 from model.sampler import seeded_noise
 
+# The ring attention's launch options on an H200 (block shapes, pipelining, FP8 or fp16 products):
+# the fastest correct entry of the bench's sweep (docs/gpu-notes.md); kernels/ring_attention.py's
+# defaults are the same shapes.
+ATTENTION_OPTIONS = {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 2, "qk_fp8": False}
+
 
 class ShardStep:
-    def __init__(self, model: DiT, cache: KVCache, tp_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        model: DiT,
+        cache: KVCache,
+        tp_group: dist.ProcessGroup | None = None,
+        attention_options: dict | None = None,
+    ) -> None:
         cfg = model.cfg
         self.model, self.cache, self.cfg, self.tp_group = model, cache, cfg, tp_group
+        self.attention_options = dict(ATTENTION_OPTIONS if attention_options is None else attention_options)
         dev = cache.k.device
         block = model.blocks[0]
         self.n_heads, self.head_dim = block.n_heads, block.head_dim
@@ -86,7 +98,7 @@ class ShardStep:
         )
         ring_attention_triton(
             q, cache.k[layer], cache.v[layer], cache.k_scale[layer], cache.v_scale[layer],
-            cache.ring_valid, cache.sink_slots, cache.tokens_per_frame, out=v,
+            cache.ring_valid, cache.sink_slots, cache.tokens_per_frame, out=v, **self.attention_options,
         )
         ck, cv = self.cross_kv[layer]
         ring_attention_triton(cq, ck, cv, self.ones, self.ones, self.no_ring, ck.shape[1], 1, block_n=16, out=cq)

@@ -66,6 +66,23 @@ def _bench(fn: Callable[[], object]) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
+def _graph_ms(fns: list[Callable[[], object]], reps: int = 10) -> float:
+    """Per-call GPU time of ``fns`` run back to back inside one CUDA graph (as in the step): no
+    Python launch cost in the figure, activations as warm in L2 as the step leaves them."""
+    main = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        for fn in fns:
+            fn()
+    main.wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    return _median_ms(graph.replay, reps) / len(fns)
+
+
 def _cycle(fns: list[Callable[[], object]]) -> Callable[[], object]:
     """One call runs the next of ``fns``: rotates over per-layer inputs so the L2 cache holds none."""
     state = {"i": 0}
@@ -170,28 +187,30 @@ def kernel_breakdown(cfg: ModelConfig, tp: int, model, cache, step) -> dict[str,
     ck = torch.randn(heads, cfg.n_audio_tokens, d, device="cuda", dtype=torch.bfloat16)
     ones = torch.ones(heads, device="cuda")
     no_ring = torch.zeros(0, dtype=torch.bool, device="cuda")
+    every = [i for _ in cfg.noise_levels for i in layers]  # the step's 240 block-passes, layer by layer
     per_pass = {
-        "adaln_quant": _bench(_cycle([lambda i=i: adaln_quant_triton(x, mods[i, 0], mods[i, 1], res, mods[i, 2], hq) for i in layers])),
-        "gemm_in": _bench(_cycle([lambda i=i: step.w_in[i].forward_quantized(*hq) for i in layers])),
-        "ring_write_prep": _bench(_cycle([lambda i=i: ring_write_prep_triton(
+        "adaln_quant": _graph_ms([lambda i=i: adaln_quant_triton(x, mods[i, 0], mods[i, 1], res, mods[i, 2], hq) for i in every]),
+        "gemm_in": _graph_ms([lambda i=i: step.w_in[i].forward_quantized(*hq) for i in every]),
+        "ring_write_prep": _graph_ms([lambda i=i: ring_write_prep_triton(
             q, k, v, cq, cache.k[i], cache.v[i], cache.k_scale[i], cache.v_scale[i], slot, pos, cache.freqs,
-            step.norms[i], cache.saturated) for i in layers])),
-        "attention": _bench(_cycle([lambda i=i: ring_attention_triton(q, *attn_args(i), out=out) for i in layers])),
-        "cross_attention": _bench(lambda: ring_attention_triton(cq, ck, ck, ones, ones, no_ring, cfg.n_audio_tokens, 1,
-                                                                block_n=16, out=out)),
-        "quantize_rows_gelu": _bench(lambda: quantize_rows_triton(fused[:, 2 * hd :], 2 * hd, oq)),
-        "gemm_out": _bench(_cycle([lambda i=i: step.w_out[i].forward_quantized(*oq) for i in layers])),
+            step.norms[i], cache.saturated) for i in every]),
+        "attention": _graph_ms([lambda i=i: ring_attention_triton(q, *attn_args(i), out=out, **step.attention_options)
+                                for i in every]),
+        "cross_attention": _graph_ms([lambda: ring_attention_triton(cq, ck, ck, ones, ones, no_ring, cfg.n_audio_tokens, 1,
+                                                                    block_n=16, out=out) for _ in every]),
+        "quantize_rows_gelu": _graph_ms([lambda: quantize_rows_triton(fused[:, 2 * hd :], 2 * hd, oq) for _ in every]),
+        "gemm_out": _graph_ms([lambda i=i: step.w_out[i].forward_quantized(*oq) for i in every]),
     }
-    ring_write_ms = _bench(_cycle([lambda i=i: ring_write_triton(
-        cache.k[i], cache.v[i], cache.k_scale[i], cache.v_scale[i], k, v, slot, pos, cache.freqs) for i in layers]))
+    ring_write_ms = _graph_ms([lambda i=i: ring_write_triton(
+        cache.k[i], cache.v[i], cache.k_scale[i], cache.v_scale[i], k, v, slot, pos, cache.freqs) for i in every])
     # cache upkeep: the contract's ring write each block-pass + the host/device bookkeeping of a frame
     t0 = time.perf_counter()
     for _ in range(20):
         cache.begin_frame()  # the same frame again: no end_frame, so no position reset either
     torch.cuda.synchronize()
     begin_frame_ms = (time.perf_counter() - t0) / 20 * 1e3
-    rotate_ms = _bench(lambda: delta_rotate_triton(cache.k, cache.k_scale, torch.tensor(-1, device="cuda"), cache.freqs.t,
-                                                   cache.sink_slots))
+    rotate_ms = _median_ms(lambda: delta_rotate_triton(cache.k, cache.k_scale, torch.tensor(-1, device="cuda"), cache.freqs.t,
+                                                   cache.sink_slots), 10)
     k_bytes = cache.k.numel()
     return {
         "per_block_pass_ms": per_pass,
@@ -206,45 +225,81 @@ def kernel_breakdown(cfg: ModelConfig, tp: int, model, cache, step) -> dict[str,
 
 def attention_sweep(cfg: ModelConfig, tp: int, cache) -> dict[str, float]:
     """The ring attention's block shapes against PyTorch's SDPA (bf16 K/V; and dequantise + SDPA)."""
-    from kernels.ring_attention import ring_attention_triton
+    from kernels.ring_attention import ring_attention_reference, ring_attention_triton
 
     heads, t, d = cfg.n_heads // tp, cfg.tokens_per_step, cfg.head_dim
     q = torch.randn(t, heads, d, device="cuda", dtype=torch.bfloat16)
     layers = range(cfg.n_blocks)
     args = lambda i: (cache.k[i], cache.v[i], cache.k_scale[i], cache.v_scale[i], cache.ring_valid,  # noqa: E731
                       cache.sink_slots, cache.tokens_per_frame)
-    result = {}
-    for bm, bn, warps, stages in [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2),
-                                  (64, 128, 4, 2), (128, 32, 4, 3), (64, 32, 4, 3)]:
-        try:
-            result[f"triton_m{bm}_n{bn}_w{warps}_s{stages}"] = _bench(_cycle([
-                lambda i=i, bm=bm, bn=bn, w=warps, st=stages: ring_attention_triton(
-                    q, *args(i), block_m=bm, block_n=bn, num_warps=w, num_stages=st) for i in layers]))
-        except Exception as exc:  # a shape the compiler rejects (e.g. shared memory) is a result too
-            result[f"triton_m{bm}_n{bn}_w{warps}_s{stages}"] = f"failed: {type(exc).__name__}"
+    result: dict[str, object] = {}
+    configs = [(64, 64, 4, 3), (64, 128, 4, 2), (64, 128, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3)]
+    for qk_fp8 in (False, True):
+        for bm, bn, warps, stages in configs:
+            name = f"triton_{'qkfp8' if qk_fp8 else 'f16'}_m{bm}_n{bn}_w{warps}_s{stages}"
+            try:
+                result[name] = _graph_ms([lambda i=i, bm=bm, bn=bn, w=warps, st=stages, f=qk_fp8: ring_attention_triton(
+                    q, *args(i), block_m=bm, block_n=bn, num_warps=w, num_stages=st, qk_fp8=f) for i in layers])
+            except Exception as exc:  # a shape the compiler rejects (e.g. shared memory) is a result too
+                result[name] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
     attended = (cfg.sink_frames + cfg.window_frames) * t
-    kv = [torch.randn(heads, attended, d, device="cuda", dtype=torch.bfloat16) for _ in range(8)]
-    qh = q.transpose(0, 1)
-    result["sdpa_bf16_kv"] = _bench(_cycle([lambda i=i: F.scaled_dot_product_attention(qh, kv[i], kv[(i + 1) % 8])
-                                            for i in range(8)]))
+    kv = [torch.randn(1, heads, attended, d, device="cuda", dtype=torch.bfloat16) for _ in range(8)]
+    qh = q.transpose(0, 1)[None]
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        try:
+            with sdpa_kernel(backend):
+                result[f"sdpa_bf16_kv_{backend.name.lower()}"] = _graph_ms(
+                    [lambda i=i: F.scaled_dot_product_attention(qh, kv[i], kv[(i + 1) % 8]) for i in range(8)])
+        except Exception as exc:
+            result[f"sdpa_bf16_kv_{backend.name.lower()}"] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+
     def dequant_sdpa(i):
         kd = cache.k[i, :, :attended].to(torch.bfloat16) * cache.k_scale[i, :, None, None].to(torch.bfloat16)
         vd = cache.v[i, :, :attended].to(torch.bfloat16) * cache.v_scale[i, :, None, None].to(torch.bfloat16)
-        return F.scaled_dot_product_attention(qh, kd, vd)
-    result["dequantise_then_sdpa"] = _bench(_cycle([lambda i=i: dequant_sdpa(i) for i in layers]))
+        return F.scaled_dot_product_attention(qh, kd[None], vd[None])
+
+    result["dequantise_then_sdpa"] = _graph_ms([lambda i=i: dequant_sdpa(i) for i in layers])
+    # accuracy of each path against fp32 math over the same stored values (one layer)
+    ref = ring_attention_reference(q, *args(0)).float()
+    for f in (False, True):
+        got = ring_attention_triton(q, *args(0), qk_fp8=f).float()
+        result[f"rel_error_{'qkfp8' if f else 'f16'}"] = ((got - ref).norm() / ref.norm()).item()
     return result
 
 
-def bench_step(cfg: ModelConfig, tp: int, reps: int) -> dict[str, object]:
-    from model.graphed_step import ShardStep
+def _best(sweep: dict[str, object], prefix: str) -> dict[str, object] | None:
+    """Launch options of the fastest timed sweep entry named ``prefix``_m.._n.._w.._s.."""
+    timed = [(v, n) for n, v in sweep.items() if n.startswith(prefix) and isinstance(v, float)]
+    if not timed:
+        return None
+    m, n, w, s = (int(part[1:]) for part in min(timed)[1].split("_")[-4:])
+    return {"block_m": m, "block_n": n, "num_warps": w, "num_stages": s, "qk_fp8": prefix.endswith("qkfp8")}
+
+
+def bench_step(cfg: ModelConfig, tp: int, reps: int, sweep: bool):
+    """Build the shard, sweep the ring attention's options, then time the step with the best fp16
+    and the best FP8-QK attention (graph replays), and once eagerly."""
+    from model.graphed_step import ATTENTION_OPTIONS, ShardStep
 
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     model, cache = build_shard(cfg, tp)
-    step = ShardStep(model, cache)
     cache.begin_frame()
-    step.set_inputs(torch.randn(cfg.n_audio_tokens, cfg.audio_dim), torch.randn(step.noise.shape), cfg.sink_frames + 7)
     build_s = time.perf_counter() - t0
+    attention = attention_sweep(cfg, tp, cache) if sweep else {}
+    options = _best(attention, "triton_f16") or ATTENTION_OPTIONS
+    step = ShardStep(model, cache, attention_options=options)
+    step.set_inputs(torch.randn(cfg.n_audio_tokens, cfg.audio_dim), torch.randn(step.noise.shape), cfg.sink_frames + 7)
+    extra = {}
+    fp8_options = _best(attention, "triton_qkfp8")
+    if fp8_options is not None:
+        step.attention_options = fp8_options
+        step.capture()
+        extra["step_graphed_qkfp8_ms"] = _median_ms(lambda: step.run(graphed=True), reps)
+        extra["attention_options_qkfp8"] = fp8_options
+        step.attention_options = options
     t0 = time.perf_counter()
     step.capture()
     capture_s = time.perf_counter() - t0
@@ -253,6 +308,8 @@ def bench_step(cfg: ModelConfig, tp: int, reps: int) -> dict[str, object]:
     eager_ms = _median_ms(lambda: step.run(graphed=False), max(3, reps // 4), warmup=1)
     flops = step_flops(cfg, tp)
     result = {
+        "attention_options": options,
+        **extra,
         "shard": shard_config(cfg, tp),
         "build_s": build_s,
         "capture_s": capture_s,
@@ -264,7 +321,7 @@ def bench_step(cfg: ModelConfig, tp: int, reps: int) -> dict[str, object]:
         "achieved_tflops": (flops["gemm"] + flops["attention"]) / graphed_ms / 1e9,
         "latent_finite": bool(torch.isfinite(step.latent).all()),
     }
-    return result, model, cache, step
+    return result, attention, model, cache, step
 
 
 def bench_decoder(cfg: ModelConfig, reps: int) -> tuple[dict[str, float], object]:
@@ -350,6 +407,8 @@ def _table(results: dict) -> str:
             rows.append((f"step TP={tp} shard, graphed (ms)", f"{step['step_graphed_ms']:.1f}",
                          f"<= {REFERENCE['target_step_ms'].get(int(tp), '-')}", str(REFERENCE["step_ms"].get(int(tp)) or "-")))
             rows.append((f"step TP={tp} shard, eager (ms)", f"{step['step_eager_ms']:.1f}", "", ""))
+            if "step_graphed_qkfp8_ms" in step:
+                rows.append((f"step TP={tp} shard, graphed, FP8 QK (ms)", f"{step['step_graphed_qkfp8_ms']:.1f}", "", ""))
             rows.append(("  achieved TFLOP/s (GEMM+attn)", f"{step['achieved_tflops']:.0f}", "", ""))
             rows.append(("  peak memory (GB)", f"{step['peak_memory_gb']:.1f}", "", ""))
         for name, ms in k.get("per_step_ms", {}).items():
@@ -360,10 +419,14 @@ def _table(results: dict) -> str:
                          str(REFERENCE["delta_rotation_ms"])))
         att = r.get("attention", {})
         if att:
-            best = min((v, n) for n, v in att.items() if isinstance(v, float) and n.startswith("triton"))
-            rows.append((f"attention TP={tp} best Triton {best[1]} (ms)", f"{best[0]:.4f}", "", ""))
-            rows.append((f"attention TP={tp} SDPA bf16 K/V (ms)", f"{att.get('sdpa_bf16_kv', float('nan')):.4f}", "", ""))
-            rows.append((f"attention TP={tp} dequantise+SDPA (ms)", f"{att.get('dequantise_then_sdpa', float('nan')):.4f}", "", ""))
+            for prefix in ("triton_f16", "triton_qkfp8"):
+                timed = [(v, n) for n, v in att.items() if isinstance(v, float) and n.startswith(prefix)]
+                if timed:
+                    best = min(timed)
+                    rows.append((f"attention TP={tp} {best[1]} (ms)", f"{best[0]:.4f}", "", ""))
+            for name, value in att.items():
+                if not name.startswith("triton") and isinstance(value, float):
+                    rows.append((f"attention TP={tp} {name}", f"{value:.4f}", "", ""))
     dec = results.get("decoder", {})
     if "graphed_bf16_ms" in dec:
         rows.append(("decoder 704x1088 chunk, graphed bf16 (ms)", f"{dec['graphed_bf16_ms']:.2f}", "<= 40", str(REFERENCE["decoder_ms"])))
@@ -405,13 +468,13 @@ def run(args: argparse.Namespace) -> int:
         torch.cuda.empty_cache()
         if "step" in args.skip:
             continue
-        built = _section(shard, "step", bench_step, cfg, tp, args.steps)
+        built = _section(shard, "step", bench_step, cfg, tp, args.steps, "kernels" not in args.skip)
         if built is None:
             continue
-        shard["step"], model, cache, step = built
+        shard["step"], shard["attention"], model, cache, step = built
+        built = None
         if "kernels" not in args.skip:
             shard["kernels"] = _section(shard, "kernels", kernel_breakdown, cfg, tp, model, cache, step) or shard.get("kernels")
-            shard["attention"] = _section(shard, "attention", attention_sweep, cfg, tp, cache) or shard.get("attention")
             per_step = shard["kernels"].get("per_step_ms") if isinstance(shard["kernels"], dict) else None
             if per_step:
                 shard["kernels"]["sum_of_kernels_ms"] = sum(per_step.values())

@@ -37,7 +37,8 @@ def _run_checks() -> dict[str, dict[str, float]]:
     for dtype in (torch.float32, torch.bfloat16):
         name = str(dtype).removeprefix("torch.")
         scale = torch.rand(H, generator=g) + 0.5  # unused in plain mode, passed as in FP8 mode
-        k_new, v_new = (torch.randn(T, H, D, generator=g).to(dtype) for _ in range(2))
+        k_new = torch.randn(T, H, D, generator=g).to(dtype)
+        v_new = torch.randn(T, H + 1, D, generator=g).to(dtype)[:, 1:]  # a strided view, as the model passes
         positions = torch.stack(
             [torch.full((T,), 7), torch.randint(0, 5, (T,), generator=g), torch.randint(0, 9, (T,), generator=g)], 1
         )
