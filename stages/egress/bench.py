@@ -66,9 +66,11 @@ async def _chromium_delivery(url: str, server: EgressServer, seconds: float, war
             await asyncio.sleep(seconds)
             deliveries = [d.seconds * 1e3 for d in peer.timing.chunk_deliveries]
             rtt = peer.timing.clock.rtt
+            receiver = await page.evaluate("window.charstreamStats()")
             version = context.browser.version if context.browser else ""
             await context.close()
-    return {**_percentiles(deliveries), "clock_rtt_ms": round(rtt * 1e3, 2), "browser": version}
+    return {**_percentiles(deliveries), "clock_rtt_ms": round(rtt * 1e3, 2), "browser": version,
+            "receiver": receiver}
 
 
 async def _aiortc_delivery(url: str, server: EgressServer, seconds: float, warmup: float) -> dict:
@@ -168,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         for client in ("chromium", "aiortc_client"):
             r = result[client]
             print(f"{client:<16}{r['n']:>8}{r['median_ms']:>11}{r['p10_ms']:>9}{r['p90_ms']:>9}")
+        for kind, stats in result["chromium"]["receiver"].items():
+            print(f"chromium {kind}: " + ", ".join(f"{k} {v:.1f}" for k, v in stats.items() if isinstance(v, float)))
     else:
         result = encode(args.frames, args.height, args.width)
         print(f"software encode per frame at {args.width}x{args.height} (aiortc encoders, this CPU)")

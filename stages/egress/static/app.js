@@ -126,6 +126,24 @@ function toggleMic() {
   $("mic").setAttribute("aria-pressed", String(micTrack.enabled));
 }
 
+// Receiver-side delays (ms per frame/sample) from WebRTC stats: where delivery time goes.
+window.charstreamStats = async () => {
+  if (!pc) return null;
+  const out = {};
+  (await pc.getStats()).forEach((r) => {
+    if (r.type !== "inbound-rtp") return;
+    const per = (total, count) => (count ? (1000 * total) / count : null);
+    out[r.kind] = {
+      jitterBufferMs: per(r.jitterBufferDelay, r.jitterBufferEmittedCount),
+      jitterBufferTargetMs: per(r.jitterBufferTargetDelay, r.jitterBufferEmittedCount),
+      processingMs: per(r.totalProcessingDelay, r.framesDecoded),
+      decodeMs: per(r.totalDecodeTime, r.framesDecoded),
+      framesDropped: r.framesDropped, packetsLost: r.packetsLost,
+    };
+  });
+  return out;
+};
+
 setInterval(() => {
   $("stats").textContent = `frames reported ${state.framesReported} · pings ${state.pings}`;
 }, 500);
