@@ -16,6 +16,7 @@ import torch
 
 from pipeline.quality.lipsync import speech_envelope
 from pipeline.training.render import Identity, Motion, idle_motion, make_identity, render
+from stages.ingest.resample import resample, to_int16
 from stages.ingest.tts import synthesize
 from transport.messages import SAMPLES_PER_FRAME, TIMELINE_RATE, VIDEO_FPS
 
@@ -53,13 +54,23 @@ travel journey holiday weekend party meeting lesson project number money price m
 
 
 @dataclass
-class Clip:
-    frames: torch.Tensor  # uint8 (T, 3, 128, 128)
+class ClipScript:
+    """Everything of a clip but its pixels: cheap to make on CPU workers, rendered where it trains."""
+
     audio: np.ndarray  # int16 (T * 2000,), 48 kHz timeline
     identity: int
     motion: Motion
     text: str
     voice: str
+
+    @property
+    def n_frames(self) -> int:
+        return len(self.motion)
+
+
+@dataclass
+class Clip(ClipScript):
+    frames: torch.Tensor = None  # uint8 (T, 3, 128, 128)
 
 
 def sentence(rng: np.random.Generator) -> str:
@@ -67,15 +78,6 @@ def sentence(rng: np.random.Generator) -> str:
     n = int(rng.integers(4, 13))
     text = " ".join(words[i] for i in rng.integers(0, len(words), n))
     return text[0].upper() + text[1:] + str(rng.choice([".", ".", "?", "!"]))
-
-
-def resample(samples: np.ndarray, rate_in: int, rate_out: int = TIMELINE_RATE) -> np.ndarray:
-    """Band-limited resampling by zero-padding the spectrum (exact for one finite clip)."""
-    x = samples.astype(np.float64)
-    n_out = int(round(len(x) * rate_out / rate_in))
-    spec = np.fft.rfft(x)
-    out = np.fft.irfft(spec, n_out) * (n_out / len(x)) if len(x) else np.zeros(n_out)
-    return np.clip(np.round(out), -32768, 32767).astype(np.int16)
 
 
 def speech_track(rng: np.random.Generator, n_frames: int) -> tuple[np.ndarray, list[tuple[float, str]], str, str]:
@@ -90,7 +92,7 @@ def speech_track(rng: np.random.Generator, n_frames: int) -> tuple[np.ndarray, l
     while pos < total:
         text = sentence(rng)
         speech = synthesize(text, voice, rate, pitch)
-        wav = resample(speech.samples, speech.sample_rate)
+        wav = to_int16(resample(speech.samples.astype(np.float32) / 32768.0, speech.sample_rate, TIMELINE_RATE))
         n = min(len(wav), total - pos)
         audio[pos: pos + n] = wav[:n]
         phonemes += [(pos / TIMELINE_RATE + t, p) for t, p in speech.phonemes if pos / TIMELINE_RATE + t < total]
@@ -115,17 +117,22 @@ def speaking_motion(audio: np.ndarray, phonemes: list[tuple[float, str]], n_fram
     return motion
 
 
-def make_clip(seed: int, n_frames: int, split: str = "train", device: str | torch.device = "cpu",
-              identity: int | None = None) -> Clip:
-    """One clip of ``n_frames`` frames (a multiple of 4 keeps chunks whole)."""
+def make_script(seed: int, n_frames: int, split: str = "train", identity: int | None = None) -> ClipScript:
+    """Speech and motion of one clip of ``n_frames`` frames (a multiple of 4 keeps chunks whole)."""
     if split not in SPLIT_STREAMS:
         raise ValueError(f"unknown split {split!r}; known: {', '.join(SPLIT_STREAMS)}")
     rng = np.random.default_rng([SPLIT_STREAMS[split], seed])
     ident = int(rng.integers(N_IDENTITIES)) if identity is None else identity
     audio, phonemes, text, voice = speech_track(rng, n_frames)
     motion = speaking_motion(audio, phonemes, n_frames, int(rng.integers(2**31)))
-    frames = render(make_identity(ident), motion, device)
-    return Clip(frames, audio, ident, motion, text, voice)
+    return ClipScript(audio, ident, motion, text, voice)
+
+
+def make_clip(seed: int, n_frames: int, split: str = "train", device: str | torch.device = "cpu",
+              identity: int | None = None) -> Clip:
+    script = make_script(seed, n_frames, split, identity)
+    frames = render(make_identity(script.identity), script.motion, device)
+    return Clip(script.audio, script.identity, script.motion, script.text, script.voice, frames)
 
 
 def reference_frame(identity: int, device: str | torch.device = "cpu") -> torch.Tensor:
@@ -133,3 +140,19 @@ def reference_frame(identity: int, device: str | torch.device = "cpu") -> torch.
     ident: Identity = make_identity(identity)
     z = np.zeros(1)
     return render(ident, Motion(z, z, np.ones(1), z, z), device)[0]
+
+
+def babble_motion(n_frames: int, seed: int) -> Motion:
+    """Idle motion with a random, speech-like mouth (no audio): the VAE's training video.
+
+    The mouth follows syllable-rate noise (about 4 Hz) gated by random pauses, so every opening
+    and rounding the speech-driven clips reach shows up without synthesising speech.
+    """
+    rng = np.random.default_rng([seed, 0xBA])
+    motion = idle_motion(n_frames, seed)
+    phase = np.cumsum(rng.uniform(0.1, 0.25, n_frames) * 2 * np.pi)
+    level = rng.uniform(0.3, 1.0) * (0.5 + 0.5 * np.sin(phase)) ** rng.uniform(0.5, 2.0)
+    talking = np.repeat(rng.random(n_frames // 12 + 1) < 0.75, 12)[:n_frames]
+    motion.mouth_open = np.clip(level * talking + rng.normal(0, 0.05, n_frames), 0, 1)
+    motion.mouth_round = np.convolve((rng.random(n_frames) < 0.2).astype(float), np.ones(3) / 3, mode="same")
+    return motion
