@@ -51,9 +51,11 @@ class ConditioningConfig:
 @dataclass
 class DiffusionConfig:
     tp: int = 1
-    device: str = "cpu"
+    device: str = "cpu"  # rank 0's device; ranks 1.. use ``devices`` (pipeline/placement.py fills both)
+    devices: list[str] = field(default_factory=list)  # one per TP rank; empty = ``device`` for every rank
     seed: int = 0
     fp8_cache: bool = False  # CPU default keeps the bf16 ring; GPUs use FP8 e4m3
+    fused_gemm_allreduce: bool = True  # overlapped GEMM + all-reduce at the steady shape (TP > 1 only)
 
 
 @dataclass

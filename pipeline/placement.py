@@ -1,0 +1,63 @@
+"""Where a session's processes run on one host: diffusion TP ranks and the decoder, by GPU.
+
+A layout is named ``<tp>+<decoders>``: ``3+1`` is the reference's most likely 4-GPU session (TP=3
+diffusion + a decoder GPU), ``3`` shares the last diffusion GPU with the decoder, ``6+1`` uses an
+8-GPU host (60 heads do not split 7 ways; the eighth GPU stays free for a second session's decoder).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from pipeline.config import PipelineConfig
+
+
+@dataclass(frozen=True)
+class Placement:
+    name: str
+    diffusion: tuple[str, ...]  # one device per TP rank
+    decoder: str
+
+    @property
+    def tp(self) -> int:
+        return len(self.diffusion)
+
+    @property
+    def gpus(self) -> int:
+        return len({d for d in (*self.diffusion, self.decoder) if d.startswith("cuda")})
+
+
+def _cuda(first: int, count: int) -> tuple[str, ...]:
+    return tuple(f"cuda:{i}" for i in range(first, first + count))
+
+
+PLACEMENTS: dict[str, Placement] = {
+    p.name: p
+    for p in (
+        Placement("cpu", ("cpu",), "cpu"),
+        Placement("1", _cuda(0, 1), "cuda:0"),
+        Placement("1+1", _cuda(0, 1), "cuda:1"),
+        Placement("2+1", _cuda(0, 2), "cuda:2"),
+        Placement("3", _cuda(0, 3), "cuda:2"),
+        Placement("3+1", _cuda(0, 3), "cuda:3"),
+        Placement("4+1", _cuda(0, 4), "cuda:4"),
+        Placement("6+1", _cuda(0, 6), "cuda:6"),
+    )
+}
+
+
+def apply_placement(config: PipelineConfig, name: str, gpus_available: int | None = None) -> PipelineConfig:
+    """A copy of ``config`` with the layout's devices; diffusion and decode in their own processes."""
+    try:
+        layout = PLACEMENTS[name]
+    except KeyError:
+        raise ValueError(f"unknown placement {name!r}; known: {', '.join(PLACEMENTS)}") from None
+    if gpus_available is not None and layout.gpus > gpus_available:
+        raise ValueError(f"placement {name!r} needs {layout.gpus} GPUs, this host has {gpus_available}")
+    config.model.validate(layout.tp)  # heads and ffn must split over the ranks
+    diffusion = dataclasses.replace(config.diffusion, tp=layout.tp, device=layout.diffusion[0],
+                                    devices=list(layout.diffusion), fp8_cache=layout.decoder != "cpu")
+    decode = dataclasses.replace(config.decode, device=layout.decoder)
+    placement = "inproc" if name == "cpu" else "processes"
+    return dataclasses.replace(config, diffusion=diffusion, decode=decode, placement=placement)
