@@ -96,6 +96,9 @@ def plan(args: argparse.Namespace) -> DemoPlan:
     config.ingest.script = script
     config.ingest.lead_in_s = 1.0  # the stream settles (first steps, WebRTC start) before the user speaks
     config.egress.port = args.port if args.serve else 0
+    # Client reports are matched to released frames by index: keep 10 s of them, so a client that
+    # lags on a busy machine still gets its turns stamped.
+    config.playout.history_frames = 10 * VIDEO_FPS
     return DemoPlan(config, script, weights, note, out)
 
 

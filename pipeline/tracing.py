@@ -160,6 +160,10 @@ class TurnTracer:
                 if point in TRACE_POINTS:
                     record.stamps.setdefault(point, at)  # the first stamp of a point wins (retries re-stamp)
             if record.complete:
+                # Earlier turns still pending never got all their stamps (their frames played first):
+                # write them now, so the file stays in turn order.
+                for earlier in sorted(t for t in self._turns if t < trace.turn_id):
+                    self._export(self._turns.pop(earlier))
                 self._export(self._turns.pop(trace.turn_id))
 
     def stamp(self, turn_id: int, point: str, at: float | None = None) -> None:

@@ -78,10 +78,13 @@ def test_incomplete_turns_are_flushed_marked_incomplete(tmp_path):
     tracer.merge(TraceContext(2, {"user_speech_end": 5.0}))
     tracer.flush(before_turn=2)
     assert [t["turn_id"] for t in read_jsonl(path)] == [1]
+    tracer.merge(TraceContext(4, {"user_speech_end": 9.0}))
+    tracer.merge(TraceContext(3, stamps_for(7.0)))  # complete: the pending turn 2 goes out before it
+    assert [t["turn_id"] for t in read_jsonl(path)] == [1, 2, 3]
     tracer.close()
     lines = read_jsonl(path)
-    assert [t["turn_id"] for t in lines] == [1, 2]
-    assert not lines[0]["complete"] and lines[0]["segments"] == {"agent": 1.0}
+    assert [(t["turn_id"], t["complete"]) for t in lines] == [(1, False), (2, False), (3, True), (4, False)]
+    assert lines[0]["segments"] == {"agent": 1.0}
 
 
 def test_bad_exporter_and_bad_trace_file_are_clear_errors(tmp_path):
