@@ -190,6 +190,9 @@ class ConditioningStage(Stage):
             if self.turn is not None and self.turn.turn_id == turn_id:
                 self.turn.ended = True
                 await self._maybe_turn_start(ctx)
+            elif turn_id in self._pending_stamps:  # announced, then ended without a sample: nothing to say
+                self._pending_stamps.pop(turn_id)
+                self._close(turn_id)
             elif turn_id not in self._closed:
                 self._error(ctx, turn_id, "agent turn end without a start: ignored")
         else:  # user speech start/end, agent turn start: their stamps ride on the turn's first chunk

@@ -214,6 +214,9 @@ async def test_bad_input_is_logged_with_the_turn_and_listening_continues():
                                              trace=TraceContext(4)), h.ctx)
             await h.stage.process(AgentAudio("sess", 2, np.zeros(960, np.int16), 0), h.ctx)
             await h.stage.process(TurnEvent("sess", 3, TurnKind.AGENT_TURN_END, 9, at=0.0), h.ctx)
+            # A turn announced and ended without any audio is no error, and starts nothing.
+            await h.stage.process(TurnEvent("sess", 4, TurnKind.AGENT_TURN_START, 10, at=0.0), h.ctx)
+            await h.stage.process(TurnEvent("sess", 5, TurnKind.AGENT_TURN_END, 10, at=0.0), h.ctx)
         errors = [e for e in logs if e["log_level"] == "error"]
         assert [e["turn_id"] for e in errors] == [4, 4, None, 9]
         assert "22050 Hz" in errors[0]["problem"] and "int16" in errors[1]["problem"]
