@@ -1,0 +1,89 @@
+"""``charstream model info``: parameters, per-rank memory and FLOPs of a preset under tensor parallelism.
+
+Counts come from the real module built on the meta device and sharded by model/tp.py (no memory
+is allocated, so ``characters-57b`` is as quick as ``tiny``); FLOPs are the GEMMs and attentions of
+one step (4 passes) with the window full.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from model.config import PRESETS, ModelConfig, get_preset
+from model.dit import DiT
+from model.tp import apply_tp
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def model_report(cfg: ModelConfig, tp: int) -> dict[str, int | float | str]:
+    cfg.validate(tp)
+    with torch.device("meta"):
+        model = DiT(cfg)
+    params_total = sum(p.numel() for p in model.parameters())
+    apply_tp(model, 0, tp)  # every rank holds the same amount
+    params_rank = sum(p.numel() for p in model.parameters())
+    block = model.blocks[0]
+    heads = block.n_heads
+    t, a = cfg.tokens_per_step, cfg.n_audio_tokens
+    attended = (cfg.sink_frames + cfg.window_frames) * t
+    passes = len(cfg.noise_levels)
+    # per pass and rank: the two fused GEMMs of every block, self-attention over the window, cross-attention
+    gemm = 2 * t * (block.w_in.weight.numel() + block.w_out.weight.numel())
+    attention = 4 * t * attended * cfg.head_dim * heads + 4 * t * a * cfg.head_dim * heads
+    replicated = 2 * cfg.video_tokens * cfg.latent_channels * cfg.patch**2 * cfg.dim * 2 + 2 * a * cfg.audio_dim * cfg.dim
+    per_step_once = cfg.n_blocks * 2 * a * block.w_cross_kv.weight.numel() + 2 * a * cfg.audio_dim * cfg.dim
+    flops_rank = passes * (cfg.n_blocks * (gemm + attention) + replicated) + per_step_once
+    kv_elements = 2 * cfg.n_blocks * heads * cfg.storage_slots * cfg.head_dim  # K and V
+    return {
+        "preset": cfg.name,
+        "tp": tp,
+        "params_total": params_total,
+        "params_per_rank": params_rank,
+        "param_bytes_per_rank_bf16": 2 * params_rank,
+        "param_bytes_per_rank_fp8": params_rank,  # FP8 weights (+ per-row scales, negligible)
+        "tokens_per_step": t,
+        "video_tokens": cfg.video_tokens,
+        "audio_tokens": a,
+        "heads_per_rank": heads,
+        "attended_slots": attended,
+        "storage_slots": cfg.storage_slots,
+        "kv_bytes_per_rank_bf16": 2 * kv_elements,
+        "kv_bytes_per_rank_fp8": kv_elements + 2 * 4 * cfg.n_blocks * heads,  # + fp32 per-head scales
+        "k_bytes_per_rank_fp8": kv_elements // 2,  # what one delta rotation touches at most
+        "flops_per_step_per_rank": flops_rank,
+        "flops_per_step_total": tp * flops_rank,
+        "passes_per_step": passes,
+        "all_reduces_per_step": passes * cfg.n_blocks if tp > 1 else 0,
+        "all_reduce_bytes_bf16": 2 * t * cfg.dim,
+    }
+
+
+def _human(n: float, unit: str = "") -> str:
+    for div, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= div:
+            return f"{n / div:.2f} {suffix}{unit}"
+    return f"{n:g} {unit}".strip()
+
+
+def run(args: argparse.Namespace) -> int:
+    report = model_report(get_preset(args.preset), args.tp)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    for key, value in report.items():
+        if isinstance(value, int) and ("bytes" in key):
+            shown = _human(value, "B")
+        elif isinstance(value, int) and ("params" in key or "flops" in key):
+            shown = _human(value, "FLOP" if "flops" in key else "")
+        else:
+            shown = str(value)
+        print(f"{key:28s} {shown}")
+    return 0

@@ -1,0 +1,43 @@
+"""`charstream model info` on the meta device, and weights that round-trip through safetensors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from model.config import TINY
+from model.dit import DiT
+from model.weights import build_model, save_weights
+from pipeline.cli import main
+
+
+@pytest.mark.parametrize("tp", [3, 4])
+def test_characters_57b_info(tp, capsys):
+    assert main(["model", "info", "--preset", "characters-57b", "--tp", str(tp), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert 45e9 <= info["params_total"] <= 65e9
+    # blocks are split; embeddings, adaLN and the head (~0.4 B) are replicated
+    assert info["params_total"] / tp < info["params_per_rank"] < info["params_total"] / tp + 0.4e9
+    assert info["tokens_per_step"] == 757 and info["heads_per_rank"] == 60 // tp
+    # FP8 K/V: one byte per value, the bf16 cache two (plus the fp32 per-head scales)
+    assert info["kv_bytes_per_rank_bf16"] == 2 * (info["kv_bytes_per_rank_fp8"] - 8 * 60 * (60 // tp))
+    assert info["all_reduces_per_step"] == 240
+    assert 2e14 < info["flops_per_step_total"] < 5e14  # ~ 2 x 757 tokens x 4 passes x 57 B + attention
+
+
+def test_info_rejects_an_indivisible_tp(capsys):
+    with pytest.raises(ValueError, match="not divisible by the tensor-parallel size 7"):
+        main(["model", "info", "--preset", "characters-57b", "--tp", "7"])
+
+
+def test_weights_round_trip(tmp_path):
+    cfg = TINY.with_(n_blocks=2)
+    model = DiT(cfg).init_random_(seed=9)
+    save_weights(model, tmp_path / "w.safetensors")
+    loaded = build_model(cfg, tmp_path / "w.safetensors")
+    for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="lacks|lack"):
+        build_model(TINY.with_(n_blocks=3), tmp_path / "w.safetensors")
