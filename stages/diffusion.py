@@ -1,0 +1,203 @@
+"""Diffusion: ``Conditioning`` -> ``Latents``, one autoregressive DiT step (4 passes) per chunk.
+
+Chunk ``n`` of the session is latent frame ``n - first_chunk`` of the generator's KV ring. Setup
+encodes the character's reference image with the VAE encoder and writes it as the sink frame.
+The noise of chunk ``n`` is seeded by ``(seed, n)``, so a chunk regenerated after a rollback with
+the same conditioning is the same chunk.
+
+Turn-start rollback (transport/messages.py): ``Control(ROLLBACK, chunk=c, epoch=e)`` rewinds the
+ring's write pointer so that the next frame generated is chunk ``c + 1``, and data of older epochs
+is dropped -- also a chunk whose step was already running when the rollback arrived. A chunk of a
+newer epoch than any ROLLBACK seen (the control was overtaken) rolls back implicitly to itself.
+Steps and rollbacks run one at a time in a worker thread (torch releases the GIL), so the event
+loop keeps serving heartbeats and control meanwhile; with ``diffusion.tp > 1`` the generator is
+rank 0 of a TP group (pipeline/tp_group.py) whose other ranks are processes of their own.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import numpy as np
+
+from model.config import get_preset
+from stages.base import Stage, StageContext
+from transport.messages import Conditioning, Control, ControlKind, Latents, Message
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class DiffusionStats:
+    generated: int = 0
+    stale: int = 0  # conditioning of an older epoch (or finished after a rollback), dropped
+    bad: int = 0  # messages that were not valid conditioning, dropped
+    rollbacks: int = 0
+    frames_rolled_back: int = 0
+    context_lost: int = 0  # window frames a rollback could not restore (ring margin exceeded)
+    last_step_s: float = 0.0
+
+
+def chunk_seed(seed: int, chunk: int) -> int:
+    """The noise seed of ``chunk``: the same chunk always draws the same noise."""
+    return (seed * 1_000_003 + chunk) % (2**63)
+
+
+def reference_latent(preset: str, weights: str | None, identity: int, device: str) -> torch.Tensor:
+    """The character's reference image (its rest frame) encoded by the preset's VAE encoder."""
+    import torch
+
+    from pipeline.training.checkpoint import load_vae
+    from pipeline.training.data import reference_frame
+    from pipeline.training.train import to_video
+
+    cfg = get_preset(preset)
+    if weights:
+        vae = load_vae(cfg, weights)
+    else:  # random weights: a seeded random VAE, so a session is still deterministic
+        from model.vae import VideoVAE
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(identity)
+            vae = VideoVAE(cfg).eval()
+    with torch.inference_mode():
+        image = to_video(reference_frame(identity))[None]  # (1, 3, H, W) in [-1, 1]
+        return vae.encode_image(image)[0].float().to(device)
+
+
+class DiffusionStage(Stage):
+    name = "diffusion"
+
+    def __init__(self, preset: str = "tiny", weights: str | None = "packaged", device: str | None = None,
+                 dtype: str | None = None, seed: int | None = None, identity: int = 0,
+                 fp8_cache: bool | None = None, tp: int | None = None, threads: int | None = None) -> None:
+        self.cfg = get_preset(preset)
+        self.preset, self.weights, self.identity = preset, weights, identity
+        self.device_name, self.dtype_name, self.seed_arg = device, dtype, seed
+        self.fp8_arg, self.tp_arg, self.threads = fp8_cache, tp, threads
+        self.epoch = 0
+        self.first_chunk: int | None = None
+        self.generator: Any = None  # model.generator.Generator or pipeline.tp_group.TPGenerator
+        self._limiter: anyio.CapacityLimiter | None = None
+        self.stats = DiffusionStats()
+
+    async def setup(self, ctx: StageContext) -> None:
+        section = getattr(ctx.config, "diffusion", None)
+        self.device = self.device_name or getattr(section, "device", None) or "cpu"
+        self.dtype = self.dtype_name or ("bfloat16" if self.device.startswith("cuda") else "float32")
+        self.seed = self.seed_arg if self.seed_arg is not None else getattr(section, "seed", 0)
+        self.tp = self.tp_arg or getattr(section, "tp", 1)
+        self.fp8 = self.fp8_arg if self.fp8_arg is not None else getattr(section, "fp8_cache", self.device.startswith("cuda"))
+        self.cfg.validate(self.tp)  # a bad TP size fails here, with the config's message
+        self._limiter = anyio.CapacityLimiter(1)
+        path = await anyio.to_thread.run_sync(self._load, limiter=self._limiter)
+        log = ctx.log.info if path else ctx.log.warning
+        log("diffusion_ready", preset=self.preset, device=self.device, dtype=self.dtype, tp=self.tp,
+            fp8_cache=self.fp8, weights=path or "random")
+
+    def _load(self) -> str | None:
+        import torch
+
+        from stages.decode import weights_path
+
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        path = weights_path(self.preset, self.weights)
+        dtype = getattr(torch, self.dtype)
+        if self.tp > 1:
+            from pipeline.tp_group import TPGenerator
+
+            devices = [self.device] * self.tp if self.device == "cpu" else [f"cuda:{i}" for i in range(self.tp)]
+            self.generator = TPGenerator(self.cfg, self.tp, devices, path, self.fp8, dtype, self.seed)
+        else:
+            from model.generator import Generator
+
+            self.generator = Generator(self.cfg, path, self.device, None, dtype, self.fp8, seed=self.seed)
+        self.reference = reference_latent(self.preset, path, self.identity, self.device)
+        self.generator.reset_session(self.reference)
+        return path
+
+    def _step(self, audio_tokens: np.ndarray, frame: int, seed: int, rewind: bool) -> np.ndarray:
+        import torch
+
+        if rewind:  # an implicit rollback: the chunk's epoch is ahead of any ROLLBACK seen
+            self._rewind_to(frame)
+        latent = self.generator.step(torch.from_numpy(np.array(audio_tokens, dtype=np.float32)), seed)
+        return latent.float().cpu().numpy()
+
+    def _rewind_to(self, frame: int) -> None:
+        """Make ``frame`` the next frame generated (a no-op if it is not behind the write pointer)."""
+        k = self.generator.next_frame - max(frame, 0)
+        if k > 0:
+            self.stats.frames_rolled_back += k
+            self.stats.context_lost += self.generator.rollback(k)
+
+    async def process(self, msg: Message, ctx: StageContext) -> None:
+        if not isinstance(msg, Conditioning):
+            self._bad(ctx, None, f"unexpected message {type(msg).__name__}")
+            return
+        expected = (self.cfg.n_audio_tokens, self.cfg.audio_dim)
+        tokens = msg.audio_tokens
+        if not isinstance(tokens, np.ndarray) or tuple(tokens.shape) != expected or not np.issubdtype(tokens.dtype, np.floating):
+            self._bad(ctx, msg.chunk, f"audio tokens {getattr(tokens, 'dtype', type(tokens))}"
+                      f"{tuple(getattr(tokens, 'shape', ()))}, expected float{expected}")
+            return
+        if not np.isfinite(tokens).all():
+            self._bad(ctx, msg.chunk, "audio tokens hold NaN or inf")
+            return
+        if msg.epoch < self.epoch:
+            self.stats.stale += 1
+            ctx.log.debug("diffusion_stale", chunk=msg.chunk, epoch=msg.epoch, current=self.epoch)
+            return
+        if self.first_chunk is None:
+            self.first_chunk = msg.chunk
+        frame = msg.chunk - self.first_chunk
+        rewind = msg.epoch > self.epoch
+        if frame < 0 or (frame < self.generator.next_frame and not rewind):
+            self._bad(ctx, msg.chunk, f"chunk already generated (next is {self.first_chunk + self.generator.next_frame})")
+            return
+        if rewind:
+            ctx.log.info("diffusion_epoch_ahead", chunk=msg.chunk, epoch=msg.epoch, previous=self.epoch)
+            self.epoch = msg.epoch
+            self.stats.rollbacks += 1
+        elif frame > self.generator.next_frame:  # chunks skipped upstream: the ring stays contiguous
+            ctx.log.warning("diffusion_chunk_gap", chunk=msg.chunk, expected=self.first_chunk + self.generator.next_frame)
+            self.first_chunk = msg.chunk - self.generator.next_frame
+            frame = self.generator.next_frame
+        started = time.perf_counter()
+        latent = await anyio.to_thread.run_sync(
+            self._step, tokens, frame, chunk_seed(self.seed, msg.chunk), rewind, limiter=self._limiter)
+        self.stats.last_step_s = time.perf_counter() - started
+        if msg.epoch < self.epoch:  # rolled back while this step ran: the next rollback rewinds past it
+            self.stats.stale += 1
+            return
+        self.stats.generated += 1
+        if msg.trace.turn_id is not None:
+            msg.trace.stamp("diffusion_done")
+        await ctx.emit(Latents(msg.session_id, msg.chunk, latent, msg.audio, msg.speaking, msg.epoch, msg.trace))
+
+    async def control(self, msg: Control, ctx: StageContext) -> None:
+        if msg.kind != ControlKind.ROLLBACK or msg.epoch <= self.epoch or msg.chunk is None:
+            return  # an older or already applied rollback changes nothing
+        self.epoch = msg.epoch
+        self.stats.rollbacks += 1
+        if self.first_chunk is None:
+            return  # nothing generated yet
+        # Under the limiter: a step still running finishes first, then the pointer moves back past it.
+        await anyio.to_thread.run_sync(self._rewind_to, msg.chunk + 1 - self.first_chunk, limiter=self._limiter)
+        ctx.log.info("diffusion_rollback", last_committed=msg.chunk, epoch=msg.epoch,
+                     next_frame=self.generator.next_frame, context_lost=self.stats.context_lost)
+
+    def _bad(self, ctx: StageContext, chunk: int | None, problem: str) -> None:
+        self.stats.bad += 1
+        ctx.log.error("diffusion_bad_input", chunk=chunk, problem=problem)
+
+    async def teardown(self) -> None:
+        close = getattr(self.generator, "close", None)
+        if close is not None:
+            await anyio.to_thread.run_sync(close)
+        self.generator = None

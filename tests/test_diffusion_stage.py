@@ -1,0 +1,83 @@
+"""The diffusion stage: conditioning -> latents, turn-start rollback, stale epochs, bad input."""
+
+from __future__ import annotations
+
+import anyio
+import numpy as np
+import structlog
+
+from model.config import TINY
+from stages.base import StageContext
+from stages.diffusion import DiffusionStage
+from transport.messages import SAMPLES_PER_CHUNK, Conditioning, Control, ControlKind, Latents
+
+
+def _context(out: list) -> StageContext:
+    async def emit(msg) -> None:
+        out.append(msg)
+
+    async def send_control(msg) -> None:
+        pass
+
+    return StageContext("diffusion", "s1", emit, send_control, structlog.get_logger())
+
+
+def _conditioning(chunk: int, epoch: int, speech: bool) -> Conditioning:
+    rng = np.random.default_rng([chunk, int(speech)])
+    tokens = rng.standard_normal((TINY.n_audio_tokens, TINY.audio_dim)).astype(np.float32) * (1.0 if speech else 0.1)
+    return Conditioning("s1", chunk, tokens, np.zeros(SAMPLES_PER_CHUNK, np.int16), speech, epoch)
+
+
+async def _session(idle_chunks: int, rollback_to: int | None) -> tuple[DiffusionStage, list[Latents]]:
+    stage, out = DiffusionStage("tiny", weights=None, seed=7, fp8_cache=False), []
+    ctx = _context(out)
+    await stage.setup(ctx)
+    for chunk in range(idle_chunks):
+        await stage.process(_conditioning(chunk, 0, False), ctx)
+    if rollback_to is not None:
+        await stage.control(Control("s1", 0, ControlKind.ROLLBACK, chunk=rollback_to, epoch=1), ctx)
+        await stage.process(_conditioning(idle_chunks, 0, False), ctx)  # stale epoch: dropped
+    epoch = 1 if rollback_to is not None else 0
+    start = (rollback_to + 1) if rollback_to is not None else idle_chunks
+    for chunk in range(start, start + 2):
+        await stage.process(_conditioning(chunk, epoch, True), ctx)
+    return stage, out
+
+
+def test_rollback_regenerates_the_chunks_never_played():
+    async def main():
+        rolled, out = await _session(idle_chunks=5, rollback_to=2)
+        straight, expected = await _session(idle_chunks=3, rollback_to=None)
+        return rolled, out, straight, expected
+
+    rolled, out, straight, expected = anyio.run(main)
+    assert [m.chunk for m in out] == [0, 1, 2, 3, 4, 3, 4]
+    assert [m.epoch for m in out] == [0, 0, 0, 0, 0, 1, 1]
+    assert rolled.stats.stale == 1 and rolled.stats.rollbacks == 1 and rolled.stats.context_lost == 0
+    # chunks 3 and 4 with speech equal those of a session that never idled through them
+    for got, want in zip(out[-2:], expected[-2:], strict=True):
+        assert got.chunk == want.chunk and got.speaking
+        np.testing.assert_array_equal(got.latents, want.latents)
+    # and they differ from the idle chunks they replace
+    assert not np.allclose(out[3].latents, out[5].latents)
+    assert out[0].latents.shape == (TINY.latent_channels, TINY.latent_height, TINY.latent_width)
+
+
+def test_bad_conditioning_is_dropped_and_counted():
+    async def main():
+        stage, out = DiffusionStage("tiny", weights=None, seed=7, fp8_cache=False), []
+        ctx = _context(out)
+        await stage.setup(ctx)
+        wrong = _conditioning(0, 0, True)
+        wrong.audio_tokens = wrong.audio_tokens[:, :10]
+        await stage.process(wrong, ctx)
+        nan = _conditioning(0, 0, True)
+        nan.audio_tokens[0, 0] = np.nan
+        await stage.process(nan, ctx)
+        await stage.process(_conditioning(0, 0, True), ctx)
+        await stage.process(_conditioning(0, 0, True), ctx)  # the same chunk again
+        return stage, out
+
+    stage, out = anyio.run(main)
+    assert stage.stats.bad == 3 and stage.stats.generated == 1
+    assert [m.chunk for m in out] == [0]
