@@ -77,6 +77,7 @@ class EgressConfig:
     codec: str = "VP8"  # VP8 | H264
     max_sessions: int = 16
     offer_timeout_s: float = 30.0  # a reserved session with no offer by then is released
+    ice_servers: list[str] = field(default_factory=list)  # STUN/TURN URLs; none on loopback/LAN (never a public default)
     ping_interval_s: float = 1.0  # data-channel ping: clock offset estimate + liveness
     client_timeout_s: float = 10.0  # no pong this long: the client vanished, its session is closed
     user_audio_queue_frames: int = 100  # 20 ms mic frames held for ingest before the oldest is dropped

@@ -61,12 +61,12 @@ def test_page_connects_plays_sends_mic_and_reports_frames():
             page = await context.new_page()
             page.on("console", lambda m: out.setdefault("console", []).append(m.text))
             await page.goto(f"{url}/?key=browser-key&autoconnect=1")
-            await page.wait_for_function("window.charstream.framesReported >= 48", timeout=20_000)
+            await page.wait_for_function("window.charstream.framesReported >= 48", timeout=40_000)
             [peer] = server.sessions.values()
             [card] = factory.sessions.values()
             # The fake mic's speech reaches silero-vad through the VAD-facing queue; its end of
             # speech starts a turn, whose latency segments come back to the page's overlay.
-            await page.wait_for_function("window.charstream.turns.length >= 1", timeout=20_000)
+            await page.wait_for_function("window.charstream.turns.length >= 1", timeout=40_000)
             out["vad"] = list(card.vad_events)
             out["mic"] = (card.mic_frames, card.mic_peak_rms)
             out["video"] = await page.evaluate(

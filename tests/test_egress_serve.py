@@ -38,7 +38,7 @@ def test_serve_command_streams_the_test_card_and_stops_cleanly():
                     token = (await r.json())["token"]
             client = EgressClient(keep_images=True)
             await client.connect(url, token)
-            await client.wait_for_video(24, timeout=20)
+            await client.wait_for_video(24, timeout=30)
             frames = len(client.video)
             image = client.video[-1].image
             await client.close()
@@ -82,7 +82,7 @@ def test_when_the_pipeline_ends_the_page_is_told_and_the_session_released():
         session_id, token = server.create_session()
         client = EgressClient()
         await client.connect(url, token)
-        await client.wait_for_video(6, timeout=10)
+        await client.wait_for_video(6, timeout=30)
         await factory.sessions[session_id].close()  # the session's pipeline stops (or fails)
         for _ in range(50):
             if session_id not in server.sessions:

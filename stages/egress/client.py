@@ -32,7 +32,7 @@ import aiohttp
 import av
 import numpy as np
 import structlog
-from aiortc import RTCPeerConnection, RTCSessionDescription
+from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from aiortc.rtp import RtcpSrPacket
 
@@ -64,8 +64,9 @@ class ReceivedAudio:
 
 class EgressClient:
     def __init__(self, mic: MediaStreamTrack | None = None, record_path: str | Path | None = None,
-                 keep_images: bool = False) -> None:
+                 keep_images: bool = False, ice_servers: list[str] | None = None) -> None:
         self.mic = mic
+        self.ice_servers = ice_servers or []  # none by default: aiortc's default is Google's public STUN
         self.keep_images = keep_images
         self.recorder = Recorder(Path(record_path)) if record_path else None
         self.pc: RTCPeerConnection | None = None
@@ -81,8 +82,8 @@ class EgressClient:
         self._tasks: list[asyncio.Task] = []
         self._origins: dict[str, Any] = {}
 
-    async def connect(self, base_url: str, token: str, timeout: float = 10.0) -> None:
-        self.pc = pc = RTCPeerConnection()
+    async def connect(self, base_url: str, token: str, timeout: float = 30.0) -> None:
+        self.pc = pc = RTCPeerConnection(RTCConfiguration([RTCIceServer(url) for url in self.ice_servers]))
         pc.addTransceiver("video", direction="recvonly")
         if self.mic is not None:
             pc.addTransceiver(self.mic, direction="sendrecv")

@@ -29,7 +29,7 @@ from typing import Any
 
 import structlog
 from aiohttp import web
-from aiortc import RTCPeerConnection, RTCRtpSender, RTCSessionDescription
+from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCRtpSender, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamTrack
 
 from pipeline.config import EgressConfig
@@ -100,7 +100,8 @@ class PeerSession:
         self.video = PlayoutVideoTrack(start)
         audio = PlayoutAudioTrack(start)
         self.timing = ClientTiming(self.media.output, self.video.frame_index, on_turn=self._on_turn)
-        self.pc = pc = RTCPeerConnection()
+        # Explicit ICE servers: aiortc would otherwise ask Google's public STUN server.
+        self.pc = pc = RTCPeerConnection(RTCConfiguration([RTCIceServer(url) for url in config.ice_servers]))
         pc.on("connectionstatechange", self._on_connection_state)
         pc.on("track", self._on_track)
         pc.on("datachannel", self._on_datachannel)

@@ -105,16 +105,14 @@ def card_source(height: int, width: int, flash_every: int, turn_chunks: int) -> 
 
 async def listen(session: CardSession, user_audio: UserAudioQueue) -> None:
     """The user's mic through silero-vad; each end of speech starts a turn."""
-    from stages.ingest.vad import UserAudioVAD  # torch + silero: loaded only once a mic is heard
-
     vad = None
     while True:
         try:
             frame = await user_audio.get()
         except UserAudioClosed:
             return
-        if vad is None:
-            vad = await asyncio.to_thread(UserAudioVAD, sample_rate=TIMELINE_RATE)
+        if vad is None:  # torch + silero load off the event loop, once a mic is heard
+            vad = await asyncio.to_thread(_load_vad)
         session.mic_frames += 1
         rms = float(np.sqrt(np.mean(frame.samples.astype(np.float64) ** 2)))
         session.mic_peak_rms = max(session.mic_peak_rms, rms)
@@ -123,6 +121,12 @@ async def listen(session: CardSession, user_audio: UserAudioQueue) -> None:
             session.ctx.log.info("user_vad", kind=str(event.kind), at=event.at, probability=round(event.probability, 2))
             if event.kind == TurnKind.USER_SPEECH_END and not session.turn_starts.full():
                 session.turn_starts.put_nowait(event.at)
+
+
+def _load_vad():
+    from stages.ingest.vad import UserAudioVAD
+
+    return UserAudioVAD(sample_rate=TIMELINE_RATE)
 
 
 def card_factory(playout_config: PlayoutConfig | None = None, egress_config: EgressConfig | None = None,
