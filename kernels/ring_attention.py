@@ -148,6 +148,84 @@ def ring_attention_triton(
     return out
 
 
+@triton.jit
+def _gather_window_kernel(
+    k, v, stride_kh, stride_ks, k_scale, v_scale, frame_order, k_out, v_out, stride_oh, stride_os,
+    n_out, sink_slots, tokens_per_frame,
+    D: tl.constexpr, BLOCK_S: tl.constexpr, QUANT: tl.constexpr,
+):
+    # Output slot j: the sink for j < sink_slots, else token (j - sink) % T of the ring frame at
+    # position frame_order[(j - sink) // T]; dequantised to the output dtype (bf16).
+    head = tl.program_id(1)
+    j = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    jmask = j < n_out
+    in_ring = (j >= sink_slots) & jmask
+    r = tl.maximum(j - sink_slots, 0)
+    pos = tl.load(frame_order + r // tokens_per_frame, mask=in_ring, other=0)
+    src = tl.where(in_ring, sink_slots + pos * tokens_per_frame + r % tokens_per_frame, j)
+    d = tl.arange(0, D)
+    offs = head * stride_kh + src[:, None] * stride_ks + d[None, :]
+    kb = tl.load(k + offs, mask=jmask[:, None], other=0.0).to(tl.float32)
+    vb = tl.load(v + offs, mask=jmask[:, None], other=0.0).to(tl.float32)
+    if QUANT:
+        kb = kb * tl.load(k_scale + head)
+        vb = vb * tl.load(v_scale + head)
+    dst = head * stride_oh + j[:, None] * stride_os + d[None, :]
+    tl.store(k_out + dst, kb.to(k_out.dtype.element_ty), mask=jmask[:, None])
+    tl.store(v_out + dst, vb.to(v_out.dtype.element_ty), mask=jmask[:, None])
+
+
+def gather_window(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    frame_order: torch.Tensor,
+    sink_slots: int,
+    tokens_per_frame: int,
+    out: tuple[torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dequantise the sink + the ring frames at positions ``frame_order`` (int32 device tensor) into
+    contiguous (n_heads, sink + len(order) * T, head_dim) K and V buffers ``out``: one launch."""
+    k_out, v_out = out
+    n_heads, n_out, head_dim = k_out.shape
+    if n_out != sink_slots + frame_order.numel() * tokens_per_frame or v_out.stride() != k_out.stride():
+        raise ValueError("out buffers must hold sink + len(frame_order) frames with the same strides")
+    block_s = 64
+    _gather_window_kernel[(triton.cdiv(n_out, block_s), n_heads)](
+        k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_scale, v_scale, frame_order,
+        k_out, v_out, k_out.stride(0), k_out.stride(1), n_out, sink_slots, tokens_per_frame,
+        D=head_dim, BLOCK_S=block_s, QUANT=is_fp8(k_cache), num_warps=4,
+    )
+    return k_out, v_out
+
+
+def ring_attention_gathered(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    frame_order: torch.Tensor,
+    sink_slots: int,
+    tokens_per_frame: int,
+    window: tuple[torch.Tensor, torch.Tensor],
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """The same attention through PyTorch's cuDNN SDPA: the attended frames (every one valid, listed by
+    ring position in ``frame_order``) are first dequantised into the contiguous bf16 ``window``
+    buffers. On an H200 this beat every in-place Triton variant (docs/gpu-notes.md); it needs a
+    full, mask-free window, so the in-place kernel serves the first frames of a session."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    k_win, v_win = gather_window(k_cache, v_cache, k_scale, v_scale, frame_order, sink_slots, tokens_per_frame, window)
+    qh = q.transpose(0, 1).contiguous()[None]
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
+        o = F.scaled_dot_product_attention(qh, k_win[None], v_win[None])
+    out.copy_(o[0].transpose(0, 1))
+    return out
+
+
 def ring_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,

@@ -7,12 +7,15 @@ the parallel-block DiT over the KV ring, Euler updates, the last pass's K/V kept
     w_in            FP8 GEMM -> fused [q | k | v | cross-q | mlp-up] (bf16)                1 launch
     ring_write_prep QK-norms, RoPE(q) in place, RoPE(k) + FP8 + ring write of K and V,
                     cross-q norm in place, saturation count                               1 launch
-    ring_attention  q over sink + valid ring, result written over the spent v columns      1 launch
+    attention       q over sink + valid ring, result written over the spent v columns:
+                    in place over the FP8 ring (Triton) while the window fills, then the
+                    window dequantised into bf16 + PyTorch's cuDNN SDPA (faster here)      1-4 launches
     cross attention cross-q over the step's audio K/V, written over the cross-q columns    1 launch
     quantize_rows   GELU on the mlp columns + FP8 rows of [attn | cross | mlp]             1 launch
     w_out           FP8 GEMM (+ the TP all-reduce under tensor parallelism)               1 launch
 
-so [attn | cross | mlp] is the fused buffer's tail and no concatenation is ever copied. The noise
+so [attn | cross | mlp] is the fused buffer's tail and no concatenation is ever copied. One graph is
+captured per attention mode; ``set_inputs`` picks the mode each step. The noise
 levels are fixed, so each level's adaLN modulation is computed once at construction. Everything
 that moves between steps -- the ring write pointer, the frame's time position, the ring validity,
 the noise, the audio tokens -- lives in device tensors that the graph reads, so one capture replays
@@ -27,7 +30,7 @@ import torch.nn.functional as F
 
 from kernels.adaln_quant import adaln_quant_triton
 from kernels.quantize_rows import quantize_rows_triton
-from kernels.ring_attention import ring_attention_triton
+from kernels.ring_attention import ring_attention_gathered, ring_attention_triton
 from kernels.ring_write import ring_write_prep_triton
 from model.cache import KVCache
 from model.dit import DiT, noise_features
@@ -72,7 +75,14 @@ class ShardStep:
         self.x = torch.zeros(t, cfg.dim, dtype=dtype, device=dev)  # the residual stream
         self.ones = torch.ones(self.n_heads, device=dev)  # unit scales: the cross K/V are plain bf16
         self.no_ring = torch.zeros(0, dtype=torch.bool, device=dev)
-        self.graph: torch.cuda.CUDAGraph | None = None
+        # The gathered attention (cuDNN over a dequantised window) once the window is full: ring
+        # positions of its frames, and the per-layer scratch window it fills.
+        self.prefer_gathered = True
+        self.gathered = False  # the mode of the next run, set by set_inputs
+        self.frame_order = torch.zeros(cfg.window_frames, dtype=torch.int32, device=dev)
+        win = (self.n_heads, cache.sink_slots + cfg.window_frames * t, self.head_dim)
+        self.window = (torch.empty(win, dtype=dtype, device=dev), torch.empty(win, dtype=dtype, device=dev))
+        self.graphs: dict[bool, torch.cuda.CUDAGraph] = {}
 
     def _level_modulations(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per noise level: every block's (shift, scale, gate) and the final (shift, scale), as the model adds them."""
@@ -96,10 +106,16 @@ class ShardStep:
             q, k, v, cq, cache.k[layer], cache.v[layer], cache.k_scale[layer], cache.v_scale[layer],
             self.slot, self.positions, cache.freqs, self.norms[layer], cache.saturated,
         )
-        ring_attention_triton(
-            q, cache.k[layer], cache.v[layer], cache.k_scale[layer], cache.v_scale[layer],
-            cache.ring_valid, cache.sink_slots, cache.tokens_per_frame, out=v, **self.attention_options,
-        )
+        if self.gathered:
+            ring_attention_gathered(
+                q, cache.k[layer], cache.v[layer], cache.k_scale[layer], cache.v_scale[layer],
+                self.frame_order, cache.sink_slots, cache.tokens_per_frame, self.window, out=v,
+            )
+        else:
+            ring_attention_triton(
+                q, cache.k[layer], cache.v[layer], cache.k_scale[layer], cache.v_scale[layer],
+                cache.ring_valid, cache.sink_slots, cache.tokens_per_frame, out=v, **self.attention_options,
+            )
         ck, cv = self.cross_kv[layer]
         ring_attention_triton(cq, ck, cv, self.ones, self.ones, self.no_ring, ck.shape[1], 1, block_n=16, out=cq)
         oq = quantize_rows_triton(fused[:, 2 * hd :], act_from=2 * hd)
@@ -136,21 +152,26 @@ class ShardStep:
 
     @torch.inference_mode()
     def capture(self, warmup: int = 2) -> None:
-        """Record the step body as one CUDA graph (after warm-up runs on a side stream, as PyTorch asks).
+        """Record the step body as CUDA graphs, one per attention mode (after warm-up runs on a side
+        stream, as PyTorch asks).
 
         The warm-up runs write ring slots at the current pointer; those slots and the saturation
         count are restored afterwards, so capturing mid-session changes nothing."""
         cache, span = self.cache, slice(int(self.slot), int(self.slot) + self.cfg.tokens_per_step)
         saved = (cache.k[:, :, span].clone(), cache.v[:, :, span].clone(), cache.saturated.clone())
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(warmup):
+        mode = self.gathered
+        for gathered in (False, True):
+            self.gathered = gathered
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(warmup):
+                    self._body()
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graphs[gathered] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graphs[gathered]):
                 self._body()
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self._body()
+        self.gathered = mode
         cache.k[:, :, span], cache.v[:, :, span] = saved[:2]
         cache.saturated.copy_(saved[2])
 
@@ -158,20 +179,28 @@ class ShardStep:
     def run(self, graphed: bool = True) -> torch.Tensor:
         """One step on the current inputs (noise, audio, positions, slot); returns the latent buffer."""
         if graphed:
-            if self.graph is None:
+            if not self.graphs:
                 raise RuntimeError("run(graphed=True) before capture()")
-            self.graph.replay()
+            self.graphs[self.gathered].replay()
         else:
             self._body()
         return self.latent
 
     @torch.inference_mode()
     def set_inputs(self, audio_tokens: torch.Tensor, noise: torch.Tensor, time_position: int) -> None:
-        """Load one step's inputs into the graph's buffers (the ring pointer comes from the cache)."""
+        """Load one step's inputs into the graph's buffers (the ring pointer comes from the cache, after
+        its ``begin_frame``) and pick the attention mode: gathered once the whole window is valid."""
+        cache = self.cache
         self.audio.copy_(audio_tokens.reshape(self.audio.shape))
         self.noise.copy_(noise.reshape(self.noise.shape))
         self.positions[:, 0].fill_(time_position)
-        self.slot.fill_(self.cache.write_start)
+        self.slot.fill_(cache.write_start)
+        frame = cache.next_frame
+        oldest = frame - self.cfg.window_frames + 1
+        order = [pos for pos, f in enumerate(cache.slot_frame) if f is not None and oldest <= f <= frame]
+        self.gathered = self.prefer_gathered and len(order) == self.cfg.window_frames
+        if self.gathered:
+            self.frame_order.copy_(torch.tensor(order, dtype=torch.int32))
 
     def step(self, audio_tokens: torch.Tensor, seed: int, graphed: bool = True) -> torch.Tensor:
         """``Generator.step`` on this path: the next latent frame (C, h, w), float32."""

@@ -37,11 +37,13 @@ class _Saved:
         c.slot_frame, c.offset, c.next_frame = list(self.host[0]), self.host[1], self.host[2]
 
 
-def test_shard_step_matches_model_and_graph_matches_eager():
+@pytest.mark.parametrize("context_frames", [2, TINY.window_frames + 2])
+def test_shard_step_matches_model_and_graph_matches_eager(context_frames):
+    """2 frames of context: in-place ring attention; a full window: the gathered (cuDNN) attention."""
     gen = Generator(TINY, None, "cuda", dtype=torch.bfloat16, fp8_cache=True, seed=3)
     shape = (TINY.latent_channels, TINY.latent_height, TINY.latent_width)
     gen.reset_session(torch.randn(shape, device="cuda"))
-    for s in range(2):  # some context in the ring
+    for s in range(context_frames):
         gen.step(torch.randn(TINY.n_audio_tokens, TINY.audio_dim, device="cuda"), seed=s)
     saved = _Saved(gen.cache)
     audio = torch.randn(TINY.n_audio_tokens, TINY.audio_dim, device="cuda")
@@ -55,6 +57,7 @@ def test_shard_step_matches_model_and_graph_matches_eager():
     step.capture()
     assert torch.equal(gen.cache.k.view(torch.uint8), saved.tensors[0].view(torch.uint8))  # capture left no trace
     eager = step.step(audio, 11, graphed=False)
+    assert step.gathered == (context_frames >= TINY.window_frames)
     eager_k = gen.cache.k.clone()
     saved.restore()
     graphed = step.step(audio, 11, graphed=True)
@@ -64,7 +67,8 @@ def test_shard_step_matches_model_and_graph_matches_eager():
     # FP8 weights and activations against the model's bf16 GEMMs: a few % on what the model adds
     assert _rel(eager - noise, ref - noise) < 0.05
     assert gen.cache.k.dtype == FP8_DTYPE
-    frame = slice(gen.cache.sink_slots + 2 * gen.cache.tokens_per_frame, gen.cache.sink_slots + 3 * gen.cache.tokens_per_frame)
+    pos = context_frames % gen.cache.ring_frames
+    frame = slice(gen.cache.sink_slots + pos * gen.cache.tokens_per_frame, gen.cache.sink_slots + (pos + 1) * gen.cache.tokens_per_frame)
     assert _rel(eager_k[:, :, frame].float(), ref_k[:, :, frame].float()) < 0.1
 
 

@@ -26,7 +26,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _run_checks() -> dict[str, dict[str, float]]:
     from kernels.delta_rotate import delta_rotate_reference, delta_rotate_triton
-    from kernels.ring_attention import ring_attention_reference, ring_attention_triton
+    from kernels.ring_attention import gather_window, ring_attention_reference, ring_attention_triton
     from kernels.ring_write import ring_write_reference, ring_write_triton
     from model.rope import rope_freqs
 
@@ -82,6 +82,11 @@ def _run_checks() -> dict[str, dict[str, float]]:
             "poison_left": float((buf[:, 1:] == POISON).sum()),
             "outside_changed": float((buf[:, 0] != POISON).sum()),
         }
+    order = torch.tensor([2, 0], dtype=torch.int32)
+    window = tuple(torch.full((H, SINK + 2 * T, D), POISON) for _ in range(2))
+    gather_window(k_cache, v_cache, scale, scale, order, SINK, T, window)
+    want = torch.cat([k_cache[:, :SINK], k_cache[:, SINK + 2 * T : SINK + 3 * T], k_cache[:, SINK : SINK + T]], dim=1)
+    report["gather_window"] = {"rel": _rel(window[0], want), "poison_left": float((window[1] == POISON).sum())}
     return report
 
 
@@ -114,6 +119,10 @@ def test_ring_attention_triton_matches_reference(report, valid):
     r = report[f"attention_{valid}"]
     assert r["rel"] < 1e-5  # fp32 through the interpreter's dot
     assert r["poison_left"] == 0 and r["outside_changed"] == 0
+
+
+def test_gather_window_lists_sink_then_frames_in_order(report):
+    assert report["gather_window"]["rel"] == 0 and report["gather_window"]["poison_left"] == 0
 
 
 if __name__ == "__main__":
