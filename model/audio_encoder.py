@@ -138,13 +138,13 @@ class AudioEncoder(nn.Module):
         self.norm_out = nn.LayerNorm(d)
         self.proj_out = nn.Linear(d, d)
 
-    # --- front end: fp32, no parameters ----------------------------------------------------------
+    # --- front end: always fp32 (also in a bf16 module), no parameters ---------------------------
 
     def _log_mel(self, segments: Tensor) -> Tensor:
         """(B, segment) samples at audio_rate -> (B, n_frames, N_MELS) normalised log-mel."""
-        spec = torch.stft(segments, self.n_fft, self.hop, window=self.stft_window, center=False,
+        spec = torch.stft(segments, self.n_fft, self.hop, window=self.stft_window.float(), center=False,
                           return_complex=True)
-        mel = self.mel_fb @ spec.abs().square()  # (B, N_MELS, n_frames)
+        mel = self.mel_fb.float() @ spec.abs().square()  # (B, N_MELS, n_frames)
         return ((torch.log(mel + 1e-6) + 5.0) / 4.0).transpose(1, 2)
 
     def resample(self, audio: Tensor) -> Tensor:
@@ -153,7 +153,7 @@ class AudioEncoder(nn.Module):
         Only the kept outputs are computed (a strided conv: the polyphase form of decimation), and
         only outputs whose taps lie inside the input are produced.
         """
-        return F.conv1d(audio[:, None], self.taps, stride=self.factor)[:, 0]
+        return F.conv1d(audio[:, None], self.taps.float(), stride=self.factor)[:, 0]
 
     def window_features(self, windows: Tensor) -> Tensor:
         """(B, window_samples) float timeline windows -> (B, n_frames, N_MELS)."""
@@ -164,7 +164,7 @@ class AudioEncoder(nn.Module):
         n_chunks = max(1, -(-audio.numel() // SAMPLES_PER_CHUNK))
         tail = n_chunks * SAMPLES_PER_CHUNK - audio.numel() + self.lookahead_samples
         padded = F.pad(audio, (self.context_samples, tail))  # padded[p] = timeline[p - context]
-        y = F.conv1d(padded[None, None], self.taps)[0, 0]  # y[p] = low-passed padded[p + half], every sample
+        y = F.conv1d(padded[None, None], self.taps.float())[0, 0]  # y[p] = low-passed padded[p + half], every sample
         starts = torch.arange(n_chunks, device=audio.device)[:, None] * SAMPLES_PER_CHUNK
         index = starts + self.factor * torch.arange(self.segment, device=audio.device)[None]
         return self._log_mel(y[index])

@@ -230,7 +230,7 @@ class Encoder(nn.Module):
         t = f // k
         n, ch, h, w = x.shape
         y = _nhwc(x).reshape(b * t, k, h, w, ch).permute(0, 2, 3, 1, 4).reshape(b * t, h, w, k * ch)
-        x = _nchw(self.time_compress(y).contiguous())
+        x = _nchw(self.time_compress(y))
         x = self.mid(x, t, io)
         moments = self.conv_out(F.silu(self.norm_out(x)))
         moments = moments.reshape(b, t, *moments.shape[1:])

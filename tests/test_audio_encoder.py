@@ -112,6 +112,17 @@ def test_encode_fn_and_shapes_for_both_presets(encoder: AudioEncoder) -> None:
     assert out.shape == (CHARACTERS_57B.n_audio_tokens, CHARACTERS_57B.audio_dim)
 
 
+def test_bf16_encoder_keeps_an_fp32_front_end(encoder: AudioEncoder) -> None:
+    window = _speechlike(encoder.window_samples, seed=4)
+    low = AudioEncoder(TINY).eval()
+    low.load_state_dict(encoder.state_dict())
+    low = low.to(torch.bfloat16)
+    with torch.inference_mode():
+        ref, tokens = encoder.encode_window(window), low.encode_window(window)
+    assert tokens.dtype == torch.bfloat16
+    assert ((tokens.float() - ref).norm() / ref.norm()).item() < 0.05
+
+
 def test_rms_envelope_per_video_frame() -> None:
     t = np.arange(3 * SAMPLES_PER_FRAME + 500) / TIMELINE_RATE
     audio = (0.25 * 32768 * np.sin(2 * np.pi * 480 * t)).astype(np.int16)
