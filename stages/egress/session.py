@@ -105,14 +105,16 @@ def card_source(height: int, width: int, flash_every: int, turn_chunks: int) -> 
 
 async def listen(session: CardSession, user_audio: UserAudioQueue) -> None:
     """The user's mic through silero-vad; each end of speech starts a turn."""
+    from stages.ingest.vad import UserAudioVAD  # already imported by card_factory
+
     vad = None
     while True:
         try:
             frame = await user_audio.get()
         except UserAudioClosed:
             return
-        if vad is None:  # torch + silero load off the event loop, once a mic is heard
-            vad = await asyncio.to_thread(_load_vad)
+        if vad is None:  # the model loads off the event loop, once a mic is heard
+            vad = await asyncio.to_thread(UserAudioVAD, sample_rate=TIMELINE_RATE)
         session.mic_frames += 1
         rms = float(np.sqrt(np.mean(frame.samples.astype(np.float64) ** 2)))
         session.mic_peak_rms = max(session.mic_peak_rms, rms)
@@ -123,16 +125,12 @@ async def listen(session: CardSession, user_audio: UserAudioQueue) -> None:
                 session.turn_starts.put_nowait(event.at)
 
 
-def _load_vad():
-    from stages.ingest.vad import UserAudioVAD
-
-    return UserAudioVAD(sample_rate=TIMELINE_RATE)
-
-
 def card_factory(playout_config: PlayoutConfig | None = None, egress_config: EgressConfig | None = None,
                  height: int = 128, width: int = 128, flash_every: int = 12, turn_chunks: int = 18,
                  source: Source | None = None):
     """A ``SessionFactory`` serving the test card (or ``source``); ``factory.sessions`` holds the live ones."""
+    import stages.ingest.vad  # noqa: F401  torch + silero now, not in the middle of a session's stream
+
     egress_config = egress_config or EgressConfig()
     sessions: dict[str, CardSession] = {}
 

@@ -8,13 +8,15 @@ counts samples from its first packet, so two tracks that start at different mome
 that sends a backlog in a burst, carry a fixed offset for the whole call. Here both tracks take
 their pts from the playout output index (frame ``i`` ⇒ video pts ``i·3750``, audio sample
 ``i·2000``), both start at the same output frame (``TrackStart``), and each frame or 20 ms
-audio packet is returned no earlier than its deadline on the playout clock.
+audio packet is returned on its deadline on the playout clock (audio packets a constant 18 ms
+after their first sample: ``AUDIO_SEND_LAG_SAMPLES``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import fractions
+import math
 import time
 
 import numpy as np
@@ -30,6 +32,15 @@ VIDEO_PTS_PER_FRAME = VIDEO_CLOCK_RATE // VIDEO_FPS  # 3,750
 AUDIO_PACKET_SAMPLES = 960  # 20 ms: Opus's frame, so the encoder never re-buffers
 VIDEO_TIME_BASE = fractions.Fraction(1, VIDEO_CLOCK_RATE)
 AUDIO_TIME_BASE = fractions.Fraction(1, TIMELINE_RATE)
+# A 20 ms packet often ends inside a 41.7 ms frame not yet released: its last sample is available
+# up to 880 samples (18.3 ms) after the packet's start. Sending every packet that much after its
+# start keeps the packets on an exact 20 ms grid (a sawtooth of 0-18 ms send jitter would make the
+# browser's audio jitter buffer, and with lip sync the video, wait longer); the cost is a constant
+# 18 ms of audio lag in the sender reports, well inside one frame.
+AUDIO_SEND_LAG_SAMPLES = max(
+    SAMPLES_PER_FRAME * ((AUDIO_PACKET_SAMPLES * k + AUDIO_PACKET_SAMPLES - 1) // SAMPLES_PER_FRAME)
+    - AUDIO_PACKET_SAMPLES * k
+    for k in range(math.lcm(SAMPLES_PER_FRAME, AUDIO_PACKET_SAMPLES) // AUDIO_PACKET_SAMPLES))  # one period
 
 
 class TrackStart:
@@ -133,7 +144,7 @@ class PlayoutAudioTrack(MediaStreamTrack):
         except PlayoutClosed:
             self.stop()
             raise MediaStreamError from None
-        delay = self.output.deadline(self._sample / TIMELINE_RATE) - time.monotonic()
+        delay = self.output.deadline((self._sample + AUDIO_SEND_LAG_SAMPLES) / TIMELINE_RATE) - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
         samples, self._pending = self._pending[:AUDIO_PACKET_SAMPLES], self._pending[AUDIO_PACKET_SAMPLES:]
