@@ -25,10 +25,11 @@ from tqdm import tqdm
 from pipeline.config import PipelineConfig
 from pipeline.logs import configure_logging
 from pipeline.tracing import REGISTRY, SEGMENTS, TurnRecord, intervals
-from transport.messages import VIDEO_FPS
+from transport.messages import SAMPLES_PER_FRAME, VIDEO_FPS
 
 QUIET_FRAMES = VIDEO_FPS // 2  # listening frames after the last reply before the demo ends
 CLIENT_GRACE_S = 5.0  # how long to wait for the client's last frame reports after that
+CLIENT_CATCH_UP_S = 15.0  # how long the client may take to receive the media up to the end
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -164,6 +165,23 @@ async def watch_conversation(session, turns: int, progress: Progress) -> None:
         return
 
 
+async def wait_for_client(client, peer, end_index: int, timeout: float = CLIENT_CATCH_UP_S) -> None:
+    """Until the client has received video and audio up to output frame ``end_index``: on a busy
+    machine it lags, and session.mp4 must hold the whole conversation."""
+    if peer is None or peer.video is None:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        first = peer.video.start.index  # both tracks start at this output frame
+        video = peer.video.frame_index(client.video[-1].rtp) if client.video else None
+        audio_samples = sum(len(a.samples) for a in client.audio)
+        if first is not None and video is not None and video >= end_index \
+                and first + audio_samples // SAMPLES_PER_FRAME >= end_index:
+            return
+        await asyncio.sleep(0.1)
+    tqdm.write(f"charstream demo: the client had not caught up after {timeout:.0f} s; session.mp4 ends early")
+
+
 async def run_demo(args: argparse.Namespace) -> int:
     from pipeline.session import LiveSession, session_factory
     from pipeline.trace_report import render_table, write_report
@@ -203,6 +221,8 @@ async def run_demo(args: argparse.Namespace) -> int:
         session.tracer.on_turn = progress.turn
         try:
             await asyncio.wait_for(watch_conversation(session, len(demo.script), progress), timeout)
+            if client is not None:
+                await wait_for_client(client, server.sessions.get(client.session_id), session.output.next_index)
         except TimeoutError:
             tqdm.write(f"charstream demo: gave up after {timeout:.0f} s")
     finally:

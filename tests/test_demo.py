@@ -1,0 +1,67 @@
+"""``charstream demo --turns 3`` end to end: every stage, real WebRTC, files checked independently."""
+
+import json
+import subprocess
+import sys
+
+import av
+import pytest
+
+from pipeline.config import IngestConfig
+from stages.ingest.tts import synthesize
+from transport.messages import TRACE_POINTS
+
+SCRIPT = [  # short lines keep the run well under a minute on two cores
+    {"user": "Hello there.", "agent": "Hi! Nice to meet you."},
+    {"user": "How are you?", "agent": "Very well, thanks."},
+    {"user": "Goodbye.", "agent": "Bye for now!"},
+]
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo-out")
+    script = out.parent / "script.json"
+    script.write_text(json.dumps(SCRIPT))
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "demo", "--turns", "3", "--out", str(out),
+                           "--script", str(script)], capture_output=True, text=True, timeout=150)
+    return proc, out
+
+
+def test_demo_exits_0_and_shows_each_turn(demo):
+    proc, _ = demo
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for turn in (1, 2, 3):
+        assert f"turn {turn}: agent" in proc.stdout  # the progress line with the turn's latencies
+
+
+def test_trace_holds_three_turns_with_all_seven_stamps_in_order(demo):
+    _, out = demo
+    lines = [json.loads(line) for line in (out / "trace.jsonl").read_text().splitlines()]
+    turns = [line for line in lines if line.get("event") == "turn"]
+    assert [t["turn_id"] for t in turns] == [1, 2, 3]
+    for t in turns:
+        stamps = t["stamps"]
+        assert set(stamps) == set(TRACE_POINTS), t
+        values = [stamps[p] for p in TRACE_POINTS]
+        assert values == sorted(values), t
+    report = (out / "report.md").read_text()
+    assert "| segment | pipeline | 3 |" in report
+    assert (out / "waterfall.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_session_mp4_is_24_fps_with_audio_and_covers_the_conversation(demo):
+    _, out = demo
+    stamps = [json.loads(line)["stamps"] for line in (out / "trace.jsonl").read_text().splitlines()]
+    last_reply = synthesize(SCRIPT[-1]["agent"], IngestConfig().agent_voice)
+    # From the user's first end of speech to the end of the last reply at playout.
+    conversation = stamps[-1]["playout_first_speaking_frame"] - stamps[0]["user_speech_end"] + last_reply.duration
+    with av.open(str(out / "session.mp4")) as container:
+        video, audio = container.streams.video[0], container.streams.audio[0]
+        assert video.average_rate == 24
+        assert audio.rate == 48_000
+        video_s = float(video.duration * video.time_base)
+        audio_s = float(audio.duration * audio.time_base)
+        frames = sum(1 for _ in container.decode(video=0))
+    assert video_s >= conversation and audio_s >= conversation, (video_s, audio_s, conversation)
+    assert frames == pytest.approx(video_s * 24, abs=2)  # every frame there: 24 fps in fact, not just in name
