@@ -42,6 +42,8 @@ from model.sampler import seeded_noise
 # the fastest correct entry of the bench's sweep (docs/gpu-notes.md); kernels/ring_attention.py's
 # defaults are the same shapes.
 ATTENTION_OPTIONS = {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 2, "qk_fp8": False}
+# The gathered (cuDNN) attention once the window is full: see docs/gpu-notes.md for whether it ran.
+GATHERED_BY_DEFAULT = False
 
 
 class ShardStep:
@@ -51,6 +53,7 @@ class ShardStep:
         cache: KVCache,
         tp_group: dist.ProcessGroup | None = None,
         attention_options: dict | None = None,
+        prefer_gathered: bool = GATHERED_BY_DEFAULT,
     ) -> None:
         cfg = model.cfg
         self.model, self.cache, self.cfg, self.tp_group = model, cache, cfg, tp_group
@@ -77,7 +80,7 @@ class ShardStep:
         self.no_ring = torch.zeros(0, dtype=torch.bool, device=dev)
         # The gathered attention (cuDNN over a dequantised window) once the window is full: ring
         # positions of its frames, and the per-layer scratch window it fills.
-        self.prefer_gathered = True
+        self.prefer_gathered = prefer_gathered
         self.gathered = False  # the mode of the next run, set by set_inputs
         self.frame_order = torch.zeros(cfg.window_frames, dtype=torch.int32, device=dev)
         win = (self.n_heads, cache.sink_slots + cfg.window_frames * t, self.head_dim)
@@ -160,7 +163,7 @@ class ShardStep:
         cache, span = self.cache, slice(int(self.slot), int(self.slot) + self.cfg.tokens_per_step)
         saved = (cache.k[:, :, span].clone(), cache.v[:, :, span].clone(), cache.saturated.clone())
         mode = self.gathered
-        for gathered in (False, True):
+        for gathered in (False, True) if self.prefer_gathered else (False,):
             self.gathered = gathered
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
