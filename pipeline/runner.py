@@ -21,7 +21,6 @@ from __future__ import annotations
 import importlib
 import os
 import signal
-import socket
 import tempfile
 import threading
 import time
@@ -36,7 +35,16 @@ from pipeline.config import PipelineConfig
 from pipeline.logs import configure_logging, get_logger
 from pipeline.supervisor import Child, Supervisor, describe_exit
 from stages.base import Stage, StageContext
-from transport.channel import ControlClient, ControlHub, PeerDeadError, Receiver, Sender, Transport, Wakeup
+from transport.channel import (
+    ControlClient,
+    ControlHub,
+    PeerDeadError,
+    Receiver,
+    Sender,
+    Transport,
+    Wakeup,
+    free_tcp_port,
+)
 from transport.messages import Control, ControlKind, Message
 from transport.security import CurveKeys, curve_required
 
@@ -311,12 +319,6 @@ def _group_process(spec: GroupSpec) -> dict[str, Any]:
     return anyio.run(main)
 
 
-def _free_tcp_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def plan_groups(graph: Graph, config: PipelineConfig, session_id: str, ipc_dir: str) -> list[GroupSpec]:
     """One GroupSpec per process: endpoints inproc inside a process, ipc/tcp between processes."""
     graph.validate()
@@ -330,7 +332,7 @@ def plan_groups(graph: Graph, config: PipelineConfig, session_id: str, ipc_dir: 
             return f"inproc://{session_id}/{next(counter)}"
         if tconf.cross_process == "tcp":
             host = f"[{tconf.tcp_host}]" if ":" in tconf.tcp_host else tconf.tcp_host
-            return f"tcp://{host}:{_free_tcp_port(tconf.tcp_host)}"
+            return f"tcp://{host}:{free_tcp_port(tconf.tcp_host)}"
         if tconf.cross_process != "ipc":
             raise ValueError(f"transport.cross_process must be ipc or tcp, got {tconf.cross_process!r}")
         return f"ipc://{ipc_dir}/{next(counter)}.sock"
@@ -454,6 +456,9 @@ class Session:
             finally:
                 supervisor.kill_all()
                 transport.close()
+            for child in supervisor.children.values():  # exits the watchers had no time to read
+                if child.name not in reports and child.report() is not None:
+                    reports[child.name] = child.report()
         result = self._result
         result.duration_s = time.monotonic() - start
         result.processes = dict(self.pids)

@@ -61,16 +61,20 @@ class Child:
     process: multiprocessing.process.BaseProcess
     results: multiprocessing.connection.Connection
 
+    _report: dict[str, Any] | None = None
+
     @property
     def pid(self) -> int:
         return self.process.pid
 
     def report(self) -> dict[str, Any] | None:
         """What the child sent before exiting, if anything (None after a kill)."""
-        try:
-            return self.results.recv() if self.results.poll() else None
-        except (EOFError, OSError):
-            return None
+        if self._report is None and not self.results.closed:
+            try:
+                self._report = self.results.recv() if self.results.poll() else None
+            except (EOFError, OSError):
+                pass
+        return self._report
 
 
 class Supervisor:
@@ -119,4 +123,5 @@ class Supervisor:
             if c.process.is_alive():
                 c.process.kill()
             c.process.join(timeout=1.0)
+            c.report()  # keep its last words before the pipe goes
             c.results.close()

@@ -128,7 +128,7 @@ def test_encode_refuses_oversize_and_unsendable_arrays():
 
 # --- property-based fuzz: decode returns a valid message or raises MessageError, nothing else ---
 
-# Hypothesis draws little (a seed, some bytes, a mode) so 10,000 examples stay fast; the seed then
+# Hypothesis draws one blob (mode, seed, bytes) so 10,000 examples stay fast; the seed then
 # builds a header from pools of plausible and hostile values, reaching deep validator paths.
 FIELD_NAMES = sorted({f for cls in MESSAGE_TYPES for f in cls.__dataclass_fields__} | {"junk"})
 TYPE_NAMES = [c.__name__ for c in MESSAGE_TYPES] + ["Nope", 1, None]
@@ -177,9 +177,9 @@ def build(mode: int, seed: int, data: bytes) -> list[bytes]:
 
 
 @settings(max_examples=10_000, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-@given(st.integers(0, 2), st.integers(0, 2**32), st.binary(max_size=96))
-def test_fuzz_decoder_never_fails_unclearly(mode, seed, data):
-    frames = build(mode, seed, data)
+@given(st.binary(min_size=5, max_size=100))  # one draw: hypothesis's per-draw cost dominates otherwise
+def test_fuzz_decoder_never_fails_unclearly(blob):
+    frames = build(blob[0] % 3, int.from_bytes(blob[1:5], "little"), blob[5:])
     try:
         msg = decode(frames, LIMIT, channel="fuzz", peer="hypothesis")
     except MessageError as e:

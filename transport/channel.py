@@ -22,6 +22,7 @@ stage. A client's message is broadcast to every other registered client and to t
 from __future__ import annotations
 
 import collections
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,6 +42,13 @@ from transport.security import CurveKeys, Security
 HELLO, CREDIT, BEAT, BYE, DATA, CTRL, GO = b"H", b"C", b"B", b"X", b"D", b"K", b"G"
 SEND_LINGER_MS = 200  # lets a closing sender flush what it already sent, without hanging on a dead peer
 CONTROL_QUEUE = 1024  # control is rare; past this a stage is not reading its control at all
+
+
+def free_tcp_port(host: str) -> int:
+    """A port that was free a moment ago (for endpoints that must be known before the peer binds)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 class ChannelError(RuntimeError):
@@ -219,6 +227,7 @@ class Receiver(_Endpoint):
         self._queue: collections.deque[tuple[bytes, Message]] = collections.deque()
         self._credit_out: dict[bytes, int] = {}  # credits each peer holds and has not spent
         self._queued: collections.Counter[bytes] = collections.Counter()
+        self.last_taken_at = 0.0
 
     def _open(self, sock: zmq.asyncio.Socket) -> None:
         _bind(self, sock)
@@ -272,6 +281,7 @@ class Receiver(_Endpoint):
             return None
         peer, msg = self._queue.popleft()
         self._queued[peer] -= 1
+        self.last_taken_at = time.monotonic()  # before the credit leaves: the sender cannot reuse it earlier
         if peer in self._credit_out:
             await self._grant(peer, 1)
         return msg
@@ -334,9 +344,8 @@ class Sender(_Endpoint):
     async def _beat(self) -> None:
         await self.sock.send(BEAT)
 
-    async def send(self, msg: Message) -> None:
-        """Encode and send ``msg``; awaits a credit first (backpressure). Raises on a dead peer."""
-        frames = encode(msg, self.transport.config.max_message_bytes)
+    async def ready(self) -> None:
+        """Wait until a ``send`` would not block (a credit is available). Raises on a dead peer."""
         while self.credits <= 0:
             if self.error is not None:
                 raise self.error
@@ -345,6 +354,11 @@ class Sender(_Endpoint):
                 await event.wait()
         if self.error is not None:
             raise self.error
+
+    async def send(self, msg: Message) -> None:
+        """Encode and send ``msg``; awaits a credit first (backpressure). Raises on a dead peer."""
+        frames = encode(msg, self.transport.config.max_message_bytes)
+        await self.ready()
         self.credits -= 1
         await self.sock.send_multipart([DATA, *frames], copy=False)
         self.stats.sent += 1

@@ -1,0 +1,24 @@
+"""``charstream bench transport --json``: the report's contract (tiny run, inproc only)."""
+
+from __future__ import annotations
+
+import json
+
+from pipeline.cli import main
+
+
+def test_bench_transport_json_report(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    argv = ["bench", "transport", "--json", "--transports", "inproc", "--small", "30", "--large", "5",
+            "--backpressure", "12", "--capacity", "3", "--out", str(out)]
+    assert main(argv) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == json.loads(out.read_text())
+    result = printed["transports"]["inproc"]
+    for name in ("conditioning", "video_chunk"):
+        assert result[name]["p99_ms"] >= result[name]["p50_ms"] > 0 and result[name]["msgs_per_s"] > 0
+    assert 9_000_000 < result["video_chunk"]["bytes"] < 9_300_000
+    backpressure = result["backpressure"]
+    assert backpressure["capacity"] == 3 and 1 <= backpressure["max_in_flight"] <= 3
+    assert printed["targets"]["max_in_flight_le_capacity"] is True
+    assert {"commit", "date", "machine", "versions"} <= set(printed)
