@@ -1,0 +1,71 @@
+"""A charstream session driven from inside another framework (Pipecat, LiveKit Agents).
+
+The framework owns the conversation (its STT, LLM, TTS and turn detection); charstream renders the
+character. ``AvatarSession`` runs a live session (``pipeline.session.LiveSession``: the full stage
+graph, in this process and its stage processes) whose ingest reads the session's ``PushAdapter``
+(``IngestConfig.adapter`` = ``pipecat`` or ``livekit``), and reads back what playout releases on
+the 24 fps clock — each frame with its 2,000 samples of audio, so the framework's output is in
+sync by construction:
+
+    session = AvatarSession(config, "room-1")
+    await session.start()                         # every stage set up
+    await session.adapter.push(AgentTurnStart())  # ... AgentAudioFrame(...), AgentTurnEnd()
+    async for frame in session.frames():          # ReleasedFrame: image (H, W, 3) + audio (2000,)
+        ...
+    await session.stop()
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pipeline.config import PipelineConfig
+from stages.ingest.push import PushAdapter, session_adapter
+from stages.playout import PlayoutClosed, ReleasedFrame
+
+PUSH_ADAPTERS = ("pipecat", "livekit")
+
+
+class AvatarSession:
+    def __init__(self, config: PipelineConfig, session_id: str, weights: str | None = "packaged") -> None:
+        if config.ingest.adapter not in PUSH_ADAPTERS:
+            raise ValueError(f"an avatar session's ingest reads a push adapter: set ingest.adapter to one of "
+                             f"{PUSH_ADAPTERS}, not {config.ingest.adapter!r}")
+        from pipeline.session import LiveSession  # the demo's session API (imports egress, aiortc)
+
+        self.session_id = session_id
+        self.live: Any = LiveSession(config, session_id, weights)
+        self.adapter: PushAdapter = session_adapter(config.ingest, session_id)
+
+    async def start(self, timeout_s: float = 120.0) -> None:
+        """Start the session; returns once every stage is set up (raises if the session failed)."""
+        self.live.start()
+        started = asyncio.create_task(self.live.runner.started.wait())
+        ended = asyncio.create_task(self.live.done.wait())
+        done, pending = await asyncio.wait({started, ended}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+        if ended in done or not done:
+            result = await self.live.stop("start timed out" if not done else "failed to start")
+            detail = (result.error or result.ended_by) if result is not None else f"not set up after {timeout_s} s"
+            raise RuntimeError(f"charstream session {self.session_id} did not start: {detail}")
+
+    async def frames(self) -> AsyncIterator[ReleasedFrame]:
+        """Frames as playout releases them, from the next one on; ends when the session ends."""
+        output = self.live.output
+        try:
+            await output.wait_started()
+            index = output.next_index
+            while True:
+                frame = await output.frame_at(index)
+                index = frame.index + 1
+                yield frame
+        except PlayoutClosed:
+            return
+
+    async def stop(self, reason: str = "avatar stopped") -> Any:
+        """End the session; returns its ``SessionResult``."""
+        await self.adapter.end()  # ingest's iteration ends; its teardown closes the adapter
+        return await self.live.stop(reason)
