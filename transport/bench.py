@@ -267,6 +267,7 @@ def run(args: argparse.Namespace) -> int:
     report = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {psutil.cpu_count()} CPUs, {platform.platform()}",
+        "load_avg_1m_at_end": round(psutil.getloadavg()[0], 2),  # other work on the host skews latency
         "commit": _commit(),
         "versions": _versions(),
         "transports": transports,

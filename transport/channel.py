@@ -84,9 +84,6 @@ class Transport:
         self.ctx = zmq.asyncio.Context()
         self.security = Security(self.ctx, keys, config.curve)
 
-    def capacity(self, edge: str, override: int | None = None) -> int:
-        return override or self.config.capacities.get(edge, self.config.default_capacity)
-
     def close(self) -> None:
         self.security.close()
         self.ctx.destroy(linger=0)
