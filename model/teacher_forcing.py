@@ -11,7 +11,7 @@ frames 0..F-1 (noised to a random sampler level)] and a block-causal mask lets
     target j  attend sink + context j-W+1 .. j-1 + itself.
 
 Time positions start at a random offset so the model sees every position the ring takes between
-two position resets (sink + 1 .. sink + W + R - 1).
+two position resets (sink_frames .. sink_frames + W + R - 1).
 """
 
 from __future__ import annotations
