@@ -133,7 +133,9 @@ class Upsample(nn.Module):
         self.proj = nn.Conv2d(c_in, c_out, 1)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.interpolate(self.proj(x), scale_factor=2.0, mode="nearest")
+        # the 1x1 conv as a GEMM over channels-last pixels (the conv's slow path would leave NCHW)
+        y = _nchw(F.linear(_nhwc(x), self.proj.weight.flatten(1), self.proj.bias))
+        return F.interpolate(y, scale_factor=2.0, mode="nearest")
 
 
 def _check_config(cfg: ModelConfig) -> int:
@@ -180,7 +182,7 @@ class Decoder(nn.Module):
         # depth-to-time: each latent frame's channels become frames_per_latent video frames
         k, ch = self.frames_per_latent, x.shape[1]
         y = self.time_expand(_nhwc(x)).reshape(b * t, h, w, k, ch)
-        x = _nchw(y.permute(0, 3, 1, 2, 4).reshape(b * t * k, h, w, ch))
+        x = _nchw(y.permute(0, 3, 1, 2, 4).reshape(b * t * k, h, w, ch).contiguous())  # channels-last
         frames = t * k
         for i, block in enumerate(self.blocks):
             x = block(x, frames, io)
