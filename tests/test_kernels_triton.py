@@ -27,7 +27,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _run_checks() -> dict[str, dict[str, float]]:
     from kernels.delta_rotate import delta_rotate_reference, delta_rotate_triton
     from kernels.ring_attention import gather_window, ring_attention_reference, ring_attention_triton
-    from kernels.ring_write import ring_write_reference, ring_write_triton
+    from kernels.ring_write import (
+        ring_write_prep_reference,
+        ring_write_prep_triton,
+        ring_write_reference,
+        ring_write_triton,
+    )
     from model.rope import rope_freqs
 
     g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))  # fresh inputs each run
@@ -82,6 +87,20 @@ def _run_checks() -> dict[str, dict[str, float]]:
             "poison_left": float((buf[:, 1:] == POISON).sum()),
             "outside_changed": float((buf[:, 0] != POISON).sum()),
         }
+    # the block's prep (QK-norms, RoPE on q and k, cross-q norm, ring write) on one fused buffer
+    fused = torch.randn(T, 4 * H * D, generator=g) * 3
+    norms = tuple(torch.rand(D, generator=g) + 0.5 for _ in range(3))
+    positions = torch.stack([torch.full((T,), 3), torch.arange(T) % 4, torch.arange(T) % 5], 1)
+    runs = []
+    for prep in (ring_write_prep_reference, ring_write_prep_triton):
+        buf, kc, vc = fused.clone(), torch.zeros(H, n_slots, D), torch.zeros(H, n_slots, D)
+        q, k, v, cq = (buf[:, i * H * D : (i + 1) * H * D].unflatten(-1, (H, D)) for i in range(4))
+        prep(q, k, v, cq, kc, vc, scale, scale, SINK, positions, freqs, norms, torch.zeros((), dtype=torch.int64))
+        runs.append((q, cq, kc, vc))
+    report["write_prep"] = {
+        name: _rel(got, ref) for name, got, ref in zip(("q", "cq", "k_cache", "v_cache"), runs[1], runs[0], strict=True)
+    }
+
     order = torch.tensor([2, 0], dtype=torch.int32)
     window = tuple(torch.full((H, SINK + 2 * T, D), POISON) for _ in range(2))
     gather_window(k_cache, v_cache, scale, scale, order, SINK, T, window)
@@ -119,6 +138,10 @@ def test_ring_attention_triton_matches_reference(report, valid):
     r = report[f"attention_{valid}"]
     assert r["rel"] < 1e-5  # fp32 through the interpreter's dot
     assert r["poison_left"] == 0 and r["outside_changed"] == 0
+
+
+def test_ring_write_prep_triton_matches_reference(report):
+    assert all(rel < 1e-5 for rel in report["write_prep"].values()), report["write_prep"]
 
 
 def test_gather_window_lists_sink_then_frames_in_order(report):
