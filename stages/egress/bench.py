@@ -87,15 +87,15 @@ async def _aiortc_delivery(url: str, server: EgressServer, seconds: float, warmu
     return _percentiles(deliveries)
 
 
-async def delivery(seconds: float, size: int, codec: str, warmup: float = 3.0) -> dict:
-    server = EgressServer(EgressConfig(port=0, codec=codec), card_factory(height=size, width=size))
+async def delivery(seconds: float, size: int, codec: str, vad: bool, warmup: float = 3.0) -> dict:
+    server = EgressServer(EgressConfig(port=0, codec=codec), card_factory(height=size, width=size, vad=vad))
     url = await server.start()
     try:
         results = {"chromium": await _chromium_delivery(url, server, seconds, warmup),
                    "aiortc_client": await _aiortc_delivery(url, server, seconds, warmup)}
     finally:
         await server.stop()
-    return {"benchmark": "egress_delivery", "size": size, "codec": codec, "seconds": seconds, **results}
+    return {"benchmark": "egress_delivery", "size": size, "codec": codec, "seconds": seconds, "vad": vad, **results}
 
 
 def encode(frames: int, height: int, width: int) -> dict:
@@ -155,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--seconds", type=float, default=20)
     d.add_argument("--size", type=int, default=128)
     d.add_argument("--codec", default="VP8", choices=["VP8", "H264"])
+    d.add_argument("--no-vad", action="store_true", help="do not run silero-vad on the (fake) microphone")
     d.add_argument("--json", default="test-artifacts/bench_egress_delivery.json")
     e = sub.add_parser("encode")
     e.add_argument("--frames", type=int, default=48)
@@ -164,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.which == "delivery":
-        result = asyncio.run(delivery(args.seconds, args.size, args.codec))
+        result = asyncio.run(delivery(args.seconds, args.size, args.codec, vad=not args.no_vad))
         print(f"delivery playout -> presented, {args.size}x{args.size} {args.codec}, loopback, {args.seconds:.0f} s")
         print(f"{'client':<16}{'chunks':>8}{'median ms':>11}{'p10 ms':>9}{'p90 ms':>9}")
         for client in ("chromium", "aiortc_client"):

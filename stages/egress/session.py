@@ -127,7 +127,7 @@ async def listen(session: CardSession, user_audio: UserAudioQueue) -> None:
 
 def card_factory(playout_config: PlayoutConfig | None = None, egress_config: EgressConfig | None = None,
                  height: int = 128, width: int = 128, flash_every: int = 12, turn_chunks: int = 18,
-                 source: Source | None = None):
+                 source: Source | None = None, vad: bool = True):
     """A ``SessionFactory`` serving the test card (or ``source``); ``factory.sessions`` holds the live ones."""
     import stages.ingest.vad  # noqa: F401  torch + silero now, not in the middle of a session's stream
 
@@ -138,7 +138,8 @@ def card_factory(playout_config: PlayoutConfig | None = None, egress_config: Egr
         user_audio = UserAudioQueue(egress_config.user_audio_queue_frames)
         session = await start_playout(session_id, PlayoutStage(playout_config),
                                       source or card_source(height, width, flash_every, turn_chunks))
-        session.tasks.append(asyncio.create_task(listen(session, user_audio), name=f"vad-{session_id}"))
+        if vad:  # otherwise the mic queue just fills and drops (counted)
+            session.tasks.append(asyncio.create_task(listen(session, user_audio), name=f"vad-{session_id}"))
         sessions[session_id] = session
 
         async def close() -> None:
