@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     result = evaluate(rollout, args.clips, args.reruns, args.seconds)
     text = markdown(result)
+    (args.out / "heldout.json").write_text(json.dumps(result, indent=1))  # kept if the session is cut short
+    print(text, flush=True)
     if args.session_minutes > 0:
         openness, audio = rollout.session(0, args.session_minutes)
         times, scores = rollout.window_scores(openness, audio, args.window_s)
@@ -103,9 +105,9 @@ def main(argv: list[str] | None = None) -> int:
                  f"**{'PASS' if d.passed else 'FAIL'}**, slope {d.slope_per_min:+.5f}/min, 10-minute change CI "
                  f"[{d.change_10min[0]:+.4f}, {d.change_10min[1]:+.4f}] vs band +-{band:.4f}; "
                  f"window mean {np.mean(scores):.3f}, min {np.min(scores):.3f}.\n")
+        print(text, flush=True)
     (args.out / "heldout.json").write_text(json.dumps(result, indent=1))
     (args.out / "heldout.md").write_text(text)
-    print(text)
     return 0
 
 

@@ -98,10 +98,9 @@ def train_vae(vae: VideoVAE, cfg: ModelConfig, args: argparse.Namespace, device:
         start = torch.randint(0, (pool.shape[1] - window) // k + 1, (args.vae_batch,), generator=gen) * k
         idx = start[:, None] + torch.arange(window)[None]
         video = to_video(pool[clip[:, None].to(device), idx.to(device)])
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            mean, logvar = vae.encoder(video)
-            z = mean + torch.randn_like(mean) * torch.exp(0.5 * logvar)
-            recon, _ = vae.decoder(vae.normalize(z))
+        mean, logvar = vae.encoder(video)  # fp32 (TF32 matmuls): the VAE's causal convs are fp32-only
+        z = mean + torch.randn_like(mean) * torch.exp(0.5 * logvar)
+        recon, _ = vae.decoder(vae.normalize(z))
         rec = ((recon.float() - video).abs() * weights).mean()
         kl = 0.5 * (mean.float().square() + logvar.float().exp() - 1.0 - logvar.float()).mean()
         loss = rec + VAE_KL_WEIGHT * kl
@@ -181,7 +180,7 @@ def dit_loss(dit: DiT, audio_encoder: AudioEncoder, corpus: Corpus, cfg: ModelCo
     noise = torch.randn_like(x0)
     max_offset = max(0, cfg.window_frames + cfg.reset_every - f)
     t_offset = int(torch.randint(0, max_offset + 1, (1,), generator=gen))
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.autocast):
         v = teacher_forced_velocity(dit, refs, context, ctx_sigma, noised(x0, noise, sigma), sigma, tokens, t_offset)
     return ((v.float() - (noise - x0)) ** 2 * weights).mean()
 
@@ -263,12 +262,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dit-window", type=int, default=8, help="latent frames per training window")
     parser.add_argument("--context-noise", type=float, default=0.3,
                         help="largest error (std, in unit latent scale) added to context frames")
+    parser.add_argument("--autocast", action=argparse.BooleanOptionalAction, default=torch.cuda.is_available(),
+                        help="bf16 autocast for the DiT (default on with CUDA)")
     parser.add_argument("--weights", type=Path, default=None, help="output safetensors (default OUT/tiny.safetensors)")
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = get_preset(args.preset)
     device = torch.device(args.device)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
