@@ -219,3 +219,29 @@ def test_bad_input_is_refused_and_other_sessions_keep_running():
     assert out["a_bad_messages"] == 3
     assert out["mic_frames"] >= 50 and out["mic_rms"] > 1000  # the mic tone arrived at 48 kHz
     assert out["left"] == ({}, {})
+
+
+def test_client_records_what_it_received_to_mp4(tmp_path):
+    import av
+
+    async def main():
+        server = EgressServer(EgressConfig(port=0), card_factory(vad=False))
+        url = await server.start()
+        _, token = server.create_session()
+        client = EgressClient(record_path=tmp_path / "session.mp4", keep_images=True)
+        await client.connect(url, token)
+        await client.wait_for_video(48, timeout=30)
+        await client.close()
+        await server.stop()
+        return client
+
+    client = asyncio.run(main())
+    with av.open(str(tmp_path / "session.mp4")) as f:
+        frames = [frame.to_ndarray(format="rgb24") for frame in f.decode(video=0)]
+    with av.open(str(tmp_path / "session.mp4")) as f:
+        audio_s = sum(frame.samples for frame in f.decode(audio=0)) / TIMELINE_RATE
+    received = list(client.video)
+    assert len(frames) == len(received)
+    assert all(np.abs(a.astype(int) - b.image.astype(int)).mean() < 8 for a, b in zip(frames, received, strict=True))
+    received_s = sum(len(a.samples) for a in client.audio) / TIMELINE_RATE
+    assert abs(audio_s - received_s) < 0.05  # AAC frames: up to 1,024 samples left in the encoder

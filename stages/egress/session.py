@@ -129,7 +129,8 @@ def card_factory(playout_config: PlayoutConfig | None = None, egress_config: Egr
                  height: int = 128, width: int = 128, flash_every: int = 12, turn_chunks: int = 18,
                  source: Source | None = None, vad: bool = True):
     """A ``SessionFactory`` serving the test card (or ``source``); ``factory.sessions`` holds the live ones."""
-    import stages.ingest.vad  # noqa: F401  torch + silero now, not in the middle of a session's stream
+    if vad:
+        import stages.ingest.vad  # noqa: F401  torch + silero now, not in the middle of a session's stream
 
     egress_config = egress_config or EgressConfig()
     sessions: dict[str, CardSession] = {}
