@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from pipeline.config import PipelineConfig
 from pipeline.logs import configure_logging
-from pipeline.tracing import REGISTRY, SEGMENTS, TurnRecord, intervals
+from pipeline.tracing import REGISTRY, SEGMENTS, TurnRecord, intervals, serve_metrics
 from transport.messages import SAMPLES_PER_FRAME, VIDEO_FPS
 
 QUIET_FRAMES = VIDEO_FPS // 2  # listening frames after the last reply before the demo ends
@@ -48,6 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "or 'random' (seeded random weights)")
     parser.add_argument("--timeout", type=float, default=None,
                         help="give up after this many seconds (default: 60 + 30 per turn)")
+    parser.add_argument("--otel", default="none", choices=("none", "console", "otlp"),
+                        help="export OpenTelemetry spans (conversation -> turn -> stages); default: none")
+    parser.add_argument("--otlp-endpoint", default=None, help="OTLP/HTTP traces endpoint for --otel otlp")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus metrics (step time, playout depth, underruns, fps) on this port")
     parser.add_argument("--verbose", action="store_true", help="structured logs (info) on stderr")
 
 
@@ -94,6 +99,9 @@ def plan(args: argparse.Namespace) -> DemoPlan:
     out = Path(args.out)
     config = PipelineConfig(preset=args.preset)
     config.tracing.jsonl_path = str(out / "trace.jsonl")
+    config.tracing.otel_exporter = args.otel
+    config.tracing.otlp_endpoint = args.otlp_endpoint or config.tracing.otlp_endpoint
+    config.tracing.prometheus_port = args.metrics_port
     config.ingest.script = script
     config.ingest.lead_in_s = 1.0  # the stream settles (first steps, WebRTC start) before the user speaks
     config.egress.port = args.port if args.serve else 0
@@ -113,8 +121,9 @@ class Progress:
                         bar_format="{desc}: {n_fmt}/{total_fmt} turns |{bar}| {elapsed} {postfix}")
         self.records: list[TurnRecord] = []
 
-    def speaking(self, turn_id: int) -> None:
-        line = self.script[turn_id - 1]["user"] if 1 <= turn_id <= len(self.script) else "?"
+    def speaking(self, turn_id: int, answer: int) -> None:
+        """The character's ``answer``-th reply (0-based) starts: it answers script line ``answer``."""
+        line = self.script[answer]["user"] if answer < len(self.script) else "?"
         tqdm.write(f"turn {turn_id}: user said “{_short(line)}” → the character answers")
 
     def turn(self, record: TurnRecord) -> None:
@@ -151,8 +160,8 @@ async def watch_conversation(session, turns: int, progress: Progress) -> None:
             frame = await output.frame_at(index)
             index = frame.index + 1
             if frame.first_speaking and frame.trace is not None:
+                progress.speaking(frame.trace.turn_id, len(spoken))  # turn ids also count unanswered utterances
                 spoken.add(frame.trace.turn_id)
-                progress.speaking(frame.trace.turn_id)
             quiet = 0 if frame.speaking else quiet + 1
             if index % VIDEO_FPS == 0:
                 progress.tick(index)
@@ -202,6 +211,9 @@ async def run_demo(args: argparse.Namespace) -> int:
         sessions.append(session)
         ready.set()
 
+    if demo.config.tracing.prometheus_port:
+        serve_metrics(demo.config.tracing.prometheus_port)
+        print(f"metrics on http://127.0.0.1:{demo.config.tracing.prometheus_port}/metrics")
     server = EgressServer(demo.config.egress, session_factory(demo.config, demo.weights, on_session))
     url = await server.start()
     client = None
