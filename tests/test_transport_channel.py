@@ -109,8 +109,8 @@ def test_backpressure_bounds_in_flight_and_blocks_the_producer(kind, tmp_path):
 
 
 def test_memory_stays_bounded_with_a_slow_consumer_process(tmp_path):
-    """2 MB messages, consumer in another process 10x slower than the producer: RSS must not grow."""
-    count, capacity, mb = 100, 2, 2
+    """4 MB messages, consumer in another process much slower than the producer: RSS must not grow."""
+    count, capacity, mb = 100, 2, 4
     config = TransportConfig(max_message_bytes=8 << 20)
     ep = f"ipc://{tmp_path}/slow.sock"
 
@@ -131,8 +131,9 @@ def test_memory_stays_bounded_with_a_slow_consumer_process(tmp_path):
             transport.close()
         assert in_order == count
         growth_mb = (peak - baseline) / (1 << 20)
-        # Unbounded queueing would hold ~count * 2 MB = 200 MB here.
-        assert growth_mb < (capacity + 8) * mb, f"producer RSS grew by {growth_mb:.0f} MB"
+        # Unbounded queueing would hold up to count * 4 MB = 400 MB here; the window is capacity * 4 MB.
+        # The margin is for the allocator (glibc may serve freed 4 MB blocks from its heap).
+        assert growth_mb < 64, f"producer RSS grew by {growth_mb:.0f} MB"
 
     anyio.run(main)
 

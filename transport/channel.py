@@ -207,6 +207,9 @@ class _Endpoint:
 
 
 def _bind(end: _Endpoint, sock: zmq.asyncio.Socket) -> None:
+    # Last-resort guard against a hostile peer's giant frame: ZeroMQ drops that connection before
+    # allocating it. Frames merely over max_message_bytes still arrive and are counted as bad.
+    sock.maxmsgsize = 2 * end.transport.config.max_message_bytes
     end.transport.security.server(sock, end.endpoint)
     sock.bind(end.endpoint)
     if end.endpoint.endswith(":*"):  # tcp port chosen by the OS: publish the real endpoint
