@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -158,7 +157,7 @@ class PlayoutStats:
     invalid_chunks: int = 0  # malformed chunks, discarded with an error log
     rollbacks: int = 0
     rolled_back_chunks: int = 0  # unplayed chunks dropped by rollbacks
-    elapsed_s: float = 0.0  # wall time from the clock's start to the last release
+    elapsed_s: float = 0.0  # from the clock's start to the end of the last released frame
 
     @property
     def achieved_fps(self) -> float:
@@ -177,12 +176,11 @@ class PlayoutStage(Stage):
     name = "playout"
 
     def __init__(self, config: PlayoutConfig | None = None, output: PlayoutOutput | None = None,
-                 tracer: TurnTracer | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 tracer: TurnTracer | None = None) -> None:
         self.config = config or PlayoutConfig()  # built by the runner: setup takes ctx.config.playout
         self._config_given = config is not None
         self.output = output  # None: the session's shared one (``session_output``), found in setup
         self.tracer = tracer
-        self.clock = clock
         self.stats = PlayoutStats()
         self.epoch = 0
         self.last_committed: int | None = None  # last chunk whose frames started leaving
@@ -265,14 +263,13 @@ class PlayoutStage(Stage):
     async def run(self, ctx: StageContext) -> None:
         while len(self._buffer) < self._resume_depth:
             await self._wait_buffer_change()
-        t0 = self.clock()
-        wall0 = time.time()
+        t0 = time.monotonic()  # the tracks pace audio packets on this same clock
         self.output.start(t0)
         index = 0
         try:
             while True:
                 deadline = t0 + index * FRAME_SECONDS
-                delay = deadline - self.clock()
+                delay = deadline - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
                 elif -delay > FRAME_SECONDS:
@@ -280,7 +277,7 @@ class PlayoutStage(Stage):
                 frame = self._next_frame(index)
                 self.output.publish(frame)
                 self.stats.frames_released += 1
-                self.stats.elapsed_s = max(frame.released_at - wall0, 0.0) + FRAME_SECONDS
+                self.stats.elapsed_s = time.monotonic() - t0 + FRAME_SECONDS
                 if frame.first_speaking and self.tracer is not None and frame.trace is not None:
                     self.tracer.merge(frame.trace)
                 if index % VIDEO_FPS == 0 and self._metrics is not None:

@@ -62,7 +62,7 @@ def ten_seconds():
     """One 11.5 s session over loopback; the tests below check different things it recorded."""
 
     async def main():
-        factory = card_factory(PlayoutConfig(target_depth_chunks=2), source=staged_source({}))
+        factory = card_factory(PlayoutConfig(target_depth_chunks=2), source=staged_source({}), vad=False)
         server = EgressServer(EgressConfig(port=0), factory)
         url = await server.start()
         session_id, token = server.create_session()
@@ -128,7 +128,7 @@ def test_client_reports_give_delivery_and_the_turns_client_stamp(ten_seconds):
 
 def test_h264_is_negotiated_when_configured():
     async def main():
-        factory = card_factory()
+        factory = card_factory(vad=False)
         server = EgressServer(EgressConfig(port=0, codec="H264"), factory)
         url = await server.start()
         _, token = server.create_session()

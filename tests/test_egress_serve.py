@@ -56,7 +56,7 @@ def test_serve_command_streams_the_test_card_and_stops_cleanly():
 
 def test_a_reservation_without_an_offer_is_released():
     async def main():
-        server = EgressServer(EgressConfig(port=0, offer_timeout_s=0.3, max_sessions=1), card_factory())
+        server = EgressServer(EgressConfig(port=0, offer_timeout_s=0.3, max_sessions=1), card_factory(vad=False))
         await server.start()
         server.create_session()
         try:
@@ -76,7 +76,7 @@ def test_a_reservation_without_an_offer_is_released():
 
 def test_when_the_pipeline_ends_the_page_is_told_and_the_session_released():
     async def main():
-        factory = card_factory()
+        factory = card_factory(vad=False)
         server = EgressServer(EgressConfig(port=0, ping_interval_s=0.2), factory)
         url = await server.start()
         session_id, token = server.create_session()
