@@ -1,0 +1,15 @@
+"""Egress: a session's playout streamed over WebRTC (aiortc), with client timing reports.
+
+- ``server.py`` — ``EgressServer``: aiohttp signaling (``POST /session``, ``/offer``, ``/hangup``),
+  one aiortc peer connection per session; a ``SessionFactory`` (``async (session_id) ->
+  SessionMedia``) supplies each session's ``PlayoutOutput``, mic queue and close hook.
+- ``tracks.py`` — video (90 kHz) and audio (48 kHz, 20 ms) tracks paced by the playout clock.
+- ``mic.py`` — ``UserAudioQueue``: the user's microphone for ingest's VAD (48 kHz mono int16).
+- ``timing.py`` — data-channel protocol: ping/pong clock offset, presented-frame reports,
+  ``client_first_speaking_frame``.
+- ``client.py`` — ``EgressClient``: the in-process aiortc client (tests, benchmarks, the demo's
+  ``session.mp4`` recorder); ``AudioSamplesTrack``: a scripted microphone.
+- ``session.py`` — ``card_factory``: sessions from a test card instead of the model.
+- ``serve.py`` — ``charstream serve``; ``bench.py`` — ``python -m stages.egress.bench``.
+- ``static/`` — the web page.
+"""
