@@ -43,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp-shard", type=int, nargs="+", default=[3, 4], help="TP sizes whose rank-0 shard to time")
     parser.add_argument("--json", nargs="?", const="bench_gpu.json", default=None, help="write all figures here")
     parser.add_argument("--steps", type=int, default=20, help="timed graph replays per measurement")
+    parser.add_argument("--tp", type=int, default=None,
+                        help="instead: a TP group of this many ranks with communication (pipeline/bench_tp.py; "
+                             "NCCL over GPUs 0..N-1, gloo on CPU with a scaled model when the host has fewer GPUs)")
     parser.add_argument("--skip", nargs="*", default=[],
                         choices=["ceilings", "sweep", "kernels", "step", "decoder", "pipeline"])
 
@@ -449,6 +452,13 @@ def _table(results: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.tp is not None:
+        from pipeline import bench_tp
+
+        args.reps = args.steps
+        if args.json == "bench_gpu.json":
+            args.json = "bench_tp.json"
+        return bench_tp.run(args)
     if not torch.cuda.is_available():
         print("bench gpu needs a CUDA GPU (run it through the device tool)")
         return 2

@@ -152,14 +152,8 @@ def print_table(result: dict) -> None:
         print(f"{name:32} {value:12.1f} {'' if ref is None else f'{ref:12.1f}':>12}")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", default="characters-57b")
-    parser.add_argument("--tp", type=int, required=True)
-    parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--json", nargs="?", const="bench_tp.json", default=None)
-
-
 def run(args: argparse.Namespace) -> int:
+    """``charstream bench gpu --tp N [--preset P] [--steps REPS] [--json PATH]``."""
     result = run_tp_bench(args.preset, args.tp, args.reps)
     print_table(result)
     if args.json:
