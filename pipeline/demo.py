@@ -41,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--serve", action="store_true",
                         help="serve the web page and wait for a browser instead of the in-process client")
     parser.add_argument("--port", type=int, default=8080, help="HTTP port with --serve (default: 8080)")
+    parser.add_argument("--placement", default="inproc", choices=("inproc", "processes"),
+                        help="inproc: every stage in this process (default); processes: diffusion and decode "
+                             "in processes of their own")
     parser.add_argument("--script", default=None,
                         help='JSON file: [{"user": "...", "agent": "...", "barge_in_after_s": null}, ...]')
     parser.add_argument("--weights", default="packaged",
@@ -97,7 +100,7 @@ def plan(args: argparse.Namespace) -> DemoPlan:
         weights, note = args.weights, f"weights {args.weights}"
 
     out = Path(args.out)
-    config = PipelineConfig(preset=args.preset)
+    config = PipelineConfig(preset=args.preset, placement=args.placement)
     config.tracing.jsonl_path = str(out / "trace.jsonl")
     config.tracing.otel_exporter = args.otel
     config.tracing.otlp_endpoint = args.otlp_endpoint or config.tracing.otlp_endpoint

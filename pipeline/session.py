@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -35,13 +36,17 @@ def build_graph(config: PipelineConfig, tracer: TurnTracer | None = None, user_a
     weights shipped for the preset, when present) or None (seeded random weights). ``tracer`` and
     ``user_audio`` are live objects handed to nodes of the caller's process (group ``main``)."""
     model = {"preset": config.preset, "weights": weights}
+    # On CPU, diffusion and decode run side by side: half the cores each, no oversubscription.
+    threads = {"threads": max(1, (os.cpu_count() or 2) // 2)}
     return Graph(
         nodes=[
             Node("ingest", "stages.ingest.stage:IngestStage", {"config": config.ingest, "user_audio": user_audio}),
             Node("conditioning", "stages.conditioning:build",
                  dict(model, seed=config.diffusion.seed, **dataclasses.asdict(config.conditioning))),
-            Node("diffusion", "stages.diffusion:DiffusionStage", dict(model), group="diffusion"),
-            Node("decode", "stages.decode:DecodeStage", dict(model), group="decoder"),
+            Node("diffusion", "stages.diffusion:DiffusionStage",
+                 dict(model, **threads if config.diffusion.device == "cpu" else {}), group="diffusion"),
+            Node("decode", "stages.decode:DecodeStage",
+                 dict(model, **threads if config.decode.device == "cpu" else {}), group="decoder"),
             # Same process as egress: the tracer object is handed over, not pickled.
             Node("playout", "stages.playout:PlayoutStage", {"tracer": tracer}),
         ],
