@@ -275,7 +275,7 @@ def test_curve_refuses_unauthenticated_peers():
 
 
 def test_a_killed_peer_process_is_detected_by_heartbeats(tmp_path):
-    config = TransportConfig(heartbeat_s=0.05, dead_after_s=0.4)
+    config = TransportConfig(heartbeat_s=0.1, dead_after_s=0.8)
     ep = f"ipc://{tmp_path}/hb.sock"
 
     async def main():
@@ -287,7 +287,7 @@ def test_a_killed_peer_process_is_detected_by_heartbeats(tmp_path):
                 with anyio.fail_after(30):
                     while b"idle" not in rx._credit_out:
                         await anyio.sleep(0.02)
-                await anyio.sleep(3 * config.dead_after_s)
+                await anyio.sleep(2 * config.dead_after_s)
                 assert rx.error is None  # alive and beating: not declared dead while merely idle
                 os.kill(peer.pid, signal.SIGKILL)
                 killed = time.monotonic()
