@@ -34,6 +34,10 @@ def ring_write_reference(
     k = apply_rope(k_new.float(), positions, freqs)
     k_stored = quantise(k, k_scale[None, :, None], k_cache.dtype).transpose(0, 1)
     v_stored = quantise(v_new.float(), v_scale[None, :, None], v_cache.dtype).transpose(0, 1)
+    if isinstance(slot_start, int):  # a plain slice copy (CPU index_copy_ is ~10x slower)
+        k_cache[:, slot_start : slot_start + n_tokens].copy_(k_stored)
+        v_cache[:, slot_start : slot_start + n_tokens].copy_(v_stored)
+        return
     slots = slot_start + torch.arange(n_tokens, device=k_cache.device)
     # index_copy_ through a same-width integer view: works for fp8 on every backend, and the
     # index may live on the device, so the write pointer never leaves it.
