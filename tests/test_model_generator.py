@@ -186,3 +186,22 @@ def test_bad_configs_fail_at_construction_with_clear_messages():
     gen.reset_session(torch.zeros(CFG.latent_channels, CFG.latent_height, CFG.latent_width))
     with pytest.raises(ValueError, match="audio tokens have shape"):
         gen.step(torch.zeros(CFG.n_audio_tokens + 1, CFG.audio_dim), seed=0)
+
+
+def test_fp8_values_beyond_the_sink_range_saturate_and_are_counted():
+    gen = _generator(True)
+    ref, _ = _inputs(4)
+    gen.reset_session(ref)
+    cache = gen.cache
+    assert cache.saturated.item() == 0
+    _, t = cache.begin_frame()
+    positions = frame_positions(t, CFG.grid, CFG.n_audio_tokens)
+    k = torch.randn(CFG.tokens_per_step, CFG.n_heads, CFG.head_dim)
+    limit_v = (cache.v_scale[0] * 448.0)[None, :, None]
+    v = torch.randn(CFG.tokens_per_step, CFG.n_heads, CFG.head_dim) * limit_v / 4
+    v[0, :, 0] = 3 * limit_v[0, :, 0]  # one value per head, 3x beyond the range the sink fixed
+    cache.write(0, k * 0, v, positions)
+    assert cache.saturated.item() == CFG.n_heads
+    stored = dequantise(cache.v[0, :, cache.write_start], cache.v_scale[0][:, None])
+    assert torch.isfinite(stored).all()
+    torch.testing.assert_close(stored[:, 0], limit_v[0, :, 0])  # clamped to +448 x scale, not NaN

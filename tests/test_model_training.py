@@ -48,12 +48,12 @@ def test_flow_matching_loss_trains():
     gen = Generator(CFG, fp8_cache=False, seed=4)
     model = gen.model.train().requires_grad_(True)
     g = torch.Generator().manual_seed(1)
-    clean = torch.randn(2, FRAMES, CFG.latent_channels, CFG.latent_height, CFG.latent_width, generator=g)
+    clean = torch.randn(1, FRAMES, CFG.latent_channels, CFG.latent_height, CFG.latent_width, generator=g)
     ref = clean[:, 0]
-    audio = torch.randn(2, FRAMES, CFG.n_audio_tokens, CFG.audio_dim, generator=g)
+    audio = torch.randn(1, FRAMES, CFG.n_audio_tokens, CFG.audio_dim, generator=g)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     losses = []
-    for _ in range(12):  # one fixed batch (fixed noise): the loss must fall
+    for _ in range(8):  # one fixed batch (fixed noise): the loss must fall
         loss = flow_matching_loss(model, ref, clean, audio, generator=torch.Generator().manual_seed(2))
         opt.zero_grad()
         loss.backward()
