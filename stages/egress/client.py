@@ -114,14 +114,17 @@ class EgressClient:
             await asyncio.sleep(0.05)
 
     def sender_time(self, kind: str, rtp: int) -> float | None:
-        """The server wall-clock time an RTP timestamp stands for, by the latest sender report."""
+        """The server wall-clock time an RTP timestamp stands for, by the sender reports.
+
+        Each report pairs a send time with an RTP timestamp; a report taken just after a packet
+        that left late maps every timestamp late by as much, so the earliest mapping among the
+        reports is used (the min-RTT idea; clock drift over a loopback session is negligible).
+        """
         reports = self.sender_reports[kind]
         if not reports:
             return None
-        ntp, sr_rtp = reports[-1]
         rate = 90_000 if kind == "video" else TIMELINE_RATE
-        delta = (rtp - sr_rtp + 2**31) % 2**32 - 2**31  # signed difference, wrap-safe
-        return ntp + delta / rate
+        return min(ntp + ((rtp - sr_rtp + 2**31) % 2**32 - 2**31) / rate for ntp, sr_rtp in reports)
 
     async def close(self) -> None:
         for task in self._tasks:

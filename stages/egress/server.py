@@ -44,6 +44,7 @@ log = structlog.get_logger("egress")
 STATIC_DIR = Path(__file__).parent / "static"
 CODECS = {"VP8": "video/VP8", "H264": "video/H264"}
 MAX_OFFER_BYTES = 256 * 1024
+OPUS = [c for c in RTCRtpSender.getCapabilities("audio").codecs if c.mimeType == "audio/opus"]
 
 
 @dataclass
@@ -109,6 +110,7 @@ class PeerSession:
         video_transceiver = pc.addTransceiver(self.video, direction="sendonly")
         video_transceiver.setCodecPreferences(video_codec_preferences(config.codec))
         audio_transceiver = pc.addTransceiver(audio, direction="sendrecv")
+        audio_transceiver.setCodecPreferences(OPUS)  # the audio track hands aiortc Opus packets
         self.video.sender = video_transceiver.sender
         try:
             await pc.setRemoteDescription(offer)

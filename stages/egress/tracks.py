@@ -19,6 +19,7 @@ import fractions
 import math
 import time
 
+import av
 import numpy as np
 from aiortc import RTCRtpSender
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
@@ -29,7 +30,8 @@ from transport.messages import SAMPLES_PER_FRAME, TIMELINE_RATE, VIDEO_FPS
 
 VIDEO_CLOCK_RATE = 90_000
 VIDEO_PTS_PER_FRAME = VIDEO_CLOCK_RATE // VIDEO_FPS  # 3,750
-AUDIO_PACKET_SAMPLES = 960  # 20 ms: Opus's frame, so the encoder never re-buffers
+AUDIO_PACKET_SAMPLES = 960  # 20 ms: one Opus frame per packet
+OPUS_BITRATE = 64_000  # mono speech
 VIDEO_TIME_BASE = fractions.Fraction(1, VIDEO_CLOCK_RATE)
 AUDIO_TIME_BASE = fractions.Fraction(1, TIMELINE_RATE)
 # A 20 ms packet often ends inside a 41.7 ms frame not yet released: its last sample is available
@@ -128,8 +130,15 @@ class PlayoutAudioTrack(MediaStreamTrack):
         self._frame_index: int | None = None  # next output frame to take audio from
         self._sample = 0  # output-timeline sample of ``_pending[0]``
         self._pending = np.zeros(0, np.int16)
+        self._encoder = av.CodecContext.create("libopus", "w")
+        self._encoder.sample_rate = TIMELINE_RATE
+        self._encoder.format = "s16"
+        self._encoder.layout = "mono"
+        self._encoder.bit_rate = OPUS_BITRATE
+        self._encoder.time_base = AUDIO_TIME_BASE
+        self._encoder.options = {"application": "voip"}
 
-    async def recv(self) -> AudioFrame:
+    async def recv(self) -> av.Packet:
         try:
             if self._frame_index is None:
                 self._frame_index = await self.start.first_index()
@@ -148,10 +157,13 @@ class PlayoutAudioTrack(MediaStreamTrack):
         if delay > 0:
             await asyncio.sleep(delay)
         samples, self._pending = self._pending[:AUDIO_PACKET_SAMPLES], self._pending[AUDIO_PACKET_SAMPLES:]
-        audio = AudioFrame(format="s16", layout="mono", samples=AUDIO_PACKET_SAMPLES)
-        audio.planes[0].update(samples.tobytes())
+        audio = AudioFrame.from_ndarray(samples.reshape(1, -1), format="s16", layout="mono")
         audio.sample_rate = TIMELINE_RATE
         audio.pts = self._sample
         audio.time_base = AUDIO_TIME_BASE
         self._sample += AUDIO_PACKET_SAMPLES
-        return audio
+        # Encoded here, on time: handed a raw frame, aiortc would encode it in its thread pool,
+        # whose wake-up delay under CPU load becomes packet jitter. One 20 ms mono frame is ~0.1 ms.
+        # Its pts (the encoder shifts it back by Opus's look-ahead) becomes the RTP timestamp.
+        [packet] = self._encoder.encode(audio)
+        return packet
