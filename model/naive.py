@@ -47,7 +47,8 @@ class NaiveGenerator:
         self.history: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []  # raw K/V per frame
         n_layers = self.cfg.n_blocks
         self.sink: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
-        self._empty = [torch.zeros(0, self.cfg.n_heads, self.cfg.head_dim, device=self.device)] * n_layers
+        empty = torch.zeros(0, self.cfg.n_heads, self.cfg.head_dim, device=self.device, dtype=model.head.weight.dtype)
+        self._empty = [empty] * n_layers
 
     def _positions(self, t: int) -> torch.Tensor:
         return frame_positions(t, self.cfg.grid, self.cfg.n_audio_tokens, self.device)
