@@ -113,6 +113,7 @@ class SessionResult:
     duration_s: float = 0.0
     edges: dict[str, dict[str, Any]] = field(default_factory=dict)  # edge -> {"sender": .., "receiver": ..}
     processes: dict[str, int] = field(default_factory=dict)  # group -> pid (spawned groups)
+    exit_codes: dict[str, int | None] = field(default_factory=dict)  # group -> exit code (0: clean)
     stages: dict[str, Stage] = field(default_factory=dict)  # stage objects that ran in this process
 
 
@@ -462,6 +463,7 @@ class Session:
         result = self._result
         result.duration_s = time.monotonic() - start
         result.processes = dict(self.pids)
+        result.exit_codes = {c.name: c.process.exitcode for c in supervisor.children.values()}
         if local is not None:
             reports[LOCAL_GROUP] = local.report()
             result.stages = dict(local.stages)

@@ -6,18 +6,21 @@
   PDEATHSIG follows the *thread* that spawned the child, so launch from the event loop's thread.
 * Each child's ``Process.sentinel`` is watched on the event loop, so a ``kill -9`` is seen
   within milliseconds; its last words (a report dict) come back over a one-way pipe.
-* Children ignore SIGINT (Ctrl-C reaches the whole process group; the parent coordinates) and
-  stopping escalates: wait ``grace`` for a clean exit, then SIGTERM, then SIGKILL.
+* Children ignore SIGINT from birth (Ctrl-C reaches the whole process group; the parent
+  coordinates); SIGTERM stops a child cleanly. Stopping escalates: wait ``grace`` for a clean
+  exit, then SIGTERM, then SIGKILL.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import multiprocessing
 import multiprocessing.connection
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,6 +58,21 @@ def _child_entry(parent_pid: int, target: Callable[..., dict], results, args: tu
     sys.exit(1 if report.get("error") else 0)
 
 
+@contextlib.contextmanager
+def _sigint_ignored():
+    """Children inherit an ignored SIGINT through exec, so a terminal's Ctrl-C (sent to the whole
+    process group) never reaches them, not even while they are still importing; the parent alone
+    turns it into a clean shutdown."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @dataclass
 class Child:
     name: str
@@ -90,7 +108,8 @@ class Supervisor:
         process = self._mp.Process(
             target=_child_entry, args=(os.getpid(), target, send, args), name=f"charstream-{name}"
         )
-        process.start()
+        with _sigint_ignored():
+            process.start()
         send.close()
         self.children[name] = Child(name, process, receive)
         return self.children[name]

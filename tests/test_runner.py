@@ -185,7 +185,7 @@ def main():
                 print("STARTED", session.pids["doomed"], flush=True)
             tg.start_soon(announce)
             result = await session.run()
-            print("RESULT", result.ok, result.ended_by, result.stages["sink"].torn_down, flush=True)
+            print("RESULT", result.ok, result.ended_by, result.stages["sink"].torn_down, result.exit_codes, flush=True)
 
     anyio.run(go)
 
@@ -198,7 +198,8 @@ def _start_script(tmp_path: Path, note: Path) -> tuple[subprocess.Popen, int]:
     script = tmp_path / "session_main.py"
     script.write_text(textwrap.dedent(SCRIPT.format(tests=str(TESTS_DIR), note=str(note))))
     env = {**os.environ, "CHARSTREAM_LOG_LEVEL": "error"}
-    proc = subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)  # its own process group, like a terminal job
     line = proc.stdout.readline()
     assert line.startswith("STARTED"), line
     return proc, int(line.split()[1])
@@ -211,16 +212,22 @@ def _wait_gone(pid: int, timeout_s: float) -> bool:
     return gone(pid)
 
 
-def test_sigterm_shuts_down_cleanly_and_parent_death_leaves_no_orphans(tmp_path):
+@pytest.mark.parametrize("how", ["SIGTERM to the parent", "SIGINT to the process group"])
+def test_signals_shut_down_cleanly(how, tmp_path):
     note = tmp_path / "clean.txt"
     proc, child = _start_script(tmp_path, note)
-    proc.send_signal(signal.SIGTERM)
+    if how.startswith("SIGTERM"):
+        proc.send_signal(signal.SIGTERM)
+    else:  # Ctrl-C in a terminal: every process of the job gets SIGINT; only the parent acts on it
+        os.killpg(proc.pid, signal.SIGINT)
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0
-    assert "RESULT True signal SIGTERM True" in out
+    assert f"RESULT True signal {how.split()[0]} True {{'doomed': 0}}" in out  # the child exited cleanly too
     assert _wait_gone(child, 5)
     assert note.read_text().splitlines() == [f"pid {child}", "teardown"]  # the child tore down too
 
+
+def test_parent_killed_leaves_no_orphans(tmp_path):
     proc, child = _start_script(tmp_path, tmp_path / "killed.txt")
     proc.kill()  # SIGKILL: the parent gets no chance to clean up; PDEATHSIG must take the child
     proc.wait(timeout=10)
