@@ -68,6 +68,31 @@ class DemoPlan:
     out: Path
 
 
+def recorder(path: Path):
+    """The client's mp4 recorder, holding audio back until the first video frame has added the
+    video stream: audio muxed first writes the mp4 header without it, and libavformat then dies
+    with SIGFPE on the first video packet (stages.egress.client.Recorder, seen on a slow machine
+    where audio arrives first)."""
+    from collections import deque
+
+    from stages.egress.client import Recorder
+
+    class VideoFirstRecorder(Recorder):
+        def __init__(self, path: Path) -> None:
+            super().__init__(path)
+            self._held: deque = deque(maxlen=10 * 50)  # 10 s of 20 ms packets, then the oldest go
+
+        def audio(self, samples) -> None:
+            if self._video is None:
+                self._held.append(samples)
+                return
+            while self._held:
+                super().audio(self._held.popleft())
+            super().audio(samples)
+
+    return VideoFirstRecorder(path)
+
+
 def plan(args: argparse.Namespace) -> DemoPlan:
     from model.config import get_preset
     from model.weights import packaged_weights
@@ -229,7 +254,8 @@ async def run_demo(args: argparse.Namespace) -> int:
             await ready.wait()
         else:
             _, token = server.create_session()
-            client = EgressClient(record_path=out / "session.mp4")
+            client = EgressClient()
+            client.recorder = recorder(out / "session.mp4")
             await client.connect(url, token)
         session = sessions[0]
         progress = Progress(demo.script, session.session_id)
