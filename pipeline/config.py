@@ -35,10 +35,12 @@ class IngestConfig:
     vad_silence_ms: int = 300  # end of speech is back-dated by this window
     vad_start_ms: int = 64  # speech this long (consecutive 32 ms windows) starts a user turn / barge-in
     max_ahead_s: float = 0.25  # agent audio is emitted at most this far ahead of the media clock
+    playout_tail_s: float = 1.0  # user speech this long after the agent's audio ended still barges in (pipeline latency)
     zmq_endpoint: str = "tcp://127.0.0.1:5790"
     zmq_dead_after_s: float = 1.5  # an external agent silent this long (no audio, no ping) is gone
     script: list[dict] | None = None  # scripted agent: [{"user", "agent", "barge_in_after_s"?}]; None = built-in
     lead_in_s: float = 0.5  # scripted agent: silence before the user's first line
+    turn_gap_s: float = 1.5  # scripted agent: silence after a reply before the next line (> playout_tail_s)
 
 
 @dataclass

@@ -84,6 +84,15 @@ def pipecat_run():
         """Frames of speech released from ``start`` on (hold frames of an underrun excluded)."""
         return sum(1 for a, c in zip(sink.audio[start:], sink.chunks[start:], strict=True) if c is not None and a.any())
 
+    def listening_tail() -> int:
+        """Released (not held) silent frames since the last frame of speech."""
+        n = 0
+        for a, c in zip(reversed(sink.audio), reversed(sink.chunks), strict=True):
+            if a.any():
+                break
+            n += c is not None
+        return n
+
     async def settle(start: int) -> None:
         """Wait until the speech from ``start`` on stops growing (CPU speed varies: no fixed sleeps)."""
         count, since = -1, time.monotonic()
@@ -103,6 +112,7 @@ def pipecat_run():
         marks["interrupt"] = len(sink.audio)
         await worker.queue_frame(InterruptionFrame())
         await settle(marks["interrupt"])
+        await _until(lambda: listening_tail() >= 24, 60)
         await worker.queue_frame(EndFrame())
 
     async def main():  # Pipecat's runner belongs to a running loop: build everything inside it

@@ -70,6 +70,7 @@ class UserSpeech:
 
     kind: TurnKind  # USER_SPEECH_START or USER_SPEECH_END
     at: float
+    interrupt: bool = False  # the framework says the agent was interrupted: barge in, whatever ingest's clock says
 
 
 @dataclass

@@ -62,7 +62,8 @@ class CharstreamVideoGenerator(VideoGenerator):
 
     async def clear_buffer(self) -> None:
         adapter = self._session.adapter
-        await adapter.user_speech(TurnKind.USER_SPEECH_START, time.time())  # LiveKit interrupts on user speech
+        # LiveKit clears the buffer when the user interrupts the agent
+        await adapter.user_speech(TurnKind.USER_SPEECH_START, time.time(), interrupt=True)
         if self._turn:
             await adapter.push(AgentTurnEnd(self._turn, "interrupted"))
             self._turn = 0

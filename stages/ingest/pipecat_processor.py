@@ -50,7 +50,6 @@ class CharstreamVideoService(FrameProcessor):
         self._turn = 0  # the agent turn in progress (0: none)
         self._turns = 0
         self._video_task = None
-        self._user_speaking = False  # Pipecat sends both UserStartedSpeaking and Interruption: one start
         self.frames_out = 0  # video frames pushed downstream
 
     async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
@@ -74,16 +73,13 @@ class CharstreamVideoService(FrameProcessor):
                 self._turn = 0
             await self.push_frame(frame, direction)
         elif isinstance(frame, (InterruptionFrame, UserStartedSpeakingFrame)):
-            # both mean the user is speaking now; a barge-in if the character speaks
-            if not self._user_speaking:
-                self._user_speaking = True
-                await adapter.user_speech(TurnKind.USER_SPEECH_START, time.time())
+            # both mean the user is speaking now; an InterruptionFrame says the bot was interrupted
+            await adapter.user_speech(TurnKind.USER_SPEECH_START, time.time(), isinstance(frame, InterruptionFrame))
             if self._turn:
                 await adapter.push(AgentTurnEnd(self._turn, "interrupted"))
                 self._turn = 0
             await self.push_frame(frame, direction)
         elif isinstance(frame, UserStoppedSpeakingFrame):
-            self._user_speaking = False
             await adapter.user_speech(TurnKind.USER_SPEECH_END, time.time() - self._user_stop_secs)
             await self.push_frame(frame, direction)
         elif isinstance(frame, (EndFrame, CancelFrame)):

@@ -40,12 +40,13 @@ class PushAdapter:
         """Hand one event to ingest; awaits while the queue is full."""
         await self._send.send(event)
 
-    async def user_speech(self, kind: TurnKind, at: float) -> None:
+    async def user_speech(self, kind: TurnKind, at: float, interrupt: bool = False) -> None:
         """The framework's own VAD saw the user start/stop (``at``: onset or back-dated end). A start
-        may be a barge-in: the queued audio of the current turn is dropped before it is handed on."""
+        may be a barge-in (``interrupt``: the framework says it is one): the queued audio of the
+        current turn is dropped before it is handed on."""
         if kind == TurnKind.USER_SPEECH_START:
             self.drain()
-        await self._send.send(UserSpeech(kind, at))
+        await self._send.send(UserSpeech(kind, at, interrupt))
 
     async def end(self) -> None:
         """No more events: ingest's iteration ends once the queue is drained."""

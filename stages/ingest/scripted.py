@@ -152,7 +152,7 @@ class ScriptedAgent:
                                    f"line {user_line}'s user speech ended (VAD threshold too high?)")
             if reply_line is not None and reply_line in self._interrupted:
                 yield AgentTurnEnd(reply_line, "interrupted")
-                reply_line, next_user_at = None, now + config.lead_in_s
+                reply_line, next_user_at = None, now + config.turn_gap_s
             if think_until is not None and now >= think_until and reply_line is None:
                 think_until, reply_line, sent, reply_started = None, user_line, 0, now
                 self.truth.append(("agent_turn_start", reply_line, now))
@@ -164,7 +164,7 @@ class ScriptedAgent:
                 sent += step
                 if sent >= len(reply.samples):
                     yield AgentTurnEnd(reply_line)
-                    reply_line, next_user_at = None, now + config.lead_in_s
+                    reply_line, next_user_at = None, now + config.turn_gap_s
             if user_line == len(lines) - 1 and mic_speech is None and user_done_at is None \
                     and think_until is None and reply_line is None:
                 return  # the last line is answered (or was interrupted and nothing follows)

@@ -105,6 +105,7 @@ class IngestStage(Stage):
         self._seq = 0
         self._next_turn_id = 0
         self._user_turn: int | None = None  # opened by user speech, not yet answered by the agent
+        self._user_speaking = False
         self._traces: OrderedDict[int, TraceContext] = OrderedDict()
         self._turn: _AgentTurn | None = None  # the agent turn being ingested
         self._last_turn: _AgentTurn | None = None
@@ -167,8 +168,11 @@ class IngestStage(Stage):
 
     @property
     def character_speaking(self) -> bool:
+        """The agent's turn is open, or its speech may still be playing: ingest runs ahead of playout
+        by the pipeline's latency, which ``playout_tail_s`` covers."""
         turn = self._turn
-        return (turn is not None and not turn.interrupted) or self._speech_until > self.media_now()
+        tail = int(self.config.playout_tail_s * TIMELINE_RATE)
+        return (turn is not None and not turn.interrupted) or self._speech_until + tail > self.media_now()
 
     # --- user audio → VAD ----------------------------------------------------------------------
 
@@ -187,13 +191,17 @@ class IngestStage(Stage):
         for event in events:
             await self._on_vad(event)
 
-    async def _on_vad(self, event: VadEvent) -> None:
+    async def _on_vad(self, event: VadEvent, force_barge_in: bool = False) -> None:
         ctx = self._ctx
         self.stats.vad_events.append((event.kind.value, event.at, event.detected_at))
         del self.stats.vad_events[:-64]
         if event.kind == TurnKind.USER_SPEECH_START:
-            if self.character_speaking:
+            turn = self._turn or self._last_turn
+            if turn is not None and not turn.interrupted and (force_barge_in or self.character_speaking):
                 await self._barge_in(event)
+            if self._user_speaking:  # a second signal for the same utterance (a framework sends two)
+                return
+            self._user_speaking = True
             self._next_turn_id += 1
             self._user_turn = self._next_turn_id
             self._traces[self._user_turn] = TraceContext(self._user_turn)
@@ -203,6 +211,7 @@ class IngestStage(Stage):
             message = TurnEvent(ctx.session_id, self._next_seq(), TurnKind.USER_SPEECH_START, self._user_turn,
                                 event.at, TraceContext(self._user_turn))
         else:
+            self._user_speaking = False
             if self._user_turn is None:  # VAD ends only what it started; defensive
                 return
             trace = self._traces.get(self._user_turn) or TraceContext(self._user_turn)
@@ -222,7 +231,7 @@ class IngestStage(Stage):
         drop_from = -(-now // SAMPLES_PER_CHUNK)  # first chunk boundary at or after now
         if turn is not None:
             turn.interrupted = True
-        self._speech_until = min(self._speech_until, now)
+        self._speech_until = min(self._speech_until, now - int(self.config.playout_tail_s * TIMELINE_RATE))
         self._wake.set()
         self.stats.interrupts += 1
         ctx.log.info("barge_in", turn_id=turn_id, user_speech_at=event.at, drop_from_chunk=drop_from)
@@ -241,7 +250,7 @@ class IngestStage(Stage):
         elif isinstance(event, UserAudioFrame):
             await self.feed_user_audio(event.samples, event.at, event.sample_rate)
         elif isinstance(event, UserSpeech):
-            await self._on_vad(VadEvent(event.kind, event.at, time.time(), 1.0))
+            await self._on_vad(VadEvent(event.kind, event.at, time.time(), 1.0), force_barge_in=event.interrupt)
         elif isinstance(event, AgentTurnStart):
             await self._start_turn(event.turn_ref)
         elif isinstance(event, AgentTurnEnd):
