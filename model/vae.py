@@ -293,8 +293,13 @@ def time_decode(
     warmup: int = 3,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
+    cpu_seconds: list[float] | None = None,
 ) -> list[float]:
-    """Seconds per ``decode_chunk`` + uint8 conversion, streaming with the state, random weights."""
+    """Wall seconds per ``decode_chunk`` + uint8 conversion, streaming with the state, random weights.
+
+    ``cpu_seconds``, if given, receives the process CPU time of each timed decode (all threads):
+    on a shared machine it is not inflated by waiting for a core, as wall time is.
+    """
     torch.manual_seed(0)
     decoder = Decoder(cfg).to(device=device, dtype=dtype).eval()
     shape = (cfg.latent_channels, cfg.latent_height, cfg.latent_width)
@@ -305,9 +310,11 @@ def time_decode(
             latent = torch.randn(shape, device=device, dtype=dtype)
             if device.startswith("cuda"):
                 torch.cuda.synchronize()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             video, state = decoder.decode_chunk(latent, state)
             to_uint8_frames(video).cpu()
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
+                if cpu_seconds is not None:
+                    cpu_seconds.append(time.process_time() - c0)
     return times
