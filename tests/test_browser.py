@@ -99,8 +99,8 @@ def test_page_connects_plays_sends_mic_and_reports_frames():
     assert kinds[:2] == [TurnKind.USER_SPEECH_START, TurnKind.USER_SPEECH_END]  # silero heard the user
     [turn] = out["page"]["turns"][:1]
     assert set(turn["segments_ms"]) == {"agent", "pipeline", "delivery", "total"}
-    assert 0 < turn["segments_ms"]["delivery"] < 500
+    assert 0 < turn["segments_ms"]["delivery"] < 3000  # plausible; its size is the benchmark's business
     assert out["reports"] >= 48 and out["unmatched"] <= 5  # first-frame reports arrive and map to frames
-    assert len(out["deliveries"]) >= 8 and 0 < float(np.median(out["deliveries"])) < 0.5
+    assert len(out["deliveries"]) >= 8 and 0 < float(np.median(out["deliveries"])) < 3.0
     assert (ARTIFACTS / "browser_page.png").stat().st_size > 1000
     assert out["left"] == ({}, {})  # disconnect released the session

@@ -73,7 +73,7 @@ def test_frames_leave_on_the_clock_with_exactly_their_audio():
     assert stats.underruns == 0 and stats.fresh_frames >= 96
     # Absolute deadlines: the last frame is no later than the first was (no accumulated sleep error).
     lateness = [f.released_at - frames[0].released_at - f.index / 24 for f in frames]
-    assert np.median(lateness[-24:]) < np.median(lateness[:24]) + 0.02
+    assert np.median(lateness[-24:]) < np.median(lateness[:24]) + 0.03  # relative sleeps would drift ~0.1 s
     assert 23.0 < stats.achieved_fps <= 24.5
 
 
