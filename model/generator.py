@@ -18,7 +18,7 @@ import torch.distributed as dist
 from kernels.fp8 import FP8_DTYPE
 from model.cache import KVCache
 from model.config import ModelConfig
-from model.rope import apply_rope, frame_positions, rope_freqs
+from model.rope import frame_positions, rope_freqs, rope_rotation, rotate
 from model.sampler import sample, seeded_noise
 from model.weights import build_model
 
@@ -28,12 +28,13 @@ class RingSelfAttention:
 
     def __init__(self, cache: KVCache, positions: torch.Tensor) -> None:
         self.cache, self.positions = cache, positions
+        self.rotation = rope_rotation(positions, cache.freqs)  # the queries' RoPE, shared by all layers
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         shape = q.shape  # (1, F, T, H, D)
         q, k, v = (t.reshape(-1, *shape[-2:]) for t in (q, k, v))
         self.cache.write(layer, k, v, self.positions)
-        return self.cache.attend(layer, apply_rope(q, self.positions, self.cache.freqs)).reshape(shape)
+        return self.cache.attend(layer, rotate(q, *self.rotation).to(q.dtype)).reshape(shape)
 
 
 class Generator:

@@ -49,18 +49,29 @@ def rope_angles(positions: torch.Tensor, freqs: RopeFreqs) -> torch.Tensor:
     )
 
 
-def rotate_pairs(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs of ``x`` (..., 2 * n) by ``angles`` broadcastable to (..., n). fp32 math."""
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs of ``x`` (..., 2 * n) by angles given as cos, sin broadcastable to (..., n).
+    fp32 math, fp32 result."""
     xf = x.float().unflatten(-1, (-1, 2))
-    cos, sin = angles.cos(), angles.sin()
     x0, x1 = xf[..., 0], xf[..., 1]
     return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2)
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, freqs: RopeFreqs) -> torch.Tensor:
-    """RoPE on ``x`` (T, n_heads, head_dim) at ``positions`` (T, 3); returns x's dtype."""
+def rotate_pairs(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs of ``x`` (..., 2 * n) by ``angles`` broadcastable to (..., n). fp32 math."""
+    return rotate(x, angles.cos(), angles.sin())
+
+
+def rope_rotation(positions: torch.Tensor, freqs: RopeFreqs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin), each (T, 1, head_dim // 2), for tokens at ``positions`` (T, 3): compute once, rotate
+    many tensors (every layer's queries of a frame)."""
     angles = rope_angles(positions, freqs)[:, None, :]  # broadcast over heads
-    return rotate_pairs(x, angles).to(x.dtype)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, freqs: RopeFreqs) -> torch.Tensor:
+    """RoPE on ``x`` (..., T, n_heads, head_dim) at ``positions`` (T, 3); returns x's dtype."""
+    return rotate(x, *rope_rotation(positions, freqs)).to(x.dtype)
 
 
 def frame_positions(t: int, grid: tuple[int, int], n_audio_tokens: int, device: torch.device | str = "cpu") -> torch.Tensor:

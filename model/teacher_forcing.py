@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from model.config import ModelConfig
 from model.dit import DiT
-from model.rope import RopeFreqs, apply_rope, frame_positions, rope_freqs
+from model.rope import RopeFreqs, frame_positions, rope_freqs, rope_rotation, rotate
 from model.sampler import noised
 
 
@@ -47,12 +47,13 @@ class MaskedSelfAttention:
     """Self-attention over the whole clip sequence with RoPE at fixed positions and a mask."""
 
     def __init__(self, positions: torch.Tensor, mask: torch.Tensor, freqs: RopeFreqs) -> None:
-        self.positions, self.mask, self.freqs = positions, mask, freqs
+        self.mask = mask
+        self.rotation = rope_rotation(positions, freqs)  # computed once, used by every layer
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         shape = q.shape  # (B, F, T, H, D)
         q, k, v = (x.flatten(1, 2) for x in (q, k, v))  # (B, S, H, D)
-        q, k = apply_rope(q, self.positions, self.freqs), apply_rope(k, self.positions, self.freqs)
+        q, k = rotate(q, *self.rotation).to(q.dtype), rotate(k, *self.rotation).to(k.dtype)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=self.mask)
         return out.transpose(1, 2).reshape(shape)
 
