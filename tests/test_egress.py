@@ -154,7 +154,13 @@ def test_bad_input_is_refused_and_other_sessions_keep_running():
 
     async def main():
         factory = card_factory()
-        server = EgressServer(EgressConfig(port=0, client_timeout_s=1.5, ping_interval_s=0.25), factory,
+        calls = []
+
+        async def counting_factory(session_id):
+            calls.append(session_id)
+            return await factory(session_id)
+
+        server = EgressServer(EgressConfig(port=0, client_timeout_s=1.5, ping_interval_s=0.25), counting_factory,
                               access_key="k")
         url = await server.start()
         out = {}
@@ -167,6 +173,7 @@ def test_bad_input_is_refused_and_other_sessions_keep_running():
             out["bad_sdp"] = await post(http, url, "/offer", json.dumps(
                 {"token": out["key"][1]["token"], "sdp": "v=0\r\nthis is not sdp", "type": "offer"}))
             out["after_bad_sdp"] = dict(server.sessions)
+            out["factory_calls_after_bad_sdp"] = len(calls)
 
         speech = (3000 * np.sin(2 * np.pi * 220 * np.arange(TIMELINE_RATE) / TIMELINE_RATE)).astype(np.int16)
         a = EgressClient(mic=AudioSamplesTrack(speech, loop=True))
@@ -212,7 +219,7 @@ def test_bad_input_is_refused_and_other_sessions_keep_running():
     assert out["wrong_token"] == (403, {"error": "unknown session token"})
     assert out["no_key"][0] == 403
     assert out["bad_sdp"][0] == 400 and "offer" in out["bad_sdp"][1]["error"]
-    assert out["after_bad_sdp"] == {}  # the failed session was released
+    assert out["after_bad_sdp"] == {} and out["factory_calls_after_bad_sdp"] == 0  # released, no pipeline started
     assert out["replay"] == 409
     assert out["b_closed"]
     assert out["a_still_streaming"] >= 18

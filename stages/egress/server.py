@@ -29,7 +29,7 @@ from typing import Any
 
 import structlog
 from aiohttp import web
-from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCRtpSender, RTCSessionDescription
+from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCRtpSender, RTCSessionDescription, sdp
 from aiortc.mediastreams import MediaStreamTrack
 
 from pipeline.config import EgressConfig
@@ -96,6 +96,7 @@ class PeerSession:
     async def answer(self, offer: RTCSessionDescription) -> RTCSessionDescription:
         config = self.server.config
         self.state = "active"
+        _check_offer(offer.sdp)  # before the factory: a bad offer must not start a pipeline
         self.media = await self.server.factory(self.session_id)
         start = TrackStart(self.media.output)
         self.video = PlayoutVideoTrack(start)
@@ -117,7 +118,7 @@ class PeerSession:
         except Exception as e:  # aiortc raises ValueError/OperationError/... for a bad SDP
             raise OfferError(400, f"offer SDP rejected: {type(e).__name__}: {e}") from e
         if video_transceiver.mid is None or audio_transceiver.mid is None:
-            raise OfferError(400, "offer must have one audio and one video media section")
+            raise OfferError(400, "offer's audio/video sections do not match the session's tracks")
         await pc.setLocalDescription(await pc.createAnswer())
         self.tasks.append(asyncio.create_task(self._keepalive(), name=f"keepalive-{self.session_id}"))
         self.last_heard = time.monotonic()
@@ -331,6 +332,15 @@ class EgressServer:
             return _error(403, "unknown session token")
         await self.close_session(session.session_id, "client hung up")
         return web.json_response({"closed": session.session_id})
+
+
+def _check_offer(text: str) -> None:
+    try:
+        kinds = sorted(m.kind for m in sdp.SessionDescription.parse(text).media)
+    except Exception as e:  # aiortc's parser raises whatever the malformed line triggers
+        raise OfferError(400, f"offer SDP rejected: {type(e).__name__}: {e}") from e
+    if kinds != ["application", "audio", "video"]:
+        raise OfferError(400, f"offer must have one audio, one video and one data-channel section, got {kinds}")
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:
