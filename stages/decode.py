@@ -105,10 +105,6 @@ class DecodeStage(Stage):
         log("decode_ready", preset=self.preset, device=self.device, dtype=self.dtype, weights=path or "random")
 
     def _load(self, path: str | None) -> Decoder:
-        if self.threads:
-            import torch
-
-            torch.set_num_threads(self.threads)
         return load_decoder(self.preset, path, self.device, self.dtype, self.seed)
 
     def _zero_latent(self) -> np.ndarray:
@@ -117,9 +113,10 @@ class DecodeStage(Stage):
     def _decode(self, latent: np.ndarray, state: CausalState | None) -> tuple[np.ndarray, CausalState]:
         import torch
 
+        from model.threads import intra_op_threads
         from model.vae import to_uint8_frames
 
-        with torch.inference_mode():
+        with intra_op_threads(self.threads), torch.inference_mode():
             z = torch.tensor(latent, device=self.device, dtype=getattr(torch, self.dtype))  # copies: inputs are read-only
             frames, state = self.decoder.decode_chunk(z, state)
             return to_uint8_frames(frames).cpu().numpy(), state

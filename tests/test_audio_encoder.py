@@ -123,6 +123,19 @@ def test_bf16_encoder_keeps_an_fp32_front_end(encoder: AudioEncoder) -> None:
     assert ((tokens.float() - ref).norm() / ref.norm()).item() < 0.05
 
 
+def test_encode_fn_uses_one_thread_and_restores_the_setting(encoder: AudioEncoder, monkeypatch) -> None:
+    seen: list[int] = []
+    original = encoder.encode_window
+    monkeypatch.setattr(encoder, "encode_window", lambda w: (seen.append(torch.get_num_threads()), original(w))[1])
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        make_encode_fn(encoder)(np.zeros(encoder.window_samples, np.int16))
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_rms_envelope_per_video_frame() -> None:
     t = np.arange(3 * SAMPLES_PER_FRAME + 500) / TIMELINE_RATE
     audio = (0.25 * 32768 * np.sin(2 * np.pi * 480 * t)).astype(np.int16)
