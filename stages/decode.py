@@ -97,6 +97,10 @@ class DecodeStage(Stage):
         config_device = getattr(getattr(ctx.config, "decode", None), "device", None)
         self.device = self.device_name or config_device or "cpu"
         self.dtype = self.dtype_name or ("bfloat16" if self.device.startswith("cuda") else "float32")
+        if self.threads is None and self.device == "cpu":
+            # On CPU the decoder overlaps the diffusion step (chunk n while n + 1 diffuses): one
+            # thread each instead of two OpenMP teams spinning against each other on the same cores.
+            self.threads = 1
         self._limiter = anyio.CapacityLimiter(1)
         path = await anyio.to_thread.run_sync(weights_path, self.preset, self.weights, limiter=self._limiter)
         self.decoder = await anyio.to_thread.run_sync(self._load, path, limiter=self._limiter)
