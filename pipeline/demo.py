@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,6 +92,40 @@ def recorder(path: Path):
             super().audio(samples)
 
     return VideoFirstRecorder(path)
+
+
+class ClientThread:
+    """The in-process aiortc client on an event loop of its own, in its own thread.
+
+    On one loop with the server and the pipeline, the client's per-packet work (decryption, jitter
+    buffer, decode, mp4 encode, frame reports) queues behind theirs; on a starved CPU that backlog
+    reached seconds, enough for ICE consent checks (0.5 s timeout) to expire and the call to drop.
+    Its own loop keeps each side's packets flowing; they still share the process and the GIL.
+    """
+
+    def __init__(self, record_path: Path) -> None:
+        from stages.egress.client import EgressClient
+
+        self.client = EgressClient()
+        self.client.recorder = recorder(record_path)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="demo-client", daemon=True)
+        self.thread.start()
+
+    async def _call(self, coroutine):
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coroutine, self.loop))
+
+    async def connect(self, url: str, token: str) -> None:
+        await self._call(self.client.connect(url, token))
+
+    async def close(self) -> None:
+        """Hang up and finish session.mp4; the thread ends."""
+        try:
+            await self._call(self.client.close())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            await asyncio.to_thread(self.thread.join)
+            self.loop.close()
 
 
 def plan(args: argparse.Namespace) -> DemoPlan:
@@ -210,8 +245,9 @@ async def wait_for_client(client, peer, end_index: int, timeout: float = CLIENT_
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         first = peer.video.start.index  # both tracks start at this output frame
-        video = peer.video.frame_index(client.video[-1].rtp) if client.video else None
-        audio_samples = sum(len(a.samples) for a in client.audio)
+        received_video, received_audio = list(client.video), list(client.audio)  # appended by the client's thread
+        video = peer.video.frame_index(received_video[-1].rtp) if received_video else None
+        audio_samples = sum(len(a.samples) for a in received_audio)
         if first is not None and video is not None and video >= end_index \
                 and first + audio_samples // SAMPLES_PER_FRAME >= end_index:
             return
@@ -222,7 +258,6 @@ async def wait_for_client(client, peer, end_index: int, timeout: float = CLIENT_
 async def run_demo(args: argparse.Namespace) -> int:
     from pipeline.session import LiveSession, session_factory
     from pipeline.trace_report import render_table, write_report
-    from stages.egress.client import EgressClient
     from stages.egress.server import EgressServer
 
     demo = plan(args)
@@ -254,8 +289,7 @@ async def run_demo(args: argparse.Namespace) -> int:
             await ready.wait()
         else:
             _, token = server.create_session()
-            client = EgressClient()
-            client.recorder = recorder(out / "session.mp4")
+            client = ClientThread(out / "session.mp4")
             await client.connect(url, token)
         session = sessions[0]
         progress = Progress(demo.script, session.session_id)
@@ -263,7 +297,8 @@ async def run_demo(args: argparse.Namespace) -> int:
         try:
             await asyncio.wait_for(watch_conversation(session, len(demo.script), progress), timeout)
             if client is not None:
-                await wait_for_client(client, server.sessions.get(client.session_id), session.output.next_index)
+                await wait_for_client(client.client, server.sessions.get(client.client.session_id),
+                                      session.output.next_index)
         except TimeoutError:
             tqdm.write(f"charstream demo: gave up after {timeout:.0f} s")
     finally:
