@@ -96,7 +96,7 @@ def pipecat_run():
     async def settle(start: int) -> None:
         """Wait until the speech from ``start`` on stops growing (CPU speed varies: no fixed sleeps)."""
         count, since = -1, time.monotonic()
-        while time.monotonic() - since < 2.0:
+        while time.monotonic() - since < 1.5:
             if spoken(start) != count:
                 count, since = spoken(start), time.monotonic()
             await asyncio.sleep(0.05)
