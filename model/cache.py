@@ -140,9 +140,6 @@ class KVCache:
             self.ring_valid, self.sink_slots, self.tokens_per_frame,
         )
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.k_scale, self.v_scale))
-
 
 def _pair_amax(k: torch.Tensor) -> torch.Tensor:
     """Per head: the largest norm of an interleaved RoPE pair, (n_heads,)."""
