@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import threading
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,22 +44,34 @@ _load_lock = threading.Lock()
 def load_silero() -> torch.jit.ScriptModule:
     """A fresh silero-vad JIT model (each stream needs its own: the model holds its recurrent state)."""
     with _load_lock:
-        from silero_vad import load_silero_vad
-
-        # One intra-op thread, as silero's own import sets for the whole process: with two threads
-        # on a busy 2-core machine the OpenMP workers spin against each other and a 32 ms window
-        # took up to 150 ms instead of 0.5-1 ms (measured). Processes that run CPU diffusion
-        # beside the VAD must set their own thread count after this.
-        torch.set_num_threads(1)
+        threads = torch.get_num_threads()
         with warnings.catch_warnings():  # torch 2.13 deprecates torch.jit.load, which silero uses
             warnings.simplefilter("ignore", DeprecationWarning)
+            from silero_vad import load_silero_vad
+
             model = load_silero_vad(onnx=False)
+        # silero's import sets one thread for the whole process: give the other stages theirs back
+        # (the VAD sets its own around each call, see _one_thread)
+        torch.set_num_threads(threads)
     model.eval()
-    with torch.inference_mode():  # the JIT profiles and optimises its first runs: do them now
+    with _one_thread(), torch.inference_mode():  # the JIT profiles and optimises its first runs: do them now
         for _ in range(8):
             model(torch.zeros(WINDOW), VAD_RATE)
     model.reset_states()
     return model
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """One intra-op thread around VAD work, restored after: with two threads on a busy 2-core
+    machine the OpenMP workers spin against each other and a 32 ms window took up to 150 ms
+    instead of 0.5-1 ms (measured). Set per call: with OpenMP the setting is per calling thread."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 @dataclass
@@ -109,14 +123,15 @@ class UserAudioVAD:
             audio = self._resampler.push(audio)
         self._pending = np.concatenate([self._pending, audio])
         events = []
-        while len(self._pending) >= WINDOW:
-            window, self._pending = self._pending[:WINDOW], self._pending[WINDOW:]
-            with torch.inference_mode():
-                p = float(self._model(torch.from_numpy(window.copy()), VAD_RATE))
-            event = self._step(p)
-            if event is not None:
-                events.append(event)
-            self._n_windows += 1
+        if len(self._pending) < WINDOW:
+            return events
+        with _one_thread(), torch.inference_mode():
+            while len(self._pending) >= WINDOW:
+                window, self._pending = self._pending[:WINDOW], self._pending[WINDOW:]
+                event = self._step(float(self._model(torch.from_numpy(window.copy()), VAD_RATE)))
+                if event is not None:
+                    events.append(event)
+                self._n_windows += 1
         return events
 
     def _wall(self, window_index: int) -> float:
