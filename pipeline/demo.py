@@ -166,7 +166,9 @@ def plan(args: argparse.Namespace) -> DemoPlan:
     config.tracing.otlp_endpoint = args.otlp_endpoint or config.tracing.otlp_endpoint
     config.tracing.prometheus_port = args.metrics_port
     config.ingest.script = script
-    config.ingest.lead_in_s = 1.0  # the stream settles (first steps, WebRTC start) before the user speaks
+    # The user speaks once the stream is up (model warm-up, first chunks buffered, WebRTC): the
+    # recording then holds the whole conversation, even on a slow machine.
+    config.ingest.lead_in_s = 3.0
     config.egress.port = args.port if args.serve else 0
     # Client reports are matched to released frames by index: keep 10 s of them, so a client that
     # lags on a busy machine still gets its turns stamped.
