@@ -3,7 +3,8 @@
 ``GraphedDecoder(decoder)`` keeps the decoder's causal history in static buffers that the graph
 updates in place, and writes each chunk's uint8 frames (frames_per_chunk, H, W, 3) into a static
 output, so a chunk costs one graph replay. ``snapshot()``/``restore()`` copy the history out and back
-for a rollback (the eager decoder's immutable ``CausalState`` does the same by reference).
+for a rollback (the eager decoder's immutable ``CausalState`` does the same by reference);
+``decode_chunk(latent, state)`` is ``Decoder.decode_chunk``'s contract on top of them (uint8 frames out).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ class GraphedDecoder:
             _, first = self.decoder.decode_chunk(self.latent)  # the history's shapes
         self.history = [torch.zeros_like(c) for c in first.caches]
         self.frames: torch.Tensor | None = None
+        self.seen = 0  # latent frames the history holds
+        self.live: CausalState | None = None  # the snapshot equal to the history buffers now
         self.graph = torch.cuda.CUDAGraph()
         self._capture()
 
@@ -54,14 +57,30 @@ class GraphedDecoder:
         self.graph.replay()
         return self.frames
 
+    @torch.inference_mode()
+    def decode_chunk(self, latent: torch.Tensor, state: CausalState | None = None) -> tuple[torch.Tensor, CausalState]:
+        """``Decoder.decode_chunk`` on the graph: continue from ``state`` (None: a fresh session), return
+        the uint8 frames (a static buffer) and the state after this chunk (a copy of the history, so a
+        rollback can return to it). Continuing from the last returned state costs no copy back."""
+        if state is None:
+            self.reset()
+        elif state is not self.live:
+            self.restore(state)
+        frames = self.decode(latent)
+        self.seen += 1
+        self.live = self.snapshot()
+        return frames, self.live
+
     def reset(self) -> None:
         """A new session: zero history."""
         for h in self.history:
             h.zero_()
+        self.seen, self.live = 0, None
 
-    def snapshot(self) -> list[torch.Tensor]:
-        return [h.clone() for h in self.history]
+    def snapshot(self) -> CausalState:
+        return CausalState(tuple(h.clone() for h in self.history), self.seen)
 
-    def restore(self, saved: list[torch.Tensor]) -> None:
-        for h, s in zip(self.history, saved, strict=True):
+    def restore(self, saved: CausalState) -> None:
+        for h, s in zip(self.history, saved.caches, strict=True):
             h.copy_(s)
+        self.seen, self.live = saved.frames, saved

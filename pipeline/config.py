@@ -58,18 +58,21 @@ class DiffusionConfig:
     seed: int = 0
     fp8_cache: bool = False  # CPU default keeps the bf16 ring; GPUs use FP8 e4m3
     fused_gemm_allreduce: bool = True  # overlapped GEMM + all-reduce at the steady shape (TP > 1 only)
+    graphed_step: bool = True  # one CUDA device (TP = 1): the fused CUDA-graphed step (model/graphed_step.py)
+    gathered_attention: bool | None = None  # full window: dequantise + cuDNN SDPA; None = graphed_step.GATHERED_BY_DEFAULT
 
 
 @dataclass
 class DecodeConfig:
     device: str = "cpu"
+    graphed: bool = True  # on CUDA: the decoder as one CUDA graph per chunk (model/graphed_decoder.py)
 
 
 @dataclass
 class PlayoutConfig:
     target_depth_chunks: int = 2  # chunks queued behind the playing one: absorbs a stall of this many chunks
     max_depth_chunks: int = 8  # a full buffer withholds credit from decode (backpressure)
-    history_frames: int = 48  # released frames kept for egress readers and client-report lookups
+    history_frames: int = 48  # released frames (pixels + audio) kept for egress readers that start late
 
 
 @dataclass

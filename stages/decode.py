@@ -9,6 +9,10 @@ state of the last committed chunk, so the frames on screen stay continuous. Data
 is dropped; data of a newer epoch than the last ROLLBACK seen (the control message was overtaken)
 rolls back implicitly to its own chunk.
 
+On CUDA (``decode.graphed``, the default) a chunk is one replay of ``model.graphed_decoder.GraphedDecoder``
+(bf16, channels-last): its history lives in static buffers, so each kept state is a copy of them
+(``snapshot``) and a rollback copies the wanted one back; on CPU the eager decoder runs.
+
 Decoding runs in a worker thread (torch releases the GIL), so the event loop keeps serving
 heartbeats and control while a chunk decodes; the stage runs in its own process group in the
 ``processes`` placement (``pipeline/session.py``) or beside the others ``inproc``. torch itself is
@@ -33,6 +37,7 @@ from transport.messages import Control, ControlKind, Latents, Message, VideoChun
 if TYPE_CHECKING:
     import torch
 
+    from model.graphed_decoder import GraphedDecoder
     from model.vae import CausalState, Decoder
 
 DECODER_PREFIX = "vae.decoder."  # the decoder's tensors in the packaged weights (pipeline/training/checkpoint.py)
@@ -82,20 +87,24 @@ class DecodeStage(Stage):
     name = "decode"
 
     def __init__(self, preset: str = "tiny", weights: str | None = "packaged", device: str | None = None,
-                 dtype: str | None = None, seed: int = 0, keep_states: int = 16, threads: int | None = None) -> None:
+                 dtype: str | None = None, seed: int = 0, keep_states: int = 16, threads: int | None = None,
+                 graphed: bool | None = None) -> None:
         self.cfg = get_preset(preset)
         self.preset, self.weights, self.seed = preset, weights, seed
         self.device_name, self.dtype_name, self.threads = device, dtype, threads
+        self.graphed_arg = graphed
         self.keep_states = keep_states  # more than playout can hold unplayed: a rollback target is always kept
         self.epoch = 0
-        self.decoder: Decoder | None = None
+        self.decoder: Decoder | GraphedDecoder | None = None
         self._states: OrderedDict[int, CausalState] = OrderedDict()  # chunk -> state after decoding it
         self._limiter: anyio.CapacityLimiter | None = None
         self.stats = DecodeStats()
 
     async def setup(self, ctx: StageContext) -> None:
-        config_device = getattr(getattr(ctx.config, "decode", None), "device", None)
-        self.device = self.device_name or config_device or "cpu"
+        section = getattr(ctx.config, "decode", None)
+        self.device = self.device_name or getattr(section, "device", None) or "cpu"
+        graphed = self.graphed_arg if self.graphed_arg is not None else getattr(section, "graphed", True)
+        self.graphed = graphed and self.device.startswith("cuda")
         self.dtype = self.dtype_name or ("bfloat16" if self.device.startswith("cuda") else "float32")
         if self.threads is None and self.device == "cpu":
             # On CPU the decoder overlaps the diffusion step (chunk n while n + 1 diffuses): one
@@ -106,10 +115,18 @@ class DecodeStage(Stage):
         self.decoder = await anyio.to_thread.run_sync(self._load, path, limiter=self._limiter)
         await anyio.to_thread.run_sync(self._decode, self._zero_latent(), None, limiter=self._limiter)  # warm-up
         log = ctx.log.info if path else ctx.log.warning
-        log("decode_ready", preset=self.preset, device=self.device, dtype=self.dtype, weights=path or "random")
+        log("decode_ready", preset=self.preset, device=self.device, dtype=self.dtype, weights=path or "random",
+            graphed=self.graphed)
 
-    def _load(self, path: str | None) -> Decoder:
-        return load_decoder(self.preset, path, self.device, self.dtype, self.seed)
+    def _load(self, path: str | None) -> Decoder | GraphedDecoder:
+        decoder = load_decoder(self.preset, path, self.device, self.dtype, self.seed)
+        if not self.graphed:
+            return decoder
+        import torch
+
+        from model.graphed_decoder import GraphedDecoder
+
+        return GraphedDecoder(decoder, getattr(torch, self.dtype))
 
     def _zero_latent(self) -> np.ndarray:
         return np.zeros((self.cfg.latent_channels, self.cfg.latent_height, self.cfg.latent_width), np.float32)
@@ -122,8 +139,12 @@ class DecodeStage(Stage):
 
         with intra_op_threads(self.threads), torch.inference_mode():
             z = torch.tensor(latent, device=self.device, dtype=getattr(torch, self.dtype))  # copies: inputs are read-only
-            frames, state = self.decoder.decode_chunk(z, state)
-            return to_uint8_frames(frames).cpu().numpy(), state
+            if self.graphed:  # uint8 frames already, in a buffer the next chunk overwrites
+                frames, state = self.decoder.decode_chunk(z, state)
+            else:
+                video, state = self.decoder.decode_chunk(z, state)
+                frames = to_uint8_frames(video)
+            return frames.cpu().numpy(), state
 
     def _state_before(self, chunk: int, ctx: StageContext) -> CausalState | None:
         """The decoder state after chunk ``chunk - 1``; none kept means the session (re)starts here."""

@@ -12,6 +12,13 @@ newer epoch than any ROLLBACK seen (the control was overtaken) rolls back implic
 Steps and rollbacks run one at a time in a worker thread (torch releases the GIL), so the event
 loop keeps serving heartbeats and control meanwhile; with ``diffusion.tp > 1`` the generator is
 rank 0 of a TP group (pipeline/tp_group.py) whose other ranks are processes of their own.
+
+On one CUDA device (TP = 1, bf16 model, FP8 ring) a step is the fused, CUDA-graphed
+``model.graphed_step.ShardStep``, captured once after ``reset_session``. The graph reads the ring
+pointer, time position, ring validity and window order from device tensors that ``set_inputs``
+rewrites every step, and the cache's storage is never reallocated, so the one capture stays valid
+across rollbacks (host bookkeeping only) and position resets (the delta rotation runs in place,
+outside the graph, in ``begin_frame``). Elsewhere the eager ``Generator.step`` runs.
 """
 
 from __future__ import annotations
@@ -74,14 +81,17 @@ class DiffusionStage(Stage):
 
     def __init__(self, preset: str = "tiny", weights: str | None = "packaged", device: str | None = None,
                  dtype: str | None = None, seed: int | None = None, identity: int = 0,
-                 fp8_cache: bool | None = None, tp: int | None = None, threads: int | None = None) -> None:
+                 fp8_cache: bool | None = None, tp: int | None = None, threads: int | None = None,
+                 graphed: bool | None = None, gathered_attention: bool | None = None) -> None:
         self.cfg = get_preset(preset)
         self.preset, self.weights, self.identity = preset, weights, identity
         self.device_name, self.dtype_name, self.seed_arg = device, dtype, seed
         self.fp8_arg, self.tp_arg, self.threads = fp8_cache, tp, threads
+        self.graphed_arg, self.gathered_arg = graphed, gathered_attention
         self.epoch = 0
         self.first_chunk: int | None = None
         self.generator: Any = None  # model.generator.Generator or pipeline.tp_group.TPGenerator
+        self.shard_step: Any = None  # model.graphed_step.ShardStep when the step runs as a CUDA graph
         self._limiter: anyio.CapacityLimiter | None = None
         self.stats = DiffusionStats()
 
@@ -92,12 +102,14 @@ class DiffusionStage(Stage):
         self.seed = self.seed_arg if self.seed_arg is not None else getattr(section, "seed", 0)
         self.tp = self.tp_arg or getattr(section, "tp", 1)
         self.fp8 = self.fp8_arg if self.fp8_arg is not None else getattr(section, "fp8_cache", self.device.startswith("cuda"))
+        self.graphed = self.graphed_arg if self.graphed_arg is not None else getattr(section, "graphed_step", True)
+        self.gathered = self.gathered_arg if self.gathered_arg is not None else getattr(section, "gathered_attention", None)
         self.cfg.validate(self.tp)  # a bad TP size fails here, with the config's message
         self._limiter = anyio.CapacityLimiter(1)
         path = await anyio.to_thread.run_sync(self._load, limiter=self._limiter)
         log = ctx.log.info if path else ctx.log.warning
         log("diffusion_ready", preset=self.preset, device=self.device, dtype=self.dtype, tp=self.tp,
-            fp8_cache=self.fp8, weights=path or "random")
+            fp8_cache=self.fp8, weights=path or "random", graphed_step=self.shard_step is not None)
 
     def _load(self) -> str | None:
         import torch
@@ -119,6 +131,12 @@ class DiffusionStage(Stage):
             self.generator = Generator(self.cfg, path, self.device, None, dtype, self.fp8, seed=self.seed)
         self.reference = reference_latent(self.preset, path, self.identity, self.device)
         self.generator.reset_session(self.reference)
+        if self.graphed and self.tp == 1 and self.device.startswith("cuda") and self.fp8 and self.dtype == "bfloat16":
+            from model.graphed_step import GATHERED_BY_DEFAULT, ShardStep
+
+            gathered = GATHERED_BY_DEFAULT if self.gathered is None else self.gathered
+            self.shard_step = ShardStep(self.generator.model, self.generator.cache, prefer_gathered=gathered)
+            self.shard_step.capture()
         return path
 
     def _step(self, audio_tokens: np.ndarray, frame: int, seed: int, rewind: bool) -> np.ndarray:
@@ -126,7 +144,8 @@ class DiffusionStage(Stage):
 
         if rewind:  # an implicit rollback: the chunk's epoch is ahead of any ROLLBACK seen
             self._rewind_to(frame)
-        latent = self.generator.step(torch.from_numpy(np.array(audio_tokens, dtype=np.float32)), seed)
+        step = self.shard_step.step if self.shard_step is not None else self.generator.step
+        latent = step(torch.from_numpy(np.array(audio_tokens, dtype=np.float32)), seed)
         return latent.float().cpu().numpy()
 
     def _rewind_to(self, frame: int) -> None:
@@ -200,4 +219,4 @@ class DiffusionStage(Stage):
         close = getattr(self.generator, "close", None)
         if close is not None:
             await anyio.to_thread.run_sync(close)
-        self.generator = None
+        self.generator = self.shard_step = None
