@@ -65,6 +65,18 @@ class ReleasedFrame:
     released_at: float  # wall clock (time.time()) of the release
 
 
+@dataclass
+class FrameRecord:
+    """What is remembered of a released frame after its pixels are gone (client-report lookups)."""
+
+    index: int
+    chunk: int | None
+    frame_in_chunk: int
+    first_speaking: bool
+    trace: TraceContext | None
+    released_at: float
+
+
 class PlayoutOutput:
     """The frames one session's playout released: a bounded history read by output index.
 
@@ -72,9 +84,11 @@ class PlayoutOutput:
     that starts late or falls behind costs no memory: it resumes at the oldest frame still held.
     """
 
-    def __init__(self, history_frames: int = 48) -> None:
+    def __init__(self, history_frames: int = 48, record_frames: int = 30 * VIDEO_FPS) -> None:
         self.history_frames = history_frames
         self._history: deque[ReleasedFrame] = deque(maxlen=history_frames)
+        # Small per-frame records for longer: a client's report may come seconds after the frame.
+        self._records: deque[FrameRecord] = deque(maxlen=record_frames)
         self.next_index = 0
         self.t0: float | None = None  # monotonic deadline of frame 0
         self.closed = False
@@ -97,6 +111,8 @@ class PlayoutOutput:
 
     def publish(self, frame: ReleasedFrame) -> None:
         self._history.append(frame)
+        self._records.append(FrameRecord(frame.index, frame.chunk, frame.frame_in_chunk, frame.first_speaking,
+                                         frame.trace, frame.released_at))
         self.next_index = frame.index + 1
         self._wake()
 
@@ -110,11 +126,11 @@ class PlayoutOutput:
         oldest = self._history[0].index
         return self._history[max(index, oldest) - oldest]
 
-    def find(self, index: int) -> ReleasedFrame | None:
-        """A released frame still in history, or None."""
-        if not self._history or not self._history[0].index <= index < self.next_index:
+    def record(self, index: int) -> FrameRecord | None:
+        """The record of a released frame from the last ``record_frames``, or None."""
+        if not self._records or not self._records[0].index <= index < self.next_index:
             return None
-        return self._history[index - self._history[0].index]
+        return self._records[index - self._records[0].index]
 
     def close(self) -> None:
         self.closed = True

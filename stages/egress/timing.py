@@ -26,8 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from stages.playout import PlayoutOutput, ReleasedFrame
-from transport.messages import TraceContext
+from stages.playout import FrameRecord, PlayoutOutput
+from transport.messages import VIDEO_FPS, TraceContext
 
 
 class BadReport(ValueError):
@@ -100,7 +100,7 @@ class ClientTiming:
         presented_client = _number(msg, "presented_ms") / 1e3
         self.frames_reported += 1
         index = self.frame_index(int(rtp))
-        frame = self.output.find(index) if index is not None else None
+        frame = self.output.record(index) if index is not None else None
         if frame is None or not self.clock.known:
             self.unmatched_reports += 1
             return None
@@ -110,12 +110,12 @@ class ClientTiming:
         self._stamp_turn(frame, delivery)
         return delivery
 
-    def _stamp_turn(self, frame: ReleasedFrame, delivery: Delivery) -> None:
+    def _stamp_turn(self, frame: FrameRecord, delivery: Delivery) -> None:
         # The client may skip the exact frame (requestVideoFrameCallback coalesces), so the first
         # presented frame at or after a turn's first speaking frame stands for it.
         first_speaking = None
-        for index in range(max(self._scanned_to, frame.index - self.output.history_frames), frame.index + 1):
-            released = self.output.find(index)
+        for index in range(max(self._scanned_to, frame.index - VIDEO_FPS * 5), frame.index + 1):
+            released = self.output.record(index)
             if released is not None and released.first_speaking and released.trace is not None:
                 first_speaking = released
         self._scanned_to = max(self._scanned_to, frame.index + 1)
