@@ -56,7 +56,12 @@ def mouth_openness(frames: np.ndarray) -> np.ndarray:
     if f.shape[1] != 3:
         f = f.transpose(0, 3, 1, 2)
     y0, y1, x0, x1 = MOUTH_BOX
-    box = f[:, :, y0:y1, x0:x1].astype(np.float32) / 255.0
+    return box_openness(f[:, :, y0:y1, x0:x1])
+
+
+def box_openness(box_u8: np.ndarray) -> np.ndarray:
+    """Openness of mouth-box crops, uint8 (T, 3, h, w): the soft share of near-black pixels."""
+    box = np.asarray(box_u8).astype(np.float32) / 255.0
     luma = 0.299 * box[:, 0] + 0.587 * box[:, 1] + 0.114 * box[:, 2]
     dark = 1.0 / (1.0 + np.exp((luma - DARK_LUMA) / 0.04))
     return dark.mean(axis=(1, 2))

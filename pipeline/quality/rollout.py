@@ -8,13 +8,12 @@ A ``GateConfig`` names the cache mode the DiT runs with:
 - ``rope_off_by_one``: every frame's keys are written one frame later in time than its queries.
 
 Audio tokens come from the trained audio encoder over the whole clip (equal to the streamed
-windows, model/audio_encoder.py); frames from the VAE decoder streamed chunk by chunk.
+windows, model/audio_encoder.py); frames from the causal VAE decoder over blocks of latents.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -26,9 +25,10 @@ from model.generator import Generator
 from model.naive import NaiveGenerator
 from model.vae import to_uint8_frames
 from model.weights import build_model, packaged_weights
-from pipeline.quality.lipsync import SyncScore, mouth_openness, speech_envelope, sync_score
+from pipeline.quality.lipsync import SyncScore, box_openness, mouth_openness, speech_envelope, sync_score
 from pipeline.training.checkpoint import load_audio_encoder, load_vae
 from pipeline.training.data import make_script, reference_frame
+from pipeline.training.render import MOUTH_BOX, Motion, make_identity, render
 from transport.messages import SAMPLES_PER_CHUNK, VIDEO_FPS
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -47,6 +47,7 @@ class GateConfig:
     weights: str | None = None  # default: the packaged model/assets/tiny.safetensors
     device: str = "cpu"
     identity: int = 0  # the character every clip is generated with (the demo's)
+    graphed: bool = False  # CUDA only: the step as one CUDA graph (model/graphed_step.py), as the GPU demo runs
 
     def __post_init__(self) -> None:
         if self.cache not in CACHES:
@@ -57,6 +58,8 @@ class GateConfig:
             raise ValueError(f"config {self.name!r}: dtype {self.dtype!r} is not one of {tuple(DTYPES)}")
         if self.fault is not None and self.cache != "ring":
             raise ValueError(f"config {self.name!r}: faults break the ring cache; cache must be 'ring'")
+        if self.graphed and (self.cache != "ring" or not self.fp8 or self.dtype != "bfloat16" or self.fault):
+            raise ValueError(f"config {self.name!r}: the graphed step is the FP8 ring with a bfloat16 model, unbroken")
 
 
 def load_config(spec: str | Path) -> GateConfig:
@@ -101,6 +104,10 @@ def _break_ring(gen: Generator, fault: str) -> None:
         cache.write = write_late
 
 
+def _frames(motion: Motion, start: int, stop: int) -> Motion:
+    return Motion(*(getattr(motion, f.name)[start:stop] for f in fields(Motion)))
+
+
 class Rollout:
     """One side of the gate: trained weights + a cache mode, generating and scoring clips."""
 
@@ -116,39 +123,65 @@ class Rollout:
         self.device = device
         self.vae = load_vae(self.cfg, weights, device)
         self.audio_encoder = load_audio_encoder(self.cfg, weights, device)
+        # The naive path keeps fp32 weights and computes in ``dtype`` under autocast (its raw K/V
+        # history then holds that dtype too); the ring path builds the model in ``dtype``.
+        self.autocast = dtype != torch.float32 and config.cache == "naive"
+        self.dtype = dtype
         if config.cache == "naive":
-            self.gen = NaiveGenerator(build_model(self.cfg, weights, device, dtype))
+            self.gen = NaiveGenerator(build_model(self.cfg, weights, device, torch.float32))
         else:
             self.gen = Generator(self.cfg, weights, device, dtype=dtype, fp8_cache=config.fp8)
             if config.fault:
                 _break_ring(self.gen, config.fault)
 
     @torch.inference_mode()
-    def frames(self, audio: np.ndarray, seed: int, identity: int | None = None) -> Iterator[np.ndarray]:
-        """Frames (4, H, W, 3) uint8 of each chunk of ``audio`` (48 kHz int16), sampler seeds from ``seed``."""
+    def latents(self, audio: np.ndarray, seed: int, identity: int | None = None) -> torch.Tensor:
+        """Latent frames (n_chunks, C, h, w) for ``audio`` (48 kHz int16); chunk n samples with seed (seed, n)."""
         ident = self.config.identity if identity is None else identity
         ref = reference_frame(ident, self.device).float()[None] / 127.5 - 1.0
-        self.gen.reset_session(self.vae.encode_image(ref)[0])
+        ref_latent = self.vae.encode_image(ref)[0]
         tokens = self.audio_encoder.encode_clip(audio)
-        state = None
-        for n in range(len(audio) // SAMPLES_PER_CHUNK):
-            latent = self.gen.step(tokens[n], seed=seed * 1_000_003 + n)
-            video, state = self.vae.decode(latent[None, None].float(), state)
-            yield to_uint8_frames(video[0]).cpu().numpy()
+        out = []
+        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.autocast):
+            self.gen.reset_session(ref_latent)
+            step = self.gen.step
+            if self.config.graphed:
+                from model.graphed_step import ShardStep
 
-    def openness(self, audio: np.ndarray, seed: int) -> np.ndarray:
-        return np.concatenate([mouth_openness(f) for f in self.frames(audio, seed)])
+                shard = ShardStep(self.gen.model, self.gen.cache)
+                shard.capture()
+                step = shard.step
+            for n in range(len(audio) // SAMPLES_PER_CHUNK):
+                out.append(step(tokens[n], seed=seed * 1_000_003 + n).float())
+        return torch.stack(out)
+
+    @torch.inference_mode()
+    def openness(self, audio: np.ndarray, seed: int, block: int = 64) -> np.ndarray:
+        """Mouth openness per generated frame. The causal decoder runs over blocks of latent frames
+        with its state threaded through, which equals decoding chunk by chunk as the demo does."""
+        latents = self.latents(audio, seed)
+        y0, y1, x0, x1 = MOUTH_BOX
+        state, parts = None, []
+        for start in range(0, latents.shape[0], block):
+            video, state = self.vae.decode(latents[None, start: start + block], state)
+            crop = to_uint8_frames(video[0, :, :, y0:y1, x0:x1])  # (frames, h, w, 3)
+            parts.append(box_openness(crop.permute(0, 3, 1, 2).cpu().numpy()))
+        return np.concatenate(parts)
 
     def score_clip(self, clip_seed: int, rerun_seed: int, n_frames: int) -> SyncScore:
         """Lip sync of held-out clip ``clip_seed`` (speech only: the character is the config's)."""
         audio = make_script(clip_seed, n_frames, "heldout").audio
         return sync_score(self.openness(audio, rerun_seed), speech_envelope(audio))
 
-    def session(self, seed: int, minutes: float) -> tuple[np.ndarray, np.ndarray]:
-        """Mouth openness per frame and the audio of one long held-out session."""
+    def session(self, seed: int, minutes: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One long held-out session: generated mouth openness per frame, the same for the
+        ground-truth render of its speech (the scorer's ceiling, window by window), and the audio."""
         n_frames = int(minutes * 60 * VIDEO_FPS) // 4 * 4
-        audio = make_script(10_000 + seed, n_frames, "heldout").audio
-        return self.openness(audio, seed), audio
+        script = make_script(10_000 + seed, n_frames, "heldout")
+        ident = make_identity(self.config.identity)
+        truth = [mouth_openness(render(ident, _frames(script.motion, start, start + 1200), self.device).cpu().numpy())
+                 for start in range(0, n_frames, 1200)]
+        return self.openness(script.audio, seed), np.concatenate(truth), script.audio
 
     @staticmethod
     def window_scores(openness: np.ndarray, audio: np.ndarray, window_s: float) -> tuple[list[float], list[float]]:
