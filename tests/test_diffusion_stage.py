@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import anyio
 import numpy as np
+import pytest
 import structlog
+import torch
 
 from model.config import TINY
 from stages.base import StageContext
@@ -28,8 +30,9 @@ def _conditioning(chunk: int, epoch: int, speech: bool) -> Conditioning:
     return Conditioning("s1", chunk, tokens, np.zeros(SAMPLES_PER_CHUNK, np.int16), speech, epoch)
 
 
-async def _session(idle_chunks: int, rollback_to: int | None) -> tuple[DiffusionStage, list[Latents]]:
-    stage, out = DiffusionStage("tiny", weights=None, seed=7, fp8_cache=False), []
+async def _session(idle_chunks: int, rollback_to: int | None, device: str = "cpu") -> tuple[DiffusionStage, list[Latents]]:
+    # CPU: the eager generator with a bf16 ring; CUDA: the defaults there (FP8 ring, graphed step)
+    stage, out = DiffusionStage("tiny", weights=None, seed=7, device=device, fp8_cache=False if device == "cpu" else None), []
     ctx = _context(out)
     await stage.setup(ctx)
     for chunk in range(idle_chunks):
@@ -44,13 +47,16 @@ async def _session(idle_chunks: int, rollback_to: int | None) -> tuple[Diffusion
     return stage, out
 
 
-def test_rollback_regenerates_the_chunks_never_played():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_rollback_regenerates_the_chunks_never_played(device):
     async def main():
-        rolled, out = await _session(idle_chunks=5, rollback_to=2)
-        straight, expected = await _session(idle_chunks=3, rollback_to=None)
+        rolled, out = await _session(idle_chunks=5, rollback_to=2, device=device)
+        straight, expected = await _session(idle_chunks=3, rollback_to=None, device=device)
         return rolled, out, straight, expected
 
     rolled, out, straight, expected = anyio.run(main)
+    assert (rolled.shard_step is not None) == (device == "cuda")
     assert [m.chunk for m in out] == [0, 1, 2, 3, 4, 3, 4]
     assert [m.epoch for m in out] == [0, 0, 0, 0, 0, 1, 1]
     assert rolled.stats.stale == 1 and rolled.stats.rollbacks == 1 and rolled.stats.context_lost == 0
