@@ -36,7 +36,7 @@ def _ended(rec, n):
     return sum(e.kind == TurnKind.AGENT_TURN_END for e in rec.turn_events()) >= n
 
 
-async def _run_until(stage, rec, done, also=None, timeout=25.0):
+async def _run_until(stage, rec, done, also=None, timeout=60.0):  # a hang guard, not a speed test
     """Run the ingest stage (and ``also``) until ``done()``; then stop everything."""
     ctx = rec.context()
     await stage.setup(ctx)

@@ -74,7 +74,7 @@ def test_trace_stamps_come_from_the_vad_and_the_first_audio(conversation):
         # the agent thought for THINK_S after the VAD *detected* the end (silence window later)
         detected = [d for kind, at, d in stage.stats.vad_events
                     if kind == "user_speech_end" and at == stamps["user_speech_end"]][0]
-        assert stamps["agent_first_audio"] - detected >= THINK_S - 0.005
+        assert stamps["agent_first_audio"] - detected >= THINK_S - 0.025  # detected_at: within a 20 ms mic frame
         assert stamps["agent_first_audio"] - detected < THINK_S + 1.0  # generous: CI machines are busy
         end_event = [e for e in rec.turn_events() if e.kind == TurnKind.USER_SPEECH_END and e.turn_id == turn_id][0]
         assert end_event.at == stamps["user_speech_end"]
