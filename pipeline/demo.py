@@ -184,7 +184,6 @@ class Progress:
         self.session_id = session_id
         self.bar = tqdm(total=len(script), unit="turn", desc="conversation", dynamic_ncols=True,
                         bar_format="{desc}: {n_fmt}/{total_fmt} turns |{bar}| {elapsed} {postfix}")
-        self.records: list[TurnRecord] = []
 
     def speaking(self, turn_id: int, answer: int) -> None:
         """The character's ``answer``-th reply (0-based) starts: it answers script line ``answer``."""
@@ -192,7 +191,6 @@ class Progress:
         tqdm.write(f"turn {turn_id}: user said “{_short(line)}” → the character answers")
 
     def turn(self, record: TurnRecord) -> None:
-        self.records.append(record)
         seg = intervals(record.stamps, SEGMENTS)
         parts = " · ".join(f"{name} {seg[name] * 1e3:.0f} ms" for name in SEGMENTS if name in seg)
         tqdm.write(f"turn {record.turn_id}: {parts}" + ("" if record.complete else " (incomplete)"))
@@ -313,13 +311,16 @@ async def run_demo(args: argparse.Namespace) -> int:
             await session.stop("demo finished")
 
     result = sessions[0].result if sessions else None
-    if result is not None and not result.ok:
+    if result is None:
+        print("charstream demo: no session ran")
+        return 1
+    if not result.ok:
         print(f"charstream demo: the session failed: {result.error}")
     summary = write_report(out / "trace.jsonl", out)
     print(render_table(summary))
     files = ["trace.jsonl", "report.md", "report.json", "waterfall.png"] + ([] if args.serve else ["session.mp4"])
     print("wrote " + ", ".join(str(out / f) for f in files))
-    if result is None or not result.ok or summary.complete < len(demo.script):
+    if not result.ok or summary.complete < len(demo.script):
         print(f"charstream demo: {summary.complete} of {len(demo.script)} turns have all seven stamps")
         return 1
     return 0
