@@ -191,6 +191,7 @@ def test_bad_input_is_refused_and_other_sessions_keep_running():
         a.channel.send("not json at all")
         a.channel.send(json.dumps({"type": "frame", "rtp": "x"}))
         a.channel.send(json.dumps(["a", "list"]))
+        a.channel.send('{"type": "frame", "rtp": NaN, "presented_ms": 1}')
         b.silent = True  # b vanishes without closing
         out["b_closed"] = await until(lambda: id_b not in server.sessions and id_b not in factory.sessions, 15)
         frames_before = len(a.video)
@@ -225,7 +226,7 @@ def test_bad_input_is_refused_and_other_sessions_keep_running():
     assert out["replay"] == 409
     assert out["b_closed"]
     assert out["a_still_streaming"] >= 18
-    assert out["a_bad_messages"] == 3
+    assert out["a_bad_messages"] == 4
     assert out["mic_frames"] >= 50 and out["mic_rms"] > 1000  # the mic tone arrived at 48 kHz
     assert out["left"] == ({}, {})
 

@@ -167,6 +167,9 @@ class PeerSession:
         except BadReport as e:
             self.bad_messages += 1
             self.log.warning("datachannel_message_dropped", error=str(e), raw=str(raw)[:120])
+        except Exception:  # our bug, not the client's: log it, keep the channel and the session
+            self.bad_messages += 1
+            self.log.exception("datachannel_message_failed", raw=str(raw)[:120])
 
     def _on_turn(self, trace: TraceContext) -> None:
         segments = {name: round(s * 1e3, 1) for name, s in intervals(trace.stamps, SEGMENTS).items()}

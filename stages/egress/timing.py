@@ -20,6 +20,7 @@ Protocol (JSON text messages on the ``timing`` data channel; times are wall-cloc
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from collections.abc import Callable
@@ -36,8 +37,8 @@ class BadReport(ValueError):
 
 def _number(msg: dict[str, Any], key: str) -> float:
     value = msg.get(key)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise BadReport(f"{msg.get('type')!r} message needs a number {key!r}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise BadReport(f"{msg.get('type')!r} message needs a finite number {key!r}, got {value!r}")
     return float(value)
 
 
