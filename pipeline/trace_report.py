@@ -108,14 +108,15 @@ def draw_waterfall(turns: list[dict[str, Any]], path: str | Path) -> None:
                 ax.barh(row, (stamps[b] - stamps[a]) * 1e3, left=(stamps[a] - origin) * 1e3, color=colors[name],
                         label=name if name not in ax.get_legend_handles_labels()[1] else None)
         labels.append(f"turn {t.get('turn_id')}")
+    ax.axvline(REFERENCE["total"] * 1e3, color="0.4", linestyle="--", linewidth=1,
+               label="reference total (median)")
     ax.set_yticks(range(len(turns)), labels)
     ax.invert_yaxis()
     ax.set_xlabel("ms after the user's end of speech")
     ax.set_title("Turn waterfall: user_speech_end → client_first_speaking_frame")
-    if turns:
-        ax.legend(loc="lower right", fontsize="small", ncols=3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    # Below the axes, clear of the bars; bbox_inches="tight" keeps it in the image.
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), fontsize="small", ncols=7, frameon=False)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 
