@@ -198,7 +198,7 @@ class IngestStage(Stage):
         if event.kind == TurnKind.USER_SPEECH_START:
             turn = self._turn or self._last_turn
             if turn is not None and not turn.interrupted and (force_barge_in or self.character_speaking):
-                await self._barge_in(event)
+                await self._barge_in(turn, event)
             if self._user_speaking:  # a second signal for the same utterance (a framework sends two)
                 return
             self._user_speaking = True
@@ -223,24 +223,20 @@ class IngestStage(Stage):
         await ctx.emit(message)
         await self.adapter.notify(message)
 
-    async def _barge_in(self, event: VadEvent) -> None:
-        ctx = self._ctx
-        turn = self._turn or self._last_turn
-        turn_id = turn.turn_id if turn is not None else None
+    async def _barge_in(self, turn: _AgentTurn, event: VadEvent) -> None:
+        ctx, turn_id = self._ctx, turn.turn_id
         now = self.media_now()
         drop_from = -(-now // SAMPLES_PER_CHUNK)  # first chunk boundary at or after now
-        if turn is not None:
-            turn.interrupted = True
+        turn.interrupted = True
         self._speech_until = min(self._speech_until, now - int(self.config.playout_tail_s * TIMELINE_RATE))
         self._wake.set()
         self.stats.interrupts += 1
         ctx.log.info("barge_in", turn_id=turn_id, user_speech_at=event.at, drop_from_chunk=drop_from)
         await ctx.send_control(Control(ctx.session_id, self._next_seq(), ControlKind.INTERRUPT, chunk=drop_from,
                                        detail={"turn_id": turn_id, "at_sample": now}, trace=TraceContext(turn_id)))
-        await ctx.emit(TurnEvent(ctx.session_id, self._next_seq(), TurnKind.INTERRUPT, turn_id or 0, time.time(),
+        await ctx.emit(TurnEvent(ctx.session_id, self._next_seq(), TurnKind.INTERRUPT, turn_id, time.time(),
                                  TraceContext(turn_id)))
-        if turn is not None:
-            await self.adapter.interrupt(turn.ref)
+        await self.adapter.interrupt(turn.ref)
 
     # --- agent events --------------------------------------------------------------------------
 
