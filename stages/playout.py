@@ -8,6 +8,11 @@ holds ``target_depth_chunks × 166.7 ms`` of media ahead of the playhead: an ups
 shorter than that is absorbed. When the buffer runs dry the clock keeps going: the last frame is
 held with silence (an underrun, counted) until the buffer is back at its target depth.
 
+Backpressure: ``process`` waits while the buffer holds ``max_depth_chunks`` (upstream gets no
+credit meanwhile). A rollback wakes that wait (the waiting chunk is then stale), so a runner should
+deliver ``control`` while ``process`` waits; a dispatch loop that awaits ``process`` before taking
+control delays a turn start by up to one chunk (166.7 ms) whenever the buffer is full.
+
 Released frames go to a ``PlayoutOutput``: a bounded history that egress tracks (and recorders)
 read by output index. The output timeline is what the WebRTC tracks stamp as pts, so audio and
 video leave with one clock.
