@@ -8,9 +8,10 @@ spawns and ``"inproc"`` (the CPU demo, tests) keeps in one process. Egress is no
 serves the session's ``PlayoutOutput`` (``stages.playout.session_output``) to a peer connection,
 and ``session_factory`` is what the egress server calls for each new peer.
 
-The user's microphone (a browser's, through egress) is fed to ingest's VAD, except with the scripted
-agent, which plays the user itself. Each session owns a ``TurnTracer``: playout merges the first speaking frame's trace into it, egress
-the client's report; it writes the turn to the trace JSONL and exports OpenTelemetry spans.
+The user's microphone (a browser's, through egress) is fed to ingest's VAD, except with the
+scripted agent, which plays the user itself. Each session owns a ``TurnTracer``: playout merges
+the first speaking frame's trace into it, egress the client's report; it writes the turn to the
+trace JSONL and exports OpenTelemetry spans.
 """
 
 from __future__ import annotations
