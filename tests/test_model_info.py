@@ -41,3 +41,14 @@ def test_weights_round_trip(tmp_path):
         assert torch.equal(a, b), name
     with pytest.raises(ValueError, match="lacks|lack"):
         build_model(TINY.with_(n_blocks=3), tmp_path / "w.safetensors")
+
+
+def test_bench_model_reports_step_and_decode(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "model", "--preset", "tiny", "--steps", "2", "--warmup", "0", "--json", "--out", str(out)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report == json.loads(out.read_text())
+    assert report["passes_per_step"] == 4 and report["steps"] == 2
+    total = report["step"]["median_ms"] + report["decode"]["median_ms"]
+    assert report["step_plus_decode_median_ms"] == pytest.approx(total)
+    assert report["budget_fraction"] == pytest.approx(total / (1000 * 4 / 24))
