@@ -8,7 +8,15 @@ import torch
 
 from model.audio_encoder import AudioEncoder, make_encode_fn, rms_envelope
 from model.config import CHARACTERS_57B, TINY
+from model.threads import intra_op_threads
 from transport.messages import SAMPLES_PER_CHUNK, SAMPLES_PER_FRAME, TIMELINE_RATE
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Small tensors: one intra-op thread is as fast, and immune to a busy machine's core contention."""
+    with intra_op_threads(1):
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import anyio
 import numpy as np
+import pytest
 import structlog
 import torch
 from decode_support import audio_for, latents_for, latents_message
 from structlog.testing import LogCapture
 
+from model.threads import intra_op_threads
 from model.vae import to_uint8_frames
 from pipeline.config import PipelineConfig
 from pipeline.runner import Edge, Graph, Node, run_session
@@ -17,6 +19,13 @@ from stages.decode import DecodeStage, load_decoder
 from transport.messages import Conditioning, Control, ControlKind, Latents, Message, VideoChunk
 
 SEED = 7
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Reference decodes on one intra-op thread, as the stage's CPU default: immune to core contention."""
+    with intra_op_threads(1):
+        yield
 
 
 def reference_frames(sequence: list[tuple[int, int]]) -> np.ndarray:

@@ -7,7 +7,16 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from model.config import CHARACTERS_57B, TINY
+from model.threads import intra_op_threads
 from model.vae import Decoder, VideoVAE, to_uint8_frames
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Small tensors: one intra-op thread is as fast, and immune to a busy machine's core contention."""
+    with intra_op_threads(1):
+        yield
+
 
 SMALL = TINY.with_(height=32, width=32)  # same architecture as tiny, 16x fewer pixels: fast CPU tests
 
