@@ -15,6 +15,7 @@ random FP8 cache: the step's cost does not depend on the values (METHOD.md: neve
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import statistics
@@ -48,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "NCCL over GPUs 0..N-1, gloo on CPU with a scaled model when the host has fewer GPUs)")
     parser.add_argument("--skip", nargs="*", default=[],
                         choices=["ceilings", "sweep", "kernels", "step", "decoder", "pipeline"])
+    parser.add_argument("--section-timeout", type=float, default=0.0,
+                        help="seconds a section may run before every thread's stack is printed and the process "
+                             "exits (0: no limit); the JSON holds the sections finished before it")
 
 
 def _median_ms(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
@@ -302,15 +306,18 @@ def bench_step(cfg: ModelConfig, tp: int, reps: int, sweep: bool):
     step.set_inputs(torch.randn(cfg.n_audio_tokens, cfg.audio_dim), torch.randn(step.noise.shape), cfg.sink_frames + 7)
     if not step.gathered:
         raise RuntimeError("the benchmark cache should hold a full window")
+    _progress(f"step TP={tp}: capture (FP8-QK ring + gathered)")
     step.capture()
     step.gathered = False
     extra = {"step_graphed_ring_qkfp8_ms": _median_ms(lambda: step.run(graphed=True), reps), "attention_options_qkfp8": fp8_options}
     step.attention_options = options
+    _progress(f"step TP={tp}: capture (fp16 ring + gathered)")
     t0 = time.perf_counter()
     step.capture()
     capture_s = time.perf_counter() - t0
     extra["step_graphed_ring_f16_ms"] = _median_ms(lambda: step.run(graphed=True), reps)
     step.gathered = True
+    _progress(f"step TP={tp}: gathered replays, then eager")
     graphed_ms = _median_ms(lambda: step.run(graphed=True), reps)
     graphed_again_ms = _median_ms(lambda: step.run(graphed=True), reps)
     eager_ms = _median_ms(lambda: step.run(graphed=False), max(3, reps // 4), warmup=1)
@@ -342,14 +349,18 @@ def bench_decoder(cfg: ModelConfig, reps: int) -> tuple[dict[str, float], object
     result = {}
     eager32 = Decoder(cfg).cuda().eval()
     with torch.inference_mode():
+        _progress("decoder: eager fp32")
         result["eager_fp32_ms"] = _median_ms(_cycle([lambda z=z: to_uint8_frames(eager32.decode_chunk(z)[0]) for z in latents]),
                                              max(3, reps // 4), warmup=1)
         eager_bf16 = eager32.to(dtype=torch.bfloat16, memory_format=torch.channels_last)
         zb = [z.to(torch.bfloat16) for z in latents]
+        _progress("decoder: eager bf16 channels-last")
         result["eager_bf16_channels_last_ms"] = _median_ms(
             _cycle([lambda z=z: to_uint8_frames(eager_bf16.decode_chunk(z)[0]) for z in zb]), reps)
+    _progress("decoder: graph capture")
     t0 = time.perf_counter()
     graphed = GraphedDecoder(Decoder(cfg).cuda())
+    _progress("decoder: graph replays")
     result["capture_s"] = time.perf_counter() - t0
     result["graphed_bf16_ms"] = _median_ms(_cycle([lambda z=z: graphed.decode(z) for z in latents]), reps)
     return result, graphed
@@ -385,7 +396,9 @@ def bench_pipeline(step, decoder, steps: int) -> dict[str, float]:
 
     alone = _median_ms(lambda: step.run(graphed=True), steps)
     with torch.inference_mode():
+        _progress("pipeline: hand-off only")
         handoff = loop(decode=False)
+        _progress("pipeline: decoder on a second stream")
         overlapped = loop(decode=True)
     return {
         "diffusion_alone_ms": alone,
@@ -396,14 +409,38 @@ def bench_pipeline(step, decoder, steps: int) -> dict[str, float]:
     }
 
 
+def _progress(what: str) -> None:
+    print(f"[bench] {what} {time.strftime('%H:%M:%S')}", flush=True)
+
+
+_SECTION_TIMEOUT_S = 0.0  # set by run(): a hung section dumps every stack and ends the process
+
+
 def _section(results: dict, name: str, fn: Callable[..., object], *args):
+    """Run one section with a progress line each side (flushed: the log shows where a hang is) and,
+    when a limit is set, a watchdog that prints every thread's stack if it runs past it."""
+    _progress(f"{name}: start")
+    t0 = time.perf_counter()
+    if _SECTION_TIMEOUT_S > 0:
+        faulthandler.dump_traceback_later(_SECTION_TIMEOUT_S, exit=True)
     try:
         value = fn(*args)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
     except Exception as exc:  # keep measuring the other sections; the failure is part of the record
         traceback.print_exc()
         results[name] = {"error": f"{type(exc).__name__}: {exc}"}
-        return None
+        value = None
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    print(f"[bench] {name}: {'failed' if value is None else 'done'} in {time.perf_counter() - t0:.1f} s", flush=True)
     return value
+
+
+def _save(results: dict, path: str | None) -> None:
+    """Written after every section: a later hang or kill keeps what was measured."""
+    if path:
+        Path(path).write_text(json.dumps(results, indent=2, default=str))
 
 
 def _table(results: dict) -> str:
@@ -464,6 +501,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import triton
 
+    global _SECTION_TIMEOUT_S
+    _SECTION_TIMEOUT_S = args.section_timeout
     cfg = get_preset(args.preset)
     results: dict[str, object] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
@@ -476,7 +515,8 @@ def run(args: argparse.Namespace) -> int:
         "shards": {},
     }
     if "ceilings" not in args.skip:
-        results["ceilings"] = _section(results, "ceilings", ceilings)
+        results["ceilings"] = _section(results, "ceilings", ceilings) or results.get("ceilings")
+        _save(results, args.json)
     step = None
     for tp in args.tp_shard:
         shard: dict[str, object] = {}
@@ -485,29 +525,32 @@ def run(args: argparse.Namespace) -> int:
         torch.cuda.empty_cache()
         if "step" in args.skip:
             continue
-        built = _section(shard, "step", bench_step, cfg, tp, args.steps, "sweep" not in args.skip)
+        built = _section(shard, f"step TP={tp}", bench_step, cfg, tp, args.steps, "sweep" not in args.skip)
         if built is None:
             continue
         shard["step"], shard["attention"], model, cache, step = built
         built = None
         if "kernels" not in args.skip:
-            shard["kernels"] = _section(shard, "kernels", kernel_breakdown, cfg, tp, model, cache, step) or shard.get("kernels")
+            _save(results, args.json)
+            shard["kernels"] = _section(shard, f"kernels TP={tp}", kernel_breakdown, cfg, tp, model, cache, step) or shard.get("kernels")
             per_step = shard["kernels"].get("per_step_ms") if isinstance(shard["kernels"], dict) else None
             if per_step:  # the timed step (full window) attends through the gathered path
                 total = sum(ms for name, ms in per_step.items() if name != "attention_ring_triton")
                 shard["kernels"]["sum_of_kernels_ms"] = total
                 shard["kernels"]["step_minus_sum_ms"] = shard["step"]["step_graphed_ms"] - total
         print(json.dumps({tp: shard}, default=str)[:3000], flush=True)
+        _save(results, args.json)
         model = cache = None
     if "decoder" not in args.skip:
         built = _section(results, "decoder", bench_decoder, cfg, args.steps)
         if built is not None:
             results["decoder"], decoder = built
+            _save(results, args.json)
             if step is not None and "pipeline" not in args.skip:
-                results["pipeline"] = _section(results, "pipeline", bench_pipeline, step, decoder, args.steps)
-    print(_table(results))
+                results["pipeline"] = _section(results, "pipeline", bench_pipeline, step, decoder, args.steps) or results.get("pipeline")
+    print(_table(results), flush=True)
+    _save(results, args.json)
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2, default=str))
         print(f"wrote {args.json}")
     return 0
 
