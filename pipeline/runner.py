@@ -294,6 +294,10 @@ class _GroupRun:
 def _group_process(spec: GroupSpec) -> dict[str, Any]:
     """Entry point of a spawned stage process: run the group until SHUTDOWN/SIGTERM, return its report."""
     configure_logging()
+    # Import the stages' modules (torch and all) before any channel or heartbeat starts: a long
+    # import inside the event loop would read as a dead peer.
+    for node in spec.nodes:
+        importlib.import_module(node.factory.partition(":")[0])
 
     async def main() -> dict[str, Any]:
         transport = Transport(spec.config.transport, spec.keys)
