@@ -71,7 +71,7 @@ def _plot_comparison(cmp: Comparison, base: np.ndarray, cand: np.ndarray, names:
     plt.close(fig)
 
 
-def _plot_drift(d: Drift, path: Path) -> None:
+def _plot_drift(d: Drift, path: Path, ylabel: str = "lip-sync confidence") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -85,7 +85,7 @@ def _plot_drift(d: Drift, path: Path) -> None:
     ax.plot(t, np.polyval(fit, t), "k--", label=f"slope {d.slope_per_min:+.4f}/min")
     ax.axhspan(s.mean() - d.band, s.mean() + d.band, color="tab:green", alpha=0.15, label="rerun band")
     ax.set_xlabel("session time, minutes")
-    ax.set_ylabel("lip-sync confidence")
+    ax.set_ylabel(ylabel)
     ax.set_title(f"drift {'PASS' if d.passed else 'FAIL'}: 10-min change CI "
                  f"[{d.change_10min[0]:+.3f}, {d.change_10min[1]:+.3f}] vs band +-{d.band:.3f}")
     ax.legend(fontsize=8)

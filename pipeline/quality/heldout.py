@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         result["drift"] = asdict(d)
         result["drift_raw"] = asdict(raw)
         result["session_truth_scores"] = truth_scores
-        _plot_drift(d, args.out / "drift.png")
+        _plot_drift(d, args.out / "drift.png", "generated - ground-truth confidence")
         text += (f"\nDrift over a {args.session_minutes:g}-minute session ({args.window_s:g} s windows), generated "
                  f"minus ground-truth window score: **{'PASS' if d.passed else 'FAIL'}**, slope "
                  f"{d.slope_per_min:+.5f}/min, 10-minute change CI [{d.change_10min[0]:+.4f}, "
