@@ -42,8 +42,9 @@ from model.sampler import seeded_noise
 # the fastest correct entry of the bench's sweep (docs/gpu-notes.md); kernels/ring_attention.py's
 # defaults are the same shapes.
 ATTENTION_OPTIONS = {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 2, "qk_fp8": False}
-# The gathered (cuDNN) attention once the window is full: see docs/gpu-notes.md for whether it ran.
-GATHERED_BY_DEFAULT = False
+# The gathered (cuDNN) attention once the window is full: faster on the H200 in run 3 (132.5 vs
+# 149.9 ms per TP=3 step) with its GPU tests passing (docs/gpu-runs/2026-11-29-run3-*).
+GATHERED_BY_DEFAULT = True
 
 
 class ShardStep:
