@@ -71,3 +71,9 @@ def test_clip_pairs_speech_with_the_mouth_and_is_seeded():
     assert np.abs(a.audio.astype(int)).max() > 1000  # real espeak speech
     ref = reference_frame(0)
     assert ref.shape == (3, 128, 128)
+
+
+def test_a_clip_shorter_than_its_leading_pause_is_silent_and_closed():
+    clip = make_clip(0, 8, "train")  # seed 0 opens with a pause longer than 8 frames
+    assert clip.frames.shape[0] == 8 and np.abs(clip.audio).max() == 0
+    assert clip.motion.mouth_open.max() == 0.0

@@ -70,7 +70,7 @@ class ClipScript:
 
 @dataclass
 class Clip(ClipScript):
-    frames: torch.Tensor = None  # uint8 (T, 3, 128, 128)
+    frames: torch.Tensor  # uint8 (T, 3, 128, 128)
 
 
 def sentence(rng: np.random.Generator) -> str:
@@ -106,7 +106,7 @@ def speaking_motion(audio: np.ndarray, phonemes: list[tuple[float, str]], n_fram
     motion = idle_motion(n_frames, seed)
     motion.mouth_open = speech_envelope(audio)[:n_frames]
     rounded = np.zeros(n_frames)
-    ends = [t for t, _ in phonemes[1:]] + [phonemes[-1][0] + 0.1 if phonemes else 0.0]
+    ends = [t for t, _ in phonemes[1:]] + [phonemes[-1][0] + 0.1] if phonemes else []
     for (start, name), end in zip(phonemes, ends, strict=True):
         if name.lstrip("'`,") in ROUNDED:
             a = int(start * VIDEO_FPS)
