@@ -85,7 +85,7 @@ def test_when_the_pipeline_ends_the_page_is_told_and_the_session_released():
         await client.wait_for_video(6, timeout=30)
         await factory.sessions[session_id].close()  # the session's pipeline stops (or fails)
         for _ in range(50):
-            if session_id not in server.sessions:
+            if session_id not in server.sessions and session_id not in factory.sessions:
                 break
             await asyncio.sleep(0.1)
         result = client.ended, dict(server.sessions), dict(factory.sessions)
