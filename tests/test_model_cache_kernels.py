@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from kernels.delta_rotate import delta_rotate
 from kernels.fp8 import FP8_DTYPE, dequantise
-from kernels.ring_attention import ring_attention
+from kernels.ring_attention import ring_attention, ring_attention_cpu, ring_attention_reference
 from kernels.ring_write import ring_write
 from model.rope import apply_rope, frame_positions, rope_freqs, rope_split
 
@@ -81,3 +81,21 @@ def test_delta_rotate_equals_rewrite_at_shifted_positions(dtype):
     # sink keys are untouched, bit for bit
     assert torch.equal(rotated[:, :, : SINK_FRAMES * T].float(), fresh[:, :, : SINK_FRAMES * T].float())
     assert math.isfinite(dequantise(rotated, scale[..., None, None]).abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, FP8_DTYPE])
+@pytest.mark.parametrize(
+    "valid",
+    [[False] * 4, [True] * 4, [True, True, False, False], [False, True, True, False], [True, False, False, True]],
+)
+def test_cpu_segment_attention_equals_reference(dtype, valid):
+    g = torch.Generator().manual_seed(3)
+    n_slots = (SINK_FRAMES + RING) * T
+    k_cache = (torch.randn(H, n_slots, D, generator=g) * 10).to(dtype)
+    v_cache = (torch.randn(H, n_slots, D, generator=g) * 10).to(dtype)
+    scale = torch.rand(H, generator=g) + 0.05
+    q = torch.randn(T, H, D, generator=g)
+    ring_valid = torch.tensor(valid)
+    args = (q, k_cache, v_cache, scale, scale, ring_valid, SINK_FRAMES * T, T)
+    torch.testing.assert_close(ring_attention_cpu(*args), ring_attention_reference(*args), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ring_attention(*args), ring_attention_reference(*args), rtol=1e-5, atol=1e-5)
