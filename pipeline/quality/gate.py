@@ -106,7 +106,8 @@ def report(out: Path, base_cfg: GateConfig, cand_cfg: GateConfig, cmp: Compariso
             "| | value |", "|---|---|",
             f"| baseline mean confidence | {cmp.baseline_mean:.4f} |",
             f"| candidate mean confidence | {cmp.candidate_mean:.4f} |",
-            f"| rerun sd (one run, pooled) | {cmp.rerun_sd:.4f} |",
+            f"| rerun sd of one run, baseline (sets the margin) | {cmp.rerun_sd:.4f} |",
+            f"| rerun sd of one run, candidate | {cmp.candidate_rerun_sd:.4f} |",
             f"| mean change (candidate - baseline) | {cmp.mean_diff:+.4f} |",
             f"| bootstrap 95% CI | [{cmp.ci_low:+.4f}, {cmp.ci_high:+.4f}] |",
             f"| margin ({cmp.margin_kind}) | +-{cmp.margin:.4f} |", "",
@@ -148,10 +149,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window-s", type=float, default=30.0, help="drift window length")
     parser.add_argument("--device", default=None, help="override the configs' device")
     parser.add_argument("--out", type=Path, default=Path("quality-out"))
+    parser.add_argument("--from-result", type=Path, default=None,
+                        help="judge the scores saved in a result.json again (no generation; e.g. another margin)")
 
 
 def run(args: argparse.Namespace) -> int:
     base_cfg, cand_cfg = load_config(args.baseline), load_config(args.candidate)
+    if args.from_result is not None:
+        saved = json.loads(args.from_result.read_text())
+        base, cand = np.array(saved["baseline_scores"]), np.array(saved["candidate_scores"])
+        cmp = compare(base, cand, args.fixed_margin)
+        path = report(args.out, base_cfg, cand_cfg, cmp, base, cand, None, args.seconds)
+        print(path.read_text())
+        return 0 if cmp.passed else 1
     if args.device:
         base_cfg.device = cand_cfg.device = args.device
     n_frames = int(round(args.seconds * 24 / 4)) * 4

@@ -24,7 +24,8 @@ class Comparison:
     k_reruns: int
     baseline_mean: float
     candidate_mean: float
-    rerun_sd: float  # pooled within-clip standard deviation of one run's score, both sides
+    rerun_sd: float  # the baseline's pooled within-clip standard deviation of one run's score
+    candidate_rerun_sd: float  # the same for the candidate (reported; a noisy candidate is not excused)
     per_clip_diff: list[float]  # candidate - baseline, each side averaged over its reruns
     mean_diff: float
     ci_low: float
@@ -72,7 +73,9 @@ def compare(baseline: np.ndarray, candidate: np.ndarray, fixed_margin: float | N
     b, c = np.asarray(baseline, np.float64), np.asarray(candidate, np.float64)
     if b.shape != c.shape:
         raise ValueError(f"baseline scores {b.shape} and candidate scores {c.shape} differ in shape")
-    sd = float(np.sqrt((rerun_sd(b) ** 2 + rerun_sd(c) ** 2) / 2))
+    # The margin comes from the trusted side's rerun variance: a broken candidate that is also
+    # noisier must not widen its own tolerance.
+    sd = rerun_sd(b)
     diff = c.mean(axis=1) - b.mean(axis=1)
     lo, hi = bootstrap_mean_ci(diff, seed=seed)
     if fixed_margin is None:
@@ -81,7 +84,7 @@ def compare(baseline: np.ndarray, candidate: np.ndarray, fixed_margin: float | N
         margin, kind = fixed_margin, "fixed"
     return Comparison(
         n_clips=b.shape[0], k_reruns=b.shape[1], baseline_mean=float(b.mean()), candidate_mean=float(c.mean()),
-        rerun_sd=sd, per_clip_diff=[float(x) for x in diff], mean_diff=float(diff.mean()),
+        rerun_sd=sd, candidate_rerun_sd=rerun_sd(c), per_clip_diff=[float(x) for x in diff], mean_diff=float(diff.mean()),
         ci_low=lo, ci_high=hi, margin=float(margin), margin_kind=kind, passed=bool(-margin <= lo and hi <= margin),
     )
 
