@@ -202,33 +202,55 @@ class _GroupRun:
         )
 
     async def dispatch(self, name: str, ctx: StageContext) -> None:
-        """Control first (it overtakes data), then data round-robin over the stage's inputs."""
+        """Control first (it overtakes data), then data round-robin over the stage's inputs.
+
+        A stage with ``control_during_process`` has its ``process`` run as a task, so control keeps
+        being delivered while it waits (playout waiting for buffer room must still hear a turn
+        start); the next data message is taken only once that ``process`` returned."""
         stage, client, receivers, wakeup = self.stages[name], self.clients[name], self.receivers[name], self.wakeups[name]
         turn = 0
-        while True:
-            ready = wakeup.arm()
-            control = client.take()
-            if control is not None:
-                await stage.control(control, ctx)
-                if control.kind == ControlKind.SHUTDOWN:
-                    self.ended_by = "shutdown"
-                    self.stop.set()
-                    return
-                continue
-            for i in range(len(receivers)):
-                msg = await receivers[(turn + i) % len(receivers)].take()
-                if msg is not None:
-                    turn = (turn + i + 1) % len(receivers)
-                    await stage.process(msg, ctx)
-                    break
-            else:
-                await ready.wait()
+        processed: anyio.Event | None = None  # set when the running process() task returns
+
+        async def process_then_wake(msg: Message, done: anyio.Event) -> None:
+            await stage.process(msg, ctx)
+            done.set()
+            wakeup.notify()
+
+        async with anyio.create_task_group() as tg:
+            while True:
+                ready = wakeup.arm()
+                control = client.take()
+                if control is not None:
+                    await stage.control(control, ctx)
+                    if control.kind == ControlKind.SHUTDOWN:
+                        self.ended_by = "shutdown"
+                        self.stop.set()
+                        tg.cancel_scope.cancel()
+                        return
+                    continue
+                if processed is not None and not processed.is_set():
+                    await ready.wait()
+                    continue
+                for i in range(len(receivers)):
+                    msg = await receivers[(turn + i) % len(receivers)].take()
+                    if msg is not None:
+                        turn = (turn + i + 1) % len(receivers)
+                        if stage.control_during_process:
+                            processed = anyio.Event()
+                            tg.start_soon(process_then_wake, msg, processed)
+                        else:
+                            await stage.process(msg, ctx)
+                        break
+                else:
+                    await ready.wait()
 
     async def guarded(self, name: str, work) -> None:
         try:
             await self.clients[name].started.wait()
             await work()
         except Exception as e:
+            while isinstance(e, ExceptionGroup) and len(e.exceptions) == 1:  # a stage task's own error
+                e = e.exceptions[0]
             await self.fail(name, e)
 
     async def run(self) -> None:

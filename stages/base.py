@@ -39,6 +39,9 @@ class Stage:
     """Base class with no-op hooks; subclasses override what they need."""
 
     name: str = "stage"
+    # True: the runner delivers control messages while ``process`` is still awaiting (the stage must
+    # then re-check its state after each await in ``process``, e.g. the rollback epoch).
+    control_during_process: bool = False
 
     async def setup(self, ctx: StageContext) -> None:
         """Allocate resources (models, sockets). Called once before anything else."""

@@ -195,6 +195,7 @@ class PlayoutStage(Stage):
     """Consumes ``VideoChunk``; releases frames + audio on the 24 fps clock into ``output``."""
 
     name = "playout"
+    control_during_process = True  # a turn start must not wait behind a chunk waiting for room
 
     def __init__(self, config: PlayoutConfig | None = None, output: PlayoutOutput | None = None,
                  tracer: TurnTracer | None = None) -> None:

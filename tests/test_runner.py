@@ -91,6 +91,22 @@ def test_control_overtakes_queued_data():
     assert data_before <= 3, f"control waited behind {data_before} data messages"
 
 
+def test_control_reaches_a_stage_waiting_inside_process():
+    # GateSink's process() waits for a control message: without control_during_process this deadlocks
+    # (fail_after raises and the session ends with an error).
+    graph = Graph(
+        [
+            Node("src", f"{STAGES}:Source", {"count": 2, "control_after": "turn_start"}),
+            Node("sink", f"{STAGES}:GateSink", {}),
+        ],
+        [Edge("src", "sink", capacity=2)],
+    )
+    result = anyio.run(run_session, graph, PipelineConfig(), "s-gate")
+    assert result.ok, result.error
+    assert result.stages["sink"].chunks == [0, 1]
+    assert result.stages["sink"].controls[0] == ControlKind.TURN_START
+
+
 @pytest.mark.parametrize("placement", ["inproc", "processes"])
 def test_a_failing_stage_ends_the_session_with_an_error_naming_it(placement):
     graph = Graph(

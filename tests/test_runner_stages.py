@@ -84,3 +84,25 @@ class Idle(Stage):
         if self.note_file:
             with open(self.note_file, "a") as f:
                 f.write(text)
+
+
+class GateSink(Stage):
+    """Blocks inside ``process`` of the first message until a control message arrives."""
+
+    control_during_process = True
+
+    def __init__(self) -> None:
+        self.opened = anyio.Event()
+        self.chunks: list[int] = []
+        self.controls: list[ControlKind] = []
+
+    async def process(self, msg: Message, ctx: StageContext) -> None:
+        with anyio.fail_after(5):
+            await self.opened.wait()
+        self.chunks.append(msg.chunk)
+        if len(self.chunks) == 2:
+            await ctx.send_control(Control(ctx.session_id, 2, ControlKind.SHUTDOWN))
+
+    async def control(self, msg: Control, ctx: StageContext) -> None:
+        self.controls.append(msg.kind)
+        self.opened.set()
