@@ -43,7 +43,7 @@ def test_too_short_or_malformed_input_is_a_clear_error():
         mouth_openness(np.zeros((3, 128, 128), np.uint8))
 
 
-def _write_mp4(path, frames: np.ndarray, audio: np.ndarray) -> None:
+def _write_mp4(path, frames: np.ndarray, audio: np.ndarray, pts: list[int] | None = None) -> None:
     import av
 
     with av.open(str(path), "w") as out:
@@ -52,7 +52,7 @@ def _write_mp4(path, frames: np.ndarray, audio: np.ndarray) -> None:
         sound = out.add_stream("aac", rate=48_000, layout="mono")
         for i, f in enumerate(frames):
             vf = av.VideoFrame.from_ndarray(np.ascontiguousarray(f.transpose(1, 2, 0)), format="rgb24")
-            vf.pts, vf.time_base = i, Fraction(1, 24)
+            vf.pts, vf.time_base = (i if pts is None else pts[i]), Fraction(1, 24)
             out.mux(video.encode(vf))
         out.mux(video.encode())
         for start in range(0, len(audio), 1024):
@@ -74,3 +74,14 @@ def test_cli_scores_an_mp4_and_a_session_dir(clips, tmp_path):
     missing = subprocess.run([sys.executable, "-m", "pipeline.cli", "lipsync", str(tmp_path / "nope.mp4")],
                              capture_output=True, text=True)
     assert missing.returncode != 0 and "no such file" in missing.stderr
+
+
+def test_a_stall_in_the_recording_is_held_on_the_frame_grid(clips, tmp_path):
+    from pipeline.quality.lipsync import read_mp4
+
+    frames = clips[2].frames.numpy()[:48]
+    pts = list(range(20)) + [p + 10 for p in range(20, 48)]  # a 10-frame stall after frame 19
+    _write_mp4(tmp_path / "stall.mp4", frames, clips[2].audio[: 58 * 2000], pts)
+    video, audio = read_mp4(tmp_path / "stall.mp4")
+    assert len(video) == 58 and len(audio) >= 57 * 2000
+    assert np.array_equal(video[19], video[29]) and not np.array_equal(video[29], video[30])

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.training.render import MOUTH_BOX
-from transport.messages import SAMPLES_PER_FRAME, TIMELINE_RATE
+from transport.messages import SAMPLES_PER_FRAME, TIMELINE_RATE, VIDEO_FPS
 
 ENVELOPE_FLOOR_DB = -50.0  # silence and breath: mouth closed
 ENVELOPE_RANGE_DB = 35.0  # from closed to fully open
@@ -94,13 +94,23 @@ def score_av(frames: np.ndarray, samples: np.ndarray, max_offset: int = MAX_OFFS
 
 
 def read_mp4(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """Frames uint8 (T, H, W, 3) and mono audio resampled to the 48 kHz timeline (int16)."""
+    """Frames uint8 (T, H, W, 3) on the 24 fps grid and mono audio resampled to the 48 kHz timeline (int16)."""
     import av
 
     with av.open(str(path)) as container:
         if not container.streams.video or not container.streams.audio:
             raise ValueError(f"{path}: need one video and one audio stream to score lip sync")
-        frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+        # Place each frame on the 24 fps grid by its timestamp, holding it until the next one:
+        # a recording timed by RTP timestamps shows a stall as one long frame, as the viewer saw it.
+        frames: list[np.ndarray] = []
+        for f in container.decode(video=0):
+            slot = round((f.time or 0.0) * VIDEO_FPS)
+            while frames and len(frames) < slot:
+                frames.append(frames[-1])
+            if len(frames) <= slot or not frames:
+                frames.append(f.to_ndarray(format="rgb24"))
+        if not frames:
+            raise ValueError(f"{path}: the video stream holds no frames")
     resampler = av.AudioResampler(format="s16", layout="mono", rate=TIMELINE_RATE)
     chunks = []
     with av.open(str(path)) as container:
