@@ -32,23 +32,23 @@ CPU_PRESET_SCALE = {"dim": 768, "n_heads": 12, "head_dim": 64, "ffn_dim": 3072, 
 
 
 def _time_ms(fn: Callable[[], object], device: torch.device, reps: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+    """Median ms per call: CUDA events on GPUs (bench_gpu's timer), wall clock on CPU; then a barrier
+    so no rank starts the next figure while another still runs this one."""
+    if device.type == "cuda":
+        from pipeline.bench_gpu import _median_ms
+
+        median = _median_ms(fn, reps, warmup)
+    else:
+        for _ in range(warmup):
             fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
+        times = []
+        for _ in range(reps):
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
+        median = statistics.median(times)
     dist.barrier()
-    return statistics.median(times)
+    return median
 
 
 def _projection_figures(cfg: ModelConfig, world: int, device: torch.device, dtype: torch.dtype,
