@@ -105,6 +105,8 @@ class DiffusionStage(Stage):
         self.graphed = self.graphed_arg if self.graphed_arg is not None else getattr(section, "graphed_step", True)
         self.gathered = self.gathered_arg if self.gathered_arg is not None else getattr(section, "gathered_attention", None)
         self.cfg.validate(self.tp)  # a bad TP size fails here, with the config's message
+        self.devices = list(getattr(section, "devices", None) or [])  # per rank (pipeline/placement.py)
+        self.fused_all_reduce = bool(getattr(section, "fused_gemm_allreduce", False))
         self._limiter = anyio.CapacityLimiter(1)
         path = await anyio.to_thread.run_sync(self._load, limiter=self._limiter)
         log = ctx.log.info if path else ctx.log.warning
@@ -123,8 +125,10 @@ class DiffusionStage(Stage):
         if self.tp > 1:
             from pipeline.tp_group import TPGenerator
 
-            devices = [self.device] * self.tp if self.device == "cpu" else [f"cuda:{i}" for i in range(self.tp)]
-            self.generator = TPGenerator(self.cfg, self.tp, devices, path, self.fp8, dtype, self.seed)
+            devices = self.devices or (
+                [self.device] * self.tp if self.device == "cpu" else [f"cuda:{i}" for i in range(self.tp)])
+            self.generator = TPGenerator(self.cfg, self.tp, devices, path, self.fp8, dtype, self.seed,
+                                         fused_gemm_all_reduce=self.fused_all_reduce)
         else:
             from model.generator import Generator
 

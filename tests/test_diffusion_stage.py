@@ -87,3 +87,31 @@ def test_bad_conditioning_is_dropped_and_counted():
     stage, out = anyio.run(main)
     assert stage.stats.bad == 3 and stage.stats.generated == 1
     assert [m.chunk for m in out] == [0]
+
+
+def test_tp_group_from_the_session_config_matches_one_rank():
+    """The stage reads TP size, per-rank devices and the fused all-reduce switch from the config's
+    diffusion section (what pipeline/placement.py fills) and produces TP=1's latents."""
+    from pipeline.config import DiffusionConfig, PipelineConfig
+
+    async def latents(config: PipelineConfig) -> list[np.ndarray]:
+        # One weights file (the shipped one): random weights are drawn per shard.
+        stage, out = DiffusionStage("tiny", weights="packaged", seed=7, fp8_cache=False), []
+        ctx = _context(out)
+        ctx.config = config
+        await stage.setup(ctx)
+        try:
+            for chunk in range(3):
+                await stage.process(_conditioning(chunk, 0, chunk > 0), ctx)
+            spec = getattr(stage.generator, "spec", None)
+            return type(stage.generator).__name__, spec and spec.fused_rows, [m.latents for m in out]
+        finally:
+            await stage.teardown()
+
+    kind, _, expected = anyio.run(latents, PipelineConfig())
+    assert kind == "Generator"
+    two = PipelineConfig(diffusion=DiffusionConfig(tp=2, devices=["cpu", "cpu"], fused_gemm_allreduce=True))
+    kind, fused_rows, got = anyio.run(latents, two)
+    assert kind == "TPGenerator" and fused_rows == TINY.tokens_per_step
+    for a, b in zip(expected, got, strict=True):
+        assert np.linalg.norm(a - b) / np.linalg.norm(a) < 1e-4

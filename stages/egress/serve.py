@@ -34,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, help="listen port (default from config: 8080; 0 picks a free one)")
     parser.add_argument("--codec", choices=sorted(CODECS), help="video codec (default from config: VP8)")
     parser.add_argument("--key", help="server key the page must present (default: random, printed)")
+    parser.add_argument("--gpus", metavar="LAYOUT",
+                        help="GPU layout of each session: diffusion TP ranks + decoder, e.g. 3+1, 4+1, 6+1 "
+                             "(pipeline/placement.py); sets devices and spawns one process per rank")
 
 
 def load_config(args: argparse.Namespace) -> PipelineConfig:
@@ -49,6 +52,12 @@ def load_config(args: argparse.Namespace) -> PipelineConfig:
     for name in ("host", "port", "codec"):
         if getattr(args, name) is not None:
             setattr(config.egress, name, getattr(args, name))
+    if args.gpus:
+        import torch
+
+        from pipeline.placement import apply_placement
+
+        config = apply_placement(config, args.gpus, gpus_available=torch.cuda.device_count())
     return config
 
 
