@@ -17,6 +17,17 @@ import structlog
 _configured = False
 
 
+class _CurrentStderr:
+    """Whatever ``sys.stderr`` is at write time: a stream swapped after configuration (pytest's
+    capture, a redirect) and then closed must not break every later log line."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(level: str | None = None) -> None:
     """JSON lines to stderr at ``level`` (default: $CHARSTREAM_LOG_LEVEL or ``info``)."""
     global _configured
@@ -33,7 +44,7 @@ def configure_logging(level: str | None = None) -> None:
             structlog.processors.JSONRenderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[name]),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(_CurrentStderr()),
         cache_logger_on_first_use=True,
     )
     _configured = True

@@ -2,8 +2,11 @@
 
 Per transport (inproc: both ends in this process; ipc/tcp: the consumer in a spawned process):
 
-* **raw_zmq** — the same payload over a bare PAIR socket pair (send + recv in one thread): the
-  floor the channel is compared with on the same machine at the same time.
+* **raw_zmq** — the same payload over a bare PAIR socket pair (send + recv in one thread, one io
+  thread): a floor, but not like for like for ipc/tcp, where the channel crosses two processes.
+* **raw_zmq_xproc** (ipc/tcp) — the like-for-like floor: bare PAIR sockets, the receiver in a
+  spawned process (blocking recv, no asyncio, codec or credits), one message at a time (the
+  receiver acks each, as capacity 1 does); one-way time on the shared monotonic clock.
 * **latency** — capacity 1, so each message is sent only after the previous one was taken: the
   one-way time from just before ``send`` (encode included) to ``recv`` returning (decode included),
   on the shared monotonic clock; p50/p99 over the messages after a warm-up.
@@ -25,6 +28,7 @@ import concurrent.futures
 import json
 import multiprocessing
 import platform
+import struct
 import subprocess
 import sys
 import tempfile
@@ -156,8 +160,41 @@ def raw_zmq_latency(kind: str, nbytes: int, count: int) -> dict[str, float]:
         rx.recv(copy=False)
         latencies.append((time.monotonic() - start) * 1e3)
     ctx.destroy(linger=0)
-    return {"p50_ms": round(float(np.percentile(latencies[WARMUP:], 50)), 3),
-            "p99_ms": round(float(np.percentile(latencies[WARMUP:], 99)), 3)}
+    return _percentiles(latencies[WARMUP:])
+
+
+def _percentiles(latencies_ms: list[float]) -> dict[str, float]:
+    return {"p50_ms": round(float(np.percentile(latencies_ms, 50)), 3),
+            "p99_ms": round(float(np.percentile(latencies_ms, 99)), 3)}
+
+
+def raw_zmq_receive(endpoint: str, count: int) -> list[float]:
+    """The cross-process floor's receiver (runs in the spawned process): one-way latencies in ms."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PAIR)
+    sock.connect(endpoint)
+    latencies = []
+    for _ in range(count):
+        stamp, _payload = sock.recv_multipart(copy=False)
+        latencies.append((time.monotonic() - struct.unpack("d", stamp.bytes)[0]) * 1e3)
+        sock.send(b"")  # the ack: the next message goes only after this one arrived
+    ctx.destroy(linger=0)
+    return latencies
+
+
+def raw_zmq_cross_process_latency(kind: str, nbytes: int, count: int, pool) -> dict[str, float]:
+    """Baseline across processes, like the channel's ipc/tcp runs, without asyncio, codec or credits."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PAIR)
+    sock.bind(f"ipc://{tempfile.gettempdir()}/charstream-rawx-{time.monotonic_ns()}.sock" if kind == "ipc"
+              else "tcp://127.0.0.1:*")
+    future = pool.submit(raw_zmq_receive, sock.last_endpoint.decode(), count + WARMUP)
+    payload = np.ones(nbytes, np.uint8)
+    for _ in range(count + WARMUP):
+        sock.send_multipart([struct.pack("d", time.monotonic()), payload], copy=False)
+        sock.recv()
+    ctx.destroy(linger=0)
+    return _percentiles(future.result()[WARMUP:])
 
 
 def _max_in_flight(sent: list[float], taken: list[float]) -> int:
@@ -193,6 +230,8 @@ async def bench_transport(kind: str, counts: dict[str, int], capacity: int, back
                 "mb_per_s": round(count * size / elapsed / 1e6, 1),
                 "raw_zmq": raw_zmq_latency(kind, size, count),
             }
+            if pool is not None:
+                out[name]["raw_zmq_xproc"] = raw_zmq_cross_process_latency(kind, size, count, pool)
         producer, consumer, rss0 = await _phase(
             kind, pool, transport, fresh_video_chunk, backpressure_count, capacity, period_s=0.001, delay_s=0.010, sample_rss=True
         )
@@ -232,12 +271,14 @@ def _versions() -> dict[str, str]:
 
 def table(report: dict) -> str:
     lines = [f"{'transport':<9} {'message':<13} {'MB':>6} {'p50 ms':>8} {'p99 ms':>8} {'msgs/s':>9} {'MB/s':>8}"
-             f"  raw zmq p50/p99 ms"]
+             f"  raw zmq p50/p99 ms (in-thread; cross-process)"]
     for kind, res in report["transports"].items():
         for name in MESSAGES:
             r = res[name]
+            xproc = r.get("raw_zmq_xproc")
             lines.append(f"{kind:<9} {name:<13} {r['bytes'] / 1e6:>6.2f} {r['p50_ms']:>8.3f} {r['p99_ms']:>8.3f} "
-                         f"{r['msgs_per_s']:>9.1f} {r['mb_per_s']:>8.1f}  {r['raw_zmq']['p50_ms']:.3f}/{r['raw_zmq']['p99_ms']:.3f}")
+                         f"{r['msgs_per_s']:>9.1f} {r['mb_per_s']:>8.1f}  {r['raw_zmq']['p50_ms']:.3f}/{r['raw_zmq']['p99_ms']:.3f}"
+                         + (f"; {xproc['p50_ms']:.3f}/{xproc['p99_ms']:.3f}" if xproc else ""))
     lines.append("")
     lines.append(f"{'transport':<9} backpressure (consumer at 1/10 producer speed, 9.2 MB chunks)")
     for kind, res in report["transports"].items():
