@@ -10,16 +10,15 @@ Weights: the packaged ones when present, else seeded random (timing does not dep
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 from model.config import PRESETS, get_preset
+from pipeline.bench_output import emit_report
 from transport.messages import CHUNK_SECONDS
 
 BUDGET_MS = CHUNK_SECONDS * 1000.0
@@ -137,10 +136,5 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     report = bench_model(args.preset, args.steps, args.warmup, args.device, args.fp8_cache)
-    text = json.dumps(report, indent=2)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    print(table(report), file=sys.stderr if args.json else sys.stdout)
-    if args.json:
-        print(text)
+    emit_report(report, table(report), args.out, args.json)
     return 0

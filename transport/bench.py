@@ -25,12 +25,10 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import multiprocessing
 import platform
 import struct
 import subprocess
-import sys
 import tempfile
 import time
 from datetime import UTC, datetime
@@ -43,6 +41,7 @@ import numpy as np
 import psutil
 import zmq
 
+from pipeline.bench_output import emit_report
 from pipeline.config import TransportConfig
 from transport.channel import Receiver, Sender, Transport, free_tcp_port
 from transport.codec import encode
@@ -317,10 +316,5 @@ def run(args: argparse.Namespace) -> int:
         "ipc_video_chunk_p99_le_5ms": transports.get("ipc", {}).get("video_chunk", {}).get("p99_ms", 1e9) <= 5.0,
         "max_in_flight_le_capacity": all(t["backpressure"]["max_in_flight"] <= args.capacity for t in transports.values()),
     }
-    text = json.dumps(report, indent=2)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    print(table(report), file=sys.stderr if args.json else sys.stdout)
-    if args.json:
-        print(text)
+    emit_report(report, table(report), args.out, args.json)
     return 0
