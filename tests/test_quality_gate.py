@@ -2,21 +2,13 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 from model.weights import packaged_weights
 from pipeline.quality.gate import report, score_matrix
 from pipeline.quality.rollout import GateConfig, Rollout, load_config
 from pipeline.quality.stats import FIXED_MARGIN, bootstrap_mean_ci, compare, drift, rerun_sd
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny ops: one thread is as fast, and does not collapse when other jobs share the CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _scores(rng, clip_means, k, sd):

@@ -18,13 +18,7 @@ TINY_RUN = [
     "--clips", "2", "--clip-frames", "24", "--dit-steps", "2", "--dit-batch", "1", "--dit-window", "2",
 ]
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny ops: one thread is as fast, and does not collapse when other jobs share the CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_cpu_smoke_run_writes_loadable_weights_and_curves(tmp_path):
