@@ -25,7 +25,8 @@ from tqdm import tqdm
 
 from pipeline.config import PipelineConfig
 from pipeline.logs import configure_logging
-from pipeline.tracing import REGISTRY, SEGMENTS, TurnRecord, intervals, serve_metrics
+from pipeline.metrics import REGISTRY, serve_metrics
+from pipeline.tracing import SEGMENTS, TurnRecord, intervals
 from transport.messages import SAMPLES_PER_FRAME, VIDEO_FPS
 
 QUIET_FRAMES = VIDEO_FPS // 2  # listening frames after the last reply before the demo ends

@@ -31,6 +31,7 @@ import anyio
 import numpy as np
 
 from model.config import get_preset
+from pipeline.metrics import SessionMetrics
 from stages.base import Stage, StageContext
 from transport.messages import Conditioning, Control, ControlKind, Latents, Message
 
@@ -108,6 +109,7 @@ class DiffusionStage(Stage):
         self.devices = list(getattr(section, "devices", None) or [])  # per rank (pipeline/placement.py)
         self.fused_all_reduce = bool(getattr(section, "fused_gemm_allreduce", False))
         self._limiter = anyio.CapacityLimiter(1)
+        self.metrics = SessionMetrics(ctx.session_id)  # this process's registry (pipeline/metrics.py)
         path = await anyio.to_thread.run_sync(self._load, limiter=self._limiter)
         log = ctx.log.info if path else ctx.log.warning
         log("diffusion_ready", preset=self.preset, device=self.device, dtype=self.dtype, tp=self.tp,
@@ -195,6 +197,7 @@ class DiffusionStage(Stage):
         latent = await anyio.to_thread.run_sync(
             self._step, tokens, frame, chunk_seed(self.seed, msg.chunk), rewind, limiter=self._limiter)
         self.stats.last_step_s = time.perf_counter() - started
+        self.metrics.observe_step(self.stats.last_step_s)
         if msg.epoch < self.epoch:  # rolled back while this step ran: the next rollback rewinds past it
             self.stats.stale += 1
             return

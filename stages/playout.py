@@ -34,7 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline.config import PipelineConfig, PlayoutConfig
-from pipeline.tracing import SessionMetrics, TurnTracer
+from pipeline.metrics import SessionMetrics
+from pipeline.tracing import TurnTracer
 from stages.base import Stage, StageContext
 from transport.messages import (
     FRAMES_PER_CHUNK,

@@ -115,3 +115,22 @@ def test_tp_group_from_the_session_config_matches_one_rank():
     assert kind == "TPGenerator" and fused_rows == TINY.tokens_per_step
     for a, b in zip(expected, got, strict=True):
         assert np.linalg.norm(a - b) / np.linalg.norm(a) < 1e-4
+
+
+def test_each_step_is_recorded_in_the_session_step_time_metric():
+    from pipeline.metrics import REGISTRY
+
+    async def main():
+        stage, out = DiffusionStage("tiny", weights=None, seed=7, fp8_cache=False), []
+        ctx = _context(out)
+        ctx.session_id = "step-metric"
+        await stage.setup(ctx)
+        for chunk in range(3):
+            await stage.process(_conditioning(chunk, 0, False), ctx)
+        return stage
+
+    stage = anyio.run(main)
+    count = REGISTRY.get_sample_value("charstream_step_seconds_count", {"session": "step-metric"})
+    total = REGISTRY.get_sample_value("charstream_step_seconds_sum", {"session": "step-metric"})
+    assert count == 3 and stage.stats.generated == 3
+    assert total >= stage.stats.last_step_s > 0

@@ -8,7 +8,8 @@ import structlog
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from pipeline.config import TracingConfig
-from pipeline.tracing import REGISTRY, STAGES, SessionMetrics, TurnTracer, read_jsonl
+from pipeline.metrics import REGISTRY, SessionMetrics
+from pipeline.tracing import STAGES, TurnTracer, read_jsonl
 from transport.messages import TRACE_POINTS, TraceContext
 
 
