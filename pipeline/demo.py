@@ -70,31 +70,6 @@ class DemoPlan:
     out: Path
 
 
-def recorder(path: Path):
-    """The client's mp4 recorder, holding audio back until the first video frame has added the
-    video stream: audio muxed first writes the mp4 header without it, and libavformat then dies
-    with SIGFPE on the first video packet (stages.egress.client.Recorder, seen on a slow machine
-    where audio arrives first)."""
-    from collections import deque
-
-    from stages.egress.client import Recorder
-
-    class VideoFirstRecorder(Recorder):
-        def __init__(self, path: Path) -> None:
-            super().__init__(path)
-            self._held: deque = deque(maxlen=10 * 50)  # 10 s of 20 ms packets, then the oldest go
-
-        def audio(self, samples) -> None:
-            if self._video is None:
-                self._held.append(samples)
-                return
-            while self._held:
-                super().audio(self._held.popleft())
-            super().audio(samples)
-
-    return VideoFirstRecorder(path)
-
-
 class ClientThread:
     """The in-process aiortc client on an event loop of its own, in its own thread.
 
@@ -107,8 +82,7 @@ class ClientThread:
     def __init__(self, record_path: Path) -> None:
         from stages.egress.client import EgressClient
 
-        self.client = EgressClient()
-        self.client.recorder = recorder(record_path)
+        self.client = EgressClient(record_path=record_path)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="demo-client", daemon=True)
         self.thread.start()

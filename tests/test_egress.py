@@ -255,3 +255,31 @@ def test_client_records_what_it_received_to_mp4(tmp_path):
     assert all(np.abs(a.astype(int) - b.image.astype(int)).mean() < 8 for a, b in zip(frames, received, strict=True))
     received_s = sum(len(a.samples) for a in client.audio) / TIMELINE_RATE
     assert abs(audio_s - received_s) < 0.05  # AAC frames: up to 1,024 samples left in the encoder
+
+
+def test_recorder_holds_audio_that_arrives_before_the_first_video_frame(tmp_path):
+    # Run in a child: audio muxed before the video stream exists made libavformat die with SIGFPE.
+    script = f"""
+import numpy as np
+from pathlib import Path
+from stages.egress.client import Recorder
+rec = Recorder(Path({str(tmp_path / 'a.mp4')!r}))
+for _ in range(25):  # 0.5 s of 20 ms packets before any video
+    rec.audio((np.sin(np.arange(960) / 8) * 8000).astype(np.int16))
+for i in range(24):
+    rec.video(np.full((64, 64, 3), 10 * i, np.uint8), pts=i * 3750)
+    rec.audio(np.zeros(2000, np.int16))
+rec.close()
+"""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    import av
+
+    with av.open(str(tmp_path / "a.mp4")) as container:
+        kinds = sorted(s.type for s in container.streams)
+        audio_s = float(container.streams.audio[0].duration * container.streams.audio[0].time_base)
+    assert kinds == ["audio", "video"]
+    assert audio_s >= 0.5 + 24 * 2000 / 48_000 - 0.05  # the held half second was kept, not dropped

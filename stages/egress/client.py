@@ -237,7 +237,14 @@ class AudioSamplesTrack(MediaStreamTrack):
 
 
 class Recorder:
-    """Writes received frames to an mp4 at their RTP times (H.264 yuv420p + AAC 48 kHz mono)."""
+    """Writes received frames to an mp4 at their RTP times (H.264 yuv420p + AAC 48 kHz mono).
+
+    Audio that arrives before the first video frame is held (bounded) until the video stream
+    exists: audio muxed first would write the mp4 header without the video stream, and
+    libavformat then dies with SIGFPE on the first video packet.
+    """
+
+    HELD_AUDIO_PACKETS = 10 * 50  # 10 s of 20 ms packets; older ones are dropped
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -247,6 +254,7 @@ class Recorder:
         self._audio = self.container.add_stream("aac", rate=TIMELINE_RATE, layout="mono")
         self._fifo = av.AudioFifo()
         self._video_origin: int | None = None
+        self._held: deque[np.ndarray] = deque(maxlen=self.HELD_AUDIO_PACKETS)
 
     def video(self, image: np.ndarray, pts: int) -> None:
         if self._video is None:
@@ -263,6 +271,14 @@ class Recorder:
         self._mux(self._video.encode(frame))
 
     def audio(self, samples: np.ndarray) -> None:
+        if self._video is None:
+            self._held.append(samples)
+            return
+        while self._held:
+            self._encode_audio(self._held.popleft())
+        self._encode_audio(samples)
+
+    def _encode_audio(self, samples: np.ndarray) -> None:
         # The fifo re-frames for AAC (1,024 samples) and counts time from the first sample: aiortc's
         # audio is continuous (playout sends silence rather than nothing), so counting is exact.
         frame = av.AudioFrame.from_ndarray(samples.reshape(1, -1), format="s16", layout="mono")
