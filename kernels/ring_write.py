@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from kernels.fp8 import FP8_MAX, is_fp8, quantise
-from model.rope import RopeFreqs, apply_rope
+from model.rope import RopeFreqs, apply_rope, rope_rotation, rotate
 
 RMS_EPS = 1e-6  # model/dit.py's RMSNorm
 
@@ -29,9 +29,12 @@ def ring_write_reference(
     slot_start: int | torch.Tensor,
     positions: torch.Tensor,
     freqs: RopeFreqs,
+    rotation: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
+    """``rotation``: ``rope_rotation(positions, freqs)`` when the caller already has it (the queries'
+    tables), so it is not recomputed for every layer."""
     n_tokens = k_new.shape[0]
-    k = apply_rope(k_new.float(), positions, freqs)
+    k = rotate(k_new, *(rotation if rotation is not None else rope_rotation(positions, freqs)))
     k_stored = quantise(k, k_scale[None, :, None], k_cache.dtype).transpose(0, 1)
     v_stored = quantise(v_new.float(), v_scale[None, :, None], v_cache.dtype).transpose(0, 1)
     if isinstance(slot_start, int):  # a plain slice copy (CPU index_copy_ is ~10x slower)
@@ -233,7 +236,11 @@ def ring_write(
     slot_start: int | torch.Tensor,
     positions: torch.Tensor,
     freqs: RopeFreqs,
+    rotation: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """Dispatcher: the Triton kernel on CUDA, the PyTorch reference otherwise."""
-    write = ring_write_triton if k_cache.is_cuda else ring_write_reference
-    write(k_cache, v_cache, k_scale, v_scale, k_new, v_new, slot_start, positions, freqs)
+    """Dispatcher: the Triton kernel on CUDA (which computes its own RoPE), the PyTorch reference
+    otherwise (with the caller's ``rotation`` tables if given)."""
+    if k_cache.is_cuda:
+        ring_write_triton(k_cache, v_cache, k_scale, v_scale, k_new, v_new, slot_start, positions, freqs)
+    else:
+        ring_write_reference(k_cache, v_cache, k_scale, v_scale, k_new, v_new, slot_start, positions, freqs, rotation)

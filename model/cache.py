@@ -123,15 +123,24 @@ class KVCache:
             delta_rotate(self.k, self.k_scale, offset - self.offset, self.freqs.t, self.sink_slots)
             self.offset = offset
 
-    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, positions: torch.Tensor) -> None:
-        """Write pre-RoPE K/V (n_tokens, n_heads, head_dim) of the current frame (or the sink)."""
+    def write(
+        self,
+        layer: int,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        positions: torch.Tensor,
+        rotation: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """Write pre-RoPE K/V (n_tokens, n_heads, head_dim) of the current frame (or the sink);
+        ``rotation``: the positions' ``rope_rotation`` tables if the caller has them (CPU reuses them)."""
         k_scale, v_scale = self.k_scale[layer], self.v_scale[layer]
         if self.fp8:
             if self.writing_sink:  # the sink fixes this layer's scales for the session
                 k_scale.copy_(_pair_amax(k_new) * self.cfg.kv_headroom / FP8_MAX)
                 v_scale.copy_(v_new.float().abs().amax(dim=(0, 2)).clamp_min(1e-6) * self.cfg.kv_headroom / FP8_MAX)
             self.saturated += _over_range(k_new, v_new, k_scale, v_scale)
-        ring_write(self.k[layer], self.v[layer], k_scale, v_scale, k_new, v_new, self.write_start, positions, self.freqs)
+        ring_write(self.k[layer], self.v[layer], k_scale, v_scale, k_new, v_new, self.write_start, positions, self.freqs,
+                   rotation)
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """Attention of RoPE'd queries (n_tokens, n_heads, head_dim) over the sink + valid ring frames."""

@@ -17,7 +17,7 @@ naive re-RoPE window in tests (model/naive.py).
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -53,10 +53,20 @@ def noise_features(sigma: torch.Tensor) -> torch.Tensor:
     return torch.cat([angles.cos(), angles.sin()], dim=-1)
 
 
-def _frame_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """SDPA over (B, F, H, n, D) with batch and frames folded: CPU's fused kernel wants 4-D."""
-    out = F.scaled_dot_product_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1))
-    return out.unflatten(0, q.shape[:2])
+class Modulation(NamedTuple):
+    """adaLN outputs for noise levels (B, F), each (B, F, 1, dim): per block (shift, 1 + scale, gate),
+    then the final (shift, 1 + scale). The sampler's levels are fixed, so inference computes one per
+    level per session (model/generator.py); training computes them in every forward (gradients)."""
+
+    blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    final: tuple[torch.Tensor, torch.Tensor]
+
+
+def _cross_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Attention over (B, F, H, n, D) in plain math: with a handful of audio keys, SDPA's fused CPU
+    kernel costs more than the three ops."""
+    scores = torch.matmul(q, k.mT) * (1.0 / math.sqrt(q.shape[-1]))
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
 class ParallelBlock(nn.Module):
@@ -79,23 +89,35 @@ class ParallelBlock(nn.Module):
         """Cross-attention K/V (B, F, heads, A, head_dim) from the audio context (B, F, A, dim)."""
         kv = self.w_cross_kv(audio_ctx).unflatten(-1, (2, self.n_heads, self.head_dim))
         k, v = self.cross_k_norm(kv[..., 0, :, :]), kv[..., 1, :, :]
-        return k.transpose(-3, -2), v.transpose(-3, -2)
+        # contiguous once here: every pass of the step reads them
+        return k.transpose(-3, -2).contiguous(), v.transpose(-3, -2).contiguous()
+
+    def _head_norms(self, qkvc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q_norm(q), k_norm(k), cross_q_norm(cq) of (..., 4, heads, head_dim) = [q | k | v | cq] in one
+        RMS normalisation (v's share is discarded): RMSNorm's math, a third of the calls."""
+        w_q, w_k, w_cq = self.q_norm.weight, self.k_norm.weight, self.cross_q_norm.weight
+        weight = torch.stack([w_q, w_k, w_k, w_cq])[:, None]  # (4, 1, head_dim); v's row is unused
+        normed = F.rms_norm(qkvc.float(), qkvc.shape[-1:], eps=self.q_norm.eps).to(qkvc.dtype) * weight
+        q, k, _, cq = normed.unbind(-3)
+        return q, k, cq
 
     def forward(
         self,
         x: torch.Tensor,
-        ada: torch.Tensor,
+        modulation: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         cross_kv: tuple[torch.Tensor, torch.Tensor],
         self_attn: SelfAttention,
         layer: int,
     ) -> torch.Tensor:
-        shift, scale, gate = (ada + self.modulation).unsqueeze(2).unbind(dim=3)  # each (B, F, 1, dim)
-        h = self.norm(x) * (1 + scale) + shift
+        """``modulation``: this block's (shift, 1 + scale, gate) from ``DiT.modulation``."""
+        shift, scale, gate = modulation
+        h = self.norm(x) * scale + shift
         fused = self.w_in(h)
         hd = self.n_heads * self.head_dim
-        q, k, v, cq = (t.unflatten(-1, (self.n_heads, self.head_dim)) for t in fused[..., : 4 * hd].split(hd, -1))
-        attn = self_attn(layer, self.q_norm(q), self.k_norm(k), v)
-        cross = _frame_attention(self.cross_q_norm(cq).transpose(-3, -2), *cross_kv).transpose(-3, -2)
+        qkvc = fused[..., : 4 * hd].unflatten(-1, (4, self.n_heads, self.head_dim))
+        q, k, cq = self._head_norms(qkvc)
+        attn = self_attn(layer, q, k, qkvc[..., 2, :, :])
+        cross = _cross_attention(cq.transpose(-3, -2), *cross_kv).transpose(-3, -2)
         mlp = F.gelu(fused[..., 4 * hd :], approximate="tanh")
         out = self.w_out(torch.cat([attn.flatten(-2), cross.flatten(-2), mlp], dim=-1))  # TP: all-reduced here
         return x + gate * out
@@ -156,6 +178,24 @@ class DiT(nn.Module):
         ctx = self.audio_context(audio_tokens.to(self.head.weight.dtype))
         return [block.cross_context(ctx) for block in self.blocks]
 
+    def level_modulations(self, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """adaLN for noise levels ``sigma`` (...): every block's (shift, scale, gate) (..., blocks, 3, dim)
+        and the final (shift, scale) (..., 2, dim), as the blocks add them (shared adaLN + offset)."""
+        emb = F.silu(self.noise_mlp(noise_features(sigma).to(self.head.weight.dtype)))
+        ada = self.adaln(emb).unflatten(-1, (3, self.cfg.dim))
+        offsets = torch.stack([block.modulation for block in self.blocks])  # (blocks, 3, dim)
+        return ada[..., None, :, :] + offsets, self.final_adaln(emb).unflatten(-1, (2, self.cfg.dim))
+
+    def modulation(self, sigma: torch.Tensor) -> Modulation:
+        """``level_modulations`` of levels (B, F) laid out for ``forward``."""
+        ada, final = self.level_modulations(sigma)
+
+        def split(m: torch.Tensor) -> list[torch.Tensor]:
+            shift, scale, *gate = m.unsqueeze(-2).unbind(dim=-3)  # each (B, F, 1, dim)
+            return [shift, 1 + scale, *gate]
+
+        return Modulation([tuple(split(m)) for m in ada.unbind(dim=-3)], tuple(split(final)))
+
     def forward(
         self,
         latents: torch.Tensor,
@@ -163,18 +203,20 @@ class DiT(nn.Module):
         audio_tokens: torch.Tensor,
         self_attn: SelfAttention,
         cross_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        modulation: Modulation | None = None,
     ) -> torch.Tensor:
         """Flow-matching velocity (B, F, C, h, w) for noisy latents (B, F, C, h, w) at levels ``sigma`` (B, F)
-        with the chunks' audio tokens (B, F, A, audio_dim)."""
+        with the chunks' audio tokens (B, F, A, audio_dim). ``cross_kv`` and ``modulation``: the
+        caller's precomputed ``cross_context(audio_tokens)`` and ``modulation(sigma)``."""
         dtype = self.head.weight.dtype
         if cross_kv is None:
             cross_kv = self.cross_context(audio_tokens)
+        if modulation is None:
+            modulation = self.modulation(sigma)
         video = self.patch_embed(self.patchify(latents.to(dtype)))
         x = torch.cat([video, self.audio_embed(audio_tokens.to(dtype))], dim=2)
-        emb = F.silu(self.noise_mlp(noise_features(sigma).to(dtype)))
-        ada = self.adaln(emb).unflatten(-1, (3, self.cfg.dim))
         for layer, block in enumerate(self.blocks):
-            x = block(x, ada, cross_kv[layer], self_attn, layer)
-        shift, scale = self.final_adaln(emb).unflatten(-1, (2, self.cfg.dim)).unsqueeze(2).unbind(dim=3)
-        x = self.final_norm(x[:, :, : self.cfg.video_tokens]) * (1 + scale) + shift
+            x = block(x, modulation.blocks[layer], cross_kv[layer], self_attn, layer)
+        shift, scale = modulation.final
+        x = self.final_norm(x[:, :, : self.cfg.video_tokens]) * scale + shift
         return self.unpatchify(self.head(x))

@@ -28,12 +28,12 @@ class RingSelfAttention:
 
     def __init__(self, cache: KVCache, positions: torch.Tensor) -> None:
         self.cache, self.positions = cache, positions
-        self.rotation = rope_rotation(positions, cache.freqs)  # the queries' RoPE, shared by all layers
+        self.rotation = rope_rotation(positions, cache.freqs)  # RoPE of the queries and keys of every layer
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         shape = q.shape  # (1, F, T, H, D)
         q, k, v = (t.reshape(-1, *shape[-2:]) for t in (q, k, v))
-        self.cache.write(layer, k, v, self.positions)
+        self.cache.write(layer, k, v, self.positions, self.rotation)
         return self.cache.attend(layer, rotate(q, *self.rotation).to(q.dtype)).reshape(shape)
 
 
@@ -78,6 +78,10 @@ class Generator:
         ref = reference_latent.to(self.device).reshape(1, 1, *self._latent_shape()).expand(1, cfg.sink_frames, -1, -1, -1)
         audio = torch.zeros(1, cfg.sink_frames, cfg.n_audio_tokens, cfg.audio_dim, device=self.device)
         positions = torch.cat([self._positions(t) for t in range(cfg.sink_frames)])
+        # The sampler's levels are fixed and the weights too within a session: their adaLN once.
+        self._modulations = {
+            sigma: self.model.modulation(torch.full((1, 1), sigma, device=self.device)) for sigma in cfg.noise_levels
+        }
         self.cache.reset()
         self.cache.begin_sink()
         self.model(ref, torch.zeros(1, cfg.sink_frames, device=self.device), audio, RingSelfAttention(self.cache, positions))
@@ -98,7 +102,7 @@ class Generator:
 
         def velocity(x: torch.Tensor, sigma: float) -> torch.Tensor:
             level = torch.full((1, 1), sigma, device=self.device)
-            return self.model(x, level, audio, attn, cross_kv)
+            return self.model(x, level, audio, attn, cross_kv, self._modulations[sigma])
 
         noise = seeded_noise((1, 1, *self._latent_shape()), seed).to(self.device)
         latent = sample(velocity, noise, cfg.noise_levels)

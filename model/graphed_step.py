@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from kernels.adaln_quant import adaln_quant_triton
 from kernels.quantize_rows import quantize_rows_triton
 from kernels.ring_attention import ring_attention_gathered, ring_attention_triton
 from kernels.ring_write import ring_write_prep_triton
 from model.cache import KVCache
-from model.dit import DiT, noise_features
+from model.dit import DiT
 from model.fp8_linear import Fp8Linear
 from model.rope import frame_positions
 from model.sampler import seeded_noise
@@ -66,8 +65,8 @@ class ShardStep:
         self.w_in = [Fp8Linear.from_weight(b.w_in.weight) for b in model.blocks]
         self.w_out = [Fp8Linear.from_weight(b.w_out.weight) for b in model.blocks]
         self.norms = [(b.q_norm.weight, b.k_norm.weight, b.cross_q_norm.weight) for b in model.blocks]
-        with torch.inference_mode():
-            self.mods, self.final_mods = self._level_modulations()
+        with torch.inference_mode():  # per level: every block's (shift, scale, gate), the final (shift, scale)
+            self.mods, self.final_mods = model.level_modulations(torch.tensor(cfg.noise_levels, device=dev))
         dtype = model.head.weight.dtype
         t, a = cfg.tokens_per_step, cfg.n_audio_tokens
         # Inputs the graph reads (written before each replay) and its output.
@@ -87,16 +86,6 @@ class ShardStep:
         win = (self.n_heads, cache.sink_slots + cfg.window_frames * t, self.head_dim)
         self.window = (torch.empty(win, dtype=dtype, device=dev), torch.empty(win, dtype=dtype, device=dev))
         self.graphs: dict[bool, torch.cuda.CUDAGraph] = {}
-
-    def _level_modulations(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per noise level: every block's (shift, scale, gate) and the final (shift, scale), as the model adds them."""
-        m = self.model
-        levels = torch.tensor(self.cfg.noise_levels, device=self.cache.k.device)
-        emb = F.silu(m.noise_mlp(noise_features(levels).to(m.head.weight.dtype)))  # (L, dim)
-        ada = m.adaln(emb).unflatten(-1, (3, self.cfg.dim))  # (L, 3, dim)
-        offsets = torch.stack([b.modulation for b in m.blocks])  # (blocks, 3, dim)
-        final = m.final_adaln(emb).unflatten(-1, (2, self.cfg.dim))  # (L, 2, dim)
-        return ada[:, None] + offsets[None], final
 
     # -- the step body: eager, or recorded once into the graph --------------------------------------
 

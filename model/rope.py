@@ -49,24 +49,30 @@ def rope_angles(positions: torch.Tensor, freqs: RopeFreqs) -> torch.Tensor:
     )
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs of ``x`` (..., 2 * n) by angles given as cos, sin broadcastable to (..., n).
-    fp32 math, fp32 result."""
-    xf = x.float().unflatten(-1, (-1, 2))
-    x0, x1 = xf[..., 0], xf[..., 1]
-    return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2)
+def rotation_tables(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, signed_sin), each (..., 2 * n), for ``angles`` (..., n): cos repeated over each pair,
+    sin as (-sin, +sin), so a rotation is two products and a sum (``rotate``)."""
+    cos, sin = angles.cos(), angles.sin()
+    return cos.repeat_interleave(2, dim=-1), torch.stack([-sin, sin], dim=-1).flatten(-2)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs of ``x`` (..., 2 * n) by tables from ``rotation_tables`` broadcastable to
+    x's shape. fp32 math, fp32 result; bit-identical to (x0 cos - x1 sin, x0 sin + x1 cos) in fewer ops."""
+    xf = x.float()
+    swapped = xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (x1, x0) per pair
+    return xf * cos + swapped * signed_sin
 
 
 def rotate_pairs(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
     """Rotate interleaved pairs of ``x`` (..., 2 * n) by ``angles`` broadcastable to (..., n). fp32 math."""
-    return rotate(x, angles.cos(), angles.sin())
+    return rotate(x, *rotation_tables(angles))
 
 
 def rope_rotation(positions: torch.Tensor, freqs: RopeFreqs) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin), each (T, 1, head_dim // 2), for tokens at ``positions`` (T, 3): compute once, rotate
-    many tensors (every layer's queries of a frame)."""
-    angles = rope_angles(positions, freqs)[:, None, :]  # broadcast over heads
-    return angles.cos(), angles.sin()
+    """Rotation tables (cos, signed_sin), each (T, 1, head_dim), for tokens at ``positions`` (T, 3):
+    compute once, rotate many tensors (every layer's queries and keys of a frame)."""
+    return rotation_tables(rope_angles(positions, freqs)[:, None, :])  # broadcast over heads
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, freqs: RopeFreqs) -> torch.Tensor:

@@ -99,3 +99,21 @@ def test_cpu_segment_attention_equals_reference(dtype, valid):
     args = (q, k_cache, v_cache, scale, scale, ring_valid, SINK_FRAMES * T, T)
     torch.testing.assert_close(ring_attention_cpu(*args), ring_attention_reference(*args), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ring_attention(*args), ring_attention_reference(*args), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, FP8_DTYPE])
+def test_cpu_attention_at_tiny_shapes_matches_reference(dtype):
+    """`tiny`'s shapes (12 heads x 16, 20 tokens, 12 ring frames): a window wrapped around the ring's
+    end, one continuing the sink, and one in the middle."""
+    g = torch.Generator().manual_seed(4)
+    heads, tokens, ring = 12, 20, 12
+    n_slots = (SINK_FRAMES + ring) * tokens
+    k_cache = (torch.randn(heads, n_slots, D, generator=g) * 3).to(dtype)
+    v_cache = (torch.randn(heads, n_slots, D, generator=g) * 3).to(dtype)
+    k_scale, v_scale = torch.rand(heads, generator=g) + 0.05, torch.rand(heads, generator=g) + 0.05
+    q = torch.randn(tokens, heads, D, generator=g) * 2
+    for first in (7, 0, 2):  # 8 valid frames from ring position `first`, wrapping past the end
+        ring_valid = torch.zeros(ring, dtype=torch.bool)
+        ring_valid[[(first + i) % ring for i in range(8)]] = True
+        args = (q, k_cache, v_cache, k_scale, v_scale, ring_valid, SINK_FRAMES * tokens, tokens)
+        assert _rel(ring_attention_cpu(*args), ring_attention_reference(*args)) < 1e-6
