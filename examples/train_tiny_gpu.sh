@@ -2,12 +2,13 @@
 # How the shipped weights (model/assets/tiny.safetensors) were made: one call on a lent H200.
 # Train (time-boxed), then held-out lip sync + a 10-minute drift session on the same GPU.
 # Usage (repo root, espeakng-loader importable): OUT=/some/dir examples/train_tiny_gpu.sh [TRAIN_BUDGET_S]
+# TRAIN_ARGS: extra `charstream train` options (e.g. "--dit-batch 64").
 set -u
 OUT=${OUT:-runs/gpu}
 BUDGET=${1:-380}
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
 mkdir -p "$OUT"
-python3 -m pipeline.training.train --out /tmp/run --budget-s "$BUDGET" --seed 0 > "$OUT/train.log" 2>&1
+python3 -m pipeline.training.train --out /tmp/run --budget-s "$BUDGET" --seed 0 ${TRAIN_ARGS:-} > "$OUT/train.log" 2>&1
 echo "train exit $?" >> "$OUT/train.log"
 cp /tmp/run/dit.safetensors /tmp/run/vae_audio.safetensors "$OUT/"
 python3 -c "from pathlib import Path; from pipeline.training.checkpoint import merge; \
