@@ -87,3 +87,15 @@ def test_gate_fails_a_broken_ring(baseline_scores):
     cand = score_matrix(Rollout(load_config("broken-scale-x4")), list(range(N_CLIPS)), K_RERUNS, N_FRAMES, "broken")
     cmp = compare(baseline_scores, cand)
     assert not cmp.passed and cmp.ci_high < 0, cmp  # worse lip sync, beyond the rerun margin
+
+
+def test_heldout_cli_writes_scores_and_the_frames_figure(tmp_path):
+    from pipeline.quality import heldout
+
+    assert heldout.main(["--device", "cpu", "--clips", "2", "--reruns", "1", "--seconds", "2",
+                         "--figure", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "heldout.json").read_text())
+    assert result["clips"] == 2 and len(result["rows"]) == 2
+    assert -1.0 <= result["mean_confidence"] <= 1.0 and result["mean_ground_truth"] > 0.8
+    assert "mean confidence" in (tmp_path / "heldout.md").read_text()
+    assert (tmp_path / "generated_vs_truth.png").stat().st_size > 10_000

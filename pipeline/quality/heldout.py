@@ -56,6 +56,34 @@ def evaluate(rollout: Rollout, clips: int, reruns: int, seconds: float) -> dict:
     }
 
 
+def frames_figure(rollout: Rollout, path: Path, clip: int = 0, frames: int = 8, seconds: float = 4.0) -> None:
+    """A strip of ``frames`` generated frames of held-out clip ``clip`` (top) over the ground-truth
+    render of the same speech (bottom), evenly spaced over its first ``seconds``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    script = make_script(clip, int(round(seconds * 6)) * 4, "heldout")
+    generated = rollout.video(script.audio, seed=0).cpu().numpy()  # (frames, H, W, 3) uint8
+    truth = render(make_identity(rollout.config.identity), script.motion).permute(0, 2, 3, 1).numpy()
+    picks = np.linspace(0, len(generated) - 1, frames).round().astype(int)
+    fig, axes = plt.subplots(2, frames, figsize=(1.6 * frames, 3.6))
+    for col, i in enumerate(picks):
+        for row, (name, video) in enumerate((("generated", generated), ("ground truth", truth))):
+            ax = axes[row, col]
+            ax.imshow(video[i])
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if col == 0:
+                ax.set_ylabel(name)
+        axes[0, col].set_title(f"{i / 24:.2f} s", fontsize=8)
+    fig.suptitle(f"held-out clip {clip}, config `{rollout.config.name}`", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def markdown(result: dict) -> str:
     lines = [
         f"Held-out lip sync: {result['clips']} clips x {result['reruns']} reruns of {result['seconds']:.0f} s, "
@@ -86,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--band", type=float, default=None,
                    help="drift band (default: the gate's rerun margin from the clips' rerun sd)")
     p.add_argument("--out", type=Path, default=Path("heldout-out"))
+    p.add_argument("--figure", action="store_true", help="also write generated_vs_truth.png (held-out clip 0)")
     args = p.parse_args(argv)
     config = load_config(args.config)
     config.device = args.device
@@ -123,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         print(text, flush=True)
     (args.out / "heldout.json").write_text(json.dumps(result, indent=1))
     (args.out / "heldout.md").write_text(text)
+    if args.figure:
+        frames_figure(rollout, args.out / "generated_vs_truth.png")
     return 0
 
 

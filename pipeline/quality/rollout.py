@@ -14,6 +14,7 @@ windows, model/audio_encoder.py); frames from the causal VAE decoder over blocks
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -156,17 +157,25 @@ class Rollout:
         return torch.stack(out)
 
     @torch.inference_mode()
-    def openness(self, audio: np.ndarray, seed: int, block: int = 64) -> np.ndarray:
-        """Mouth openness per generated frame. The causal decoder runs over blocks of latent frames
-        with its state threaded through, which equals decoding chunk by chunk as the demo does."""
+    def decoded(self, audio: np.ndarray, seed: int, block: int = 64) -> Iterator[torch.Tensor]:
+        """Generated video in blocks of up to ``block`` latent frames, each (frames, 3, H, W) in [-1, 1].
+        The causal decoder's state is threaded through, which equals decoding chunk by chunk as the
+        demo does."""
         latents = self.latents(audio, seed)
-        y0, y1, x0, x1 = MOUTH_BOX
-        state, parts = None, []
+        state = None
         for start in range(0, latents.shape[0], block):
             video, state = self.vae.decode(latents[None, start: start + block], state)
-            crop = to_uint8_frames(video[0, :, :, y0:y1, x0:x1])  # (frames, h, w, 3)
-            parts.append(box_openness(crop.permute(0, 3, 1, 2).cpu().numpy()))
-        return np.concatenate(parts)
+            yield video[0]
+
+    def video(self, audio: np.ndarray, seed: int) -> torch.Tensor:
+        """The whole generated clip as uint8 frames (frames, H, W, 3)."""
+        return torch.cat([to_uint8_frames(v) for v in self.decoded(audio, seed)])
+
+    def openness(self, audio: np.ndarray, seed: int) -> np.ndarray:
+        """Mouth openness per generated frame."""
+        y0, y1, x0, x1 = MOUTH_BOX
+        crops = (to_uint8_frames(v[:, :, y0:y1, x0:x1]) for v in self.decoded(audio, seed))  # (frames, h, w, 3)
+        return np.concatenate([box_openness(c.permute(0, 3, 1, 2).cpu().numpy()) for c in crops])
 
     def score_clip(self, clip_seed: int, rerun_seed: int, n_frames: int) -> SyncScore:
         """Lip sync of held-out clip ``clip_seed`` (speech only: the character is the config's)."""
