@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# One device call (docs/gpu-notes.md): GPU tests, then `bench gpu` for the TP=3 and TP=4 shards (step
+# One device call (docs/gpu-notes.md): GPU tests, the trained tiny held out on the graphed path, then `bench gpu` for the TP=3 and TP=4 shards (step
 # with the in-place Triton ring attention and with the gathered cuDNN attention, kernel breakdown),
 # the full-size decoder and the pipelined period. Every section runs under `timeout` with a progress
 # line each side, and the bench's own watchdog (--section-timeout) prints every Python stack if a
-# part hangs, so one hang costs its section's limit, not the call. Worst case ~6.5 min in all.
-# Logs and JSON (7 files) go to $OUT. Run from the repo root on the device machine (python3 with
+# part hangs, so one hang costs its section's limit, not the call. Worst case ~8.5 min in all.
+# Logs and JSON (8 files) go to $OUT. Run from the repo root on the device machine (python3 with
 # torch + Triton; structlog only for the stage test, from a wheel: see the usage in docs/gpu-notes.md).
-# Usage: CHARSTREAM_COMMIT=<sha> scripts/gpu_check.sh
+# Usage: CHARSTREAM_COMMIT=<sha> scripts/gpu_check.sh  (wheels: pip install --no-deps .whl/*.whl first)
 set -o pipefail
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # Multi-GPU hosts: NVLink multicast stays off (KINDS.md); harmless on one GPU.
@@ -40,6 +40,9 @@ section "gpu tests" 110 gpu-tests.log python3 -m pytest -q -m gpu -p no:cachepro
 # Separate: it needs structlog (a wheel on the device); a missing import must not hide the tests above.
 section "gpu stage test" 40 gpu-tests.log python3 -m pytest -q -m gpu -p no:cacheprovider "${per_test[@]}" \
   tests/test_diffusion_stage.py
+# The trained tiny on the GPU demo's path (bf16, FP8 GEMMs + ring, CUDA graph); needs espeakng-loader.
+section "tiny held-out, graphed" 120 heldout-graphed.log python3 -m pipeline.quality.heldout \
+  --config fp8-ring-graphed --device cuda --clips 4 --reruns 2 --seconds 8 --out /tmp/heldout-graphed
 section "bench TP=3 shard" 100 bench-tp3.log python3 -m pipeline.bench_gpu --tp-shard 3 --skip sweep decoder pipeline \
   --section-timeout 80 --json "$OUT/bench_tp3.json"
 section "bench TP=4 shard, decoder, pipeline" 140 bench-tp4.log python3 -m pipeline.bench_gpu --tp-shard 4 \
