@@ -85,6 +85,16 @@ class RMSNorm2d(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return _nchw(F.rms_norm(_nhwc(x), (x.shape[1],), self.weight, self.eps))
 
+    def silu(self, x: Tensor) -> Tensor:
+        """``F.silu(self(x))``. Without autograd in fewer passes over the activations: one reduction for
+        the per-pixel RMS, one product by it, the weight and SiLU in place (the same math as F.rms_norm's)."""
+        if torch.is_grad_enabled():
+            return F.silu(self(x))
+        xh = _nhwc(x)
+        ms = torch.linalg.vector_norm(xh, dim=-1, keepdim=True).square_().div_(x.shape[1])
+        y = xh * ms.add_(self.eps).rsqrt_()
+        return _nchw(F.silu(y.mul_(self.weight), inplace=True))
+
 
 class CausalTemporalConv(nn.Module):
     """Pointwise-in-space, causal-in-time conv: y_t = W [x_{t-2}, x_{t-1}, x_t] + b."""
@@ -96,16 +106,29 @@ class CausalTemporalConv(nn.Module):
     def forward(self, x: Tensor, frames: int, io: _StateIO) -> Tensor:
         n, c, h, w = x.shape
         xt = _nhwc(x).reshape(n // frames, frames, h, w, c)
-        history = io.take()
-        if history is None:
-            history = xt.new_zeros(xt.shape[0], TEMPORAL_KERNEL - 1, h, w, c)
-        full = torch.cat([history, xt], dim=1)  # (B, 2 + T, h, w, C)
-        io.new.append(full[:, frames:].clone())  # the last 2 input frames, for the next call
-        # One GEMM per tap, accumulated in place (cheaper than stacking the taps along channels).
+        b, keep = xt.shape[0], TEMPORAL_KERNEL - 1
+        history = io.take()  # (B, 2, h, w, C); None: zeros, whose products are skipped
+        if frames >= keep:
+            io.new.append(xt[:, frames - keep :].clone())  # the last 2 input frames, for the next call
+        else:
+            past = history if history is not None else xt.new_zeros(b, keep, h, w, c)
+            io.new.append(torch.cat([past[:, frames:], xt], dim=1))
+        # One GEMM per tap, accumulated in place (cheaper than stacking the taps along channels). The
+        # input of tap d for output frame t is frame t + d - 2 of [history, x]: the rows of each tap's
+        # product split into the part reading history and the part reading x, so the two are never
+        # concatenated; every output row still sums its taps in the same order (tap 2 + bias, 0, 1).
         taps = self.proj.weight.split(c, dim=1)  # (C, C) each, oldest frame first
-        y = F.linear(full[:, -frames:], taps[-1], self.proj.bias).reshape(-1, c)
-        for d in range(TEMPORAL_KERNEL - 1):
-            y.addmm_(full[:, d : d + frames].reshape(-1, c), taps[d].t())
+        y = F.linear(xt, taps[-1], self.proj.bias)  # (B, T, h, w, C)
+        for d in range(keep):
+            lag = keep - d  # tap d reads frame t - lag
+            tap = taps[d].t()
+            for i in range(b):
+                yi = y[i].view(frames, h * w, c)
+                if history is not None:
+                    n_hist = min(lag, frames)  # output frames t < lag read history frame t - lag + 2
+                    yi[:n_hist].view(-1, c).addmm_(history[i, d : d + n_hist].reshape(-1, c), tap)
+                if frames > lag:
+                    yi[lag:].view(-1, c).addmm_(xt[i, : frames - lag].reshape(-1, c), tap)
         return _nchw(y.view(n, h, w, c))
 
 
@@ -120,8 +143,8 @@ class CausalResBlock(nn.Module):
         self.temporal = CausalTemporalConv(channels)
 
     def forward(self, x: Tensor, frames: int, io: _StateIO) -> Tensor:
-        h = self.conv(F.silu(self.norm1(x)))
-        return x + self.temporal(F.silu(self.norm2(h)), frames, io)
+        h = self.conv(self.norm1.silu(x))
+        return self.temporal(self.norm2.silu(h), frames, io).add_(x)  # a fresh tensor: in place is safe
 
 
 class Upsample(nn.Module):
@@ -136,6 +159,18 @@ class Upsample(nn.Module):
         # the 1x1 conv as a GEMM over channels-last pixels (the conv's slow path would leave NCHW)
         y = _nchw(F.linear(_nhwc(x), self.proj.weight.flatten(1), self.proj.bias))
         return F.interpolate(y, scale_factor=2.0, mode="nearest")
+
+
+def _pixel_shuffle_2x(x: Tensor) -> Tensor:
+    """``F.pixel_shuffle(x, 2)`` of a channels-last (N, 4C, h, w) as one permuted copy into a channels-last
+    (N, C, 2h, 2w) (pixel_shuffle itself is slow on channels-last input, and leaves it)."""
+    if not x.is_contiguous(memory_format=torch.channels_last):
+        return F.pixel_shuffle(x, 2)
+    n, c4, h, w = x.shape
+    c = c4 // 4
+    # channel c * 4 + i * 2 + j of pixel (y, x) -> channel c of pixel (2y + i, 2x + j)
+    y = _nhwc(x).view(n, h, w, c, 2, 2).permute(0, 1, 4, 2, 5, 3).reshape(n, 2 * h, 2 * w, c)
+    return _nchw(y)
 
 
 def _check_config(cfg: ModelConfig) -> int:
@@ -188,7 +223,7 @@ class Decoder(nn.Module):
             x = block(x, frames, io)
             if i < len(self.ups):
                 x = self.ups[i](x)
-        x = F.pixel_shuffle(self.conv_out(F.silu(self.norm_out(x))), 2)
+        x = _pixel_shuffle_2x(self.conv_out(self.norm_out.silu(x)))
         video = x.reshape(b, frames, 3, x.shape[-2], x.shape[-1])
         prev = state.frames if state is not None else 0
         return video, CausalState(tuple(io.new), prev + t)
@@ -234,7 +269,7 @@ class Encoder(nn.Module):
         y = _nhwc(x).reshape(b * t, k, h, w, ch).permute(0, 2, 3, 1, 4).reshape(b * t, h, w, k * ch)
         x = _nchw(self.time_compress(y))
         x = self.mid(x, t, io)
-        moments = self.conv_out(F.silu(self.norm_out(x)))
+        moments = self.conv_out(self.norm_out.silu(x))
         moments = moments.reshape(b, t, *moments.shape[1:])
         mean, logvar = moments.chunk(2, dim=2)
         return mean, logvar.clamp(-30.0, 20.0)
@@ -283,8 +318,12 @@ class VideoVAE(nn.Module):
 
 def to_uint8_frames(video: Tensor) -> Tensor:
     """(..., 3, H, W) float in [-1, 1] -> (..., H, W, 3) uint8 on the same device."""
-    x = ((video.float().clamp(-1.0, 1.0) + 1.0) * 127.5).round().to(torch.uint8)
-    return x.movedim(-3, -1).contiguous()
+    x = video.float().movedim(-3, -1)  # channels-last video (the CPU decoder's): a contiguous view
+    if torch.is_grad_enabled() and x.requires_grad:
+        x = ((x.clamp(-1.0, 1.0) + 1.0) * 127.5).round()
+    else:  # one new tensor, then in place: the same math in fewer allocations
+        x = x.clamp(-1.0, 1.0).add_(1.0).mul_(127.5).round_()
+    return x.to(torch.uint8).contiguous()
 
 
 def time_decode(
