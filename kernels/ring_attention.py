@@ -59,14 +59,14 @@ def ring_attention_cpu(
     log-sum-exp merge, and gathering the valid runs first (a copy of the window) saves only ~50 us.
     FP8 scales fold into the queries (K) and the output (V), as in the Triton kernel."""
     _check_layout(k_cache, ring_valid, sink_slots, tokens_per_frame)
-    # The mask as an additive bias (0 / -inf per slot) that the QK product adds in its own pass (baddbmm):
-    # x + 0 is exact, and a masked_fill_ broadcast over the scores costs twice the bmm on CPU.
+    # The mask as an additive bias (0 / -inf per slot), added in place along the scores' contiguous last
+    # dim: x + 0 is exact, and a masked_fill_ with a broadcast bool mask costs twice the bmm on CPU.
     bias = torch.zeros(ring_valid.numel(), dtype=torch.float32, device=q.device).masked_fill_(~ring_valid, float("-inf"))
     bias = torch.cat([bias.new_zeros(sink_slots), bias.repeat_interleave(tokens_per_frame)])
     quant = is_fp8(k_cache)
     softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     qh = q.float().transpose(0, 1) * (k_scale[:, None, None] * softmax_scale if quant else softmax_scale)
-    scores = torch.baddbmm(bias, qh, k_cache.float().mT)  # .float(): no copy for fp32
+    scores = torch.bmm(qh, k_cache.float().mT).add_(bias)  # .float(): no copy for fp32
     out = torch.bmm(torch.softmax(scores, dim=-1), v_cache.float())
     if quant:
         out = out * v_scale[:, None, None]

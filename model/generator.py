@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from kernels.fp8 import FP8_DTYPE
+from kernels.ring_write import complex_rotation, rotate_complex
 from model.cache import KVCache
 from model.config import ModelConfig
 from model.rope import frame_positions, rope_freqs, rope_rotation, rotate
@@ -29,12 +30,18 @@ class RingSelfAttention:
     def __init__(self, cache: KVCache, positions: torch.Tensor) -> None:
         self.cache, self.positions = cache, positions
         self.rotation = rope_rotation(positions, cache.freqs)  # RoPE of the queries and keys of every layer
+        if positions.device.type == "cpu":  # the same rotation in one op (CUDA: the kernels do their own)
+            self.rotation = complex_rotation(self.rotation)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         shape = q.shape  # (1, F, T, H, D)
         q, k, v = (t.reshape(-1, *shape[-2:]) for t in (q, k, v))
         self.cache.write(layer, k, v, self.positions, self.rotation)
-        return self.cache.attend(layer, rotate(q, *self.rotation).to(q.dtype)).reshape(shape)
+        if isinstance(self.rotation, torch.Tensor):
+            q_rot = rotate_complex(q, self.rotation)
+        else:
+            q_rot = rotate(q, *self.rotation)
+        return self.cache.attend(layer, q_rot.to(q.dtype)).reshape(shape)
 
 
 class Generator:
@@ -79,9 +86,8 @@ class Generator:
         audio = torch.zeros(1, cfg.sink_frames, cfg.n_audio_tokens, cfg.audio_dim, device=self.device)
         positions = torch.cat([self._positions(t) for t in range(cfg.sink_frames)])
         # The sampler's levels are fixed and the weights too within a session: their adaLN once.
-        self._modulations = {
-            sigma: self.model.modulation(torch.full((1, 1), sigma, device=self.device)) for sigma in cfg.noise_levels
-        }
+        self._levels = {sigma: torch.full((1, 1), sigma, device=self.device) for sigma in cfg.noise_levels}
+        self._modulations = {sigma: self.model.modulation(level) for sigma, level in self._levels.items()}
         self.cache.reset()
         self.cache.begin_sink()
         self.model(ref, torch.zeros(1, cfg.sink_frames, device=self.device), audio, RingSelfAttention(self.cache, positions))
@@ -101,8 +107,8 @@ class Generator:
         cross_kv = self.model.cross_context(audio)
 
         def velocity(x: torch.Tensor, sigma: float) -> torch.Tensor:
-            level = torch.full((1, 1), sigma, device=self.device)
-            return self.model(x, level, audio, attn, cross_kv, self._modulations[sigma])
+            # the level tensor is only read when no modulation is passed: the session's, not a new one
+            return self.model(x, self._levels[sigma], audio, attn, cross_kv, self._modulations[sigma])
 
         noise = seeded_noise((1, 1, *self._latent_shape()), seed).to(self.device)
         latent = sample(velocity, noise, cfg.noise_levels)
