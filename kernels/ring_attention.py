@@ -52,17 +52,19 @@ def ring_attention_cpu(
     ring_valid: torch.Tensor,
     sink_slots: int,
     tokens_per_frame: int,
+    slot_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The CPU path: plain math (bmm, one softmax, bmm) over the whole ring read in place, invalid
     frames masked to -inf. At `tiny`'s 20 queries x head_dim 16 per-op overhead, not FLOPs, bounds
     CPU attention: one masked pass is ~2x faster than SDPA's CPU flash kernel per valid run + a
     log-sum-exp merge, and gathering the valid runs first (a copy of the window) saves only ~50 us.
-    FP8 scales fold into the queries (K) and the output (V), as in the Triton kernel."""
+    FP8 scales fold into the queries (K) and the output (V), as in the Triton kernel.
+
+    ``slot_bias``: ``ring_slot_bias(ring_valid, ...)`` if the caller keeps it (it changes once a frame)."""
     _check_layout(k_cache, ring_valid, sink_slots, tokens_per_frame)
     # The mask as an additive bias (0 / -inf per slot), added in place along the scores' contiguous last
     # dim: x + 0 is exact, and a masked_fill_ with a broadcast bool mask costs twice the bmm on CPU.
-    bias = torch.zeros(ring_valid.numel(), dtype=torch.float32, device=q.device).masked_fill_(~ring_valid, float("-inf"))
-    bias = torch.cat([bias.new_zeros(sink_slots), bias.repeat_interleave(tokens_per_frame)])
+    bias = slot_bias if slot_bias is not None else ring_slot_bias(ring_valid, sink_slots, tokens_per_frame)
     quant = is_fp8(k_cache)
     softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     qh = q.float().transpose(0, 1) * (k_scale[:, None, None] * softmax_scale if quant else softmax_scale)
@@ -71,6 +73,14 @@ def ring_attention_cpu(
     if quant:
         out = out * v_scale[:, None, None]
     return out.transpose(0, 1).to(q.dtype)
+
+
+def ring_slot_bias(ring_valid: torch.Tensor, sink_slots: int, tokens_per_frame: int) -> torch.Tensor:
+    """Additive attention bias per cache slot, float32 (n_slots,): 0 for the sink and valid ring frames,
+    -inf for the others."""
+    bias = torch.zeros(sink_slots + ring_valid.numel() * tokens_per_frame, dtype=torch.float32, device=ring_valid.device)
+    bias[sink_slots:].view(-1, tokens_per_frame).masked_fill_(~ring_valid[:, None], float("-inf"))
+    return bias
 
 
 def _check_layout(k_cache: torch.Tensor, ring_valid: torch.Tensor, sink_slots: int, tokens_per_frame: int) -> None:

@@ -23,7 +23,7 @@ import torch
 
 from kernels.delta_rotate import delta_rotate
 from kernels.fp8 import FP8_MAX, is_fp8
-from kernels.ring_attention import ring_attention
+from kernels.ring_attention import ring_attention, ring_attention_cpu, ring_slot_bias
 from kernels.ring_write import ring_write
 from model.config import ModelConfig
 from model.rope import RopeFreqs
@@ -68,6 +68,7 @@ class KVCache:
         self.write_start = 0  # first slot of the frame being written
         self.writing_sink = False
         self.next_frame = 0
+        self._slot_bias: torch.Tensor | None = None  # CPU attention's mask of ring_valid, once per frame
 
     @property
     def fp8(self) -> bool:
@@ -78,6 +79,7 @@ class KVCache:
         self.slot_frame = [None] * self.ring_frames
         self.ring_valid.zero_()
         self.saturated.zero_()
+        self._slot_bias = None
         self.offset = 0
         self.next_frame = 0
 
@@ -85,6 +87,7 @@ class KVCache:
         """Next writes go to the sink slots; attention sees the sink only."""
         self.ring_valid.zero_()
         self.write_start = 0
+        self._slot_bias = None
         self.writing_sink = True
 
     def begin_frame(self) -> tuple[int, int]:
@@ -100,6 +103,7 @@ class KVCache:
         oldest = frame - self.cfg.window_frames + 1
         valid = [f is not None and oldest <= f <= frame for f in self.slot_frame]
         self.ring_valid.copy_(torch.tensor(valid, dtype=torch.bool))
+        self._slot_bias = None
         self.write_start = self.sink_slots + ring_pos * self.tokens_per_frame
         self.writing_sink = False
         return frame, self.cfg.sink_frames + frame - self.offset
@@ -145,6 +149,13 @@ class KVCache:
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """Attention of RoPE'd queries (n_tokens, n_heads, head_dim) over the sink + valid ring frames."""
+        if q.device.type == "cpu":  # the dispatcher's CPU path, with the slot mask kept for the frame
+            if self._slot_bias is None:
+                self._slot_bias = ring_slot_bias(self.ring_valid, self.sink_slots, self.tokens_per_frame)
+            return ring_attention_cpu(
+                q, self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer],
+                self.ring_valid, self.sink_slots, self.tokens_per_frame, slot_bias=self._slot_bias,
+            )
         return ring_attention(
             q, self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer],
             self.ring_valid, self.sink_slots, self.tokens_per_frame,
