@@ -157,10 +157,8 @@ class Upsample(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         # the 1x1 conv as a GEMM over channels-last pixels (the conv's slow path would leave NCHW)
-        y = F.linear(_nhwc(x), self.proj.weight.flatten(1), self.proj.bias)  # (N, h, w, C)
-        # nearest 2x as one broadcast copy into a channels-last (N, C, 2h, 2w)
-        n, h, w, c = y.shape
-        return _nchw(y[:, :, None, :, None].expand(n, h, 2, w, 2, c).reshape(n, 2 * h, 2 * w, c))
+        y = _nchw(F.linear(_nhwc(x), self.proj.weight.flatten(1), self.proj.bias))
+        return F.interpolate(y, scale_factor=2.0, mode="nearest")
 
 
 def _pixel_shuffle_2x(x: Tensor) -> Tensor:
