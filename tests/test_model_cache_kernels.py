@@ -11,9 +11,14 @@ import torch.nn.functional as F
 
 from kernels.delta_rotate import delta_rotate
 from kernels.fp8 import FP8_DTYPE, dequantise
-from kernels.ring_attention import ring_attention, ring_attention_cpu, ring_attention_reference
-from kernels.ring_write import ring_write
-from model.rope import apply_rope, frame_positions, rope_freqs, rope_split
+from kernels.ring_attention import (
+    ring_attention,
+    ring_attention_cpu,
+    ring_attention_reference,
+    ring_slot_bias,
+)
+from kernels.ring_write import complex_rotation, ring_write, rotate_complex
+from model.rope import apply_rope, frame_positions, rope_freqs, rope_rotation, rope_split, rotate
 
 H, D, T, SINK_FRAMES, RING = 3, 16, 10, 1, 4
 
@@ -117,3 +122,17 @@ def test_cpu_attention_at_tiny_shapes_matches_reference(dtype):
         ring_valid[[(first + i) % ring for i in range(8)]] = True
         args = (q, k_cache, v_cache, k_scale, v_scale, ring_valid, SINK_FRAMES * tokens, tokens)
         assert _rel(ring_attention_cpu(*args), ring_attention_reference(*args)) < 1e-6
+        bias = ring_slot_bias(ring_valid, SINK_FRAMES * tokens, tokens)  # as model/cache.py keeps it
+        assert torch.equal(ring_attention_cpu(*args, slot_bias=bias), ring_attention_cpu(*args))
+
+
+def test_complex_rotation_equals_rotate():
+    """The CPU path's one-op RoPE (queries and ring keys) against model/rope.py's, on strided slices of
+    a fused projection as the DiT hands them over."""
+    g = torch.Generator().manual_seed(5)
+    freqs = rope_freqs(D)
+    positions = frame_positions(3, (2, 2), 1, "cpu")
+    tables = rope_rotation(positions, freqs)
+    fused = torch.randn(positions.shape[0], 4, H, D, generator=g)
+    for x in (fused[:, 0], fused[:, 1], fused[:, 1].contiguous()):
+        torch.testing.assert_close(rotate_complex(x, complex_rotation(tables)), rotate(x, *tables), rtol=1e-6, atol=1e-6)
