@@ -106,29 +106,16 @@ class CausalTemporalConv(nn.Module):
     def forward(self, x: Tensor, frames: int, io: _StateIO) -> Tensor:
         n, c, h, w = x.shape
         xt = _nhwc(x).reshape(n // frames, frames, h, w, c)
-        b, keep = xt.shape[0], TEMPORAL_KERNEL - 1
-        history = io.take()  # (B, 2, h, w, C); None: zeros, whose products are skipped
-        if frames >= keep:
-            io.new.append(xt[:, frames - keep :].clone())  # the last 2 input frames, for the next call
-        else:
-            past = history if history is not None else xt.new_zeros(b, keep, h, w, c)
-            io.new.append(torch.cat([past[:, frames:], xt], dim=1))
-        # One GEMM per tap, accumulated in place (cheaper than stacking the taps along channels). The
-        # input of tap d for output frame t is frame t + d - 2 of [history, x]: the rows of each tap's
-        # product split into the part reading history and the part reading x, so the two are never
-        # concatenated; every output row still sums its taps in the same order (tap 2 + bias, 0, 1).
+        history = io.take()
+        if history is None:
+            history = xt.new_zeros(xt.shape[0], TEMPORAL_KERNEL - 1, h, w, c)
+        full = torch.cat([history, xt], dim=1)  # (B, 2 + T, h, w, C)
+        io.new.append(full[:, frames:].clone())  # the last 2 input frames, for the next call
+        # One GEMM per tap, accumulated in place (cheaper than stacking the taps along channels).
         taps = self.proj.weight.split(c, dim=1)  # (C, C) each, oldest frame first
-        y = F.linear(xt, taps[-1], self.proj.bias)  # (B, T, h, w, C)
-        for d in range(keep):
-            lag = keep - d  # tap d reads frame t - lag
-            tap = taps[d].t()
-            for i in range(b):
-                yi = y[i].view(frames, h * w, c)
-                if history is not None:
-                    n_hist = min(lag, frames)  # output frames t < lag read history frame t - lag + 2
-                    yi[:n_hist].view(-1, c).addmm_(history[i, d : d + n_hist].reshape(-1, c), tap)
-                if frames > lag:
-                    yi[lag:].view(-1, c).addmm_(xt[i, : frames - lag].reshape(-1, c), tap)
+        y = F.linear(full[:, -frames:], taps[-1], self.proj.bias).reshape(-1, c)
+        for d in range(TEMPORAL_KERNEL - 1):
+            y.addmm_(full[:, d : d + frames].reshape(-1, c), taps[d].t())
         return _nchw(y.view(n, h, w, c))
 
 
