@@ -77,9 +77,16 @@ def livekit_run():
             await wait(lambda: any(isinstance(f, AudioSegmentEnd) for _, f in out), 90)
             marks["first_done"] = len(out)
             second, marks["second_s"] = _frames("This is a much longer answer that the user will cut short very soon.")
-            for frame in second:
-                await generator.push_audio(frame)
+            async def speak():
+                for frame in second:  # bounded queues: the push runs about as far ahead as the pipeline lets it
+                    await generator.push_audio(frame)
+
+            # The user interrupts while the agent's TTS is still streaming (AvatarRunner pushes and
+            # clears from separate tasks): the agent stops pushing, then the buffer is cleared.
+            speaking = asyncio.create_task(speak())
             await wait(lambda: speech_frames(marks["first_done"]) >= 24, 60)
+            speaking.cancel()
+            await asyncio.gather(speaking, return_exceptions=True)
             marks["clear"] = len(out)
             await generator.clear_buffer()
             await generator.push_audio(AudioSegmentEnd())  # the runner's queue may still hold one
