@@ -2,11 +2,13 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from model.weights import packaged_weights
 from pipeline.quality.gate import report, score_matrix
 from pipeline.quality.rollout import GateConfig, Rollout, load_config
 from pipeline.quality.stats import FIXED_MARGIN, bootstrap_mean_ci, compare, drift, rerun_sd
+from pipeline.training.data import make_script
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -99,3 +101,12 @@ def test_heldout_cli_writes_scores_and_the_frames_figure(tmp_path):
     assert -1.0 <= result["mean_confidence"] <= 1.0 and result["mean_ground_truth"] > 0.8
     assert "mean confidence" in (tmp_path / "heldout.md").read_text()
     assert (tmp_path / "generated_vs_truth.png").stat().st_size > 10_000
+
+
+def test_every_fault_config_generates_and_changes_the_output():
+    audio = make_script(0, 24, "heldout").audio
+    clean = Rollout(load_config("fp8-ring")).latents(audio, seed=0)
+    for name in ("broken-scale-x4", "broken-rope-off-by-one"):
+        broken = Rollout(load_config(name)).latents(audio, seed=0)
+        assert broken.shape == clean.shape and torch.isfinite(broken).all()
+        assert (broken - clean).norm() / clean.norm() > 1e-3, name

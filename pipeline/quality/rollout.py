@@ -96,11 +96,11 @@ def _break_ring(gen: Generator, fault: str) -> None:
     elif fault == "rope_off_by_one":
         write = cache.write
 
-        def write_late(layer: int, k_new, v_new, positions: torch.Tensor) -> None:
+        def write_late(layer: int, k_new, v_new, positions: torch.Tensor, rotation=None) -> None:
             shifted = positions.clone()
             if not cache.writing_sink:
                 shifted[:, 0] += 1
-            write(layer, k_new, v_new, shifted)
+            write(layer, k_new, v_new, shifted)  # the caller's RoPE tables are for the true positions: dropped
 
         cache.write = write_late
 
