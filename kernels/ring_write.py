@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from kernels.fp8 import FP8_MAX, is_fp8, quantise
-from model.rope import RopeFreqs, apply_rope, rope_rotation, rotate
+from model.rope import RopeFreqs, apply_rope, rope_rotation
 
 RMS_EPS = 1e-6  # model/dit.py's RMSNorm
 
@@ -29,16 +29,14 @@ def ring_write_reference(
     slot_start: int | torch.Tensor,
     positions: torch.Tensor,
     freqs: RopeFreqs,
-    rotation: tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None = None,
+    rotation: torch.Tensor | None = None,
 ) -> None:
-    """``rotation``: ``rope_rotation(positions, freqs)`` when the caller already has it (the queries'
-    tables), so it is not recomputed for every layer; or those tables as one complex tensor
-    (``complex_rotation``), which rotates in one op."""
+    """``rotation``: the positions' RoPE as ``complex_rotation`` tables when the caller already has them
+    (the queries' tables), so they are not recomputed for every layer."""
     n_tokens = k_new.shape[0]
-    if isinstance(rotation, torch.Tensor):
-        k = rotate_complex(k_new, rotation)
-    else:
-        k = rotate(k_new, *(rotation if rotation is not None else rope_rotation(positions, freqs)))
+    if rotation is None:
+        rotation = complex_rotation(rope_rotation(positions, freqs))
+    k = rotate_complex(k_new, rotation)
     k_stored = quantise(k, k_scale[None, :, None], k_cache.dtype).transpose(0, 1)
     v_stored = quantise(v_new.float(), v_scale[None, :, None], v_cache.dtype).transpose(0, 1)
     if isinstance(slot_start, int):  # a plain slice copy (CPU index_copy_ is ~10x slower)
@@ -256,7 +254,7 @@ def ring_write(
     slot_start: int | torch.Tensor,
     positions: torch.Tensor,
     freqs: RopeFreqs,
-    rotation: tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None = None,
+    rotation: torch.Tensor | None = None,
 ) -> None:
     """Dispatcher: the Triton kernel on CUDA (which computes its own RoPE), the PyTorch reference
     otherwise (with the caller's ``rotation`` tables if given)."""

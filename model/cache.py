@@ -133,11 +133,11 @@ class KVCache:
         k_new: torch.Tensor,
         v_new: torch.Tensor,
         positions: torch.Tensor,
-        rotation: tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None = None,
+        rotation: torch.Tensor | None = None,
     ) -> None:
         """Write pre-RoPE K/V (n_tokens, n_heads, head_dim) of the current frame (or the sink);
-        ``rotation``: the positions' ``rope_rotation`` tables if the caller has them (CPU reuses them),
-        as the (cos, signed_sin) pair or its ``complex_rotation``."""
+        ``rotation``: the positions' ``complex_rotation`` tables if the caller has them (the CPU path
+        reuses the queries'; the CUDA kernel computes its own)."""
         k_scale, v_scale = self.k_scale[layer], self.v_scale[layer]
         if self.fp8:
             if self.writing_sink:  # the sink fixes this layer's scales for the session

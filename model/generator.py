@@ -29,17 +29,20 @@ class RingSelfAttention:
 
     def __init__(self, cache: KVCache, positions: torch.Tensor) -> None:
         self.cache, self.positions = cache, positions
-        self.rotation = rope_rotation(positions, cache.freqs)  # RoPE of the queries and keys of every layer
-        if positions.device.type == "cpu":  # the same rotation in one op (CUDA: the kernels do their own)
-            self.rotation = complex_rotation(self.rotation)
+        # RoPE of the queries (and, on CPU, of the keys) of every layer: computed once per step. CPU
+        # rotates by one complex multiply; on CUDA the ring-write kernel rotates the keys itself.
+        rotation = rope_rotation(positions, cache.freqs)
+        self.cpu = positions.device.type == "cpu"
+        self.rotation = complex_rotation(rotation) if self.cpu else rotation
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         shape = q.shape  # (1, F, T, H, D)
         q, k, v = (t.reshape(-1, *shape[-2:]) for t in (q, k, v))
-        self.cache.write(layer, k, v, self.positions, self.rotation)
-        if isinstance(self.rotation, torch.Tensor):
+        if self.cpu:
+            self.cache.write(layer, k, v, self.positions, self.rotation)
             q_rot = rotate_complex(q, self.rotation)
         else:
+            self.cache.write(layer, k, v, self.positions)
             q_rot = rotate(q, *self.rotation)
         return self.cache.attend(layer, q_rot.to(q.dtype)).reshape(shape)
 
