@@ -23,6 +23,10 @@ class TransportConfig:
     cross_process: str = "ipc"  # endpoints between processes: ipc (one host) | tcp
     tcp_host: str = "127.0.0.1"  # address tcp endpoints bind to; not loopback => CURVE is required
     curve: bool = False  # force CURVE on tcp even on loopback
+    # ipc only: arrays of a message in [slot_min_bytes, slot_bytes] cross in a shared-memory slot
+    # (capacity slots per edge); smaller ones are cheaper inline, larger ones go inline. 0 = off.
+    slot_bytes: int = 16 * 1024 * 1024
+    slot_min_bytes: int = 64 * 1024
 
 
 @dataclass

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import anyio
+import numpy as np
 
 from pipeline.config import TransportConfig
 from transport.channel import Receiver, Sender, Transport
+from transport.messages import Conditioning
 
 
 def slow_consumer(endpoint: str, config: TransportConfig, capacity: int, count: int, delay_s: float) -> int:
@@ -30,6 +32,17 @@ def idle_sender(endpoint: str, config: TransportConfig) -> None:
 
     async def main() -> None:
         async with Sender(Transport(config), endpoint, "idle->rx", "idle"):
+            await anyio.sleep_forever()
+
+    anyio.run(main)
+
+
+def slot_sender(endpoint: str, config: TransportConfig, size: int) -> None:
+    """Sends one message of ``size`` float32s (through a shared-memory slot on ipc), then idles."""
+
+    async def main() -> None:
+        async with Sender(Transport(config), endpoint, "slotted->rx", "slotted") as tx:
+            await tx.send(Conditioning("s", 0, np.ones(size, np.float32), np.zeros(8, np.int16), False))
             await anyio.sleep_forever()
 
     anyio.run(main)

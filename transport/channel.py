@@ -7,8 +7,10 @@ messages are ever between producer and consumer (in ZeroMQ queues, kernel buffer
 queue), whatever the consumer's speed: ZeroMQ's high-water marks never come into play.
 
 Frames on the wire (after the ROUTER's identity frame): ``[kind, *payload]`` with kind one of
-HELLO, CREDIT (payload: count, 4 bytes), BEAT (heartbeat), BYE, DATA (payload: codec frames),
-CTRL (control bus: codec frames of a ``Control``), GO (control bus: every stage is ready).
+HELLO (payload on ipc: the sender's slot geometry, see ``transport.slots``), CREDIT (payload:
+count, 4 bytes), BEAT (heartbeat), BYE, DATA (payload: codec frames), SLOT (DATA whose arrays wait
+in a shared-memory slot; payload: slot reference, codec header), CTRL (control bus: codec frames of
+a ``Control``), GO (control bus: every stage is ready).
 
 A bad DATA message (see ``transport.codec``) is counted and logged, and its credit is returned: the
 channel keeps working and nothing valid is lost. Heartbeats run both ways every ``heartbeat_s``;
@@ -38,8 +40,9 @@ from pipeline.logs import get_logger
 from transport.codec import MessageError, decode, encode
 from transport.messages import Control, Message
 from transport.security import CurveKeys, Security
+from transport.slots import SlotBlock, SlotError, SlotView
 
-HELLO, CREDIT, BEAT, BYE, DATA, CTRL, GO = b"H", b"C", b"B", b"X", b"D", b"K", b"G"
+HELLO, CREDIT, BEAT, BYE, DATA, SLOT, CTRL, GO = b"H", b"C", b"B", b"X", b"D", b"S", b"K", b"G"
 SEND_LINGER_MS = 200  # lets a closing sender flush what it already sent, without hanging on a dead peer
 CONTROL_QUEUE = 1024  # control is rare; past this a stage is not reading its control at all
 
@@ -70,6 +73,7 @@ class ChannelStats:
     received: int = 0
     bad: int = 0  # malformed, invalid or over-credit messages (dropped, counted, logged)
     max_in_flight: int = 0  # sender side: sent minus credits returned, at its peak
+    slotted: int = 0  # messages whose arrays crossed in a shared-memory slot (ipc)
     last_error: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -159,6 +163,9 @@ class _Endpoint:
     async def _beat(self) -> None:
         raise NotImplementedError
 
+    def _forget_dead(self, peer: bytes) -> None:
+        """Release what a peer declared dead held (nothing, unless a subclass holds something)."""
+
     def _fail(self, error: ChannelError) -> None:
         if self.error is None:
             self.error = error
@@ -201,6 +208,7 @@ class _Endpoint:
             await self._beat()
             for peer in self.live.dead():
                 self.live.forget(peer)
+                self._forget_dead(peer)
                 self._fail(PeerDeadError(
                     f"no heartbeat for {self.live.dead_after:.2f} s", self.name, peer.decode(errors="replace")
                 ))
@@ -227,6 +235,7 @@ class Receiver(_Endpoint):
         self._queue: collections.deque[tuple[bytes, Message]] = collections.deque()
         self._credit_out: dict[bytes, int] = {}  # credits each peer holds and has not spent
         self._queued: collections.Counter[bytes] = collections.Counter()
+        self._blocks: dict[bytes, SlotView] = {}  # each ipc sender's shared-memory slots
         self.last_taken_at = 0.0
 
     def _open(self, sock: zmq.asyncio.Socket) -> None:
@@ -237,27 +246,62 @@ class Receiver(_Endpoint):
             self._credit_out[peer] += count
             await self.sock.send_multipart([peer, CREDIT, count.to_bytes(4, "little")])
 
+    def _codec_frames(self, peer: bytes, kind: bytes, payload: list[zmq.Frame]) -> list[Any]:
+        """The codec frames of a DATA or SLOT message. A SLOT's arrays are copied out of the sender's
+        block right here, on arrival and in order, so a slot is free before its credit returns."""
+        if kind == DATA:
+            return payload
+        block = self._blocks.get(peer)
+        if block is None or len(payload) != 2:
+            raise SlotError("slot message without a shared-memory block" if block is None
+                            else f"slot message of {len(payload)} frames, expected 2")
+        return [payload[1], *block.read(payload[0].bytes)]
+
+    def _release(self, peer: bytes, unlink: bool) -> None:
+        block = self._blocks.pop(peer, None)
+        if block is not None:
+            block.close(unlink)
+
+    def _forget_dead(self, peer: bytes) -> None:
+        self._release(peer, unlink=True)  # a sender killed with SIGKILL could not unlink its block
+
+    def _close(self) -> None:
+        for peer in list(self._blocks):  # senders that never said BYE: maybe killed before detection
+            self._release(peer, unlink=True)
+        super()._close()
+
     async def _on_frames(self, frames: list[zmq.Frame]) -> None:
         peer, kind = frames[0].bytes, frames[1].bytes if len(frames) > 1 else b""
         known = peer in self._credit_out
+        name = peer.decode(errors="replace")
         if known:
             self.live.seen(peer)
-        if kind == DATA and known:
+        if kind in (DATA, SLOT) and known:
             if self._credit_out[peer] <= 0:
-                self._count_bad(ChannelError("data message without credit (dropped)", self.name, peer.decode(errors="replace")))
+                self._count_bad(ChannelError("data message without credit (dropped)", self.name, name))
                 return
             self._credit_out[peer] -= 1
             try:
-                msg = decode(frames[2:], self.transport.config.max_message_bytes, self.name, peer.decode(errors="replace"))
-            except MessageError as e:
-                self._count_bad(e)
+                payload = self._codec_frames(peer, kind, frames[2:])
+                msg = decode(payload, self.transport.config.max_message_bytes, self.name, name)
+            except (MessageError, SlotError) as e:
+                self._count_bad(e if isinstance(e, MessageError) else MessageError(str(e), self.name, name))
                 await self._grant(peer, 1)  # the bad message spent a credit; give it back
                 return
             self._queue.append((peer, msg))
             self._queued[peer] += 1
             self.stats.received += 1
+            self.stats.slotted += kind == SLOT
             self.wakeup.notify()
         elif kind == HELLO:
+            try:
+                block = SlotView(frames[2].bytes, self.transport.config.max_message_bytes) if len(frames) > 2 else None
+            except SlotError as e:
+                self._count_bad(ChannelError(f"hello refused: {e}", self.name, name))
+                return
+            self._release(peer, unlink=True)  # a restarted sender's old block: nobody else will unlink it
+            if block is not None:
+                self._blocks[peer] = block
             # A new (or restarted) sender holds no credit: grant what its queued messages leave free.
             self._credit_out[peer] = 0
             self.live.seen(peer)
@@ -265,9 +309,10 @@ class Receiver(_Endpoint):
         elif kind == BYE and known:
             del self._credit_out[peer]
             self.live.forget(peer)
+            self._release(peer, unlink=False)  # the sender unlinks its own block
         elif kind != BEAT or not known:
             problem = f"unexpected frame kind {kind[:8]!r}" if known else "message from a peer that never said hello"
-            self._count_bad(ChannelError(f"{problem} ({len(frames) - 1} frames dropped)", self.name, peer.decode(errors="replace")))
+            self._count_bad(ChannelError(f"{problem} ({len(frames) - 1} frames dropped)", self.name, name))
 
     async def _beat(self) -> None:
         for peer in self._credit_out:
@@ -300,17 +345,28 @@ class Receiver(_Endpoint):
 
 
 class Sender(_Endpoint):
-    """The sending end of a data edge: connects, spends one credit per message, awaits when out."""
+    """The sending end of a data edge: connects, spends one credit per message, awaits when out.
+
+    On ipc, large arrays travel in a ring of ``capacity`` shared-memory slots (``transport.slots``):
+    credits keep at most ``capacity`` messages in flight, so the ring never runs over. ``capacity``
+    is the edge's (the receiver's); None: TransportConfig's for this edge name. A smaller ring than
+    the receiver's capacity stays correct: messages that find their slot still busy go inline.
+    """
 
     socket_type = zmq.DEALER
 
-    def __init__(self, transport: Transport, endpoint: str, name: str, identity: str) -> None:
+    def __init__(self, transport: Transport, endpoint: str, name: str, identity: str, capacity: int | None = None) -> None:
         super().__init__(transport, endpoint, name, None)
         self.identity = identity
         self.peer = name.split("->")[-1]
+        config = transport.config
+        self.capacity = capacity or config.capacities.get(name, config.default_capacity)
         self.credits = 0
         self._granted = False  # the first CREDIT is the initial grant; later ones return taken messages
         self._taken = 0
+        self.block: SlotBlock | None = None
+        self._next_slot = 0
+        self._slot_user: list[int] = []  # per slot, the index of the last message written to it
 
     def _open(self, sock: zmq.asyncio.Socket) -> None:
         sock.routing_id = self.identity.encode()
@@ -319,14 +375,21 @@ class Sender(_Endpoint):
         sock.connect(self.endpoint)
 
     async def __aenter__(self):
+        config = self.transport.config
+        if self.endpoint.startswith("ipc://") and config.slot_bytes > 0:
+            # No message exceeds max_message_bytes, and receivers refuse larger slots.
+            self.block = SlotBlock(self.capacity, min(config.slot_bytes, config.max_message_bytes))
+            self._slot_user = [-1] * self.capacity
         await super().__aenter__()
-        await self.sock.send(HELLO)
+        await self.sock.send_multipart([HELLO, self.block.geometry()] if self.block else [HELLO])
         return self
 
     def _close(self) -> None:
         if self.error is None:
             self.sock.send(BYE, flags=zmq.NOBLOCK)
         self.sock.close(linger=SEND_LINGER_MS)
+        if self.block is not None:
+            self.block.close()  # unlinks; a receiver that already attached keeps its mapping
 
     async def _on_frames(self, frames: list[zmq.Frame]) -> None:
         self.live.seen(self.peer.encode())
@@ -360,9 +423,28 @@ class Sender(_Endpoint):
         frames = encode(msg, self.transport.config.max_message_bytes)
         await self.ready()
         self.credits -= 1
-        await self.sock.send_multipart([DATA, *frames], copy=False)
+        await self.sock.send_multipart(self._in_slot(frames) or [DATA, *frames], copy=False)
         self.stats.sent += 1
         self.stats.max_in_flight = max(self.stats.max_in_flight, self.in_flight)
+
+    def _in_slot(self, frames: list[Any]) -> list[Any] | None:
+        """``[SLOT, reference, header]`` once the arrays are copied into the next slot; None: inline
+        (no block, too small to gain, larger than a slot, slot still busy or tmpfs full)."""
+        size = sum(b.nbytes for b in frames[1:])
+        if self.block is None or not self.transport.config.slot_min_bytes <= size <= self.block.slot_bytes:
+            return None
+        slot = self._next_slot
+        # The receiver copies each message out when it arrives, in order, before that message's
+        # credit can return: with _taken credits back, messages 0.._taken-1 have left their slots.
+        if self._slot_user[slot] >= self._taken:
+            return None
+        ref = self.block.write(slot, frames[1:])
+        if ref is None:
+            return None
+        self._slot_user[slot] = self.stats.sent
+        self._next_slot = (slot + 1) % self.block.slots
+        self.stats.slotted += 1
+        return [SLOT, ref, frames[0]]
 
     @property
     def in_flight(self) -> int:
