@@ -125,7 +125,7 @@ class GroupSpec:
     session_id: str
     nodes: list[Node]
     inputs: list[tuple[Edge, str, int]]  # (edge, endpoint, capacity) for edges into this group
-    outputs: list[tuple[Edge, str]]  # (edge, endpoint) for edges out of this group's nodes
+    outputs: list[tuple[Edge, str, int]]  # (edge, endpoint, capacity) for edges out of this group's nodes
     control_endpoint: str
     config: PipelineConfig
     keys: CurveKeys | None
@@ -264,8 +264,8 @@ class _GroupRun:
                 self.receivers[edge.dst].append(await stack.enter_async_context(
                     Receiver(self.transport, endpoint, edge.name, capacity, self.wakeups[edge.dst])
                 ))
-            for edge, endpoint in spec.outputs:
-                sender = await stack.enter_async_context(Sender(self.transport, endpoint, edge.name, edge.src))
+            for edge, endpoint, capacity in spec.outputs:  # the capacity sizes an ipc sender's slot ring
+                sender = await stack.enter_async_context(Sender(self.transport, endpoint, edge.name, edge.src, capacity))
                 self.senders[edge.src].append((edge.types, sender))
             contexts = {n.name: self.context(n.name) for n in spec.nodes}
             try:
@@ -373,7 +373,7 @@ def plan_groups(graph: Graph, config: PipelineConfig, session_id: str, ipc_dir: 
         ep = endpoint(group_of[e.src] == group_of[e.dst])
         capacity = e.capacity or tconf.capacities.get(e.name, tconf.default_capacity)
         specs[group_of[e.dst]].inputs.append((e, ep, capacity))
-        specs[group_of[e.src]].outputs.append((e, ep))
+        specs[group_of[e.src]].outputs.append((e, ep, capacity))
     return list(specs.values())
 
 

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from pipeline.config import PipelineConfig, TransportConfig
-from pipeline.runner import Edge, Graph, Node, Session, run_session
+from pipeline.runner import Edge, Graph, Node, Session, plan_groups, run_session
 from transport.messages import ControlKind
 
 STAGES = "test_runner_stages"
@@ -248,3 +248,11 @@ def test_parent_killed_leaves_no_orphans(tmp_path):
     proc.kill()  # SIGKILL: the parent gets no chance to clean up; PDEATHSIG must take the child
     proc.wait(timeout=10)
     assert _wait_gone(child, 5)
+
+
+def test_plan_gives_both_ends_of_an_edge_its_capacity(tmp_path):
+    specs = plan_groups(chain(3, groups=("a", "b")), PipelineConfig(), "plan", str(tmp_path))
+    inputs = {edge.name: (endpoint, capacity) for s in specs for edge, endpoint, capacity in s.inputs}
+    outputs = {edge.name: (endpoint, capacity) for s in specs for edge, endpoint, capacity in s.outputs}
+    assert outputs == inputs  # the sender's slot ring is sized like the receiver's credits
+    assert sorted(c for _, c in inputs.values()) == [2, 3]
