@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from kernels.fp8 import FP8_MAX, is_fp8, quantise
-from model.rope import RopeFreqs, apply_rope, rope_rotation
+from model.rope import RopeFreqs, apply_rope, complex_rotation, rope_rotation, rotate_complex
 
 RMS_EPS = 1e-6  # model/dit.py's RMSNorm
 
@@ -49,22 +49,6 @@ def ring_write_reference(
     as_bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[k_cache.element_size()]
     k_cache.view(as_bits).index_copy_(1, slots, k_stored.contiguous().view(as_bits))
     v_cache.view(as_bits).index_copy_(1, slots, v_stored.contiguous().view(as_bits))
-
-
-def complex_rotation(rotation: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """``rope_rotation``'s (cos, signed_sin) tables (..., 2n) as one complex64 table cos + i sin (..., n)."""
-    cos, signed_sin = rotation
-    return torch.complex(cos[..., 0::2].float(), signed_sin[..., 1::2].float())
-
-
-def rotate_complex(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """``rotate(x, cos, signed_sin)`` with the tables as ``complex_rotation(...)``: each interleaved pair
-    (x0, x1) times cos + i sin, i.e. (x0 cos - x1 sin, x0 sin + x1 cos), the same products and sums in
-    one op instead of a flip and three arithmetic passes. fp32 result."""
-    pairs = x.float().unflatten(-1, (-1, 2))
-    if pairs.storage_offset() % 2 or any(st % 2 for st in pairs.stride()[:-2]) or pairs.stride(-1) != 1:
-        pairs = pairs.contiguous()  # view_as_complex needs whole complex elements
-    return torch.view_as_real(torch.view_as_complex(pairs) * table).flatten(-2)
 
 
 @triton.jit

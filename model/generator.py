@@ -16,10 +16,9 @@ import torch
 import torch.distributed as dist
 
 from kernels.fp8 import FP8_DTYPE
-from kernels.ring_write import complex_rotation, rotate_complex
 from model.cache import KVCache
 from model.config import ModelConfig
-from model.rope import frame_positions, rope_freqs, rope_rotation, rotate
+from model.rope import complex_rotation, frame_positions, rope_freqs, rope_rotation, rotate_complex
 from model.sampler import sample, seeded_noise
 from model.weights import build_model
 
@@ -29,22 +28,15 @@ class RingSelfAttention:
 
     def __init__(self, cache: KVCache, positions: torch.Tensor) -> None:
         self.cache, self.positions = cache, positions
-        # RoPE of the queries (and, on CPU, of the keys) of every layer: computed once per step. CPU
-        # rotates by one complex multiply; on CUDA the ring-write kernel rotates the keys itself.
-        rotation = rope_rotation(positions, cache.freqs)
-        self.cpu = positions.device.type == "cpu"
-        self.rotation = complex_rotation(rotation) if self.cpu else rotation
+        # RoPE of the queries and keys of every layer, built once per step (the CUDA ring-write kernel
+        # rotates the keys itself and ignores it); one complex multiply rotates a tensor.
+        self.rotation = complex_rotation(rope_rotation(positions, cache.freqs))
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         shape = q.shape  # (1, F, T, H, D)
         q, k, v = (t.reshape(-1, *shape[-2:]) for t in (q, k, v))
-        if self.cpu:
-            self.cache.write(layer, k, v, self.positions, self.rotation)
-            q_rot = rotate_complex(q, self.rotation)
-        else:
-            self.cache.write(layer, k, v, self.positions)
-            q_rot = rotate(q, *self.rotation)
-        return self.cache.attend(layer, q_rot.to(q.dtype)).reshape(shape)
+        self.cache.write(layer, k, v, self.positions, self.rotation)
+        return self.cache.attend(layer, rotate_complex(q, self.rotation).to(q.dtype)).reshape(shape)
 
 
 class Generator:

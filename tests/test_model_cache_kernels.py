@@ -17,8 +17,17 @@ from kernels.ring_attention import (
     ring_attention_reference,
     ring_slot_bias,
 )
-from kernels.ring_write import complex_rotation, ring_write, rotate_complex
-from model.rope import apply_rope, frame_positions, rope_freqs, rope_rotation, rope_split, rotate
+from kernels.ring_write import ring_write
+from model.rope import (
+    apply_rope,
+    complex_rotation,
+    frame_positions,
+    rope_freqs,
+    rope_rotation,
+    rope_split,
+    rotate,
+    rotate_complex,
+)
 
 H, D, T, SINK_FRAMES, RING = 3, 16, 10, 1, 4
 
