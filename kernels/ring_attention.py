@@ -275,12 +275,13 @@ def ring_attention(
     ring_valid: torch.Tensor,
     sink_slots: int,
     tokens_per_frame: int,
+    slot_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Dispatcher: the Triton kernel on CUDA, the plain-math CPU path on CPU, else the reference."""
+    """Dispatcher: the Triton kernel on CUDA, the plain-math CPU path on CPU (``slot_bias``: the caller's
+    ``ring_slot_bias``, if it keeps one), else the reference."""
+    args = (q, k_cache, v_cache, k_scale, v_scale, ring_valid, sink_slots, tokens_per_frame)
     if q.is_cuda:
-        attend = ring_attention_triton
-    elif q.device.type == "cpu":
-        attend = ring_attention_cpu
-    else:
-        attend = ring_attention_reference
-    return attend(q, k_cache, v_cache, k_scale, v_scale, ring_valid, sink_slots, tokens_per_frame)
+        return ring_attention_triton(*args)
+    if q.device.type == "cpu":
+        return ring_attention_cpu(*args, slot_bias=slot_bias)
+    return ring_attention_reference(*args)

@@ -23,7 +23,7 @@ import torch
 
 from kernels.delta_rotate import delta_rotate
 from kernels.fp8 import FP8_MAX, is_fp8
-from kernels.ring_attention import ring_attention, ring_attention_cpu, ring_slot_bias
+from kernels.ring_attention import ring_attention, ring_slot_bias
 from kernels.ring_write import ring_write
 from model.config import ModelConfig
 from model.rope import RopeFreqs
@@ -60,6 +60,7 @@ class KVCache:
         self.k_scale = torch.ones(cfg.n_blocks, n_heads, dtype=torch.float32, device=device)
         self.v_scale = torch.ones_like(self.k_scale)
         self.ring_valid = torch.zeros(self.ring_frames, dtype=torch.bool, device=device)
+        self.slot_bias = ring_slot_bias(self.ring_valid, self.sink_slots, self.tokens_per_frame)
         self.saturated = torch.zeros((), dtype=torch.int64, device=device)
         self.freqs = freqs
         # Host bookkeeping: which absolute frame each ring position holds (None: nothing usable).
@@ -68,7 +69,6 @@ class KVCache:
         self.write_start = 0  # first slot of the frame being written
         self.writing_sink = False
         self.next_frame = 0
-        self._slot_bias: torch.Tensor | None = None  # CPU attention's mask of ring_valid, once per frame
 
     @property
     def fp8(self) -> bool:
@@ -77,17 +77,15 @@ class KVCache:
     def reset(self) -> None:
         """A new session: forget every frame (storage is reused, not reallocated)."""
         self.slot_frame = [None] * self.ring_frames
-        self.ring_valid.zero_()
+        self._set_valid([False] * self.ring_frames)
         self.saturated.zero_()
-        self._slot_bias = None
         self.offset = 0
         self.next_frame = 0
 
     def begin_sink(self) -> None:
         """Next writes go to the sink slots; attention sees the sink only."""
-        self.ring_valid.zero_()
+        self._set_valid([False] * self.ring_frames)
         self.write_start = 0
-        self._slot_bias = None
         self.writing_sink = True
 
     def begin_frame(self) -> tuple[int, int]:
@@ -102,11 +100,16 @@ class KVCache:
         self.slot_frame[ring_pos] = frame
         oldest = frame - self.cfg.window_frames + 1
         valid = [f is not None and oldest <= f <= frame for f in self.slot_frame]
-        self.ring_valid.copy_(torch.tensor(valid, dtype=torch.bool))
-        self._slot_bias = None
+        self._set_valid(valid)
         self.write_start = self.sink_slots + ring_pos * self.tokens_per_frame
         self.writing_sink = False
         return frame, self.cfg.sink_frames + frame - self.offset
+
+    def _set_valid(self, valid: list[bool]) -> None:
+        """The ring frames attention may read, and the same as a per-slot bias (the CPU path's mask:
+        built once here, not per layer and pass)."""
+        self.ring_valid.copy_(torch.tensor(valid, dtype=torch.bool))
+        self.slot_bias = ring_slot_bias(self.ring_valid, self.sink_slots, self.tokens_per_frame)
 
     def end_frame(self) -> None:
         self.next_frame += 1
@@ -149,16 +152,9 @@ class KVCache:
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """Attention of RoPE'd queries (n_tokens, n_heads, head_dim) over the sink + valid ring frames."""
-        if q.device.type == "cpu":  # the dispatcher's CPU path, with the slot mask kept for the frame
-            if self._slot_bias is None:
-                self._slot_bias = ring_slot_bias(self.ring_valid, self.sink_slots, self.tokens_per_frame)
-            return ring_attention_cpu(
-                q, self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer],
-                self.ring_valid, self.sink_slots, self.tokens_per_frame, slot_bias=self._slot_bias,
-            )
         return ring_attention(
             q, self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer],
-            self.ring_valid, self.sink_slots, self.tokens_per_frame,
+            self.ring_valid, self.sink_slots, self.tokens_per_frame, slot_bias=self.slot_bias,
         )
 
 
