@@ -81,8 +81,7 @@ class Generator:
         audio = torch.zeros(1, cfg.sink_frames, cfg.n_audio_tokens, cfg.audio_dim, device=self.device)
         positions = torch.cat([self._positions(t) for t in range(cfg.sink_frames)])
         # The sampler's levels are fixed and the weights too within a session: their adaLN once.
-        self._levels = {sigma: torch.full((1, 1), sigma, device=self.device) for sigma in cfg.noise_levels}
-        self._modulations = {sigma: self.model.modulation(level) for sigma, level in self._levels.items()}
+        self._modulations = {s: self.model.modulation(torch.full((1, 1), s, device=self.device)) for s in cfg.noise_levels}
         self.cache.reset()
         self.cache.begin_sink()
         self.model(ref, torch.zeros(1, cfg.sink_frames, device=self.device), audio, RingSelfAttention(self.cache, positions))
@@ -102,8 +101,8 @@ class Generator:
         cross_kv = self.model.cross_context(audio)
 
         def velocity(x: torch.Tensor, sigma: float) -> torch.Tensor:
-            # the level tensor is only read when no modulation is passed: the session's, not a new one
-            return self.model(x, self._levels[sigma], audio, attn, cross_kv, self._modulations[sigma])
+            level = torch.full((1, 1), sigma, device=self.device)  # only read if no modulation were given
+            return self.model(x, level, audio, attn, cross_kv, self._modulations[sigma])
 
         noise = seeded_noise((1, 1, *self._latent_shape()), seed).to(self.device)
         latent = sample(velocity, noise, cfg.noise_levels)

@@ -306,10 +306,8 @@ class VideoVAE(nn.Module):
 def to_uint8_frames(video: Tensor) -> Tensor:
     """(..., 3, H, W) float in [-1, 1] -> (..., H, W, 3) uint8 on the same device."""
     x = video.float().movedim(-3, -1)  # channels-last video (the CPU decoder's): a contiguous view
-    if torch.is_grad_enabled() and x.requires_grad:
-        x = ((x.clamp(-1.0, 1.0) + 1.0) * 127.5).round()
-    else:  # one new tensor, then in place: the same math in fewer allocations
-        x = x.clamp(-1.0, 1.0).add_(1.0).mul_(127.5).round_()
+    # clamp makes the one new tensor; the rest in place on it (clamp's backward reads its input only)
+    x = x.clamp(-1.0, 1.0).add_(1.0).mul_(127.5).round_()
     return x.to(torch.uint8).contiguous()
 
 
