@@ -9,6 +9,7 @@ import time
 import aiohttp
 import numpy as np
 import pytest
+from waiting import until
 
 from pipeline.config import EgressConfig, PlayoutConfig
 from stages.egress.client import AudioSamplesTrack, EgressClient, SignalingError
@@ -46,15 +47,6 @@ def staged_source(turn_stamps: dict[str, float]):
                 await asyncio.sleep(delay)
 
     return source
-
-
-async def until(condition, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.05)
-    return True
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +185,7 @@ def test_bad_input_is_refused_and_other_sessions_keep_running():
         a.channel.send(json.dumps(["a", "list"]))
         a.channel.send('{"type": "frame", "rtp": NaN, "presented_ms": 1}')
         b.silent = True  # b vanishes without closing
-        out["b_closed"] = await until(lambda: id_b not in server.sessions and id_b not in factory.sessions, 15)
+        out["b_closed"] = await until(lambda: id_b not in server.sessions and id_b not in factory.sessions, 15, poll_s=0.05)
         frames_before = len(a.video)
         await asyncio.sleep(1.0)
         out["a_still_streaming"] = len(a.video) - frames_before
@@ -204,7 +196,7 @@ def test_bad_input_is_refused_and_other_sessions_keep_running():
         out["mic_rms"] = float(np.sqrt(np.mean(samples.astype(np.float64) ** 2)))
         await a.close()
         await b.close()
-        await until(lambda: not server.sessions and not factory.sessions, 10)
+        await until(lambda: not server.sessions and not factory.sessions, 10, poll_s=0.05)
         out["left"] = (dict(server.sessions), dict(factory.sessions))
         await server.stop()
         return out

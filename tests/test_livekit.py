@@ -12,6 +12,7 @@ pytest.importorskip("livekit.agents", reason="extra 'livekit' not installed (mak
 
 from livekit import rtc  # noqa: E402
 from livekit.agents.voice.avatar import AudioSegmentEnd, VideoGenerator  # noqa: E402
+from waiting import until  # noqa: E402
 
 from pipeline.config import PipelineConfig  # noqa: E402
 from stages.ingest.avatar_session import AvatarSession  # noqa: E402
@@ -62,19 +63,14 @@ def livekit_run():
                     n += 1
             return n
 
-        async def wait(condition, timeout):
-            deadline = time.monotonic() + timeout
-            while not condition() and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
-
         reader = asyncio.create_task(consume())
         try:
-            await wait(lambda: len(out) >= 24, 120)  # the session renders (listening) frames
+            await until(lambda: len(out) >= 24, 120)  # the session renders (listening) frames
             first, marks["first_s"] = _frames("Hello from a LiveKit agent.")
             for frame in first:  # the agent's TTS: faster than real time
                 await generator.push_audio(frame)
             await generator.push_audio(AudioSegmentEnd())
-            await wait(lambda: any(isinstance(f, AudioSegmentEnd) for _, f in out), 90)
+            await until(lambda: any(isinstance(f, AudioSegmentEnd) for _, f in out), 90)
             marks["first_done"] = len(out)
             second, marks["second_s"] = _frames("This is a much longer answer that the user will cut short very soon.")
             async def speak():
@@ -84,13 +80,13 @@ def livekit_run():
             # The user interrupts while the agent's TTS is still streaming (AvatarRunner pushes and
             # clears from separate tasks): the agent stops pushing, then the buffer is cleared.
             speaking = asyncio.create_task(speak())
-            await wait(lambda: speech_frames(marks["first_done"]) >= 24, 60)
+            await until(lambda: speech_frames(marks["first_done"]) >= 24, 60)
             speaking.cancel()
             await asyncio.gather(speaking, return_exceptions=True)
             marks["clear"] = len(out)
             await generator.clear_buffer()
             await generator.push_audio(AudioSegmentEnd())  # the runner's queue may still hold one
-            await wait(lambda: silent_tail() >= 24, 30)
+            await until(lambda: silent_tail() >= 24, 30)
         finally:
             await session.stop()
             await asyncio.wait_for(reader, 10)  # iteration ends with the session

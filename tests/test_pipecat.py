@@ -23,6 +23,7 @@ from pipecat.pipeline.pipeline import Pipeline  # noqa: E402
 from pipecat.pipeline.worker import PipelineParams, PipelineWorker  # noqa: E402
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor  # noqa: E402
 from pipecat.workers.runner import WorkerRunner  # noqa: E402
+from waiting import until  # noqa: E402
 
 from pipeline.config import PipelineConfig  # noqa: E402
 from stages.ingest.avatar_session import AvatarSession  # noqa: E402
@@ -62,15 +63,6 @@ def _tts_frames(text: str) -> tuple[list[TTSAudioRawFrame], np.ndarray]:
     return frames, speech.samples
 
 
-async def _until(condition, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.02)
-    return True
-
-
 @pytest.fixture(scope="module")
 def pipecat_run():
     config = PipelineConfig()
@@ -102,17 +94,17 @@ def pipecat_run():
             await asyncio.sleep(0.05)
 
     async def conversation(worker):
-        assert await _until(lambda: len(sink.images) >= 24, 120), "the session rendered no frames"
+        assert await until(lambda: len(sink.images) >= 24, 120), "the session rendered no frames"
         await worker.queue_frames([TTSStartedFrame(), *first, TTSStoppedFrame()])  # faster than real time
-        await _until(lambda: spoken() >= len(first_pcm) / 22_050 * 24 - 2, 90)  # all of it, however slow the CPU
+        await until(lambda: spoken() >= len(first_pcm) / 22_050 * 24 - 2, 90)  # all of it, however slow the CPU
         await settle(0)
         marks["first_done"], marks["first_spoken"] = len(sink.audio), spoken() / 24
         await worker.queue_frames([TTSStartedFrame(), *second, TTSStoppedFrame()])
-        await _until(lambda: spoken(marks["first_done"]) >= 24, 60)  # one second into the reply
+        await until(lambda: spoken(marks["first_done"]) >= 24, 60)  # one second into the reply
         marks["interrupt"] = len(sink.audio)
         await worker.queue_frame(InterruptionFrame())
         await settle(marks["interrupt"])
-        await _until(lambda: listening_tail() >= 24, 60)
+        await until(lambda: listening_tail() >= 24, 60)
         await worker.queue_frame(EndFrame())
 
     async def main():  # Pipecat's runner belongs to a running loop: build everything inside it
