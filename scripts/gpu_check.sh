@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One device call (docs/gpu-notes.md): GPU tests, the trained tiny held out on the graphed path, then `bench gpu` for the TP=3 and TP=4 shards (step
-# with the in-place Triton ring attention and with the gathered cuDNN attention, kernel breakdown),
-# the full-size decoder and the pipelined period. Every section runs under `timeout` with a progress
+# One device call (docs/gpu-notes.md): GPU tests, the trained tiny held out on the graphed path,
+# then `bench gpu` for the TP=3 and TP=4 shards (step with the in-place Triton ring attention and
+# with the gathered cuDNN attention, kernel breakdown), the full-size decoder and the pipelined period. Every section runs under `timeout` with a progress
 # line each side, and the bench's own watchdog (--section-timeout) prints every Python stack if a
 # part hangs, so one hang costs its section's limit, not the call. Worst case ~8.5 min in all.
 # Logs and JSON (8 files) go to $OUT. Run from the repo root on the device machine (python3 with
