@@ -20,14 +20,14 @@ import asyncio
 import os
 import sys
 
+from charstream.model.config import get_preset
+from charstream.pipeline.config import PipelineConfig
+from charstream.pipeline.integrations.avatar_session import AvatarSession
+from charstream.pipeline.integrations.livekit import CharstreamVideoGenerator
 from livekit import rtc
 from livekit.agents.voice.avatar import AvatarOptions, AvatarRunner, DataStreamAudioReceiver
 
-from model.config import get_preset
-from pipeline.config import PipelineConfig
-from stages.ingest.avatar_session import AvatarSession
-from stages.ingest.livekit_generator import CharstreamVideoGenerator
-from transport.messages import TIMELINE_RATE, VIDEO_FPS
+from charstream.timeline import TIMELINE_RATE, VIDEO_FPS
 
 
 async def run(url: str, token: str, room_name: str, preset: str) -> None:

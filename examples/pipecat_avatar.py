@@ -22,6 +22,10 @@ from fractions import Fraction
 
 import av
 import numpy as np
+from charstream.pipeline.config import PipelineConfig
+from charstream.pipeline.integrations.avatar_session import AvatarSession
+from charstream.pipeline.integrations.pipecat import CharstreamVideoService
+from charstream.stages.ingest.tts import synthesize
 from pipecat.frames.frames import (
     EndFrame,
     Frame,
@@ -37,11 +41,7 @@ from pipecat.pipeline.worker import PipelineParams, PipelineWorker
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
 from pipecat.workers.runner import WorkerRunner
 
-from pipeline.config import PipelineConfig
-from stages.ingest.avatar_session import AvatarSession
-from stages.ingest.pipecat_processor import CharstreamVideoService
-from stages.ingest.tts import synthesize
-from transport.messages import TIMELINE_RATE, VIDEO_FPS
+from charstream.timeline import TIMELINE_RATE, VIDEO_FPS
 
 
 class EspeakTTS(FrameProcessor):

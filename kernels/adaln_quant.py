@@ -13,9 +13,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-from kernels.fp8 import FP8_DTYPE, FP8_MAX
-from kernels.quantize_rows import MIN_AMAX, quantize_rows_reference
+from charstream.kernels.fp8 import FP8_DTYPE, FP8_MAX
+from charstream.kernels.quantize_rows import MIN_AMAX, quantize_rows_reference
 
 EPS = 1e-6
 

@@ -13,9 +13,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from kernels.fp8 import FP8_MAX, dequantise, is_fp8, quantise
-from model.rope import rotate_pairs
+from charstream.kernels.fp8 import FP8_MAX, dequantise, is_fp8, quantise
+from charstream.kernels.rope import rotate_pairs
 
 
 def delta_rotate_reference(

@@ -16,8 +16,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-from kernels.fp8 import FP8_MAX, dequantise, is_fp8
+from charstream.kernels.fp8 import FP8_MAX, dequantise, is_fp8
 
 
 def ring_attention_reference(

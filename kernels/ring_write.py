@@ -12,9 +12,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from kernels.fp8 import FP8_MAX, is_fp8, quantise
-from model.rope import RopeFreqs, apply_rope, complex_rotation, rope_rotation, rotate_complex
+from charstream.kernels.fp8 import FP8_MAX, is_fp8, quantise
+from charstream.kernels.rope import RopeFreqs, apply_rope, complex_rotation, rope_rotation, rotate_complex
 
 RMS_EPS = 1e-6  # model/dit.py's RMSNorm
 

@@ -25,11 +25,11 @@ from collections.abc import Callable
 import numpy as np
 import torch
 import torch.nn.functional as F
+from charstream.model.config import ModelConfig
+from charstream.model.threads import intra_op_threads
 from torch import Tensor, nn
 
-from model.config import ModelConfig
-from model.threads import intra_op_threads
-from transport.messages import SAMPLES_PER_CHUNK, SAMPLES_PER_FRAME, TIMELINE_RATE
+from charstream.timeline import SAMPLES_PER_CHUNK, SAMPLES_PER_FRAME, TIMELINE_RATE
 
 N_MELS = 80
 WINDOW_MS = 25.0  # STFT window (Whisper-style front end)

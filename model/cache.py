@@ -20,13 +20,12 @@ Later values beyond the range saturate at +-448 and are counted in ``saturated``
 from __future__ import annotations
 
 import torch
-
-from kernels.delta_rotate import delta_rotate
-from kernels.fp8 import FP8_MAX, is_fp8
-from kernels.ring_attention import ring_attention, ring_slot_bias
-from kernels.ring_write import ring_write
-from model.config import ModelConfig
-from model.rope import RopeFreqs
+from charstream.kernels.delta_rotate import delta_rotate
+from charstream.kernels.fp8 import FP8_MAX, is_fp8
+from charstream.kernels.ring_attention import ring_attention, ring_slot_bias
+from charstream.kernels.ring_write import ring_write
+from charstream.kernels.rope import RopeFreqs
+from charstream.model.config import ModelConfig
 
 
 def position_offset(frame: int, window_frames: int, reset_every: int) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from transport.messages import TIMELINE_RATE
+from charstream.timeline import TIMELINE_RATE
 
 
 @dataclass(frozen=True)

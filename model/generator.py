@@ -14,13 +14,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-from kernels.fp8 import FP8_DTYPE
-from model.cache import KVCache
-from model.config import ModelConfig
-from model.rope import complex_rotation, frame_positions, rope_freqs, rope_rotation, rotate_complex
-from model.sampler import sample, seeded_noise
-from model.weights import build_model
+from charstream.kernels.fp8 import FP8_DTYPE
+from charstream.kernels.rope import complex_rotation, rope_freqs, rope_rotation, rotate_complex
+from charstream.model.cache import KVCache
+from charstream.model.config import ModelConfig
+from charstream.model.rope import frame_positions
+from charstream.model.sampler import sample, seeded_noise
+from charstream.model.weights import build_model
 
 
 class RingSelfAttention:

@@ -10,8 +10,7 @@ for a rollback (the eager decoder's immutable ``CausalState`` does the same by r
 from __future__ import annotations
 
 import torch
-
-from model.vae import CausalState, Decoder, to_uint8_frames
+from charstream.model.vae import CausalState, Decoder, to_uint8_frames
 
 
 class GraphedDecoder:

@@ -26,16 +26,15 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
-from kernels.adaln_quant import adaln_quant_triton
-from kernels.quantize_rows import quantize_rows_triton
-from kernels.ring_attention import ring_attention_gathered, ring_attention_triton
-from kernels.ring_write import ring_write_prep_triton
-from model.cache import KVCache
-from model.dit import DiT
-from model.fp8_linear import Fp8Linear
-from model.rope import frame_positions
-from model.sampler import seeded_noise
+from charstream.kernels.adaln_quant import adaln_quant_triton
+from charstream.kernels.quantize_rows import quantize_rows_triton
+from charstream.kernels.ring_attention import ring_attention_gathered, ring_attention_triton
+from charstream.kernels.ring_write import ring_write_prep_triton
+from charstream.model.cache import KVCache
+from charstream.model.dit import DiT
+from charstream.model.fp8_linear import Fp8Linear
+from charstream.model.rope import frame_positions
+from charstream.model.sampler import seeded_noise
 
 # The ring attention's launch options on an H200 (block shapes, pipelining, FP8 or fp16 products):
 # the fastest correct entry of the bench's sweep (docs/gpu-notes.md); kernels/ring_attention.py's

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from model.cache import position_offset
-from model.dit import DiT
-from model.rope import apply_rope, frame_positions, rope_freqs
-from model.sampler import sample, seeded_noise
+from charstream.kernels.rope import apply_rope, rope_freqs
+from charstream.model.cache import position_offset
+from charstream.model.dit import DiT
+from charstream.model.rope import frame_positions
+from charstream.model.sampler import sample, seeded_noise
 
 
 class _WindowAttention:

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from model.config import ModelConfig
-from model.dit import DiT
-from model.rope import RopeFreqs, frame_positions, rope_freqs, rope_rotation, rotate
-from model.sampler import noised
+from charstream.kernels.rope import RopeFreqs, rope_freqs, rope_rotation, rotate
+from charstream.model.config import ModelConfig
+from charstream.model.dit import DiT
+from charstream.model.rope import frame_positions
+from charstream.model.sampler import noised
 
 
 def clip_layout(cfg: ModelConfig, n_frames: int, t_offset: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:

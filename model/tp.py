@@ -14,11 +14,10 @@ import functools
 
 import torch
 import torch.distributed as dist
+from charstream.kernels.gemm_allreduce import GemmAllReduce
+from charstream.model.config import ModelConfig
+from charstream.model.dit import DiT
 from torch import nn
-
-from kernels.gemm_allreduce import GemmAllReduce
-from model.config import ModelConfig
-from model.dit import DiT
 
 
 def _segments(sizes: list[int], rank: int, world: int) -> list[tuple[int, int]]:

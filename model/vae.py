@@ -30,9 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from charstream.model.config import ModelConfig
 from torch import Tensor, nn
-
-from model.config import ModelConfig
 
 TEMPORAL_KERNEL = 3  # causal temporal kernel: each frame sees itself and the 2 frames before
 
@@ -342,3 +341,8 @@ def time_decode(
                 if cpu_seconds is not None:
                     cpu_seconds.append(time.process_time() - c0)
     return times
+
+
+def to_video(frames_u8: torch.Tensor) -> torch.Tensor:
+    """uint8 (..., 3, H, W) -> float in [-1, 1]."""
+    return frames_u8.float() / 127.5 - 1.0

@@ -26,8 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-from model.config import ModelConfig, get_preset
+from charstream.model.config import ModelConfig, get_preset
 
 REFERENCE = {  # DESIGN.md, "Reference numbers" (4xH100 session) and the issue's targets (one H200)
     "step_ms": {3: 147.4, 4: None},
@@ -128,11 +127,11 @@ def shard_config(cfg: ModelConfig, tp: int) -> dict[str, int]:
 def build_shard(cfg: ModelConfig, tp: int, seed: int = 0):
     """Rank 0's shard of ``tp`` with random weights on this GPU, and a KV cache full of random FP8
     context (sink + a full window valid). One GPU stands for one rank: no collective runs."""
-    from kernels.fp8 import FP8_DTYPE
-    from model.cache import KVCache
-    from model.dit import DiT
-    from model.rope import rope_freqs
-    from model.tp import apply_tp
+    from charstream.kernels.fp8 import FP8_DTYPE
+    from charstream.kernels.rope import rope_freqs
+    from charstream.model.cache import KVCache
+    from charstream.model.dit import DiT
+    from charstream.model.tp import apply_tp
 
     with torch.device("meta"):
         model = DiT(cfg).to(torch.bfloat16)
@@ -169,11 +168,11 @@ def step_flops(cfg: ModelConfig, tp: int) -> dict[str, float]:
 
 def kernel_breakdown(cfg: ModelConfig, tp: int, model, cache, step) -> dict[str, object]:
     """Each kernel of a block-pass alone at the step's shapes (rotating over layers), x block-passes."""
-    from kernels.adaln_quant import adaln_quant_triton
-    from kernels.delta_rotate import delta_rotate_triton
-    from kernels.quantize_rows import quantize_rows_triton
-    from kernels.ring_attention import ring_attention_gathered, ring_attention_triton
-    from kernels.ring_write import ring_write_prep_triton, ring_write_triton
+    from charstream.kernels.adaln_quant import adaln_quant_triton
+    from charstream.kernels.delta_rotate import delta_rotate_triton
+    from charstream.kernels.quantize_rows import quantize_rows_triton
+    from charstream.kernels.ring_attention import ring_attention_gathered, ring_attention_triton
+    from charstream.kernels.ring_write import ring_write_prep_triton, ring_write_triton
 
     s = shard_config(cfg, tp)
     t, hd, heads, d = cfg.tokens_per_step, s["hd"], s["heads"], cfg.head_dim
@@ -236,7 +235,7 @@ def kernel_breakdown(cfg: ModelConfig, tp: int, model, cache, step) -> dict[str,
 
 def attention_sweep(cfg: ModelConfig, tp: int, cache) -> dict[str, float]:
     """The ring attention's block shapes against PyTorch's SDPA (bf16 K/V; and dequantise + SDPA)."""
-    from kernels.ring_attention import ring_attention_reference, ring_attention_triton
+    from charstream.kernels.ring_attention import ring_attention_reference, ring_attention_triton
 
     heads, t, d = cfg.n_heads // tp, cfg.tokens_per_step, cfg.head_dim
     q = torch.randn(t, heads, d, device="cuda", dtype=torch.bfloat16)
@@ -292,7 +291,7 @@ def _best(sweep: dict[str, object], prefix: str) -> dict[str, object] | None:
 def bench_step(cfg: ModelConfig, tp: int, reps: int, sweep: bool):
     """Build the shard, sweep the ring attention's options, then time the step with the best fp16
     and the best FP8-QK attention (graph replays), and once eagerly."""
-    from model.graphed_step import ATTENTION_OPTIONS, ShardStep
+    from charstream.model.graphed_step import ATTENTION_OPTIONS, ShardStep
 
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -340,8 +339,8 @@ def bench_step(cfg: ModelConfig, tp: int, reps: int, sweep: bool):
 
 
 def bench_decoder(cfg: ModelConfig, reps: int) -> tuple[dict[str, float], object]:
-    from model.graphed_decoder import GraphedDecoder
-    from model.vae import Decoder, to_uint8_frames
+    from charstream.model.graphed_decoder import GraphedDecoder
+    from charstream.model.vae import Decoder, to_uint8_frames
 
     torch.manual_seed(0)
     shape = (cfg.latent_channels, cfg.latent_height, cfg.latent_width)
@@ -490,7 +489,7 @@ def _table(results: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     if args.tp is not None:
-        from pipeline import bench_tp
+        from charstream.pipeline import bench_tp
 
         args.reps = args.steps
         if args.json == "bench_gpu.json":
@@ -558,6 +557,6 @@ def run(args: argparse.Namespace) -> int:
 if __name__ == "__main__":
     import sys
 
-    from pipeline.cli import main
+    from charstream.pipeline.cli import main
 
     sys.exit(main(["bench", "gpu", *sys.argv[1:]]))

@@ -17,9 +17,10 @@ import subprocess
 import time
 from pathlib import Path
 
-from model.config import PRESETS, get_preset
-from pipeline.bench_output import emit_report
-from transport.messages import CHUNK_SECONDS
+from charstream.model.config import PRESETS, get_preset
+from charstream.pipeline.bench_output import emit_report
+
+from charstream.timeline import CHUNK_SECONDS
 
 BUDGET_MS = CHUNK_SECONDS * 1000.0
 
@@ -48,9 +49,8 @@ def _quantiles(seconds: list[float], cpu_seconds: list[float] | None = None) -> 
 def time_steps(preset: str, steps: int, warmup: int, device: str, fp8_cache: bool) -> tuple[list[float], list[float]]:
     """Wall and process-CPU seconds per ``Generator.step`` in steady state."""
     import torch
-
-    from model.generator import Generator
-    from model.weights import packaged_weights
+    from charstream.model.generator import Generator
+    from charstream.model.weights import packaged_weights
 
     cfg = get_preset(preset)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
@@ -84,8 +84,7 @@ def _commit() -> str:
 
 def bench_model(preset: str, steps: int, warmup: int, device: str, fp8_cache: bool) -> dict:
     import torch
-
-    from model.vae import time_decode
+    from charstream.model.vae import time_decode
 
     cfg = get_preset(preset)
     step = _quantiles(*time_steps(preset, steps, warmup, device, fp8_cache))

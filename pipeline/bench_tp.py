@@ -23,9 +23,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-from kernels.gemm_allreduce import GemmAllReduce, gemm_all_reduce_reference
-from model.config import ModelConfig, get_preset
+from charstream.kernels.gemm_allreduce import GemmAllReduce, gemm_all_reduce_reference
+from charstream.model.config import ModelConfig, get_preset
 
 REFERENCE_US = {"fused_call": 153.8, "gemm_then_nccl": 208.2}  # 4xH100, DESIGN.md
 CPU_PRESET_SCALE = {"dim": 768, "n_heads": 12, "head_dim": 64, "ffn_dim": 3072, "n_blocks": 2}
@@ -35,7 +34,7 @@ def _time_ms(fn: Callable[[], object], device: torch.device, reps: int, warmup: 
     """Median ms per call: CUDA events on GPUs (bench_gpu's timer), wall clock on CPU; then a barrier
     so no rank starts the next figure while another still runs this one."""
     if device.type == "cuda":
-        from pipeline.bench_gpu import _median_ms
+        from charstream.pipeline.bench_gpu import _median_ms
 
         median = _median_ms(fn, reps, warmup)
     else:
@@ -76,7 +75,7 @@ def _projection_figures(cfg: ModelConfig, world: int, device: torch.device, dtyp
 
 
 def _rank(rank: int, world: int, port: int, cfg: ModelConfig, use_cuda: bool, reps: int, queue) -> None:
-    from model.generator import Generator
+    from charstream.model.generator import Generator
 
     device = torch.device(f"cuda:{rank}" if use_cuda else "cpu")
     if use_cuda:
@@ -92,7 +91,7 @@ def _rank(rank: int, world: int, port: int, cfg: ModelConfig, use_cuda: bool, re
     for label, fuse in (("step_ms", False), ("step_fused_ms", True)):
         gen = Generator(cfg, None, device, dist.group.WORLD, dtype, fp8_cache=use_cuda)
         if fuse:
-            from model.tp import fuse_output_all_reduce
+            from charstream.model.tp import fuse_output_all_reduce
 
             fuse_output_all_reduce(gen.model, rows)
         gen.reset_session(torch.zeros(cfg.latent_channels, cfg.latent_height, cfg.latent_width, device=device)

@@ -11,18 +11,20 @@ import argparse
 import importlib
 import sys
 
+from charstream import __version__
+
 # (command words, module, one-line help)
 COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
-    (("demo",), "pipeline.demo", "live character demo on CPU: scripted agent -> WebRTC client, writes trace + mp4"),
-    (("serve",), "stages.egress.serve", "serve the web page and WebRTC endpoint for a browser session"),
-    (("bench", "transport"), "transport.bench", "ZeroMQ channel latency, throughput and backpressure"),
-    (("bench", "model"), "pipeline.bench_model", "CPU step and decode time of a model preset"),
-    (("bench", "gpu"), "pipeline.bench_gpu", "GPU step breakdown, kernels, decoder, against the reference numbers"),
-    (("model", "info"), "pipeline.model_info", "parameters, per-rank memory and FLOPs of a preset"),
-    (("trace", "report"), "pipeline.trace_report", "median/p90 per trace segment and a waterfall PNG"),
-    (("train",), "pipeline.training.train", "train the tiny character model"),
-    (("lipsync",), "pipeline.quality.lipsync", "lip-sync confidence and offset of a video or session"),
-    (("quality",), "pipeline.quality.gate", "quality gate: candidate vs baseline against rerun variance"),
+    (("demo",), "charstream.pipeline.demo", "live character demo on CPU: scripted agent -> WebRTC client, writes trace + mp4"),
+    (("serve",), "charstream.pipeline.serve", "serve the web page and WebRTC endpoint for a browser session"),
+    (("bench", "transport"), "charstream.pipeline.bench_transport", "ZeroMQ channel latency, throughput and backpressure"),
+    (("bench", "model"), "charstream.pipeline.bench_model", "CPU step and decode time of a model preset"),
+    (("bench", "gpu"), "charstream.pipeline.bench_gpu", "GPU step breakdown, kernels, decoder, against the reference numbers"),
+    (("model", "info"), "charstream.pipeline.model_info", "parameters, per-rank memory and FLOPs of a preset"),
+    (("trace", "report"), "charstream.pipeline.trace_report", "median/p90 per trace segment and a waterfall PNG"),
+    (("train",), "charstream.pipeline.training.train", "train the tiny character model"),
+    (("lipsync",), "charstream.pipeline.quality.lipsync", "lip-sync confidence and offset of a video or session"),
+    (("quality",), "charstream.pipeline.quality.gate", "quality gate: candidate vs baseline against rerun variance"),
 ]
 
 
@@ -31,6 +33,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argpa
         prog="charstream",
         description="Real-time serving for live conversational video characters.",
     )
+    parser.add_argument("--version", action="version", version=f"charstream {__version__}")
     top = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     groups: dict[str, argparse._SubParsersAction] = {}
     leaves: dict[tuple[str, ...], argparse.ArgumentParser] = {}

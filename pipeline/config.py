@@ -10,94 +10,17 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from model.config import ModelConfig, get_preset
-
-
-@dataclass
-class TransportConfig:
-    default_capacity: int = 4  # credits per edge, in messages
-    capacities: dict[str, int] = field(default_factory=dict)  # per edge name, overrides the default
-    max_message_bytes: int = 64 * 1024 * 1024
-    heartbeat_s: float = 0.25
-    dead_after_s: float = 1.5  # a peer silent this long is dead (kill -9 ends the session within 2 s)
-    cross_process: str = "ipc"  # endpoints between processes: ipc (one host) | tcp
-    tcp_host: str = "127.0.0.1"  # address tcp endpoints bind to; not loopback => CURVE is required
-    curve: bool = False  # force CURVE on tcp even on loopback
-    # ipc only: arrays of a message in [slot_min_bytes, slot_bytes] cross in a shared-memory slot
-    # (capacity slots per edge); smaller ones are cheaper inline, larger ones go inline. 0 = off.
-    slot_bytes: int = 16 * 1024 * 1024
-    slot_min_bytes: int = 64 * 1024
-
-
-@dataclass
-class IngestConfig:
-    adapter: str = "scripted"  # scripted | zmq | pipecat | livekit
-    think_delay_s: float = 0.4  # stands for STT + LLM in the scripted agent
-    user_voice: str = "en-us"
-    agent_voice: str = "en+f3"
-    vad_threshold: float = 0.5
-    vad_silence_ms: int = 300  # end of speech is back-dated by this window
-    vad_start_ms: int = 64  # speech this long (consecutive 32 ms windows) starts a user turn / barge-in
-    max_ahead_s: float = 0.25  # agent audio is emitted at most this far ahead of the media clock
-    playout_tail_s: float = 1.0  # user speech this long after the agent's audio ended still barges in (pipeline latency)
-    zmq_endpoint: str = "tcp://127.0.0.1:5790"
-    zmq_dead_after_s: float = 1.5  # an external agent silent this long (no audio, no ping) is gone
-    script: list[dict] | None = None  # scripted agent: [{"user", "agent", "barge_in_after_s"?}]; None = built-in
-    lead_in_s: float = 0.5  # scripted agent: silence before the user's first line
-    turn_gap_s: float = 1.5  # scripted agent: silence after a reply before the next line (> playout_tail_s)
-
-
-@dataclass
-class ConditioningConfig:
-    idle_lead_chunks: int = 4  # listening chunks are emitted at most this far ahead of real time
-    rollback_wait_s: float = 0.5  # no ROLLBACK answer to a TURN_START this long: place the speech anyway
-    stall_s: float = 1.0  # a speaking turn whose agent sends nothing this long is ended
-
-
-@dataclass
-class DiffusionConfig:
-    tp: int = 1
-    device: str = "cpu"  # rank 0's device; ranks 1.. use ``devices`` (pipeline/placement.py fills both)
-    devices: list[str] = field(default_factory=list)  # one per TP rank; empty = ``device`` for every rank
-    seed: int = 0
-    fp8_cache: bool = False  # CPU default keeps the bf16 ring; GPUs use FP8 e4m3
-    fused_gemm_allreduce: bool = True  # overlapped GEMM + all-reduce at the steady shape (TP > 1 only)
-    graphed_step: bool = True  # one CUDA device (TP = 1): the fused CUDA-graphed step (model/graphed_step.py)
-    gathered_attention: bool | None = None  # full window: dequantise + cuDNN SDPA; None = graphed_step.GATHERED_BY_DEFAULT
-
-
-@dataclass
-class DecodeConfig:
-    device: str = "cpu"
-    graphed: bool = True  # on CUDA: the decoder as one CUDA graph per chunk (model/graphed_decoder.py)
-
-
-@dataclass
-class PlayoutConfig:
-    target_depth_chunks: int = 2  # chunks queued behind the playing one: absorbs a stall of this many chunks
-    max_depth_chunks: int = 8  # a full buffer withholds credit from decode (backpressure)
-    history_frames: int = 48  # released frames (pixels + audio) kept for egress readers that start late
-
-
-@dataclass
-class EgressConfig:
-    host: str = "127.0.0.1"
-    port: int = 8080
-    codec: str = "VP8"  # VP8 | H264
-    max_sessions: int = 16
-    offer_timeout_s: float = 30.0  # a reserved session with no offer by then is released
-    ice_servers: list[str] = field(default_factory=list)  # STUN/TURN URLs; none on loopback/LAN (never a public default)
-    ping_interval_s: float = 1.0  # data-channel ping: clock offset estimate + liveness
-    client_timeout_s: float = 10.0  # no pong this long: the client vanished, its session is closed
-    user_audio_queue_frames: int = 100  # 20 ms mic frames held for ingest before the oldest is dropped
-
-
-@dataclass
-class TracingConfig:
-    jsonl_path: str | None = None
-    otel_exporter: str = "none"  # none | console | otlp | memory
-    otlp_endpoint: str = "http://127.0.0.1:4318/v1/traces"
-    prometheus_port: int | None = None
+from charstream.model.config import ModelConfig, get_preset
+from charstream.stages.config import (
+    ConditioningConfig,
+    DecodeConfig,
+    DiffusionConfig,
+    EgressConfig,
+    IngestConfig,
+    PlayoutConfig,
+    TracingConfig,
+)
+from charstream.transport.config import TransportConfig
 
 
 @dataclass

@@ -21,13 +21,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from charstream.pipeline.config import PipelineConfig
+from charstream.stages.metrics import REGISTRY, serve_metrics
+from charstream.stages.tracing import SEGMENTS, TurnRecord, intervals
 from tqdm import tqdm
 
-from pipeline.config import PipelineConfig
-from pipeline.logs import configure_logging
-from pipeline.metrics import REGISTRY, serve_metrics
-from pipeline.tracing import SEGMENTS, TurnRecord, intervals
-from transport.messages import SAMPLES_PER_FRAME, VIDEO_FPS
+from charstream.logs import configure_logging
+from charstream.timeline import SAMPLES_PER_FRAME, VIDEO_FPS
 
 QUIET_FRAMES = VIDEO_FPS // 2  # listening frames after the last reply before the demo ends
 CLIENT_GRACE_S = 5.0  # how long to wait for the client's last frame reports after that
@@ -80,7 +80,7 @@ class ClientThread:
     """
 
     def __init__(self, record_path: Path) -> None:
-        from stages.egress.client import EgressClient
+        from charstream.stages.egress.client import EgressClient
 
         self.client = EgressClient(record_path=record_path)
         self.loop = asyncio.new_event_loop()
@@ -104,9 +104,9 @@ class ClientThread:
 
 
 def plan(args: argparse.Namespace) -> DemoPlan:
-    from model.config import get_preset
-    from model.weights import packaged_weights
-    from stages.ingest.scripted import DEFAULT_SCRIPT
+    from charstream.model.config import get_preset
+    from charstream.model.weights import packaged_weights
+    from charstream.stages.ingest.scripted import DEFAULT_SCRIPT
 
     get_preset(args.preset)  # an unknown preset fails here, before anything starts
     if args.script:
@@ -187,7 +187,7 @@ def _short(text: str, n: int = 48) -> str:
 
 async def watch_conversation(session, turns: int, progress: Progress) -> None:
     """Until the last turn's reply has played out and every turn has its trace (or the session ends)."""
-    from stages.playout import PlayoutClosed
+    from charstream.stages.playout import PlayoutClosed
 
     output = session.output
     spoken: set[int] = set()
@@ -231,9 +231,9 @@ async def wait_for_client(client, peer, end_index: int, timeout: float = CLIENT_
 
 
 async def run_demo(args: argparse.Namespace) -> int:
-    from pipeline.session import LiveSession, session_factory
-    from pipeline.trace_report import render_table, write_report
-    from stages.egress.server import EgressServer
+    from charstream.pipeline.session import LiveSession, session_factory
+    from charstream.pipeline.trace_report import render_table, write_report
+    from charstream.stages.egress.server import EgressServer
 
     demo = plan(args)
     out = demo.out

@@ -11,10 +11,9 @@ import argparse
 import json
 
 import torch
-
-from model.config import PRESETS, ModelConfig, get_preset
-from model.dit import DiT
-from model.tp import apply_tp
+from charstream.model.config import PRESETS, ModelConfig, get_preset
+from charstream.model.dit import DiT
+from charstream.model.tp import apply_tp
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

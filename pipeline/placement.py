@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from pipeline.config import PipelineConfig
+from charstream.pipeline.config import PipelineConfig
 
 
 @dataclass(frozen=True)

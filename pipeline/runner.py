@@ -30,12 +30,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-
-from pipeline.config import PipelineConfig
-from pipeline.logs import configure_logging, get_logger
-from pipeline.supervisor import Child, Supervisor, describe_exit
-from stages.base import Stage, StageContext
-from transport.channel import (
+from charstream.pipeline.config import PipelineConfig
+from charstream.stages.base import Stage, StageContext
+from charstream.transport.channel import (
     ControlClient,
     ControlHub,
     PeerDeadError,
@@ -45,8 +42,11 @@ from transport.channel import (
     Wakeup,
     free_tcp_port,
 )
-from transport.messages import Control, ControlKind, Message
-from transport.security import CurveKeys, curve_required
+from charstream.transport.messages import Control, ControlKind, Message
+from charstream.transport.security import CurveKeys, curve_required
+from charstream.transport.supervisor import Child, Supervisor, describe_exit
+
+from charstream.logs import configure_logging, get_logger
 
 LOCAL_GROUP = "main"  # in "processes" placement, this group runs in the caller's process
 STOP_GRACE_S = 1.0  # how long stage processes get to exit after SHUTDOWN before SIGTERM

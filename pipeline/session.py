@@ -23,12 +23,12 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from pipeline.config import PipelineConfig
-from pipeline.runner import Edge, Graph, Node, Session, SessionResult
-from pipeline.tracing import TurnRecord, TurnTracer
-from stages.egress.mic import UserAudioQueue
-from stages.egress.server import SessionFactory, SessionMedia
-from stages.playout import PlayoutOutput, session_output
+from charstream.pipeline.config import PipelineConfig
+from charstream.pipeline.runner import Edge, Graph, Node, Session, SessionResult
+from charstream.stages.egress.mic import UserAudioQueue
+from charstream.stages.egress.server import SessionFactory, SessionMedia
+from charstream.stages.playout import PlayoutOutput, session_output
+from charstream.stages.tracing import TurnRecord, TurnTracer
 
 
 def build_graph(config: PipelineConfig, tracer: TurnTracer | None = None, user_audio: UserAudioQueue | None = None,
@@ -41,15 +41,15 @@ def build_graph(config: PipelineConfig, tracer: TurnTracer | None = None, user_a
     threads = {"threads": max(1, (os.cpu_count() or 2) // 2)}
     return Graph(
         nodes=[
-            Node("ingest", "stages.ingest.stage:IngestStage", {"config": config.ingest, "user_audio": user_audio}),
-            Node("conditioning", "stages.conditioning:build",
+            Node("ingest", "charstream.stages.ingest.stage:IngestStage", {"config": config.ingest, "user_audio": user_audio}),
+            Node("conditioning", "charstream.stages.conditioning:build",
                  dict(model, seed=config.diffusion.seed, **dataclasses.asdict(config.conditioning))),
-            Node("diffusion", "stages.diffusion:DiffusionStage",
+            Node("diffusion", "charstream.stages.diffusion:DiffusionStage",
                  dict(model, **threads if config.diffusion.device == "cpu" else {}), group="diffusion"),
-            Node("decode", "stages.decode:DecodeStage",
+            Node("decode", "charstream.stages.decode:DecodeStage",
                  dict(model, **threads if config.decode.device == "cpu" else {}), group="decoder"),
             # Same process as egress: the tracer object is handed over, not pickled.
-            Node("playout", "stages.playout:PlayoutStage", {"tracer": tracer}),
+            Node("playout", "charstream.stages.playout:PlayoutStage", {"tracer": tracer}),
         ],
         edges=[
             Edge("ingest", "conditioning"),

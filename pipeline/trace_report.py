@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from charstream.stages.tracing import SEGMENTS, STAGES, intervals, read_jsonl
 
-from pipeline.tracing import SEGMENTS, STAGES, intervals, read_jsonl
-from transport.messages import TRACE_POINTS
+from charstream.timeline import TRACE_POINTS
 
 # Reference medians (DESIGN.md) for comparison, seconds.
 REFERENCE = {"agent": 1.42, "pipeline": 0.49, "delivery": 0.19, "total": 2.13}

@@ -41,11 +41,11 @@ section "gpu tests" 110 gpu-tests.log python3 -m pytest -q -m gpu -p no:cachepro
 section "gpu stage test" 40 gpu-tests.log python3 -m pytest -q -m gpu -p no:cacheprovider "${per_test[@]}" \
   tests/test_diffusion_stage.py
 # The trained tiny on the GPU demo's path (bf16, FP8 GEMMs + ring, CUDA graph); needs espeakng-loader.
-section "tiny held-out, graphed" 120 heldout-graphed.log python3 -m pipeline.quality.heldout \
+section "tiny held-out, graphed" 120 heldout-graphed.log python3 -m charstream.pipeline.quality.heldout \
   --config fp8-ring-graphed --device cuda --clips 4 --reruns 2 --seconds 8 --out /tmp/heldout-graphed
-section "bench TP=3 shard" 100 bench-tp3.log python3 -m pipeline.bench_gpu --tp-shard 3 --skip sweep decoder pipeline \
+section "bench TP=3 shard" 100 bench-tp3.log python3 -m charstream.pipeline.bench_gpu --tp-shard 3 --skip sweep decoder pipeline \
   --section-timeout 80 --json "$OUT/bench_tp3.json"
-section "bench TP=4 shard, decoder, pipeline" 140 bench-tp4.log python3 -m pipeline.bench_gpu --tp-shard 4 \
+section "bench TP=4 shard, decoder, pipeline" 140 bench-tp4.log python3 -m charstream.pipeline.bench_gpu --tp-shard 4 \
   --skip sweep ceilings --section-timeout 60 --json "$OUT/bench_tp4.json"
 
 {

@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
-
-from transport.messages import Control, Message
+from charstream.transport.messages import Control, Message
 
 Emit = Callable[[Message], Awaitable[None]]
 

@@ -30,12 +30,8 @@ from pathlib import Path
 
 import anyio
 import numpy as np
-
-from stages.base import Stage, StageContext
-from transport.messages import (
-    CHUNK_SECONDS,
-    SAMPLES_PER_CHUNK,
-    TIMELINE_RATE,
+from charstream.stages.base import Stage, StageContext
+from charstream.transport.messages import (
     AgentAudio,
     Conditioning,
     Control,
@@ -45,6 +41,8 @@ from transport.messages import (
     TurnEvent,
     TurnKind,
 )
+
+from charstream.timeline import CHUNK_SECONDS, SAMPLES_PER_CHUNK, TIMELINE_RATE
 
 # int16 48 kHz window [chunk start - context, chunk end + look-ahead) -> (n_audio_tokens, audio_dim) float32
 EncodeFn = Callable[[np.ndarray], np.ndarray]
@@ -336,15 +334,14 @@ def build(preset: str = "tiny", weights: str | None = "packaged", seed: int = 0,
     weights when ``weights`` names a file or is ``"packaged"`` and the package ships them, else
     seeded random weights."""
     import torch
-
-    from model.audio_encoder import AudioEncoder, make_encode_fn
-    from model.config import get_preset
-    from model.weights import packaged_weights
+    from charstream.model.audio_encoder import AudioEncoder, make_encode_fn
+    from charstream.model.config import get_preset
+    from charstream.model.weights import packaged_weights
 
     cfg = get_preset(preset)
     path = packaged_weights(preset) if weights == "packaged" else weights
     if path:
-        from pipeline.training.checkpoint import load_audio_encoder  # the trained file's layout
+        from charstream.model.weights import load_audio_encoder  # the trained file's layout
 
         encoder = load_audio_encoder(cfg, Path(path))
     else:

@@ -29,18 +29,16 @@ from typing import TYPE_CHECKING
 
 import anyio
 import numpy as np
-
-from model.config import get_preset
-from stages.base import Stage, StageContext
-from transport.messages import Control, ControlKind, Latents, Message, VideoChunk
+from charstream.model.config import get_preset
+from charstream.stages.base import Stage, StageContext
+from charstream.transport.messages import Control, ControlKind, Latents, Message, VideoChunk
 
 if TYPE_CHECKING:
     import torch
+    from charstream.model.graphed_decoder import GraphedDecoder
+    from charstream.model.vae import CausalState, Decoder
 
-    from model.graphed_decoder import GraphedDecoder
-    from model.vae import CausalState, Decoder
-
-DECODER_PREFIX = "vae.decoder."  # the decoder's tensors in the packaged weights (pipeline/training/checkpoint.py)
+DECODER_PREFIX = "vae.decoder."  # the decoder's tensors in the packaged weights (model/weights.py)
 
 
 @dataclass
@@ -55,7 +53,7 @@ class DecodeStats:
 
 def weights_path(preset: str, weights: str | None) -> str | None:
     """``weights`` as a file: ``"packaged"`` is the shipped file when present; None means random weights."""
-    from model.weights import packaged_weights
+    from charstream.model.weights import packaged_weights
 
     path = packaged_weights(preset) if weights == "packaged" else weights
     return str(path) if path else None
@@ -64,8 +62,7 @@ def weights_path(preset: str, weights: str | None) -> str | None:
 def load_decoder(preset: str, path: str | None, device: str, dtype: torch.dtype | str, seed: int = 0) -> Decoder:
     """The preset's decoder with the VAE decoder weights of ``path``, or seeded random weights."""
     import torch
-
-    from model.vae import Decoder
+    from charstream.model.vae import Decoder
 
     cfg = get_preset(preset)
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -123,8 +120,7 @@ class DecodeStage(Stage):
         if not self.graphed:
             return decoder
         import torch
-
-        from model.graphed_decoder import GraphedDecoder
+        from charstream.model.graphed_decoder import GraphedDecoder
 
         return GraphedDecoder(decoder, getattr(torch, self.dtype))
 
@@ -133,9 +129,8 @@ class DecodeStage(Stage):
 
     def _decode(self, latent: np.ndarray, state: CausalState | None) -> tuple[np.ndarray, CausalState]:
         import torch
-
-        from model.threads import intra_op_threads
-        from model.vae import to_uint8_frames
+        from charstream.model.threads import intra_op_threads
+        from charstream.model.vae import to_uint8_frames
 
         with intra_op_threads(self.threads), torch.inference_mode():
             z = torch.tensor(latent, device=self.device, dtype=getattr(torch, self.dtype))  # copies: inputs are read-only

@@ -29,11 +29,10 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import numpy as np
-
-from model.config import get_preset
-from pipeline.metrics import SessionMetrics
-from stages.base import Stage, StageContext
-from transport.messages import Conditioning, Control, ControlKind, Latents, Message
+from charstream.model.config import get_preset
+from charstream.stages.base import Stage, StageContext
+from charstream.stages.metrics import SessionMetrics
+from charstream.transport.messages import Conditioning, Control, ControlKind, Latents, Message
 
 if TYPE_CHECKING:
     import torch
@@ -58,16 +57,15 @@ def chunk_seed(seed: int, chunk: int) -> int:
 def reference_latent(preset: str, weights: str | None, identity: int, device: str) -> torch.Tensor:
     """The character's reference image (its rest frame) encoded by the preset's VAE encoder."""
     import torch
-
-    from pipeline.training.checkpoint import load_vae
-    from pipeline.training.data import reference_frame
-    from pipeline.training.train import to_video
+    from charstream.model.character import reference_frame
+    from charstream.model.vae import to_video
+    from charstream.model.weights import load_vae
 
     cfg = get_preset(preset)
     if weights:
         vae = load_vae(cfg, weights)
     else:  # random weights: a seeded random VAE, so a session is still deterministic
-        from model.vae import VideoVAE
+        from charstream.model.vae import VideoVAE
 
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(identity)
@@ -117,28 +115,27 @@ class DiffusionStage(Stage):
 
     def _load(self) -> str | None:
         import torch
-
-        from stages.decode import weights_path
+        from charstream.stages.decode import weights_path
 
         if self.threads:
             torch.set_num_threads(self.threads)
         path = weights_path(self.preset, self.weights)
         dtype = getattr(torch, self.dtype)
         if self.tp > 1:
-            from pipeline.tp_group import TPGenerator
+            from charstream.stages.tp_group import TPGenerator
 
             devices = self.devices or (
                 [self.device] * self.tp if self.device == "cpu" else [f"cuda:{i}" for i in range(self.tp)])
             self.generator = TPGenerator(self.cfg, self.tp, devices, path, self.fp8, dtype, self.seed,
                                          fused_gemm_all_reduce=self.fused_all_reduce)
         else:
-            from model.generator import Generator
+            from charstream.model.generator import Generator
 
             self.generator = Generator(self.cfg, path, self.device, None, dtype, self.fp8, seed=self.seed)
         self.reference = reference_latent(self.preset, path, self.identity, self.device)
         self.generator.reset_session(self.reference)
         if self.graphed and self.tp == 1 and self.device.startswith("cuda") and self.fp8 and self.dtype == "bfloat16":
-            from model.graphed_step import GATHERED_BY_DEFAULT, ShardStep
+            from charstream.model.graphed_step import GATHERED_BY_DEFAULT, ShardStep
 
             gathered = GATHERED_BY_DEFAULT if self.gathered is None else self.gathered
             self.shard_step = ShardStep(self.generator.model, self.generator.cache, prefer_gathered=gathered)

@@ -32,22 +32,18 @@ from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
+from charstream.stages.base import Stage, StageContext
+from charstream.stages.config import PlayoutConfig
+from charstream.stages.metrics import SessionMetrics
+from charstream.stages.tracing import TurnTracer
+from charstream.transport.messages import Control, ControlKind, Message, TraceContext, VideoChunk
 
-from pipeline.config import PipelineConfig, PlayoutConfig
-from pipeline.metrics import SessionMetrics
-from pipeline.tracing import TurnTracer
-from stages.base import Stage, StageContext
-from transport.messages import (
+from charstream.timeline import (
     FRAMES_PER_CHUNK,
     SAMPLES_PER_CHUNK,
     SAMPLES_PER_FRAME,
     TIMELINE_RATE,
     VIDEO_FPS,
-    Control,
-    ControlKind,
-    Message,
-    TraceContext,
-    VideoChunk,
 )
 
 FRAME_SECONDS = 1.0 / VIDEO_FPS
@@ -220,7 +216,7 @@ class PlayoutStage(Stage):
         self._ctx: StageContext | None = None
 
     async def setup(self, ctx: StageContext) -> None:
-        if not self._config_given and isinstance(ctx.config, PipelineConfig):
+        if not self._config_given and getattr(ctx.config, "playout", None) is not None:
             self.config = ctx.config.playout
         config = self.config
         if config.target_depth_chunks < 0 or config.max_depth_chunks < config.target_depth_chunks + 1:

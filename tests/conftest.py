@@ -1,8 +1,7 @@
 """Shared pytest fixtures."""
 
 import pytest
-
-from model.threads import intra_op_threads
+from charstream.model.threads import intra_op_threads
 
 
 @pytest.fixture(scope="module")

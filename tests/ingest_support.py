@@ -6,10 +6,9 @@ import time
 from dataclasses import dataclass, field
 
 import structlog
+from charstream.stages.base import StageContext
+from charstream.transport.messages import AgentAudio, Control, Message, TurnEvent
 from structlog.testing import LogCapture
-
-from stages.base import StageContext
-from transport.messages import AgentAudio, Control, Message, TurnEvent
 
 
 @dataclass

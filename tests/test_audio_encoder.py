@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from charstream.model.audio_encoder import AudioEncoder, make_encode_fn, rms_envelope
+from charstream.model.config import CHARACTERS_57B, TINY
+from charstream.model.threads import intra_op_threads
 
-from model.audio_encoder import AudioEncoder, make_encode_fn, rms_envelope
-from model.config import CHARACTERS_57B, TINY
-from model.threads import intra_op_threads
-from transport.messages import SAMPLES_PER_CHUNK, SAMPLES_PER_FRAME, TIMELINE_RATE
+from charstream.timeline import SAMPLES_PER_CHUNK, SAMPLES_PER_FRAME, TIMELINE_RATE
 
 
 @pytest.fixture(autouse=True)

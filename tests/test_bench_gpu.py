@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from pipeline.bench_gpu import _table
-from pipeline.cli import main
+from charstream.pipeline.bench_gpu import _table
+from charstream.pipeline.cli import main
 
 RUN1 = Path(__file__).resolve().parents[1] / "docs" / "gpu-runs" / "2026-11-29-run1-bench.json"
 

@@ -11,12 +11,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from pipeline.config import EgressConfig
-from stages.egress.server import EgressServer
-from stages.egress.session import card_factory
-from stages.ingest.tts import synthesize
-from transport.messages import TurnKind
+from charstream.stages.config import EgressConfig
+from charstream.stages.egress.server import EgressServer
+from charstream.stages.egress.session import card_factory
+from charstream.stages.ingest.tts import synthesize
+from charstream.transport.messages import TurnKind
 
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"

@@ -1,11 +1,11 @@
 import subprocess
 import sys
 
-from pipeline.cli import COMMANDS, build_parser
+from charstream.pipeline.cli import COMMANDS, build_parser
 
 
 def test_help_lists_every_command():
-    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "--help"], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-m", "charstream", "--help"], capture_output=True, text=True, check=True)
     for words, _, _ in COMMANDS:
         assert words[0] in out.stdout
 

@@ -6,12 +6,9 @@ import anyio
 import numpy as np
 import pytest
 import structlog
-from structlog.testing import capture_logs
-
-from stages.base import StageContext
-from stages.conditioning import ConditioningStage, build
-from transport.messages import (
-    SAMPLES_PER_CHUNK,
+from charstream.stages.base import StageContext
+from charstream.stages.conditioning import ConditioningStage, build
+from charstream.transport.messages import (
     AgentAudio,
     Conditioning,
     Control,
@@ -20,6 +17,9 @@ from transport.messages import (
     TurnEvent,
     TurnKind,
 )
+from structlog.testing import capture_logs
+
+from charstream.timeline import SAMPLES_PER_CHUNK
 
 LOOKAHEAD = 1920  # the tiny preset's 40 ms at 48 kHz
 CONTEXT = 3840  # its 80 ms of left context

@@ -7,16 +7,15 @@ import numpy as np
 import pytest
 import structlog
 import torch
+from charstream.model.threads import intra_op_threads
+from charstream.model.vae import to_uint8_frames
+from charstream.pipeline.config import PipelineConfig
+from charstream.pipeline.runner import Edge, Graph, Node, run_session
+from charstream.stages.base import StageContext
+from charstream.stages.decode import DecodeStage, load_decoder
+from charstream.transport.messages import Conditioning, Control, ControlKind, Latents, Message, VideoChunk
 from decode_support import audio_for, latents_for, latents_message
 from structlog.testing import LogCapture
-
-from model.threads import intra_op_threads
-from model.vae import to_uint8_frames
-from pipeline.config import PipelineConfig
-from pipeline.runner import Edge, Graph, Node, run_session
-from stages.base import StageContext
-from stages.decode import DecodeStage, load_decoder
-from transport.messages import Conditioning, Control, ControlKind, Latents, Message, VideoChunk
 
 SEED = 7
 
@@ -114,7 +113,7 @@ def test_decode_stage_in_its_own_process_rolls_back() -> None:
     graph = Graph(
         [
             Node("src", "decode_support:LatentsSource", {"first": first}),
-            Node("decode", "stages.decode:DecodeStage", {"weights": None, "seed": SEED, "threads": 1}, "decoder"),
+            Node("decode", "charstream.stages.decode:DecodeStage", {"weights": None, "seed": SEED, "threads": 1}, "decoder"),
             Node("sink", "decode_support:FrameSink", {"first": first, "rollback_to": rollback_to}),
         ],
         [Edge("src", "decode", capacity=2), Edge("decode", "sink", capacity=2)],

@@ -7,10 +7,10 @@ import sys
 
 import av
 import pytest
+from charstream.stages.config import IngestConfig
+from charstream.stages.ingest.tts import synthesize
 
-from pipeline.config import IngestConfig
-from stages.ingest.tts import synthesize
-from transport.messages import TRACE_POINTS
+from charstream.timeline import TRACE_POINTS
 
 SCRIPT = [  # short lines keep the run well under a minute on two cores
     {"user": "Hello there.", "agent": "Hi! Nice to meet you."},
@@ -24,7 +24,7 @@ def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo-out")
     script = out.parent / "script.json"
     script.write_text(json.dumps(SCRIPT))
-    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "demo", "--turns", "3", "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "charstream", "demo", "--turns", "3", "--out", str(out),
                            "--script", str(script)], capture_output=True, text=True, timeout=150)
     return proc, out
 

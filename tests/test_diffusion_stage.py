@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 import structlog
 import torch
+from charstream.model.config import TINY
+from charstream.stages.base import StageContext
+from charstream.stages.diffusion import DiffusionStage
+from charstream.transport.messages import Conditioning, Control, ControlKind, Latents
 
-from model.config import TINY
-from stages.base import StageContext
-from stages.diffusion import DiffusionStage
-from transport.messages import SAMPLES_PER_CHUNK, Conditioning, Control, ControlKind, Latents
+from charstream.timeline import SAMPLES_PER_CHUNK
 
 
 def _context(out: list) -> StageContext:
@@ -92,7 +93,8 @@ def test_bad_conditioning_is_dropped_and_counted():
 def test_tp_group_from_the_session_config_matches_one_rank():
     """The stage reads TP size, per-rank devices and the fused all-reduce switch from the config's
     diffusion section (what pipeline/placement.py fills) and produces TP=1's latents."""
-    from pipeline.config import DiffusionConfig, PipelineConfig
+    from charstream.pipeline.config import PipelineConfig
+    from charstream.stages.config import DiffusionConfig
 
     async def latents(config: PipelineConfig) -> list[np.ndarray]:
         # One weights file (the shipped one): random weights are drawn per shard.
@@ -118,7 +120,7 @@ def test_tp_group_from_the_session_config_matches_one_rank():
 
 
 def test_each_step_is_recorded_in_the_session_step_time_metric():
-    from pipeline.metrics import REGISTRY
+    from charstream.stages.metrics import REGISTRY
 
     async def main():
         stage, out = DiffusionStage("tiny", weights=None, seed=7, fp8_cache=False), []

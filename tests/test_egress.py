@@ -9,14 +9,14 @@ import time
 import aiohttp
 import numpy as np
 import pytest
+from charstream.stages.config import EgressConfig, PlayoutConfig
+from charstream.stages.egress.client import AudioSamplesTrack, EgressClient, SignalingError
+from charstream.stages.egress.server import EgressServer
+from charstream.stages.egress.session import card_factory
+from charstream.stages.egress.testcard import CLICK_AMPLITUDE, card_chunk
 from waiting import until
 
-from pipeline.config import EgressConfig, PlayoutConfig
-from stages.egress.client import AudioSamplesTrack, EgressClient, SignalingError
-from stages.egress.server import EgressServer
-from stages.egress.session import card_factory
-from stages.egress.testcard import CLICK_AMPLITUDE, card_chunk
-from transport.messages import CHUNK_SECONDS, TIMELINE_RATE
+from charstream.timeline import CHUNK_SECONDS, TIMELINE_RATE
 
 FLASH_EVERY = 12  # chunks: one flash + click every 2 s
 STALL_AFTER, STALL_S = 30, 0.263
@@ -254,7 +254,7 @@ def test_recorder_holds_audio_that_arrives_before_the_first_video_frame(tmp_path
     script = f"""
 import numpy as np
 from pathlib import Path
-from stages.egress.client import Recorder
+from charstream.stages.egress.client import Recorder
 rec = Recorder(Path({str(tmp_path / 'a.mp4')!r}))
 for _ in range(25):  # 0.5 s of 20 ms packets before any video
     rec.audio((np.sin(np.arange(960) / 8) * 8000).astype(np.int16))

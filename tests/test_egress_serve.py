@@ -10,15 +10,14 @@ import sys
 import time
 
 import aiohttp
-
-from pipeline.config import EgressConfig
-from stages.egress.client import EgressClient
-from stages.egress.server import EgressServer
-from stages.egress.session import card_factory
+from charstream.stages.config import EgressConfig
+from charstream.stages.egress.client import EgressClient
+from charstream.stages.egress.server import EgressServer
+from charstream.stages.egress.session import card_factory
 
 
 def test_serve_command_streams_the_test_card_and_stops_cleanly():
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "serve", "--source", "testcard", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "charstream", "serve", "--source", "testcard", "--port", "0",
                              "--key", "secret"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = None

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kernels.fp8 import FP8_DTYPE
-from model.config import TINY
-from model.generator import Generator
-from model.graphed_decoder import GraphedDecoder
-from model.graphed_step import ShardStep
-from model.sampler import seeded_noise
-from model.vae import Decoder, to_uint8_frames
+from charstream.kernels.fp8 import FP8_DTYPE
+from charstream.model.config import TINY
+from charstream.model.generator import Generator
+from charstream.model.graphed_decoder import GraphedDecoder
+from charstream.model.graphed_step import ShardStep
+from charstream.model.sampler import seeded_noise
+from charstream.model.vae import Decoder, to_uint8_frames
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

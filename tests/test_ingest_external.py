@@ -14,14 +14,15 @@ import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
+from charstream.stages.config import IngestConfig
+from charstream.stages.ingest.external import ExternalAgent
+from charstream.stages.ingest.resample import resample, to_int16
+from charstream.stages.ingest.stage import IngestStage
+from charstream.stages.ingest.tts import synthesize
+from charstream.transport.messages import TurnKind
 from ingest_support import Recorder
 
-from pipeline.config import IngestConfig
-from stages.ingest.external import ExternalAgent
-from stages.ingest.resample import resample, to_int16
-from stages.ingest.stage import IngestStage
-from stages.ingest.tts import synthesize
-from transport.messages import TIMELINE_RATE, TurnKind
+from charstream.timeline import TIMELINE_RATE
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIENT = ROOT / "examples" / "external_agent.py"

@@ -5,15 +5,14 @@ import time
 
 import anyio
 import numpy as np
+from charstream.stages.config import IngestConfig
+from charstream.stages.egress.mic import UserAudioFrame, UserAudioQueue
+from charstream.stages.ingest.push import PushAdapter
+from charstream.stages.ingest.resample import resample, to_int16
+from charstream.stages.ingest.stage import IngestStage
+from charstream.stages.ingest.tts import synthesize
+from charstream.transport.messages import TurnKind
 from ingest_support import Recorder
-
-from pipeline.config import IngestConfig
-from stages.egress.mic import UserAudioFrame, UserAudioQueue
-from stages.ingest.push import PushAdapter
-from stages.ingest.resample import resample, to_int16
-from stages.ingest.stage import IngestStage
-from stages.ingest.tts import synthesize
-from transport.messages import TurnKind
 
 
 def test_microphone_queue_drives_turn_detection():

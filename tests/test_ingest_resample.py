@@ -2,8 +2,7 @@
 
 import numpy as np
 import pytest
-
-from stages.ingest.resample import StreamingResampler, resample, to_int16
+from charstream.stages.ingest.resample import StreamingResampler, resample, to_int16
 
 
 @pytest.mark.parametrize("rate", [8_000, 16_000, 22_050, 24_000, 44_100])

@@ -8,13 +8,14 @@ detected (not assumed) and back-dated, the think delay, the reply streamed at re
 import anyio
 import numpy as np
 import pytest
+from charstream.stages.config import IngestConfig
+from charstream.stages.ingest.adapters import create_adapter
+from charstream.stages.ingest.scripted import ScriptedAgent, ScriptLine
+from charstream.stages.ingest.stage import IngestStage
+from charstream.transport.messages import ControlKind, TurnKind
 from ingest_support import Recorder
 
-from pipeline.config import IngestConfig
-from stages.ingest.adapters import create_adapter
-from stages.ingest.scripted import ScriptedAgent, ScriptLine
-from stages.ingest.stage import IngestStage
-from transport.messages import SAMPLES_PER_CHUNK, TIMELINE_RATE, ControlKind, TurnKind
+from charstream.timeline import SAMPLES_PER_CHUNK, TIMELINE_RATE
 
 THINK_S = 0.25
 SCRIPT = [

@@ -13,14 +13,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kernels.delta_rotate import delta_rotate_reference, delta_rotate_triton
-from kernels.fp8 import FP8_DTYPE
-from kernels.quantize_rows import quantize_rows_reference, quantize_rows_triton
-from kernels.ring_attention import ring_attention_gathered, ring_attention_reference, ring_attention_triton
-from kernels.ring_write import ring_write_reference, ring_write_triton
-from model.fp8_linear import Fp8Linear
-from model.rope import frame_positions, rope_freqs
+from charstream.kernels.delta_rotate import delta_rotate_reference, delta_rotate_triton
+from charstream.kernels.fp8 import FP8_DTYPE
+from charstream.kernels.quantize_rows import quantize_rows_reference, quantize_rows_triton
+from charstream.kernels.ring_attention import (
+    ring_attention_gathered,
+    ring_attention_reference,
+    ring_attention_triton,
+)
+from charstream.kernels.ring_write import ring_write_reference, ring_write_triton
+from charstream.kernels.rope import rope_freqs
+from charstream.model.fp8_linear import Fp8Linear
+from charstream.model.rope import frame_positions
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

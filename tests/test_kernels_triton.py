@@ -25,15 +25,19 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _run_checks() -> dict[str, dict[str, float]]:
-    from kernels.delta_rotate import delta_rotate_reference, delta_rotate_triton
-    from kernels.ring_attention import gather_window, ring_attention_reference, ring_attention_triton
-    from kernels.ring_write import (
+    from charstream.kernels.delta_rotate import delta_rotate_reference, delta_rotate_triton
+    from charstream.kernels.ring_attention import (
+        gather_window,
+        ring_attention_reference,
+        ring_attention_triton,
+    )
+    from charstream.kernels.ring_write import (
         ring_write_prep_reference,
         ring_write_prep_triton,
         ring_write_reference,
         ring_write_triton,
     )
-    from model.rope import rope_freqs
+    from charstream.kernels.rope import rope_freqs
 
     g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))  # fresh inputs each run
     freqs = rope_freqs(D)

@@ -5,9 +5,8 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
-
-from pipeline.quality.lipsync import mouth_openness, score_av, speech_envelope, sync_score
-from pipeline.training.data import make_clip
+from charstream.pipeline.quality.lipsync import mouth_openness, score_av, speech_envelope, sync_score
+from charstream.pipeline.training.data import make_clip
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +76,7 @@ def test_cli_scores_an_mp4_and_a_session_dir(clips, tmp_path):
 
 
 def test_a_stall_in_the_recording_is_held_on_the_frame_grid(clips, tmp_path):
-    from pipeline.quality.lipsync import read_mp4
+    from charstream.pipeline.quality.lipsync import read_mp4
 
     frames = clips[2].frames.numpy()[:48]
     pts = list(range(20)) + [p + 10 for p in range(20, 48)]  # a 10-frame stall after frame 19

@@ -10,15 +10,14 @@ import pytest
 
 pytest.importorskip("livekit.agents", reason="extra 'livekit' not installed (make test installs it)")
 
+from charstream.pipeline.config import PipelineConfig  # noqa: E402
+from charstream.pipeline.integrations.avatar_session import AvatarSession  # noqa: E402
+from charstream.pipeline.integrations.livekit import CharstreamVideoGenerator  # noqa: E402
+from charstream.stages.ingest.resample import resample, to_int16  # noqa: E402
+from charstream.stages.ingest.tts import synthesize  # noqa: E402
 from livekit import rtc  # noqa: E402
 from livekit.agents.voice.avatar import AudioSegmentEnd, VideoGenerator  # noqa: E402
 from waiting import until  # noqa: E402
-
-from pipeline.config import PipelineConfig  # noqa: E402
-from stages.ingest.avatar_session import AvatarSession  # noqa: E402
-from stages.ingest.livekit_generator import CharstreamVideoGenerator  # noqa: E402
-from stages.ingest.resample import resample, to_int16  # noqa: E402
-from stages.ingest.tts import synthesize  # noqa: E402
 
 RATE = 24_000  # what LiveKit TTS plugins commonly produce
 

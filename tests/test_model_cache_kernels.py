@@ -8,26 +8,25 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
-from kernels.delta_rotate import delta_rotate
-from kernels.fp8 import FP8_DTYPE, dequantise
-from kernels.ring_attention import (
+from charstream.kernels.delta_rotate import delta_rotate
+from charstream.kernels.fp8 import FP8_DTYPE, dequantise
+from charstream.kernels.ring_attention import (
     ring_attention,
     ring_attention_cpu,
     ring_attention_reference,
     ring_slot_bias,
 )
-from kernels.ring_write import ring_write
-from model.rope import (
+from charstream.kernels.ring_write import ring_write
+from charstream.kernels.rope import (
     apply_rope,
     complex_rotation,
-    frame_positions,
     rope_freqs,
     rope_rotation,
     rope_split,
     rotate,
     rotate_complex,
 )
+from charstream.model.rope import frame_positions
 
 H, D, T, SINK_FRAMES, RING = 3, 16, 10, 1, 4
 

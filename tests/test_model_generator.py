@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kernels.fp8 import dequantise
-from model.cache import KVCache
-from model.config import TINY
-from model.dit import DiT
-from model.generator import Generator
-from model.naive import NaiveGenerator
-from model.rope import frame_positions
-from model.sampler import seeded_noise
-from model.tp import apply_tp
+from charstream.kernels.fp8 import dequantise
+from charstream.model.cache import KVCache
+from charstream.model.config import TINY
+from charstream.model.dit import DiT
+from charstream.model.generator import Generator
+from charstream.model.naive import NaiveGenerator
+from charstream.model.rope import frame_positions
+from charstream.model.sampler import seeded_noise
+from charstream.model.tp import apply_tp
 
 CFG = TINY.with_(n_blocks=2, height=64, width=64, window_frames=3, reset_every=2, rollback_frames=2)
 STEPS = 8  # positions reset before frames 5 and 7

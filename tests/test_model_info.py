@@ -6,11 +6,10 @@ import json
 
 import pytest
 import torch
-
-from model.config import TINY
-from model.dit import DiT
-from model.weights import build_model, save_weights
-from pipeline.cli import main
+from charstream.model.config import TINY
+from charstream.model.dit import DiT
+from charstream.model.weights import build_model, save_weights
+from charstream.pipeline.cli import main
 
 
 @pytest.mark.parametrize("tp", [3, 4])

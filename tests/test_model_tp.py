@@ -10,12 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-from model.config import TINY
-from model.dit import DiT
-from model.generator import Generator
-from model.sampler import seeded_noise
-from model.weights import save_weights
+from charstream.model.config import TINY
+from charstream.model.dit import DiT
+from charstream.model.generator import Generator
+from charstream.model.sampler import seeded_noise
+from charstream.model.weights import save_weights
 
 CFG = TINY.with_(n_blocks=2, height=64, width=64, window_frames=2, reset_every=1, rollback_frames=1)
 STEPS, ROLLBACK = 4, 1  # positions reset before frame 3; the rollback undoes that reset
@@ -75,7 +74,7 @@ def reference(tmp_path_factory) -> tuple[str, list[torch.Tensor], int]:
 def test_tensor_parallel_equals_single_rank(reference, world, tmp_path):
     weights, expected, full_params = reference
     # forkserver: each rank is a fresh process forked from a server that imported torch once
-    mp.set_forkserver_preload(["torch", "model.generator"])
+    mp.set_forkserver_preload(["torch", "charstream.model.generator"])
     mp.start_processes(_rank, args=(world, _free_port(), weights, str(tmp_path)), nprocs=world, start_method="forkserver")
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     for res in results:

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import torch
-
-from model.config import TINY
-from model.generator import Generator
-from model.teacher_forcing import flow_matching_loss, teacher_forced_velocity
+from charstream.model.config import TINY
+from charstream.model.generator import Generator
+from charstream.model.teacher_forcing import flow_matching_loss, teacher_forced_velocity
 
 CFG = TINY.with_(n_blocks=2, height=64, width=64, window_frames=2, reset_every=42)
 FRAMES = 4  # more than the window: the sliding block-causal mask is exercised

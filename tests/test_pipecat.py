@@ -10,6 +10,11 @@ import pytest
 
 pytest.importorskip("pipecat", reason="extra 'pipecat' not installed (make test installs it)")
 
+from charstream.pipeline.config import PipelineConfig  # noqa: E402
+from charstream.pipeline.integrations.avatar_session import AvatarSession  # noqa: E402
+from charstream.pipeline.integrations.pipecat import CharstreamVideoService  # noqa: E402
+from charstream.stages.ingest.resample import resample  # noqa: E402
+from charstream.stages.ingest.tts import synthesize  # noqa: E402
 from pipecat.frames.frames import (  # noqa: E402
     EndFrame,
     InterruptionFrame,
@@ -24,12 +29,6 @@ from pipecat.pipeline.worker import PipelineParams, PipelineWorker  # noqa: E402
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor  # noqa: E402
 from pipecat.workers.runner import WorkerRunner  # noqa: E402
 from waiting import until  # noqa: E402
-
-from pipeline.config import PipelineConfig  # noqa: E402
-from stages.ingest.avatar_session import AvatarSession  # noqa: E402
-from stages.ingest.pipecat_processor import CharstreamVideoService  # noqa: E402
-from stages.ingest.resample import resample  # noqa: E402
-from stages.ingest.tts import synthesize  # noqa: E402
 
 FIRST = "Hello, I am speaking through Pipecat."
 SECOND = "This second sentence is long, and it will be interrupted before it can finish at all."

@@ -1,7 +1,6 @@
 import pytest
-
-from pipeline.config import PipelineConfig
-from pipeline.placement import PLACEMENTS, apply_placement
+from charstream.pipeline.config import PipelineConfig
+from charstream.pipeline.placement import PLACEMENTS, apply_placement
 
 
 def test_reference_session_layout():

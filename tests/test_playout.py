@@ -7,18 +7,13 @@ import time
 
 import numpy as np
 import pytest
+from charstream.stages.config import PlayoutConfig
+from charstream.stages.egress.session import start_playout
+from charstream.stages.egress.testcard import card_chunk
+from charstream.stages.playout import PlayoutStage, session_output
+from charstream.transport.messages import Control, ControlKind, VideoChunk
 
-from pipeline.config import PlayoutConfig
-from stages.egress.session import start_playout
-from stages.egress.testcard import card_chunk
-from stages.playout import PlayoutStage, session_output
-from transport.messages import (
-    CHUNK_SECONDS,
-    SAMPLES_PER_FRAME,
-    Control,
-    ControlKind,
-    VideoChunk,
-)
+from charstream.timeline import CHUNK_SECONDS, SAMPLES_PER_FRAME
 
 SIZE = 32
 

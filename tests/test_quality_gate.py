@@ -3,12 +3,11 @@ import json
 import numpy as np
 import pytest
 import torch
-
-from model.weights import packaged_weights
-from pipeline.quality.gate import report, score_matrix
-from pipeline.quality.rollout import GateConfig, Rollout, load_config
-from pipeline.quality.stats import FIXED_MARGIN, bootstrap_mean_ci, compare, drift, rerun_sd
-from pipeline.training.data import make_script
+from charstream.model.weights import packaged_weights
+from charstream.pipeline.quality.gate import report, score_matrix
+from charstream.pipeline.quality.rollout import GateConfig, Rollout, load_config
+from charstream.pipeline.quality.stats import FIXED_MARGIN, bootstrap_mean_ci, compare, drift, rerun_sd
+from charstream.pipeline.training.data import make_script
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -92,7 +91,7 @@ def test_gate_fails_a_broken_ring(baseline_scores):
 
 
 def test_heldout_cli_writes_scores_and_the_frames_figure(tmp_path):
-    from pipeline.quality import heldout
+    from charstream.pipeline.quality import heldout
 
     assert heldout.main(["--device", "cpu", "--clips", "2", "--reruns", "1", "--seconds", "2",
                          "--figure", "--out", str(tmp_path)]) == 0

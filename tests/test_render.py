@@ -1,9 +1,8 @@
 import numpy as np
 import torch
-
-from pipeline.quality.lipsync import mouth_openness
-from pipeline.training.data import babble_motion, make_clip, reference_frame
-from pipeline.training.render import MOUTH_BOX, Motion, idle_motion, make_identity, render
+from charstream.model.character import MOUTH_BOX, Motion, idle_motion, make_identity, reference_frame, render
+from charstream.pipeline.quality.lipsync import mouth_openness
+from charstream.pipeline.training.data import babble_motion, make_clip
 
 
 def _still(n: int, mouth: float = 0.0, eye: float = 1.0) -> Motion:

@@ -13,10 +13,10 @@ from pathlib import Path
 import anyio
 import psutil
 import pytest
-
-from pipeline.config import PipelineConfig, TransportConfig
-from pipeline.runner import Edge, Graph, Node, Session, plan_groups, run_session
-from transport.messages import ControlKind
+from charstream.pipeline.config import PipelineConfig
+from charstream.pipeline.runner import Edge, Graph, Node, Session, plan_groups, run_session
+from charstream.transport.config import TransportConfig
+from charstream.transport.messages import ControlKind
 
 STAGES = "test_runner_stages"
 TESTS_DIR = Path(__file__).parent
@@ -183,8 +183,8 @@ SCRIPT = """
 import sys
 sys.path.insert(0, {tests!r})
 import anyio
-from pipeline.config import PipelineConfig
-from pipeline.runner import Edge, Graph, Node, Session
+from charstream.pipeline.config import PipelineConfig
+from charstream.pipeline.runner import Edge, Graph, Node, Session
 
 def main():
     graph = Graph(

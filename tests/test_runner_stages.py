@@ -6,9 +6,8 @@ import os
 
 import anyio
 import numpy as np
-
-from stages.base import Stage, StageContext
-from transport.messages import Conditioning, Control, ControlKind, Message
+from charstream.stages.base import Stage, StageContext
+from charstream.transport.messages import Conditioning, Control, ControlKind, Message
 
 
 class Source(Stage):

@@ -10,14 +10,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-from kernels.gemm_allreduce import GemmAllReduce, gemm_all_reduce_reference
-from model.config import TINY
-from model.dit import DiT
-from model.generator import Generator
-from model.vae import VideoVAE, to_uint8_frames
-from model.weights import save_weights
-from pipeline.tp_group import TPGenerator
+from charstream.kernels.gemm_allreduce import GemmAllReduce, gemm_all_reduce_reference
+from charstream.model.config import TINY
+from charstream.model.dit import DiT
+from charstream.model.generator import Generator
+from charstream.model.vae import VideoVAE, to_uint8_frames
+from charstream.model.weights import save_weights
+from charstream.stages.tp_group import TPGenerator
 
 CFG = TINY.with_(n_blocks=2, height=64, width=64, window_frames=3, reset_every=2, rollback_frames=2)
 STEPS = 5
@@ -101,7 +100,7 @@ def test_overlapped_gemm_all_reduce_equals_gemm_then_all_reduce():
 
 
 def test_fused_path_refuses_an_unsharded_model():
-    from model.tp import fuse_output_all_reduce
+    from charstream.model.tp import fuse_output_all_reduce
 
     with pytest.raises(ValueError, match="sharded"):
         fuse_output_all_reduce(DiT(CFG), CFG.tokens_per_step)

@@ -3,11 +3,12 @@ import random
 import struct
 
 import pytest
+from charstream.pipeline.cli import main
+from charstream.stages.config import TracingConfig
+from charstream.stages.tracing import TurnTracer
+from charstream.transport.messages import TraceContext
 
-from pipeline.cli import main
-from pipeline.config import TracingConfig
-from pipeline.tracing import TurnTracer
-from transport.messages import TRACE_POINTS, TraceContext
+from charstream.timeline import TRACE_POINTS
 
 NAMES = {  # (first point, last point) per name, written out here rather than imported
     ("segment", "agent"): ("user_speech_end", "agent_first_audio"),

@@ -5,12 +5,13 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 import structlog
+from charstream.stages.config import TracingConfig
+from charstream.stages.metrics import REGISTRY, SessionMetrics
+from charstream.stages.tracing import STAGES, TurnTracer, read_jsonl
+from charstream.transport.messages import TraceContext
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from pipeline.config import TracingConfig
-from pipeline.metrics import REGISTRY, SessionMetrics
-from pipeline.tracing import STAGES, TurnTracer, read_jsonl
-from transport.messages import TRACE_POINTS, TraceContext
+from charstream.timeline import TRACE_POINTS
 
 
 def stamps_for(t0: float, gaps=(1.2, 0.21, 0.08, 0.05, 0.1, 0.09)) -> dict[str, float]:

@@ -3,14 +3,12 @@ import json
 
 import pytest
 import torch
+from charstream.model.config import get_preset
+from charstream.model.dit import DiT
+from charstream.model.weights import build_model, load_audio_encoder, load_vae, merge
+from charstream.pipeline.training import train
+from charstream.pipeline.training.curves import LossLog
 from safetensors import safe_open
-
-from model.config import get_preset
-from model.dit import DiT
-from model.weights import build_model
-from pipeline.training import train
-from pipeline.training.checkpoint import load_audio_encoder, load_vae, merge
-from pipeline.training.curves import LossLog
 
 TINY_RUN = [
     "--device", "cpu", "--budget-s", "60", "--workers", "0", "--seed", "3",

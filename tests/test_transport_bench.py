@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from pipeline.cli import main
+from charstream.pipeline.cli import main
 
 
 def test_bench_transport_json_report(tmp_path, capsys):

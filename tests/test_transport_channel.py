@@ -15,10 +15,7 @@ import psutil
 import pytest
 import zmq
 import zmq.asyncio
-from test_transport_peers import idle_sender, slow_consumer
-
-from pipeline.config import TransportConfig
-from transport.channel import (
+from charstream.transport.channel import (
     BEAT,
     CREDIT,
     DATA,
@@ -30,9 +27,11 @@ from transport.channel import (
     Sender,
     Transport,
 )
-from transport.codec import WIRE_VERSION, MessageError, encode
-from transport.messages import Conditioning, Control, ControlKind
-from transport.security import CurveKeys, curve_required, is_loopback
+from charstream.transport.codec import WIRE_VERSION, MessageError, encode
+from charstream.transport.config import TransportConfig
+from charstream.transport.messages import Conditioning, Control, ControlKind
+from charstream.transport.security import CurveKeys, curve_required, is_loopback
+from test_transport_peers import idle_sender, slow_consumer
 
 SPAWN = multiprocessing.get_context("spawn")
 

@@ -7,11 +7,8 @@ import random
 import msgpack
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-from transport.codec import WIRE_VERSION, MessageError, decode, encode
-from transport.messages import (
+from charstream.transport.codec import WIRE_VERSION, MessageError, decode, encode
+from charstream.transport.messages import (
     MESSAGE_TYPES,
     AgentAudio,
     Conditioning,
@@ -23,6 +20,8 @@ from transport.messages import (
     TurnKind,
     VideoChunk,
 )
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 LIMIT = 1 << 20
 

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import anyio
 import numpy as np
-
-from pipeline.config import TransportConfig
-from transport.channel import Receiver, Sender, Transport
-from transport.messages import Conditioning
+from charstream.transport.channel import Receiver, Sender, Transport
+from charstream.transport.config import TransportConfig
+from charstream.transport.messages import Conditioning
 
 
 def slow_consumer(endpoint: str, config: TransportConfig, capacity: int, count: int, delay_s: float) -> int:

@@ -12,13 +12,12 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
+from charstream.transport.channel import CREDIT, DATA, HELLO, SLOT, PeerDeadError, Receiver, Sender, Transport
+from charstream.transport.codec import encode
+from charstream.transport.config import TransportConfig
+from charstream.transport.messages import Conditioning
+from charstream.transport.slots import SlotBlock
 from test_transport_peers import slot_sender
-
-from pipeline.config import TransportConfig
-from transport.channel import CREDIT, DATA, HELLO, SLOT, PeerDeadError, Receiver, Sender, Transport
-from transport.codec import encode
-from transport.messages import Conditioning
-from transport.slots import SlotBlock
 
 SPAWN = multiprocessing.get_context("spawn")
 MB = 1 << 20

@@ -1,6 +1,5 @@
 import numpy as np
-
-from stages.ingest.tts import synthesize
+from charstream.stages.ingest.tts import synthesize
 
 
 def test_espeak_speaks_with_phoneme_timing():

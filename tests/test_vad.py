@@ -2,11 +2,10 @@
 
 import numpy as np
 import pytest
-
-from stages.ingest.resample import resample, to_int16
-from stages.ingest.tts import synthesize
-from stages.ingest.vad import UserAudioVAD
-from transport.messages import TurnKind
+from charstream.stages.ingest.resample import resample, to_int16
+from charstream.stages.ingest.tts import synthesize
+from charstream.stages.ingest.vad import UserAudioVAD
+from charstream.transport.messages import TurnKind
 
 T0 = 1_000.0  # wall clock of the first fed sample (any origin works: the VAD only adds offsets)
 LEAD_S = 0.6

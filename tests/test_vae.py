@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from charstream.model.config import CHARACTERS_57B, TINY
+from charstream.model.threads import intra_op_threads
+from charstream.model.vae import Decoder, VideoVAE, to_uint8_frames
 from safetensors.torch import load_file, save_file
-
-from model.config import CHARACTERS_57B, TINY
-from model.threads import intra_op_threads
-from model.vae import Decoder, VideoVAE, to_uint8_frames
 
 
 @pytest.fixture(autouse=True)

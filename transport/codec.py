@@ -22,8 +22,7 @@ from typing import Any
 
 import msgpack
 import numpy as np
-
-from transport.messages import MESSAGE_TYPES, Message, TraceContext
+from charstream.transport.messages import MESSAGE_TYPES, Message, TraceContext
 
 WIRE_VERSION = 1
 MAX_NDIM = 8

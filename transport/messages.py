@@ -5,7 +5,7 @@ Arrays are numpy (tensors are converted at the stage boundary); the codec sends 
 multipart frames. Audio on the media timeline is 48 kHz mono int16; chunk ``n`` covers media
 time ``[n * CHUNK_SECONDS, (n + 1) * CHUNK_SECONDS)``.
 
-Turn-start rollback (DESIGN.md): when agent speech starts, conditioning sends ``Control(TURN_START)``;
+Turn-start rollback (docs/ARCHITECTURE.md): when agent speech starts, conditioning sends ``Control(TURN_START)``;
 playout drops its unplayed chunks and broadcasts ``Control(ROLLBACK, chunk=last_committed,
 epoch=e+1)``; every stage then discards data of older epochs, conditioning restarts at
 ``last_committed + 1`` with the speech, and diffusion rewinds its ring write pointer to match.
@@ -19,23 +19,7 @@ from enum import StrEnum
 
 import numpy as np
 
-VIDEO_FPS = 24
-FRAMES_PER_CHUNK = 4
-TIMELINE_RATE = 48_000
-SAMPLES_PER_FRAME = TIMELINE_RATE // VIDEO_FPS  # 2,000
-SAMPLES_PER_CHUNK = SAMPLES_PER_FRAME * FRAMES_PER_CHUNK  # 8,000
-CHUNK_SECONDS = FRAMES_PER_CHUNK / VIDEO_FPS  # 0.1667 s
-
-# The trace contract, in order (DESIGN.md, Tracing).
-TRACE_POINTS = (
-    "user_speech_end",
-    "agent_first_audio",
-    "conditioning_ready",
-    "diffusion_done",
-    "decode_done",
-    "playout_first_speaking_frame",
-    "client_first_speaking_frame",
-)
+from charstream.timeline import TIMELINE_RATE
 
 
 @dataclass

@@ -19,9 +19,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
-
-from pipeline.quality.rollout import GateConfig, Rollout, load_config
-from pipeline.quality.stats import FIXED_MARGIN, Comparison, Drift, compare, drift, rerun_sd
+from charstream.pipeline.quality.rollout import GateConfig, Rollout, load_config
+from charstream.pipeline.quality.stats import FIXED_MARGIN, Comparison, Drift, compare, drift, rerun_sd
 
 
 def score_matrix(gen: Rollout, clip_seeds: list[int], reruns: int, n_frames: int, progress: str) -> np.ndarray:

@@ -1,6 +1,6 @@
 """Held-out lip-sync evaluation of the trained character, and the 10-minute drift session.
 
-    python -m pipeline.quality.heldout --config fp8-ring --clips 16 --reruns 2 --out eval/
+    python -m charstream.pipeline.quality.heldout --config fp8-ring --clips 16 --reruns 2 --out eval/
 
 For each held-out clip (speech the model never saw, the demo's character): the lip-sync
 confidence and offset of the generated video, the same for the ground-truth render (the
@@ -19,13 +19,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from pipeline.quality.gate import _plot_drift
-from pipeline.quality.lipsync import mouth_openness, speech_envelope, sync_score
-from pipeline.quality.rollout import Rollout, load_config
-from pipeline.quality.stats import MIN_MARGIN, drift, rerun_sd
-from pipeline.training.data import make_script
-from pipeline.training.render import make_identity, render
+from charstream.model.character import make_identity, render
+from charstream.pipeline.quality.gate import _plot_drift
+from charstream.pipeline.quality.lipsync import mouth_openness, speech_envelope, sync_score
+from charstream.pipeline.quality.rollout import Rollout, load_config
+from charstream.pipeline.quality.stats import MIN_MARGIN, drift, rerun_sd
+from charstream.pipeline.training.data import make_script
 
 
 def evaluate(rollout: Rollout, clips: int, reruns: int, seconds: float) -> dict:

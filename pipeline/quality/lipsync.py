@@ -1,6 +1,6 @@
 """Lip-sync score: mouth openness read from frames against the speech envelope.
 
-The character's layout is known (``pipeline.training.render``): the mouth interior is the only
+The character's layout is known (``model.character``): the mouth interior is the only
 near-black region inside ``MOUTH_BOX``. Openness per frame is the soft fraction of dark pixels
 there; the speech envelope per frame is the level (dBFS, clipped to a 35 dB range) of the
 frame's 2,000 timeline samples. Like SyncNet, we report the best offset within a search window
@@ -18,9 +18,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+from charstream.model.character import MOUTH_BOX
 
-from pipeline.training.render import MOUTH_BOX
-from transport.messages import SAMPLES_PER_FRAME, TIMELINE_RATE, VIDEO_FPS
+from charstream.timeline import SAMPLES_PER_FRAME, TIMELINE_RATE, VIDEO_FPS
 
 ENVELOPE_FLOOR_DB = -50.0  # silence and breath: mouth closed
 ENVELOPE_RANGE_DB = 35.0  # from closed to fully open

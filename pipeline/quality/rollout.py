@@ -20,17 +20,22 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from charstream.model.character import MOUTH_BOX, Motion, make_identity, reference_frame, render
+from charstream.model.config import get_preset
+from charstream.model.generator import Generator
+from charstream.model.naive import NaiveGenerator
+from charstream.model.vae import to_uint8_frames
+from charstream.model.weights import build_model, load_audio_encoder, load_vae, packaged_weights
+from charstream.pipeline.quality.lipsync import (
+    SyncScore,
+    box_openness,
+    mouth_openness,
+    speech_envelope,
+    sync_score,
+)
+from charstream.pipeline.training.data import make_script
 
-from model.config import get_preset
-from model.generator import Generator
-from model.naive import NaiveGenerator
-from model.vae import to_uint8_frames
-from model.weights import build_model, packaged_weights
-from pipeline.quality.lipsync import SyncScore, box_openness, mouth_openness, speech_envelope, sync_score
-from pipeline.training.checkpoint import load_audio_encoder, load_vae
-from pipeline.training.data import make_script, reference_frame
-from pipeline.training.render import MOUTH_BOX, Motion, make_identity, render
-from transport.messages import SAMPLES_PER_CHUNK, VIDEO_FPS
+from charstream.timeline import SAMPLES_PER_CHUNK, VIDEO_FPS
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 CACHES = ("naive", "ring")
@@ -147,7 +152,7 @@ class Rollout:
             self.gen.reset_session(ref_latent)
             step = self.gen.step
             if self.config.graphed:
-                from model.graphed_step import ShardStep
+                from charstream.model.graphed_step import ShardStep
 
                 shard = ShardStep(self.gen.model, self.gen.cache)
                 shard.capture()

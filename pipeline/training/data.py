@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from charstream.model.character import Motion, idle_motion, make_identity, render
+from charstream.pipeline.quality.lipsync import speech_envelope
+from charstream.stages.ingest.resample import resample, to_int16
+from charstream.stages.ingest.tts import synthesize
 
-from pipeline.quality.lipsync import speech_envelope
-from pipeline.training.render import Identity, Motion, idle_motion, make_identity, render
-from stages.ingest.resample import resample, to_int16
-from stages.ingest.tts import synthesize
-from transport.messages import SAMPLES_PER_FRAME, TIMELINE_RATE, VIDEO_FPS
+from charstream.timeline import SAMPLES_PER_FRAME, TIMELINE_RATE, VIDEO_FPS
 
 VOICES = (
     "en-us", "en", "en+f3", "en-us+f3", "en-gb-x-rp", "en+m3", "en-us+f1", "en+f4",
@@ -133,13 +133,6 @@ def make_clip(seed: int, n_frames: int, split: str = "train", device: str | torc
     script = make_script(seed, n_frames, split, identity)
     frames = render(make_identity(script.identity), script.motion, device)
     return Clip(script.audio, script.identity, script.motion, script.text, script.voice, frames)
-
-
-def reference_frame(identity: int, device: str | torch.device = "cpu") -> torch.Tensor:
-    """The identity's rest frame (eyes open, mouth closed, centred): the sink/reference image."""
-    ident: Identity = make_identity(identity)
-    z = np.zeros(1)
-    return render(ident, Motion(z, z, np.ones(1), z, z), device)[0]
 
 
 def babble_motion(n_frames: int, seed: int) -> Motion:

@@ -25,18 +25,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from charstream.model.audio_encoder import AudioEncoder
+from charstream.model.character import MOUTH_BOX, make_identity, reference_frame, render
+from charstream.model.config import ModelConfig, get_preset
+from charstream.model.dit import DiT
+from charstream.model.sampler import noised
+from charstream.model.teacher_forcing import teacher_forced_velocity
+from charstream.model.vae import VideoVAE, to_video
+from charstream.model.weights import save_parts
+from charstream.pipeline.training.curves import LossLog
+from charstream.pipeline.training.data import N_IDENTITIES, ClipScript, babble_motion, make_script
 from tqdm import tqdm
-
-from model.audio_encoder import AudioEncoder
-from model.config import ModelConfig, get_preset
-from model.dit import DiT
-from model.sampler import noised
-from model.teacher_forcing import teacher_forced_velocity
-from model.vae import VideoVAE
-from pipeline.training.checkpoint import save_parts
-from pipeline.training.curves import LossLog
-from pipeline.training.data import N_IDENTITIES, ClipScript, babble_motion, make_script, reference_frame
-from pipeline.training.render import MOUTH_BOX, make_identity, render
 
 MOUTH_WEIGHT = 6.0  # the mouth box counts this much more in the VAE's reconstruction loss
 LATENT_MOUTH_WEIGHT = 4.0  # and in the DiT's loss, on the latent cells under the mouth box
@@ -57,11 +56,6 @@ class Clock:
     def at(self, fraction: float) -> float:
         """Monotonic time by which ``fraction`` of the budget is used."""
         return self.start + fraction * self.total_s
-
-
-def to_video(frames_u8: torch.Tensor) -> torch.Tensor:
-    """uint8 (..., 3, H, W) -> float in [-1, 1]."""
-    return frames_u8.float() / 127.5 - 1.0
 
 
 def mouth_weights(height: int, width: int, scale: int, weight: float, device: torch.device) -> torch.Tensor:
@@ -302,7 +296,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m pipeline.training.train`` (the GPU machine runs it so, without the CLI's imports)."""
+    """``python -m charstream.pipeline.training.train`` (the GPU machine runs it so, without the CLI's imports)."""
     parser = argparse.ArgumentParser(description="train the tiny character model")
     add_arguments(parser)
     return run(parser.parse_args(argv))

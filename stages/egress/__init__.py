@@ -10,6 +10,6 @@
 - ``client.py`` — ``EgressClient``: the in-process aiortc client (tests, benchmarks, the demo's
   ``session.mp4`` recorder); ``AudioSamplesTrack``: a scripted microphone.
 - ``session.py`` — ``card_factory``: sessions from a test card instead of the model.
-- ``serve.py`` — ``charstream serve``; ``bench.py`` — ``python -m stages.egress.bench``.
+- ``serve.py`` — ``charstream serve``; ``bench.py`` — ``python -m charstream.pipeline.bench_egress``.
 - ``static/`` — the web page.
 """

@@ -36,7 +36,7 @@ from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSession
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from aiortc.rtp import RtcpSrPacket
 
-from transport.messages import TIMELINE_RATE, VIDEO_FPS
+from charstream.timeline import TIMELINE_RATE, VIDEO_FPS
 
 log = structlog.get_logger("egress.client")
 MAX_KEPT = 100_000  # received-frame records kept (≈ 70 min of video)

@@ -21,7 +21,7 @@ import structlog
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from av import AudioResampler
 
-from transport.messages import TIMELINE_RATE
+from charstream.timeline import TIMELINE_RATE
 
 log = structlog.get_logger("egress.mic")
 

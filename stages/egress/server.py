@@ -31,14 +31,13 @@ import structlog
 from aiohttp import web
 from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCRtpSender, RTCSessionDescription, sdp
 from aiortc.mediastreams import MediaStreamTrack
-
-from pipeline.config import EgressConfig
-from pipeline.tracing import SEGMENTS, intervals
-from stages.egress.mic import UserAudioQueue, pump_microphone
-from stages.egress.timing import BadReport, ClientTiming, _number
-from stages.egress.tracks import PlayoutAudioTrack, PlayoutVideoTrack, TrackStart
-from stages.playout import PlayoutOutput
-from transport.messages import TraceContext
+from charstream.stages.config import EgressConfig
+from charstream.stages.egress.mic import UserAudioQueue, pump_microphone
+from charstream.stages.egress.timing import BadReport, ClientTiming, _number
+from charstream.stages.egress.tracks import PlayoutAudioTrack, PlayoutVideoTrack, TrackStart
+from charstream.stages.playout import PlayoutOutput
+from charstream.stages.tracing import SEGMENTS, intervals
+from charstream.transport.messages import TraceContext
 
 log = structlog.get_logger("egress")
 STATIC_DIR = Path(__file__).parent / "static"

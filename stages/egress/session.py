@@ -22,14 +22,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import structlog
+from charstream.stages.base import StageContext
+from charstream.stages.config import EgressConfig, PlayoutConfig
+from charstream.stages.egress.mic import UserAudioClosed, UserAudioQueue
+from charstream.stages.egress.server import SessionMedia
+from charstream.stages.egress.testcard import card_chunk
+from charstream.stages.playout import FRAME_SECONDS, PlayoutStage
+from charstream.transport.messages import Control, Message, TurnKind
 
-from pipeline.config import EgressConfig, PlayoutConfig
-from stages.base import StageContext
-from stages.egress.mic import UserAudioClosed, UserAudioQueue
-from stages.egress.server import SessionMedia
-from stages.egress.testcard import card_chunk
-from stages.playout import FRAME_SECONDS, PlayoutStage
-from transport.messages import TIMELINE_RATE, Control, Message, TurnKind
+from charstream.timeline import TIMELINE_RATE
 
 Source = Callable[["CardSession"], Awaitable[None]]  # feeds session.playout (with session.ctx)
 
@@ -105,7 +106,7 @@ def card_source(height: int, width: int, flash_every: int, turn_chunks: int) -> 
 
 async def listen(session: CardSession, user_audio: UserAudioQueue) -> None:
     """The user's mic through silero-vad; each end of speech starts a turn."""
-    from stages.ingest.vad import UserAudioVAD  # already imported by card_factory
+    from charstream.stages.ingest.vad import UserAudioVAD  # already imported by card_factory
 
     vad = None
     while True:
@@ -130,7 +131,7 @@ def card_factory(playout_config: PlayoutConfig | None = None, egress_config: Egr
                  source: Source | None = None, vad: bool = True):
     """A ``SessionFactory`` serving the test card (or ``source``); ``factory.sessions`` holds the live ones."""
     if vad:
-        import stages.ingest.vad  # noqa: F401  torch + silero now, not in the middle of a session's stream
+        import charstream.stages.ingest.vad  # noqa: F401  torch + silero now, not in the middle of a session's stream
 
     egress_config = egress_config or EgressConfig()
     sessions: dict[str, CardSession] = {}

@@ -8,14 +8,9 @@ instant, so a receiver can measure its audio/video offset.
 from __future__ import annotations
 
 import numpy as np
+from charstream.transport.messages import TraceContext, VideoChunk
 
-from transport.messages import (
-    FRAMES_PER_CHUNK,
-    SAMPLES_PER_CHUNK,
-    TIMELINE_RATE,
-    TraceContext,
-    VideoChunk,
-)
+from charstream.timeline import FRAMES_PER_CHUNK, SAMPLES_PER_CHUNK, TIMELINE_RATE
 
 _BARS = np.array([[192, 192, 192], [192, 192, 0], [0, 192, 192], [0, 192, 0],
                   [192, 0, 192], [192, 0, 0], [0, 0, 192]], np.uint8)

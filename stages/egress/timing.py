@@ -27,8 +27,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from stages.playout import FrameRecord, PlayoutOutput
-from transport.messages import VIDEO_FPS, TraceContext
+from charstream.stages.playout import FrameRecord, PlayoutOutput
+from charstream.transport.messages import TraceContext
+
+from charstream.timeline import VIDEO_FPS
 
 
 class BadReport(ValueError):

@@ -24,9 +24,9 @@ import numpy as np
 from aiortc import RTCRtpSender
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from av import AudioFrame, VideoFrame
+from charstream.stages.playout import PlayoutClosed, PlayoutOutput
 
-from stages.playout import PlayoutClosed, PlayoutOutput
-from transport.messages import SAMPLES_PER_FRAME, TIMELINE_RATE, VIDEO_FPS
+from charstream.timeline import SAMPLES_PER_FRAME, TIMELINE_RATE, VIDEO_FPS
 
 VIDEO_CLOCK_RATE = 90_000
 VIDEO_PTS_PER_FRAME = VIDEO_CLOCK_RATE // VIDEO_FPS  # 3,750

@@ -24,11 +24,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
-
-from transport.messages import TurnEvent, TurnKind
+from charstream.transport.messages import TurnEvent, TurnKind
 
 if TYPE_CHECKING:
-    from pipeline.config import IngestConfig
+    from charstream.stages.config import IngestConfig
 
 TurnRef = str | int | None  # the agent's own name for a turn (echoed back on interrupt)
 
@@ -117,10 +116,10 @@ class AgentAdapter(Protocol):
 # pipecat and livekit drive charstream from inside their own pipelines: they push into the
 # session's PushAdapter, which they find by session id (stages.ingest.push.session_adapter).
 ADAPTERS: dict[str, str] = {
-    "scripted": "stages.ingest.scripted:ScriptedAgent",
-    "zmq": "stages.ingest.external:ExternalAgent",
-    "pipecat": "stages.ingest.push:session_adapter",
-    "livekit": "stages.ingest.push:session_adapter",
+    "scripted": "charstream.stages.ingest.scripted:ScriptedAgent",
+    "zmq": "charstream.stages.ingest.external:ExternalAgent",
+    "pipecat": "charstream.stages.ingest.push:session_adapter",
+    "livekit": "charstream.stages.ingest.push:session_adapter",
 }
 
 

@@ -21,9 +21,8 @@ import msgpack
 import numpy as np
 import zmq
 import zmq.asyncio
-
-from pipeline.config import IngestConfig
-from stages.ingest.adapters import (
+from charstream.stages.config import IngestConfig
+from charstream.stages.ingest.adapters import (
     AgentAudioFrame,
     AgentDisconnected,
     AgentError,
@@ -32,8 +31,10 @@ from stages.ingest.adapters import (
     AgentTurnStart,
     TurnRef,
 )
-from stages.ingest.audio_input import MAX_CHANNELS, SUPPORTED_RATES, AudioFormatError, check_format
-from transport.messages import TIMELINE_RATE, TurnEvent, TurnKind
+from charstream.stages.ingest.audio_input import MAX_CHANNELS, SUPPORTED_RATES, AudioFormatError, check_format
+from charstream.transport.messages import TurnEvent, TurnKind
+
+from charstream.timeline import TIMELINE_RATE
 
 PROTOCOL_VERSION = 1
 FORMATS = {"s16le": np.dtype("<i2"), "f32le": np.dtype("<f4")}

@@ -16,12 +16,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import anyio
-
-from stages.ingest.adapters import AgentAudioFrame, AgentEvent, AgentTurnStart, TurnRef, UserSpeech
-from transport.messages import TurnEvent, TurnKind
+from charstream.stages.ingest.adapters import AgentAudioFrame, AgentEvent, AgentTurnStart, TurnRef, UserSpeech
+from charstream.transport.messages import TurnEvent, TurnKind
 
 if TYPE_CHECKING:
-    from pipeline.config import IngestConfig
+    from charstream.stages.config import IngestConfig
 
 
 class PushAdapter:

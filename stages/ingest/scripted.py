@@ -20,9 +20,8 @@ from dataclasses import dataclass
 
 import anyio
 import numpy as np
-
-from pipeline.config import IngestConfig
-from stages.ingest.adapters import (
+from charstream.stages.config import IngestConfig
+from charstream.stages.ingest.adapters import (
     AgentAudioFrame,
     AgentEvent,
     AgentTurnEnd,
@@ -30,9 +29,9 @@ from stages.ingest.adapters import (
     TurnRef,
     UserAudioFrame,
 )
-from stages.ingest.resample import resample, to_int16
-from stages.ingest.tts import Speech, synthesize
-from transport.messages import TurnEvent, TurnKind
+from charstream.stages.ingest.resample import resample, to_int16
+from charstream.stages.ingest.tts import Speech, synthesize
+from charstream.transport.messages import TurnEvent, TurnKind
 
 TICK_S = 0.02
 MIC_RATE = 48_000  # the simulated user's microphone, like a WebRTC track

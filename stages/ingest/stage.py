@@ -32,10 +32,9 @@ from typing import Any
 
 import anyio
 import numpy as np
-
-from pipeline.config import IngestConfig
-from stages.base import Stage, StageContext
-from stages.ingest.adapters import (
+from charstream.stages.base import Stage, StageContext
+from charstream.stages.config import IngestConfig
+from charstream.stages.ingest.adapters import (
     AgentAdapter,
     AgentAudioFrame,
     AgentDisconnected,
@@ -48,12 +47,10 @@ from stages.ingest.adapters import (
     UserSpeech,
     create_adapter,
 )
-from stages.ingest.audio_input import AudioFormatError, Repairs, to_float_mono
-from stages.ingest.resample import StreamingResampler, to_int16
-from stages.ingest.vad import UserAudioVAD, VadEvent
-from transport.messages import (
-    SAMPLES_PER_CHUNK,
-    TIMELINE_RATE,
+from charstream.stages.ingest.audio_input import AudioFormatError, Repairs, to_float_mono
+from charstream.stages.ingest.resample import StreamingResampler, to_int16
+from charstream.stages.ingest.vad import UserAudioVAD, VadEvent
+from charstream.transport.messages import (
     AgentAudio,
     Control,
     ControlKind,
@@ -62,6 +59,8 @@ from transport.messages import (
     TurnEvent,
     TurnKind,
 )
+
+from charstream.timeline import SAMPLES_PER_CHUNK, TIMELINE_RATE
 
 KEEP_TRACES = 16  # traces of recent user turns not yet answered (bounded)
 
@@ -143,7 +142,7 @@ class IngestStage(Stage):
     async def listen(self, user_audio: Any) -> None:
         """VAD on egress's microphone queue (``get()`` -> frames with ``samples``, 48 kHz int16, and
         ``received_at``, the wall clock of arrival) until the queue closes."""
-        from stages.egress.mic import UserAudioClosed  # aiortc: imported only when a mic is wired
+        from charstream.stages.egress.mic import UserAudioClosed  # aiortc: imported only when a mic is wired
 
         while True:
             try:

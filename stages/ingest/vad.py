@@ -28,10 +28,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from stages.ingest.audio_input import to_float_mono
-from stages.ingest.resample import StreamingResampler
-from transport.messages import TurnKind
+from charstream.stages.ingest.audio_input import to_float_mono
+from charstream.stages.ingest.resample import StreamingResampler
+from charstream.transport.messages import TurnKind
 
 VAD_RATE = 16_000
 WINDOW = 512  # samples per silero window at 16 kHz (32 ms)

@@ -21,6 +21,9 @@ from __future__ import annotations
 import time
 
 import numpy as np
+from charstream.pipeline.integrations.avatar_session import AvatarSession
+from charstream.stages.ingest.adapters import AgentAudioFrame, AgentTurnEnd, AgentTurnStart
+from charstream.transport.messages import TurnKind
 from pipecat.frames.frames import (
     CancelFrame,
     EndFrame,
@@ -37,9 +40,7 @@ from pipecat.frames.frames import (
 )
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
 
-from stages.ingest.adapters import AgentAudioFrame, AgentTurnEnd, AgentTurnStart
-from stages.ingest.avatar_session import AvatarSession
-from transport.messages import TIMELINE_RATE, TurnKind
+from charstream.timeline import TIMELINE_RATE
 
 
 class CharstreamVideoService(FrameProcessor):

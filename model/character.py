@@ -1,4 +1,4 @@
-"""Procedural 2-D talking character, rasterised with torch at 128x128.
+"""The character: a procedural 2-D talking face, rasterised with torch at 128x128.
 
 A character is an ``Identity`` (colours and proportions drawn from a seed) plus per-frame
 ``Motion`` (head offset, eye closure, mouth openness and roundness). Every shape is an ellipse
@@ -174,3 +174,10 @@ def render(identity: Identity, motion: Motion, device: str | torch.device = "cpu
     teeth = inner * torch.clamp(my - inner_ry + 2.5 - ys + 0.5, 0.0, 1.0)
     img = _paint(img, teeth * (mouth_open > 0.15).float(), (0.92, 0.92, 0.88))
     return (img.clamp(0, 1) * 255.0 + 0.5).to(torch.uint8)
+
+
+def reference_frame(identity: int, device: str | torch.device = "cpu") -> torch.Tensor:
+    """The identity's rest frame (eyes open, mouth closed, centred): the sink/reference image."""
+    ident: Identity = make_identity(identity)
+    z = np.zeros(1)
+    return render(ident, Motion(z, z, np.ones(1), z, z), device)[0]

@@ -26,6 +26,9 @@ from pathlib import Path
 from typing import IO, Any
 
 import structlog
+from charstream.stages.config import TracingConfig
+from charstream.stages.metrics import TURN_SEGMENT_SECONDS
+from charstream.transport.messages import TraceContext
 from opentelemetry import trace as otel_trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -37,9 +40,7 @@ from opentelemetry.sdk.trace.export import (
 )
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from pipeline.config import TracingConfig
-from pipeline.metrics import TURN_SEGMENT_SECONDS
-from transport.messages import TRACE_POINTS, TraceContext
+from charstream.timeline import TRACE_POINTS
 
 # Segments of a turn (DESIGN.md): the reference's 2.13 s = agent + pipeline + delivery.
 SEGMENTS: dict[str, tuple[str, str]] = {

@@ -1,7 +1,7 @@
 """Egress benchmarks: delivery (playout → presented in Chromium) and software encode cost.
 
-    python -m stages.egress.bench delivery [--seconds 20] [--size 128] [--codec VP8]
-    python -m stages.egress.bench encode [--frames 48] [--height 1088] [--width 704]
+    python -m charstream.pipeline.bench_egress delivery [--seconds 20] [--size 128] [--codec VP8]
+    python -m charstream.pipeline.bench_egress encode [--frames 48] [--height 1088] [--width 704]
 
 *delivery*: a test-card session served to headless Chromium (Debian ``chromium``, Playwright) on
 loopback; for every chunk's first frame, the page reports when it was presented
@@ -30,12 +30,11 @@ from pathlib import Path
 
 import av
 import numpy as np
-
-from pipeline.config import EgressConfig
-from stages.egress.client import EgressClient
-from stages.egress.server import EgressServer
-from stages.egress.session import card_factory
-from stages.egress.testcard import frame_image
+from charstream.stages.config import EgressConfig
+from charstream.stages.egress.client import EgressClient
+from charstream.stages.egress.server import EgressServer
+from charstream.stages.egress.session import card_factory
+from charstream.stages.egress.testcard import frame_image
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -149,7 +148,7 @@ def _machine() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m stages.egress.bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m charstream.pipeline.bench_egress", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="which", required=True)
     d = sub.add_parser("delivery")
     d.add_argument("--seconds", type=float, default=20)

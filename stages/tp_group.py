@@ -23,10 +23,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-from model.config import ModelConfig
-from model.generator import Generator
-from pipeline.supervisor import die_with_parent
+from charstream.model.config import ModelConfig
+from charstream.model.generator import Generator
+from charstream.transport.supervisor import die_with_parent
 
 _RESET, _STEP, _ROLLBACK, _STOP = range(4)
 # Multicast over NVLink stays off on shared hosts (the lent machines' rule): it can take GPUs down.
@@ -59,7 +58,7 @@ def _join(spec: RankSpec, rank: int) -> Generator:
                             timeout=timedelta(seconds=60))
     gen = Generator(spec.cfg, spec.weights, device, dist.group.WORLD, spec.dtype, spec.fp8_cache, seed=spec.seed)
     if spec.fused_rows is not None:
-        from model.tp import fuse_output_all_reduce
+        from charstream.model.tp import fuse_output_all_reduce
 
         gen.fused_all_reduce = fuse_output_all_reduce(gen.model, spec.fused_rows)
     return gen

@@ -21,9 +21,9 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pipeline.config import PipelineConfig
-from stages.ingest.push import PushAdapter, session_adapter
-from stages.playout import PlayoutClosed, ReleasedFrame
+from charstream.pipeline.config import PipelineConfig
+from charstream.stages.ingest.push import PushAdapter, session_adapter
+from charstream.stages.playout import PlayoutClosed, ReleasedFrame
 
 PUSH_ADAPTERS = ("pipecat", "livekit")
 
@@ -33,7 +33,7 @@ class AvatarSession:
         if config.ingest.adapter not in PUSH_ADAPTERS:
             raise ValueError(f"an avatar session's ingest reads a push adapter: set ingest.adapter to one of "
                              f"{PUSH_ADAPTERS}, not {config.ingest.adapter!r}")
-        from pipeline.session import LiveSession  # the demo's session API (imports egress, aiortc)
+        from charstream.pipeline.session import LiveSession  # the demo's session API (imports egress, aiortc)
 
         self.session_id = session_id
         self.live: Any = LiveSession(config, session_id, weights)

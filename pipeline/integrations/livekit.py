@@ -25,12 +25,13 @@ import time
 from collections.abc import AsyncIterator
 
 import numpy as np
+from charstream.pipeline.integrations.avatar_session import AvatarSession
+from charstream.stages.ingest.adapters import AgentAudioFrame, AgentTurnEnd, AgentTurnStart
+from charstream.transport.messages import TurnKind
 from livekit import rtc
 from livekit.agents.voice.avatar import AudioSegmentEnd, VideoGenerator
 
-from stages.ingest.adapters import AgentAudioFrame, AgentTurnEnd, AgentTurnStart
-from stages.ingest.avatar_session import AvatarSession
-from transport.messages import TIMELINE_RATE, TurnKind
+from charstream.timeline import TIMELINE_RATE
 
 # Listening chunks carry exact digital silence; this many silent frames after a segment's end
 # means its speech has left playout (speech itself has no 333 ms of exact zeros).

@@ -40,12 +40,13 @@ import anyio
 import numpy as np
 import psutil
 import zmq
+from charstream.pipeline.bench_output import emit_report
+from charstream.transport.channel import Receiver, Sender, Transport, free_tcp_port
+from charstream.transport.codec import encode
+from charstream.transport.config import TransportConfig
+from charstream.transport.messages import Conditioning, TraceContext, VideoChunk
 
-from pipeline.bench_output import emit_report
-from pipeline.config import TransportConfig
-from transport.channel import Receiver, Sender, Transport, free_tcp_port
-from transport.codec import encode
-from transport.messages import SAMPLES_PER_CHUNK, Conditioning, TraceContext, VideoChunk
+from charstream.timeline import SAMPLES_PER_CHUNK
 
 STAMP = "bench_sent"
 WARMUP = 5

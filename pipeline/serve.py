@@ -20,8 +20,8 @@ import signal
 import tomllib
 from pathlib import Path
 
-from pipeline.config import PipelineConfig
-from stages.egress.server import CODECS, EgressServer, SessionFactory
+from charstream.pipeline.config import PipelineConfig
+from charstream.stages.egress.server import CODECS, EgressServer, SessionFactory
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,8 +54,7 @@ def load_config(args: argparse.Namespace) -> PipelineConfig:
             setattr(config.egress, name, getattr(args, name))
     if args.gpus:
         import torch
-
-        from pipeline.placement import apply_placement
+        from charstream.pipeline.placement import apply_placement
 
         config = apply_placement(config, args.gpus, gpus_available=torch.cuda.device_count())
     return config
@@ -63,10 +62,10 @@ def load_config(args: argparse.Namespace) -> PipelineConfig:
 
 def make_factory(source: str, config: PipelineConfig) -> SessionFactory:
     if source == "testcard":
-        from stages.egress.session import card_factory
+        from charstream.stages.egress.session import card_factory
 
         return card_factory(config.playout, config.egress)
-    from pipeline.session import session_factory
+    from charstream.pipeline.session import session_factory
 
     return session_factory(config)
 

@@ -1,6 +1,6 @@
 """Ingest benchmark: VAD end-of-speech accuracy and cost, resampler accuracy and cost.
 
-    python -m stages.ingest.bench [--json ingest-bench.json]
+    python -m charstream.pipeline.bench_ingest [--json ingest-bench.json]
 
 - VAD: 16 espeak lines × 4 voices, each between silences, fed in 20 ms frames at 48 kHz; the error
   is the back-dated end of speech minus the true end (last sample above -40 dBFS), and a "split"
@@ -16,11 +16,10 @@ import json
 import time
 
 import numpy as np
-
-from stages.ingest.resample import resample, to_int16
-from stages.ingest.tts import synthesize
-from stages.ingest.vad import UserAudioVAD
-from transport.messages import TurnKind
+from charstream.stages.ingest.resample import resample, to_int16
+from charstream.stages.ingest.tts import synthesize
+from charstream.stages.ingest.vad import UserAudioVAD
+from charstream.transport.messages import TurnKind
 
 LINES = [
     "Can you hear me through the microphone?", "What time does the museum open on Sunday?",

@@ -1,0 +1,6 @@
+"""Integrations with the voice-agent frameworks that drive a charstream session.
+
+``pipecat`` (``CharstreamVideoService``, extra ``pipecat``), ``livekit`` (``CharstreamVideoGenerator``,
+extra ``livekit``), ``agent_client`` (``ExternalAgentClient``: an agent of your own over ZeroMQ) and
+``avatar_session`` (``AvatarSession``, the embedded session the framework integrations share).
+"""
