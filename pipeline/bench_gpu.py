@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from charstream.model.config import ModelConfig, get_preset
 
-REFERENCE = {  # DESIGN.md, "Reference numbers" (4xH100 session) and the targets (one H200)
+REFERENCE = {  # docs/ARCHITECTURE.md, "Reference numbers" (4xH100 session) and the targets (one H200)
     "step_ms": {3: 147.4, 4: None},
     "target_step_ms": {3: 120.0, 4: 95.0},
     "cache_upkeep_ms": 6.2,

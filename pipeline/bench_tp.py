@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 from charstream.kernels.gemm_allreduce import GemmAllReduce, gemm_all_reduce_reference
 from charstream.model.config import ModelConfig, get_preset
 
-REFERENCE_US = {"fused_call": 153.8, "gemm_then_nccl": 208.2}  # 4xH100, DESIGN.md
+REFERENCE_US = {"fused_call": 153.8, "gemm_then_nccl": 208.2}  # 4xH100, docs/ARCHITECTURE.md (Reference numbers)
 CPU_PRESET_SCALE = {"dim": 768, "n_heads": 12, "head_dim": 64, "ffn_dim": 3072, "n_blocks": 2}
 
 

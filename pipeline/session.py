@@ -1,4 +1,4 @@
-"""One live character session: the stage graph of DESIGN.md run by ``pipeline.runner``.
+"""One live character session: the stage graph of docs/ARCHITECTURE.md (Stages) run by ``pipeline.runner``.
 
     ingest ─► conditioning ─► diffusion ─► decode ─► playout ─► (PlayoutOutput) ─► egress (WebRTC)
 

@@ -20,7 +20,7 @@ from charstream.stages.tracing import SEGMENTS, STAGES, intervals, read_jsonl
 
 from charstream.timeline import TRACE_POINTS
 
-# Reference medians (DESIGN.md) for comparison, seconds.
+# Reference medians (docs/ARCHITECTURE.md, Reference numbers) for comparison, seconds.
 REFERENCE = {"agent": 1.42, "pipeline": 0.49, "delivery": 0.19, "total": 2.13}
 
 
@@ -73,7 +73,7 @@ def render_table(summary: Summary) -> str:
 def render_markdown(summary: Summary, turns: list[dict[str, Any]], waterfall: str | None = "waterfall.png") -> str:
     out = ["# Turn latency report", "",
            f"{summary.turns} turns, {summary.complete} with all {len(TRACE_POINTS)} contract timestamps. "
-           "Medians and p90 in milliseconds; reference = the public 57B system (DESIGN.md).", "",
+           "Medians and p90 in milliseconds; reference = the public 57B system (docs/ARCHITECTURE.md, Reference numbers).", "",
            "| kind | name | n | median | p90 | reference median |", "|---|---|---:|---:|---:|---:|"]
     for r in summary.rows:
         ref = _ms(REFERENCE.get(r.name)) if r.kind == "segment" and r.name in REFERENCE else ""

@@ -4,7 +4,7 @@ Rank 0 does all ZeroMQ I/O. Every generator call it makes (reset, step, rollback
 broadcast to the other ranks as a small int64 header plus its tensor payload, so all ranks run the
 same collectives in the same order; only rank 0's result is used. Workers are spawned processes
 that die with rank 0 (PDEATHSIG), and a worker that dies makes rank 0's next collective fail, which
-ends the session with an error naming the diffusion stage (DESIGN.md, Processes).
+ends the session with an error naming the diffusion stage (docs/ARCHITECTURE.md, Processes).
 
     group = TPGenerator(cfg, world=3, devices=["cuda:0", "cuda:1", "cuda:2"], weights=path)
     group.reset_session(reference_latent)

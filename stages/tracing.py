@@ -1,4 +1,4 @@
-"""The trace contract (DESIGN.md, Tracing): per-turn stamps → JSON lines, OpenTelemetry spans, metrics.
+"""The trace contract (docs/ARCHITECTURE.md, Tracing): per-turn stamps → JSON lines, OpenTelemetry spans, metrics.
 
 Stages stamp the seven contract points on the ``TraceContext`` their messages carry; the stage
 that sees a turn's stamps (playout for the first speaking frame, egress for the client's report)
@@ -42,7 +42,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from charstream.timeline import TRACE_POINTS
 
-# Segments of a turn (DESIGN.md): the reference's 2.13 s = agent + pipeline + delivery.
+# Segments of a turn (docs/ARCHITECTURE.md, Tracing): the reference's 2.13 s = agent + pipeline + delivery.
 SEGMENTS: dict[str, tuple[str, str]] = {
     "agent": ("user_speech_end", "agent_first_audio"),
     "pipeline": ("agent_first_audio", "playout_first_speaking_frame"),
