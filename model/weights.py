@@ -18,14 +18,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from charstream.model.audio_encoder import AudioEncoder
-from charstream.model.config import ModelConfig
+from charstream.model.config import ModelConfig, get_preset
 from charstream.model.dit import DiT
 from charstream.model.tp import apply_tp, shard_ranges
-from charstream.model.vae import VideoVAE
+from charstream.model.vae import Decoder, VideoVAE
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 VAE_PREFIX = "vae."
+DECODER_PREFIX = VAE_PREFIX + "decoder."  # the decoder alone, as the decode stage loads it
 AUDIO_PREFIX = "audio_encoder."
 ASSETS = Path(__file__).parent / "assets"  # packaged weights: assets/<preset>.safetensors
 
@@ -139,3 +140,25 @@ def load_audio_encoder(cfg: ModelConfig, path: Path, device: torch.device | str 
     enc = AudioEncoder(cfg)
     _load_prefixed(enc, path, AUDIO_PREFIX)
     return enc.to(device).eval().requires_grad_(False)
+
+
+def resolve_weights(preset: str, weights: str | None) -> str | None:
+    """``weights`` as a file: ``"packaged"`` is the shipped file when present; None means random weights."""
+    path = packaged_weights(preset) if weights == "packaged" else weights
+    return str(path) if path else None
+
+
+def load_decoder(preset: str, path: str | None, device: str, dtype: torch.dtype | str, seed: int = 0) -> Decoder:
+    """The preset's decoder with the VAE decoder weights of ``path``, or seeded random weights."""
+    cfg = get_preset(preset)
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        decoder = Decoder(cfg)
+    if path:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            state = {k.removeprefix(DECODER_PREFIX): f.get_tensor(k) for k in f.keys() if k.startswith(DECODER_PREFIX)}
+        if not state:
+            raise ValueError(f"{path}: no {DECODER_PREFIX!r} tensors: not a weights file with a VAE")
+        decoder.load_state_dict(state, strict=True)
+    return decoder.to(device=device, dtype=dtype).eval().requires_grad_(False)

@@ -1,7 +1,7 @@
 """Wires stages from a graph and runs a session, in one process (inproc://) or across processes.
 
-A ``Graph`` names nodes (stage factory ``"module:Class"`` + kwargs, so a spawned process can build
-it, and a process group) and edges (from, to, capacity, optionally the message types they carry).
+A ``Graph`` names nodes (the stage's class or factory + its kwargs, and a process group; a spawned
+process gets the node pickled, so its class and kwargs must pickle — classes do, by reference) and edges (from, to, capacity, optionally the message types they carry).
 ``run_session(graph, config, session_id)`` runs it and returns a ``SessionResult``; ``Session``
 does the same with a ``stop()`` and the ids of its processes.
 
@@ -25,6 +25,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,7 +56,7 @@ STOP_GRACE_S = 1.0  # how long stage processes get to exit after SHUTDOWN before
 @dataclass
 class Node:
     name: str
-    factory: str  # "package.module:Class" (or any callable returning a Stage), called with **kwargs
+    factory: Callable[..., Stage] | str  # the stage class (or a factory), or "package.module:Class"; called with **kwargs
     kwargs: dict[str, Any] = field(default_factory=dict)
     group: str = LOCAL_GROUP  # process group: nodes of one group share a process
 
@@ -91,8 +92,10 @@ class Graph:
         if len(set(names)) != len(names):
             raise ValueError(f"graph: duplicate node names in {names}")
         for n in self.nodes:
-            if ":" not in n.factory:
+            if isinstance(n.factory, str) and ":" not in n.factory:
                 raise ValueError(f"graph: node {n.name!r}: factory {n.factory!r} is not 'module:Class'")
+            if not isinstance(n.factory, str) and not callable(n.factory):
+                raise ValueError(f"graph: node {n.name!r}: factory {n.factory!r} is neither callable nor 'module:Class'")
         edge_names = [e.name for e in self.edges]
         if len(set(edge_names)) != len(edge_names):
             raise ValueError(f"graph: duplicate edges in {edge_names}")
@@ -131,10 +134,15 @@ class GroupSpec:
     keys: CurveKeys | None
 
 
+def resolve_factory(factory: Callable[..., Stage] | str) -> Callable[..., Stage]:
+    if not isinstance(factory, str):
+        return factory
+    module, _, attr = factory.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
 def build_stage(node: Node) -> Stage:
-    module, _, attr = node.factory.partition(":")
-    factory = getattr(importlib.import_module(module), attr)
-    return factory(**node.kwargs)
+    return resolve_factory(node.factory)(**node.kwargs)
 
 
 class _GroupRun:
@@ -198,7 +206,6 @@ class _GroupRun:
             emit=emit,
             send_control=send_control,
             log=get_logger(session_id=self.spec.session_id, stage=name),
-            config=self.spec.config,
         )
 
     async def dispatch(self, name: str, ctx: StageContext) -> None:
@@ -317,9 +324,10 @@ def _group_process(spec: GroupSpec) -> dict[str, Any]:
     """Entry point of a spawned stage process: run the group until SHUTDOWN/SIGTERM, return its report."""
     configure_logging()
     # Import the stages' modules (torch and all) before any channel or heartbeat starts: a long
-    # import inside the event loop would read as a dead peer.
+    # import inside the event loop would read as a dead peer. (Class factories were imported when
+    # the spec was unpickled.)
     for node in spec.nodes:
-        importlib.import_module(node.factory.partition(":")[0])
+        resolve_factory(node.factory)
 
     async def main() -> dict[str, Any]:
         transport = Transport(spec.config.transport, spec.keys)

@@ -4,9 +4,10 @@
 
 Ingest, conditioning and playout live in the caller's process (group ``main``: asyncio, next to
 egress); diffusion and decode get process groups of their own, which ``placement = "processes"``
-spawns and ``"inproc"`` (the CPU demo, tests) keeps in one process. Egress is not a graph node: it
-serves the session's ``PlayoutOutput`` (``stages.playout.session_output``) to a peer connection,
-and ``session_factory`` is what the egress server calls for each new peer.
+spawns and ``"inproc"`` (the CPU demo, tests) keeps in one process. The session owns the live
+objects its nodes share — playout's ``PlayoutOutput`` (what egress serves to the peer connection),
+the microphone queue, the tracer, a pushed agent adapter — and hands each to its nodes explicitly;
+``session_factory`` is what the egress server calls for each new peer.
 
 The user's microphone (a browser's, through egress) is fed to ingest's VAD, except with the
 scripted agent, which plays the user itself. Each session owns a ``TurnTracer``: playout merges
@@ -18,38 +19,40 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import dataclasses
-import os
 from collections.abc import Callable
 from typing import Any
 
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.runner import Edge, Graph, Node, Session, SessionResult
+from charstream.stages.conditioning import build as build_conditioning
+from charstream.stages.decode import DecodeStage
+from charstream.stages.diffusion import DiffusionStage
 from charstream.stages.egress.mic import UserAudioQueue
 from charstream.stages.egress.server import SessionFactory, SessionMedia
-from charstream.stages.playout import PlayoutOutput, session_output
+from charstream.stages.ingest.adapters import PUSH_ADAPTERS, AgentAdapter
+from charstream.stages.ingest.push import PushAdapter
+from charstream.stages.ingest.stage import IngestStage
+from charstream.stages.playout import PlayoutOutput, PlayoutStage
 from charstream.stages.tracing import TurnRecord, TurnTracer
 
 
-def build_graph(config: PipelineConfig, tracer: TurnTracer | None = None, user_audio: UserAudioQueue | None = None,
+def build_graph(config: PipelineConfig, output: PlayoutOutput, tracer: TurnTracer | None = None,
+                user_audio: UserAudioQueue | None = None, agent: AgentAdapter | None = None,
                 weights: str | None = "packaged") -> Graph:
-    """The session's stages and edges. ``weights``: a weights file, ``"packaged"`` (the trained
-    weights shipped for the preset, when present) or None (seeded random weights). ``tracer`` and
-    ``user_audio`` are live objects handed to nodes of the caller's process (group ``main``)."""
+    """The session's stages and edges, each stage built from its config section. ``weights``: a
+    weights file, ``"packaged"`` (the trained weights shipped for the preset, when present) or None
+    (seeded random weights). The live objects — playout's ``output``, the ``tracer``, the user's
+    microphone (``user_audio``; None: no microphone) and a pushed ``agent`` adapter — are handed to
+    the nodes of the caller's process (group ``main``), never pickled."""
     model = {"preset": config.preset, "weights": weights}
-    # On CPU, diffusion and decode run side by side: half the cores each, no oversubscription.
-    threads = {"threads": max(1, (os.cpu_count() or 2) // 2)}
     return Graph(
         nodes=[
-            Node("ingest", "charstream.stages.ingest.stage:IngestStage", {"config": config.ingest, "user_audio": user_audio}),
-            Node("conditioning", "charstream.stages.conditioning:build",
-                 dict(model, seed=config.diffusion.seed, **dataclasses.asdict(config.conditioning))),
-            Node("diffusion", "charstream.stages.diffusion:DiffusionStage",
-                 dict(model, **threads if config.diffusion.device == "cpu" else {}), group="diffusion"),
-            Node("decode", "charstream.stages.decode:DecodeStage",
-                 dict(model, **threads if config.decode.device == "cpu" else {}), group="decoder"),
-            # Same process as egress: the tracer object is handed over, not pickled.
-            Node("playout", "charstream.stages.playout:PlayoutStage", {"tracer": tracer}),
+            Node("ingest", IngestStage, {"config": config.ingest, "user_audio": user_audio, "adapter": agent}),
+            Node("conditioning", build_conditioning,
+                 dict(model, config=config.conditioning, seed=config.diffusion.seed)),
+            Node("diffusion", DiffusionStage, dict(model, config=config.diffusion), group="diffusion"),
+            Node("decode", DecodeStage, dict(model, config=config.decode, seed=config.diffusion.seed), group="decoder"),
+            Node("playout", PlayoutStage, {"config": config.playout, "output": output, "tracer": tracer}),
         ],
         edges=[
             Edge("ingest", "conditioning"),
@@ -69,11 +72,13 @@ class LiveSession:
         self.config = config
         self.session_id = session_id
         self.tracer = TurnTracer(session_id, config.tracing, on_turn=on_turn)
-        self.output: PlayoutOutput = session_output(session_id, config.playout.history_frames)
+        self.output = PlayoutOutput(config.playout.history_frames)
         self.user_audio = UserAudioQueue(config.egress.user_audio_queue_frames)
         mic = None if config.ingest.adapter == "scripted" else self.user_audio  # the scripted agent is its own user
-        self.runner = Session(build_graph(config, self.tracer, mic, weights), config, session_id,
-                              handle_signals=False)
+        # Frameworks that own the conversation push into the session's adapter (AvatarSession).
+        self.push_adapter = PushAdapter() if config.ingest.adapter in PUSH_ADAPTERS else None
+        self.runner = Session(build_graph(config, self.output, self.tracer, mic, self.push_adapter, weights),
+                              config, session_id, handle_signals=False)
         self.result: SessionResult | None = None
         self.done = asyncio.Event()
         self._task: asyncio.Task | None = None

@@ -12,8 +12,7 @@ the loop that feeds ``process`` and ``control``, then ``teardown`` once, also af
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import structlog
 from charstream.transport.messages import Control, Message
@@ -23,15 +22,14 @@ Emit = Callable[[Message], Awaitable[None]]
 
 @dataclass
 class StageContext:
-    """What the runner hands a stage: its identity, outputs, logger and config."""
+    """What the runner hands a stage: its identity, outputs and logger. A stage's configuration
+    and the live objects it works with are constructor arguments, never found through the context."""
 
     stage: str
     session_id: str
     emit: Emit  # data to the stage's downstream edge (awaits credit)
     send_control: Callable[[Control], Awaitable[None]]  # to the control channel (all stages see it)
     log: structlog.typing.FilteringBoundLogger
-    config: Any = None
-    extras: dict[str, Any] = field(default_factory=dict)
 
 
 class Stage:

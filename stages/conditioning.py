@@ -31,6 +31,7 @@ from pathlib import Path
 import anyio
 import numpy as np
 from charstream.stages.base import Stage, StageContext
+from charstream.stages.config import ConditioningConfig
 from charstream.transport.messages import (
     AgentAudio,
     Conditioning,
@@ -83,16 +84,15 @@ class _Turn:
 class ConditioningStage(Stage):
     name = "conditioning"
 
-    def __init__(self, encode: EncodeFn, lookahead_ms: float, context_ms: float = 0.0, rollback_wait_s: float = 0.5,
-                 stall_s: float = 1.0, idle_lead_chunks: int | None = None) -> None:
+    def __init__(self, config: ConditioningConfig, encode: EncodeFn, lookahead_ms: float, context_ms: float = 0.0) -> None:
         self.encode = encode
         self.lookahead = int(round(lookahead_ms * TIMELINE_RATE / 1000))
         self.context = int(round(context_ms * TIMELINE_RATE / 1000))
-        self.rollback_wait_s = rollback_wait_s  # placement without a ROLLBACK answer after this long
-        self.stall_s = stall_s  # a speaking turn with no new audio this long is ended
+        self.rollback_wait_s = config.rollback_wait_s  # placement without a ROLLBACK answer after this long
+        self.stall_s = config.stall_s  # a speaking turn with no new audio this long is ended
         # Listening chunks at most this many chunks ahead of real time (None: credit alone limits them).
         # Keeps playout's buffer shallow, so little is thrown away and its dispatch never waits for room.
-        self.idle_lead = idle_lead_chunks
+        self.idle_lead = config.idle_lead_chunks
         self._anchor: tuple[int, float] | None = None  # (chunk, monotonic time it is due at playout)
         self.next_chunk = 0
         self.epoch = 0
@@ -329,23 +329,21 @@ class ConditioningStage(Stage):
         self._changed = anyio.Event()
 
 
-def build(preset: str = "tiny", weights: str | None = "packaged", seed: int = 0, **options) -> ConditioningStage:
-    """The runner's factory (``stages.conditioning:build``): the preset's audio encoder, trained
+def build(config: ConditioningConfig, preset: str, weights: str | None = "packaged", seed: int = 0) -> ConditioningStage:
+    """The session graph's factory for this stage: the preset's audio encoder, trained
     weights when ``weights`` names a file or is ``"packaged"`` and the package ships them, else
     seeded random weights."""
     import torch
     from charstream.model.audio_encoder import AudioEncoder, make_encode_fn
     from charstream.model.config import get_preset
-    from charstream.model.weights import packaged_weights
+    from charstream.model.weights import load_audio_encoder, resolve_weights
 
     cfg = get_preset(preset)
-    path = packaged_weights(preset) if weights == "packaged" else weights
+    path = resolve_weights(preset, weights)
     if path:
-        from charstream.model.weights import load_audio_encoder  # the trained file's layout
-
         encoder = load_audio_encoder(cfg, Path(path))
     else:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             encoder = AudioEncoder(cfg).eval().requires_grad_(False)
-    return ConditioningStage(make_encode_fn(encoder), cfg.audio_lookahead_ms, cfg.audio_context_ms, **options)
+    return ConditioningStage(config, make_encode_fn(encoder), cfg.audio_lookahead_ms, cfg.audio_context_ms)

@@ -6,6 +6,7 @@ and reads no other default.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 
@@ -29,7 +30,7 @@ class IngestConfig:
 
 @dataclass
 class ConditioningConfig:
-    idle_lead_chunks: int = 4  # listening chunks are emitted at most this far ahead of real time
+    idle_lead_chunks: int | None = 4  # listening chunks are emitted at most this far ahead of real time
     rollback_wait_s: float = 0.5  # no ROLLBACK answer to a TURN_START this long: place the speech anyway
     stall_s: float = 1.0  # a speaking turn whose agent sends nothing this long is ended
 
@@ -40,8 +41,11 @@ class DiffusionConfig:
     device: str = "cpu"  # rank 0's device; ranks 1.. use ``devices`` (pipeline/placement.py fills both)
     devices: list[str] = field(default_factory=list)  # one per TP rank; empty = ``device`` for every rank
     seed: int = 0
-    fp8_cache: bool = False  # CPU default keeps the bf16 ring; GPUs use FP8 e4m3
-    fused_gemm_allreduce: bool = True  # overlapped GEMM + all-reduce at the steady shape (TP > 1 only)
+    fp8_cache: bool | None = None  # FP8 e4m3 ring; None: on CUDA devices (the CPU keeps the model's dtype)
+    # Overlapped GEMM + all-reduce at the steady shape (TP > 1 only). Off: measured slower than the
+    # GEMM then NCCL's all-reduce (docs/PERF.md).
+    fused_gemm_allreduce: bool = False
+    threads: int | None = None  # CPU intra-op threads; None: half the cores (decode runs beside it)
     graphed_step: bool = True  # one CUDA device (TP = 1): the fused CUDA-graphed step (model/graphed_step.py)
     gathered_attention: bool | None = None  # full window: dequantise + cuDNN SDPA; None = graphed_step.GATHERED_BY_DEFAULT
 
@@ -50,6 +54,7 @@ class DiffusionConfig:
 class DecodeConfig:
     device: str = "cpu"
     graphed: bool = True  # on CUDA: the decoder as one CUDA graph per chunk (model/graphed_decoder.py)
+    threads: int | None = None  # CPU intra-op threads; None: half the cores (diffusion runs beside it)
 
 
 @dataclass
@@ -78,3 +83,9 @@ class TracingConfig:
     otel_exporter: str = "none"  # none | console | otlp | memory
     otlp_endpoint: str = "http://127.0.0.1:4318/v1/traces"
     prometheus_port: int | None = None
+
+
+def cpu_threads(configured: int | None) -> int:
+    """Intra-op threads of a model stage on CPU: diffusion and decode run side by side (chunk n
+    decodes while n + 1 diffuses), so each takes half the cores unless configured."""
+    return configured or max(1, (os.cpu_count() or 2) // 2)

@@ -31,14 +31,13 @@ import anyio
 import numpy as np
 from charstream.model.config import get_preset
 from charstream.stages.base import Stage, StageContext
+from charstream.stages.config import DecodeConfig, cpu_threads
 from charstream.transport.messages import Control, ControlKind, Latents, Message, VideoChunk
 
 if TYPE_CHECKING:
-    import torch
     from charstream.model.graphed_decoder import GraphedDecoder
     from charstream.model.vae import CausalState, Decoder
 
-DECODER_PREFIX = "vae.decoder."  # the decoder's tensors in the packaged weights (model/weights.py)
 
 
 @dataclass
@@ -51,45 +50,17 @@ class DecodeStats:
     last_decode_s: float = 0.0
 
 
-def weights_path(preset: str, weights: str | None) -> str | None:
-    """``weights`` as a file: ``"packaged"`` is the shipped file when present; None means random weights."""
-    from charstream.model.weights import packaged_weights
-
-    path = packaged_weights(preset) if weights == "packaged" else weights
-    return str(path) if path else None
-
-
-def load_decoder(preset: str, path: str | None, device: str, dtype: torch.dtype | str, seed: int = 0) -> Decoder:
-    """The preset's decoder with the VAE decoder weights of ``path``, or seeded random weights."""
-    import torch
-    from charstream.model.vae import Decoder
-
-    cfg = get_preset(preset)
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        decoder = Decoder(cfg)
-    if path:
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            state = {k.removeprefix(DECODER_PREFIX): f.get_tensor(k) for k in f.keys() if k.startswith(DECODER_PREFIX)}
-        if not state:
-            raise ValueError(f"{path}: no {DECODER_PREFIX!r} tensors: not a weights file with a VAE")
-        decoder.load_state_dict(state, strict=True)
-    return decoder.to(device=device, dtype=dtype).eval().requires_grad_(False)
-
-
 class DecodeStage(Stage):
     name = "decode"
 
-    def __init__(self, preset: str = "tiny", weights: str | None = "packaged", device: str | None = None,
-                 dtype: str | None = None, seed: int = 0, keep_states: int = 16, threads: int | None = None,
-                 graphed: bool | None = None) -> None:
+    def __init__(self, config: DecodeConfig, preset: str, weights: str | None = "packaged", seed: int = 0,
+                 keep_states: int = 16) -> None:
         self.cfg = get_preset(preset)
         self.preset, self.weights, self.seed = preset, weights, seed
-        self.device_name, self.dtype_name, self.threads = device, dtype, threads
-        self.graphed_arg = graphed
+        self.device = config.device
+        self.graphed = config.graphed and self.device.startswith("cuda")
+        self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
+        self.threads = cpu_threads(config.threads) if self.device == "cpu" else None
         self.keep_states = keep_states  # more than playout can hold unplayed: a rollback target is always kept
         self.epoch = 0
         self.decoder: Decoder | GraphedDecoder | None = None
@@ -98,24 +69,22 @@ class DecodeStage(Stage):
         self.stats = DecodeStats()
 
     async def setup(self, ctx: StageContext) -> None:
-        section = getattr(ctx.config, "decode", None)
-        self.device = self.device_name or getattr(section, "device", None) or "cpu"
-        graphed = self.graphed_arg if self.graphed_arg is not None else getattr(section, "graphed", True)
-        self.graphed = graphed and self.device.startswith("cuda")
-        self.dtype = self.dtype_name or ("bfloat16" if self.device.startswith("cuda") else "float32")
-        if self.threads is None and self.device == "cpu":
-            # On CPU the decoder overlaps the diffusion step (chunk n while n + 1 diffuses): one
-            # thread each instead of two OpenMP teams spinning against each other on the same cores.
-            self.threads = 1
         self._limiter = anyio.CapacityLimiter(1)
-        path = await anyio.to_thread.run_sync(weights_path, self.preset, self.weights, limiter=self._limiter)
+        path = await anyio.to_thread.run_sync(self._resolve_weights, limiter=self._limiter)
         self.decoder = await anyio.to_thread.run_sync(self._load, path, limiter=self._limiter)
         await anyio.to_thread.run_sync(self._decode, self._zero_latent(), None, limiter=self._limiter)  # warm-up
         log = ctx.log.info if path else ctx.log.warning
         log("decode_ready", preset=self.preset, device=self.device, dtype=self.dtype, weights=path or "random",
             graphed=self.graphed)
 
+    def _resolve_weights(self) -> str | None:
+        from charstream.model.weights import resolve_weights  # torch: imported off the event loop
+
+        return resolve_weights(self.preset, self.weights)
+
     def _load(self, path: str | None) -> Decoder | GraphedDecoder:
+        from charstream.model.weights import load_decoder
+
         decoder = load_decoder(self.preset, path, self.device, self.dtype, self.seed)
         if not self.graphed:
             return decoder

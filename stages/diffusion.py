@@ -31,6 +31,7 @@ import anyio
 import numpy as np
 from charstream.model.config import get_preset
 from charstream.stages.base import Stage, StageContext
+from charstream.stages.config import DiffusionConfig, cpu_threads
 from charstream.stages.metrics import SessionMetrics
 from charstream.transport.messages import Conditioning, Control, ControlKind, Latents, Message
 
@@ -78,15 +79,17 @@ def reference_latent(preset: str, weights: str | None, identity: int, device: st
 class DiffusionStage(Stage):
     name = "diffusion"
 
-    def __init__(self, preset: str = "tiny", weights: str | None = "packaged", device: str | None = None,
-                 dtype: str | None = None, seed: int | None = None, identity: int = 0,
-                 fp8_cache: bool | None = None, tp: int | None = None, threads: int | None = None,
-                 graphed: bool | None = None, gathered_attention: bool | None = None) -> None:
+    def __init__(self, config: DiffusionConfig, preset: str, weights: str | None = "packaged", identity: int = 0) -> None:
         self.cfg = get_preset(preset)
         self.preset, self.weights, self.identity = preset, weights, identity
-        self.device_name, self.dtype_name, self.seed_arg = device, dtype, seed
-        self.fp8_arg, self.tp_arg, self.threads = fp8_cache, tp, threads
-        self.graphed_arg, self.gathered_arg = graphed, gathered_attention
+        self.device = config.device
+        self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
+        self.seed, self.tp = config.seed, config.tp
+        self.fp8 = self.device.startswith("cuda") if config.fp8_cache is None else config.fp8_cache
+        self.graphed, self.gathered = config.graphed_step, config.gathered_attention
+        self.devices = list(config.devices)  # per rank (pipeline/placement.py)
+        self.fused_all_reduce = config.fused_gemm_allreduce
+        self.threads = cpu_threads(config.threads) if self.device == "cpu" else None
         self.epoch = 0
         self.first_chunk: int | None = None
         self.generator: Any = None  # model.generator.Generator or pipeline.tp_group.TPGenerator
@@ -95,17 +98,7 @@ class DiffusionStage(Stage):
         self.stats = DiffusionStats()
 
     async def setup(self, ctx: StageContext) -> None:
-        section = getattr(ctx.config, "diffusion", None)
-        self.device = self.device_name or getattr(section, "device", None) or "cpu"
-        self.dtype = self.dtype_name or ("bfloat16" if self.device.startswith("cuda") else "float32")
-        self.seed = self.seed_arg if self.seed_arg is not None else getattr(section, "seed", 0)
-        self.tp = self.tp_arg or getattr(section, "tp", 1)
-        self.fp8 = self.fp8_arg if self.fp8_arg is not None else getattr(section, "fp8_cache", self.device.startswith("cuda"))
-        self.graphed = self.graphed_arg if self.graphed_arg is not None else getattr(section, "graphed_step", True)
-        self.gathered = self.gathered_arg if self.gathered_arg is not None else getattr(section, "gathered_attention", None)
         self.cfg.validate(self.tp)  # a bad TP size fails here, with the config's message
-        self.devices = list(getattr(section, "devices", None) or [])  # per rank (pipeline/placement.py)
-        self.fused_all_reduce = bool(getattr(section, "fused_gemm_allreduce", False))
         self._limiter = anyio.CapacityLimiter(1)
         self.metrics = SessionMetrics(ctx.session_id)  # this process's registry (pipeline/metrics.py)
         path = await anyio.to_thread.run_sync(self._load, limiter=self._limiter)
@@ -115,11 +108,11 @@ class DiffusionStage(Stage):
 
     def _load(self) -> str | None:
         import torch
-        from charstream.stages.decode import weights_path
+        from charstream.model.weights import resolve_weights
 
         if self.threads:
             torch.set_num_threads(self.threads)
-        path = weights_path(self.preset, self.weights)
+        path = resolve_weights(self.preset, self.weights)
         dtype = getattr(torch, self.dtype)
         if self.tp > 1:
             from charstream.stages.tp_group import TPGenerator

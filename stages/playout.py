@@ -145,20 +145,6 @@ class PlayoutOutput:
         self._changed = asyncio.Event()
 
 
-_OUTPUTS: dict[str, PlayoutOutput] = {}
-
-
-def session_output(session_id: str, history_frames: int = 48) -> PlayoutOutput:
-    """The session's PlayoutOutput in this process, created by whichever side asks first.
-
-    The runner builds stages from import paths, so egress (which serves the session's peer
-    connection) and the playout stage meet here, by session id; playout's teardown removes it.
-    """
-    if session_id not in _OUTPUTS:
-        _OUTPUTS[session_id] = PlayoutOutput(history_frames)
-    return _OUTPUTS[session_id]
-
-
 @dataclass
 class PlayoutStats:
     """Per-session playout figures; ``summary()`` is what reports and fleet queries read."""
@@ -194,11 +180,11 @@ class PlayoutStage(Stage):
     name = "playout"
     control_during_process = True  # a turn start must not wait behind a chunk waiting for room
 
-    def __init__(self, config: PlayoutConfig | None = None, output: PlayoutOutput | None = None,
+    def __init__(self, config: PlayoutConfig, output: PlayoutOutput | None = None,
                  tracer: TurnTracer | None = None) -> None:
-        self.config = config or PlayoutConfig()  # built by the runner: setup takes ctx.config.playout
-        self._config_given = config is not None
-        self.output = output  # None: the session's shared one (``session_output``), found in setup
+        self.config = config
+        # What egress reads; the session hands in the one it serves (None: a fresh one of our own).
+        self.output = output if output is not None else PlayoutOutput(config.history_frames)
         self.tracer = tracer
         self.stats = PlayoutStats()
         self.epoch = 0
@@ -216,15 +202,10 @@ class PlayoutStage(Stage):
         self._ctx: StageContext | None = None
 
     async def setup(self, ctx: StageContext) -> None:
-        if not self._config_given and getattr(ctx.config, "playout", None) is not None:
-            self.config = ctx.config.playout
         config = self.config
         if config.target_depth_chunks < 0 or config.max_depth_chunks < config.target_depth_chunks + 1:
             raise ValueError(f"playout: need 0 <= target_depth_chunks < max_depth_chunks, got {config}")
         self._resume_depth = config.target_depth_chunks + 1
-        if self.output is None:
-            self.output = session_output(ctx.session_id, config.history_frames)
-        self.tracer = self.tracer or ctx.extras.get("tracer")
         self._ctx = ctx
         self._metrics = SessionMetrics(ctx.session_id)
 
@@ -363,10 +344,7 @@ class PlayoutStage(Stage):
             self._metrics.set_depth(self.stats.depth)
 
     async def teardown(self) -> None:
-        if self.output is not None:
-            self.output.close()
-            if _OUTPUTS.get(self._ctx.session_id if self._ctx else None) is self.output:
-                del _OUTPUTS[self._ctx.session_id]
+        self.output.close()
         if self._metrics is not None:
             self._metrics.close(self.stats.achieved_fps if self.stats.frames_released else None)
             self._metrics = None

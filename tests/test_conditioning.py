@@ -8,6 +8,7 @@ import pytest
 import structlog
 from charstream.stages.base import StageContext
 from charstream.stages.conditioning import ConditioningStage, build
+from charstream.stages.config import ConditioningConfig
 from charstream.transport.messages import (
     AgentAudio,
     Conditioning,
@@ -28,7 +29,8 @@ FRAME = 960  # 20 ms at 48 kHz, the adapters' frame
 
 def stage(**options) -> ConditioningStage:
     """The runner's factory with the tiny preset's real audio encoder (seeded random weights)."""
-    return build("tiny", weights=None, **options)
+    # Unless a test says otherwise, listening chunks are limited by credit alone (no idle lead).
+    return build(ConditioningConfig(**{"idle_lead_chunks": None, **options}), "tiny", weights=None)
 
 
 class Harness:

@@ -9,10 +9,12 @@ import structlog
 import torch
 from charstream.model.threads import intra_op_threads
 from charstream.model.vae import to_uint8_frames
+from charstream.model.weights import load_decoder
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.runner import Edge, Graph, Node, run_session
 from charstream.stages.base import StageContext
-from charstream.stages.decode import DecodeStage, load_decoder
+from charstream.stages.config import DecodeConfig
+from charstream.stages.decode import DecodeStage
 from charstream.transport.messages import Conditioning, Control, ControlKind, Latents, Message, VideoChunk
 from decode_support import audio_for, latents_for, latents_message
 from structlog.testing import LogCapture
@@ -50,7 +52,7 @@ def context(out: list[Message], logs: LogCapture) -> StageContext:
 
     log = structlog.wrap_logger(structlog.PrintLogger(), processors=[logs],
                                 wrapper_class=structlog.make_filtering_bound_logger(0))
-    return StageContext("decode", "s1", emit, send_control, log, PipelineConfig())
+    return StageContext("decode", "s1", emit, send_control, log)
 
 
 def test_decode_stage_in_process_rollback_and_bad_input() -> None:
@@ -58,7 +60,7 @@ def test_decode_stage_in_process_rollback_and_bad_input() -> None:
     logs = LogCapture()
 
     async def scenario() -> DecodeStage:
-        stage = DecodeStage(preset="tiny", weights=None, seed=SEED)
+        stage = DecodeStage(DecodeConfig(), "tiny", weights=None, seed=SEED)
         ctx = context(out, logs)
         await stage.setup(ctx)
         for chunk in range(5):  # idle chunks 0..4; chunk 3 carries a turn
@@ -113,7 +115,8 @@ def test_decode_stage_in_its_own_process_rolls_back() -> None:
     graph = Graph(
         [
             Node("src", "decode_support:LatentsSource", {"first": first}),
-            Node("decode", "charstream.stages.decode:DecodeStage", {"weights": None, "seed": SEED, "threads": 1}, "decoder"),
+            Node("decode", DecodeStage, {"config": DecodeConfig(threads=1), "preset": "tiny", "weights": None, "seed": SEED},
+                 "decoder"),
             Node("sink", "decode_support:FrameSink", {"first": first, "rollback_to": rollback_to}),
         ],
         [Edge("src", "decode", capacity=2), Edge("decode", "sink", capacity=2)],

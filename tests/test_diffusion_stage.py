@@ -9,6 +9,7 @@ import structlog
 import torch
 from charstream.model.config import TINY
 from charstream.stages.base import StageContext
+from charstream.stages.config import DiffusionConfig
 from charstream.stages.diffusion import DiffusionStage
 from charstream.transport.messages import Conditioning, Control, ControlKind, Latents
 
@@ -33,7 +34,8 @@ def _conditioning(chunk: int, epoch: int, speech: bool) -> Conditioning:
 
 async def _session(idle_chunks: int, rollback_to: int | None, device: str = "cpu") -> tuple[DiffusionStage, list[Latents]]:
     # CPU: the eager generator with a bf16 ring; CUDA: the defaults there (FP8 ring, graphed step)
-    stage, out = DiffusionStage("tiny", weights=None, seed=7, device=device, fp8_cache=False if device == "cpu" else None), []
+    config = DiffusionConfig(device=device, seed=7, fp8_cache=False if device == "cpu" else None)
+    stage, out = DiffusionStage(config, "tiny", weights=None), []
     ctx = _context(out)
     await stage.setup(ctx)
     for chunk in range(idle_chunks):
@@ -72,7 +74,7 @@ def test_rollback_regenerates_the_chunks_never_played(device):
 
 def test_bad_conditioning_is_dropped_and_counted():
     async def main():
-        stage, out = DiffusionStage("tiny", weights=None, seed=7, fp8_cache=False), []
+        stage, out = DiffusionStage(DiffusionConfig(seed=7, fp8_cache=False), "tiny", weights=None), []
         ctx = _context(out)
         await stage.setup(ctx)
         wrong = _conditioning(0, 0, True)
@@ -93,14 +95,10 @@ def test_bad_conditioning_is_dropped_and_counted():
 def test_tp_group_from_the_session_config_matches_one_rank():
     """The stage reads TP size, per-rank devices and the fused all-reduce switch from the config's
     diffusion section (what pipeline/placement.py fills) and produces TP=1's latents."""
-    from charstream.pipeline.config import PipelineConfig
-    from charstream.stages.config import DiffusionConfig
-
-    async def latents(config: PipelineConfig) -> list[np.ndarray]:
+    async def latents(config: DiffusionConfig) -> list[np.ndarray]:
         # One weights file (the shipped one): random weights are drawn per shard.
-        stage, out = DiffusionStage("tiny", weights="packaged", seed=7, fp8_cache=False), []
+        stage, out = DiffusionStage(config, "tiny", weights="packaged"), []
         ctx = _context(out)
-        ctx.config = config
         await stage.setup(ctx)
         try:
             for chunk in range(3):
@@ -110,9 +108,9 @@ def test_tp_group_from_the_session_config_matches_one_rank():
         finally:
             await stage.teardown()
 
-    kind, _, expected = anyio.run(latents, PipelineConfig())
+    kind, _, expected = anyio.run(latents, DiffusionConfig(seed=7, fp8_cache=False))
     assert kind == "Generator"
-    two = PipelineConfig(diffusion=DiffusionConfig(tp=2, devices=["cpu", "cpu"], fused_gemm_allreduce=True))
+    two = DiffusionConfig(seed=7, fp8_cache=False, tp=2, devices=["cpu", "cpu"], fused_gemm_allreduce=True)
     kind, fused_rows, got = anyio.run(latents, two)
     assert kind == "TPGenerator" and fused_rows == TINY.tokens_per_step
     for a, b in zip(expected, got, strict=True):
@@ -123,7 +121,7 @@ def test_each_step_is_recorded_in_the_session_step_time_metric():
     from charstream.stages.metrics import REGISTRY
 
     async def main():
-        stage, out = DiffusionStage("tiny", weights=None, seed=7, fp8_cache=False), []
+        stage, out = DiffusionStage(DiffusionConfig(seed=7, fp8_cache=False), "tiny", weights=None), []
         ctx = _context(out)
         ctx.session_id = "step-metric"
         await stage.setup(ctx)

@@ -17,7 +17,7 @@ from charstream.timeline import TIMELINE_RATE
 def _run(events, max_ahead_s: float = 30.0):
     """Push ``events`` through an ingest stage; returns (stage, recorder)."""
     config = IngestConfig(max_ahead_s=max_ahead_s)
-    adapter = PushAdapter(config)
+    adapter = PushAdapter()
     stage = IngestStage(config, adapter)
     rec = Recorder()
 

@@ -10,7 +10,7 @@ import pytest
 from charstream.stages.config import PlayoutConfig
 from charstream.stages.egress.session import start_playout
 from charstream.stages.egress.testcard import card_chunk
-from charstream.stages.playout import PlayoutStage, session_output
+from charstream.stages.playout import PlayoutOutput, PlayoutStage
 from charstream.transport.messages import Control, ControlKind, VideoChunk
 
 from charstream.timeline import CHUNK_SECONDS, SAMPLES_PER_FRAME
@@ -183,13 +183,13 @@ def test_bad_chunks_are_dropped_and_counted_not_fatal():
     assert [f.chunk for f in frames] == [0, 0, 0, 0]
 
 
-def test_output_is_shared_by_session_id_and_released_at_teardown():
+def test_output_handed_in_is_the_one_released_and_closed_at_teardown():
     async def main():
-        output = session_output("shared")
-        session = await start_playout("shared", PlayoutStage(), realtime_source(3))
+        output = PlayoutOutput()
+        session = await start_playout("handed", PlayoutStage(PlayoutConfig(), output), realtime_source(3))
         same = session.playout.output is output
         await session.close()
-        return same, session_output("shared") is output
+        return same, output.closed
 
-    same, still = asyncio.run(main())
-    assert same and not still
+    same, closed = asyncio.run(main())
+    assert same and closed

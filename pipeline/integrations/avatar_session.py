@@ -22,10 +22,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from charstream.pipeline.config import PipelineConfig
-from charstream.stages.ingest.push import PushAdapter, session_adapter
+from charstream.stages.ingest.adapters import PUSH_ADAPTERS
+from charstream.stages.ingest.push import PushAdapter
 from charstream.stages.playout import PlayoutClosed, ReleasedFrame
-
-PUSH_ADAPTERS = ("pipecat", "livekit")
 
 
 class AvatarSession:
@@ -37,7 +36,7 @@ class AvatarSession:
 
         self.session_id = session_id
         self.live: Any = LiveSession(config, session_id, weights)
-        self.adapter: PushAdapter = session_adapter(config.ingest, session_id)
+        self.adapter: PushAdapter = self.live.push_adapter
 
     async def start(self, timeout_s: float = 120.0) -> None:
         """Start the session; returns once every stage is set up (raises if the session failed)."""

@@ -138,7 +138,7 @@ def card_factory(playout_config: PlayoutConfig | None = None, egress_config: Egr
 
     async def factory(session_id: str) -> SessionMedia:
         user_audio = UserAudioQueue(egress_config.user_audio_queue_frames)
-        session = await start_playout(session_id, PlayoutStage(playout_config),
+        session = await start_playout(session_id, PlayoutStage(playout_config or PlayoutConfig()),
                                       source or card_source(height, width, flash_every, turn_chunks))
         if vad:  # otherwise the mic queue just fills and drops (counted)
             session.tasks.append(asyncio.create_task(listen(session, user_audio), name=f"vad-{session_id}"))

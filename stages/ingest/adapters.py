@@ -112,21 +112,24 @@ class AgentAdapter(Protocol):
         """Release everything; called once, also after an error."""
 
 
-# IngestConfig.adapter -> "module:factory"; a factory takes (IngestConfig, session_id) -> adapter.
-# pipecat and livekit drive charstream from inside their own pipelines: they push into the
-# session's PushAdapter, which they find by session id (stages.ingest.push.session_adapter).
+# IngestConfig.adapter -> "module:Class" of the adapters ingest builds itself; a class takes
+# (IngestConfig, session_id). Imported on use: each pulls in its own dependencies (espeak, ZeroMQ).
 ADAPTERS: dict[str, str] = {
     "scripted": "charstream.stages.ingest.scripted:ScriptedAgent",
     "zmq": "charstream.stages.ingest.external:ExternalAgent",
-    "pipecat": "charstream.stages.ingest.push:session_adapter",
-    "livekit": "charstream.stages.ingest.push:session_adapter",
 }
+# pipecat and livekit drive charstream from inside their own pipelines: the integration creates the
+# session's ``PushAdapter`` and hands it to the session, which hands it to ingest.
+PUSH_ADAPTERS = ("pipecat", "livekit")
 
 
 def create_adapter(config: IngestConfig, session_id: str = "") -> AgentAdapter:
     """The adapter named by ``config.adapter``, built from the config (for the session)."""
+    if config.adapter in PUSH_ADAPTERS:
+        raise ValueError(f"ingest adapter {config.adapter!r} is driven from inside the framework: its integration "
+                         "hands the session a PushAdapter (charstream.AvatarSession); ingest cannot make one")
     target = ADAPTERS.get(config.adapter)
     if target is None:
-        raise ValueError(f"unknown ingest adapter {config.adapter!r}; known: {sorted(ADAPTERS)}")
+        raise ValueError(f"unknown ingest adapter {config.adapter!r}; known: {sorted([*ADAPTERS, *PUSH_ADAPTERS])}")
     module, factory = target.split(":")
     return getattr(importlib.import_module(module), factory)(config, session_id)

@@ -4,30 +4,23 @@ agent's turns and speech into it, and learn about barge-in through ``on_interrup
 The queue is bounded: ``push`` awaits while ingest is ``capacity`` events behind, so a TTS that runs
 faster than real time is slowed to ingest's pace instead of growing memory.
 
-With ``IngestConfig.adapter`` = ``pipecat`` or ``livekit`` the runner-built ingest stage and the
-framework side meet by session id: ``session_adapter(config, session_id)`` returns the session's one
-PushAdapter (created by whichever side asks first; ``close`` removes it), the way playout's
-``session_output`` hands egress its frames.
+With ``IngestConfig.adapter`` = ``pipecat`` or ``livekit`` the session creates one PushAdapter and
+hands it to both sides: its ingest stage reads it, the framework integration pushes into it.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING
 
 import anyio
 from charstream.stages.ingest.adapters import AgentAudioFrame, AgentEvent, AgentTurnStart, TurnRef, UserSpeech
 from charstream.transport.messages import TurnEvent, TurnKind
 
-if TYPE_CHECKING:
-    from charstream.stages.config import IngestConfig
-
 
 class PushAdapter:
     name = "push"
 
-    def __init__(self, config: IngestConfig | None = None, session_id: str = "", capacity: int = 64) -> None:
-        self.session_id = session_id
+    def __init__(self, capacity: int = 64) -> None:
         self._send, self._receive = anyio.create_memory_object_stream[AgentEvent](capacity)
         self.on_interrupt: Callable[[TurnRef], Awaitable[None]] | None = None
         self.on_turn_event: Callable[[TurnEvent], Awaitable[None]] | None = None
@@ -86,15 +79,3 @@ class PushAdapter:
     async def close(self) -> None:
         await self._send.aclose()
         await self._receive.aclose()
-        if _SESSIONS.get(self.session_id) is self:
-            del _SESSIONS[self.session_id]
-
-
-_SESSIONS: dict[str, PushAdapter] = {}
-
-
-def session_adapter(config: IngestConfig | None, session_id: str) -> PushAdapter:
-    """The session's PushAdapter in this process (the registry factory for pipecat/livekit)."""
-    if session_id not in _SESSIONS:
-        _SESSIONS[session_id] = PushAdapter(config, session_id)
-    return _SESSIONS[session_id]

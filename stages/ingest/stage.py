@@ -20,7 +20,9 @@ It pulls events from the configured adapter (``stages.ingest.adapters``) and:
   start, an agent that disconnects mid-turn are logged with the turn id and counted in ``stats``.
 
 The media clock: sample ``(now - media_t0) · 48000``; ``media_t0`` is the constructor argument, else
-``ctx.extras["media_t0"]``, else the wall clock at setup.
+the wall clock at setup. The stage's inputs are constructor arguments: its config section, the user's
+microphone (``user_audio``, egress's queue; None: no microphone) and, for the frameworks that push
+(``PushAdapter``), the adapter; otherwise ingest builds the configured adapter itself.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import numpy as np
@@ -62,6 +64,9 @@ from charstream.transport.messages import (
 
 from charstream.timeline import SAMPLES_PER_CHUNK, TIMELINE_RATE
 
+if TYPE_CHECKING:
+    from charstream.stages.egress.mic import UserAudioQueue
+
 KEEP_TRACES = 16  # traces of recent user turns not yet answered (bounded)
 
 
@@ -92,11 +97,11 @@ class _AgentTurn:
 class IngestStage(Stage):
     name = "ingest"
 
-    def __init__(self, config: IngestConfig | dict[str, Any] | None = None, adapter: AgentAdapter | None = None,
-                 media_t0: float | None = None, user_audio: Any = None) -> None:
-        self.config = IngestConfig(**config) if isinstance(config, dict) else config
+    def __init__(self, config: IngestConfig, adapter: AgentAdapter | None = None,
+                 media_t0: float | None = None, user_audio: UserAudioQueue | None = None) -> None:
+        self.config = config
         self.adapter = adapter
-        self.user_audio = user_audio  # egress's microphone queue (stages.egress.mic.UserAudioQueue), if any
+        self.user_audio = user_audio  # egress's microphone queue; None: this session has no microphone
         self.media_t0 = media_t0
         self.stats = IngestStats()
         self._ctx: StageContext | None = None
@@ -115,10 +120,8 @@ class IngestStage(Stage):
 
     async def setup(self, ctx: StageContext) -> None:
         self._ctx = ctx
-        if self.config is None:
-            self.config = getattr(ctx.config, "ingest", None) or IngestConfig()
         if self.media_t0 is None:
-            self.media_t0 = ctx.extras.get("media_t0", time.time())
+            self.media_t0 = time.time()
         if self.adapter is None:
             self.adapter = create_adapter(self.config, ctx.session_id)
         self._vad = await anyio.to_thread.run_sync(
@@ -128,10 +131,9 @@ class IngestStage(Stage):
 
     async def run(self, ctx: StageContext) -> None:
         """Ingest the agent's events and, if there is one, the user's microphone; returns when both end."""
-        user_audio = self.user_audio or ctx.extras.get("user_audio")
         async with anyio.create_task_group() as tg:
-            if user_audio is not None:
-                tg.start_soon(self.listen, user_audio)
+            if self.user_audio is not None:  # not truthiness: an empty queue is falsy
+                tg.start_soon(self.listen, self.user_audio)
             async for event in self.adapter.events():
                 await self._on_agent_event(event)
             if self._turn is not None:
@@ -139,7 +141,7 @@ class IngestStage(Stage):
                 await self._end_turn("ended")
             ctx.log.info("agent_finished", turns=self.stats.turns, interrupts=self.stats.interrupts)
 
-    async def listen(self, user_audio: Any) -> None:
+    async def listen(self, user_audio: UserAudioQueue) -> None:
         """VAD on egress's microphone queue (``get()`` -> frames with ``samples``, 48 kHz int16, and
         ``received_at``, the wall clock of arrival) until the queue closes."""
         from charstream.stages.egress.mic import UserAudioClosed  # aiortc: imported only when a mic is wired
