@@ -10,7 +10,7 @@ stays light):
 - ``CharstreamVideoGenerator`` — the LiveKit Agents ``VideoGenerator`` (extra ``livekit``);
 - ``ExternalAgentClient`` — your own agent, over charstream's ZeroMQ ingest protocol.
 
-The packages under it run one way (docs/ARCHITECTURE.md): ``charstream.pipeline`` (the application)
+The packages under it run one way (docs/ARCHITECTURE.md, Layers): ``charstream.pipeline`` (the application)
 → ``charstream.stages`` → ``charstream.model`` and ``charstream.transport`` → ``charstream.kernels``,
 with ``charstream.timeline`` (the media clock) at the bottom.
 """

@@ -1,6 +1,6 @@
 """``charstream trace report TRACE.jsonl [--out DIR]``: latency per segment and a waterfall.
 
-Reads the ``turn`` lines ``pipeline.tracing`` writes, recomputes every interval from the raw stamps
+Reads the ``turn`` lines ``charstream.stages.tracing`` writes, recomputes every interval from the raw stamps
 (the stored segments are a convenience, not the source), prints median and p90 per segment
 (agent, pipeline, delivery, total) and per stage, and writes ``report.md``, ``report.json`` (the
 same numbers, seconds) and ``waterfall.png``.

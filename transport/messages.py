@@ -5,7 +5,7 @@ Arrays are numpy (tensors are converted at the stage boundary); the codec sends 
 multipart frames. Audio on the media timeline is 48 kHz mono int16; chunk ``n`` covers media
 time ``[n * CHUNK_SECONDS, (n + 1) * CHUNK_SECONDS)``.
 
-Turn-start rollback (docs/ARCHITECTURE.md): when agent speech starts, conditioning sends ``Control(TURN_START)``;
+Turn-start rollback (docs/ARCHITECTURE.md, Turn-start rollback): when agent speech starts, conditioning sends ``Control(TURN_START)``;
 playout drops its unplayed chunks and broadcasts ``Control(ROLLBACK, chunk=last_committed,
 epoch=e+1)``; every stage then discards data of older epochs, conditioning restarts at
 ``last_committed + 1`` with the speech, and diffusion rewinds its ring write pointer to match.
