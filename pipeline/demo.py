@@ -53,9 +53,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "or 'random' (seeded random weights)")
     parser.add_argument("--timeout", type=float, default=None,
                         help="give up after this many seconds (default: 60 + 30 per turn)")
-    parser.add_argument("--otel", default="none", choices=("none", "console", "otlp"),
-                        help="export OpenTelemetry spans (conversation -> turn -> stages); default: none")
-    parser.add_argument("--otlp-endpoint", default=None, help="OTLP/HTTP traces endpoint for --otel otlp")
+    parser.add_argument("--otel", default=None, choices=("none", "console", "otlp"),
+                        help="export OpenTelemetry spans (conversation -> turn -> stages); default: the OTEL_* environment "
+                             "(OTEL_TRACES_EXPORTER, OTEL_EXPORTER_OTLP_ENDPOINT), else none")
+    parser.add_argument("--otlp-endpoint", default=None,
+                        help="OTLP/HTTP traces endpoint for --otel otlp (default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus metrics (step time, playout depth, underruns, fps) on this port")
     parser.add_argument("--verbose", action="store_true", help="structured logs (info) on stderr")
@@ -138,7 +140,7 @@ def plan(args: argparse.Namespace) -> DemoPlan:
     config = PipelineConfig(preset=args.preset, placement=args.placement)
     config.tracing.jsonl_path = str(out / "trace.jsonl")
     config.tracing.otel_exporter = args.otel
-    config.tracing.otlp_endpoint = args.otlp_endpoint or config.tracing.otlp_endpoint
+    config.tracing.otlp_endpoint = args.otlp_endpoint
     config.tracing.prometheus_port = args.metrics_port
     config.ingest.script = script
     # The user speaks once the stream is up (model warm-up, first chunks buffered, WebRTC): the

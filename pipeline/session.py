@@ -90,7 +90,9 @@ class LiveSession:
         try:
             self.result = await self.runner.run()
         finally:
-            self.tracer.close()
+            error = None if self.result is not None and self.result.ok else (
+                (self.result and self.result.error) or "session failed")
+            self.tracer.close(error=error)
             self.output.close()
             self.done.set()
 

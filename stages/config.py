@@ -80,8 +80,9 @@ class EgressConfig:
 @dataclass
 class TracingConfig:
     jsonl_path: str | None = None
-    otel_exporter: str = "none"  # none | console | otlp | memory
-    otlp_endpoint: str = "http://127.0.0.1:4318/v1/traces"
+    # none | console | otlp | memory; None: the host's TracerProvider if it set one, else the OTEL_* environment
+    otel_exporter: str | None = None
+    otlp_endpoint: str | None = None  # None: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / _ENDPOINT (default localhost:4318)
     prometheus_port: int | None = None
 
 

@@ -8,7 +8,17 @@ point arrives or when the session moves past it (``flush``), as
 * one structlog JSON line ``{"event": "turn", "session_id", "turn_id", "stamps": {point: wall
   seconds}, "segments": {name: seconds}, "stages": {name: seconds}, "complete": bool}``, and
 * OpenTelemetry spans ``conversation`` → ``turn`` → one span per stage, with explicit start/end
-  times taken from the stamps and every stamp as an attribute.
+  times taken from the stamps and every stamp as an attribute; each carries ``session.id`` and
+  ``conversation.id`` (Pipecat's name for it), and a failed turn (``fail``, or a session that ended
+  with an error) has status ERROR.
+
+Whose spans: an application that set the global ``TracerProvider`` gets ours in it, and the
+``conversation`` span is a child of whatever span is current when the tracer is made, so our turns
+sit inside the host's trace. Without one, ``tracing.otel_exporter`` picks our own provider's exporter
+(unset: the standard ``OTEL_TRACES_EXPORTER``, else ``otlp`` when an ``OTEL_EXPORTER_OTLP_*ENDPOINT``
+is set, else none); the resource and the OTLP endpoint come from the standard ``OTEL_*`` variables
+(``OTEL_SERVICE_NAME``, default ``charstream``; ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` /
+``OTEL_EXPORTER_OTLP_ENDPOINT``) unless ``tracing.otlp_endpoint`` names one.
 
 Prometheus metrics are process-wide (one registry, a ``session`` label) so a fleet scrape sees
 every session; a session's series are removed when it closes, and its average fps is kept in a
@@ -18,6 +28,7 @@ label-free histogram, from which the share of sessions averaging ≤ 24 fps is c
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -30,7 +41,7 @@ from charstream.stages.config import TracingConfig
 from charstream.stages.metrics import TURN_SEGMENT_SECONDS
 from charstream.transport.messages import TraceContext
 from opentelemetry import trace as otel_trace
-from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import (
     BatchSpanProcessor,
@@ -39,6 +50,7 @@ from opentelemetry.sdk.trace.export import (
     SpanExporter,
 )
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import Status, StatusCode
 
 from charstream.timeline import TRACE_POINTS
 
@@ -58,6 +70,7 @@ STAGES: dict[str, tuple[str, str]] = {
 }
 
 OTEL_EXPORTERS = ("none", "console", "otlp", "memory")
+OTLP_ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 
 
 def intervals(stamps: dict[str, float], table: dict[str, tuple[str, str]]) -> dict[str, float]:
@@ -76,13 +89,14 @@ class TurnRecord:
     session_id: str
     turn_id: int
     stamps: dict[str, float] = field(default_factory=dict)
+    error: str | None = None  # why the turn failed (``TurnTracer.fail``)
 
     @property
     def complete(self) -> bool:
         return all(p in self.stamps for p in TRACE_POINTS)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        data = {
             "session_id": self.session_id,
             "turn_id": self.turn_id,
             "stamps": {p: self.stamps[p] for p in TRACE_POINTS if p in self.stamps},
@@ -91,21 +105,52 @@ class TurnRecord:
             "complete": self.complete,
             "in_order": in_order(self.stamps),
         }
+        if self.error is not None:
+            data["error"] = self.error
+        return data
+
+
+def exporter_kind(config: TracingConfig) -> str:
+    """``tracing.otel_exporter``, else what the standard OTEL_* environment asks for."""
+    if config.otel_exporter is not None:
+        kind = config.otel_exporter
+    elif os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
+        kind = "none"
+    elif os.environ.get("OTEL_TRACES_EXPORTER"):
+        kind = os.environ["OTEL_TRACES_EXPORTER"].strip().lower()
+    else:
+        kind = "otlp" if any(os.environ.get(v) for v in OTLP_ENDPOINT_VARS) else "none"
+    if kind not in OTEL_EXPORTERS:
+        source = "tracing.otel_exporter" if config.otel_exporter is not None else "OTEL_TRACES_EXPORTER"
+        raise ValueError(f"{source} must be one of {OTEL_EXPORTERS}, got {kind!r}")
+    return kind
 
 
 def make_span_exporter(config: TracingConfig) -> SpanExporter | None:
-    kind = config.otel_exporter
+    kind = exporter_kind(config)
     if kind == "none":
         return None
     if kind == "console":
         return ConsoleSpanExporter()
     if kind == "memory":
         return InMemorySpanExporter()
-    if kind == "otlp":
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-        return OTLPSpanExporter(endpoint=config.otlp_endpoint)
-    raise ValueError(f"tracing.otel_exporter must be one of {OTEL_EXPORTERS}, got {kind!r}")
+    return OTLPSpanExporter(endpoint=config.otlp_endpoint)  # None: the OTEL_EXPORTER_OTLP_* endpoint
+
+
+def host_provider() -> otel_trace.TracerProvider | None:
+    """The application's global TracerProvider, if it set one (the API's default is a proxy)."""
+    provider = otel_trace.get_tracer_provider()
+    return None if isinstance(provider, (otel_trace.ProxyTracerProvider, otel_trace.NoOpTracerProvider)) else provider
+
+
+def own_provider(exporter: SpanExporter, batch: bool) -> TracerProvider:
+    """Our provider: resource from OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES (service ``charstream``)."""
+    resource = Resource.create({"service.name": "charstream"}).merge(OTELResourceDetector().detect())
+    provider = TracerProvider(resource=resource)
+    provider.add_span_processor(BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter))
+    return provider
 
 
 def _ns(seconds: float) -> int:
@@ -113,15 +158,17 @@ def _ns(seconds: float) -> int:
 
 
 class TurnTracer:
-    """Collects one session's turn stamps and exports each turn once (JSONL + OTel spans)."""
+    """Collects one session's turn stamps and exports each turn once (JSONL + OTel spans).
+
+    ``exporter``: spans go to our own provider with this exporter (tests), whatever the host set."""
 
     def __init__(self, session_id: str, config: TracingConfig | None = None, jsonl: IO[str] | None = None,
-                 exporter: SpanExporter | None = None,
+                 exporter: SpanExporter | None = None, conversation_id: str | None = None,
                  on_turn: Callable[[TurnRecord], None] | None = None) -> None:
         config = config or TracingConfig()
         self.session_id = session_id
+        self.conversation_id = conversation_id or session_id
         self.on_turn = on_turn  # called with each exported turn (progress displays, overlays)
-        self.exporter = exporter if exporter is not None else make_span_exporter(config)
         self._owned_file: IO[str] | None = None
         if jsonl is None and config.jsonl_path:
             Path(config.jsonl_path).parent.mkdir(parents=True, exist_ok=True)
@@ -134,16 +181,20 @@ class TurnTracer:
                         structlog.processors.JSONRenderer(sort_keys=False)],
             wrapper_class=structlog.BoundLogger,
         ) if jsonl is not None else None
-        self._provider: TracerProvider | None = None
+        self._provider: TracerProvider | None = None  # ours (shut down on close); a host's is left alone
+        provider = None if exporter is not None or config.otel_exporter is not None else host_provider()
+        if provider is None:
+            self.exporter = exporter if exporter is not None else make_span_exporter(config)
+            if self.exporter is not None:
+                provider = self._provider = own_provider(self.exporter, batch=exporter_kind(config) == "otlp")
+        else:
+            self.exporter = None
+        self._ids = {"session.id": session_id, "conversation.id": self.conversation_id}
         self._conversation = None
-        if self.exporter is not None:
-            self._provider = TracerProvider(resource=Resource.create({"service.name": "charstream"}))
-            processor = BatchSpanProcessor(self.exporter) if config.otel_exporter == "otlp" else SimpleSpanProcessor(
-                self.exporter)
-            self._provider.add_span_processor(processor)
-            self._otel = self._provider.get_tracer("charstream.pipeline")
-            self._conversation = self._otel.start_span(
-                "conversation", attributes={"charstream.session_id": session_id})
+        if provider is not None:
+            self._otel = provider.get_tracer("charstream.pipeline")
+            # no explicit context: the host's current span, if any, becomes the parent
+            self._conversation = self._otel.start_span("conversation", attributes=self._ids)
         self._turns: dict[int, TurnRecord] = {}
         self._written: set[int] = set()
         self.records: list[TurnRecord] = []  # every exported turn, in export order
@@ -170,16 +221,32 @@ class TurnTracer:
     def stamp(self, turn_id: int, point: str, at: float | None = None) -> None:
         self.merge(TraceContext(turn_id, {point: time.time() if at is None else at}))
 
-    def flush(self, before_turn: int | None = None) -> None:
-        """Export pending (incomplete) turns, all of them or those with id < ``before_turn``."""
+    def fail(self, turn_id: int, error: str) -> None:
+        """The turn failed (``error`` says why): it is exported now, its spans with status ERROR."""
+        with self._lock:
+            if turn_id in self._written:
+                return
+            record = self._turns.pop(turn_id, None) or TurnRecord(self.session_id, turn_id)
+            record.error = error
+            self._export(record)
+
+    def flush(self, before_turn: int | None = None, error: str | None = None) -> None:
+        """Export pending (incomplete) turns, all of them or those with id < ``before_turn``;
+        ``error``: they failed, for this reason."""
         with self._lock:
             for turn_id in sorted(self._turns):
                 if before_turn is None or turn_id < before_turn:
-                    self._export(self._turns.pop(turn_id))
+                    record = self._turns.pop(turn_id)
+                    record.error = error
+                    self._export(record)
 
-    def close(self) -> None:
-        self.flush()
+    def close(self, error: str | None = None) -> None:
+        """Export what is pending and end the conversation; ``error``: the session failed (its
+        pending turns and the conversation span get status ERROR)."""
+        self.flush(error=error)
         if self._conversation is not None:
+            if error is not None:
+                self._conversation.set_status(Status(StatusCode.ERROR, error))
             self._conversation.end()
             self._conversation = None
         if self._provider is not None:
@@ -204,26 +271,23 @@ class TurnTracer:
 
     def _export_spans(self, record: TurnRecord, data: dict[str, Any]) -> None:
         stamps = record.stamps
-        if not stamps:
-            return
-        attributes: dict[str, Any] = {"charstream.session_id": self.session_id, "charstream.turn_id": record.turn_id,
-                                      "charstream.complete": record.complete}
+        ids = self._ids | {"charstream.turn_id": record.turn_id}
+        attributes: dict[str, Any] = ids | {"charstream.complete": record.complete}
         attributes |= {f"charstream.stamp.{p}": at for p, at in stamps.items()}
         attributes |= {f"charstream.segment.{name}_ms": s * 1e3 for name, s in data["segments"].items()}
         parent = otel_trace.set_span_in_context(self._conversation)
-        turn = self._otel.start_span("turn", context=parent, start_time=_ns(min(stamps.values())),
+        start = min(stamps.values()) if stamps else None
+        turn = self._otel.start_span("turn", context=parent, start_time=None if start is None else _ns(start),
                                      attributes=attributes)
+        if record.error is not None:
+            turn.set_status(Status(StatusCode.ERROR, record.error))
         inside = otel_trace.set_span_in_context(turn)
         for name, (a, b) in STAGES.items():
             if a in stamps and b in stamps:
-                span = self._otel.start_span(name, context=inside, start_time=_ns(stamps[a]), attributes={
-                    "charstream.turn_id": record.turn_id, f"charstream.stamp.{a}": stamps[a],
-                    f"charstream.stamp.{b}": stamps[b]})
+                span = self._otel.start_span(name, context=inside, start_time=_ns(stamps[a]), attributes=ids | {
+                    f"charstream.stamp.{a}": stamps[a], f"charstream.stamp.{b}": stamps[b]})
                 span.end(end_time=_ns(stamps[b]))
-        turn.end(end_time=_ns(max(stamps.values())))
-
-
-# Prometheus series live in pipeline/metrics.py (importable without OpenTelemetry).
+        turn.end(end_time=_ns(max(stamps.values())) if stamps else None)
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:

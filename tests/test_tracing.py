@@ -1,5 +1,7 @@
 import json
 import logging
+import subprocess
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
@@ -10,6 +12,7 @@ from charstream.stages.metrics import REGISTRY, SessionMetrics
 from charstream.stages.tracing import STAGES, TurnTracer, read_jsonl
 from charstream.transport.messages import TraceContext
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
 
 from charstream.timeline import TRACE_POINTS
 
@@ -98,37 +101,137 @@ def test_bad_exporter_and_bad_trace_file_are_clear_errors(tmp_path):
         read_jsonl(bad)
 
 
-def test_otlp_exporter_posts_spans_to_a_collector():
-    received: list[tuple[str, bytes]] = []
+class OtlpReceiver:
+    """A small OTLP/HTTP traces receiver on loopback: decodes each ExportTraceServiceRequest."""
 
-    class Collector(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 (http.server's naming)
-            body = self.rfile.read(int(self.headers["Content-Length"]))
-            received.append((self.path, body))
-            self.send_response(200)
-            self.end_headers()
+    def __init__(self) -> None:
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-        def log_message(self, *args):
-            pass
+        self.requests: list = []
+        receiver = self
 
-    server = HTTPServer(("127.0.0.1", 0), Collector)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        endpoint = f"http://127.0.0.1:{server.server_port}/v1/traces"
-        tracer = TurnTracer("s-otlp", TracingConfig(otel_exporter="otlp", otlp_endpoint=endpoint))
-        tracer.merge(TraceContext(3, stamps_for(3000.0)))
-        tracer.close()  # shutdown flushes the batch processor
-    finally:
-        server.shutdown()
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 (http.server's naming)
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                assert self.path == "/v1/traces" and self.headers["Content-Type"] == "application/x-protobuf"
+                receiver.requests.append(ExportTraceServiceRequest.FromString(body))
+                self.send_response(200)
+                self.end_headers()
 
-    names = []
-    for path, body in received:
-        assert path == "/v1/traces"
-        request = ExportTraceServiceRequest.FromString(body)
-        names += [s.name for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans]
-    assert sorted(names) == sorted(["conversation", "turn", *STAGES])
+            def log_message(self, *args):
+                pass
+
+        self.server = HTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def spans(self) -> list[tuple[dict, object]]:
+        """(resource attributes, span) for every span received."""
+        out = []
+        for request in self.requests:
+            for rs in request.resource_spans:
+                resource = {a.key: a.value.string_value for a in rs.resource.attributes}
+                out += [(resource, span) for ss in rs.scope_spans for span in ss.spans]
+        return out
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _attributes(span) -> dict:
+    return {a.key: getattr(a.value, a.value.WhichOneof("value")) for a in span.attributes}
+
+
+@pytest.fixture
+def receiver():
+    r = OtlpReceiver()
+    yield r
+    r.close()
+
+
+def test_without_a_host_provider_spans_go_where_the_otel_environment_says(receiver, monkeypatch):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", receiver.endpoint + "/v1/traces")
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "avatar-fleet")
+    monkeypatch.delenv("OTEL_TRACES_EXPORTER", raising=False)
+    tracer = TurnTracer("s-otlp", TracingConfig(), conversation_id="conv-9")
+    tracer.merge(TraceContext(3, stamps_for(3000.0)))
+    tracer.close()  # shutdown flushes the batch processor
+    spans = receiver.spans()
+    assert sorted(s.name for _, s in spans) == sorted(["conversation", "turn", *STAGES])
+    assert {r["service.name"] for r, _ in spans} == {"avatar-fleet"}
+    for _, span in spans:
+        attributes = _attributes(span)
+        assert (attributes["session.id"], attributes["conversation.id"]) == ("s-otlp", "conv-9")
+
+
+HOST_APP = """
+import sys
+from opentelemetry import trace
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from charstream.stages.config import TracingConfig
+from charstream.stages.tracing import TurnTracer
+from charstream.transport.messages import TraceContext
+
+provider = TracerProvider(resource=Resource.create({"service.name": "host-bot"}))
+provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(endpoint=sys.argv[1])))
+trace.set_tracer_provider(provider)
+with trace.get_tracer("host").start_as_current_span("host-call") as host:
+    tracer = TurnTracer("s-host", TracingConfig(), conversation_id="call-42")
+    tracer.merge(TraceContext(1, {p: 100.0 + i for i, p in enumerate(sys.argv[2:])}))
+    tracer.fail(2, "decode stage failed")
+    tracer.close()
+print(format(host.get_span_context().trace_id, "032x"))
+provider.shutdown()
+"""
+
+
+def test_with_a_host_provider_our_spans_join_the_host_trace(receiver):
+    # a fresh process: the global provider can be set once per process
+    done = subprocess.run([sys.executable, "-c", HOST_APP, receiver.endpoint + "/v1/traces", *TRACE_POINTS],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    host_trace = bytes.fromhex(done.stdout.split()[-1])
+    spans = receiver.spans()
+    assert {r["service.name"] for r, _ in spans} == {"host-bot"}  # the host's provider, not one of ours
+    assert {s.trace_id for _, s in spans} == {host_trace}
+    by_name: dict[str, list] = {}
+    for _, s in spans:
+        by_name.setdefault(s.name, []).append(s)
+    (host,), (conversation,) = by_name["host-call"], by_name["conversation"]
+    assert conversation.parent_span_id == host.span_id
+    assert _attributes(conversation)["conversation.id"] == "call-42"
+    turns = {_attributes(t)["charstream.turn_id"]: t for t in by_name["turn"]}
+    assert set(turns) == {1, 2} and all(t.parent_span_id == conversation.span_id for t in turns.values())
+    from opentelemetry.proto.trace.v1.trace_pb2 import Status
+
+    assert turns[1].status.code != Status.STATUS_CODE_ERROR
+    assert turns[2].status.code == Status.STATUS_CODE_ERROR and turns[2].status.message == "decode stage failed"
+    assert len(by_name["diffusion"]) == 1 and by_name["diffusion"][0].parent_span_id == turns[1].span_id
+
+
+def test_exporter_from_the_environment_is_checked(monkeypatch):
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "jaeger")
+    with pytest.raises(ValueError, match="OTEL_TRACES_EXPORTER"):
+        TurnTracer("s", TracingConfig())
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
+    assert TurnTracer("s", TracingConfig()).exporter is None
+
+
+def test_a_failed_session_marks_its_pending_turns(tmp_path):
+    exporter = InMemorySpanExporter()
+    path = tmp_path / "f.jsonl"
+    tracer = TurnTracer("s5", TracingConfig(jsonl_path=str(path)), exporter=exporter)
+    tracer.merge(TraceContext(1, {"user_speech_end": 1.0, "agent_first_audio": 2.0}))
+    tracer.close(error="diffusion: CUDA out of memory")
+    (line,) = read_jsonl(path)
+    assert line["error"] == "diffusion: CUDA out of memory" and not line["complete"]
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert spans["turn"].status.status_code == StatusCode.ERROR
+    assert spans["conversation"].status.description == "diffusion: CUDA out of memory"
 
 
 def test_session_metrics_are_labelled_and_released():
