@@ -1,6 +1,8 @@
-"""The Pipecat avatar service in a real Pipecat pipeline (PipelineWorker + WorkerRunner) in front of
-a real charstream session: TTS audio in; the character's frames out, each with its own audio; an
-InterruptionFrame stops the character's speech."""
+"""The Pipecat avatar service in a real Pipecat pipeline (PipelineWorker + WorkerRunner) in front of a
+real charstream session, its output going through Pipecat's real ``SmallWebRTCTransport`` to an
+aiortc peer on loopback: the transport's own bookkeeping (BotStarted/StoppedSpeaking) sees the
+character speak, turns complete with Pipecat's latency observer agreeing, user speech alone
+interrupts nothing, an InterruptionFrame stops the character, a session that cannot start is fatal."""
 
 import asyncio
 import time
@@ -10,151 +12,236 @@ import pytest
 
 pytest.importorskip("pipecat", reason="extra 'pipecat' not installed (make test installs it)")
 
+from aiortc import RTCPeerConnection, RTCSessionDescription  # noqa: E402
+from charstream.model.config import get_preset  # noqa: E402
 from charstream.pipeline.config import PipelineConfig  # noqa: E402
 from charstream.pipeline.integrations.avatar_session import AvatarSession  # noqa: E402
 from charstream.pipeline.integrations.pipecat import CharstreamVideoService  # noqa: E402
-from charstream.stages.ingest.resample import resample  # noqa: E402
 from charstream.stages.ingest.tts import synthesize  # noqa: E402
 from pipecat.frames.frames import (  # noqa: E402
+    BotStartedSpeakingFrame,
+    BotStoppedSpeakingFrame,
     EndFrame,
+    ErrorFrame,
     InterruptionFrame,
-    OutputAudioRawFrame,
-    OutputImageRawFrame,
+    SpeechOutputAudioRawFrame,
     TTSAudioRawFrame,
     TTSStartedFrame,
     TTSStoppedFrame,
+    UserStartedSpeakingFrame,
+    UserStoppedSpeakingFrame,
+    VADUserStoppedSpeakingFrame,
 )
+from pipecat.observers.user_bot_latency_observer import UserBotLatencyObserver  # noqa: E402
 from pipecat.pipeline.pipeline import Pipeline  # noqa: E402
 from pipecat.pipeline.worker import PipelineParams, PipelineWorker  # noqa: E402
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor  # noqa: E402
+from pipecat.transports.base_transport import TransportParams  # noqa: E402
+from pipecat.transports.smallwebrtc.connection import SmallWebRTCConnection  # noqa: E402
+from pipecat.transports.smallwebrtc.transport import SmallWebRTCTransport  # noqa: E402
 from pipecat.workers.runner import WorkerRunner  # noqa: E402
 from waiting import until  # noqa: E402
 
 FIRST = "Hello, I am speaking through Pipecat."
 SECOND = "This second sentence is long, and it will be interrupted before it can finish at all."
+VAD_STOP_SECS = 0.2
+CHUNK_S = 0.04  # the output transport's audio chunks (TransportParams.audio_out_10ms_chunks = 4)
 
 
-class Collector(FrameProcessor):
-    """The pipeline's last processor: keeps the character's frames as they arrive."""
+class Recorder(FrameProcessor):
+    """After the output transport: what it sent (its audio chunks) and its bot-speaking frames."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.images: list[tuple[float, OutputImageRawFrame]] = []
-        self.audio: list[np.ndarray] = []
-        self.chunks: list[int | None] = []  # the frame's chunk; None: held through an underrun
+        self.events: list[tuple[float, str]] = []  # (time, "speech" | "silence" | "started" | "stopped")
+        self.errors: list[ErrorFrame] = []
 
     async def process_frame(self, frame, direction: FrameDirection) -> None:
         await super().process_frame(frame, direction)
-        if isinstance(frame, OutputImageRawFrame):
-            self.images.append((time.time(), frame))
-        elif isinstance(frame, OutputAudioRawFrame):
-            assert frame.sample_rate == 48_000 and frame.num_channels == 1
-            self.audio.append(np.frombuffer(frame.audio, np.int16))
-            self.chunks.append(frame.metadata["charstream"]["chunk"])
+        if isinstance(frame, SpeechOutputAudioRawFrame):
+            self.events.append((time.time(), "speech" if np.frombuffer(frame.audio, np.int16).any() else "silence"))
+        elif isinstance(frame, BotStartedSpeakingFrame):
+            self.events.append((time.time(), "started"))
+        elif isinstance(frame, BotStoppedSpeakingFrame):
+            self.events.append((time.time(), "stopped"))
+        await self.push_frame(frame, direction)
+
+    def count(self, kind: str, start: int = 0) -> int:
+        return sum(1 for _, k in self.events[start:] if k == kind)
+
+
+class ErrorCatcher(FrameProcessor):
+    """First in the pipeline: error frames travel upstream to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.errors: list[ErrorFrame] = []
+
+    async def process_frame(self, frame, direction: FrameDirection) -> None:
+        await super().process_frame(frame, direction)
+        if isinstance(frame, ErrorFrame):
+            self.errors.append(frame)
         await self.push_frame(frame, direction)
 
 
-def _tts_frames(text: str) -> tuple[list[TTSAudioRawFrame], np.ndarray]:
+def _tts_frames(text: str) -> tuple[list[TTSAudioRawFrame], float]:
     speech = synthesize(text, "en+f3")
     step = speech.sample_rate // 50  # 20 ms, as a Pipecat TTS service pushes them
     frames = [TTSAudioRawFrame(audio=speech.samples[i:i + step].tobytes(), sample_rate=speech.sample_rate,
                                num_channels=1) for i in range(0, len(speech.samples), step)]
-    return frames, speech.samples
+    return frames, speech.duration
+
+
+async def _webrtc_peer() -> tuple[RTCPeerConnection, SmallWebRTCConnection, list]:
+    """An aiortc peer on loopback, offering to receive audio and video, and the bot's connection."""
+    client = RTCPeerConnection()
+    received: list = []
+    client.addTransceiver("audio", direction="recvonly")
+    client.addTransceiver("video", direction="recvonly")
+    client.createDataChannel("chat")
+
+    @client.on("track")
+    def on_track(track):
+        async def pull():
+            while True:
+                received.append((track.kind, await track.recv()))
+        asyncio.ensure_future(pull())
+
+    await client.setLocalDescription(await client.createOffer())
+    bot = SmallWebRTCConnection()
+    await bot.initialize(sdp=client.localDescription.sdp, type=client.localDescription.type)
+    answer = bot.get_answer()
+    await client.setRemoteDescription(RTCSessionDescription(sdp=answer["sdp"], type=answer["type"]))
+    return client, bot, received
 
 
 @pytest.fixture(scope="module")
 def pipecat_run():
     config = PipelineConfig()
     config.ingest.adapter = "pipecat"
-    sink = Collector()
-    first, first_pcm = _tts_frames(FIRST)
-    second, _ = _tts_frames(SECOND)
-    marks = {}
+    model = get_preset(config.preset)
+    first, first_s = _tts_frames(FIRST)
+    second, second_s = _tts_frames(SECOND)
+    recorder, catcher = Recorder(), ErrorCatcher()
+    latencies: list[float] = []
+    marks: dict = {"first_s": first_s, "second_s": second_s}
 
-    def spoken(start: int = 0) -> int:
-        """Frames of speech released from ``start`` on (hold frames of an underrun excluded)."""
-        return sum(1 for a, c in zip(sink.audio[start:], sink.chunks[start:], strict=True) if c is not None and a.any())
+    async def settle() -> None:
+        """Until the transport has sent 0.5 s of silence after the last speech."""
+        await until(lambda: recorder.events and recorder.events[-1][1] != "speech"
+                    and time.time() - max((t for t, k in recorder.events if k == "speech"), default=0) > 0.5, 60)
 
-    def listening_tail() -> int:
-        """Released (not held) silent frames since the last frame of speech."""
-        n = 0
-        for a, c in zip(reversed(sink.audio), reversed(sink.chunks), strict=True):
-            if a.any():
-                break
-            n += c is not None
-        return n
-
-    async def settle(start: int) -> None:
-        """Wait until the speech from ``start`` on stops growing (CPU speed varies: no fixed sleeps)."""
-        count, since = -1, time.monotonic()
-        while time.monotonic() - since < 1.5:
-            if spoken(start) != count:
-                count, since = spoken(start), time.monotonic()
-            await asyncio.sleep(0.05)
-
-    async def conversation(worker):
-        assert await until(lambda: len(sink.images) >= 24, 120), "the session rendered no frames"
-        await worker.queue_frames([TTSStartedFrame(), *first, TTSStoppedFrame()])  # faster than real time
-        await until(lambda: spoken() >= len(first_pcm) / 22_050 * 24 - 2, 90)  # all of it, however slow the CPU
-        await settle(0)
-        marks["first_done"], marks["first_spoken"] = len(sink.audio), spoken() / 24
+    async def conversation(worker, service):
+        assert await until(lambda: recorder.count("silence") >= 1 / CHUNK_S, 120), "no frames reached the transport"
+        marks["idle_start"] = len(recorder.events)
+        await asyncio.sleep(1.0)  # idle, listening: no bot speech
+        marks["reply1"] = len(recorder.events)
+        # the user's turn, as Pipecat's VAD and turn strategy report it, then the bot's answer
+        await worker.queue_frames([UserStartedSpeakingFrame(),
+                                   VADUserStoppedSpeakingFrame(stop_secs=VAD_STOP_SECS, timestamp=time.time()),
+                                   UserStoppedSpeakingFrame(),
+                                   TTSStartedFrame(), *first, TTSStoppedFrame()])
+        await until(lambda: recorder.count("speech", marks["reply1"]) > 0, 60)
+        # the user speaks over the bot; the pipeline's strategies do not interrupt (no InterruptionFrame)
+        await worker.queue_frames([UserStartedSpeakingFrame(), UserStoppedSpeakingFrame()])
+        await settle()
+        marks["idle2"] = len(recorder.events)
+        await asyncio.sleep(1.0)
+        marks["reply2"] = len(recorder.events)
         await worker.queue_frames([TTSStartedFrame(), *second, TTSStoppedFrame()])
-        await until(lambda: spoken(marks["first_done"]) >= 24, 60)  # one second into the reply
-        marks["interrupt"] = len(sink.audio)
+        await until(lambda: recorder.count("speech", marks["reply2"]) >= 1 / CHUNK_S, 60)  # a second into the reply
+        marks["interrupt"] = len(recorder.events)
         await worker.queue_frame(InterruptionFrame())
-        await settle(marks["interrupt"])
-        await until(lambda: listening_tail() >= 24, 60)
+        await settle()
+        marks["records"] = list(service._session.live.tracer.records)
         await worker.queue_frame(EndFrame())
 
     async def main():  # Pipecat's runner belongs to a running loop: build everything inside it
+        client, connection, received = await _webrtc_peer()
+        transport = SmallWebRTCTransport(connection, TransportParams(
+            audio_out_enabled=True, audio_out_sample_rate=48_000, video_out_enabled=True,
+            video_out_width=model.width, video_out_height=model.height, video_out_framerate=24))
         service = CharstreamVideoService(AvatarSession(config, "pipecat-test"))
-        worker = PipelineWorker(Pipeline([service, sink]), params=PipelineParams(), enable_rtvi=False,
+        observer = UserBotLatencyObserver()
+
+        @observer.event_handler("on_latency_measured")
+        async def on_latency(_observer, seconds):
+            latencies.append(seconds)
+
+        worker = PipelineWorker(Pipeline([catcher, service, transport.output(), recorder]),
+                                params=PipelineParams(), observers=[observer], enable_rtvi=False,
                                 idle_timeout_secs=None)
         runner = WorkerRunner(handle_sigint=False)
         await runner.add_workers(worker)
-        await asyncio.wait_for(asyncio.gather(runner.run(), conversation(worker)), 200)
+        try:
+            await asyncio.wait_for(asyncio.gather(runner.run(), conversation(worker, service)), 200)
+        finally:
+            await client.close()
+        marks["received"] = {kind: sum(1 for k, _ in received if k == kind) for kind in ("audio", "video")}
 
     asyncio.run(main())
-    return sink, first_pcm, marks, synthesize(SECOND, "en+f3").duration
+    return recorder, catcher, latencies, marks
 
 
-def test_frames_come_out_with_their_own_audio(pipecat_run):
-    sink, _, _, _ = pipecat_run
-    assert len(sink.images) == len(sink.audio) > 24 * 5
-    sizes = {frame.size for _, frame in sink.images}
-    assert len(sizes) == 1
-    (width, height), = sizes
-    assert all(len(frame.image) == width * height * 3 for _, frame in sink.images)
-    assert all(len(a) == 2_000 for a in sink.audio)  # one 24 fps frame of 48 kHz audio each
-    # playout's clock: frames leave at 24 fps
-    times = [t for t, _ in sink.images]
-    assert (len(times) - 1) / (times[-1] - times[0]) == pytest.approx(24, rel=0.15)
+def _kinds(recorder: Recorder, start: int, end: int | None = None) -> list[str]:
+    return [k for _, k in recorder.events[start:end]]
 
 
-def test_the_tts_speech_comes_out_in_full_and_intact(pipecat_run):
-    sink, first_pcm, marks, _ = pipecat_run
-    # the released speech, with the hold frames of any underrun (CPU too slow) left out
-    played = [a for a, c in zip(sink.audio[:marks["first_done"]], sink.chunks, strict=False) if c is not None]
-    out = np.concatenate(played).astype(np.float32)
-    voiced = np.flatnonzero(np.abs(out) > 0)
-    spoken = out[voiced[0]:voiced[-1] + 1]
-    reference = resample(first_pcm.astype(np.float32), 22_050, 48_000)
-    ref_voiced = np.flatnonzero(np.abs(reference) > 0.5)
-    reference = reference[ref_voiced[0]:ref_voiced[-1] + 1]
-    assert abs(len(spoken) - len(reference)) <= 2_000  # all of it, once (within a frame)
-    n = min(len(spoken), len(reference))
-    corr = np.corrcoef(spoken[:n], reference[:n])[0, 1]
-    assert corr > 0.95, corr  # the same samples, not merely some sound
+def test_the_transport_sees_the_character_speak_around_each_reply_and_never_while_idle(pipecat_run):
+    recorder, catcher, _, marks = pipecat_run
+    assert not catcher.errors
+    idle = _kinds(recorder, 0, marks["reply1"]) + _kinds(recorder, marks["idle2"], marks["reply2"])
+    assert idle.count("silence") * CHUNK_S >= 1.5 and not {"speech", "started", "stopped"} & set(idle)
+    for start, end in ((marks["reply1"], marks["idle2"]), (marks["reply2"], None)):
+        reply = _kinds(recorder, start, end)
+        first_speech, last_speech = reply.index("speech"), len(reply) - 1 - reply[::-1].index("speech")
+        assert "started" in reply[:first_speech + 2]  # as the first speech is sent (it emits right after)
+        assert reply[-1] != "speech" and "stopped" in reply[last_speech:]  # BOT_VAD_STOP_SECS after the last
+        assert reply.count("started") == reply.count("stopped")
+    assert marks["received"]["audio"] > 100 and marks["received"]["video"] > 24  # the peer got media
+
+
+def test_user_speech_alone_does_not_interrupt_the_reply(pipecat_run):
+    recorder, _, _, marks = pipecat_run
+    spoken = recorder.count("speech", marks["reply1"]) - recorder.count("speech", marks["idle2"])
+    assert spoken * CHUNK_S == pytest.approx(marks["first_s"], abs=0.4)
 
 
 def test_interruption_frame_stops_the_character(pipecat_run):
-    sink, _, marks, second_duration = pipecat_run
-    after = [a for a, c in zip(sink.audio[marks["interrupt"]:], sink.chunks[marks["interrupt"]:], strict=True)
-             if c is not None]
-    spoken_after = sum(1 for a in after if a.any())
-    # what was already on its way out (playout depth + one chunk) may still play; the rest is dropped
-    assert spoken_after <= 4 * 4, spoken_after
-    assert not any(a.any() for a in after[-24:])  # back to listening
-    spoken_second = sum(1 for a, c in zip(sink.audio, sink.chunks, strict=True)
-                        if c is not None and a.any()) / 24 - marks["first_spoken"]
-    assert spoken_second < second_duration - 1.0
+    recorder, _, _, marks = pipecat_run
+    after = _kinds(recorder, marks["interrupt"])
+    # what was already on its way out (playout depth + one chunk: 16 frames) may still play
+    assert after.count("speech") * CHUNK_S <= 16 / 24 + 0.1
+    assert recorder.count("speech", marks["reply2"]) * CHUNK_S < marks["second_s"] - 1.0
+
+
+def test_embedded_turns_complete_and_pipecat_latency_agrees(pipecat_run):
+    _, _, latencies, marks = pipecat_run
+    answered = next(r for r in marks["records"] if "user_speech_end" in r.stamps)
+    assert answered.complete, sorted(answered.stamps)
+    data = answered.to_json()
+    assert data["in_order"] and data["segments"]["delivery"] >= 0
+    # Pipecat's UserBotLatencyObserver: VAD stop (back-dated by stop_secs) to BotStartedSpeaking
+    assert latencies, "Pipecat measured no user-to-bot latency"
+    assert data["segments"]["total"] == pytest.approx(latencies[0], abs=0.05)
+
+
+def test_a_session_that_cannot_start_ends_the_pipeline_saying_why(tmp_path):
+    config = PipelineConfig()
+    config.ingest.adapter = "pipecat"
+    broken = tmp_path / "broken.safetensors"
+    broken.write_bytes(b"not weights")
+    catcher = ErrorCatcher()
+
+    async def main():
+        service = CharstreamVideoService(AvatarSession(config, "pipecat-broken", weights=str(broken)))
+        worker = PipelineWorker(Pipeline([catcher, service]), params=PipelineParams(), enable_rtvi=False,
+                                idle_timeout_secs=None)
+        runner = WorkerRunner(handle_sigint=False)
+        await runner.add_workers(worker)
+        await asyncio.wait_for(runner.run(), 60)  # ends by itself: nobody sends an EndFrame
+
+    asyncio.run(main())
+    (error,) = catcher.errors
+    assert "did not start" in error.error and "SafetensorError" in error.error, error.error
+    assert not error.processor.is_usable

@@ -64,6 +64,11 @@ class AvatarSession:
         except PlayoutClosed:
             return
 
+    def delivered(self, turn_id: int, at: float) -> None:
+        """The framework's output started sending turn ``turn_id``'s first speaking frame at ``at``
+        (wall clock): the turn's ``client_first_speaking_frame``, as egress's client report is."""
+        self.live.tracer.stamp(turn_id, "client_first_speaking_frame", at)
+
     async def stop(self, reason: str = "avatar stopped") -> Any:
         """End the session; returns its ``SessionResult``."""
         await self.adapter.end()  # ingest's iteration ends; its teardown closes the adapter

@@ -65,11 +65,12 @@ class UserAudioFrame:
 @dataclass
 class UserSpeech:
     """The user's turn as a framework's own detector saw it (Pipecat's / LiveKit's VAD): handled like
-    ingest's VAD events, barge-in included. ``at``: onset, or the back-dated end of speech."""
+    ingest's VAD events, except that the framework decides barge-in (its interruption setting).
+    ``at``: onset, or the back-dated end of speech."""
 
     kind: TurnKind  # USER_SPEECH_START or USER_SPEECH_END
     at: float
-    interrupt: bool = False  # the framework says the agent was interrupted: barge in, whatever ingest's clock says
+    interrupt: bool = False  # the framework interrupted the agent: barge in (never without it)
 
 
 @dataclass

@@ -34,9 +34,9 @@ class PushAdapter:
 
     async def user_speech(self, kind: TurnKind, at: float, interrupt: bool = False) -> None:
         """The framework's own VAD saw the user start/stop (``at``: onset or back-dated end). A start
-        may be a barge-in (``interrupt``: the framework says it is one): the queued audio of the
+        is a barge-in only when the framework says so (``interrupt``): then the queued audio of the
         current turn is dropped before it is handed on."""
-        if kind == TurnKind.USER_SPEECH_START:
+        if kind == TurnKind.USER_SPEECH_START and interrupt:
             self.drain()
         await self._send.send(UserSpeech(kind, at, interrupt))
 

@@ -192,13 +192,16 @@ class IngestStage(Stage):
         for event in events:
             await self._on_vad(event)
 
-    async def _on_vad(self, event: VadEvent, force_barge_in: bool = False) -> None:
+    async def _on_vad(self, event: VadEvent, barge_in: bool | None = None) -> None:
+        """``barge_in``: the framework that owns turn-taking decided (None: ours, by whether the
+        character is speaking)."""
         ctx = self._ctx
         self.stats.vad_events.append((event.kind.value, event.at, event.detected_at))
         del self.stats.vad_events[:-64]
         if event.kind == TurnKind.USER_SPEECH_START:
             turn = self._turn or self._last_turn
-            if turn is not None and not turn.interrupted and (force_barge_in or self.character_speaking):
+            if turn is not None and not turn.interrupted and (
+                    self.character_speaking if barge_in is None else barge_in):
                 await self._barge_in(turn, event)
             if self._user_speaking:  # a second signal for the same utterance (a framework sends two)
                 return
@@ -247,7 +250,7 @@ class IngestStage(Stage):
         elif isinstance(event, UserAudioFrame):
             await self.feed_user_audio(event.samples, event.at, event.sample_rate)
         elif isinstance(event, UserSpeech):
-            await self._on_vad(VadEvent(event.kind, event.at, time.time(), 1.0), force_barge_in=event.interrupt)
+            await self._on_vad(VadEvent(event.kind, event.at, time.time(), 1.0), barge_in=event.interrupt)
         elif isinstance(event, AgentTurnStart):
             await self._start_turn(event.turn_ref)
         elif isinstance(event, AgentTurnEnd):
