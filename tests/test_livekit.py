@@ -1,25 +1,84 @@
-"""The LiveKit Agents VideoGenerator over a real charstream session, at the interface AvatarRunner
-uses: push_audio (rtc.AudioFrame, AudioSegmentEnd), clear_buffer, and async iteration of
-rtc.VideoFrame / rtc.AudioFrame / AudioSegmentEnd."""
+"""The LiveKit Agents VideoGenerator over a real charstream session, driven by LiveKit's real
+``AvatarRunner`` with the agent side's real ``QueueAudioOutput`` and the runner's real
+``AVSynchronizer`` (audio and video sources through LiveKit's native library), in a stand-in room
+(no LiveKit server): LiveKit's own playback events must tell the truth — playback starts at the
+speech, the position is the speech's duration within one frame, the segment ends when the speech
+does, and clear_buffer reports an interrupted playback at the position actually heard."""
 
 import asyncio
+import importlib.util
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 pytest.importorskip("livekit.agents", reason="extra 'livekit' not installed (make test installs it)")
 
+from charstream.model.config import get_preset  # noqa: E402
 from charstream.pipeline.config import PipelineConfig  # noqa: E402
 from charstream.pipeline.integrations.avatar_session import AvatarSession  # noqa: E402
 from charstream.pipeline.integrations.livekit import CharstreamVideoGenerator  # noqa: E402
 from charstream.stages.ingest.resample import resample, to_int16  # noqa: E402
 from charstream.stages.ingest.tts import synthesize  # noqa: E402
 from livekit import rtc  # noqa: E402
-from livekit.agents.voice.avatar import AudioSegmentEnd, VideoGenerator  # noqa: E402
+from livekit.agents.voice.avatar import (  # noqa: E402
+    AudioSegmentEnd,
+    AvatarOptions,
+    AvatarRunner,
+    QueueAudioOutput,
+)
 from waiting import until  # noqa: E402
 
+from charstream.timeline import VIDEO_FPS  # noqa: E402
+
 RATE = 24_000  # what LiveKit TTS plugins commonly produce
+FRAME_S = 1 / VIDEO_FPS
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "livekit_avatar.py"
+
+
+class StandInPublication:
+    async def wait_for_subscription(self) -> None:
+        pass
+
+
+class StandInParticipant:
+    def __init__(self) -> None:
+        self.published: list = []
+
+    async def publish_track(self, track, options) -> StandInPublication:
+        self.published.append(track)
+        return StandInPublication()
+
+
+class StandInRoom(rtc.EventEmitter):
+    """What AvatarRunner uses of an ``rtc.Room``: connected, events, publishing."""
+
+    name = "stand-in"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.local_participant = StandInParticipant()
+        self.connected = True
+
+    def isconnected(self) -> bool:
+        return self.connected
+
+
+class Tapped(CharstreamVideoGenerator):
+    """Records what the generator hands the runner, as the runner takes it."""
+
+    def __init__(self, session) -> None:
+        super().__init__(session)
+        self.out: list[tuple[float, object]] = []
+
+    def __aiter__(self):
+        return self._tap()
+
+    async def _tap(self):
+        async for item in self._frames():
+            self.out.append((time.time(), item))
+            yield item
 
 
 def _frames(text: str) -> tuple[list[rtc.AudioFrame], float]:
@@ -31,95 +90,126 @@ def _frames(text: str) -> tuple[list[rtc.AudioFrame], float]:
     return frames, len(pcm) / RATE
 
 
+def _audio(items) -> list[np.ndarray]:
+    return [np.frombuffer(f.data, np.int16) for _, f in items if isinstance(f, rtc.AudioFrame)]
+
+
 @pytest.fixture(scope="module")
 def livekit_run():
-    out: list = []  # (wall time, item)
-    marks = {}
+    events: list[tuple[float, str, object]] = []
+    marks: dict = {}
 
     async def main():
         config = PipelineConfig()
         config.ingest.adapter = "livekit"
+        model = get_preset(config.preset)
         session = AvatarSession(config, "livekit-test")
-        generator = CharstreamVideoGenerator(session)
-        assert isinstance(generator, VideoGenerator)
+        generator = Tapped(session)
+        agent_audio = QueueAudioOutput(wait_playback_start=True)  # the runner says when playback starts
+        agent_audio.on("playback_started", lambda ev: events.append((time.time(), "started", ev)))
+        agent_audio.on("playback_finished", lambda ev: events.append((time.time(), "finished", ev)))
+        room = StandInRoom()
+        runner = AvatarRunner(room, audio_recv=agent_audio, video_gen=generator,
+                              options=AvatarOptions(video_width=model.width, video_height=model.height,
+                                                    video_fps=VIDEO_FPS, audio_sample_rate=48_000, audio_channels=1))
         await session.start()
-
-        async def consume():
-            async for item in generator:
-                out.append((time.time(), item))
-
-        def speech_frames(start=0):
-            return sum(1 for _, f in out[start:] if isinstance(f, rtc.AudioFrame)
-                       and np.frombuffer(f.data, np.int16).any())
-
-        def silent_tail():
-            """Released (not held) silent frames at the end of the output."""
-            n = 0
-            for _, f in reversed(out):
-                if isinstance(f, rtc.AudioFrame):
-                    if np.frombuffer(f.data, np.int16).any():
-                        break
-                    n += 1
-            return n
-
-        reader = asyncio.create_task(consume())
+        await runner.start()
+        out = generator.out
         try:
-            await until(lambda: len(out) >= 24, 120)  # the session renders (listening) frames
+            await until(lambda: len(out) >= 2 * VIDEO_FPS, 120)  # two seconds of listening frames
+            marks["idle"] = len(out)
             first, marks["first_s"] = _frames("Hello from a LiveKit agent.")
             for frame in first:  # the agent's TTS: faster than real time
-                await generator.push_audio(frame)
-            await generator.push_audio(AudioSegmentEnd())
-            await until(lambda: any(isinstance(f, AudioSegmentEnd) for _, f in out), 90)
-            marks["first_done"] = len(out)
+                await agent_audio.capture_frame(frame)
+            agent_audio.flush()
+            await until(lambda: sum(k == "finished" for _, k, _ in events) == 1, 90)
+            await asyncio.sleep(0.5)  # listening again
+            marks["second_start"] = len(out)
             second, marks["second_s"] = _frames("This is a much longer answer that the user will cut short very soon.")
+
             async def speak():
                 for frame in second:  # bounded queues: the push runs about as far ahead as the pipeline lets it
-                    await generator.push_audio(frame)
+                    await agent_audio.capture_frame(frame)
 
-            # The user interrupts while the agent's TTS is still streaming (AvatarRunner pushes and
-            # clears from separate tasks): the agent stops pushing, then the buffer is cleared.
             speaking = asyncio.create_task(speak())
-            await until(lambda: speech_frames(marks["first_done"]) >= 24, 60)
-            speaking.cancel()
+            await until(lambda: len(_audio(out[marks["second_start"]:])) >= VIDEO_FPS, 60)  # a second heard
+            speaking.cancel()  # the agent stops its TTS and clears the avatar's buffer (user interrupted)
             await asyncio.gather(speaking, return_exceptions=True)
             marks["clear"] = len(out)
-            await generator.clear_buffer()
-            await generator.push_audio(AudioSegmentEnd())  # the runner's queue may still hold one
-            await until(lambda: silent_tail() >= 24, 30)
+            agent_audio.clear_buffer()
+            await until(lambda: sum(k == "finished" for _, k, _ in events) == 2, 30)
+            marks["cleared"] = len(out)
+            await asyncio.sleep(1.0)  # listening after the interruption
         finally:
+            await runner.aclose()
             await session.stop()
-            await asyncio.wait_for(reader, 10)  # iteration ends with the session
+        marks["published"] = len(room.local_participant.published)
+        marks["out"] = list(generator.out)
 
     asyncio.run(main())
-    return out, marks
+    return events, marks
 
 
-def test_video_and_audio_frames_alternate_in_sync(livekit_run):
-    out, _ = livekit_run
-    items = [f for _, f in out if not isinstance(f, AudioSegmentEnd)]
-    videos, audios = items[0::2], items[1::2]
-    assert len(videos) > 24 * 3
-    assert all(isinstance(v, rtc.VideoFrame) and v.type == rtc.VideoBufferType.RGB24 for v in videos)
-    assert all(isinstance(a, rtc.AudioFrame) and a.sample_rate == 48_000 and a.samples_per_channel == 2_000
-               and a.num_channels == 1 for a in audios)  # each video frame's own 1/24 s of audio
-    assert len({(v.width, v.height) for v in videos}) == 1
+def test_frames_are_video_always_audio_only_while_speaking(livekit_run):
+    _, marks = livekit_run
+    out = marks["out"]
+    videos = [f for _, f in out if isinstance(f, rtc.VideoFrame)]
+    assert len(videos) > VIDEO_FPS * 4 and len({(v.width, v.height) for v in videos}) == 1
+    assert all(v.type == rtc.VideoBufferType.RGB24 for v in videos)
+    audios = [f for _, f in out if isinstance(f, rtc.AudioFrame)]
+    assert all(a.sample_rate == 48_000 and a.samples_per_channel == 2_000 and a.num_channels == 1 for a in audios)
+    assert not _audio(out[:marks["idle"]])  # listening: no audio frames, so no playback position
+    assert marks["published"] == 2  # the runner published its audio and video tracks
 
 
-def test_segment_speech_comes_out_then_segment_end(livekit_run):
-    out, marks = livekit_run
-    first = [f for _, f in out[:marks["first_done"]]]
-    assert isinstance(first[-1], AudioSegmentEnd)
-    audio = [np.frombuffer(f.data, np.int16) for f in first if isinstance(f, rtc.AudioFrame)]
-    spoken_s = sum(1 for a in audio if a.any()) / 24
-    assert spoken_s == pytest.approx(marks["first_s"], abs=0.35)  # all of it (exact zeros in pauses aside)
-    last_speech = max(i for i, a in enumerate(audio) if a.any())
-    assert len(audio) - 1 - last_speech >= 8  # the end is announced after the speech has played out
+def test_playback_starts_at_the_speech_and_its_position_is_the_speech_duration(livekit_run):
+    events, marks = livekit_run
+    out = marks["out"]
+    started = [(t, ev) for t, kind, ev in events if kind == "started"]
+    finished = [(t, ev) for t, kind, ev in events if kind == "finished"]
+    assert len(started) == 2 and len(finished) == 2  # one per segment: none while idle, none twice
+    first_audio_at, first_audio = next((t, f) for t, f in out if isinstance(f, rtc.AudioFrame))
+    assert np.frombuffer(first_audio.data, np.int16).any()  # the first counted frame is speech
+    assert abs(started[0][0] - first_audio_at) < 0.1
+    ev = finished[0][1]
+    assert not ev.interrupted
+    assert ev.playback_position == pytest.approx(marks["first_s"], abs=FRAME_S)
 
 
-def test_clear_buffer_stops_the_character(livekit_run):
-    out, marks = livekit_run
-    after = [np.frombuffer(f.data, np.int16) for _, f in out[marks["clear"]:] if isinstance(f, rtc.AudioFrame)]
-    assert sum(1 for a in after if a.any()) <= 4 * 4  # at most what was already leaving playout
-    assert not any(a.any() for a in after[-24:])  # listening again
-    spoken = [np.frombuffer(f.data, np.int16) for _, f in out[marks["first_done"]:] if isinstance(f, rtc.AudioFrame)]
-    assert sum(1 for a in spoken if a.any()) / 24 < marks["second_s"] - 1.0
+def test_the_segment_ends_when_its_speech_ends(livekit_run):
+    _, marks = livekit_run
+    first = marks["out"][:marks["second_start"]]
+    end = next(i for i, (_, f) in enumerate(first) if isinstance(f, AudioSegmentEnd))
+    last_audio = max(i for i, (_, f) in enumerate(first) if isinstance(f, rtc.AudioFrame))
+    assert end == last_audio + 1  # right after the frame that holds the last of the speech
+    assert np.frombuffer(first[last_audio][1].data, np.int16).any()
+    assert not _audio(first[end:])
+
+
+def test_clear_buffer_reports_the_interrupted_position(livekit_run):
+    events, marks = livekit_run
+    _, ev = [(t, ev) for t, kind, ev in events if kind == "finished"][1]
+    out = marks["out"]
+    heard = len(_audio(out[marks["second_start"]:])) * FRAME_S
+    assert ev.interrupted
+    assert ev.playback_position == pytest.approx(heard, abs=1e-6)  # exactly what was heard
+    assert len(_audio(out[marks["clear"]:])) <= 2  # the runner hands the clear on at its next await
+    assert ev.playback_position < marks["second_s"] - 1.0
+    assert not _audio(marks["out"][marks["cleared"]:])  # no more of it counts, or plays
+
+
+def test_the_example_exits_when_the_room_goes():
+    spec = importlib.util.spec_from_file_location("livekit_avatar", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+
+    async def main():
+        room = StandInRoom()
+        task = asyncio.create_task(example.serve(room, QueueAudioOutput(), PipelineConfig(preset="tiny"), "gone"))
+        await asyncio.sleep(0.5)
+        assert not task.done()
+        room.connected = False
+        room.emit("disconnected", "room deleted")
+        return await asyncio.wait_for(task, 60)
+
+    assert asyncio.run(main()) == "room disconnected: room deleted"

@@ -1,89 +1,153 @@
 """charstream as a LiveKit Agents avatar (optional extra ``livekit``).
 
 ``CharstreamVideoGenerator`` implements LiveKit's ``VideoGenerator`` so that LiveKit's
-``AvatarRunner`` can publish the character in a room:
+``AvatarRunner`` publishes the character in a room:
 
-    session = AvatarSession(graph, config, room_name)        # ingest.adapter = "livekit"
+    session = AvatarSession(config, room_name)        # ingest.adapter = "livekit"
     await session.start()
     runner = AvatarRunner(room, audio_recv=DataStreamAudioReceiver(room), video_gen=CharstreamVideoGenerator(session),
                           options=AvatarOptions(video_width=W, video_height=H, video_fps=24,
                                                 audio_sample_rate=48000, audio_channels=1))
 
-- ``push_audio(rtc.AudioFrame)`` → the agent's speech (any rate; ingest resamples); the first frame
-  of a segment starts a turn, ``AudioSegmentEnd`` ends it.
-- ``clear_buffer()`` (the agent was interrupted) → barge-in: queued speech is dropped and charstream
-  returns to listening within one chunk.
-- iteration yields, per 24 fps frame that playout releases, an ``rtc.VideoFrame`` (RGB24) and the
-  ``rtc.AudioFrame`` (48 kHz mono, 2,000 samples) that belongs to it; once a segment has ended and
-  its speech has played out (heard, then ``SEGMENT_END_SILENT_FRAMES`` frames of exact silence), an
-  ``AudioSegmentEnd``, so the runner reports playback finished.
+The runner does LiveKit's playback bookkeeping from what the generator yields: every
+``rtc.AudioFrame`` adds to the playback position (the agent cuts its transcript there when the
+user interrupts), the first one of a segment is ``playback_started``, ``AudioSegmentEnd`` is
+``playback_finished``. So the generator yields:
+
+- an ``rtc.VideoFrame`` (RGB24) for every 24 fps frame playout releases;
+- an ``rtc.AudioFrame`` (48 kHz mono, 2,000 samples: that frame's own audio) only for the frames
+  that play a segment's speech: from its first voiced frame through the frame that holds the last
+  of the audio the agent pushed (pauses inside the speech included, the listening frames around
+  it not), so the position is the speech's duration, rounded up to whole frames;
+- ``AudioSegmentEnd`` right after that frame, once the agent has ended the segment.
+
+``push_audio(rtc.AudioFrame)`` → the agent's speech (any rate; ingest resamples); the first frame of
+a segment starts a turn, ``AudioSegmentEnd`` ends it. ``clear_buffer()`` (the user interrupted) →
+barge-in: from that moment no more of the segment counts as played (the runner reports the
+interrupted position as what was heard), queued speech is dropped and charstream returns to
+listening within one chunk.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
+from collections import deque
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import numpy as np
 from charstream.pipeline.integrations.avatar_session import AvatarSession
 from charstream.stages.ingest.adapters import AgentAudioFrame, AgentTurnEnd, AgentTurnStart
+from charstream.stages.playout import ReleasedFrame
 from charstream.transport.messages import TurnKind
 from livekit import rtc
 from livekit.agents.voice.avatar import AudioSegmentEnd, VideoGenerator
 
-from charstream.timeline import TIMELINE_RATE
+from charstream.timeline import TIMELINE_RATE, VIDEO_FPS
 
-# Listening chunks carry exact digital silence; this many silent frames after a segment's end
-# means its speech has left playout (speech itself has no 333 ms of exact zeros).
-SEGMENT_END_SILENT_FRAMES = 8
+CLEAR_WAIT_S = 1.0  # at most this long for the runner to count a frame in flight (it pushes at 24 fps)
+
+
+@dataclass
+class _Segment:
+    """One segment of the agent's speech: how much was pushed, how much has played."""
+
+    pushed_s: float = 0.0
+    ended: bool = False  # the agent sent AudioSegmentEnd
+    played_s: float = 0.0  # frames yielded with audio
+    onset_s: float = 0.0  # where the speech starts in its first frame
+    turn_id: int | None = None  # charstream's turn, known once its first frame plays
+
+    @property
+    def heard(self) -> bool:
+        """All the pushed speech has played: the frames yielded cover onset + pushed."""
+        return self.played_s >= self.onset_s + self.pushed_s - 1e-9
 
 
 class CharstreamVideoGenerator(VideoGenerator):
     def __init__(self, session: AvatarSession) -> None:
         self._session = session
-        self._turn = 0  # the segment being pushed (0: none)
-        self._turns = 0
-        self._segment_ended = False  # a segment ended; AudioSegmentEnd not yet yielded
-        self._segment_heard = False  # speech of the current/ended segment has come out of playout
+        self._pushing: _Segment | None = None  # the segment the agent is pushing
+        self._turns = 0  # segments started (each is a charstream agent turn)
+        self._queued: deque[_Segment] = deque()  # pushed, not yet heard (bounded by the adapter's queue)
+        self._playing: _Segment | None = None
+        self._last_turn = 0  # charstream turns at or below this are done (played out or cleared)
+        self._counted = asyncio.Event()  # the runner has taken the last audio frame into its position
+        self._counted.set()
         self.frames_out = 0
 
     async def push_audio(self, frame: rtc.AudioFrame | AudioSegmentEnd) -> None:
         adapter = self._session.adapter
         if isinstance(frame, AudioSegmentEnd):
-            if self._turn:
-                await adapter.push(AgentTurnEnd(self._turn))
-                self._turn, self._segment_ended = 0, True
+            if self._pushing is not None:
+                self._pushing.ended = True
+                self._pushing = None
+                await adapter.push(AgentTurnEnd(self._turns))
             return
-        if not self._turn:
+        if self._pushing is None:
+            self._pushing = _Segment()
+            self._queued.append(self._pushing)
             self._turns += 1
-            self._turn, self._segment_heard = self._turns, False
-            await adapter.push(AgentTurnStart(self._turn))
+            await adapter.push(AgentTurnStart(self._turns))
+        self._pushing.pushed_s += frame.samples_per_channel / frame.sample_rate
         samples = np.frombuffer(frame.data, dtype=np.int16)
-        await adapter.push(AgentAudioFrame(samples, frame.sample_rate, frame.num_channels, self._turn))
+        await adapter.push(AgentAudioFrame(samples, frame.sample_rate, frame.num_channels, self._turns))
 
     async def clear_buffer(self) -> None:
+        # Before any await: the runner reads its playback position when this returns, so no frame
+        # after this moment may count as played.
+        if self._playing is not None and self._playing.turn_id is not None:
+            self._last_turn = max(self._last_turn, self._playing.turn_id)
+        self._playing, self._queued = None, deque()
+        pushing, self._pushing = self._pushing, None
+        # The runner adds a frame to its position after pushing it to the AV synchronizer: one handed
+        # out just before the clear must be counted before the runner reports (and zeroes) the position.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._counted.wait(), CLEAR_WAIT_S)
         adapter = self._session.adapter
-        # LiveKit clears the buffer when the user interrupts the agent
         await adapter.user_speech(TurnKind.USER_SPEECH_START, time.time(), interrupt=True)
-        if self._turn:
-            await adapter.push(AgentTurnEnd(self._turn, "interrupted"))
-            self._turn = 0
-        self._segment_ended = False  # the runner reports the interrupted playback itself
+        if pushing is not None:
+            await adapter.push(AgentTurnEnd(self._turns, "interrupted"))
 
     def __aiter__(self) -> AsyncIterator[rtc.VideoFrame | rtc.AudioFrame | AudioSegmentEnd]:
         return self._frames()
 
     async def _frames(self) -> AsyncIterator[rtc.VideoFrame | rtc.AudioFrame | AudioSegmentEnd]:
-        silent = 0
         async for released in self._session.frames():
             height, width = released.image.shape[:2]
             yield rtc.VideoFrame(width, height, rtc.VideoBufferType.RGB24, released.image.tobytes())
-            yield rtc.AudioFrame(released.audio.tobytes(), TIMELINE_RATE, 1, len(released.audio))
             self.frames_out += 1
-            if released.audio.any():
-                silent, self._segment_heard = 0, True
-            elif released.chunk is not None:  # a hold frame (underrun) is a pause, not the end
-                silent += 1
-            if self._segment_ended and self._segment_heard and silent >= SEGMENT_END_SILENT_FRAMES:
-                self._segment_ended = False
+            if self._plays_speech(released):
+                self._playing.played_s += 1 / VIDEO_FPS
+                self._counted.clear()
+                yield rtc.AudioFrame(released.audio.tobytes(), TIMELINE_RATE, 1, len(released.audio))
+                self._counted.set()  # asked for the next item: the runner has counted this one
+            segment = self._playing
+            # ended early: a frame past its turn means ingest dropped some of it; it has played out
+            if segment is not None and segment.ended and (segment.heard or (
+                    released.chunk is not None and not self._of_turn(released, segment))):
+                self._last_turn = max(self._last_turn, segment.turn_id)
+                self._playing = None
                 yield AudioSegmentEnd()
+
+    def _plays_speech(self, released: ReleasedFrame) -> bool:
+        """Whether this frame plays (part of) a segment's speech; the next segment starts at its
+        first voiced frame."""
+        if released.chunk is None:  # a hold frame (underrun): the speech is late, not playing
+            return False
+        segment = self._playing
+        if segment is None:
+            turn_id = released.trace.turn_id if released.trace is not None else None
+            voiced = np.flatnonzero(released.audio)
+            if not (self._queued and released.speaking and turn_id is not None and turn_id > self._last_turn
+                    and len(voiced)):
+                return False
+            segment = self._playing = self._queued.popleft()
+            segment.turn_id, segment.onset_s = turn_id, voiced[0] / TIMELINE_RATE
+        return self._of_turn(released, segment) and not segment.heard
+
+    @staticmethod
+    def _of_turn(released: ReleasedFrame, segment: _Segment) -> bool:
+        return released.speaking and released.trace is not None and released.trace.turn_id == segment.turn_id
