@@ -38,13 +38,14 @@ class GraphedDecoder:
     @torch.inference_mode()
     def _capture(self) -> None:
         saved = self.snapshot()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        # A capture stream of its own, kept (model/step.py says why: cuBLAS workspaces are per stream).
+        self.capture_stream = torch.cuda.Stream()
+        self.capture_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.capture_stream):
             for _ in range(2):
                 self._body()
-        torch.cuda.current_stream().wait_stream(stream)
-        with torch.cuda.graph(self.graph):
+        torch.cuda.current_stream().wait_stream(self.capture_stream)
+        with torch.cuda.graph(self.graph, stream=self.capture_stream):
             self.frames = self._body()
         self.restore(saved)
 

@@ -11,14 +11,11 @@ is dropped -- also a chunk whose step was already running when the rollback arri
 newer epoch than any ROLLBACK seen (the control was overtaken) rolls back implicitly to itself.
 Steps and rollbacks run one at a time in a worker thread (torch releases the GIL), so the event
 loop keeps serving heartbeats and control meanwhile; with ``diffusion.tp > 1`` the generator is
-rank 0 of a TP group (pipeline/tp_group.py) whose other ranks are processes of their own.
+rank 0 of a TP group (stages/tp_group.py) whose other ranks are processes of their own.
 
-On one CUDA device (TP = 1, bf16 model, FP8 ring) a step is the fused, CUDA-graphed
-``model.graphed_step.ShardStep``, captured once after ``reset_session``. The graph reads the ring
-pointer, time position, ring validity and window order from device tensors that ``set_inputs``
-rewrites every step, and the cache's storage is never reallocated, so the one capture stays valid
-across rollbacks (host bookkeeping only) and position resets (the delta rotation runs in place,
-outside the graph, in ``begin_frame``). Elsewhere the eager ``Generator.step`` runs.
+Every rank's step is ``model.step.DiffusionStep``: on CUDA with the bf16 model and an FP8 ring,
+the fused FP8 body as CUDA graphs (under TP with the all-reduces inside them), captured once after
+``reset_session``; on CPU the module body.
 """
 
 from __future__ import annotations
@@ -92,8 +89,7 @@ class DiffusionStage(Stage):
         self.threads = cpu_threads(config.threads) if self.device == "cpu" else None
         self.epoch = 0
         self.first_chunk: int | None = None
-        self.generator: Any = None  # model.generator.Generator or pipeline.tp_group.TPGenerator
-        self.shard_step: Any = None  # model.graphed_step.ShardStep when the step runs as a CUDA graph
+        self.generator: Any = None  # model.generator.Generator or stages.tp_group.TPGenerator
         self._limiter: anyio.CapacityLimiter | None = None
         self.stats = DiffusionStats()
 
@@ -103,8 +99,15 @@ class DiffusionStage(Stage):
         self.metrics = SessionMetrics(ctx.session_id)  # this process's registry (pipeline/metrics.py)
         path = await anyio.to_thread.run_sync(self._load, limiter=self._limiter)
         log = ctx.log.info if path else ctx.log.warning
+        step = self.diffusion_step
         log("diffusion_ready", preset=self.preset, device=self.device, dtype=self.dtype, tp=self.tp,
-            fp8_cache=self.fp8, weights=path or "random", graphed_step=self.shard_step is not None)
+            fp8_cache=self.fp8, weights=path or "random", fused_step=step.fused, graphed_step=step.graphed)
+
+    @property
+    def diffusion_step(self):
+        """Rank 0's ``model.step.DiffusionStep``."""
+        gen = self.generator
+        return (gen.generator if self.tp > 1 else gen).diffusion
 
     def _load(self) -> str | None:
         import torch
@@ -114,25 +117,22 @@ class DiffusionStage(Stage):
             torch.set_num_threads(self.threads)
         path = resolve_weights(self.preset, self.weights)
         dtype = getattr(torch, self.dtype)
+        step = {"graphed": None if self.graphed else False}  # None: graphed wherever the fused body runs on CUDA
+        if self.gathered is not None:
+            step["prefer_gathered"] = self.gathered
         if self.tp > 1:
             from charstream.stages.tp_group import TPGenerator
 
             devices = self.devices or (
                 [self.device] * self.tp if self.device == "cpu" else [f"cuda:{i}" for i in range(self.tp)])
             self.generator = TPGenerator(self.cfg, self.tp, devices, path, self.fp8, dtype, self.seed,
-                                         fused_gemm_all_reduce=self.fused_all_reduce)
+                                         fused_gemm_all_reduce=self.fused_all_reduce, **step)
         else:
             from charstream.model.generator import Generator
 
-            self.generator = Generator(self.cfg, path, self.device, None, dtype, self.fp8, seed=self.seed)
+            self.generator = Generator(self.cfg, path, self.device, None, dtype, self.fp8, seed=self.seed, **step)
         self.reference = reference_latent(self.preset, path, self.identity, self.device)
         self.generator.reset_session(self.reference)
-        if self.graphed and self.tp == 1 and self.device.startswith("cuda") and self.fp8 and self.dtype == "bfloat16":
-            from charstream.model.graphed_step import GATHERED_BY_DEFAULT, ShardStep
-
-            gathered = GATHERED_BY_DEFAULT if self.gathered is None else self.gathered
-            self.shard_step = ShardStep(self.generator.model, self.generator.cache, prefer_gathered=gathered)
-            self.shard_step.capture()
         return path
 
     def _step(self, audio_tokens: np.ndarray, frame: int, seed: int, rewind: bool) -> np.ndarray:
@@ -140,8 +140,7 @@ class DiffusionStage(Stage):
 
         if rewind:  # an implicit rollback: the chunk's epoch is ahead of any ROLLBACK seen
             self._rewind_to(frame)
-        step = self.shard_step.step if self.shard_step is not None else self.generator.step
-        latent = step(torch.from_numpy(np.array(audio_tokens, dtype=np.float32)), seed)
+        latent = self.generator.step(torch.from_numpy(np.array(audio_tokens, dtype=np.float32)), seed)
         return latent.float().cpu().numpy()
 
     def _rewind_to(self, frame: int) -> None:
@@ -216,4 +215,4 @@ class DiffusionStage(Stage):
         close = getattr(self.generator, "close", None)
         if close is not None:
             await anyio.to_thread.run_sync(close)
-        self.generator = self.shard_step = None
+        self.generator = None

@@ -1,7 +1,9 @@
 """The diffusion tensor-parallel group: one process per rank, rank 0 in the diffusion stage's process.
 
-Rank 0 does all ZeroMQ I/O. Every generator call it makes (reset, step, rollback) is first
-broadcast to the other ranks as a small int64 header plus its tensor payload, so all ranks run the
+Rank 0 does all ZeroMQ I/O. Every rank runs the same ``model.step.DiffusionStep`` (on CUDA with a
+bf16 model and an FP8 ring: the fused body as CUDA graphs, the all-reduces inside them; every rank
+captures at the same broadcast reset, so the recorded collectives match). Every generator call
+rank 0 makes (reset, step, rollback) is first broadcast to the other ranks as a small int64 header plus its tensor payload, so all ranks run the
 same collectives in the same order; only rank 0's result is used. Workers are spawned processes
 that die with rank 0 (PDEATHSIG), and a worker that dies makes rank 0's next collective fail, which
 ends the session with an error naming the diffusion stage (docs/ARCHITECTURE.md, Processes).
@@ -24,12 +26,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from charstream.model.config import ModelConfig
-from charstream.model.generator import Generator
+from charstream.model.generator import Generator, fused_by_default
+from charstream.model.step import GATHERED_BY_DEFAULT
 from charstream.transport.supervisor import die_with_parent
 
 _RESET, _STEP, _ROLLBACK, _STOP = range(4)
 # Multicast over NVLink stays off on shared hosts (the lent machines' rule): it can take GPUs down.
-_NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 @dataclass(frozen=True)
@@ -42,7 +45,10 @@ class RankSpec:
     fp8_cache: bool
     dtype: torch.dtype
     seed: int
-    fused_rows: int | None  # steady-state rows for the fused GEMM + all-reduce; None = off
+    fused: bool  # the step's fused FP8 body
+    graphed: bool | None  # the fused body as CUDA graphs (None: whenever fused on CUDA)
+    prefer_gathered: bool
+    fused_rows: int | None  # module body: steady-state rows for the overlapped GEMM + all-reduce; None = off
 
 
 def _backend(device: str) -> str:
@@ -56,7 +62,8 @@ def _join(spec: RankSpec, rank: int) -> Generator:
     # A bounded timeout: a rank that vanished mid-collective fails the step instead of hanging it.
     dist.init_process_group(_backend(device), init_method=spec.init_method, rank=rank, world_size=spec.world,
                             timeout=timedelta(seconds=60))
-    gen = Generator(spec.cfg, spec.weights, device, dist.group.WORLD, spec.dtype, spec.fp8_cache, seed=spec.seed)
+    gen = Generator(spec.cfg, spec.weights, device, dist.group.WORLD, spec.dtype, spec.fp8_cache, seed=spec.seed,
+                    fused=spec.fused, graphed=spec.graphed, prefer_gathered=spec.prefer_gathered)
     if spec.fused_rows is not None:
         from charstream.model.tp import fuse_output_all_reduce
 
@@ -109,16 +116,26 @@ class TPGenerator:
         fp8_cache: bool = True,
         dtype: torch.dtype = torch.float32,
         seed: int = 0,
+        fused: bool | None = None,
+        graphed: bool | None = None,
+        prefer_gathered: bool = GATHERED_BY_DEFAULT,
         fused_gemm_all_reduce: bool = False,
     ) -> None:
+        """``fused``, ``graphed``, ``prefer_gathered``: as ``Generator`` takes them, for every rank.
+        ``fused_gemm_all_reduce``: the module body's overlapped output projection (model/tp.py)."""
         cfg.validate(world)
         devices = devices or ["cpu"] * world
         if len(devices) != world:
             raise ValueError(f"TP world {world} needs {world} devices, got {devices}")
-        os.environ.update(_NO_MULTICAST)
+        os.environ.update(NO_MULTICAST)
+        fused = fused_by_default(devices[0], dtype, fp8_cache) if fused is None else fused
+        if fused and fused_gemm_all_reduce:
+            raise ValueError("the overlapped GEMM + all-reduce (fused_gemm_allreduce) replaces the module body's "
+                             "output projection; the fused FP8 step has its own (GEMM, then the all-reduce)")
         fused_rows = cfg.tokens_per_step if fused_gemm_all_reduce else None
         self.spec = RankSpec(cfg, world, tuple(devices), f"tcp://127.0.0.1:{_free_port()}",
-                             str(weights) if weights else None, fp8_cache, dtype, seed, fused_rows)
+                             str(weights) if weights else None, fp8_cache, dtype, seed, fused, graphed,
+                             prefer_gathered, fused_rows)
         ctx = mp.get_context("spawn")
         self.workers = [ctx.Process(target=_worker, args=(r, self.spec, os.getpid()), daemon=True,
                                     name=f"diffusion-tp{r}") for r in range(1, world)]

@@ -33,7 +33,7 @@ def _conditioning(chunk: int, epoch: int, speech: bool) -> Conditioning:
 
 
 async def _session(idle_chunks: int, rollback_to: int | None, device: str = "cpu") -> tuple[DiffusionStage, list[Latents]]:
-    # CPU: the eager generator with a bf16 ring; CUDA: the defaults there (FP8 ring, graphed step)
+    # CPU: the module body with a fp32 ring; CUDA: the defaults there (FP8 ring: the fused step, graphed)
     config = DiffusionConfig(device=device, seed=7, fp8_cache=False if device == "cpu" else None)
     stage, out = DiffusionStage(config, "tiny", weights=None), []
     ctx = _context(out)
@@ -59,7 +59,7 @@ def test_rollback_regenerates_the_chunks_never_played(device):
         return rolled, out, straight, expected
 
     rolled, out, straight, expected = anyio.run(main)
-    assert (rolled.shard_step is not None) == (device == "cuda")
+    assert rolled.diffusion_step.graphed == rolled.diffusion_step.fused == (device == "cuda")
     assert [m.chunk for m in out] == [0, 1, 2, 3, 4, 3, 4]
     assert [m.epoch for m in out] == [0, 0, 0, 0, 0, 1, 1]
     assert rolled.stats.stale == 1 and rolled.stats.rollbacks == 1 and rolled.stats.context_lost == 0

@@ -1,16 +1,18 @@
-"""The fused, CUDA-graphed step and decoder against the model's own eager paths (tiny preset, GPU).
-
-Skipped without CUDA; run through the device tool (docs/gpu-notes.md)."""
+"""The diffusion step's fused body, eager and CUDA-graphed, against the module body, alone and under
+TP (NCCL at world size 1: the collectives inside the graph), and the graphed decoder against the
+eager one (tiny preset, GPU). Skipped without CUDA; run through the device tool (docs/gpu-notes.md)."""
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 import torch
+import torch.distributed as dist
 from charstream.kernels.fp8 import FP8_DTYPE
 from charstream.model.config import TINY
 from charstream.model.generator import Generator
 from charstream.model.graphed_decoder import GraphedDecoder
-from charstream.model.graphed_step import ShardStep
 from charstream.model.sampler import seeded_noise
 from charstream.model.vae import Decoder, to_uint8_frames
 
@@ -21,54 +23,95 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-class _Saved:
-    """The cache's whole state, to run one step several ways from the same start."""
-
-    def __init__(self, cache) -> None:
-        self.cache = cache
-        self.tensors = [t.clone() for t in (cache.k, cache.v, cache.saturated, cache.ring_valid)]
-        self.host = (list(cache.slot_frame), cache.offset, cache.next_frame)
-
-    def restore(self) -> None:
-        c = self.cache
-        for dst, src in zip((c.k, c.v, c.saturated, c.ring_valid), self.tensors, strict=True):
-            dst.copy_(src)
-        c.slot_frame, c.offset, c.next_frame = list(self.host[0]), self.host[1], self.host[2]
+def _generator(cfg=TINY, **kwargs) -> Generator:
+    # the same seeded random weights in every generator of a test
+    return Generator(cfg, None, "cuda", dtype=torch.bfloat16, fp8_cache=True, seed=3, **kwargs)
 
 
 @pytest.mark.parametrize("context_frames", [2, TINY.window_frames + 2])
-def test_shard_step_matches_model_and_graph_matches_eager(context_frames):
+def test_fused_step_matches_module_body_and_graph_matches_eager(context_frames):
     """2 frames of context: in-place ring attention; a full window: the gathered (cuDNN) attention."""
-    gen = Generator(TINY, None, "cuda", dtype=torch.bfloat16, fp8_cache=True, seed=3)
     shape = (TINY.latent_channels, TINY.latent_height, TINY.latent_width)
-    gen.reset_session(torch.randn(shape, device="cuda"))
-    for s in range(context_frames):
-        gen.step(torch.randn(TINY.n_audio_tokens, TINY.audio_dim, device="cuda"), seed=s)
-    saved = _Saved(gen.cache)
-    audio = torch.randn(TINY.n_audio_tokens, TINY.audio_dim, device="cuda")
-    noise = seeded_noise(shape, 11).cuda()
+    g = torch.Generator().manual_seed(0)
+    reference = torch.randn(shape, generator=g)
+    audio = [torch.randn(TINY.n_audio_tokens, TINY.audio_dim, generator=g) for _ in range(context_frames + 1)]
+    out, keys = {}, {}
+    for mode in ("module", "eager", "graphed"):
+        gen = _generator(fused=mode != "module", graphed=mode == "graphed")
+        gen.reset_session(reference)
+        if mode == "graphed":
+            assert len(gen.diffusion.graphs) == 2  # ring and gathered attention, captured at the reset
+        out[mode] = [gen.step(a, seed=s) for s, a in enumerate(audio)]
+        if mode != "module":
+            assert gen.diffusion.gathered == (context_frames >= TINY.window_frames)
+        keys[mode] = gen.cache.k
+        assert gen.cache.k.dtype == FP8_DTYPE
+    for got, want in zip(out["graphed"], out["eager"], strict=True):
+        assert torch.equal(got, want)
+    assert torch.equal(keys["graphed"].view(torch.uint8), keys["eager"].view(torch.uint8))
+    # FP8 weights and activations against the module's bf16 GEMMs: a few % on what the model adds
+    noise = seeded_noise(shape, context_frames).cuda()
+    assert _rel(out["eager"][-1] - noise, out["module"][-1] - noise) < 0.05
+    assert _rel(keys["eager"].float(), keys["module"].float()) < 0.1
 
-    ref = gen.step(audio, 11)
-    ref_k = gen.cache.k.clone()
-    saved.restore()
 
-    step = ShardStep(gen.model, gen.cache, prefer_gathered=True)
-    step.capture()
-    assert torch.equal(gen.cache.k.view(torch.uint8), saved.tensors[0].view(torch.uint8))  # capture left no trace
-    eager = step.step(audio, 11, graphed=False)
-    assert step.gathered == (context_frames >= TINY.window_frames)
-    eager_k = gen.cache.k.clone()
-    saved.restore()
-    graphed = step.step(audio, 11, graphed=True)
+def _session(gen: Generator, audio: list[torch.Tensor]) -> list[torch.Tensor]:
+    """10 steps, a rollback of 3, 7 more: with reset_every=2, position resets before and after it."""
+    gen.reset_session(torch.randn(gen.cfg.latent_channels, gen.cfg.latent_height, gen.cfg.latent_width,
+                                  generator=torch.Generator().manual_seed(1)))
+    out = [gen.step(audio[i], i) for i in range(10)]
+    assert gen.rollback(3) == 0
+    out += [gen.step(audio[i], 100 + i) for i in range(7, 14)]
+    assert gen.cache.offset > 0  # position resets happened
+    return out
 
-    assert torch.equal(graphed, eager)
-    assert torch.equal(gen.cache.k.view(torch.uint8), eager_k.view(torch.uint8))
-    # FP8 weights and activations against the model's bf16 GEMMs: a few % on what the model adds
-    assert _rel(eager - noise, ref - noise) < 0.05
-    assert gen.cache.k.dtype == FP8_DTYPE
-    pos = context_frames % gen.cache.ring_frames
-    frame = slice(gen.cache.sink_slots + pos * gen.cache.tokens_per_frame, gen.cache.sink_slots + (pos + 1) * gen.cache.tokens_per_frame)
-    assert _rel(eager_k[:, :, frame].float(), ref_k[:, :, frame].float()) < 0.1
+
+def test_graphed_step_stays_valid_across_rollback_and_position_reset():
+    """One capture serves a whole session: graph replays equal the eager fused step through a
+    rollback and position resets (delta rotations outside the graph)."""
+    cfg = TINY.with_(reset_every=2)
+    audio = [torch.randn(cfg.n_audio_tokens, cfg.audio_dim) for _ in range(14)]
+    graphed = _session(_generator(cfg, fused=True, graphed=True), audio)
+    eager = _session(_generator(cfg, fused=True, graphed=False), audio)
+    for got, want in zip(graphed, eager, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_graphed_step_under_tp_keeps_its_all_reduces_inside_the_graph(monkeypatch):
+    """NCCL at world size 1 on the one GPU: the TP step's graph replays equal its eager runs and the
+    step without a group, through a rollback and position resets; the eager step calls one
+    all-reduce per block per pass, the graphed step none from Python (they replay in the graph)."""
+    cfg = TINY.with_(reset_every=2)
+    audio = [torch.randn(cfg.n_audio_tokens, cfg.audio_dim) for _ in range(14)]
+    calls = []
+    all_reduce = dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        calls.append(tensor.shape)
+        return all_reduce(tensor, *args, **kwargs)
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            device_id=torch.device("cuda:0"))
+    monkeypatch.setattr(dist, "all_reduce", counting)
+    try:
+        runs = {}
+        for graphed in (True, False):
+            gen = _generator(cfg, tp_group=dist.group.WORLD, fused=True, graphed=graphed)
+            gen.reset_session(torch.zeros(cfg.latent_channels, cfg.latent_height, cfg.latent_width))
+            calls.clear()
+            gen.step(audio[0], 0)
+            runs[graphed] = (len(calls), _session(gen, audio))
+        alone = _session(_generator(cfg, fused=True, graphed=True), audio)
+    finally:
+        dist.destroy_process_group()
+    assert runs[True][0] == 0
+    assert runs[False][0] == 4 * cfg.n_blocks
+    for graphed, eager, single in zip(runs[True][1], runs[False][1], alone, strict=True):
+        assert torch.equal(graphed, eager)
+        assert torch.equal(graphed, single)  # a one-rank all-reduce is the identity
 
 
 def test_graphed_decoder_matches_eager_over_chunks():
@@ -85,29 +128,6 @@ def test_graphed_decoder_matches_eager_over_chunks():
         got = graphed.decode(latent).int()
         assert got.shape == want.shape == (TINY.frames_per_chunk, TINY.height, TINY.width, 3)
         assert (got - want).abs().max() <= 2 and (got != want).float().mean() < 0.01
-
-
-def test_graphed_step_stays_valid_across_rollback_and_position_reset():
-    """One capture serves a whole session: graph replays equal the eager fused step through a
-    rollback and two position resets (delta rotations outside the graph)."""
-    cfg = TINY.with_(reset_every=2)
-    shape = (cfg.latent_channels, cfg.latent_height, cfg.latent_width)
-    reference = torch.randn(shape, device="cuda")
-    audio = [torch.randn(cfg.n_audio_tokens, cfg.audio_dim) for _ in range(14)]
-    latents = {}
-    for graphed in (True, False):
-        gen = Generator(cfg, None, "cuda", dtype=torch.bfloat16, fp8_cache=True, seed=3)
-        gen.reset_session(reference)
-        step = ShardStep(gen.model, gen.cache, prefer_gathered=True)
-        if graphed:
-            step.capture()
-        out = [step.step(audio[i], i, graphed=graphed) for i in range(10)]
-        assert gen.rollback(3) == 0
-        out += [step.step(audio[i], 100 + i, graphed=graphed) for i in range(7, 14)]
-        assert gen.cache.offset > 0  # position resets happened
-        latents[graphed] = out
-    for got, want in zip(latents[True], latents[False], strict=True):
-        assert torch.equal(got, want)
 
 
 def test_graphed_decoder_decode_chunk_rolls_back_to_a_kept_state():

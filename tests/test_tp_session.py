@@ -1,6 +1,7 @@
 """Multi-rank diffusion on CPU (gloo, spawned processes): the TP group driven by rank 0 produces the
-same frames as TP=1, with and without the overlapped GEMM + all-reduce, and the overlapped
-decomposition equals GEMM-then-all-reduce on fresh random inputs."""
+same frames as TP=1 -- the module body with and without the overlapped GEMM + all-reduce, and the
+fused FP8 step every GPU rank runs -- and the overlapped decomposition equals GEMM-then-all-reduce
+on fresh random inputs."""
 
 from __future__ import annotations
 
@@ -38,22 +39,27 @@ def single_rank(tmp_path_factory):
     path = tmp_path_factory.mktemp("w") / "tp.safetensors"
     save_weights(DiT(CFG).init_random_(seed=7), path)
     vae = VideoVAE(CFG).eval()
-    frames, latents = _frames(Generator(CFG, weights=path), vae)
-    return path, vae, frames, latents
+    one = {fused: _frames(Generator(CFG, weights=path, fused=fused), vae) for fused in (False, True)}
+    return path, vae, one
 
 
-@pytest.mark.parametrize("world,fused", [(2, False), (4, True)])
-def test_tp_group_produces_the_frames_of_one_rank(single_rank, world, fused):
-    path, vae, frames, latents = single_rank
-    group = TPGenerator(CFG, world, weights=path, fused_gemm_all_reduce=fused)
+# (TP size, the fused FP8 step, the module body's overlapped output projection); the fused step's
+# FP8 rows are quantised per rank, so it matches TP=1 within FP8 rounding (tests/test_model_tp.py).
+@pytest.mark.parametrize("world,fused,overlapped,tolerance", [(2, False, False, 1e-4), (4, False, True, 1e-4),
+                                                               (2, True, False, 1e-3)])
+def test_tp_group_produces_the_frames_of_one_rank(single_rank, world, fused, overlapped, tolerance):
+    path, vae, one = single_rank
+    frames, latents = one[fused]
+    group = TPGenerator(CFG, world, weights=path, fused=fused, fused_gemm_all_reduce=overlapped)
     try:
+        assert group.generator.diffusion.fused == fused
         tp_frames, tp_latents = _frames(group, vae)
-        if fused:
+        if overlapped:
             assert group.generator.fused_all_reduce.nbytes == CFG.tokens_per_step * CFG.dim * 4
     finally:
         group.close()
     rel = (tp_latents - latents).norm() / latents.norm()
-    assert rel < 1e-4, f"TP={world} latents differ from TP=1 by {rel:.2e}"
+    assert rel < tolerance, f"TP={world} latents differ from TP=1 by {rel:.2e}"
     assert tp_frames.shape == frames.shape
     assert (tp_frames.int() - frames.int()).abs().max() <= 1  # reduction order only
 
@@ -104,3 +110,8 @@ def test_fused_path_refuses_an_unsharded_model():
 
     with pytest.raises(ValueError, match="sharded"):
         fuse_output_all_reduce(DiT(CFG), CFG.tokens_per_step)
+
+
+def test_overlapped_all_reduce_is_refused_with_the_fused_step():
+    with pytest.raises(ValueError, match="fused FP8 step"):
+        TPGenerator(CFG, 2, fused=True, fused_gemm_all_reduce=True)

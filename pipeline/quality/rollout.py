@@ -53,7 +53,7 @@ class GateConfig:
     weights: str | None = None  # default: the packaged model/assets/tiny.safetensors
     device: str = "cpu"
     identity: int = 0  # the character every clip is generated with (the demo's)
-    graphed: bool = False  # CUDA only: the step as one CUDA graph (model/graphed_step.py), as the GPU demo runs
+    graphed: bool = False  # CUDA only: the step as CUDA graphs (model/step.py), as the GPU demo runs
 
     def __post_init__(self) -> None:
         if self.cache not in CACHES:
@@ -136,7 +136,8 @@ class Rollout:
         if config.cache == "naive":
             self.gen = NaiveGenerator(build_model(self.cfg, weights, device, torch.float32))
         else:
-            self.gen = Generator(self.cfg, weights, device, dtype=dtype, fp8_cache=config.fp8)
+            self.gen = Generator(self.cfg, weights, device, dtype=dtype, fp8_cache=config.fp8,
+                                 fused=config.graphed, graphed=config.graphed)
             if config.fault:
                 _break_ring(self.gen, config.fault)
 
@@ -150,15 +151,8 @@ class Rollout:
         out = []
         with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.autocast):
             self.gen.reset_session(ref_latent)
-            step = self.gen.step
-            if self.config.graphed:
-                from charstream.model.graphed_step import ShardStep
-
-                shard = ShardStep(self.gen.model, self.gen.cache)
-                shard.capture()
-                step = shard.step
             for n in range(len(audio) // SAMPLES_PER_CHUNK):
-                out.append(step(tokens[n], seed=seed * 1_000_003 + n).float())
+                out.append(self.gen.step(tokens[n], seed=seed * 1_000_003 + n).float())
         return torch.stack(out)
 
     @torch.inference_mode()

@@ -1,0 +1,310 @@
+"""The diffusion step of one TP rank: 4 sampler passes of the DiT over the KV ring, the last pass's K/V kept.
+
+    step = DiffusionStep(model, cache, tp_group, fused=True, graphed=True)
+    step.reset_session(reference_latent)   # the sink pass (eager), then the graphs are captured once
+    latent = step.step(audio_tokens, seed) # one chunk
+    step.rollback(k)                       # turn-start rollback: forget the last k frames
+
+Every rank of every deployment runs this object: ``model/generator.py`` builds it for one rank,
+``stages/tp_group.py`` on every rank of a TP group, ``charstream bench gpu`` times it. Two bodies
+compute the velocity of one pass; everything else (inputs, sampler, cache bookkeeping, rollback,
+position reset, the TP group) is shared:
+
+- the module body: ``DiT.forward`` over the ring (``RingSelfAttention``) in the model's dtype -- the
+  CPU serving path; under TP the block's all-reduce is ``w_out``'s forward hook (model/tp.py);
+- the fused body (``fused=True``): FP8 GEMMs and fused kernels through the kernels' entry points,
+  per block-pass
+
+    adaln_quant     residual x += gate * out (previous block), LayerNorm, adaLN, FP8 rows   1 launch
+    w_in            FP8 GEMM -> fused [q | k | v | cross-q | mlp-up]                       1 launch
+    ring_write_prep QK-norms, RoPE(q) in place, RoPE(k) + FP8 + ring write of K and V,
+                    cross-q norm in place, saturation count                               1 launch
+    attention       q over sink + valid ring, written over the spent v columns: in place
+                    over the FP8 ring while the window fills, then the window dequantised
+                    into bf16 + cuDNN SDPA (``gathered``, faster on an H200)             1-4 launches
+    cross attention cross-q over the step's audio K/V, written over the cross-q columns    1 launch
+    quantize_rows   GELU on the mlp columns + FP8 rows of [attn | cross | mlp]             1 launch
+    w_out           FP8 GEMM, then the block's one all-reduce under TP                     1-2 launches
+
+  so [attn | cross | mlp] is the fused buffer's tail and nothing is concatenated. On CUDA it runs
+  eagerly or (``graphed``) as one CUDA graph per attention mode, the all-reduces inside the graph
+  (NCCL collectives are capturable); on CPU it runs eagerly on the kernels' PyTorch references,
+  which is how the CPU tests check its collectives.
+
+Everything that moves between steps -- ring write pointer, time position, ring validity, window
+order, noise, audio -- lives in device tensors the graph reads, and the cache's storage is never
+reallocated, so one capture serves a whole session: rollbacks are host bookkeeping, and the
+position reset's delta rotation runs in place, outside the graph, in ``KVCache.begin_frame``. The
+sink pass (``sink_frames`` frames, a shape no other step has) always runs eagerly through
+``DiT.forward``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from charstream.kernels.adaln_quant import adaln_quant
+from charstream.kernels.quantize_rows import quantize_rows
+from charstream.kernels.ring_attention import ring_attention, ring_attention_gathered, ring_attention_triton
+from charstream.kernels.ring_write import ring_write_prep_reference, ring_write_prep_triton
+from charstream.kernels.rope import complex_rotation, rope_rotation, rotate_complex
+from charstream.model.cache import KVCache
+from charstream.model.dit import DiT
+from charstream.model.fp8_linear import Fp8Linear
+from charstream.model.rope import frame_positions
+from charstream.model.sampler import sample, seeded_noise
+
+# The ring attention's launch options on an H200 (block shapes, pipelining, FP8 or fp16 products):
+# the fastest correct entry of the bench's sweep (docs/gpu-notes.md); kernels/ring_attention.py's
+# defaults are the same shapes.
+ATTENTION_OPTIONS = {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 2, "qk_fp8": False}
+# The gathered (cuDNN) attention once the window is full: faster on the H200 in run 3 (132.5 vs
+# 149.9 ms per TP=3 step) with its GPU tests passing (docs/gpu-runs/2026-11-29-run3-*).
+GATHERED_BY_DEFAULT = True
+
+
+class RingSelfAttention:
+    """The module body's self-attention of one frame (or the sink) through the ring: write K/V, attend in place."""
+
+    def __init__(self, cache: KVCache, positions: torch.Tensor) -> None:
+        self.cache, self.positions = cache, positions
+        # RoPE of the queries and keys of every layer, built once per step (the CUDA ring-write kernel
+        # rotates the keys itself and ignores it); one complex multiply rotates a tensor.
+        self.rotation = complex_rotation(rope_rotation(positions, cache.freqs))
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        shape = q.shape  # (1, F, T, H, D)
+        q, k, v = (t.reshape(-1, *shape[-2:]) for t in (q, k, v))
+        self.cache.write(layer, k, v, self.positions, self.rotation)
+        return self.cache.attend(layer, rotate_complex(q, self.rotation).to(q.dtype)).reshape(shape)
+
+
+class DiffusionStep:
+    def __init__(
+        self,
+        model: DiT,
+        cache: KVCache,
+        tp_group: dist.ProcessGroup | None = None,
+        fused: bool = False,
+        graphed: bool = False,
+        attention_options: dict | None = None,
+        prefer_gathered: bool = GATHERED_BY_DEFAULT,
+    ) -> None:
+        cfg = model.cfg
+        dev = cache.k.device
+        if graphed and not (fused and dev.type == "cuda"):
+            raise ValueError("a graphed step needs the fused body on a CUDA device")
+        self.model, self.cache, self.cfg, self.tp_group = model, cache, cfg, tp_group
+        self.fused, self.graphed = fused, graphed
+        self.device = dev
+        dtype = model.head.weight.dtype
+        t, a = cfg.tokens_per_step, cfg.n_audio_tokens
+        # The step's inputs (written before each run; the graph reads them) and its output.
+        self.noise = torch.zeros(1, 1, cfg.latent_channels, cfg.latent_height, cfg.latent_width, device=dev)
+        self.audio = torch.zeros(1, 1, a, cfg.audio_dim, device=dev)
+        self.positions = frame_positions(0, cfg.grid, a, dev)
+        self.slot = torch.zeros((), dtype=torch.int64, device=dev)
+        self.latent = torch.zeros_like(self.noise)
+        self.graphs: dict[bool, torch.cuda.CUDAGraph] = {}
+        self.gathered = False  # the attention mode of the next run (fused body), set by set_inputs
+        self._session = False
+        if not fused:
+            return
+        block = model.blocks[0]
+        self.n_heads, self.head_dim = block.n_heads, block.head_dim
+        self.hd = self.n_heads * self.head_dim
+        self.attention_options = dict(ATTENTION_OPTIONS if attention_options is None else attention_options)
+        self.w_in = [Fp8Linear.from_weight(b.w_in.weight) for b in model.blocks]
+        self.w_out = [Fp8Linear.from_weight(b.w_out.weight) for b in model.blocks]
+        self.norms = [(b.q_norm.weight, b.k_norm.weight, b.cross_q_norm.weight) for b in model.blocks]
+        with torch.inference_mode():  # per level: every block's (shift, scale, gate), the final (shift, scale)
+            self.mods, self.final_mods = model.level_modulations(torch.tensor(cfg.noise_levels, device=dev))
+        self.level_index = {sigma: i for i, sigma in enumerate(cfg.noise_levels)}
+        self.x = torch.zeros(t, cfg.dim, dtype=dtype, device=dev)  # the residual stream
+        self.ones = torch.ones(self.n_heads, device=dev)  # unit scales: the cross K/V are plain bf16
+        self.no_ring = torch.zeros(0, dtype=torch.bool, device=dev)
+        # The gathered attention (CUDA: a Triton gather + cuDNN) once the window is full: ring
+        # positions of its frames, and the per-layer scratch window it fills.
+        self.prefer_gathered = prefer_gathered and dev.type == "cuda"
+        self.frame_order = torch.zeros(cfg.window_frames, dtype=torch.int32, device=dev)
+        win = (self.n_heads, cache.sink_slots + cfg.window_frames * t, self.head_dim)
+        self.window = (torch.empty(win, dtype=dtype, device=dev), torch.empty(win, dtype=dtype, device=dev))
+
+    @property
+    def next_frame(self) -> int:
+        """Index (since the session's start) of the frame the next ``step`` generates."""
+        return self.cache.next_frame
+
+    def _latent_shape(self) -> tuple[int, int, int]:
+        return self.cfg.latent_channels, self.cfg.latent_height, self.cfg.latent_width
+
+    # -- the session --------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def reset_session(self, reference_latent: torch.Tensor) -> None:
+        """Start a session: the reference latent (C, h, w) becomes the sink frame(s), clean (sigma 0).
+        A graphed step captures its graphs after the first sink pass."""
+        cfg, dev = self.cfg, self.device
+        if tuple(reference_latent.shape[-3:]) != self._latent_shape():
+            raise ValueError(f"reference latent has shape {tuple(reference_latent.shape)}, expected {self._latent_shape()}")
+        ref = reference_latent.to(dev).reshape(1, 1, *self._latent_shape()).expand(1, cfg.sink_frames, -1, -1, -1)
+        audio = torch.zeros(1, cfg.sink_frames, cfg.n_audio_tokens, cfg.audio_dim, device=dev)
+        positions = torch.cat([frame_positions(t, cfg.grid, cfg.n_audio_tokens, dev) for t in range(cfg.sink_frames)])
+        # The sampler's levels are fixed and the weights too within a session: their adaLN once.
+        self._modulations = {s: self.model.modulation(torch.full((1, 1), s, device=dev)) for s in cfg.noise_levels}
+        self._sigmas = {s: torch.full((1, 1), s, device=dev) for s in cfg.noise_levels}
+        self.cache.reset()
+        self.cache.begin_sink()
+        self.model(ref, torch.zeros(1, cfg.sink_frames, device=dev), audio, RingSelfAttention(self.cache, positions))
+        self._session = True
+        if self.graphed and not self.graphs:
+            self.capture()
+
+    @torch.inference_mode()
+    def step(self, audio_tokens: torch.Tensor, seed: int) -> torch.Tensor:
+        """Generate the next latent frame (C, h, w), float32, from audio tokens (n_audio_tokens, audio_dim)."""
+        cfg = self.cfg
+        if not self._session:
+            raise RuntimeError("step() before reset_session(): the sink frame is not written")
+        if tuple(audio_tokens.shape) != (cfg.n_audio_tokens, cfg.audio_dim):
+            raise ValueError(f"audio tokens have shape {tuple(audio_tokens.shape)}, expected {(cfg.n_audio_tokens, cfg.audio_dim)}")
+        _, t = self.cache.begin_frame()
+        self.set_inputs(audio_tokens, seeded_noise(self.noise.shape, seed), t)
+        latent = self.run()[0, 0].clone()
+        self.cache.end_frame()
+        return latent
+
+    def rollback(self, k: int) -> int:
+        """Forget the last ``k`` generated frames; returns how many context frames could not be restored
+        (0 when ``k`` <= cfg.rollback_frames: then regenerating equals never having generated them)."""
+        return self.cache.rollback(k)
+
+    # -- one run on the current inputs ----------------------------------------------------------------
+
+    @torch.inference_mode()
+    def set_inputs(self, audio_tokens: torch.Tensor, noise: torch.Tensor, time_position: int) -> None:
+        """Load one step's inputs into the step's buffers (the ring pointer comes from the cache, after
+        its ``begin_frame``) and pick the attention mode: gathered once the whole window is valid."""
+        cache = self.cache
+        self.audio.copy_(audio_tokens.reshape(self.audio.shape))
+        self.noise.copy_(noise.reshape(self.noise.shape))
+        self.positions[:, 0].fill_(time_position)
+        self.slot.fill_(cache.write_start)
+        if not self.fused:
+            return
+        frame = cache.next_frame
+        oldest = frame - self.cfg.window_frames + 1
+        order = [pos for pos, f in enumerate(cache.slot_frame) if f is not None and oldest <= f <= frame]
+        self.gathered = self.prefer_gathered and len(order) == self.cfg.window_frames
+        if self.gathered:
+            self.frame_order.copy_(torch.tensor(order, dtype=torch.int32))
+
+    @torch.inference_mode()
+    def run(self, graphed: bool | None = None) -> torch.Tensor:
+        """One step on the current inputs; returns the latent buffer (1, 1, C, h, w). ``graphed``:
+        replay the captured graph (default: the step's mode) or run the body eagerly."""
+        if self.graphed if graphed is None else graphed:
+            if not self.graphs:
+                raise RuntimeError("a graphed run before capture()")
+            self.graphs[self.gathered].replay()
+        else:
+            self._body()
+        return self.latent
+
+    @torch.inference_mode()
+    def capture(self, warmup: int = 2) -> None:
+        """Record the fused body as CUDA graphs, one per attention mode (after warm-up runs on a side
+        stream, as PyTorch asks; they also create a TP group's NCCL communicator before capture).
+
+        Every rank of a TP group captures at the same call (``reset_session``), so the collectives
+        recorded match. The warm-up runs write ring slots at the current pointer; those slots and
+        the saturation count are restored afterwards, so capturing mid-session changes nothing."""
+        cache, span = self.cache, slice(int(self.slot), int(self.slot) + self.cfg.tokens_per_step)
+        saved = (cache.k[:, :, span].clone(), cache.v[:, :, span].clone(), cache.saturated.clone())
+        mode = self.gathered
+        # Captured on a stream of its own, kept: cuBLAS keys its workspace by (handle, stream), and graphs
+        # captured on torch.cuda.graph's one shared default stream share that workspace -- replayed
+        # concurrently (the decoder's graph on a second stream), their GEMMs race on it.
+        self.capture_stream = torch.cuda.Stream()
+        for gathered in (False, True) if self.prefer_gathered else (False,):
+            self.gathered = gathered
+            self.capture_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.capture_stream):
+                for _ in range(warmup):
+                    self._body()
+            torch.cuda.current_stream().wait_stream(self.capture_stream)
+            self.graphs[gathered] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graphs[gathered], stream=self.capture_stream):
+                self._body()
+        self.gathered = mode
+        cache.k[:, :, span], cache.v[:, :, span] = saved[:2]
+        cache.saturated.copy_(saved[2])
+
+    # -- the bodies ---------------------------------------------------------------------------------
+
+    def _body(self) -> None:
+        velocity = self._fused_velocity() if self.fused else self._module_velocity()
+        self.latent.copy_(sample(velocity, self.noise, self.cfg.noise_levels))
+
+    def _module_velocity(self):
+        attn = RingSelfAttention(self.cache, self.positions)
+        cross_kv = self.model.cross_context(self.audio)
+
+        def velocity(x: torch.Tensor, sigma: float) -> torch.Tensor:
+            return self.model(x, self._sigmas[sigma], self.audio, attn, cross_kv, self._modulations[sigma])
+
+        return velocity
+
+    def _fused_velocity(self):
+        m = self.model
+        audio = self.audio.to(self.x.dtype)
+        audio_x = m.audio_embed(audio)[0, 0]
+        # (1, 1, heads, A, head_dim) -> (heads, A, head_dim): the cross "cache" of this step
+        cross_kv = [(k[0, 0].contiguous(), v[0, 0].contiguous()) for k, v in m.cross_context(audio)]
+
+        def velocity(latent: torch.Tensor, sigma: float) -> torch.Tensor:
+            return self._fused_pass(latent, self.level_index[sigma], audio_x, cross_kv)
+
+        return velocity
+
+    def _fused_pass(self, latent: torch.Tensor, level: int, audio_x: torch.Tensor, cross_kv: list) -> torch.Tensor:
+        m, cfg = self.model, self.cfg
+        video = m.patch_embed(m.patchify(latent.to(self.x.dtype)))[0, 0]
+        torch.cat([video, audio_x], dim=0, out=self.x)
+        out = gate = None
+        for layer in range(cfg.n_blocks):
+            out = self._fused_block(layer, level, out, gate, cross_kv[layer])
+            gate = self.mods[level, layer, 2]
+        x = self.x + gate * out
+        shift, scale = self.final_mods[level]
+        h = m.final_norm(x[: cfg.video_tokens]) * (1 + scale) + shift
+        return m.unpatchify(m.head(h)[None, None])
+
+    def _fused_block(self, layer: int, level: int, out: torch.Tensor | None, gate: torch.Tensor | None,
+                     cross: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        cache, hd, shape = self.cache, self.hd, (self.n_heads, self.head_dim)
+        shift, scale, _ = self.mods[level, layer]
+        hq = adaln_quant(self.x, shift, scale, out, gate)
+        fused = self.w_in[layer].forward_quantized(*hq, out_dtype=self.x.dtype)
+        q, k, v, cq = (fused[:, i * hd : (i + 1) * hd].unflatten(-1, shape) for i in range(4))
+        layer_cache = (cache.k[layer], cache.v[layer], cache.k_scale[layer], cache.v_scale[layer])
+        prep = ring_write_prep_triton if q.is_cuda else ring_write_prep_reference
+        prep(q, k, v, cq, *layer_cache, self.slot, self.positions, cache.freqs, self.norms[layer], cache.saturated)
+        if self.gathered:
+            ring_attention_gathered(q, *layer_cache, self.frame_order, cache.sink_slots, cache.tokens_per_frame,
+                                    self.window, out=v)
+        elif q.is_cuda:
+            ring_attention_triton(q, *layer_cache, cache.ring_valid, cache.sink_slots, cache.tokens_per_frame, out=v,
+                                  **self.attention_options)
+        else:
+            v.copy_(ring_attention(q, *layer_cache, cache.ring_valid, cache.sink_slots, cache.tokens_per_frame))
+        ck, cv = cross  # the audio K/V as a sink-only "ring" of unit scales
+        if q.is_cuda:
+            ring_attention_triton(cq, ck, cv, self.ones, self.ones, self.no_ring, ck.shape[1], 1, block_n=16, out=cq)
+        else:
+            cq.copy_(ring_attention(cq, ck, cv, self.ones, self.ones, self.no_ring, ck.shape[1], 1))
+        oq = quantize_rows(fused[:, 2 * hd :], act_from=2 * hd)
+        result = self.w_out[layer].forward_quantized(*oq, out_dtype=self.x.dtype)
+        if self.tp_group is not None:
+            dist.all_reduce(result, group=self.tp_group)  # the block's one collective
+        return result
