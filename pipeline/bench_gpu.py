@@ -18,15 +18,17 @@ import argparse
 import faulthandler
 import json
 import os
-import statistics
 import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from charstream.model.config import ModelConfig, get_preset
+from charstream.pipeline.bench_output import commit_id, cuda_median_ms, free_port, text_table
+from charstream.stages.tp_group import NO_MULTICAST
 
 REFERENCE = {  # docs/ARCHITECTURE.md, "Reference numbers" (4xH100 session) and the issue's targets (one H200)
     "step_ms": {3: 147.4, 4: None},
@@ -46,25 +48,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=None,
                         help="instead: a TP group of this many ranks with communication (pipeline/bench_tp.py; "
                              "NCCL over GPUs 0..N-1, gloo on CPU with a scaled model when the host has fewer GPUs)")
+    parser.add_argument("--no-group", action="store_true",
+                        help="time the shard's step without its all-reduces (default: in a one-rank NCCL group, "
+                             "as the step serves: the collectives replay inside its graph)")
     parser.add_argument("--skip", nargs="*", default=[],
                         choices=["ceilings", "sweep", "kernels", "step", "decoder", "pipeline"])
     parser.add_argument("--section-timeout", type=float, default=0.0,
                         help="seconds a section may run before every thread's stack is printed and the process "
                              "exits (0: no limit); the JSON holds the sections finished before it")
-
-
-def _median_ms(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def _bench(fn: Callable[[], object]) -> float:
@@ -87,7 +78,7 @@ def _graph_ms(fns: list[Callable[[], object]], reps: int = 10) -> float:
     with torch.cuda.graph(graph):
         for fn in fns:
             fn()
-    return _median_ms(graph.replay, reps) / len(fns)
+    return cuda_median_ms(graph.replay, reps) / len(fns)
 
 
 def _cycle(fns: list[Callable[[], object]]) -> Callable[[], object]:
@@ -219,7 +210,7 @@ def kernel_breakdown(cfg: ModelConfig, tp: int, model, cache, step) -> dict[str,
         cache.begin_frame()  # the same frame again: no end_frame, so no position reset either
     torch.cuda.synchronize()
     begin_frame_ms = (time.perf_counter() - t0) / 20 * 1e3
-    rotate_ms = _median_ms(lambda: delta_rotate_triton(cache.k, cache.k_scale, torch.tensor(-1, device="cuda"), cache.freqs.t,
+    rotate_ms = cuda_median_ms(lambda: delta_rotate_triton(cache.k, cache.k_scale, torch.tensor(-1, device="cuda"), cache.freqs.t,
                                                    cache.sink_slots), 10)
     k_bytes = cache.k.numel()
     return {
@@ -288,10 +279,11 @@ def _best(sweep: dict[str, object], prefix: str) -> dict[str, object] | None:
     return {"block_m": m, "block_n": n, "num_warps": w, "num_stages": s, "qk_fp8": prefix.endswith("qkfp8")}
 
 
-def bench_step(cfg: ModelConfig, tp: int, reps: int, sweep: bool):
-    """Build the shard, sweep the ring attention's options, then time the step with the best fp16
-    and the best FP8-QK attention (graph replays), and once eagerly."""
-    from charstream.model.graphed_step import ATTENTION_OPTIONS, ShardStep
+def bench_step(cfg: ModelConfig, tp: int, reps: int, sweep: bool, group=None):
+    """Build the shard, sweep the ring attention's options, then time the serving step
+    (``model.step.DiffusionStep``, fused and graphed, its all-reduces in ``group``) with the best
+    fp16 and the best FP8-QK attention (graph replays), and once eagerly."""
+    from charstream.model.step import ATTENTION_OPTIONS, DiffusionStep
 
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -301,30 +293,32 @@ def bench_step(cfg: ModelConfig, tp: int, reps: int, sweep: bool):
     attention = attention_sweep(cfg, tp, cache) if sweep else {}
     options = _best(attention, "triton_f16") or ATTENTION_OPTIONS
     fp8_options = _best(attention, "triton_qkfp8") or {**ATTENTION_OPTIONS, "qk_fp8": True}
-    step = ShardStep(model, cache, attention_options=fp8_options, prefer_gathered=True)
+    step = DiffusionStep(model, cache, group, fused=True, graphed=True, attention_options=fp8_options,
+                         prefer_gathered=True)
     step.set_inputs(torch.randn(cfg.n_audio_tokens, cfg.audio_dim), torch.randn(step.noise.shape), cfg.sink_frames + 7)
     if not step.gathered:
         raise RuntimeError("the benchmark cache should hold a full window")
     _progress(f"step TP={tp}: capture (FP8-QK ring + gathered)")
     step.capture()
     step.gathered = False
-    extra = {"step_graphed_ring_qkfp8_ms": _median_ms(lambda: step.run(graphed=True), reps), "attention_options_qkfp8": fp8_options}
+    extra = {"step_graphed_ring_qkfp8_ms": cuda_median_ms(lambda: step.run(graphed=True), reps), "attention_options_qkfp8": fp8_options}
     step.attention_options = options
     _progress(f"step TP={tp}: capture (fp16 ring + gathered)")
     t0 = time.perf_counter()
     step.capture()
     capture_s = time.perf_counter() - t0
-    extra["step_graphed_ring_f16_ms"] = _median_ms(lambda: step.run(graphed=True), reps)
+    extra["step_graphed_ring_f16_ms"] = cuda_median_ms(lambda: step.run(graphed=True), reps)
     step.gathered = True
     _progress(f"step TP={tp}: gathered replays, then eager")
-    graphed_ms = _median_ms(lambda: step.run(graphed=True), reps)
-    graphed_again_ms = _median_ms(lambda: step.run(graphed=True), reps)
-    eager_ms = _median_ms(lambda: step.run(graphed=False), max(3, reps // 4), warmup=1)
+    graphed_ms = cuda_median_ms(lambda: step.run(graphed=True), reps)
+    graphed_again_ms = cuda_median_ms(lambda: step.run(graphed=True), reps)
+    eager_ms = cuda_median_ms(lambda: step.run(graphed=False), max(3, reps // 4), warmup=1)
     flops = step_flops(cfg, tp)
     result = {
         "attention_options": options,
         **extra,
         "shard": shard_config(cfg, tp),
+        "tp_group": None if group is None else f"{dist.get_backend(group)}, world {dist.get_world_size(group)}",
         "build_s": build_s,
         "capture_s": capture_s,
         "step_graphed_ms": graphed_ms,
@@ -349,19 +343,19 @@ def bench_decoder(cfg: ModelConfig, reps: int) -> tuple[dict[str, float], object
     eager32 = Decoder(cfg).cuda().eval()
     with torch.inference_mode():
         _progress("decoder: eager fp32")
-        result["eager_fp32_ms"] = _median_ms(_cycle([lambda z=z: to_uint8_frames(eager32.decode_chunk(z)[0]) for z in latents]),
+        result["eager_fp32_ms"] = cuda_median_ms(_cycle([lambda z=z: to_uint8_frames(eager32.decode_chunk(z)[0]) for z in latents]),
                                              max(3, reps // 4), warmup=1)
         eager_bf16 = eager32.to(dtype=torch.bfloat16, memory_format=torch.channels_last)
         zb = [z.to(torch.bfloat16) for z in latents]
         _progress("decoder: eager bf16 channels-last")
-        result["eager_bf16_channels_last_ms"] = _median_ms(
+        result["eager_bf16_channels_last_ms"] = cuda_median_ms(
             _cycle([lambda z=z: to_uint8_frames(eager_bf16.decode_chunk(z)[0]) for z in zb]), reps)
     _progress("decoder: graph capture")
     t0 = time.perf_counter()
     graphed = GraphedDecoder(Decoder(cfg).cuda())
     _progress("decoder: graph replays")
     result["capture_s"] = time.perf_counter() - t0
-    result["graphed_bf16_ms"] = _median_ms(_cycle([lambda z=z: graphed.decode(z) for z in latents]), reps)
+    result["graphed_bf16_ms"] = cuda_median_ms(_cycle([lambda z=z: graphed.decode(z) for z in latents]), reps)
     return result, graphed
 
 
@@ -393,7 +387,7 @@ def bench_pipeline(step, decoder, steps: int) -> dict[str, float]:
         torch.cuda.synchronize()
         return start.elapsed_time(end) / steps
 
-    alone = _median_ms(lambda: step.run(graphed=True), steps)
+    alone = cuda_median_ms(lambda: step.run(graphed=True), steps)
     with torch.inference_mode():
         _progress("pipeline: hand-off only")
         handoff = loop(decode=False)
@@ -483,8 +477,7 @@ def _table(results: dict) -> str:
         rows.append(("period - diffusion, decoder elsewhere (ms)", f"{pipe['period_minus_diffusion_handoff_only_ms']:.3f}", "<= 0.5",
                      str(REFERENCE["period_minus_diffusion_ms"])))
         rows.append(("period - diffusion, decoder same GPU (ms)", f"{pipe['period_minus_diffusion_same_gpu_ms']:.2f}", "", ""))
-    width = [max(len(r[i]) for r in rows) for i in range(4)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, width, strict=True)) for r in rows)
+    return text_table(rows)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -508,7 +501,7 @@ def run(args: argparse.Namespace) -> int:
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
-        "commit": os.environ.get("CHARSTREAM_COMMIT", "unknown"),
+        "commit": commit_id(),
         "preset": cfg.name,
         "reference": REFERENCE,
         "shards": {},
@@ -516,6 +509,13 @@ def run(args: argparse.Namespace) -> int:
     if "ceilings" not in args.skip:
         results["ceilings"] = _section(results, "ceilings", ceilings) or results.get("ceilings")
         _save(results, args.json)
+    group = None
+    if not args.no_group:
+        # One GPU stands for one rank of the TP group: NCCL at world size 1 runs the step's collectives.
+        os.environ.update(NO_MULTICAST)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                                device_id=torch.device("cuda:0"))
+        group = dist.group.WORLD
     step = None
     for tp in args.tp_shard:
         shard: dict[str, object] = {}
@@ -524,7 +524,7 @@ def run(args: argparse.Namespace) -> int:
         torch.cuda.empty_cache()
         if "step" in args.skip:
             continue
-        built = _section(shard, f"step TP={tp}", bench_step, cfg, tp, args.steps, "sweep" not in args.skip)
+        built = _section(shard, f"step TP={tp}", bench_step, cfg, tp, args.steps, "sweep" not in args.skip, group)
         if built is None:
             continue
         shard["step"], shard["attention"], model, cache, step = built
@@ -549,6 +549,8 @@ def run(args: argparse.Namespace) -> int:
                 results["pipeline"] = _section(results, "pipeline", bench_pipeline, step, decoder, args.steps) or results.get("pipeline")
     print(_table(results), flush=True)
     _save(results, args.json)
+    if group is not None:
+        dist.destroy_process_group()
     if args.json:
         print(f"wrote {args.json}")
     return 0

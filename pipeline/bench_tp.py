@@ -5,7 +5,9 @@ a smaller model so it finishes). Measured at the production row count (``tokens_
 - the all-reduce of one block's output (rows x dim), per call;
 - the row-parallel output GEMM alone, GEMM then all-reduce, and the overlapped ``GemmAllReduce``
   at 2, 4 and 8 tiles (kernels/gemm_allreduce.py), all in the same run;
-- the whole 4-pass step through ``TPGenerator``'s ranks (eager), communication included.
+- the whole 4-pass step on every rank, communication included: the serving ``DiffusionStep`` (on
+  GPUs the fused FP8 body as CUDA graphs, NCCL inside them), and the module body eagerly, with
+  GEMM-then-all-reduce and with the overlapped decomposition.
 GPU timings are CUDA-event medians after warm-up; CPU timings are wall-clock medians and only
 meaningful as ratios within one run.
 """
@@ -15,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -25,6 +26,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from charstream.kernels.gemm_allreduce import GemmAllReduce, gemm_all_reduce_reference
 from charstream.model.config import ModelConfig, get_preset
+from charstream.pipeline.bench_output import commit_id, cuda_median_ms, free_port
+from charstream.stages.tp_group import NO_MULTICAST
 
 REFERENCE_US = {"fused_call": 153.8, "gemm_then_nccl": 208.2}  # 4xH100, docs/ARCHITECTURE.md (Reference numbers)
 CPU_PRESET_SCALE = {"dim": 768, "n_heads": 12, "head_dim": 64, "ffn_dim": 3072, "n_blocks": 2}
@@ -34,9 +37,7 @@ def _time_ms(fn: Callable[[], object], device: torch.device, reps: int, warmup: 
     """Median ms per call: CUDA events on GPUs (bench_gpu's timer), wall clock on CPU; then a barrier
     so no rank starts the next figure while another still runs this one."""
     if device.type == "cuda":
-        from charstream.pipeline.bench_gpu import _median_ms
-
-        median = _median_ms(fn, reps, warmup)
+        median = cuda_median_ms(fn, reps, warmup)
     else:
         for _ in range(warmup):
             fn()
@@ -88,9 +89,12 @@ def _rank(rank: int, world: int, port: int, cfg: ModelConfig, use_cuda: bool, re
     g = torch.Generator(device=device).manual_seed(rank)
     figures = _projection_figures(cfg, world, device, dtype, g, reps)
     rows = cfg.tokens_per_step
-    for label, fuse in (("step_ms", False), ("step_fused_ms", True)):
-        gen = Generator(cfg, None, device, dist.group.WORLD, dtype, fp8_cache=use_cuda)
-        if fuse:
+    # The serving step (on GPUs: fused FP8, CUDA-graphed, the all-reduces in the graph), then the
+    # module body with GEMM-then-all-reduce and with the overlapped GemmAllReduce.
+    variants = {"step_ms": (None, False), "step_module_ms": (False, False), "step_module_overlapped_ms": (False, True)}
+    for label, (fused, overlapped) in variants.items():
+        gen = Generator(cfg, None, device, dist.group.WORLD, dtype, fp8_cache=use_cuda, fused=fused)
+        if overlapped:
             from charstream.model.tp import fuse_output_all_reduce
 
             fuse_output_all_reduce(gen.model, rows)
@@ -99,6 +103,7 @@ def _rank(rank: int, world: int, port: int, cfg: ModelConfig, use_cuda: bool, re
         audio = torch.randn(cfg.n_audio_tokens, cfg.audio_dim, generator=g, device=device)
         step_reps = max(3, reps // 4)
         figures[label] = _time_ms(lambda gen=gen, audio=audio: gen.step(audio, seed=0), device, step_reps, warmup=2)
+        figures[f"{label.removesuffix('_ms')}_body"] = "fused" if gen.diffusion.fused else "module"
         del gen
         if use_cuda:
             torch.cuda.empty_cache()
@@ -107,21 +112,15 @@ def _rank(rank: int, world: int, port: int, cfg: ModelConfig, use_cuda: bool, re
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_tp_bench(preset: str, world: int, reps: int = 20) -> dict:
     cfg = get_preset(preset)
     use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
     if not use_cuda:
         cfg = cfg.with_(name=f"{preset}-cpu-scaled", **CPU_PRESET_SCALE)
     cfg.validate(world)
-    os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})
+    os.environ.update(NO_MULTICAST)
     queue = mp.get_context("spawn").Queue()
-    mp.start_processes(_rank, args=(world, _free_port(), cfg, use_cuda, reps, queue), nprocs=world,
+    mp.start_processes(_rank, args=(world, free_port(), cfg, use_cuda, reps, queue), nprocs=world,
                        start_method="spawn")
     figures = queue.get(timeout=60)
     return {
@@ -129,6 +128,7 @@ def run_tp_bench(preset: str, world: int, reps: int = 20) -> dict:
         "backend": "nccl" if use_cuda else "gloo",
         "device": torch.cuda.get_device_name(0) if use_cuda else "cpu",
         "torch": torch.__version__,
+        "commit": commit_id(),
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if use_cuda else None,
         **figures,
     }
@@ -144,8 +144,9 @@ def print_table(result: dict) -> None:
         ("output GEMM alone (us)", result["gemm_ms"] * us, None),
         ("GEMM then all-reduce (us)", result["gemm_then_all_reduce_ms"] * us, REFERENCE_US["gemm_then_nccl"]),
         (f"overlapped, {best_tiles.split('_')[1]} tiles (us)", result[best_tiles] * us, REFERENCE_US["fused_call"]),
-        ("step, eager (ms)", result["step_ms"], None),
-        ("step, eager + overlapped (ms)", result["step_fused_ms"], None),
+        (f"step, serving ({result['step_body']}) (ms)", result["step_ms"], None),
+        ("step, module body (ms)", result["step_module_ms"], None),
+        ("step, module + overlapped (ms)", result["step_module_overlapped_ms"], None),
     ]
     for name, value, ref in rows:
         print(f"{name:32} {value:12.1f} {'' if ref is None else f'{ref:12.1f}':>12}")
