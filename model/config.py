@@ -164,7 +164,12 @@ CHARACTERS_57B = ModelConfig(
     rollback_frames=3,
 )
 
-PRESETS: dict[str, ModelConfig] = {c.name: c for c in (TINY, CHARACTERS_57B)}
+# The size class of the public real-time avatar models, on the same 704x1088 / 24 fps timeline: one
+# H200 holds it whole (TP = 1, ~28 GB of bf16 weights + their FP8 copies) with its decoder.
+CHARACTERS_14B = CHARACTERS_57B.with_(name="characters-14b", dim=5120, n_heads=40, head_dim=128, n_blocks=40,
+                                      ffn_dim=13_824)
+
+PRESETS: dict[str, ModelConfig] = {c.name: c for c in (TINY, CHARACTERS_57B, CHARACTERS_14B)}
 
 
 def get_preset(name: str) -> ModelConfig:

@@ -26,6 +26,17 @@ def test_characters_57b_info(tp, capsys):
     assert 2e14 < info["flops_per_step_total"] < 5e14  # ~ 2 x 757 tokens x 4 passes x 57 B + attention
 
 
+def test_characters_14b_fits_one_gpu(capsys):
+    """The one-H200 preset: ~14 B parameters, the 57b's timeline (757 tokens per step), 40 blocks."""
+    assert main(["model", "info", "--preset", "characters-14b", "--tp", "1", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert 13e9 <= info["params_total"] <= 15e9 and info["params_per_rank"] == info["params_total"]
+    assert info["tokens_per_step"] == 757 and info["heads_per_rank"] == 40
+    assert info["all_reduces_per_step"] == 0  # TP = 1
+    # bf16 weights + their FP8 copies + the FP8 cache leave most of an H200's 141 GB free
+    assert 3 * info["params_total"] + info["kv_bytes_per_rank_fp8"] < 60e9
+
+
 def test_info_rejects_an_indivisible_tp(capsys):
     with pytest.raises(ValueError, match="not divisible by the tensor-parallel size 7"):
         main(["model", "info", "--preset", "characters-57b", "--tp", "7"])
