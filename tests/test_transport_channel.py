@@ -147,7 +147,12 @@ def _bad_cases(config: TransportConfig):
     spec = [list(s) for s in header["a"]]
     spec[0][2] = [999]
     big = [bytes(f) for f in encode(cond(0, size=config.max_message_bytes // 4 + 1))]
+    huge_empty = [list(s) for s in header["a"]]
+    huge_empty[0][2] = [0, 2**63]  # zero elements, but numpy cannot hold the dimension
     return [
+        ("empty array with an impossible dimension", [variant(a=huge_empty)[0], b"", good[2]], "exceeds the limit"),
+        ("version true", variant(v=True), "wire version True"),
+        ("version 1.0", variant(v=1.0), "wire version 1.0"),
         ("random bytes", [os.urandom(64)], "not msgpack"),
         ("truncated multipart", good[:2], "frames follow"),
         ("wrong version", variant(v=WIRE_VERSION + 7), "wire version"),
@@ -157,7 +162,7 @@ def _bad_cases(config: TransportConfig):
     ]
 
 
-@pytest.mark.parametrize("kind", ["inproc", "tcp"])
+@pytest.mark.parametrize("kind", ["inproc", "ipc", "tcp"])
 def test_bad_messages_are_counted_and_nothing_valid_is_lost(kind, tmp_path):
     config = TransportConfig(max_message_bytes=64 * 1024)
     cases = _bad_cases(config)
@@ -195,6 +200,7 @@ def test_bad_messages_are_counted_and_nothing_valid_is_lost(kind, tmp_path):
                 assert (await rx.recv()).chunk == seq  # still working after all of it
             assert rx.stats.received == len(cases) + 1
             assert rx.stats.bad == len(cases) + 1  # + the stranger's
+            assert rx.stats.errors == 0  # every one refused by validation, none by the pump's last resort
             rogue.close(0)
             stranger.close(0)
         transport.close()

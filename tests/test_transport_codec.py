@@ -87,7 +87,19 @@ def bad_inputs():
     spec = _header(good)["a"]
     wrong_shape = [list(s) for s in spec]
     wrong_shape[0][2] = [9, 33]
+    event = [bytes(f) for f in encode(examples()[1])]  # TurnEvent: a float field
+    impossible = [list(s) for s in spec]
+    impossible[0][2] = [0, 2**63]  # 0 bytes, so the size check passes; numpy cannot reshape to it
     return {
+        "empty array with an impossible dimension": (
+            [_with_header(good, a=impossible)[0], b"", good[2]], "exceeds the limit"),
+        "empty array with dimensions over the limit": (
+            [_with_header(good, a=[["audio_tokens", "<f4", [0, 2**40, 2**40]], spec[1]])[0], b"", good[2]],
+            "exceeds the limit"),
+        "version true": (_with_header(good, v=True), "wire version True"),
+        "version 1.0": (_with_header(good, v=1.0), "wire version 1.0"),
+        "int beyond int64": (_with_header(good, f={**_header(good)["f"], "chunk": 2**64 - 1}), "chunk: expected int"),
+        "nan float": (_with_header(event, f={**_header(event)["f"], "at": float("nan")}), "at: expected float, got float nan"),
         "random bytes": ([np.random.default_rng(0).bytes(100)], "not msgpack"),
         "empty": ([], "empty message"),
         "truncated multipart": (good[:2], "header lists 2 arrays but 1 frames follow"),

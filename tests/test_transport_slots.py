@@ -135,6 +135,34 @@ def test_bad_slot_references_are_counted_and_the_channel_keeps_working(tmp_path)
     anyio.run(main)
 
 
+def test_a_block_truncated_after_hello_is_a_bad_message_not_sigbus(tmp_path):
+    async def main():
+        transport = Transport(TransportConfig())
+        block = SlotBlock(2, 64 * 1024)
+        header, *arrays = encode(cond(0, 4096))
+        ref = block.write(0, arrays)
+        async with Receiver(transport, f"ipc://{tmp_path}/e.sock", "rogue->rx", 4) as rx:
+            rogue = transport.ctx.socket(zmq.DEALER)
+            rogue.routing_id = b"rogue"
+            rogue.connect(rx.endpoint)
+            await rogue.send_multipart([HELLO, block.geometry()])
+            assert (await rogue.recv_multipart())[0] == CREDIT
+            os.ftruncate(block.shm._fd, 0)  # after the size was checked at HELLO
+            await rogue.send_multipart([SLOT, ref, bytes(header)])
+            with anyio.fail_after(5):
+                while rx.stats.bad < 1:
+                    await anyio.sleep(0.005)
+            assert "was truncated under slot 0" in rx.stats.last_error and rx.stats.errors == 0
+            await rogue.send_multipart([DATA, *[bytes(f) for f in encode(cond(1, 16))]])
+            with anyio.fail_after(5):
+                assert (await rx.recv()).chunk == 1  # the receiver (this process) lives on
+            rogue.close(0)
+        block.close()
+        transport.close()
+
+    anyio.run(main)
+
+
 def test_a_bad_hello_geometry_is_refused_clearly(tmp_path):
     config = TransportConfig(max_message_bytes=MB)
 

@@ -72,6 +72,7 @@ class ChannelStats:
     sent: int = 0
     received: int = 0
     bad: int = 0  # malformed, invalid or over-credit messages (dropped, counted, logged)
+    errors: int = 0  # of those, the ones that raised something other than a clear error: a bug, logged with its traceback
     max_in_flight: int = 0  # sender side: sent minus credits returned, at its peak
     slotted: int = 0  # messages whose arrays crossed in a shared-memory slot (ipc)
     last_error: str | None = None
@@ -200,7 +201,14 @@ class _Endpoint:
     async def _pump(self) -> None:
         while True:
             frames = await self.sock.recv_multipart(copy=False)
-            await self._on_frames(frames)
+            try:
+                await self._on_frames(frames)
+            except (zmq.ZMQError, anyio.get_cancelled_exc_class()):
+                raise
+            except Exception as e:  # our bug, triggered by a peer's message: one message lost, not the channel
+                self.stats.errors += 1
+                self.log.exception("message_handling_failed", frames=len(frames))
+                self._count_bad(e)
 
     async def _heartbeat(self) -> None:
         while True:
@@ -389,7 +397,7 @@ class Sender(_Endpoint):
             self.sock.send(BYE, flags=zmq.NOBLOCK)
         self.sock.close(linger=SEND_LINGER_MS)
         if self.block is not None:
-            self.block.close()  # unlinks; a receiver that already attached keeps its mapping
+            self.block.close()  # unlinks; a receiver that already opened it keeps its descriptor
 
     async def _on_frames(self, frames: list[zmq.Frame]) -> None:
         self.live.seen(self.peer.encode())

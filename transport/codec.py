@@ -6,8 +6,9 @@ header holds plain values only, and arrays are rebuilt with ``np.frombuffer`` ov
 buffer (zero-copy; the resulting arrays are read-only, copy one before writing into it).
 
 ``decode`` trusts nothing: every problem (not msgpack, wrong version, unknown type, a field of the
-wrong type, a missing or extra frame, an array whose dtype/shape disagrees with its frame, a message
-over the size limit) raises ``MessageError`` naming the channel, the peer and the problem.
+wrong type, an int outside int64 or a float that is not finite, a missing or extra frame, an array
+whose dtype/shape disagrees with its frame or declares more than the limit, a message over the size
+limit) raises ``MessageError`` naming the channel, the peer and the problem.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from charstream.transport.messages import MESSAGE_TYPES, Message, TraceContext
 
 WIRE_VERSION = 1
 MAX_NDIM = 8
+INT_MIN, INT_MAX = -(2**63), 2**63 - 1  # int fields end up in numpy int64 and torch: nothing wider travels
 _TYPES: dict[str, type] = {cls.__name__: cls for cls in MESSAGE_TYPES}
 # Plain numeric dtypes in either byte order; object/void/string dtypes never travel.
 _DTYPES: frozenset[str] = frozenset(
@@ -111,7 +113,7 @@ def _decode(views: list[memoryview], max_bytes: int) -> Message:
         raise MessageError(f"header is not msgpack ({type(e).__name__}: {e})") from None
     if not isinstance(header, dict) or set(header) != {"v", "t", "f", "a"}:
         raise MessageError("header is not a map with keys v, t, f, a")
-    if header["v"] != WIRE_VERSION:
+    if type(header["v"]) is not int or header["v"] != WIRE_VERSION:  # True and 1.0 equal 1
         raise MessageError(f"wire version {header['v']!r}, expected {WIRE_VERSION}")
     cls = _TYPES.get(header["t"]) if isinstance(header["t"], str) else None
     if cls is None:
@@ -123,7 +125,7 @@ def _decode(views: list[memoryview], max_bytes: int) -> Message:
         raise MessageError(f"{cls.__name__}: header lists {len(specs)} arrays but {len(views) - 1} frames follow")
     arrays = {}
     for spec, view in zip(specs, views[1:], strict=True):
-        name, array = _array(cls, spec, view)
+        name, array = _array(cls, spec, view, max_bytes)
         if name in arrays:
             raise MessageError(f"{cls.__name__}.{name}: array sent twice")
         arrays[name] = array
@@ -137,7 +139,7 @@ def _decode(views: list[memoryview], max_bytes: int) -> Message:
     return cls(**values, **arrays)
 
 
-def _array(cls: type, spec: Any, view: memoryview) -> tuple[str, np.ndarray]:
+def _array(cls: type, spec: Any, view: memoryview, max_bytes: int) -> tuple[str, np.ndarray]:
     if not (isinstance(spec, list) and len(spec) == 3 and isinstance(spec[0], str)):
         raise MessageError(f"{cls.__name__}: array spec {spec!r} is not [field, dtype, shape]")
     name, dtype, shape = spec
@@ -151,6 +153,10 @@ def _array(cls: type, spec: Any, view: memoryview) -> tuple[str, np.ndarray]:
         and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
     ):
         raise MessageError(f"{cls.__name__}.{name}: bad shape {shape!r}")
+    # An empty array may still declare a dimension numpy cannot hold ([0, 2**63]): the non-zero
+    # dimensions alone must fit the message limit.
+    if math.prod(d for d in shape if d) * np.dtype(dtype).itemsize > max_bytes:
+        raise MessageError(f"{cls.__name__}.{name}: shape {shape!r} exceeds the limit of {max_bytes} bytes")
     expected = math.prod(shape) * np.dtype(dtype).itemsize
     if expected != view.nbytes:
         raise MessageError(
@@ -202,12 +208,13 @@ def _convert(value: Any, hint: Any, path: str) -> Any:
     ok = {
         type(None): value is None,
         bool: isinstance(value, bool),
-        int: isinstance(value, int) and not isinstance(value, bool),
-        float: isinstance(value, int | float) and not isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool) and INT_MIN <= value <= INT_MAX,
+        float: isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value),
         str: isinstance(value, str),
     }.get(hint)
     if ok is None:
         raise _Mismatch(f"{path}: unsupported field type {hint}")
     if not ok:
-        raise _Mismatch(f"{path}: expected {getattr(hint, '__name__', hint)}, got {type(value).__name__}")
+        got = f"{type(value).__name__} {value!r}"[:60] if type(value) in (int, float) else type(value).__name__
+        raise _Mismatch(f"{path}: expected {getattr(hint, '__name__', hint)}, got {got}")
     return float(value) if hint is float else value

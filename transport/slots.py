@@ -2,22 +2,23 @@
 
 A ``Sender`` on ipc owns one block of ``slots`` × ``slot_bytes`` (POSIX shared memory). A message
 whose arrays fit a slot is copied into the next free slot and only a small reference frame travels:
-``<u32 slot><u64 length per array>``. Its receiver attaches the block when the sender says HELLO
+``<u32 slot><u64 length per array>``. Its receiver opens the block when the sender says HELLO
 (geometry frame: msgpack ``{"name", "slots", "slot_bytes"}``), validates every reference like any
-header field and copies the arrays out at once, so a slot is free again before its credit returns.
+header field and copies the arrays out at once (``pread``: the receiver never maps a peer's block, so
+a block truncated under it is a bad message, not SIGBUS), so a slot is free again before its credit
+returns.
 
 Lifetime: the sender unlinks its block on close or at interpreter exit, and its block stays
 registered with Python's resource tracker, a separate process that unlinks it even when every
-process of the session was killed. The receiver maps blocks without the tracker (on 3.11
+process of the session was killed. The receiver opens blocks without the tracker (on 3.11
 ``SharedMemory(name)`` registers attached blocks too, and unregistering them would also drop the
 sender's registration when both ends share a process); it unlinks the block of a sender it declares
-dead (kill -9 of a sender leaves nothing in /dev/shm) and those it still maps when it closes.
+dead (kill -9 of a sender leaves nothing in /dev/shm) and those it still holds when it closes.
 """
 
 from __future__ import annotations
 
 import _posixshmem
-import mmap
 import os
 import re
 import secrets
@@ -81,12 +82,12 @@ class SlotBlock:
         return _SLOT.pack(slot) + b"".join(_LENGTH.pack(b.nbytes) for b in buffers)
 
     def close(self) -> None:
-        """Unmap and unlink (idempotent); a receiver that attached keeps its own mapping."""
+        """Unmap and unlink (idempotent); a receiver that opened the block keeps its own descriptor."""
         self._finalizer()
 
 
 class SlotView:
-    """The receiver's mapping of a sender's block, from its HELLO geometry."""
+    """The receiver's descriptor of a sender's block, from its HELLO geometry (never mapped)."""
 
     def __init__(self, geometry: bytes, max_slot_bytes: int) -> None:
         """Every geometry field is validated before anything is mapped; raises SlotError."""
@@ -103,20 +104,17 @@ class SlotView:
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= most:
                 raise SlotError(f"bad {what} {value!r} (1..{most})")
         try:
-            fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+            fd = _posixshmem.shm_open("/" + name, os.O_RDONLY, mode=0o600)
         except OSError as e:
             raise SlotError(f"cannot attach shared memory {name!r}: {e}") from None
-        try:
-            size = os.fstat(fd).st_size
-            if size < slots * slot_bytes:
-                raise SlotError(f"shared memory {name!r} holds {size} bytes, geometry says {slots} x {slot_bytes}")
-            mapping = mmap.mmap(fd, slots * slot_bytes)
-        finally:
-            os.close(fd)  # the mapping keeps the memory
+        size = os.fstat(fd).st_size
+        if size < slots * slot_bytes:
+            os.close(fd)
+            raise SlotError(f"shared memory {name!r} holds {size} bytes, geometry says {slots} x {slot_bytes}")
         self.name = name
         self.slots = slots
         self.slot_bytes = slot_bytes
-        self._mmap = mapping
+        self._fd = fd
 
     def read(self, ref: bytes) -> list[bytes]:
         """The arrays a reference frame points at, copied out of the slot (validated first)."""
@@ -129,13 +127,18 @@ class SlotView:
         offset = slot * self.slot_bytes
         arrays = []
         for n in lengths:
-            arrays.append(self._mmap[offset:offset + n])  # mmap slicing copies: arrays outlive the slot
+            # pread, not a mapping: a sender that truncated its block gives a short read here, where a
+            # mapped page past the end of the file would kill this process with SIGBUS.
+            data = os.pread(self._fd, n, offset)
+            if len(data) != n:
+                raise SlotError(f"shared memory {self.name!r} was truncated under slot {slot}")
+            arrays.append(data)
             offset += n
         return arrays
 
     def close(self, unlink: bool) -> None:
-        """Unmap; ``unlink`` also removes the name (for a sender that cannot do it any more)."""
-        self._mmap.close()
+        """Close; ``unlink`` also removes the name (for a sender that cannot do it any more)."""
+        os.close(self._fd)
         if unlink:
             try:
                 _posixshmem.shm_unlink("/" + self.name)
