@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class IngestConfig:
-    adapter: str = "scripted"  # scripted | zmq | pipecat | livekit
+    adapter: str = "scripted"  # listening (the built-in agent) | scripted | zmq | pipecat | livekit
+    asr_language_model: str = "domain"  # built-in agent's recogniser: domain (the conversation's trigram) | general
     think_delay_s: float = 0.4  # stands for STT + LLM in the scripted agent
     user_voice: str = "en-us"
     agent_voice: str = "en+f3"

@@ -9,6 +9,7 @@ turns with silero-vad, stamps the trace, and tells the adapter what it detected:
     await adapter.start()
     async for event in adapter.events():      # AgentTurnStart, AgentAudioFrame, AgentTurnEnd, ...
         ...
+    await adapter.hear(user_audio_frame)      # the user's microphone, before the VAD sees it
     await adapter.notify(turn_event)          # USER_SPEECH_START / USER_SPEECH_END, as VAD saw them
     await adapter.interrupt(turn_ref)         # barge-in: stop producing this turn's speech
     await adapter.close()
@@ -35,6 +36,8 @@ TurnRef = str | int | None  # the agent's own name for a turn (echoed back on in
 @dataclass
 class AgentTurnStart:
     turn_ref: TurnRef = None
+    heard: str | None = None  # what the agent understood the user to say, if it tells (the built-in agent does)
+    answer: str | None = None  # the text it is about to speak, if it tells
 
 
 @dataclass
@@ -103,6 +106,10 @@ class AgentAdapter(Protocol):
     def events(self) -> AsyncIterator[AgentEvent]:
         """The agent's events, in order; ends when the conversation is over."""
 
+    async def hear(self, frame: UserAudioFrame) -> None:
+        """The user's microphone, as ingest receives it and before its VAD decides on it (an agent
+        that recognises speech itself listens here; the others ignore it)."""
+
     async def notify(self, event: TurnEvent) -> None:
         """The user's turn as ingest detected it (USER_SPEECH_START / USER_SPEECH_END)."""
 
@@ -116,6 +123,7 @@ class AgentAdapter(Protocol):
 # IngestConfig.adapter -> "module:Class" of the adapters ingest builds itself; a class takes
 # (IngestConfig, session_id). Imported on use: each pulls in its own dependencies (espeak, ZeroMQ).
 ADAPTERS: dict[str, str] = {
+    "listening": "charstream.stages.ingest.listening_agent:ListeningAgent",
     "scripted": "charstream.stages.ingest.scripted:ScriptedAgent",
     "zmq": "charstream.stages.ingest.external:ExternalAgent",
 }

@@ -30,6 +30,7 @@ from charstream.stages.ingest.adapters import (
     AgentTurnEnd,
     AgentTurnStart,
     TurnRef,
+    UserAudioFrame,
 )
 from charstream.stages.ingest.audio_input import MAX_CHANNELS, SUPPORTED_RATES, AudioFormatError, check_format
 from charstream.transport.messages import TurnEvent, TurnKind
@@ -116,6 +117,9 @@ class ExternalAgent:
                                 "rates": list(SUPPORTED_RATES), "formats": list(FORMATS),
                                 "max_channels": MAX_CHANNELS, "dead_after_s": self.config.zmq_dead_after_s})
         return events
+
+    async def hear(self, frame: UserAudioFrame) -> None:
+        pass  # the protocol carries no user audio (version 1): the agent hears the user's turns only
 
     async def notify(self, event: TurnEvent) -> None:
         if event.kind in (TurnKind.USER_SPEECH_START, TurnKind.USER_SPEECH_END) and self._peer is not None:

@@ -13,7 +13,14 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import anyio
-from charstream.stages.ingest.adapters import AgentAudioFrame, AgentEvent, AgentTurnStart, TurnRef, UserSpeech
+from charstream.stages.ingest.adapters import (
+    AgentAudioFrame,
+    AgentEvent,
+    AgentTurnStart,
+    TurnRef,
+    UserAudioFrame,
+    UserSpeech,
+)
 from charstream.transport.messages import TurnEvent, TurnKind
 
 
@@ -48,6 +55,9 @@ class PushAdapter:
         async with self._receive:
             async for event in self._receive:
                 yield event
+
+    async def hear(self, frame: UserAudioFrame) -> None:
+        pass  # the framework has the user's audio itself
 
     async def notify(self, event: TurnEvent) -> None:
         if self.on_turn_event is not None:

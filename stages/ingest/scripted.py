@@ -96,6 +96,9 @@ class ScriptedAgent:
                                synthesize(line.agent, self.config.agent_voice), line.barge_in_after_s))
         return lines
 
+    async def hear(self, frame: UserAudioFrame) -> None:
+        pass  # plays the user itself: nothing to hear
+
     async def notify(self, event: TurnEvent) -> None:
         if event.kind == TurnKind.USER_SPEECH_END:
             self._user_end = time.time()
