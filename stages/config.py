@@ -24,6 +24,8 @@ class IngestConfig:
     playout_tail_s: float = 1.0  # user speech this long after the agent's audio ended still barges in (pipeline latency)
     zmq_endpoint: str = "tcp://127.0.0.1:5790"
     zmq_dead_after_s: float = 1.5  # an external agent silent this long (no audio, no ping) is gone
+    zmq_curve_secret_key: str | None = None  # Z85 CURVE secret of the agent socket; required off loopback
+    zmq_curve_agents: list[str] = field(default_factory=list)  # Z85 public keys of the agents let in (with CURVE)
     script: list[dict] | None = None  # scripted agent: [{"user", "agent", "barge_in_after_s"?}]; None = built-in
     lead_in_s: float = 0.5  # scripted agent: silence before the user's first line
     turn_gap_s: float = 1.5  # scripted agent: silence after a reply before the next line (> playout_tail_s)

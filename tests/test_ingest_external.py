@@ -142,6 +142,19 @@ def test_killed_agent_ends_its_turn_and_a_new_agent_takes_over():
      "unsupported audio format 'mulaw'"),
     ([msgpack.packb({"v": 1, "type": "audio", "turn": 5, "rate": 16_000, "format": "s16le"}), b"\0" * 101],
      "not a whole number"),
+    # the probe's findings (issue 18): each crashed ingest or was wrongly accepted
+    ([msgpack.packb({"v": 1, "type": "audio", "turn": 5, "rate": 16_000, "format": []}), b"\0" * 100],
+     "unsupported audio format []"),
+    ([msgpack.packb({"v": 1, "type": "audio", "turn": 5, "rate": 16_000, "format": {}}), b"\0" * 100],
+     "unsupported audio format {}"),
+    ([msgpack.packb({"v": 1, "type": "audio", "turn": 5, "rate": 16_000, "format": "s16le", "channels": True}),
+      b"\0" * 100], "'channels' must be integers"),
+    ([msgpack.packb({"v": 1, "type": "turn_end", "turn": [5]})], "'turn' must be a string or an integer, got list"),
+    ([msgpack.packb({"v": 1, "type": "turn_end", "turn": {"a": 5}})], "'turn' must be a string or an integer, got dict"),
+    ([msgpack.packb({"v": True, "type": "turn_end", "turn": 5})], "protocol version True"),
+    ([msgpack.packb({"v": 1.0, "type": "turn_end", "turn": 5})], "protocol version 1.0"),
+    ([msgpack.packb({"v": 1, "type": "audio", "turn": 5, "rate": 8_000, "format": "s16le"}), b"\0\0" * 8_001],
+     "at most 1.0 s per message"),
 ])
 def test_malformed_messages_get_an_error_reply_and_are_logged(frames, problem):
     stage, rec = _stage(), Recorder()
@@ -171,4 +184,92 @@ def test_malformed_messages_get_an_error_reply_and_are_logged(frames, problem):
     assert error["type"] == "error" and problem in error["detail"]
     [logged] = [e for e in rec.log_events("error") if problem in e.get("problem", "")]
     assert logged["turn_id"] == 1
+    assert stage.stats.protocol_errors == 1  # counted, and nothing else went wrong
     assert sum(len(a.samples) for a in rec.audio(1)) == 1600 * 3
+
+
+def test_oversized_message_drops_the_sender_and_the_socket_keeps_serving():
+    """A 256 MiB frame (issue 18's probe: +524 MB) is cut off by ZeroMQ at MAX_MESSAGE_BYTES before
+    it is buffered; the process barely grows and a well-behaved agent is served after it."""
+    import psutil
+    from charstream.stages.ingest.external import MAX_MESSAGE_BYTES
+
+    stage, rec = _stage(), Recorder()
+    rss = []
+
+    async def agents(stage):
+        context = zmq.asyncio.Context.instance()
+        big = context.socket(zmq.DEALER)
+        big.setsockopt(zmq.LINGER, 0)
+        big.connect(stage.adapter.bound_endpoint)
+        rss.append(psutil.Process().memory_info().rss)
+        payload = bytes(64 * MAX_MESSAGE_BYTES)
+        await big.send_multipart([msgpack.packb({"v": 1, "type": "hello"}), payload])
+        del payload
+        await anyio.sleep(1.0)
+        rss.append(psutil.Process().memory_info().rss)
+        big.close(linger=0)
+        good = context.socket(zmq.DEALER)
+        good.connect(stage.adapter.bound_endpoint)
+        try:
+            await good.send_multipart([msgpack.packb({"v": 1, "type": "hello", "agent": "good"})])
+            rss.append(msgpack.unpackb((await good.recv_multipart())[0])["type"])
+            await good.send_multipart([msgpack.packb({"v": 1, "type": "turn_start", "turn": 1})])
+            await good.send_multipart([msgpack.packb({"v": 1, "type": "turn_end", "turn": 1})])
+            await anyio.sleep(0.5)
+        finally:
+            good.close(linger=0)
+
+    anyio.run(_run_until, stage, rec, lambda: _ended(rec, 1), agents)
+    before, after, welcome = rss
+    assert welcome == "welcome"
+    # the sender's own 64 MiB buffer is freed by then; the receiver never held the message
+    assert after - before < 32 * MAX_MESSAGE_BYTES, (before, after)
+
+
+def test_agent_socket_off_loopback_requires_curve():
+    config = IngestConfig(adapter="zmq", zmq_endpoint="tcp://0.0.0.0:0")
+
+    async def main():
+        agent = ExternalAgent(config)
+        with pytest.raises(PermissionError, match="not loopback"):
+            await agent.start()
+
+    anyio.run(main)
+
+
+def test_curve_agent_socket_lets_in_only_known_agents():
+    server_public, server_secret = zmq.curve_keypair()
+    known_public, known_secret = zmq.curve_keypair()
+    stranger_public, stranger_secret = zmq.curve_keypair()
+    config = IngestConfig(adapter="zmq", zmq_endpoint="tcp://127.0.0.1:0", zmq_curve_secret_key=server_secret.decode(),
+                          zmq_curve_agents=[known_public.decode()])
+
+    async def main():
+        agent = ExternalAgent(config)
+        await agent.start()
+        answers = {}
+
+        async def pump():  # ingest's side: read the socket (answers hellos)
+            async for _ in agent.events():
+                pass
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(pump)
+                for name, (public, secret) in {"stranger": (stranger_public, stranger_secret),
+                                               "known": (known_public, known_secret)}.items():
+                    socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+                    socket.curve_serverkey, socket.curve_publickey, socket.curve_secretkey = server_public, public, secret
+                    socket.connect(agent.bound_endpoint)
+                    await socket.send_multipart([msgpack.packb({"v": 1, "type": "hello", "agent": name})])
+                    with anyio.move_on_after(1.0):
+                        answers[name] = msgpack.unpackb((await socket.recv_multipart())[0])["type"]
+                    socket.close(linger=0)
+                tg.cancel_scope.cancel()
+        finally:
+            await agent.close()
+        return answers
+
+    answers = anyio.run(main)
+    assert answers == {"known": "welcome"}  # the stranger's hello never arrived

@@ -9,6 +9,12 @@ and ``error``. One agent at a time: a new ``hello`` replaces the previous agent.
 
 Backpressure: the socket is read only when ingest asks for the next event, and its receive queue is
 bounded (``RECEIVE_HWM``), so an agent sending faster than ingest takes blocks in its own ``send``.
+
+Limits: a message part larger than ``MAX_MESSAGE_BYTES`` makes ZeroMQ drop the connection before it
+is read (memory stays bounded: 256 × 1 MiB at most); an ``audio`` frame longer than
+``MAX_FRAME_S`` is refused with an ``error`` (its resampling would hold the event loop). Off
+loopback the socket is a CURVE server: ``zmq_curve_secret_key`` must be set and only agents whose
+public keys are in ``zmq_curve_agents`` get through the handshake.
 """
 
 from __future__ import annotations
@@ -34,12 +40,16 @@ from charstream.stages.ingest.adapters import (
 )
 from charstream.stages.ingest.audio_input import MAX_CHANNELS, SUPPORTED_RATES, AudioFormatError, check_format
 from charstream.transport.messages import TurnEvent, TurnKind
+from charstream.transport.security import curve_required
+from zmq.auth.asyncio import AsyncioAuthenticator
 
 from charstream.timeline import TIMELINE_RATE
 
 PROTOCOL_VERSION = 1
 FORMATS = {"s16le": np.dtype("<i2"), "f32le": np.dtype("<f4")}
 RECEIVE_HWM = 256  # messages queued in the socket (~5 s of 20 ms frames)
+MAX_MESSAGE_BYTES = 1 << 20  # per message part: 1 s of 96 kHz stereo float32 is 768 KB
+MAX_FRAME_S = 1.0  # audio per message; 20 ms is what the protocol recommends
 POLL_S = 0.1
 
 
@@ -56,13 +66,28 @@ class ExternalAgent:
         self._socket: zmq.asyncio.Socket | None = None
         self._peer: bytes | None = None
         self._last_heard = 0.0
+        self._auth: AsyncioAuthenticator | None = None
         self.bound_endpoint: str | None = None
 
     async def start(self) -> None:
-        socket = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        context = zmq.asyncio.Context.instance()
+        socket = context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
+        socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         socket.setsockopt(zmq.LINGER, 0)
         endpoint = self.endpoint[:-2] + ":*" if self.endpoint.endswith(":0") else self.endpoint
+        secret = self.config.zmq_curve_secret_key
+        if secret is None and curve_required(endpoint, force=False):
+            socket.close(linger=0)
+            raise PermissionError(f"agent endpoint {endpoint} is not loopback: set ingest.zmq_curve_secret_key "
+                                  "(and zmq_curve_agents, the agents' public keys) so only known agents connect")
+        if secret is not None:
+            self._auth = AsyncioAuthenticator(context)
+            self._auth.start()
+            self._auth.configure_curve_callback("*", _AllowedAgents(self.config.zmq_curve_agents))
+            socket.curve_server = True
+            socket.curve_secretkey = secret.encode()
+            socket.curve_publickey = zmq.curve_public(secret.encode())
         socket.bind(endpoint)
         self._socket = socket
         self.bound_endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -88,7 +113,7 @@ class ExternalAgent:
             if peer != self._peer:
                 raise ProtocolError(f"{kind!r} from an agent that has not said hello (or was replaced)")
             self._last_heard = time.monotonic()
-            turn = header.get("turn")
+            turn = _turn(header)
             if kind == "ping":
                 await self._send(peer, {"type": "pong"})
                 return []
@@ -97,13 +122,16 @@ class ExternalAgent:
             if kind == "audio":
                 return [_audio_frame(header, frames)]
             if kind == "turn_end":
-                return [AgentTurnEnd(turn, str(header.get("reason", "done")))]
+                reason = header.get("reason", "done")
+                if not isinstance(reason, str):
+                    raise ProtocolError(f"'reason' must be a string, got {type(reason).__name__}")
+                return [AgentTurnEnd(turn, reason[:64])]
             if kind == "bye":
                 self._peer = None
                 return [AgentDisconnected("agent said bye")]
             raise ProtocolError(f"unknown message type {kind!r}")
         except (ProtocolError, AudioFormatError) as e:
-            turn = header.get("turn")
+            turn = _turn_or_none(header)
             await self._send(peer, {"type": "error", "turn": turn, "detail": str(e)})
             return [AgentError(f"external agent: {e}", turn)]
 
@@ -137,6 +165,19 @@ class ExternalAgent:
         if self._socket is not None:
             self._socket.close(linger=0)
             self._socket = None
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+
+
+class _AllowedAgents:
+    """ZAP credentials provider: only the configured agents' public keys (Z85) are let in."""
+
+    def __init__(self, allowed: list[str]) -> None:
+        self.allowed = {key.encode() for key in allowed}
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.allowed
 
 
 def _decode_header(frames: list[bytes]) -> dict[str, Any]:
@@ -148,23 +189,41 @@ def _decode_header(frames: list[bytes]) -> dict[str, Any]:
         raise ProtocolError(f"frame 0 is not msgpack: {e}") from None
     if not isinstance(header, dict) or not isinstance(header.get("type"), str):
         raise ProtocolError("frame 0 must be a msgpack map with a string 'type'")
-    if header.get("v") != PROTOCOL_VERSION:
+    version = header.get("v")
+    if type(version) is not int or version != PROTOCOL_VERSION:  # True == 1 and 1.0 == 1 in Python
         raise ProtocolError(f"protocol version {header.get('v')!r} not supported (this is {PROTOCOL_VERSION})")
     return header
+
+
+def _turn(header: dict[str, Any]) -> TurnRef:
+    turn = header.get("turn")
+    if turn is not None and (type(turn) is not int and not isinstance(turn, str)):
+        raise ProtocolError(f"'turn' must be a string or an integer, got {type(turn).__name__} {turn!r:.80}")
+    return turn
+
+
+def _turn_or_none(header: dict[str, Any]) -> TurnRef:
+    try:
+        return _turn(header)
+    except ProtocolError:
+        return None
 
 
 def _audio_frame(header: dict[str, Any], frames: list[bytes]) -> AgentAudioFrame:
     if len(frames) != 2:
         raise ProtocolError(f"'audio' needs exactly one payload frame after the header, got {len(frames) - 1}")
     fmt, rate, channels = header.get("format"), header.get("rate"), header.get("channels", 1)
-    if fmt not in FORMATS:
-        raise ProtocolError(f"unsupported audio format {fmt!r}; supported: {list(FORMATS)}")
-    if not isinstance(rate, int) or not isinstance(channels, int):
-        raise ProtocolError(f"'rate' and 'channels' must be integers, got {rate!r} and {channels!r}")
+    if not isinstance(fmt, str) or fmt not in FORMATS:
+        raise ProtocolError(f"unsupported audio format {fmt!r:.80}; supported: {list(FORMATS)}")
+    if type(rate) is not int or type(channels) is not int:  # not bool: True is an int in Python
+        raise ProtocolError(f"'rate' and 'channels' must be integers, got {rate!r:.80} and {channels!r:.80}")
     dtype = FORMATS[fmt]
     check_format(rate, dtype.newbyteorder("=").name, channels)
     payload = frames[1]
     if len(payload) % (dtype.itemsize * channels):
         raise ProtocolError(f"payload of {len(payload)} bytes is not a whole number of {channels}-channel {fmt} frames")
+    seconds = len(payload) / (dtype.itemsize * channels * rate)
+    if seconds > MAX_FRAME_S:
+        raise ProtocolError(f"audio frame of {seconds:.2f} s: at most {MAX_FRAME_S} s per message (20 ms recommended)")
     samples = np.frombuffer(payload, dtype).astype(dtype.newbyteorder("="))
-    return AgentAudioFrame(samples, rate, channels, header.get("turn"))
+    return AgentAudioFrame(samples, rate, channels, _turn(header))
