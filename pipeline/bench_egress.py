@@ -30,11 +30,13 @@ from pathlib import Path
 
 import av
 import numpy as np
+from charstream.pipeline.config import PipelineConfig
+from charstream.pipeline.runner import Node
+from charstream.pipeline.session import session_factory
 from charstream.stages.config import EgressConfig
 from charstream.stages.egress.client import EgressClient
 from charstream.stages.egress.server import EgressServer
-from charstream.stages.egress.session import card_factory
-from charstream.stages.egress.testcard import frame_image
+from charstream.stages.egress.testcard import CardSource, frame_image
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -87,7 +89,8 @@ async def _aiortc_delivery(url: str, server: EgressServer, seconds: float, warmu
 
 
 async def delivery(seconds: float, size: int, codec: str, vad: bool, warmup: float = 3.0) -> dict:
-    server = EgressServer(EgressConfig(port=0, codec=codec), card_factory(height=size, width=size, vad=vad))
+    card = Node("card", CardSource, {"height": size, "width": size, "listen": vad})
+    server = EgressServer(EgressConfig(port=0, codec=codec), session_factory(PipelineConfig(), testcard=card))
     url = await server.start()
     try:
         results = {"chromium": await _chromium_delivery(url, server, seconds, warmup),

@@ -397,6 +397,7 @@ class Session:
         self.handle_signals = handle_signals and threading.current_thread() is threading.main_thread()
         self.started = anyio.Event()  # every stage is set up and running
         self.pids: dict[str, int] = {}  # process group -> pid, once launched
+        self.stages: dict[str, Stage] = {}  # the stage objects of this process's group, as they are built
         self.ended_at: float | None = None  # time.monotonic() when the end (or the error) was decided
         self.log = get_logger(session_id=session_id)
         self._ended = anyio.Event()
@@ -472,6 +473,7 @@ class Session:
                             if spec.group == LOCAL_GROUP:
                                 self._local_done = anyio.Event()
                                 local = _GroupRun(spec, transport, anyio.Event())
+                                self.stages = local.stages
                                 tg.start_soon(self._run_local, local)
                             else:
                                 child = supervisor.launch(spec.group, _group_process, spec)

@@ -61,13 +61,9 @@ def load_config(args: argparse.Namespace) -> PipelineConfig:
 
 
 def make_factory(source: str, config: PipelineConfig) -> SessionFactory:
-    if source == "testcard":
-        from charstream.stages.egress.session import card_factory
-
-        return card_factory(config.playout, config.egress)
     from charstream.pipeline.session import session_factory
 
-    return session_factory(config)
+    return session_factory(config, testcard=source == "testcard")
 
 
 async def serve(config: PipelineConfig, source: str, key: str | None) -> None:

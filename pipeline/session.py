@@ -1,13 +1,16 @@
 """One live character session: the stage graph of docs/ARCHITECTURE.md (Stages) run by ``pipeline.runner``.
 
-    ingest ─► conditioning ─► diffusion ─► decode ─► playout ─► (PlayoutOutput) ─► egress (WebRTC)
+    ingest ─► conditioning ─► diffusion ─► decode ─► playout ─► (PlayoutOutput) ─► WebRTC tracks
+                                                                  egress node ◄─► PeerLink ◄─► peer connection
+
+or, with ``testcard=True`` (no model): card ─► playout, the same egress node.
 
 Ingest, conditioning and playout live in the caller's process (group ``main``: asyncio, next to
 egress); diffusion and decode get process groups of their own, which ``placement = "processes"``
 spawns and ``"inproc"`` (the CPU demo, tests) keeps in one process. The session owns the live
 objects its nodes share — playout's ``PlayoutOutput`` (what egress serves to the peer connection),
-the microphone queue, the tracer, a pushed agent adapter — and hands each to its nodes explicitly;
-``session_factory`` is what the egress server calls for each new peer.
+the microphone queue, the tracer, a pushed agent adapter, the peer link — and hands each to its
+nodes explicitly; ``session_factory`` is what the egress server calls for each new peer.
 
 The user's microphone (a browser's, through egress) is fed to ingest's VAD, except with the
 scripted agent, which plays the user itself. Each session owns a ``TurnTracer``: playout merges
@@ -24,11 +27,14 @@ from typing import Any
 
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.runner import Edge, Graph, Node, Session, SessionResult
+from charstream.stages.base import Stage
 from charstream.stages.conditioning import build as build_conditioning
 from charstream.stages.decode import DecodeStage
 from charstream.stages.diffusion import DiffusionStage
 from charstream.stages.egress.mic import UserAudioQueue
 from charstream.stages.egress.server import SessionFactory, SessionMedia
+from charstream.stages.egress.stage import EgressStage, PeerLink
+from charstream.stages.egress.testcard import CardSource
 from charstream.stages.ingest.adapters import PUSH_ADAPTERS, AgentAdapter
 from charstream.stages.ingest.push import PushAdapter
 from charstream.stages.ingest.stage import IngestStage
@@ -38,50 +44,79 @@ from charstream.stages.tracing import TurnRecord, TurnTracer
 
 def build_graph(config: PipelineConfig, output: PlayoutOutput, tracer: TurnTracer | None = None,
                 user_audio: UserAudioQueue | None = None, agent: AgentAdapter | None = None,
-                weights: str | None = "packaged") -> Graph:
+                weights: str | None = "packaged", link: PeerLink | None = None) -> Graph:
     """The session's stages and edges, each stage built from its config section. ``weights``: a
     weights file, ``"packaged"`` (the trained weights shipped for the preset, when present) or None
     (seeded random weights). The live objects — playout's ``output``, the ``tracer``, the user's
-    microphone (``user_audio``; None: no microphone) and a pushed ``agent`` adapter — are handed to
-    the nodes of the caller's process (group ``main``), never pickled."""
+    microphone (``user_audio``; None: no microphone), a pushed ``agent`` adapter and the peer
+    ``link`` (None: no browser, e.g. a framework reads ``output``) — are handed to the nodes of the
+    caller's process (group ``main``), never pickled."""
     model = {"preset": config.preset, "weights": weights}
-    return Graph(
-        nodes=[
-            Node("ingest", IngestStage, {"config": config.ingest, "user_audio": user_audio, "adapter": agent}),
-            Node("conditioning", build_conditioning,
-                 dict(model, config=config.conditioning, seed=config.diffusion.seed)),
-            Node("diffusion", DiffusionStage, dict(model, config=config.diffusion), group="diffusion"),
-            Node("decode", DecodeStage, dict(model, config=config.decode, seed=config.diffusion.seed), group="decoder"),
-            Node("playout", PlayoutStage, {"config": config.playout, "output": output, "tracer": tracer}),
-        ],
-        edges=[
-            Edge("ingest", "conditioning"),
-            # One step in hand at each model stage: enough to overlap, little to throw away on rollback.
-            Edge("conditioning", "diffusion", capacity=1),
-            Edge("diffusion", "decode", capacity=1),
-            Edge("decode", "playout", capacity=2),
-        ],
-    )
+    nodes = [
+        Node("ingest", IngestStage, {"config": config.ingest, "user_audio": user_audio, "adapter": agent}),
+        Node("conditioning", build_conditioning, dict(model, config=config.conditioning, seed=config.diffusion.seed)),
+        Node("diffusion", DiffusionStage, dict(model, config=config.diffusion), group="diffusion"),
+        Node("decode", DecodeStage, dict(model, config=config.decode, seed=config.diffusion.seed), group="decoder"),
+        Node("playout", PlayoutStage, {"config": config.playout, "output": output, "tracer": tracer}),
+    ]
+    edges = [
+        Edge("ingest", "conditioning"),
+        # One step in hand at each model stage: enough to overlap, little to throw away on rollback.
+        Edge("conditioning", "diffusion", capacity=1),
+        Edge("diffusion", "decode", capacity=1),
+        Edge("decode", "playout", capacity=2),
+    ]
+    if link is not None:
+        nodes.append(Node("egress", EgressStage, {"config": config.egress, "link": link}))
+    return Graph(nodes, edges)
+
+
+def testcard_graph(config: PipelineConfig, output: PlayoutOutput, tracer: TurnTracer | None = None,
+                   user_audio: UserAudioQueue | None = None, link: PeerLink | None = None,
+                   card: Node | None = None) -> Graph:
+    """The test card's session: a ``CardSource`` (or ``card``, a node named "card" whose kwargs get
+    ``user_audio``) in place of the model stages, then the same playout and egress nodes."""
+    card = card or Node("card", CardSource)
+    card = Node("card", card.factory, {**card.kwargs, "user_audio": user_audio})
+    nodes = [card, Node("playout", PlayoutStage, {"config": config.playout, "output": output, "tracer": tracer})]
+    if link is not None:
+        nodes.append(Node("egress", EgressStage, {"config": config.egress, "link": link}))
+    return Graph(nodes, [Edge("card", "playout", capacity=2)])
 
 
 class LiveSession:
-    """A running session: its runner ``Session``, tracer and playout output."""
+    """A running session: its runner ``Session``, tracer, playout output and peer link.
+
+    ``peer=False``: no browser (a framework reads ``output`` itself), so no egress node. ``testcard``:
+    the test card's graph (True, or the card's ``Node``) instead of the model's."""
 
     def __init__(self, config: PipelineConfig, session_id: str, weights: str | None = "packaged",
-                 on_turn: Callable[[TurnRecord], None] | None = None) -> None:
+                 on_turn: Callable[[TurnRecord], None] | None = None, *, peer: bool = True,
+                 testcard: bool | Node = False) -> None:
         self.config = config
         self.session_id = session_id
         self.tracer = TurnTracer(session_id, config.tracing, on_turn=on_turn)
         self.output = PlayoutOutput(config.playout.history_frames)
         self.user_audio = UserAudioQueue(config.egress.user_audio_queue_frames)
-        mic = None if config.ingest.adapter == "scripted" else self.user_audio  # the scripted agent is its own user
-        # Frameworks that own the conversation push into the session's adapter (AvatarSession).
-        self.push_adapter = PushAdapter() if config.ingest.adapter in PUSH_ADAPTERS else None
-        self.runner = Session(build_graph(config, self.output, self.tracer, mic, self.push_adapter, weights),
-                              config, session_id, handle_signals=False)
+        self.link = PeerLink() if peer else None
+        self.push_adapter: PushAdapter | None = None
+        if testcard:
+            card = testcard if isinstance(testcard, Node) else None
+            graph = testcard_graph(config, self.output, self.tracer, self.user_audio, self.link, card)
+        else:
+            mic = None if config.ingest.adapter == "scripted" else self.user_audio  # the scripted agent is its own user
+            # Frameworks that own the conversation push into the session's adapter (AvatarSession).
+            self.push_adapter = PushAdapter() if config.ingest.adapter in PUSH_ADAPTERS else None
+            graph = build_graph(config, self.output, self.tracer, mic, self.push_adapter, weights, self.link)
+        self.runner = Session(graph, config, session_id, handle_signals=False)
         self.result: SessionResult | None = None
         self.done = asyncio.Event()
         self._task: asyncio.Task | None = None
+
+    @property
+    def stages(self) -> dict[str, Stage]:
+        """The stage objects running in this process (playout, ingest, ...), once built."""
+        return self.runner.stages
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"session-{self.session_id}")
@@ -90,10 +125,13 @@ class LiveSession:
         try:
             self.result = await self.runner.run()
         finally:
-            error = None if self.result is not None and self.result.ok else (
-                (self.result and self.result.error) or "session failed")
+            result = self.result
+            error = None if result is not None and result.ok else ((result and result.error) or "session failed")
+            if self.link is not None:  # the page is told why its session ended, and its connection closed
+                await self.link.end((result.error or result.ended_by) if result is not None else "the session failed")
             self.tracer.close(error=error)
             self.output.close()
+            self.user_audio.close()
             self.done.set()
 
     async def stop(self, reason: str = "requested") -> SessionResult | None:
@@ -106,14 +144,19 @@ class LiveSession:
 
     def media(self) -> SessionMedia:
         """What the egress server needs for this session's peer connection."""
-        return SessionMedia(self.output, self.user_audio, on_turn=self.tracer.merge, close=self.stop)
+        if self.link is None:
+            raise RuntimeError("a session made with peer=False has no peer connection to serve")
+        return SessionMedia(self.output, self.link, self.user_audio, on_turn=self.tracer.merge, close=self.stop)
 
 
 def session_factory(config: PipelineConfig, weights: str | None = "packaged",
-                    on_session: Callable[[LiveSession], Any] | None = None) -> SessionFactory:
+                    on_session: Callable[[LiveSession], Any] | None = None,
+                    testcard: bool | Node = False) -> SessionFactory:
     """An egress ``SessionFactory``: each new peer gets its own ``LiveSession`` (own trace file name
-    when several sessions share a config: ``<stem>-<session>.jsonl`` after the first)."""
+    when several sessions share a config: ``<stem>-<session>.jsonl`` after the first).
+    ``factory.sessions`` holds the running ones by session id."""
     started = 0
+    sessions: dict[str, LiveSession] = {}
 
     async def factory(session_id: str) -> SessionMedia:
         nonlocal started
@@ -123,10 +166,13 @@ def session_factory(config: PipelineConfig, weights: str | None = "packaged",
             stem, _, ext = path.rpartition(".")
             session_config.tracing.jsonl_path = f"{stem}-{session_id}.{ext}" if stem else f"{path}-{session_id}"
         started += 1
-        session = LiveSession(session_config, session_id, weights)
+        session = LiveSession(session_config, session_id, weights, testcard=testcard)
+        sessions[session_id] = session
         session.start()
+        session._task.add_done_callback(lambda _: sessions.pop(session_id, None))
         if on_session is not None:
             on_session(session)
         return session.media()
 
+    factory.sessions = sessions  # type: ignore[attr-defined]
     return factory

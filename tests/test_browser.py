@@ -11,9 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from charstream.pipeline.config import PipelineConfig
+from charstream.pipeline.session import session_factory
 from charstream.stages.config import EgressConfig
 from charstream.stages.egress.server import EgressServer
-from charstream.stages.egress.session import card_factory
 from charstream.stages.ingest.tts import synthesize
 from charstream.transport.messages import TurnKind
 
@@ -54,7 +55,7 @@ def test_page_connects_plays_sends_mic_and_reports_frames():
     async def main(tmp: Path):
         wav = tmp / "speech.wav"
         write_speech_wav(wav)
-        factory = card_factory()
+        factory = session_factory(PipelineConfig(), testcard=True)
         server = EgressServer(EgressConfig(host="127.0.0.1", port=0), factory, access_key="browser-key")
         url = await server.start()
         out: dict = {}
@@ -66,7 +67,7 @@ def test_page_connects_plays_sends_mic_and_reports_frames():
             await page.goto(f"{url}/?key=browser-key&autoconnect=1")
             await page.wait_for_function("window.charstream.framesReported >= 48", timeout=40_000)
             [peer] = server.sessions.values()
-            [card] = factory.sessions.values()
+            [card] = [s.stages["card"] for s in factory.sessions.values()]
             # The fake mic's speech reaches silero-vad through the VAD-facing queue; its end of
             # speech starts a turn, whose latency segments come back to the page's overlay.
             await page.wait_for_function("window.charstream.turns.length >= 1", timeout=40_000)

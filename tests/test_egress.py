@@ -9,11 +9,14 @@ import time
 import aiohttp
 import numpy as np
 import pytest
+from charstream.pipeline.config import PipelineConfig
+from charstream.pipeline.runner import Node
+from charstream.pipeline.session import session_factory
+from charstream.stages.base import Stage
 from charstream.stages.config import EgressConfig, PlayoutConfig
 from charstream.stages.egress.client import AudioSamplesTrack, EgressClient, SignalingError
 from charstream.stages.egress.server import EgressServer
-from charstream.stages.egress.session import card_factory
-from charstream.stages.egress.testcard import CLICK_AMPLITUDE, card_chunk
+from charstream.stages.egress.testcard import CLICK_AMPLITUDE, CardSource, card_chunk
 from waiting import until
 
 from charstream.timeline import CHUNK_SECONDS, TIMELINE_RATE
@@ -23,11 +26,16 @@ STALL_AFTER, STALL_S = 30, 0.263
 TURN_CHUNK = 40  # first speaking chunk of turn 1
 
 
-def staged_source(turn_stamps: dict[str, float]):
-    """Test card at the media rate, a 263 ms upstream stall after chunk 30, speech from chunk 40."""
+class StagedCard(Stage):
+    """Test card at the media rate, a 263 ms upstream stall after chunk 30, speech from chunk 40 (a
+    session graph's source, in place of the model stages)."""
 
-    async def source(session) -> None:
-        playout, ctx = session.playout, session.ctx
+    name = "card"
+
+    def __init__(self, user_audio=None) -> None:
+        self.turn_stamps: dict[str, float] = {}
+
+    async def run(self, ctx) -> None:
         start = time.monotonic()
         n = 0
         while True:
@@ -36,9 +44,9 @@ def staged_source(turn_stamps: dict[str, float]):
                                turn_id=1 if speaking else None)
             if n == TURN_CHUNK:  # what ingest/conditioning would have stamped on the turn
                 now = time.time()
-                turn_stamps.update(user_speech_end=now - 0.9, agent_first_audio=now - 0.4)
-                chunk.trace.stamps.update(turn_stamps)
-            await playout.process(chunk, ctx)
+                self.turn_stamps.update(user_speech_end=now - 0.9, agent_first_audio=now - 0.4)
+                chunk.trace.stamps.update(self.turn_stamps)
+            await ctx.emit(chunk)
             if n == STALL_AFTER:
                 start += STALL_S
             n += 1
@@ -46,7 +54,10 @@ def staged_source(turn_stamps: dict[str, float]):
             if delay > 0:
                 await asyncio.sleep(delay)
 
-    return source
+
+def quiet_card():
+    """Test-card sessions whose card does not listen: the mic queue is read by the test itself."""
+    return session_factory(PipelineConfig(), testcard=Node("card", CardSource, {"listen": False}))
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +65,8 @@ def ten_seconds():
     """One 11.5 s session over loopback; the tests below check different things it recorded."""
 
     async def main():
-        factory = card_factory(PlayoutConfig(target_depth_chunks=2), source=staged_source({}), vad=False)
+        config = PipelineConfig(playout=PlayoutConfig(target_depth_chunks=2))
+        factory = session_factory(config, testcard=Node("card", StagedCard))
         server = EgressServer(EgressConfig(port=0), factory)
         url = await server.start()
         session_id, token = server.create_session()
@@ -63,7 +75,7 @@ def ten_seconds():
         await client.wait_for_video(1, timeout=30)
         await asyncio.sleep(11.5)
         peer = server.sessions[session_id]
-        playout = factory.sessions[session_id].playout
+        playout = factory.sessions[session_id].stages["playout"]
         result = dict(video=list(client.video), audio=list(client.audio), client=client, turns=list(client.turns),
                       stats=playout.stats.summary(), delivery_ms=peer.timing.median_delivery_ms(),
                       turn_segments=dict(peer.turn_segments), reports=peer.timing.frames_reported,
@@ -120,7 +132,7 @@ def test_client_reports_give_delivery_and_the_turns_client_stamp(ten_seconds):
 
 def test_h264_is_negotiated_when_configured():
     async def main():
-        factory = card_factory(vad=False)
+        factory = quiet_card()
         server = EgressServer(EgressConfig(port=0, codec="H264"), factory)
         url = await server.start()
         _, token = server.create_session()
@@ -145,7 +157,7 @@ def test_bad_input_is_refused_and_other_sessions_keep_running():
             return r.status, await r.json()
 
     async def main():
-        factory = card_factory(vad=False)  # the mic queue is read here instead (the browser test runs the VAD)
+        factory = quiet_card()  # the mic queue is read here instead (the browser test runs the VAD)
         calls = []
 
         async def counting_factory(session_id):
@@ -227,7 +239,7 @@ def test_client_records_what_it_received_to_mp4(tmp_path):
     import av
 
     async def main():
-        server = EgressServer(EgressConfig(port=0), card_factory(vad=False))
+        server = EgressServer(EgressConfig(port=0), quiet_card())
         url = await server.start()
         _, token = server.create_session()
         client = EgressClient(record_path=tmp_path / "session.mp4", keep_images=True)

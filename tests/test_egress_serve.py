@@ -10,11 +10,19 @@ import sys
 import time
 
 import aiohttp
+import anyio
+from charstream.pipeline.config import PipelineConfig
+from charstream.pipeline.runner import Node
+from charstream.pipeline.session import session_factory
 from charstream.stages.config import EgressConfig
 from charstream.stages.egress.client import EgressClient
 from charstream.stages.egress.server import EgressServer
-from charstream.stages.egress.session import card_factory
+from charstream.stages.egress.testcard import CardSource
 
+
+def quiet_card():
+    """Test-card sessions whose card does not listen (the mic queue fills and drops)."""
+    return session_factory(PipelineConfig(), testcard=Node("card", CardSource, {"listen": False}))
 
 def test_serve_command_streams_the_test_card_and_stops_cleanly():
     proc = subprocess.Popen([sys.executable, "-m", "charstream", "serve", "--source", "testcard", "--port", "0",
@@ -55,7 +63,7 @@ def test_serve_command_streams_the_test_card_and_stops_cleanly():
 
 def test_a_reservation_without_an_offer_is_released():
     async def main():
-        server = EgressServer(EgressConfig(port=0, offer_timeout_s=0.3, max_sessions=1), card_factory(vad=False))
+        server = EgressServer(EgressConfig(port=0, offer_timeout_s=0.3, max_sessions=1), quiet_card())
         await server.start()
         server.create_session()
         try:
@@ -75,14 +83,14 @@ def test_a_reservation_without_an_offer_is_released():
 
 def test_when_the_pipeline_ends_the_page_is_told_and_the_session_released():
     async def main():
-        factory = card_factory(vad=False)
+        factory = quiet_card()
         server = EgressServer(EgressConfig(port=0, ping_interval_s=0.2), factory)
         url = await server.start()
         session_id, token = server.create_session()
         client = EgressClient()
         await client.connect(url, token)
         await client.wait_for_video(6, timeout=30)
-        await factory.sessions[session_id].close()  # the session's pipeline stops (or fails)
+        await factory.sessions[session_id].stop("pipeline gone")  # the session's pipeline stops (or fails)
         for _ in range(50):
             if session_id not in server.sessions and session_id not in factory.sessions:
                 break
@@ -93,4 +101,37 @@ def test_when_the_pipeline_ends_the_page_is_told_and_the_session_released():
         return result
 
     ended, left, cards = asyncio.run(main())
-    assert ended == "the session's pipeline ended" and left == {} and cards == {}
+    assert ended == "stop: pipeline gone" and left == {} and cards == {}  # the page is told why
+
+
+class FailingCard(CardSource):
+    """A card that fails after a few chunks, as a broken model stage would."""
+
+    async def run(self, ctx) -> None:
+        with anyio.move_on_after(0.5):
+            await super().run(ctx)
+        raise RuntimeError("the card broke")
+
+
+def test_a_failed_stage_ends_its_session_and_the_page_is_told_which_and_why():
+    async def main():
+        factory = session_factory(PipelineConfig(), testcard=Node("card", FailingCard, {"listen": False}))
+        server = EgressServer(EgressConfig(port=0, ping_interval_s=0.2), factory)
+        url = await server.start()
+        session_id, token = server.create_session()
+        client = EgressClient()
+        await client.connect(url, token)
+        ended_in = time.monotonic()
+        for _ in range(100):
+            if client.ended and session_id not in server.sessions:
+                break
+            await asyncio.sleep(0.05)
+        ended_in = time.monotonic() - ended_in
+        result = client.ended, dict(server.sessions), dict(factory.sessions)
+        await client.close()
+        await server.stop()
+        return result, ended_in
+
+    (ended, left, sessions), ended_in = asyncio.run(main())
+    assert ended is not None and "stage 'card' failed" in ended and "the card broke" in ended
+    assert left == {} and sessions == {} and ended_in < 3.0

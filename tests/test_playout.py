@@ -8,10 +8,10 @@ import time
 import numpy as np
 import pytest
 from charstream.stages.config import PlayoutConfig
-from charstream.stages.egress.session import start_playout
 from charstream.stages.egress.testcard import card_chunk
 from charstream.stages.playout import PlayoutOutput, PlayoutStage
 from charstream.transport.messages import Control, ControlKind, VideoChunk
+from playout_support import start_playout
 
 from charstream.timeline import CHUNK_SECONDS, SAMPLES_PER_FRAME
 

@@ -35,7 +35,7 @@ class AvatarSession:
         from charstream.pipeline.session import LiveSession  # the demo's session API (imports egress, aiortc)
 
         self.session_id = session_id
-        self.live: Any = LiveSession(config, session_id, weights)
+        self.live: Any = LiveSession(config, session_id, weights, peer=False)
         self.adapter: PushAdapter = self.live.push_adapter
 
     async def start(self, timeout_s: float = 120.0) -> None:

@@ -10,9 +10,12 @@ HTTP API (JSON; errors are ``{"error": "..."}`` with a 4xx/5xx status):
   503. On success the session factory builds the session's media (``SessionMedia``).
 * ``POST /hangup`` with ``{"token"}`` — closes the session.
 
-A session ends when the peer connection fails or closes, when the client stops answering
-data-channel pings for ``client_timeout_s`` (it vanished), on hangup, or on server stop; its
-peer connection, tasks, mic queue and media are released then. Nothing one session does can stop
+Each session is a graph run by the runner whose egress node (``stage.EgressStage``) holds the
+session's end of a ``PeerLink``: the node pings the client over the data channel, and the session
+ends when the peer connection fails or closes, when the client stops answering pings for
+``client_timeout_s`` (it vanished), on hangup, or on server stop; when the session ends first (a
+stage failed), the node tells the page why and the peer connection is closed. The peer
+connection, tasks, mic queue and media are released then. Nothing one session does can stop
 another or the server.
 """
 
@@ -33,6 +36,7 @@ from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCRtpSend
 from aiortc.mediastreams import MediaStreamTrack
 from charstream.stages.config import EgressConfig
 from charstream.stages.egress.mic import UserAudioQueue, pump_microphone
+from charstream.stages.egress.stage import PeerLink
 from charstream.stages.egress.timing import BadReport, ClientTiming, _number
 from charstream.stages.egress.tracks import PlayoutAudioTrack, PlayoutVideoTrack, TrackStart
 from charstream.stages.playout import PlayoutOutput
@@ -48,9 +52,10 @@ OPUS = [c for c in RTCRtpSender.getCapabilities("audio").codecs if c.mimeType ==
 
 @dataclass
 class SessionMedia:
-    """What a session factory returns for one session."""
+    """What a session factory returns for one session (its graph already has an ``EgressStage`` on ``link``)."""
 
     output: PlayoutOutput  # the playout the tracks stream
+    link: PeerLink  # the session's egress node, on the other end
     user_audio: UserAudioQueue = field(default_factory=UserAudioQueue)  # the mic, for ingest's VAD
     on_turn: Callable[[TraceContext], None] | None = None  # a turn got its client stamp (e.g. TurnTracer.merge)
     close: Callable[[], Awaitable[None]] | None = None  # stop the session's pipeline
@@ -87,9 +92,9 @@ class PeerSession:
         self.channel = None
         self.tasks: list[asyncio.Task] = []
         self.bad_messages = 0
-        self.last_heard = time.monotonic()
         self.turn_segments: dict[int, dict[str, float]] = {}
         self.closed = asyncio.Event()
+        self.session_ended = False  # the session ended before the peer (set by its egress node)
         self.log = log.bind(session_id=session_id)
 
     async def answer(self, offer: RTCSessionDescription) -> RTCSessionDescription:
@@ -119,8 +124,7 @@ class PeerSession:
         if video_transceiver.mid is None or audio_transceiver.mid is None:
             raise OfferError(400, "offer's audio/video sections do not match the session's tracks")
         await pc.setLocalDescription(await pc.createAnswer())
-        self.tasks.append(asyncio.create_task(self._keepalive(), name=f"keepalive-{self.session_id}"))
-        self.last_heard = time.monotonic()
+        self.media.link.attach(self._send, self._end_from_session)
         return pc.localDescription
 
     # --- events --------------------------------------------------------------------------------
@@ -144,7 +148,7 @@ class PeerSession:
         channel.on("message", self._on_message)
 
     def _on_message(self, raw: Any) -> None:
-        self.last_heard = time.monotonic()
+        self.media.link.heard()
         try:
             if not isinstance(raw, str):
                 raise BadReport("binary message")
@@ -182,22 +186,17 @@ class PeerSession:
         if self.channel is not None and self.channel.readyState == "open":
             self.channel.send(json.dumps(msg))
 
-    async def _keepalive(self) -> None:
-        config = self.server.config
-        ping = 0
-        while True:
-            # A few quick pings first: the clock offset is needed from the first frame report.
-            await asyncio.sleep(config.ping_interval_s if ping > 5 else min(0.1, config.ping_interval_s))
-            ping += 1
-            self._send({"type": "ping", "id": ping, "server_ms": time.time() * 1e3})
-            if time.monotonic() - self.last_heard > config.client_timeout_s:
-                await self.server.close_session(self.session_id, "client vanished (no data-channel reply)")
-                return
-            if self.media.output.closed:  # the session's pipeline ended (or failed): tell the page
-                self._send({"type": "end", "reason": "the session's pipeline ended"})
-                await asyncio.sleep(0.2)  # let the message leave before the connection closes
-                await self.server.close_session(self.session_id, "session media ended")
-                return
+    async def _end_from_session(self, reason: str) -> None:
+        """The session ended first (its egress node's teardown): tell the page why, then close. The
+        close runs as its own task: it stops the session, which is what is ending right now."""
+        self._send({"type": "end", "reason": reason})
+        self.session_ended = True
+
+        async def close_soon() -> None:
+            await asyncio.sleep(0.2)  # let the message leave before the connection closes
+            await self.server.close_session(self.session_id, f"session ended: {reason}")
+
+        self.tasks.append(asyncio.create_task(close_soon(), name=f"close-{self.session_id}"))
 
     # --- teardown ------------------------------------------------------------------------------
 
@@ -205,6 +204,8 @@ class PeerSession:
         if self.state == "closed":
             return
         self.state = "closed"
+        if self.media is not None:
+            self.media.link.closed(reason)  # the session's egress node ends the session
         self.log.info("session_closed", reason=reason, bad_messages=self.bad_messages,
                       median_delivery_ms=self.timing.median_delivery_ms() if self.timing else None)
         current = asyncio.current_task()
@@ -215,7 +216,7 @@ class PeerSession:
             await self.pc.close()
         if self.media is not None:
             self.media.user_audio.close()
-            if self.media.close is not None:
+            if self.media.close is not None and not self.session_ended:
                 try:
                     await self.media.close()
                 except Exception:

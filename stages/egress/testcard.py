@@ -2,15 +2,25 @@
 
 Used wherever real media is needed without a model (tests, benchmarks, ``charstream serve
 --source testcard``). A *flash* chunk starts with a white frame and a click at the same media
-instant, so a receiver can measure its audio/video offset.
+instant, so a receiver can measure its audio/video offset. ``CardSource`` is the card as a stage:
+the test-card session is a graph like the model's (card → playout → egress).
 """
 
 from __future__ import annotations
 
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+import anyio
 import numpy as np
-from charstream.transport.messages import TraceContext, VideoChunk
+from charstream.stages.base import Stage, StageContext
+from charstream.transport.messages import Control, ControlKind, TraceContext, TurnKind, VideoChunk
 
 from charstream.timeline import FRAMES_PER_CHUNK, SAMPLES_PER_CHUNK, TIMELINE_RATE
+
+if TYPE_CHECKING:
+    from charstream.stages.egress.mic import UserAudioQueue
 
 _BARS = np.array([[192, 192, 192], [192, 192, 0], [0, 192, 192], [0, 192, 0],
                   [192, 0, 192], [192, 0, 0], [0, 0, 192]], np.uint8)
@@ -68,3 +78,80 @@ def card_chunk(session_id: str, chunk: int, height: int = 128, width: int = 128,
     return VideoChunk(session_id, chunk, frames, chunk_audio(chunk, flash, speaking), speaking, epoch,
                       TraceContext(turn_id=turn_id))
 
+
+
+class CardSource(Stage):
+    """The test card as the session graph's source (in place of conditioning → diffusion → decode).
+
+    It emits chunks as fast as playout's credit lets it, a flash + click chunk every ``flash_every``.
+    The user's microphone (``user_audio``) goes through silero-vad; each end of speech starts a turn
+    the way the real pipeline does: ``Control(TURN_START)`` to playout, which drops the unplayed
+    chunks and answers ``ROLLBACK``; the card then regenerates from ``last_committed + 1`` in the new
+    epoch with "speech" (a red border and a higher tone) for ``turn_chunks`` chunks, stamping the
+    turn's trace as ingest and conditioning would — an agent that answers at once.
+    """
+
+    name = "card"
+
+    def __init__(self, height: int = 128, width: int = 128, flash_every: int = 12, turn_chunks: int = 18,
+                 user_audio: UserAudioQueue | None = None, listen: bool = True) -> None:
+        self.height, self.width, self.flash_every, self.turn_chunks = height, width, flash_every, turn_chunks
+        self.user_audio = user_audio if listen else None  # not listening: the mic queue fills and drops (counted)
+        self.chunk = 0
+        self.epoch = 0
+        self.turn_id = 0
+        self.speaking_left = 0
+        self.vad_events: list = []
+        self.mic_frames = 0
+        self.mic_peak_rms = 0.0
+        self._speech_ends: deque[float] = deque(maxlen=4)  # user ends of speech not yet answered
+        self._turn_stamps: dict[str, float] = {}
+        self._awaiting_rollback = False
+
+    async def run(self, ctx: StageContext) -> None:
+        async with anyio.create_task_group() as tg:
+            if self.user_audio is not None:
+                tg.start_soon(self._listen, ctx)
+            while True:
+                if self._speech_ends and not self._awaiting_rollback:
+                    self._awaiting_rollback = True
+                    self._turn_stamps = {"user_speech_end": self._speech_ends.popleft()}
+                    await ctx.send_control(Control(ctx.session_id, self.turn_id + 1, ControlKind.TURN_START))
+                speaking = self.speaking_left > 0
+                msg = card_chunk(ctx.session_id, self.chunk, self.height, self.width,
+                                 flash=self.flash_every > 0 and self.chunk % self.flash_every == 0,
+                                 speaking=speaking, epoch=self.epoch, turn_id=self.turn_id if speaking else None)
+                if speaking and self._turn_stamps:  # the turn's first speaking chunk carries its trace
+                    msg.trace.stamps.update(self._turn_stamps)
+                    self._turn_stamps = {}
+                await ctx.emit(msg)  # awaits playout's credit
+                self.chunk += 1
+                self.speaking_left = max(self.speaking_left - 1, 0)
+
+    async def control(self, msg: Control, ctx: StageContext) -> None:
+        if msg.kind == ControlKind.ROLLBACK and msg.epoch > self.epoch:
+            self.epoch, self.chunk = msg.epoch, msg.chunk + 1
+            if self._awaiting_rollback:  # our turn start: speak from here
+                self._awaiting_rollback = False
+                self.turn_id += 1
+                self.speaking_left = self.turn_chunks
+                self._turn_stamps["agent_first_audio"] = time.time()
+
+    async def _listen(self, ctx: StageContext) -> None:
+        from charstream.stages.egress.mic import UserAudioClosed
+        from charstream.stages.ingest.vad import UserAudioVAD
+
+        vad = await anyio.to_thread.run_sync(UserAudioVAD)  # torch + silero, off the event loop
+        while True:
+            try:
+                frame = await self.user_audio.get()
+            except UserAudioClosed:
+                return
+            self.mic_frames += 1
+            rms = float(np.sqrt(np.mean(frame.samples.astype(np.float64) ** 2)))
+            self.mic_peak_rms = max(self.mic_peak_rms, rms)
+            for event in vad.feed(frame.samples, frame.received_at - len(frame.samples) / TIMELINE_RATE):
+                self.vad_events.append(event)
+                ctx.log.info("user_vad", kind=str(event.kind), at=event.at, probability=round(event.probability, 2))
+                if event.kind == TurnKind.USER_SPEECH_END:
+                    self._speech_ends.append(event.at)
