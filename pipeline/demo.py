@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--placement", default="inproc", choices=("inproc", "processes"),
                         help="inproc: every stage in this process (default); processes: diffusion and decode "
                              "in processes of their own")
+    parser.add_argument("--gpus", metavar="LAYOUT", default=None,
+                        help="GPU layout: diffusion TP ranks + decoder, e.g. 1 (one GPU for both), 3+1 "
+                             "(pipeline/placement.py); stages in processes of their own")
     parser.add_argument("--script", default=None,
                         help='JSON file: [{"user": "...", "agent": "...", "barge_in_after_s": null}, ...]')
     parser.add_argument("--weights", default="packaged",
@@ -138,6 +141,11 @@ def plan(args: argparse.Namespace) -> DemoPlan:
 
     out = Path(args.out)
     config = PipelineConfig(preset=args.preset, placement=args.placement)
+    if args.gpus:
+        import torch
+        from charstream.pipeline.placement import apply_placement
+
+        config = apply_placement(config, args.gpus, gpus_available=torch.cuda.device_count())
     config.tracing.jsonl_path = str(out / "trace.jsonl")
     config.tracing.otel_exporter = args.otel
     config.tracing.otlp_endpoint = args.otlp_endpoint
@@ -293,6 +301,12 @@ async def run_demo(args: argparse.Namespace) -> int:
         return 1
     if not result.ok:
         print(f"charstream demo: the session failed: {result.error}")
+    played = sessions[0].output.next_index
+    labels = {"session": sessions[0].session_id}
+    fps = REGISTRY.get_sample_value("charstream_fps", labels) or 0.0
+    underruns = int(REGISTRY.get_sample_value("charstream_underruns_total", labels) or 0)
+    print(f"charstream demo: {played} frames played ({played / VIDEO_FPS:.1f} s of media), playout {fps:.1f} fps, "
+          f"{underruns} underruns")
     summary = write_report(out / "trace.jsonl", out)
     print(render_table(summary))
     files = ["trace.jsonl", "report.md", "report.json", "waterfall.png"] + ([] if args.serve else ["session.mp4"])

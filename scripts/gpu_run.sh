@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# The device bundle and what runs on it, in one script (docs/gpu-notes.md, "Device calls").
+#
+#   here:       scripts/gpu_run.sh bundle [DIR]     the wheels the device image lacks, pinned: DIR/whl-a
+#                                                   (~43 MB: av, aiortc + its stack, pyzmq, structlog) and
+#                                                   DIR/whl-b (~22 MB: silero-vad, espeak-ng, OpenTelemetry).
+#                                                   DIR defaults to .gpu-bundle (ignore it in .git/info/exclude).
+#   on device:  scripts/gpu_run.sh check DIR        GPU tests (the step graphed = eager, under TP at world size 1
+#                                                   too), bench gpu of the serving step: characters-57b TP=3 and
+#                                                   TP=4 shards, characters-14b whole with its decoder and the
+#                                                   pipelined period (decoder graph on a second stream)
+#               scripts/gpu_run.sh live DIR [PRESET...]   one `charstream demo --gpus 1` session per preset
+#                                                   (default: characters-14b tiny), >= 2 min of media each
+#
+# The tree with whl-a fits one call's 64 MiB, with both it does not: carry DIR/whl-a on a first call
+# (check) and DIR/whl-b on the next (live) while the machine is warm -- every device command installs
+# the wheels it finds under DIR into /tmp/site, which a warm machine keeps. Each section runs under
+# `timeout` with a line at its start and end; logs and JSON go to $OUT (at most 8 files come back).
+set -o pipefail
+cmd=${1:?usage: gpu_run.sh bundle [DIR] | check DIR | live DIR [PRESET...]}
+dir=${2:-.gpu-bundle}
+shift $(($# < 2 ? $# : 2))
+
+WHEELS_A="av==18.1.0 pyzmq==27.3.0 structlog==26.1.0 aiortc==1.16.0 aioice==0.13.0 pyee==13.0.1 pylibsrtp==1.0.0
+  pyOpenSSL==26.4.0 cryptography==50.0.2 google-crc32c==1.9.0 dnspython==2.9.2 ifaddr==0.2.0 cffi==2.1.1 pycparser==3.12"
+WHEELS_B="silero-vad==6.2.3 espeakng-loader==0.2.4 protobuf==6.33.6 googleapis-common-protos==1.76.0
+  opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-semantic-conventions==0.66b2
+  opentelemetry-proto==1.45.2 opentelemetry-exporter-otlp-proto-common==1.45.2 opentelemetry-exporter-otlp-proto-http==1.45.2
+  opentelemetry-exporter-http-transport==0.66b2 opentelemetry-exporter-otlp-common==0.66b2"
+
+if [ "$cmd" = bundle ]; then
+  platforms=(--platform manylinux_2_34_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64
+             --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
+  for part in a b; do
+    names=WHEELS_${part^^}
+    # shellcheck disable=SC2086
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      "${platforms[@]}" -d "$dir/whl-$part" ${!names} || exit
+  done
+  du -sh "$dir"/whl-*
+  exit 0
+fi
+
+# -- on the device ------------------------------------------------------------------------------------
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export CHARSTREAM_COMMIT=${CHARSTREAM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT"
+START=$SECONDS
+results=()
+
+section() {  # section NAME LIMIT_S LOG COMMAND...: COMMAND under a time limit, to the console and $OUT/LOG
+  local name=$1 limit=$2 log=$OUT/$3 rc
+  shift 3
+  echo "=== $name: start $(date -u +%T), limit ${limit}s, elapsed $((SECONDS - START))s" | tee -a "$log"
+  timeout -k 5 "$limit" "$@" 2>&1 | tee -a "$log"
+  rc=$?
+  [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && echo "=== $name: TIMED OUT after ${limit}s" | tee -a "$log"
+  echo "=== $name: rc=$rc, elapsed $((SECONDS - START))s" | tee -a "$log"
+  results+=("$name rc=$rc")
+}
+
+for part in a b; do
+  if compgen -G "$dir/whl-$part/*.whl" >/dev/null && [ ! -e "/tmp/site/.whl-$part" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      "$dir/whl-$part"/*.whl && touch "/tmp/site/.whl-$part" || exit
+  fi
+done
+# The package itself (its folders map to charstream.* only through an install), each call afresh.
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site-pkg . \
+  >/dev/null || exit
+export PYTHONPATH=/tmp/site-pkg:/tmp/site
+nvidia-smi --query-gpu=name,driver_version,memory.used,temperature.gpu,power.draw --format=csv,noheader
+
+if [ "$cmd" = check ]; then
+  section "gpu tests" 150 gpu-tests.log python3 -m pytest -q -m gpu -p no:cacheprovider --timeout=120 \
+    tests/test_graphed_gpu.py tests/test_diffusion_stage.py
+  section "bench characters-57b TP=3, TP=4 shards" 200 bench-57b.log python3 -m charstream.pipeline.bench_gpu \
+    --tp-shard 3 4 --skip sweep decoder pipeline --section-timeout 90 --json "$OUT/bench_57b.json"
+  section "bench characters-14b, decoder, period" 200 bench-14b.log python3 -m charstream.pipeline.bench_gpu \
+    --preset characters-14b --tp-shard 1 --skip sweep ceilings --section-timeout 90 --json "$OUT/bench_14b.json"
+elif [ "$cmd" = live ]; then
+  [ $# -gt 0 ] || set -- characters-14b tiny
+  for preset in "$@"; do
+    weights=random
+    [ "$preset" = tiny ] && weights=packaged
+    # 11 turns of the built-in script: a little over 2 minutes of media.
+    section "live $preset --gpus 1" 290 "live-$preset.log" python3 -m charstream.pipeline.cli demo --preset "$preset" \
+      --gpus 1 --weights "$weights" --turns 11 --timeout 240 --verbose --out "/tmp/demo-$preset"
+    cp "/tmp/demo-$preset/report.md" "$OUT/report-$preset.md" 2>/dev/null
+    cp "/tmp/demo-$preset/trace.jsonl" "$OUT/trace-$preset.jsonl" 2>/dev/null
+  done
+else
+  echo "unknown command $cmd" >&2
+  exit 2
+fi
+
+{
+  echo "commit $CHARSTREAM_COMMIT, $(date -u +%FT%TZ), total $((SECONDS - START))s"
+  printf '%s\n' "${results[@]}"
+} | tee "$OUT/summary.txt"
+! grep -q "rc=[1-9]" "$OUT/summary.txt"
