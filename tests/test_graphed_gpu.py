@@ -144,3 +144,36 @@ def test_graphed_decoder_decode_chunk_rolls_back_to_a_kept_state():
     assert torch.equal(again, frames[1])
     fresh, _ = graphed.decode_chunk(z[0], None)  # a new session: zero history
     assert torch.equal(fresh, frames[0])
+
+
+def test_step_and_decoder_graphs_replay_concurrently_on_two_streams():
+    """The pipelined period: step n + 1 replays on the main stream while chunk n's decoder graph
+    replays on a second one -- each graph captured on a stream of its own, so their GEMMs use
+    different cuBLAS workspaces -- and every latent and frame equals the one-at-a-time run."""
+    audio = [torch.randn(TINY.n_audio_tokens, TINY.audio_dim) for _ in range(6)]
+    reference = torch.randn(TINY.latent_channels, TINY.latent_height, TINY.latent_width)
+    runs = {}
+    for concurrent in (False, True):
+        gen = _generator(fused=True, graphed=True)
+        gen.reset_session(reference)
+        torch.manual_seed(0)
+        decoder = GraphedDecoder(Decoder(TINY).cuda())
+        main, side = torch.cuda.current_stream(), torch.cuda.Stream()
+        step, done, copied = gen.diffusion, torch.cuda.Event(), torch.cuda.Event()
+        latents, frames = [], []
+        for i, a in enumerate(audio):
+            latents.append(step.step(a, seed=i))
+            done.record(main)
+            with torch.cuda.stream(side):
+                side.wait_event(done)
+                decoder.latent.copy_(latents[-1])
+                copied.record(side)
+                decoder.graph.replay()
+                frames.append(decoder.frames.clone())
+            main.wait_event(copied)
+            if not concurrent:
+                torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        runs[concurrent] = latents, frames
+    for a, b in zip(runs[True][0] + runs[True][1], runs[False][0] + runs[False][1], strict=True):
+        assert torch.equal(a, b)
