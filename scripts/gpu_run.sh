@@ -69,7 +69,9 @@ done
 # The package itself (its folders map to charstream.* only through an install), each call afresh.
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site-pkg . \
   >/dev/null || exit
-export PYTHONPATH=/tmp/site-pkg:/tmp/site
+# Safe path (inherited by spawned ranks): the checkout's charstream/ holds only the root package and must
+# not shadow the installed one from the working directory.
+export PYTHONPATH=/tmp/site-pkg:/tmp/site PYTHONSAFEPATH=1
 nvidia-smi --query-gpu=name,driver_version,memory.used,temperature.gpu,power.draw --format=csv,noheader
 
 if [ "$cmd" = check ]; then
