@@ -59,7 +59,7 @@ async def _chromium_delivery(url: str, server: EgressServer, seconds: float, war
             context = await p.chromium.launch_persistent_context(profile, executable_path=CHROMIUM, headless=True,
                                                                  args=CHROMIUM_ARGS)
             page = await context.new_page()
-            await page.goto(f"{url}/?key={server.access_key}&autoconnect=1")
+            await page.goto(f"{url}/?code={server.issue_code()}&autoconnect=1")
             await page.wait_for_function("window.charstream.framesReported >= 1", timeout=30_000)
             [peer] = server.sessions.values()
             await asyncio.sleep(warmup)

@@ -269,7 +269,7 @@ async def run_demo(args: argparse.Namespace) -> int:
     progress: Progress | None = None
     try:
         if args.serve:
-            print(f"open {url}/?key={server.access_key} in a browser and press Connect "
+            print(f"open {url}/?code={server.issue_code()} in a browser (a one-time link) and press Connect "
                   "(the user is scripted; your microphone is not used)")
             await ready.wait()
         else:

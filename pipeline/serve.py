@@ -2,8 +2,9 @@
 
     charstream serve [--source pipeline|testcard] [--port 8080] [--codec VP8|H264] [--config FILE]
 
-It prints the page's address with the server key (``/?key=...``); each Connect reserves a
-session and streams it. ``--source pipeline`` (the default) runs the full session graph per
+It prints a one-time link to the page (``/?code=...``: the page trades the code for the server
+key, so the key never lands in a URL; with ``--key`` you may also type the key into the page);
+each Connect reserves a session and streams it. Logs are JSON lines on stderr. ``--source pipeline`` (the default) runs the full session graph per
 connection (``pipeline.session.session_factory``: the character model, the configured agent
 adapter; with the default scripted agent the user is scripted too and the microphone is not
 used). ``--source testcard`` needs no model: a test card whose "character" answers each end of
@@ -22,6 +23,8 @@ from pathlib import Path
 
 from charstream.pipeline.config import PipelineConfig
 from charstream.stages.egress.server import CODECS, EgressServer, SessionFactory
+
+from charstream.logs import configure_logging
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,9 +70,11 @@ def make_factory(source: str, config: PipelineConfig) -> SessionFactory:
 
 
 async def serve(config: PipelineConfig, source: str, key: str | None) -> None:
+    configure_logging()
     server = EgressServer(config.egress, make_factory(source, config), access_key=key)
     url = await server.start()
-    print(f"charstream serve ({source}, {config.egress.codec}): open {url}/?key={server.access_key}", flush=True)
+    print(f"charstream serve ({source}, {config.egress.codec}): open {url}/?code={server.issue_code()} "
+          "(a one-time link)", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

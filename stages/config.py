@@ -78,6 +78,13 @@ class EgressConfig:
     ping_interval_s: float = 1.0  # data-channel ping: clock offset estimate + liveness
     client_timeout_s: float = 10.0  # no pong this long: the client vanished, its session is closed
     user_audio_queue_frames: int = 100  # 20 ms mic frames held for ingest before the oldest is dropped
+    # Host header names served besides IP literals, "localhost" and `host` (a DNS-rebinding page
+    # sends its own name): add the names a LAN or proxy setup reaches this server by.
+    allowed_hosts: list[str] = field(default_factory=list)
+    idle_timeout_s: float = 10.0  # a connection without a complete request for this long is closed
+    body_timeout_s: float = 10.0  # a request body must arrive within this
+    reservations_per_client: int = 2  # reserved sessions still waiting for their offer, per client address
+    reservations_per_minute: int = 20  # new reservations per client address and minute (renewals count)
 
 
 @dataclass

@@ -64,8 +64,9 @@ def test_page_connects_plays_sends_mic_and_reports_frames():
                 str(tmp / "profile"), executable_path=CHROMIUM, headless=True, args=chromium_args(wav))
             page = await context.new_page()
             page.on("console", lambda m: out.setdefault("console", []).append(m.text))
-            await page.goto(f"{url}/?key=browser-key&autoconnect=1")
+            await page.goto(f"{url}/?code={server.issue_code()}&autoconnect=1")
             await page.wait_for_function("window.charstream.framesReported >= 48", timeout=40_000)
+            out["url"] = page.url  # the one-time code left the address bar (and history)
             [peer] = server.sessions.values()
             [card] = [s.stages["card"] for s in factory.sessions.values()]
             # The fake mic's speech reaches silero-vad through the VAD-facing queue; its end of
@@ -98,6 +99,7 @@ def test_page_connects_plays_sends_mic_and_reports_frames():
     print({k: v for k, v in out.items() if k not in ("deliveries",)})
     assert out["video"]["w"] == 128 and out["video"]["h"] == 128 and out["video"]["t"] > 0 and not out["video"]["paused"]
     assert out["page"]["micSent"] and out["page"]["pings"] >= 3 and out["page"]["error"] is None
+    assert "code=" not in out["url"] and "autoconnect=1" in out["url"]
     assert out["mic"][0] >= 100 and out["mic"][1] > 500  # speech energy arrived, not silence
     kinds = [e.kind for e in out["vad"]]
     assert kinds[:2] == [TurnKind.USER_SPEECH_START, TurnKind.USER_SPEECH_END]  # silero heard the user

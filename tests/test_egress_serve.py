@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import signal
 import subprocess
@@ -24,24 +25,30 @@ def quiet_card():
     """Test-card sessions whose card does not listen (the mic queue fills and drops)."""
     return session_factory(PipelineConfig(), testcard=Node("card", CardSource, {"listen": False}))
 
-def test_serve_command_streams_the_test_card_and_stops_cleanly():
+
+def test_serve_command_streams_the_test_card_and_stops_cleanly(tmp_path):
+    stderr = (tmp_path / "stderr").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "charstream", "serve", "--source", "testcard", "--port", "0",
-                             "--key", "secret"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             "--key", "secret"], stdout=subprocess.PIPE, stderr=stderr, text=True)
     try:
         url = None
         deadline = time.monotonic() + 30
         while url is None and time.monotonic() < deadline:
             line = proc.stdout.readline()
             assert line, f"serve exited early with {proc.poll()}"
-            match = re.search(r"open (http://\S+)/\?key=secret", line)
-            url = match.group(1) if match else None
-        assert url is not None
+            match = re.search(r"open (http://\S+)/\?code=(\S+)", line)
+            url, code = match.groups() if match else (None, None)
+        assert url is not None and "secret" not in line  # the key itself is never printed in a link
 
         async def client_session() -> tuple[int, int, int]:
             async with aiohttp.ClientSession() as http:
                 async with http.get(url + "/") as r:
                     page = r.status, "charstream" in await r.text()
-                async with http.post(url + "/session", headers={"X-Charstream-Key": "secret"}) as r:
+                async with http.post(url + "/code", json={"code": code}) as r:
+                    key = (await r.json())["key"]
+                async with http.post(url + "/code", json={"code": code}) as r:
+                    reused = r.status
+                async with http.post(url + "/session", headers={"X-Charstream-Key": key}) as r:
                     token = (await r.json())["token"]
             client = EgressClient(keep_images=True)
             await client.connect(url, token)
@@ -49,16 +56,21 @@ def test_serve_command_streams_the_test_card_and_stops_cleanly():
             frames = len(client.video)
             image = client.video[-1].image
             await client.close()
-            return page, frames, image.shape
+            return page, key, reused, frames, image.shape
 
-        page, frames, shape = asyncio.run(client_session())
-        assert page == (200, True) and frames >= 24 and shape == (128, 128, 3)
+        page, key, reused, frames, shape = asyncio.run(client_session())
+        assert page == (200, True) and key == "secret" and reused == 403
+        assert frames >= 24 and shape == (128, 128, 3)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        stderr.close()
+    # Logging is configured: JSON lines on stderr (structlog's default would print text to stdout).
+    events = [json.loads(line)["event"] for line in (tmp_path / "stderr").read_text().splitlines() if line.strip()]
+    assert "egress_listening" in events and "session_closed" in events
 
 
 def test_a_reservation_without_an_offer_is_released():

@@ -3,8 +3,13 @@
 HTTP API (JSON; errors are ``{"error": "..."}`` with a 4xx/5xx status):
 
 * ``GET /`` — the web page (``static/``).
+* ``POST /code`` with ``{"code"}`` → ``{"key"}``: trades a one-time code (``issue_code``; the
+  link ``serve`` prints) for the server key, so the key itself never travels in a URL (history,
+  scrollback, proxy logs). A code works once.
 * ``POST /session`` with header ``X-Charstream-Key: <server key>`` → ``{"session_id", "token"}``:
-  reserves a session; the token admits exactly one offer, within ``offer_timeout_s``.
+  reserves a session; the token admits exactly one offer, within ``offer_timeout_s``. Each client
+  address holds at most ``reservations_per_client`` reservations without an offer and makes at most
+  ``reservations_per_minute`` (429 past either), so one key holder cannot take every slot.
 * ``POST /offer`` with ``{"token", "sdp", "type": "offer"}`` → the SDP answer. A wrong token is
   403, a token already used (replayed offer) 409, a malformed body or SDP 400, too many sessions
   503. On success the session factory builds the session's media (``SessionMedia``).
@@ -17,11 +22,18 @@ ends when the peer connection fails or closes, when the client stops answering p
 stage failed), the node tells the page why and the peer connection is closed. The peer
 connection, tasks, mic queue and media are released then. Nothing one session does can stop
 another or the server.
+
+Every request's ``Host`` must be an IP literal, ``localhost``, the bound host or one of
+``allowed_hosts`` (403 otherwise): a DNS-rebinding page reaches a local server under its own name.
+A connection without a complete request for ``idle_timeout_s`` is closed, a body must arrive within
+``body_timeout_s``, and JSON is parsed within depth and number limits (``json_limits``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import ipaddress
 import json
 import secrets
 import time
@@ -35,6 +47,7 @@ from aiohttp import web
 from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCRtpSender, RTCSessionDescription, sdp
 from aiortc.mediastreams import MediaStreamTrack
 from charstream.stages.config import EgressConfig
+from charstream.stages.egress.json_limits import loads
 from charstream.stages.egress.mic import UserAudioQueue, pump_microphone
 from charstream.stages.egress.stage import PeerLink
 from charstream.stages.egress.timing import BadReport, ClientTiming, _number
@@ -47,6 +60,8 @@ log = structlog.get_logger("egress")
 STATIC_DIR = Path(__file__).parent / "static"
 CODECS = {"VP8": "video/VP8", "H264": "video/H264"}
 MAX_OFFER_BYTES = 256 * 1024
+LINGER_S = 1.0
+MAX_CODES = 16  # one-time codes waiting to be used; issuing more drops the oldest
 OPUS = [c for c in RTCRtpSender.getCapabilities("audio").codecs if c.mimeType == "audio/opus"]
 
 
@@ -80,10 +95,11 @@ def video_codec_preferences(codec: str) -> list:
 class PeerSession:
     """One browser (or test client) session: its peer connection, tracks, timing and tasks."""
 
-    def __init__(self, server: EgressServer, session_id: str, token: str) -> None:
+    def __init__(self, server: EgressServer, session_id: str, token: str, client: str | None) -> None:
         self.server = server
         self.session_id = session_id
         self.token = token
+        self.client = client  # the address that reserved it (None: reserved in-process)
         self.state = "reserved"  # reserved -> active -> closed
         self.pc: RTCPeerConnection | None = None
         self.media: SessionMedia | None = None
@@ -153,8 +169,8 @@ class PeerSession:
             if not isinstance(raw, str):
                 raise BadReport("binary message")
             try:
-                msg = json.loads(raw)
-            except json.JSONDecodeError as e:
+                msg = loads(raw)
+            except ValueError as e:
                 raise BadReport(f"not JSON: {e}") from None
             if not isinstance(msg, dict):
                 raise BadReport(f"expected a JSON object, got {type(msg).__name__}")
@@ -232,10 +248,14 @@ class EgressServer:
         self.access_key = access_key or secrets.token_urlsafe(16)
         self.sessions: dict[str, PeerSession] = {}
         self._by_token: dict[str, PeerSession] = {}
-        self.app = web.Application(client_max_size=MAX_OFFER_BYTES)
+        self._codes: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._reserved_at: dict[str, collections.deque[float]] = {}  # per client: reservations in the last minute
+        self._hosts = {"localhost", config.host.lower(), *(h.lower() for h in config.allowed_hosts)}
+        self.app = web.Application(client_max_size=MAX_OFFER_BYTES, middlewares=[self._check_host])
         self.app.add_routes([
             web.get("/", self._index),
             web.static("/static", STATIC_DIR),
+            web.post("/code", self._redeem_code),
             web.post("/session", self._create_session),
             web.post("/offer", self._offer),
             web.post("/hangup", self._hangup),
@@ -243,18 +263,49 @@ class EgressServer:
         self._runner: web.AppRunner | None = None
         self.url = ""
 
-    def create_session(self) -> tuple[str, str]:
-        """Reserve a session; returns (session_id, token). The token admits one offer."""
+    def create_session(self, client: str | None = None) -> tuple[str, str]:
+        """Reserve a session; returns (session_id, token). The token admits one offer.
+
+        ``client`` (the remote address of an HTTP request) is held to the per-client caps."""
         if len(self.sessions) >= self.config.max_sessions:
             raise OfferError(503, f"server full ({self.config.max_sessions} sessions)")
+        if client is not None:
+            self._admit(client)
         session_id = secrets.token_hex(6)
         token = secrets.token_urlsafe(24)
-        session = PeerSession(self, session_id, token)
+        session = PeerSession(self, session_id, token, client)
         self.sessions[session_id] = session
         self._by_token[token] = session
         # A reservation that never gets its offer must not hold a slot forever.
         asyncio.get_running_loop().call_later(self.config.offer_timeout_s, self._expire, session)
         return session_id, token
+
+    def _admit(self, client: str) -> None:
+        config = self.config
+        waiting = sum(s.client == client and s.state == "reserved" for s in self.sessions.values())
+        if waiting >= config.reservations_per_client:
+            raise OfferError(429, f"{client} already holds {waiting} reservations without an offer "
+                                  f"(most {config.reservations_per_client})")
+        now = time.monotonic()
+        for address in list(self._reserved_at):  # forget clients quiet for a minute: the map stays small
+            times = self._reserved_at[address]
+            while times and now - times[0] > 60:
+                times.popleft()
+            if not times:
+                del self._reserved_at[address]
+        recent = self._reserved_at.setdefault(client, collections.deque())
+        if len(recent) >= config.reservations_per_minute:
+            raise OfferError(429, f"{client} made {len(recent)} reservations in the last minute "
+                                  f"(most {config.reservations_per_minute}); try again later")
+        recent.append(now)
+
+    def issue_code(self) -> str:
+        """A one-time code that ``POST /code`` trades for the server key (for a link to print)."""
+        code = secrets.token_urlsafe(16)
+        self._codes[code] = None
+        while len(self._codes) > MAX_CODES:
+            self._codes.popitem(last=False)
+        return code
 
     def _expire(self, session: PeerSession) -> None:
         if session.state == "reserved" and self.sessions.get(session.session_id) is session:
@@ -268,7 +319,10 @@ class EgressServer:
         await session.close(reason)
 
     async def start(self) -> str:
-        self._runner = web.AppRunner(self.app, access_log=None)
+        # keepalive_timeout also closes a connection whose first request never completes (slow headers);
+        # after an error reply, the unread rest of a body is drained for at most LINGER_S, not 10 s.
+        self._runner = web.AppRunner(self.app, access_log=None, keepalive_timeout=self.config.idle_timeout_s,
+                                     lingering_time=LINGER_S)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
         await site.start()
@@ -286,21 +340,42 @@ class EgressServer:
 
     # --- handlers ------------------------------------------------------------------------------
 
+    @web.middleware
+    async def _check_host(self, request: web.Request, handler) -> web.StreamResponse:
+        host = _hostname(request.headers.get("Host", ""))
+        if host not in self._hosts and not _is_ip(host):
+            log.warning("host_refused", host=request.headers.get("Host", "")[:200], peer=request.remote)
+            return _error(403, f"Host {host[:100]!r} is not served here (add it to egress.allowed_hosts)")
+        return await handler(request)
+
     async def _index(self, request: web.Request) -> web.StreamResponse:
         return web.FileResponse(STATIC_DIR / "index.html")
 
+    async def _redeem_code(self, request: web.Request) -> web.Response:
+        try:
+            code = (await self._json_body(request)).get("code")
+        except OfferError as e:
+            return _error(e.status, str(e))
+        if not isinstance(code, str) or code not in self._codes:
+            return _error(403, "unknown or already used code")
+        del self._codes[code]
+        return web.json_response({"key": self.access_key})
+
     async def _create_session(self, request: web.Request) -> web.Response:
-        if not secrets.compare_digest(request.headers.get("X-Charstream-Key", ""), self.access_key):
+        # Bytes, not str: compare_digest refuses non-ASCII str (a header of any bytes is just wrong).
+        given = request.headers.get("X-Charstream-Key", "").encode("utf-8", "surrogateescape")
+        if not secrets.compare_digest(given, self.access_key.encode()):
             return _error(403, "wrong or missing X-Charstream-Key")
         try:
-            session_id, token = self.create_session()
+            session_id, token = self.create_session(request.remote or "?")
         except OfferError as e:
+            log.warning("reservation_refused", status=e.status, error=str(e))
             return _error(e.status, str(e))
         return web.json_response({"session_id": session_id, "token": token})
 
     async def _offer(self, request: web.Request) -> web.Response:
         try:
-            body = await _json_body(request)
+            body = await self._json_body(request)
             token, sdp, kind = body.get("token"), body.get("sdp"), body.get("type")
             if not isinstance(token, str) or not isinstance(sdp, str) or kind != "offer":
                 raise OfferError(400, 'body must be {"token": str, "sdp": str, "type": "offer"}')
@@ -326,7 +401,7 @@ class EgressServer:
 
     async def _hangup(self, request: web.Request) -> web.Response:
         try:
-            body = await _json_body(request)
+            body = await self._json_body(request)
         except OfferError as e:
             return _error(e.status, str(e))
         token = body.get("token")
@@ -335,6 +410,20 @@ class EgressServer:
             return _error(403, "unknown session token")
         await self.close_session(session.session_id, "client hung up")
         return web.json_response({"closed": session.session_id})
+
+    async def _json_body(self, request: web.Request) -> dict[str, Any]:
+        try:
+            async with asyncio.timeout(self.config.body_timeout_s):
+                body = loads(await request.read())
+        except TimeoutError:
+            raise OfferError(408, f"body not received within {self.config.body_timeout_s:g} s") from None
+        except ValueError as e:
+            raise OfferError(400, f"body is not JSON: {e}") from None
+        except web.HTTPRequestEntityTooLarge:
+            raise OfferError(413, f"body larger than {MAX_OFFER_BYTES} bytes") from None
+        if not isinstance(body, dict):
+            raise OfferError(400, "body must be a JSON object")
+        return body
 
 
 def _check_offer(text: str) -> None:
@@ -346,16 +435,21 @@ def _check_offer(text: str) -> None:
         raise OfferError(400, f"offer must have one audio, one video and one data-channel section, got {kinds}")
 
 
-async def _json_body(request: web.Request) -> dict[str, Any]:
+def _hostname(host: str) -> str:
+    """The name in a Host header, without the port (``[::1]:8080`` -> ``::1``), lowercased."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def _is_ip(host: str) -> bool:
+    # An attacker's page cannot make a browser send an IP literal it did not navigate to: only names rebind.
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise OfferError(400, f"body is not JSON: {e}") from None
-    except web.HTTPRequestEntityTooLarge:
-        raise OfferError(413, f"body larger than {MAX_OFFER_BYTES} bytes") from None
-    if not isinstance(body, dict):
-        raise OfferError(400, "body must be a JSON object")
-    return body
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def _error(status: int, message: str) -> web.Response:

@@ -5,6 +5,17 @@
 
 const $ = (id) => document.getElementById(id);
 const params = new URLSearchParams(location.search);
+// The key never sits in a URL: the printed link carries a one-time code, traded here for the key
+// (kept for this tab only), and the code leaves the address bar and history at once.
+const KEY = "charstream-key";
+const keyReady = (async () => {
+  const code = params.get("code");
+  if (!code) return;
+  params.delete("code");
+  history.replaceState(null, "", location.pathname + (params.size ? `?${params}` : ""));
+  const { key } = await postJSON("/code", { code });
+  sessionStorage.setItem(KEY, key);
+})();
 const state = { status: "idle", framesReported: 0, pings: 0, turns: [], micSent: false, error: null };
 window.charstream = state; // read by tests and for debugging
 
@@ -66,7 +77,9 @@ async function connect() {
   try {
     token = params.get("token");
     if (!token) {
-      ({ token } = await postJSON("/session", {}, { "X-Charstream-Key": params.get("key") || "" }));
+      await keyReady;
+      const key = sessionStorage.getItem(KEY) || window.prompt("server key") || "";
+      ({ token } = await postJSON("/session", {}, { "X-Charstream-Key": key }));
     }
     pc = new RTCPeerConnection();
     pc.addTransceiver("video", { direction: "recvonly" });
