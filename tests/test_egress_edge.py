@@ -7,9 +7,10 @@ import json
 import time
 
 import pytest
+from charstream.pipeline.config import PipelineConfig
+from charstream.pipeline.session import session_factory
 from charstream.stages.config import EgressConfig
 from charstream.stages.egress.server import EgressServer
-from charstream.stages.egress.session import card_factory
 
 
 async def raw_request(url: str, data: bytes, read_timeout: float = 10.0) -> tuple[int | None, bytes]:
@@ -37,7 +38,7 @@ def post(path: str, body: bytes, host: bytes = b"127.0.0.1", headers: bytes = b"
 
 def run(config: EgressConfig, scenario):
     async def main():
-        server = EgressServer(config, card_factory(vad=False), access_key="k")
+        server = EgressServer(config, session_factory(PipelineConfig(), testcard=True), access_key="k")
         url = await server.start()
         try:
             return await scenario(server, url)
