@@ -5,7 +5,7 @@ stays light):
 
 - ``PipelineConfig``, ``get_preset``, ``PRESETS`` — typed session config and model presets;
 - ``LiveSession`` — one live character session (the whole stage graph);
-- ``AvatarSession`` — a session driven from inside a voice-agent framework;
+- ``EmbeddedSession`` — a session driven from inside a voice-agent framework;
 - ``CharstreamVideoService`` — the Pipecat service (extra ``pipecat``);
 - ``CharstreamVideoGenerator`` — the LiveKit Agents ``VideoGenerator`` (extra ``livekit``);
 - ``ExternalAgentClient`` — your own agent, over charstream's ZeroMQ ingest protocol.
@@ -31,7 +31,7 @@ _API = {
     "get_preset": "charstream.model.config",
     "PRESETS": "charstream.model.config",
     "LiveSession": "charstream.pipeline.session",
-    "AvatarSession": "charstream.pipeline.integrations.avatar_session",
+    "EmbeddedSession": "charstream.pipeline.integrations.embedded",
     "CharstreamVideoService": "charstream.pipeline.integrations.pipecat",
     "CharstreamVideoGenerator": "charstream.pipeline.integrations.livekit",
     "ExternalAgentClient": "charstream.pipeline.integrations.agent_client",

@@ -4,7 +4,7 @@ In a real bot, put the service between the TTS and the transport's output, in pl
 avatar service:
 
     config = PipelineConfig(); config.ingest.adapter = "pipecat"
-    avatar = CharstreamVideoService(AvatarSession(config, session_id))
+    avatar = CharstreamVideoService(EmbeddedSession(config, session_id))
     pipeline = Pipeline([transport.input(), stt, user_agg, llm, tts, avatar, transport.output(), assistant_agg])
 
 This example runs offline: a small espeak-ng "TTS" processor turns text into TTS frames, the
@@ -23,7 +23,7 @@ from fractions import Fraction
 import av
 import numpy as np
 from charstream.pipeline.config import PipelineConfig
-from charstream.pipeline.integrations.avatar_session import AvatarSession
+from charstream.pipeline.integrations.embedded import EmbeddedSession
 from charstream.pipeline.integrations.pipecat import CharstreamVideoService
 from charstream.stages.ingest.tts import synthesize
 from pipecat.frames.frames import (
@@ -106,7 +106,7 @@ async def run(lines: list[str], out: str, voice: str, seconds_after: float) -> N
     config = PipelineConfig()
     config.ingest.adapter = "pipecat"
     writer = Mp4Writer(out)
-    worker = PipelineWorker(Pipeline([EspeakTTS(voice), CharstreamVideoService(AvatarSession(config, "pipecat-demo")),
+    worker = PipelineWorker(Pipeline([EspeakTTS(voice), CharstreamVideoService(EmbeddedSession(config, "pipecat-demo")),
                                       writer]), params=PipelineParams(), enable_rtvi=False, idle_timeout_secs=None)
     runner = WorkerRunner(handle_sigint=True)
     await runner.add_workers(worker)

@@ -105,7 +105,7 @@ class LiveSession:
             graph = testcard_graph(config, self.output, self.tracer, self.user_audio, self.link, card)
         else:
             mic = None if config.ingest.adapter == "scripted" else self.user_audio  # the scripted agent is its own user
-            # Frameworks that own the conversation push into the session's adapter (AvatarSession).
+            # Frameworks that own the conversation push into the session's adapter (EmbeddedSession).
             self.push_adapter = PushAdapter() if config.ingest.adapter in PUSH_ADAPTERS else None
             graph = build_graph(config, self.output, self.tracer, mic, self.push_adapter, weights, self.link)
         self.runner = Session(graph, config, session_id, handle_signals=False)

@@ -17,7 +17,7 @@ pytest.importorskip("livekit.agents", reason="extra 'livekit' not installed (mak
 
 from charstream.model.config import get_preset  # noqa: E402
 from charstream.pipeline.config import PipelineConfig  # noqa: E402
-from charstream.pipeline.integrations.avatar_session import AvatarSession  # noqa: E402
+from charstream.pipeline.integrations.embedded import EmbeddedSession  # noqa: E402
 from charstream.pipeline.integrations.livekit import CharstreamVideoGenerator  # noqa: E402
 from charstream.stages.ingest.resample import resample, to_int16  # noqa: E402
 from charstream.stages.ingest.tts import synthesize  # noqa: E402
@@ -103,7 +103,7 @@ def livekit_run():
         config = PipelineConfig()
         config.ingest.adapter = "livekit"
         model = get_preset(config.preset)
-        session = AvatarSession(config, "livekit-test")
+        session = EmbeddedSession(config, "livekit-test")
         generator = Tapped(session)
         agent_audio = QueueAudioOutput(wait_playback_start=True)  # the runner says when playback starts
         agent_audio.on("playback_started", lambda ev: events.append((time.time(), "started", ev)))
@@ -198,14 +198,14 @@ def test_clear_buffer_reports_the_interrupted_position(livekit_run):
     assert not _audio(marks["out"][marks["cleared"]:])  # no more of it counts, or plays
 
 
-def test_the_example_exits_when_the_room_goes():
+def test_the_avatar_worker_exits_when_the_room_goes():
     spec = importlib.util.spec_from_file_location("livekit_avatar", EXAMPLE)
     example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    spec.loader.exec_module(example)  # the example script's worker is serve_avatar
 
     async def main():
         room = StandInRoom()
-        task = asyncio.create_task(example.serve(room, QueueAudioOutput(), PipelineConfig(preset="tiny"), "gone"))
+        task = asyncio.create_task(example.serve_avatar(room, QueueAudioOutput(), PipelineConfig(), "gone"))
         await asyncio.sleep(0.5)
         assert not task.done()
         room.connected = False
@@ -213,3 +213,33 @@ def test_the_example_exits_when_the_room_goes():
         return await asyncio.wait_for(task, 60)
 
     assert asyncio.run(main()) == "room disconnected: room deleted"
+
+
+def test_the_agent_side_plugin_mints_the_avatar_token_and_says_why_it_cannot_join(monkeypatch):
+    from charstream.pipeline.integrations.livekit_plugin import AvatarSession
+    from livekit import api
+    from livekit.agents import AgentSession
+    from livekit.agents.types import ATTRIBUTE_PUBLISH_ON_BEHALF
+
+    for name in ("LIVEKIT_URL", "LIVEKIT_API_KEY", "LIVEKIT_API_SECRET"):
+        monkeypatch.delenv(name, raising=False)
+    room = StandInRoom()
+    room.local_participant.identity = "agent-7"
+    avatar = AvatarSession(avatar_participant_identity="face-1")
+    assert (avatar.avatar_identity, avatar.provider) == ("face-1", "charstream")
+    claims = api.TokenVerifier("key", "secret-that-is-long-enough-for-hs256").verify(
+        avatar.token(room, "key", "secret-that-is-long-enough-for-hs256"))
+    assert claims.identity == "face-1" and claims.video.room == "stand-in" and claims.video.room_join
+    assert claims.attributes == {ATTRIBUTE_PUBLISH_ON_BEHALF: "agent-7"}
+
+    async def main():
+        agent = AgentSession()
+        with pytest.raises(ValueError, match="LIVEKIT_URL"):
+            await AvatarSession().start(agent, room, livekit_url="")
+        with pytest.raises(RuntimeError, match="could not join room 'stand-in' at ws://127.0.0.1:9"):
+            await avatar.start(agent, room, livekit_url="ws://127.0.0.1:9", livekit_api_key="key",
+                               livekit_api_secret="secret-that-is-long-enough-for-hs256")
+        assert agent.output.audio is None  # the agent keeps its own audio output
+        await avatar.aclose()
+
+    asyncio.run(main())

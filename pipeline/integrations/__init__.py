@@ -2,5 +2,5 @@
 
 ``pipecat`` (``CharstreamVideoService``, extra ``pipecat``), ``livekit`` (``CharstreamVideoGenerator``,
 extra ``livekit``), ``agent_client`` (``ExternalAgentClient``: an agent of your own over ZeroMQ) and
-``avatar_session`` (``AvatarSession``, the embedded session the framework integrations share).
+``embedded`` (``EmbeddedSession``, the embedded session the framework integrations share).
 """

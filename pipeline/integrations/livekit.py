@@ -3,7 +3,7 @@
 ``CharstreamVideoGenerator`` implements LiveKit's ``VideoGenerator`` so that LiveKit's
 ``AvatarRunner`` publishes the character in a room:
 
-    session = AvatarSession(config, room_name)        # ingest.adapter = "livekit"
+    session = EmbeddedSession(config, room_name)        # ingest.adapter = "livekit"
     await session.start()
     runner = AvatarRunner(room, audio_recv=DataStreamAudioReceiver(room), video_gen=CharstreamVideoGenerator(session),
                           options=AvatarOptions(video_width=W, video_height=H, video_fps=24,
@@ -26,6 +26,10 @@ a segment starts a turn, ``AudioSegmentEnd`` ends it. ``clear_buffer()`` (the us
 barge-in: from that moment no more of the segment counts as played (the runner reports the
 interrupted position as what was heard), queued speech is dropped and charstream returns to
 listening within one chunk.
+
+``serve_avatar(room, audio_recv, config, session_id)`` is the avatar participant's whole job (the
+runner, the generator, the session) until the room or the agent goes; ``livekit_plugin`` starts it
+from the agent's side.
 """
 
 from __future__ import annotations
@@ -38,12 +42,20 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import numpy as np
-from charstream.pipeline.integrations.avatar_session import AvatarSession
+from charstream.model.config import get_preset
+from charstream.pipeline.config import PipelineConfig
+from charstream.pipeline.integrations.embedded import EmbeddedSession
 from charstream.stages.ingest.adapters import AgentAudioFrame, AgentTurnEnd, AgentTurnStart
 from charstream.stages.playout import ReleasedFrame
 from charstream.transport.messages import TurnKind
 from livekit import rtc
-from livekit.agents.voice.avatar import AudioSegmentEnd, VideoGenerator
+from livekit.agents.voice.avatar import (
+    AudioReceiver,
+    AudioSegmentEnd,
+    AvatarOptions,
+    AvatarRunner,
+    VideoGenerator,
+)
 
 from charstream.timeline import TIMELINE_RATE, VIDEO_FPS
 
@@ -67,7 +79,7 @@ class _Segment:
 
 
 class CharstreamVideoGenerator(VideoGenerator):
-    def __init__(self, session: AvatarSession) -> None:
+    def __init__(self, session: EmbeddedSession) -> None:
         self._session = session
         self._pushing: _Segment | None = None  # the segment the agent is pushing
         self._turns = 0  # segments started (each is a charstream agent turn)
@@ -151,3 +163,44 @@ class CharstreamVideoGenerator(VideoGenerator):
     @staticmethod
     def _of_turn(released: ReleasedFrame, segment: _Segment) -> bool:
         return released.speaking and released.trace is not None and released.trace.turn_id == segment.turn_id
+
+
+async def serve_avatar(room: rtc.Room, audio_recv: AudioReceiver, config: PipelineConfig, session_id: str,
+                       agent_identity: str | None = None) -> str:
+    """Render the character in ``room`` until the room disconnects, ``agent_identity`` leaves, or the
+    session ends; returns why it stopped."""
+    config.ingest.adapter = "livekit"
+    session = EmbeddedSession(config, session_id)
+    await session.start()
+    model = get_preset(config.preset)
+    runner = AvatarRunner(
+        room, audio_recv=audio_recv, video_gen=CharstreamVideoGenerator(session),
+        options=AvatarOptions(video_width=model.width, video_height=model.height, video_fps=VIDEO_FPS,
+                              audio_sample_rate=TIMELINE_RATE, audio_channels=1),
+    )
+    loop = asyncio.get_running_loop()
+    gone: asyncio.Future[str] = loop.create_future()
+
+    def finish(reason: str) -> None:
+        if not gone.done():
+            gone.set_result(reason)
+
+    def on_disconnected(reason: object = None) -> None:
+        finish(f"room disconnected: {reason}")
+
+    def on_participant_disconnected(participant: rtc.RemoteParticipant) -> None:
+        if agent_identity is not None and participant.identity == agent_identity:
+            finish(f"agent {agent_identity} left")
+
+    room.on("disconnected", on_disconnected)
+    room.on("participant_disconnected", on_participant_disconnected)
+    try:
+        await runner.start()
+        complete = asyncio.ensure_future(runner.wait_for_complete())
+        complete.add_done_callback(lambda _: finish("the avatar runner finished"))
+        return await gone
+    finally:
+        room.off("disconnected", on_disconnected)
+        room.off("participant_disconnected", on_participant_disconnected)
+        await runner.aclose()
+        await session.stop("livekit avatar stopped")

@@ -1,7 +1,7 @@
 """charstream as a Pipecat avatar service (optional extra ``pipecat``).
 
 ``CharstreamVideoService`` sits after the TTS in a Pipecat pipeline, in place of a hosted avatar
-service (HeyGen, Tavus, Simli) and with their lifecycle: the charstream session (``AvatarSession``,
+service (HeyGen, Tavus, Simli) and with their lifecycle: the charstream session (``EmbeddedSession``,
 ``ingest.adapter = "pipecat"``) starts with the pipeline's ``StartFrame`` and ends with its
 ``EndFrame`` / ``CancelFrame`` or cleanup; a session that fails to start, or dies, is a permanent
 ``ErrorFrame`` saying why, and the pipeline is cancelled (a silent avatar would make a mute bot).
@@ -29,7 +29,7 @@ import asyncio
 import time
 
 import numpy as np
-from charstream.pipeline.integrations.avatar_session import AvatarSession
+from charstream.pipeline.integrations.embedded import EmbeddedSession
 from charstream.stages.ingest.adapters import AgentAudioFrame, AgentTurnEnd, AgentTurnStart
 from charstream.transport.messages import TurnKind
 from pipecat.frames.frames import (
@@ -57,7 +57,7 @@ from charstream.timeline import TIMELINE_RATE, VIDEO_FPS
 
 
 class CharstreamVideoService(AIService):
-    def __init__(self, session: AvatarSession, **kwargs) -> None:
+    def __init__(self, session: EmbeddedSession, **kwargs) -> None:
         super().__init__(settings=ServiceSettings(model=None), **kwargs)  # no model to name
         self._session = session
         self._turn = 0  # the agent turn in progress (0: none)

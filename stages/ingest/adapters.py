@@ -136,7 +136,7 @@ def create_adapter(config: IngestConfig, session_id: str = "") -> AgentAdapter:
     """The adapter named by ``config.adapter``, built from the config (for the session)."""
     if config.adapter in PUSH_ADAPTERS:
         raise ValueError(f"ingest adapter {config.adapter!r} is driven from inside the framework: its integration "
-                         "hands the session a PushAdapter (charstream.AvatarSession); ingest cannot make one")
+                         "hands the session a PushAdapter (charstream.EmbeddedSession); ingest cannot make one")
     target = ADAPTERS.get(config.adapter)
     if target is None:
         raise ValueError(f"unknown ingest adapter {config.adapter!r}; known: {sorted([*ADAPTERS, *PUSH_ADAPTERS])}")

@@ -1,13 +1,13 @@
 """A charstream session driven from inside another framework (Pipecat, LiveKit Agents).
 
 The framework owns the conversation (its STT, LLM, TTS and turn detection); charstream renders the
-character. ``AvatarSession`` runs a live session (``pipeline.session.LiveSession``: the full stage
+character. ``EmbeddedSession`` runs a live session (``pipeline.session.LiveSession``: the full stage
 graph, in this process and its stage processes) whose ingest reads the session's ``PushAdapter``
 (``IngestConfig.adapter`` = ``pipecat`` or ``livekit``), and reads back what playout releases on
 the 24 fps clock — each frame with its 2,000 samples of audio, so the framework's output is in
 sync by construction:
 
-    session = AvatarSession(config, "room-1")
+    session = EmbeddedSession(config, "room-1")
     await session.start()                         # every stage set up
     await session.adapter.push(AgentTurnStart())  # ... AgentAudioFrame(...), AgentTurnEnd()
     async for frame in session.frames():          # ReleasedFrame: image (H, W, 3) + audio (2000,)
@@ -27,7 +27,7 @@ from charstream.stages.ingest.push import PushAdapter
 from charstream.stages.playout import PlayoutClosed, ReleasedFrame
 
 
-class AvatarSession:
+class EmbeddedSession:
     def __init__(self, config: PipelineConfig, session_id: str, weights: str | None = "packaged") -> None:
         if config.ingest.adapter not in PUSH_ADAPTERS:
             raise ValueError(f"an avatar session's ingest reads a push adapter: set ingest.adapter to one of "
