@@ -87,7 +87,8 @@ def _frames(text: str) -> tuple[list[rtc.AudioFrame], float]:
     step = RATE // 100  # 10 ms frames, as LiveKit's audio pipeline carries them
     frames = [rtc.AudioFrame(pcm[i:i + step].tobytes(), RATE, 1, len(pcm[i:i + step]))
               for i in range(0, len(pcm), step)]
-    return frames, len(pcm) / RATE
+    voiced = np.flatnonzero(pcm)
+    return frames, (voiced[-1] + 1 - voiced[0]) / RATE  # the speech: exact zeros around it are not heard
 
 
 def _audio(items) -> list[np.ndarray]:

@@ -17,8 +17,9 @@ user interrupts), the first one of a segment is ``playback_started``, ``AudioSeg
 - an ``rtc.VideoFrame`` (RGB24) for every 24 fps frame playout releases;
 - an ``rtc.AudioFrame`` (48 kHz mono, 2,000 samples: that frame's own audio) only for the frames
   that play a segment's speech: from its first voiced frame through the frame that holds the last
-  of the audio the agent pushed (pauses inside the speech included, the listening frames around
-  it not), so the position is the speech's duration, rounded up to whole frames;
+  sound the agent pushed (pauses inside the speech included; the listening frames around it, and
+  exact zeros the TTS put before or after it, not), so the position is the speech's duration,
+  rounded up to whole frames;
 - ``AudioSegmentEnd`` right after that frame, once the agent has ended the segment.
 
 ``push_audio(rtc.AudioFrame)`` → the agent's speech (any rate; ingest resamples); the first frame of
@@ -67,15 +68,26 @@ class _Segment:
     """One segment of the agent's speech: how much was pushed, how much has played."""
 
     pushed_s: float = 0.0
+    first_voiced_s: float | None = None  # the first and last sound pushed (not exact zero), in seconds
+    last_voiced_s: float = 0.0
     ended: bool = False  # the agent sent AudioSegmentEnd
     played_s: float = 0.0  # frames yielded with audio
-    onset_s: float = 0.0  # where the speech starts in its first frame
+    onset_s: float = 0.0  # where the sound starts in its first frame
     turn_id: int | None = None  # charstream's turn, known once its first frame plays
+
+    def push(self, samples: np.ndarray, rate: int, channels: int) -> None:
+        voiced = np.flatnonzero(samples) // channels
+        if len(voiced):
+            if self.first_voiced_s is None:
+                self.first_voiced_s = self.pushed_s + voiced[0] / rate
+            self.last_voiced_s = self.pushed_s + (voiced[-1] + 1) / rate
+        self.pushed_s += len(samples) // channels / rate
 
     @property
     def heard(self) -> bool:
-        """All the pushed speech has played: the frames yielded cover onset + pushed."""
-        return self.played_s >= self.onset_s + self.pushed_s - 1e-9
+        """All the pushed sound has played: the frames yielded cover it, from its onset on."""
+        voiced_s = self.last_voiced_s - (self.first_voiced_s or 0.0)
+        return self.played_s >= self.onset_s + voiced_s - 1e-9
 
 
 class CharstreamVideoGenerator(VideoGenerator):
@@ -103,8 +115,8 @@ class CharstreamVideoGenerator(VideoGenerator):
             self._queued.append(self._pushing)
             self._turns += 1
             await adapter.push(AgentTurnStart(self._turns))
-        self._pushing.pushed_s += frame.samples_per_channel / frame.sample_rate
         samples = np.frombuffer(frame.data, dtype=np.int16)
+        self._pushing.push(samples, frame.sample_rate, frame.num_channels)
         await adapter.push(AgentAudioFrame(samples, frame.sample_rate, frame.num_channels, self._turns))
 
     async def clear_buffer(self) -> None:
@@ -128,6 +140,10 @@ class CharstreamVideoGenerator(VideoGenerator):
 
     async def _frames(self) -> AsyncIterator[rtc.VideoFrame | rtc.AudioFrame | AudioSegmentEnd]:
         async for released in self._session.frames():
+            if self._playing is None and self._queued and self._queued[0].ended and \
+                    self._queued[0].first_voiced_s is None:  # a segment of exact silence: nothing to play
+                self._queued.popleft()
+                yield AudioSegmentEnd()
             height, width = released.image.shape[:2]
             yield rtc.VideoFrame(width, height, rtc.VideoBufferType.RGB24, released.image.tobytes())
             self.frames_out += 1
