@@ -73,6 +73,35 @@ def test_serve_command_streams_the_test_card_and_stops_cleanly(tmp_path):
     assert "egress_listening" in events and "session_closed" in events
 
 
+def test_serve_keeps_serving_when_nobody_reads_its_stderr():
+    # Each refused Host logs a warning: 3,000 of them are ~700 kB, ten times a pipe's buffer.
+    proc = subprocess.Popen([sys.executable, "-m", "charstream", "serve", "--source", "testcard", "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        match = None
+        while match is None:
+            line = proc.stdout.readline()
+            assert line, f"serve exited early with {proc.poll()}"
+            match = re.search(r"open (http://\S+)/\?code=", line)
+
+        async def flood() -> tuple[list[int], float]:
+            async with aiohttp.ClientSession() as http:
+                statuses = []
+                for _ in range(3000):
+                    async with http.get(match.group(1) + "/", headers={"Host": "evil.example"}) as r:
+                        statuses.append(r.status)
+                started = time.monotonic()
+                async with http.get(match.group(1) + "/") as r:
+                    statuses.append(r.status)
+                return statuses, time.monotonic() - started
+
+        statuses, took = asyncio.run(asyncio.wait_for(flood(), 60))
+        assert statuses[:-1] == [403] * 3000 and statuses[-1] == 200 and took < 1.0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_a_reservation_without_an_offer_is_released():
     async def main():
         server = EgressServer(EgressConfig(port=0, offer_timeout_s=0.3, max_sessions=1), quiet_card())
