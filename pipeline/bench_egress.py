@@ -21,15 +21,16 @@ import asyncio
 import fractions
 import itertools
 import json
+import os
 import platform
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import av
 import numpy as np
+from charstream.pipeline.bench_output import commit_id, percentiles
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.runner import Node
 from charstream.pipeline.session import session_factory
@@ -46,9 +47,8 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
 
 
 def _percentiles(values_ms: list[float]) -> dict[str, float]:
-    values = np.array(values_ms)
-    return {"n": len(values), "median_ms": round(float(np.median(values)), 2),
-            "p10_ms": round(float(np.percentile(values, 10)), 2), "p90_ms": round(float(np.percentile(values, 90)), 2)}
+    p = percentiles(values_ms, (10, 50, 90))
+    return {"n": len(values_ms), "median_ms": round(p["p50"], 2), "p10_ms": round(p["p10"], 2), "p90_ms": round(p["p90"], 2)}
 
 
 async def _chromium_delivery(url: str, server: EgressServer, seconds: float, warmup: float) -> dict:
@@ -139,15 +139,8 @@ def _moving_texture(frames: int, height: int, width: int) -> list[np.ndarray]:
 
 
 def _machine() -> dict:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                check=False).stdout.strip()
-    except OSError:
-        commit = ""
-    import os
-
     return {"date": time.strftime("%Y-%m-%d"), "cpu": platform.processor() or platform.machine(),
-            "cores": os.cpu_count(), "av": av.__version__, "commit": commit}
+            "cores": os.cpu_count(), "av": av.__version__, "commit": commit_id()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,12 +13,10 @@ import argparse
 import os
 import platform
 import statistics
-import subprocess
 import time
-from pathlib import Path
 
 from charstream.model.config import PRESETS, get_preset
-from charstream.pipeline.bench_output import emit_report
+from charstream.pipeline.bench_output import commit_id, emit_report
 
 from charstream.timeline import CHUNK_SECONDS
 
@@ -74,14 +72,6 @@ def time_steps(preset: str, steps: int, warmup: int, device: str, fp8_cache: boo
     return times, cpu_times
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, timeout=5).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def bench_model(preset: str, steps: int, warmup: int, device: str, fp8_cache: bool) -> dict:
     import torch
     from charstream.model.vae import time_decode
@@ -106,7 +96,7 @@ def bench_model(preset: str, steps: int, warmup: int, device: str, fp8_cache: bo
         "cpu_count": os.cpu_count(),
         "machine": platform.processor() or platform.machine(),
         "torch": torch.__version__,
-        "commit": _commit(),
+        "commit": commit_id(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
 

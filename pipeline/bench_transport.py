@@ -28,19 +28,17 @@ import concurrent.futures
 import multiprocessing
 import platform
 import struct
-import subprocess
 import tempfile
 import time
 from datetime import UTC, datetime
 from importlib.metadata import version
-from pathlib import Path
 from typing import Any
 
 import anyio
 import numpy as np
 import psutil
 import zmq
-from charstream.pipeline.bench_output import emit_report
+from charstream.pipeline.bench_output import commit_id, emit_report, percentiles
 from charstream.transport.channel import Receiver, Sender, Transport, free_tcp_port
 from charstream.transport.codec import encode
 from charstream.transport.config import TransportConfig
@@ -164,8 +162,7 @@ def raw_zmq_latency(kind: str, nbytes: int, count: int) -> dict[str, float]:
 
 
 def _percentiles(latencies_ms: list[float]) -> dict[str, float]:
-    return {"p50_ms": round(float(np.percentile(latencies_ms, 50)), 3),
-            "p99_ms": round(float(np.percentile(latencies_ms, 99)), 3)}
+    return {f"{k}_ms": round(v, 3) for k, v in percentiles(latencies_ms, (50, 99)).items()}
 
 
 def raw_zmq_receive(endpoint: str, count: int) -> list[float]:
@@ -252,14 +249,6 @@ async def bench_transport(kind: str, counts: dict[str, int], capacity: int, back
     return out
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def _versions() -> dict[str, str]:
     versions = {"python": platform.python_version(), "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version()}
     try:
@@ -309,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {psutil.cpu_count()} CPUs, {platform.platform()}",
         "load_avg_1m_at_end": round(psutil.getloadavg()[0], 2),  # other work on the host skews latency
-        "commit": _commit(),
+        "commit": commit_id(),
         "versions": _versions(),
         "transports": transports,
     }
