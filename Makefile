@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,pipecat,livekit]'
+	$(PY) -m pip install -q -e '.[dev,pipecat,livekit,fleet]'
 	touch $@
 
 # Debian's Chromium for the browser tests (Playwright drives /usr/bin/chromium; no browser download).

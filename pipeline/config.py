@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from charstream.model.config import ModelConfig, get_preset
+from charstream.pipeline.fleet.config import FleetConfig
 from charstream.stages.config import (
     ConditioningConfig,
     DecodeConfig,
@@ -35,6 +36,7 @@ class PipelineConfig:
     playout: PlayoutConfig = field(default_factory=PlayoutConfig)
     egress: EgressConfig = field(default_factory=EgressConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
+    fleet: FleetConfig = field(default_factory=FleetConfig)  # charstream serve --cluster
 
     @property
     def model(self) -> ModelConfig:

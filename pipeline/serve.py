@@ -1,6 +1,7 @@
 """``charstream serve``: the web page and WebRTC endpoint, one session per browser connection.
 
     charstream serve [--source pipeline|testcard] [--port 8080] [--codec VP8|H264] [--config FILE]
+                     [--cluster auto|ADDRESS]
 
 It prints a one-time link to the page (``/?code=...``: the page trades the code for the server
 key, so the key never lands in a URL; with ``--key`` you may also type the key into the page);
@@ -9,7 +10,8 @@ connection (``pipeline.session.session_factory``: the character model, the confi
 adapter; with the default scripted agent the user is scripted too and the microphone is not
 used). ``--source testcard`` needs no model: a test card whose "character" answers each end of
 your speech (heard by silero-vad on your microphone) at once, which exercises rollback, the
-clock and the latency overlay end to end.
+clock and the latency overlay end to end. ``--cluster`` makes it a fleet's front door: each
+session runs on a node of that Ray cluster (``pipeline/fleet/``, docs/FLEET.md).
 """
 
 from __future__ import annotations
@@ -39,7 +41,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--key", help="server key the page must present (default: random, printed)")
     parser.add_argument("--gpus", metavar="LAYOUT",
                         help="GPU layout of each session: diffusion TP ranks + decoder, e.g. 3+1, 4+1, 6+1 "
-                             "(pipeline/placement.py); sets devices and spawns one process per rank")
+                             "(pipeline/placement.py); sets devices and spawns one process per rank; "
+                             "with --cluster, the layout each session reserves on a node")
+    parser.add_argument("--cluster", metavar="ADDRESS",
+                        help="front door of a fleet: run each session on a node of this Ray cluster "
+                             "('auto': the cluster this host belongs to); needs charstream[fleet]")
 
 
 def load_config(args: argparse.Namespace) -> PipelineConfig:
@@ -55,7 +61,9 @@ def load_config(args: argparse.Namespace) -> PipelineConfig:
     for name in ("host", "port", "codec"):
         if getattr(args, name) is not None:
             setattr(config.egress, name, getattr(args, name))
-    if args.gpus:
+    if args.gpus and args.cluster:
+        config.fleet.layout = args.gpus  # placed on a node, not here
+    elif args.gpus:
         import torch
         from charstream.pipeline.placement import apply_placement
 
@@ -69,11 +77,18 @@ def make_factory(source: str, config: PipelineConfig) -> SessionFactory:
     return session_factory(config, testcard=source == "testcard")
 
 
-async def serve(config: PipelineConfig, source: str, key: str | None) -> None:
+async def serve(config: PipelineConfig, source: str, key: str | None, cluster: str | None = None) -> None:
     configure_logging()
-    server = EgressServer(config.egress, make_factory(source, config), access_key=key)
+    if cluster is None:
+        server = EgressServer(config.egress, make_factory(source, config), access_key=key)
+    else:
+        from charstream.pipeline.fleet.frontdoor import FrontDoor, join_cluster
+
+        join_cluster(cluster)
+        server = FrontDoor(config, source, access_key=key)
     url = await server.start()
-    print(f"charstream serve ({source}, {config.egress.codec}): open {url}/?code={server.issue_code()} "
+    where = "" if cluster is None else f", fleet {config.fleet.layout} on {cluster}"
+    print(f"charstream serve ({source}, {config.egress.codec}{where}): open {url}/?code={server.issue_code()} "
           "(a one-time link)", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -89,7 +104,12 @@ async def serve(config: PipelineConfig, source: str, key: str | None) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         config = load_config(args)
-        asyncio.run(serve(config, args.source, args.key))
+        asyncio.run(serve(config, args.source, args.key, args.cluster))
+    except ModuleNotFoundError as e:
+        if e.name != "ray":
+            raise
+        print("charstream serve: --cluster needs Ray: pip install 'charstream[fleet]'")
+        return 2
     except (ValueError, OSError, tomllib.TOMLDecodeError) as e:
         print(f"charstream serve: {e}")
         return 2

@@ -101,6 +101,7 @@ class PeerSession:
         self.token = token
         self.client = client  # the address that reserved it (None: reserved in-process)
         self.state = "reserved"  # reserved -> active -> closed
+        self.end_reason: str | None = None  # why it closed (a fleet's front door reports it)
         self.pc: RTCPeerConnection | None = None
         self.media: SessionMedia | None = None
         self.video: PlayoutVideoTrack | None = None
@@ -222,6 +223,7 @@ class PeerSession:
         self.state = "closed"
         if self.media is not None:
             self.media.link.closed(reason)  # the session's egress node ends the session
+        self.end_reason = reason
         self.log.info("session_closed", reason=reason, bad_messages=self.bad_messages,
                       median_delivery_ms=self.timing.median_delivery_ms() if self.timing else None)
         current = asyncio.current_task()

@@ -19,7 +19,7 @@ const keyReady = (async () => {
 const state = { status: "idle", framesReported: 0, pings: 0, turns: [], micSent: false, error: null };
 window.charstream = state; // read by tests and for debugging
 
-let pc = null, channel = null, token = null, micTrack = null;
+let pc = null, channel = null, token = null, micTrack = null, events = null;
 
 function setStatus(text) { state.status = text; $("status").textContent = text; }
 const wallMs = () => performance.timeOrigin + performance.now();
@@ -47,6 +47,18 @@ function onMessage(event) {
     state.error = msg.reason;
     setStatus(`ended: ${msg.reason}`);
   }
+}
+
+// A fleet's front door streams the session's end: how the page hears that its node is gone.
+function watchEvents(path) {
+  events = new EventSource(path);
+  events.onmessage = (event) => {
+    const msg = JSON.parse(event.data);
+    if (msg.type !== "end") return;
+    state.error = msg.reason;
+    setStatus(`ended: ${msg.reason}`);
+    disconnect();
+  };
 }
 
 function showTurn(msg) {
@@ -79,7 +91,9 @@ async function connect() {
     if (!token) {
       await keyReady;
       const key = sessionStorage.getItem(KEY) || window.prompt("server key") || "";
-      ({ token } = await postJSON("/session", {}, { "X-Charstream-Key": key }));
+      const session = await postJSON("/session", {}, { "X-Charstream-Key": key });
+      token = session.token;
+      if (session.events) watchEvents(session.events);
     }
     pc = new RTCPeerConnection();
     pc.addTransceiver("video", { direction: "recvonly" });
@@ -124,6 +138,7 @@ async function disconnect() {
   pc = null;
   if (closing) closing.close();
   if (micTrack) { micTrack.stop(); micTrack = null; }
+  if (events) { events.close(); events = null; }
   if (token && closing) postJSON("/hangup", { token }).catch(() => {});
   token = null;
   $("connect").disabled = false;

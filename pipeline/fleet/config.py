@@ -1,0 +1,21 @@
+"""Typed configuration of the fleet front door (``[fleet]`` in the pipeline config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class FleetConfig:
+    layout: str = "cpu"  # each session's layout (pipeline/placement.py): a bundle per TP rank + one for the decoder
+    cpu_device_resource: str = "charstream_cpu"  # what CPU layouts reserve per device (GPU layouts reserve GPU)
+    max_sessions_per_node: int = 2
+    reserve_timeout_s: float = 0.5  # a placement group not placed by then: answer "full" (the 503 stays < 1 s)
+    start_timeout_s: float = 60.0  # the session actor's start: a worker process, imports, the node's egress
+    retry_after_s: int = 5  # Retry-After of a "full" answer
+    # The reference counts sessions averaging <= 24 of its 25 fps; charstream plays 24 fps, so the
+    # same 4% short is 23.04: a session averaging at or below slow_fps counts against fleet health.
+    slow_fps: float = 23.0
+    health_min_seconds: float = 5.0  # a session's average counts once it has played this long
+    health_history: int = 10_000  # ended sessions kept for the health share
+    poll_interval_s: float = 0.5  # node liveness and session fps refresh

@@ -1,0 +1,91 @@
+"""The session on its node: a Ray actor running one session and that session's own egress server.
+
+The front door creates one ``SessionHost`` per session inside the session's placement group,
+calls ``start`` (which reserves the session on the node's egress and returns its address and
+token), forwards the page's offer to that address, awaits ``ended`` (it raises if the node or the
+actor dies) and polls ``average_fps``. The average counts fresh frames only (frames playout
+released from a chunk, not frames it held through an underrun) over the wall time since the
+playout clock started: ``PlayoutStats.achieved_fps``, read from outside the session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import os
+import time
+from typing import Any
+
+import ray
+from charstream.pipeline.config import PipelineConfig
+from charstream.pipeline.placement import apply_placement
+from charstream.pipeline.serve import make_factory
+from charstream.stages.egress.server import EgressServer, PeerSession
+
+FPS_SCAN_S = 1.0  # playout keeps 30 s of frame records: scanned well within that
+
+
+class SessionHost:
+    def __init__(self, config: PipelineConfig, source: str) -> None:
+        self.config = config
+        self.source = source
+        self.server: EgressServer | None = None
+        self.peer: PeerSession | None = None
+        self._fresh_frames = 0
+        self._scanned_to = 0
+        self._scanner: asyncio.Task | None = None
+        self._ended_at: float | None = None
+
+    async def start(self, gpu_ids: list[str]) -> dict[str, Any]:
+        """Start the node's egress with one reserved session; its processes see only ``gpu_ids``."""
+        if gpu_ids:  # before anything touches CUDA: the session's ranks see their bundles' GPUs as cuda:0..
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
+        config = apply_placement(copy.deepcopy(self.config), self.config.fleet.layout,
+                                 gpus_available=len(gpu_ids) if gpu_ids else None)
+        egress = dataclasses.replace(config.egress, host=ray.util.get_node_ip_address(), port=0, max_sessions=1)
+        config = dataclasses.replace(config, egress=egress)
+        self.server = EgressServer(egress, make_factory(self.source, config))
+        url = await self.server.start()
+        session_id, token = self.server.create_session()
+        self.peer = self.server.sessions[session_id]
+        self._scanner = asyncio.create_task(self._scan_forever())
+        return {"url": url, "session_id": session_id, "token": token,
+                "node_id": ray.get_runtime_context().get_node_id()}
+
+    async def ended(self) -> dict[str, Any]:
+        """Returns when the session ends, however it ends: why, and its figures."""
+        await self.peer.closed.wait()
+        self._scanner.cancel()
+        figures = self.figures()  # the clock stops with the session
+        self._ended_at = time.monotonic()
+        await self.server.stop()
+        return {"reason": self.peer.end_reason, **figures}
+
+    def figures(self) -> dict[str, float | None]:
+        """``played_s`` since the playout clock started, ``average_fps`` (None before it started)."""
+        self._scan()
+        output = self.peer.media.output if self.peer is not None and self.peer.media is not None else None
+        if output is None or output.t0 is None:
+            return {"played_s": 0.0, "average_fps": None}
+        played = max((self._ended_at or time.monotonic()) - output.t0, 0.0)
+        return {"played_s": played, "average_fps": self._fresh_frames / played if played > 0 else None}
+
+    async def stop(self, reason: str) -> None:
+        """End the session from outside (the front door stopping); ``ended`` then returns."""
+        await self.server.close_session(self.peer.session_id, reason)
+
+    async def _scan_forever(self) -> None:
+        while True:
+            await asyncio.sleep(FPS_SCAN_S)
+            self._scan()
+
+    def _scan(self) -> None:
+        output = self.peer.media.output if self.peer is not None and self.peer.media is not None else None
+        if output is None or self._ended_at is not None:
+            return
+        for index in range(self._scanned_to, output.next_index):  # record() holds the last 30 s
+            record = output.record(index)
+            if record is not None and record.chunk is not None:
+                self._fresh_frames += 1
+        self._scanned_to = output.next_index
