@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import threading
 import time
 from dataclasses import dataclass
@@ -167,6 +168,7 @@ class Progress:
     def __init__(self, script: list[dict], session_id: str) -> None:
         self.script = script
         self.session_id = session_id
+        self.fps: list[float] = []  # playout's recent-fps gauge at every tick
         self.bar = tqdm(total=len(script), unit="turn", desc="conversation", dynamic_ncols=True,
                         bar_format="{desc}: {n_fmt}/{total_fmt} turns |{bar}| {elapsed} {postfix}")
 
@@ -183,6 +185,7 @@ class Progress:
 
     def tick(self, frames: int) -> None:
         fps = REGISTRY.get_sample_value("charstream_fps", {"session": self.session_id})
+        self.fps.append(fps or 0.0)
         underruns = REGISTRY.get_sample_value("charstream_underruns_total", {"session": self.session_id})
         self.bar.set_postfix_str(f"{frames / VIDEO_FPS:.1f} s played · {fps or 0:.1f} fps · "
                                  f"{int(underruns or 0)} underruns", refresh=True)
@@ -302,11 +305,10 @@ async def run_demo(args: argparse.Namespace) -> int:
     if not result.ok:
         print(f"charstream demo: the session failed: {result.error}")
     played = sessions[0].output.next_index
-    labels = {"session": sessions[0].session_id}
-    fps = REGISTRY.get_sample_value("charstream_fps", labels) or 0.0
-    underruns = int(REGISTRY.get_sample_value("charstream_underruns_total", labels) or 0)
-    print(f"charstream demo: {played} frames played ({played / VIDEO_FPS:.1f} s of media), playout {fps:.1f} fps, "
-          f"{underruns} underruns")
+    underruns = int(REGISTRY.get_sample_value("charstream_underruns_total", {"session": sessions[0].session_id}) or 0)
+    fps = progress.fps[2:] if progress is not None else []  # one reading a second, past the first two (ramp)
+    print(f"charstream demo: {played} frames played ({played / VIDEO_FPS:.1f} s of media), {underruns} underruns, "
+          f"playout fps min {min(fps, default=0):.1f} / median {statistics.median(fps) if fps else 0:.1f}")
     summary = write_report(out / "trace.jsonl", out)
     print(render_table(summary))
     files = ["trace.jsonl", "report.md", "report.json", "waterfall.png"] + ([] if args.serve else ["session.mp4"])

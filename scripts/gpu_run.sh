@@ -86,9 +86,9 @@ elif [ "$cmd" = live ]; then
   for preset in "$@"; do
     weights=random
     [ "$preset" = tiny ] && weights=packaged
-    # 11 turns of the built-in script: a little over 2 minutes of media.
-    section "live $preset --gpus 1" 290 "live-$preset.log" python3 -m charstream.pipeline.cli demo --preset "$preset" \
-      --gpus 1 --weights "$weights" --turns 11 --timeout 240 --verbose --out "/tmp/demo-$preset"
+    # 14 turns of the built-in script: a little over 2 minutes of media (11 gave 101 s).
+    section "live $preset --gpus 1" 300 "live-$preset.log" python3 -m charstream.pipeline.cli demo --preset "$preset" \
+      --gpus 1 --weights "$weights" --turns 14 --timeout 270 --verbose --out "/tmp/demo-$preset"
     cp "/tmp/demo-$preset/report.md" "$OUT/report-$preset.md" 2>/dev/null
     cp "/tmp/demo-$preset/trace.jsonl" "$OUT/trace-$preset.jsonl" 2>/dev/null
   done

@@ -74,7 +74,9 @@ def reference_latent(preset: str, weights: str | None, identity: int, device: st
             torch.manual_seed(identity)
             vae = VideoVAE(cfg).eval()
     with torch.inference_mode():
-        image = to_video(reference_frame(identity))[None]  # (1, 3, H, W) in [-1, 1]
+        image = to_video(reference_frame(identity))[None]  # (1, 3, 128, 128) in [-1, 1]
+        if image.shape[-2:] != (cfg.height, cfg.width):  # the face is drawn at 128 x 128: scaled to the preset's video
+            image = torch.nn.functional.interpolate(image, size=(cfg.height, cfg.width), mode="bilinear")
         return vae.encode_image(image)[0].float().to(device)
 
 
