@@ -9,6 +9,7 @@
 #                                                   too), bench gpu of the serving step: characters-57b TP=3 and
 #                                                   TP=4 shards, characters-14b whole with its decoder and the
 #                                                   pipelined period (decoder graph on a second stream)
+#               scripts/gpu_run.sh ab DIR           the TP=3 shard's step without and with its NCCL group (A/B)
 #               scripts/gpu_run.sh live DIR [PRESET...]   one `charstream demo --gpus 1` session per preset
 #                                                   (default: characters-14b tiny), >= 2 min of media each
 #
@@ -17,7 +18,7 @@
 # the wheels it finds under DIR into /tmp/site, which a warm machine keeps. Each section runs under
 # `timeout` with a line at its start and end; logs and JSON go to $OUT (at most 8 files come back).
 set -o pipefail
-cmd=${1:?usage: gpu_run.sh bundle [DIR] | check DIR | live DIR [PRESET...]}
+cmd=${1:?usage: gpu_run.sh bundle [DIR] | check DIR | ab DIR | live DIR [PRESET...]}
 dir=${2:-.gpu-bundle}
 shift $(($# < 2 ? $# : 2))
 
@@ -81,6 +82,12 @@ if [ "$cmd" = check ]; then
     --tp-shard 3 4 --skip sweep decoder pipeline --section-timeout 90 --json "$OUT/bench_57b.json"
   section "bench characters-14b, decoder, period" 200 bench-14b.log python3 -m charstream.pipeline.bench_gpu \
     --preset characters-14b --tp-shard 1 --skip sweep ceilings --section-timeout 90 --json "$OUT/bench_14b.json"
+elif [ "$cmd" = ab ]; then  # the TP=3 shard's serving step without, then with, its one-rank NCCL group
+  for group in --no-group ""; do
+    # shellcheck disable=SC2086
+    section "bench TP=3 step ${group:-with group}" 100 bench-ab.log python3 -m charstream.pipeline.bench_gpu \
+      --tp-shard 3 --skip sweep kernels decoder pipeline ceilings $group --section-timeout 80
+  done
 elif [ "$cmd" = live ]; then
   [ $# -gt 0 ] || set -- characters-14b tiny
   for preset in "$@"; do
