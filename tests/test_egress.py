@@ -287,3 +287,38 @@ rec.close()
         audio_s = float(container.streams.audio[0].duration * container.streams.audio[0].time_base)
     assert kinds == ["audio", "video"]
     assert audio_s >= 0.5 + 24 * 2000 / 48_000 - 0.05  # the held half second was kept, not dropped
+
+
+def test_a_slow_session_setup_is_not_the_clients_silence():
+    """The peer connected long before the session's stages were ready (model load, graph capture):
+    liveness counts from the first ping, so the session is not ended at once; a client that then
+    answers nothing is still found gone after ``client_timeout_s``."""
+    import anyio
+    import structlog
+    from charstream.stages.base import StageContext
+    from charstream.stages.egress.stage import EgressStage, PeerLink
+    from charstream.transport.messages import ControlKind
+
+    async def main():
+        link, controls = PeerLink(), []
+
+        async def end_peer(reason: str) -> None:
+            pass
+
+        async def send_control(msg) -> None:
+            controls.append(msg)
+
+        async def emit(msg) -> None:
+            pass
+
+        link.attach(lambda msg: None, end_peer)  # a client that answers no ping
+        link.last_heard -= 60.0  # connected a minute before the stages were up
+        stage = EgressStage(EgressConfig(client_timeout_s=0.5, ping_interval_s=0.05), link)
+        started = time.monotonic()
+        await stage.run(StageContext("egress", "s1", emit, send_control, structlog.get_logger()))
+        return time.monotonic() - started, link.reason, controls
+
+    elapsed, reason, controls = anyio.run(main)
+    assert 0.5 <= elapsed < 2.0, elapsed
+    assert reason == "client vanished (no data-channel reply)"
+    assert [c.kind for c in controls] == [ControlKind.SHUTDOWN]

@@ -90,12 +90,13 @@ class EgressStage(Stage):
 
     async def _keepalive(self) -> None:
         config = self.config
+        asked = time.monotonic()  # silence counts from the first ping: the session's setup is not the client's
         while True:
             # A few quick pings first: the clock offset is needed from the first frame report.
             await anyio.sleep(config.ping_interval_s if self.pings > 5 else min(0.1, config.ping_interval_s))
             self.pings += 1
             self.link.send({"type": "ping", "id": self.pings, "server_ms": time.time() * 1e3})
-            if time.monotonic() - self.link.last_heard > config.client_timeout_s:
+            if time.monotonic() - max(self.link.last_heard, asked) > config.client_timeout_s:
                 self.link.peer_gone("client vanished (no data-channel reply)")
                 return
 
