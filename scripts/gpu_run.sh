@@ -9,6 +9,7 @@
 #                                                   too), bench gpu of the serving step: characters-57b TP=3 and
 #                                                   TP=4 shards, characters-14b whole with its decoder and the
 #                                                   pipelined period (decoder graph on a second stream)
+#               scripts/gpu_run.sh install DIR      the carried wheels and the package only
 #               scripts/gpu_run.sh ab DIR           the TP=3 shard's step without and with its NCCL group (A/B)
 #               scripts/gpu_run.sh live DIR [PRESET...]   one `charstream demo --gpus 1` session per preset
 #                                                   (default: characters-14b tiny), >= 2 min of media each
@@ -18,7 +19,7 @@
 # the wheels it finds under DIR into /tmp/site, which a warm machine keeps. Each section runs under
 # `timeout` with a line at its start and end; logs and JSON go to $OUT (at most 8 files come back).
 set -o pipefail
-cmd=${1:?usage: gpu_run.sh bundle [DIR] | check DIR | ab DIR | live DIR [PRESET...]}
+cmd=${1:?usage: gpu_run.sh bundle [DIR] | install DIR | check DIR | ab DIR | live DIR [PRESET...]}
 dir=${2:-.gpu-bundle}
 shift $(($# < 2 ? $# : 2))
 
@@ -75,7 +76,9 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile
 export PYTHONPATH=/tmp/site-pkg:/tmp/site PYTHONSAFEPATH=1
 nvidia-smi --query-gpu=name,driver_version,memory.used,temperature.gpu,power.draw --format=csv,noheader
 
-if [ "$cmd" = check ]; then
+if [ "$cmd" = install ]; then  # only the above: the first of two calls on a fresh machine
+  exit 0
+elif [ "$cmd" = check ]; then
   section "gpu tests" 150 gpu-tests.log python3 -m pytest -q -m gpu -p no:cacheprovider --timeout=120 \
     tests/test_graphed_gpu.py tests/test_diffusion_stage.py
   section "bench characters-57b TP=3, TP=4 shards" 200 bench-57b.log python3 -m charstream.pipeline.bench_gpu \
