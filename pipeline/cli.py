@@ -20,6 +20,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("fleet", "status"), "charstream.pipeline.fleet.commands", "a fleet's nodes, sessions, free layouts and health"),
     (("fleet", "drain"), "charstream.pipeline.fleet.commands", "stop a fleet node taking new sessions"),
     (("bench", "transport"), "charstream.pipeline.bench_transport", "ZeroMQ channel latency, throughput and backpressure"),
+    (("bench", "fuzz"), "charstream.pipeline.bench_fuzz", "malformed input into every network-reading socket: crashes, hangs, escapes"),
     (("bench", "model"), "charstream.pipeline.bench_model", "CPU step and decode time of a model preset"),
     (("bench", "gpu"), "charstream.pipeline.bench_gpu", "GPU step breakdown, kernels, decoder, against the reference numbers"),
     (("model", "info"), "charstream.pipeline.model_info", "parameters, per-rank memory and FLOPs of a preset"),

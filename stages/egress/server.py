@@ -112,6 +112,7 @@ class PeerSession:
         self.turn_segments: dict[int, dict[str, float]] = {}
         self.closed = asyncio.Event()
         self.session_ended = False  # the session ended before the peer (set by its egress node)
+        self.expiry: asyncio.TimerHandle | None = None  # releases the reservation if no offer comes
         self.log = log.bind(session_id=session_id)
 
     async def answer(self, offer: RTCSessionDescription) -> RTCSessionDescription:
@@ -279,7 +280,7 @@ class EgressServer:
         self.sessions[session_id] = session
         self._by_token[token] = session
         # A reservation that never gets its offer must not hold a slot forever.
-        asyncio.get_running_loop().call_later(self.config.offer_timeout_s, self._expire, session)
+        session.expiry = asyncio.get_running_loop().call_later(self.config.offer_timeout_s, self._expire, session)
         return session_id, token
 
     def _admit(self, client: str) -> None:
@@ -318,6 +319,8 @@ class EgressServer:
         if session is None:
             return
         self._by_token.pop(session.token, None)
+        if session.expiry is not None:  # the timer would hold the closed session until it fires
+            session.expiry.cancel()
         await session.close(reason)
 
     async def start(self) -> str:

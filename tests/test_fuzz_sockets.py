@@ -1,0 +1,62 @@
+"""A short, seeded fuzz of every network-reading socket (the long run is ``charstream bench fuzz``).
+
+Hypothesis draws each input's seed and bytes; ``pipeline.bench_fuzz`` turns them into frames or a
+raw HTTP request for the real component, and a valid message must get through after every input.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from charstream.pipeline.bench_fuzz import ChannelTarget, HttpTarget, fuzz
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+EXAMPLES = 300
+FUZZ = settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None,
+                suppress_health_check=list(HealthCheck))
+
+
+@pytest.fixture(scope="module", params=["ipc", "tcp"])
+def channel(request):
+    target = ChannelTarget(request.param)
+    yield target
+    stats = target.stats()
+    target.close()
+    assert stats["escapes"] == 0 and stats["wrongly_accepted"] == 0, stats
+    assert stats["bad"] > EXAMPLES // 2 and stats["accepted"] > 0, stats  # the inputs reached both outcomes
+
+
+@pytest.fixture(scope="module")
+def http():
+    target = HttpTarget()
+    yield target
+    target.close()
+
+
+@FUZZ
+@given(st.binary(min_size=4, max_size=300))
+def test_channel_receiver_survives_any_frames(channel, blob):
+    channel.send(random.Random(blob[:4]), blob[4:])
+    assert channel.probe(), channel.stats()  # the valid message after it arrived
+    assert channel.stats()["escapes"] == 0, channel.stats()["escape_examples"]
+
+
+@FUZZ
+@given(st.binary(min_size=4, max_size=300))
+def test_signaling_server_survives_any_request(http, blob):
+    http.send(random.Random(blob[:4]), blob[4:])
+    assert http.probe(), http.probe_failures
+    counts = http.counts
+    assert counts["escapes"] == counts["hangs"] == counts["wrongly_accepted"] == 0, http.stats()
+
+
+def test_the_fuzz_run_reports_every_count(tmp_path):
+    target = HttpTarget()
+    try:
+        report = fuzz(target, 200, seed=18, probe_every=10)
+    finally:
+        target.close()
+    assert report["inputs"] == 200 and report["probes_sent"] == 22 and report["valid_lost"] == 0
+    assert report["bad"] + report["accepted"] == 200 and report["escapes"] == report["hangs"] == 0
