@@ -38,28 +38,44 @@ def _gelu_tanh(x):
 @triton.jit
 def _quantize_rows_kernel(
     x, stride_xm, xq, stride_qm, scale_out, n_cols, act_from,
-    BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
+    BLOCK: tl.constexpr, ONE_SWEEP: tl.constexpr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
 ):
-    # One program per row, two sweeps: amax, then scale and store (the second reads from L2).
+    # One program per row. ONE_SWEEP (the row fits in BLOCK): the row stays in registers between the
+    # amax and the store, so x is read once; otherwise two sweeps (the second reads from L2).
     row = tl.program_id(0)
-    amax = tl.zeros((BLOCK,), tl.float32)
-    for start in range(0, n_cols, BLOCK):
-        c = start + tl.arange(0, BLOCK)
+    if ONE_SWEEP:
+        c = tl.arange(0, BLOCK)
         v = tl.load(x + row * stride_xm + c, mask=c < n_cols, other=0.0).to(tl.float32)
         v = tl.where(c >= act_from, _gelu_tanh(v), v)
-        amax = tl.maximum(amax, tl.abs(v))
-    scale = tl.maximum(tl.max(amax, 0), MIN_AMAX) / FP8_MAX
-    tl.store(scale_out + row, scale)
-    for start in range(0, n_cols, BLOCK):
-        c = start + tl.arange(0, BLOCK)
-        v = tl.load(x + row * stride_xm + c, mask=c < n_cols, other=0.0).to(tl.float32)
-        v = tl.where(c >= act_from, _gelu_tanh(v), v)
-        q = tl.clamp(v / scale, -FP8_MAX, FP8_MAX)
-        tl.store(xq + row * stride_qm + c, q.to(xq.dtype.element_ty), mask=c < n_cols)
+        scale = tl.maximum(tl.max(tl.abs(v), 0), MIN_AMAX) / FP8_MAX
+        tl.store(scale_out + row, scale)
+        tl.store(xq + row * stride_qm + c, tl.clamp(v / scale, -FP8_MAX, FP8_MAX).to(xq.dtype.element_ty),
+                 mask=c < n_cols)
+    else:
+        amax = tl.zeros((BLOCK,), tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            c = start + tl.arange(0, BLOCK)
+            v = tl.load(x + row * stride_xm + c, mask=c < n_cols, other=0.0).to(tl.float32)
+            v = tl.where(c >= act_from, _gelu_tanh(v), v)
+            amax = tl.maximum(amax, tl.abs(v))
+        scale = tl.maximum(tl.max(amax, 0), MIN_AMAX) / FP8_MAX
+        tl.store(scale_out + row, scale)
+        for start in range(0, n_cols, BLOCK):
+            c = start + tl.arange(0, BLOCK)
+            v = tl.load(x + row * stride_xm + c, mask=c < n_cols, other=0.0).to(tl.float32)
+            v = tl.where(c >= act_from, _gelu_tanh(v), v)
+            q = tl.clamp(v / scale, -FP8_MAX, FP8_MAX)
+            tl.store(xq + row * stride_qm + c, q.to(xq.dtype.element_ty), mask=c < n_cols)
+
+
+ONE_SWEEP_MAX_COLS = 16384  # a whole row in registers: 32 fp32 per thread at 16 warps
 
 
 def quantize_rows_triton(
-    x: torch.Tensor, act_from: int | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None
+    x: torch.Tensor,
+    act_from: int | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    num_warps: int = 16,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch. ``out`` = preallocated (xq, scale), so a CUDA graph reuses the same buffers."""
     m, k = x.shape
@@ -67,9 +83,11 @@ def quantize_rows_triton(
         raise ValueError("x needs contiguous rows")
     xq, scale = out if out is not None else (torch.empty(m, k, dtype=FP8_DTYPE, device=x.device),
                                              torch.empty(m, 1, dtype=torch.float32, device=x.device))
+    one_sweep = k <= ONE_SWEEP_MAX_COLS
     _quantize_rows_kernel[(m,)](
         x, x.stride(0), xq, xq.stride(0), scale, k, k if act_from is None else act_from,
-        BLOCK=2048, FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX, num_warps=8,
+        BLOCK=triton.next_power_of_2(k) if one_sweep else 2048, ONE_SWEEP=one_sweep, FP8_MAX=FP8_MAX,
+        MIN_AMAX=MIN_AMAX, num_warps=num_warps,
     )
     return xq, scale
 

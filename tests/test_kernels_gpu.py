@@ -19,9 +19,15 @@ from charstream.kernels.quantize_rows import quantize_rows_reference, quantize_r
 from charstream.kernels.ring_attention import (
     ring_attention_gathered,
     ring_attention_reference,
+    ring_attention_streamk,
     ring_attention_triton,
 )
-from charstream.kernels.ring_write import ring_write_reference, ring_write_triton
+from charstream.kernels.ring_write import (
+    ring_write_prep_reference,
+    ring_write_prep_triton,
+    ring_write_reference,
+    ring_write_triton,
+)
 from charstream.kernels.rope import rope_freqs
 from charstream.model.fp8_linear import Fp8Linear
 from charstream.model.rope import frame_positions
@@ -71,6 +77,29 @@ def test_ring_write(dtype):
         assert (g[:, slot : slot + T].float() != _poisoned((1,), dtype).float()).any()
 
 
+def test_ring_write_prep():
+    freqs = rope_freqs(D, "cuda")
+    fused = torch.randn(T, 4 * H * D, device="cuda", dtype=torch.bfloat16) * 3
+    positions = frame_positions(17, GRID, AUDIO, "cuda")
+    # scales small enough that some values saturate: the count is checked too
+    k_scale, v_scale = (torch.rand(H, device="cuda") * 0.004 + 0.004 for _ in range(2))
+    norms = tuple(torch.rand(D, device="cuda") + 0.5 for _ in range(3))
+    slot = SINK + 3 * T
+    runs = []
+    for prep, at in ((ring_write_prep_reference, slot), (ring_write_prep_triton, torch.tensor(slot, device="cuda"))):
+        buf = fused.clone()
+        q, k, v, cq = (buf[:, i * H * D : (i + 1) * H * D].unflatten(-1, (H, D)) for i in range(4))
+        caches = [_poisoned((H, N_SLOTS, D), FP8_DTYPE) for _ in range(2)]
+        saturated = torch.zeros((), dtype=torch.int64, device="cuda")
+        prep(q, k, v, cq, *caches, k_scale, v_scale, at, positions, freqs, norms, saturated)
+        runs.append((q, cq, *caches, saturated))
+    (rq, rcq, rk, rv, rsat), (gq, gcq, gk, gv, gsat) = runs
+    assert _rel(gq, rq) < 1e-2 and _rel(gcq, rcq) < 1e-2
+    _assert_fp8_close(gk, rk)
+    _assert_fp8_close(gv, rv)
+    assert rsat.item() > 0 and abs(gsat.item() - rsat.item()) <= 0.01 * rsat.item()
+
+
 @pytest.mark.parametrize(("dtype", "qk_fp8"), [(FP8_DTYPE, False), (FP8_DTYPE, True), (torch.bfloat16, False)])
 def test_ring_attention(dtype, qk_fp8):
     k_cache, v_cache = ((torch.randn(H, N_SLOTS, D, device="cuda") * 100).clamp(-448, 448).to(dtype) for _ in range(2))
@@ -88,6 +117,24 @@ def test_ring_attention(dtype, qk_fp8):
     assert torch.isnan(buf[:, :H]).all()
     # e4m3 queries round each element by up to 2^-4 (measured 0.050 on these inputs, 0.02-0.03 on the bench's)
     assert _rel(out, ref) < (8e-2 if qk_fp8 else 2e-2)
+
+
+@pytest.mark.parametrize(("qk", "fast_softmax"), [("f16", False), ("f16", True), ("fp8x2", True)])
+@pytest.mark.parametrize("programs", [None, 7])
+def test_ring_attention_streamk(qk, fast_softmax, programs):
+    k_cache, v_cache = ((torch.randn(H, N_SLOTS, D, device="cuda") * 100).clamp(-448, 448).to(FP8_DTYPE) for _ in range(2))
+    k_scale, v_scale = (torch.rand(H, device="cuda") * 0.02 + 0.005 for _ in range(2))
+    ring_valid = torch.rand(RING, device="cuda") < 0.6
+    ring_valid[0] = False
+    q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16) * 2
+    ref = ring_attention_reference(q, k_cache, v_cache, k_scale, v_scale, ring_valid, SINK, T)
+    buf = torch.full((T, 2 * H, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out = ring_attention_streamk(q, k_cache, v_cache, k_scale, v_scale, ring_valid, SINK, T, programs=programs, qk=qk,
+                                 exp16=fast_softmax, lazy_rescale=fast_softmax, out=buf[:, H:])
+    assert not torch.isnan(out).any()
+    assert torch.isnan(buf[:, :H]).all()
+    # fp16 products: ~6e-4 measured; fp16 exponentials: ~1e-3; the two-term e4m3 query: ~2.5e-3
+    assert _rel(out, ref) < 1e-2
 
 
 def test_ring_attention_gathered_over_listed_frames():
@@ -122,9 +169,10 @@ def test_delta_rotate(dtype):
     assert (got[:, :, SINK:, :44].float() != k_all[:, :, SINK:, :44].float()).float().mean() > 0.5
 
 
-@pytest.mark.parametrize("act_from", [None, 1920])
-def test_quantize_rows(act_from):
-    x = torch.randn(T, 9600, device="cuda", dtype=torch.bfloat16) * torch.rand(T, 1, device="cuda") * 10
+@pytest.mark.parametrize(("act_from", "cols"), [(None, 9600), (1920, 9600), (3000, 20000)])
+def test_quantize_rows(act_from, cols):
+    # 9600 columns: the one-sweep path (the row in registers); 20000: two sweeps
+    x = torch.randn(T, cols, device="cuda", dtype=torch.bfloat16) * torch.rand(T, 1, device="cuda") * 10
     xq, scale = quantize_rows_triton(x, act_from)
     rq, rscale = quantize_rows_reference(x, act_from)
     assert torch.allclose(scale, rscale, rtol=1e-5)

@@ -29,6 +29,7 @@ def _run_checks() -> dict[str, dict[str, float]]:
     from charstream.kernels.ring_attention import (
         gather_window,
         ring_attention_reference,
+        ring_attention_streamk,
         ring_attention_triton,
     )
     from charstream.kernels.ring_write import (
@@ -91,6 +92,16 @@ def _run_checks() -> dict[str, dict[str, float]]:
             "poison_left": float((buf[:, 1:] == POISON).sum()),
             "outside_changed": float((buf[:, 0] != POISON).sum()),
         }
+        # 5 programs split most tiles between two; 64 leave some programs without work
+        for programs in (5, 64):
+            buf = torch.full((T, H + 1, D), POISON)
+            out = ring_attention_streamk(q, k_cache, v_cache, scale, scale, ring_valid, SINK, T, block_m=8, block_n=8,
+                                         programs=programs, out=buf[:, 1:])
+            report[f"streamk{programs}_" + "".join("1" if v else "0" for v in valid)] = {
+                "rel": _rel(out, ref),
+                "poison_left": float((buf[:, 1:] == POISON).sum()),
+                "outside_changed": float((buf[:, 0] != POISON).sum()),
+            }
     # the block's prep (QK-norms, RoPE on q and k, cross-q norm, ring write) on one fused buffer
     fused = torch.randn(T, 4 * H * D, generator=g) * 3
     norms = tuple(torch.rand(D, generator=g) + 0.5 for _ in range(3))
@@ -137,9 +148,10 @@ def test_delta_rotate_triton_matches_reference(report, dtype):
     assert r["sink_or_hw_changed"] == 0
 
 
+@pytest.mark.parametrize("kernel", ["attention", "streamk5", "streamk64"])
 @pytest.mark.parametrize("valid", ["101", "000", "111"])
-def test_ring_attention_triton_matches_reference(report, valid):
-    r = report[f"attention_{valid}"]
+def test_ring_attention_triton_matches_reference(report, kernel, valid):
+    r = report[f"{kernel}_{valid}"]
     assert r["rel"] < 1e-5  # fp32 through the interpreter's dot
     assert r["poison_left"] == 0 and r["outside_changed"] == 0
 

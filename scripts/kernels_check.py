@@ -1,0 +1,298 @@
+"""Issue 14's kernels on one GPU, in one device call: each variant checked against its PyTorch
+reference on fresh random inputs (outputs poisoned first), then timed at the TP=3 shard's shapes of
+``characters-57b`` (20 heads x 128, 757 tokens per frame, sink + 10 ring frames, 7 of them valid).
+
+Timing: per call inside one CUDA graph of many calls rotating over several layers' caches (as
+``bench gpu`` times kernels), median of the replays. Prints a table last; ``--json`` writes every
+figure. Usage (device): ``python3 scripts/kernels_check.py --json $OUT/kernels.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import time
+import traceback
+
+import torch
+from charstream.kernels.delta_rotate import delta_rotate_reference, delta_rotate_triton
+from charstream.kernels.fp8 import FP8_DTYPE
+from charstream.kernels.quantize_rows import quantize_rows_reference, quantize_rows_triton
+from charstream.kernels.ring_attention import (
+    ring_attention_gathered,
+    ring_attention_reference,
+    ring_attention_streamk,
+    ring_attention_triton,
+)
+from charstream.kernels.ring_write import (
+    ring_write_prep_reference,
+    ring_write_prep_triton,
+    ring_write_reference,
+    ring_write_triton,
+)
+from charstream.kernels.rope import rope_freqs
+from charstream.model.rope import frame_positions
+from charstream.pipeline.bench_gpu import _graph_ms
+
+H, D, T, GRID, AUDIO = 20, 128, 757, (22, 34), 9
+SINK, RING, VALID = T, 10, 7
+N_SLOTS = SINK + RING * T
+LAYERS = 8  # rotated over: 8 x 43 MB of K/V, several times the 60 MB L2
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _fp8_mismatch(got: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
+    """Fraction of FP8 values differing, and whether any differs by more than one e4m3 step."""
+    g, r = got.float(), ref.float()
+    step = 0.125 * torch.maximum(g.abs(), r.abs()) + 2.0**-9
+    return {"differ": (g != r).float().mean().item(), "beyond_one_step": int(((g - r).abs() > step).sum()),
+            "nan": int(torch.isnan(g).sum())}
+
+
+def _fp8_cache(layers: int, gen: torch.Generator) -> torch.Tensor:
+    t = torch.empty(layers, H, N_SLOTS, D, dtype=FP8_DTYPE, device="cuda")
+    for i in range(layers):
+        t[i] = (torch.randn(H, N_SLOTS, D, device="cuda", generator=gen) * 64).clamp(-448, 448).to(FP8_DTYPE)
+    return t
+
+
+STREAMK_VARIANTS = {  # name: ring_attention_streamk options (per_sm: persistent programs per SM)
+    "f16_m128_n128_w8_s3": {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3},
+    "f16_m128_n128_w8_s4": {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 4},
+    "f16_m128_n128_w8_s3_exp16": {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "exp16": True},
+    "f16_m128_n128_w8_s3_lazy": {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "lazy_rescale": True},
+    "f16_m128_n128_w8_s3_exp16_lazy": {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "exp16": True,
+                                       "lazy_rescale": True},
+    "f16_m128_n128_w8_s3_ws": {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "warp_specialize": True},
+    "f16_m128_n64_w8_s4_exp16_lazy": {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 4, "exp16": True,
+                                      "lazy_rescale": True},
+    "f16_m64_n64_w4_s3_p2_exp16_lazy": {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3, "per_sm": 2,
+                                        "exp16": True, "lazy_rescale": True},
+    "f16_m128_n128_w4_s3_exp16_lazy": {"block_m": 128, "block_n": 128, "num_warps": 4, "num_stages": 3, "exp16": True,
+                                       "lazy_rescale": True},
+    "fp8x2_m128_n128_w8_s3_exp16_lazy": {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3,
+                                         "qk": "fp8x2", "exp16": True, "lazy_rescale": True},
+    "fp8_m128_n128_w8_s3_exp16_lazy": {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "qk": "fp8",
+                                       "exp16": True, "lazy_rescale": True},
+}
+
+
+def _streamk(q, args, opts, i, out):
+    return ring_attention_streamk(q, *args(i), out=out, **opts)
+
+
+def attention(gen: torch.Generator) -> dict[str, object]:
+    k, v = _fp8_cache(LAYERS, gen), _fp8_cache(LAYERS, gen)
+    ks = torch.rand(LAYERS, H, device="cuda", generator=gen) * 0.015 + 0.005
+    vs = torch.rand(LAYERS, H, device="cuda", generator=gen) * 0.015 + 0.005
+    ring_valid = torch.zeros(RING, dtype=torch.bool, device="cuda")
+    order = torch.tensor([3, 4, 5, 6, 7, 8, 9], dtype=torch.int32, device="cuda")  # 7 valid frames, in ring order
+    ring_valid[order.long()] = True
+    q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16, generator=gen) * 2
+    args = lambda i: (k[i], v[i], ks[i], vs[i], ring_valid, SINK, T)  # noqa: E731
+    ref = ring_attention_reference(q, *args(0)).float()
+    # the bf16 path's reference: dequantised K/V rounded to bf16, cuDNN/flash SDPA (what gathered runs)
+    window = tuple(torch.empty(H, SINK + VALID * T, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out = torch.empty(T, H, D, device="cuda", dtype=torch.bfloat16)
+    attended = SINK + VALID * T
+    flops = 4 * T * attended * D * H
+    result: dict[str, object] = {"flops_per_call": flops, "attended_keys": attended,
+                                 "bytes_per_call": 2 * H * attended * D + 2 * T * H * D * 2}
+    variants: dict[str, object] = {
+        "triton_inplace_f16_m64_n128_w4_s2": lambda i, o: ring_attention_triton(q, *args(i), out=o),
+        "gathered_cudnn": lambda i, o: ring_attention_gathered(q, k[i], v[i], ks[i], vs[i], order, SINK, T, window, o),
+    }
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    for name, opts in STREAMK_VARIANTS.items():
+        launch = dict(opts)
+        launch["programs"] = launch.pop("per_sm", 1) * n_sm
+        variants[f"streamk_{name}"] = functools.partial(_streamk, q, args, launch)
+    # a partly valid ring (frames 0, 2, 5 only) checks the in-kernel frame listing once per variant
+    sparse = torch.zeros(RING, dtype=torch.bool, device="cuda")
+    sparse[[0, 2, 5]] = True
+    ref_sparse = ring_attention_reference(q, k[1], v[1], ks[1], vs[1], sparse, SINK, T).float()
+    for name, fn in variants.items():
+        entry: dict[str, object] = {}
+        try:
+            buf = torch.full((T, H, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+            got = fn(0, buf).float()
+            entry["rel_error_vs_fp32"] = _rel(got, ref)
+            entry["nan"] = int(torch.isnan(got).sum())
+            if name.startswith("streamk") or name.startswith("triton"):
+                buf.fill_(float("nan"))
+                fn_sparse = variants[name]
+                saved = ring_valid.clone()
+                ring_valid.copy_(sparse)
+                try:
+                    got_sparse = fn_sparse(1, buf).float()
+                finally:
+                    ring_valid.copy_(saved)
+                entry["rel_error_sparse_ring"] = _rel(got_sparse, ref_sparse)
+            entry["ms"] = _graph_ms([functools.partial(fn, i % LAYERS, out) for i in range(4 * LAYERS)])
+            entry["tflops"] = flops / entry["ms"] / 1e9
+        except Exception as exc:
+            traceback.print_exc()
+            entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        result[name] = entry
+        print(f"[check] attention {name}: {entry}", flush=True)
+    return result
+
+
+def ring_write(gen: torch.Generator) -> dict[str, object]:
+    freqs = rope_freqs(D, "cuda")
+    k_cache, v_cache = _fp8_cache(LAYERS, gen), _fp8_cache(LAYERS, gen)
+    ks = torch.rand(LAYERS, H, device="cuda", generator=gen) * 0.02 + 0.01
+    vs = torch.rand(LAYERS, H, device="cuda", generator=gen) * 0.02 + 0.01
+    fused = torch.randn(T, 4 * H * D, device="cuda", dtype=torch.bfloat16, generator=gen) * 3
+    q, kn, vn, cq = (fused[:, i * H * D : (i + 1) * H * D].unflatten(-1, (H, D)) for i in range(4))
+    positions = frame_positions(17, GRID, AUDIO, "cuda")
+    slot_at = SINK + 6 * T
+    slot = torch.tensor(slot_at, device="cuda")
+    norms = tuple(torch.rand(D, device="cuda", generator=gen) + 0.5 for _ in range(3))
+    saturated = torch.zeros((), dtype=torch.int64, device="cuda")
+    result: dict[str, object] = {"bytes_per_call": T * H * D * (2 * 2 + 2)}
+    ref = [torch.full((H, N_SLOTS, D), 300.0, device="cuda").to(FP8_DTYPE) for _ in range(2)]
+    ring_write_reference(*ref, ks[0], vs[0], kn, vn, slot_at, positions, freqs)
+    prep_ref = [fused.clone(), *(torch.full((H, N_SLOTS, D), 300.0, device="cuda").to(FP8_DTYPE) for _ in range(2)),
+                torch.zeros((), dtype=torch.int64, device="cuda")]
+    pq, pk, pv, pcq = (prep_ref[0][:, i * H * D : (i + 1) * H * D].unflatten(-1, (H, D)) for i in range(4))
+    ring_write_prep_reference(pq, pk, pv, pcq, prep_ref[1], prep_ref[2], ks[0], vs[0], slot_at, positions, freqs, norms,
+                              prep_ref[3])
+    for bt, heads, w in ((8, 4, 4), (4, 4, 4), (8, 2, 4), (16, 2, 4), (4, 8, 4), (8, 8, 8), (2, 8, 4), (16, 4, 8)):
+        name = f"t{bt}_h{heads}_w{w}"
+        launch = {"block_t": bt, "heads": heads, "num_warps": w}
+        entry: dict[str, object] = {}
+        try:
+            got = [torch.full((H, N_SLOTS, D), 300.0, device="cuda").to(FP8_DTYPE) for _ in range(2)]
+            ring_write_triton(*got, ks[0], vs[0], kn, vn, slot, positions, freqs, **launch)
+            entry["k"], entry["v"] = _fp8_mismatch(got[0], ref[0]), _fp8_mismatch(got[1], ref[1])
+            entry["ms"] = _graph_ms([functools.partial(
+                ring_write_triton, k_cache[i % LAYERS], v_cache[i % LAYERS], ks[i % LAYERS], vs[i % LAYERS], kn, vn, slot,
+                positions, freqs, **launch) for i in range(240)])
+            buf = fused.clone()
+            gq, gk, gv, gcq = (buf[:, i * H * D : (i + 1) * H * D].unflatten(-1, (H, D)) for i in range(4))
+            got = [torch.full((H, N_SLOTS, D), 300.0, device="cuda").to(FP8_DTYPE) for _ in range(2)]
+            sat = torch.zeros((), dtype=torch.int64, device="cuda")
+            ring_write_prep_triton(gq, gk, gv, gcq, *got, ks[0], vs[0], slot, positions, freqs, norms, sat, **launch)
+            entry["prep"] = {"q_rel": _rel(gq, pq), "cq_rel": _rel(gcq, pcq), "k": _fp8_mismatch(got[0], prep_ref[1]),
+                             "v": _fp8_mismatch(got[1], prep_ref[2]), "saturated": int(sat), "saturated_ref": int(prep_ref[3])}
+            entry["prep_ms"] = _graph_ms([functools.partial(
+                ring_write_prep_triton, q, kn, vn, cq, k_cache[i % LAYERS], v_cache[i % LAYERS], ks[i % LAYERS],
+                vs[i % LAYERS], slot, positions, freqs, norms, saturated, **launch) for i in range(240)])
+        except Exception as exc:
+            traceback.print_exc()
+            entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        result[name] = entry
+        print(f"[check] ring_write {name}: {entry}", flush=True)
+    return result
+
+
+def rotation(gen: torch.Generator) -> dict[str, object]:
+    freqs = rope_freqs(D, "cuda")
+    small = (torch.randn(4, H, N_SLOTS, D, device="cuda", generator=gen) * 60).clamp(-448, 448).to(FP8_DTYPE)
+    k_scale = torch.rand(60, H, device="cuda", generator=gen) * 0.02 + 0.01
+    ref = small.clone()
+    delta_rotate_reference(ref, k_scale[:4], 42, freqs.t, SINK)
+    full = _fp8_cache(60, gen)  # the whole shard's K: 60 layers
+    delta = torch.tensor(-1, device="cuda")
+    result: dict[str, object] = {"cache_gb": full.numel() / 1e9}
+    for bs, w in ((128, 4), (64, 2), (128, 2)):
+        name = f"s{bs}_w{w}"
+        entry: dict[str, object] = {}
+        try:
+            got = small.clone()
+            delta_rotate_triton(got, k_scale[:4], torch.tensor(42, device="cuda"), freqs.t, SINK, block_s=bs, num_warps=w)
+            entry["check"] = _fp8_mismatch(got, ref)
+            entry["sink_or_hw_changed"] = int((got[:, :, :SINK].float() != small[:, :, :SINK].float()).sum()
+                                              + (got[..., 44:].float() != small[..., 44:].float()).sum())
+            import triton.testing
+
+            entry["ms"] = float(triton.testing.do_bench(functools.partial(
+                delta_rotate_triton, full, k_scale, delta, freqs.t, SINK, block_s=bs, num_warps=w), warmup=25, rep=200,
+                return_mode="median"))
+        except Exception as exc:
+            traceback.print_exc()
+            entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        result[name] = entry
+        print(f"[check] rotation {name}: {entry}", flush=True)
+    return result
+
+
+def gelu_rows(gen: torch.Generator) -> dict[str, object]:
+    hd, ffn = H * D, 10240
+    fused = torch.randn(T, 4 * hd + ffn, device="cuda", dtype=torch.bfloat16, generator=gen)
+    fused *= torch.rand(T, 1, device="cuda", generator=gen).to(torch.bfloat16) * 10
+    x = fused[:, 2 * hd :]
+    rq, rscale = quantize_rows_reference(x, 2 * hd)
+    result: dict[str, object] = {"bytes_per_call": x.numel() * 3}
+    for w in (4, 8):
+        entry: dict[str, object] = {}
+        try:
+            xq = torch.full_like(rq, 300.0)
+            sc = torch.full_like(rscale, float("nan"))
+            quantize_rows_triton(x, 2 * hd, (xq, sc), num_warps=w)
+            entry["check"] = _fp8_mismatch(xq, rq)
+            entry["scale_rel"] = _rel(sc, rscale)
+            call = functools.partial(quantize_rows_triton, x, 2 * hd, (xq, sc), num_warps=w)
+            entry["ms"] = _graph_ms([call] * 240)
+        except Exception as exc:
+            traceback.print_exc()
+            entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        result[f"w{w}"] = entry
+        print(f"[check] gelu_rows w{w}: {entry}", flush=True)
+    return result
+
+
+def _table(results: dict) -> str:
+    rows = [("kernel / variant", "ms per call", "check")]
+    att = results.get("attention", {})
+    for name, e in att.items():
+        if isinstance(e, dict):
+            rows.append((f"attention {name}", f"{e['ms']:.4f} ({e['tflops']:.0f} TF/s)" if "ms" in e else e.get("error", "")[:40],
+                         f"rel {e.get('rel_error_vs_fp32', float('nan')):.2e} sparse {e.get('rel_error_sparse_ring', float('nan')):.2e}"))
+    for section in ("ring_write", "rotation", "gelu_rows"):
+        for name, e in results.get(section, {}).items():
+            if isinstance(e, dict):
+                ms = f"{e['ms'] * 1e3:.2f} us" if "ms" in e else e.get("error", "")[:40]
+                if "prep_ms" in e:
+                    ms += f" (prep {e['prep_ms'] * 1e3:.2f} us)"
+                check = {k: e[k] for k in ("k", "v", "check") if k in e}
+                rows.append((f"{section} {name}", ms, json.dumps(check)[:110]))
+    width = [max(len(r[i]) for r in rows) for i in range(3)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, width, strict=True)) for r in rows)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--only", nargs="*", default=["attention", "ring_write", "rotation", "gelu_rows"])
+    args = parser.parse_args()
+    import triton
+
+    gen = torch.Generator(device="cuda").manual_seed(int.from_bytes(os.urandom(4), "little"))  # fresh inputs
+    results: dict[str, object] = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                                  "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                  "triton": triton.__version__, "commit": os.environ.get("CHARSTREAM_COMMIT", "unknown")}
+    for name in args.only:
+        t0 = time.perf_counter()
+        try:
+            results[name] = globals()[name](gen)
+        except Exception as exc:
+            traceback.print_exc()
+            results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        print(f"[check] {name} done in {time.perf_counter() - t0:.1f} s", flush=True)
+        torch.cuda.empty_cache()
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1, default=str)
+    print(_table(results), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
