@@ -74,7 +74,7 @@ def delta_rotate_triton(
     delta_t: int | torch.Tensor,
     freqs_t: torch.Tensor,
     sink_slots: int,
-    block_s: int = 256,
+    block_s: int = 128,
     num_warps: int = 4,
 ) -> None:
     """The position reset over every layer and head in one launch, in place."""

@@ -92,103 +92,6 @@ def _check_layout(k_cache: torch.Tensor, ring_valid: torch.Tensor, sink_slots: i
 
 
 @triton.jit
-def _ring_attention_kernel(
-    q, stride_qt, stride_qh, k, v, stride_kh, stride_ks, k_scale, v_scale, ring_valid,
-    out, stride_ot, stride_oh, n_tokens, n_slots, sink_slots, tokens_per_frame, softmax_scale_log2,
-    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr, QK_FP8: tl.constexpr,
-    FP8_MAX: tl.constexpr,
-):
-    # Flash attention over the cache in slot order, one (query block, head) per program.
-    # FP8 K/V: the per-head K scale folds into the softmax scale and the V scale into the final
-    # normalisation, so dequantised K/V never exist in memory. The products run in fp16, to which
-    # e4m3 widens exactly in one instruction per pair (widening to bf16 costs several and made the
-    # first version ALU-bound: docs/gpu-notes.md); QK_FP8 instead quantises each query row to e4m3
-    # and multiplies FP8 x FP8, K untouched.
-    head = tl.program_id(1)
-    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    d = tl.arange(0, D)
-    mmask = m < n_tokens
-    qb = tl.load(q + m[:, None] * stride_qt + head * stride_qh + d[None, :], mask=mmask[:, None], other=0.0)
-    row_scale = tl.full((BLOCK_M,), softmax_scale_log2, tl.float32)
-    if QUANT:
-        row_scale = row_scale * tl.load(k_scale + head)
-        if QK_FP8:
-            qf = qb.to(tl.float32)
-            q_scale = tl.maximum(tl.max(tl.abs(qf), 1), 1e-12) / FP8_MAX
-            row_scale = row_scale * q_scale
-            qb = (qf / q_scale[:, None]).to(k.dtype.element_ty)
-        else:
-            qb = qb.to(tl.float16)
-    # A finite start: a block with no valid slot leaves the running max finite, so no inf - inf.
-    m_i = tl.full((BLOCK_M,), -1.0e30, tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, D), tl.float32)
-    for start in range(0, n_slots, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        in_range = n < n_slots
-        in_ring = (n >= sink_slots) & in_range
-        frame_ok = tl.load(ring_valid + (n - sink_slots) // tokens_per_frame, mask=in_ring, other=0)
-        valid = (n < sink_slots) | (frame_ok != 0)
-        offs = head * stride_kh + n[:, None] * stride_ks + d[None, :]
-        kb = tl.load(k + offs, mask=in_range[:, None], other=0.0).to(qb.dtype)
-        s = tl.dot(qb, tl.trans(kb)) * row_scale[:, None]
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if QUANT:
-            vb = tl.load(v + offs, mask=in_range[:, None], other=0.0).to(tl.float16)
-        else:
-            vb = tl.load(v + offs, mask=in_range[:, None], other=0.0).to(qb.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
-        m_i = m_new
-    if QUANT:
-        acc = acc * tl.load(v_scale + head)
-    acc = acc / l_i[:, None]
-    dst = m[:, None] * stride_ot + head * stride_oh + d[None, :]
-    tl.store(out + dst, acc.to(out.dtype.element_ty), mask=mmask[:, None])
-
-
-def ring_attention_triton(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k_scale: torch.Tensor,
-    v_scale: torch.Tensor,
-    ring_valid: torch.Tensor,
-    sink_slots: int,
-    tokens_per_frame: int,
-    block_m: int = 64,
-    block_n: int = 128,
-    num_warps: int = 4,
-    num_stages: int = 2,
-    out: torch.Tensor | None = None,
-    qk_fp8: bool = False,
-) -> torch.Tensor:
-    """The ring attention in one launch; the block shape defaults are the H200 sweep's best (docs/gpu-notes.md).
-
-    ``out`` (T, n_heads, head_dim), any strides with a contiguous head_dim, lets the caller have the
-    result land straight in a larger buffer (e.g. the output projection's input) with no copy."""
-    _check_layout(k_cache, ring_valid, sink_slots, tokens_per_frame)
-    if q.stride(-1) != 1 or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
-        raise ValueError("q, k_cache and v_cache need a contiguous head_dim; k_cache and v_cache the same strides")
-    n_tokens, n_heads, head_dim = q.shape
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.stride(-1) != 1:
-        raise ValueError(f"out must be {tuple(q.shape)} with a contiguous head_dim, got {tuple(out.shape)}")
-    _ring_attention_kernel[(triton.cdiv(n_tokens, block_m), n_heads)](
-        q, q.stride(0), q.stride(1), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
-        k_scale, v_scale, ring_valid.view(torch.uint8), out, out.stride(0), out.stride(1),
-        n_tokens, k_cache.shape[1], sink_slots, tokens_per_frame, math.log2(math.e) / math.sqrt(head_dim),
-        D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, QUANT=is_fp8(k_cache), QK_FP8=qk_fp8, FP8_MAX=FP8_MAX,
-        num_warps=num_warps, num_stages=num_stages,
-    )
-    return out
-
-
-@triton.jit
 def _attended_block(kb, csum, sink_slots, tokens_per_frame, SB: tl.constexpr, BPF: tl.constexpr, BLOCK_N: tl.constexpr):
     """Slot range of attended key block ``kb``: the sink's SB blocks, then BPF blocks of each valid ring
     frame in ring order (``csum``: inclusive prefix count of ``ring_valid``). Returns (first slot, end)."""
@@ -203,32 +106,22 @@ def _attended_block(kb, csum, sink_slots, tokens_per_frame, SB: tl.constexpr, BP
 
 
 @triton.jit
-def _exp2_f16(x):
-    # Two fp16 exponentials per MUFU instruction: p is rounded to fp16 for the P x V product anyway.
-    return tl.inline_asm_elementwise("ex2.approx.f16x2 $0, $1;", "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
-
-
-@triton.jit
-def _streamk_attention_kernel(
+def _ring_attention_kernel(
     q, stride_qt, stride_qh, k, v, stride_kh, stride_ks, k_scale, v_scale, ring_valid, n_ring,
     out, stride_ot, stride_oh, part_o, part_lse, n_tokens, n_heads, sink_slots, tokens_per_frame, softmax_scale_log2,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, BPF: tl.constexpr,
-    RING_P2: tl.constexpr, QUANT: tl.constexpr, QK: tl.constexpr, FP8_MAX: tl.constexpr,
-    EXP16: tl.constexpr, LAZY: tl.constexpr, WS: tl.constexpr,
+    RING_P2: tl.constexpr, QUANT: tl.constexpr, QK_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
 ):
-    # Persistent stream-K flash attention over the attended blocks only (invalid ring frames cost
-    # nothing). The work -- (head, query block) tiles x attended key blocks -- is cut into one equal
-    # contiguous range per program, so every SM gets the same number of key blocks whatever the
-    # tile count; a tile whose range spans two programs leaves its pieces (normalised output and
-    # log-sum-exp) in part_o/part_lse (slot 2 x program + 0 for a program's first piece, + 1 for its
-    # last) for _streamk_combine_kernel. FP8 K/V stay FP8 in memory: the per-head K scale folds into
-    # the softmax scale, the V scale into the output. QK products: 0 = fp16 (K widened exactly),
-    # 1 = e4m3 queries x e4m3 keys, 2 = the query split into two e4m3 terms (hi + lo/16, ~2^-8
-    # relative: bf16-like) x e4m3 keys, twice the FP8 MMAs but no widening of K.
-    # The softmax, not the MMAs, bounds this kernel (per score: scale, max, subtract, exp, sum,
-    # convert): EXP16 (FP8 caches) takes the exponentials two at a time in fp16 and the row sums
-    # from the tensor cores (P x ones); LAZY rescales the accumulator only when some row's max
-    # grew by more than 2^8 (p stays <= 256: exact enough in fp16 and fp32).
+    # Persistent stream-K flash attention over the attended key blocks only: invalid ring frames
+    # cost nothing. The work -- (head, query block) tiles x attended key blocks -- is cut into one
+    # equal contiguous range per program, so every SM gets the same number of key blocks whatever
+    # the tile count (one tile per program left 1-2 programs per SM unevenly: docs/gpu-notes.md).
+    # A tile whose range spans programs leaves its pieces (normalised output, log-sum-exp) in
+    # part_o/part_lse, slot 2 x program + 0 for a program's first piece and + 1 for its last, for
+    # _ring_attention_merge_kernel. FP8 K/V stay FP8 in memory: the per-head K scale folds into the
+    # softmax scale and the V scale into the output; the products run in fp16, to which e4m3
+    # widens exactly (bf16 costs several instructions per value); QK_FP8 instead quantises each
+    # query row to e4m3 and multiplies FP8 x FP8, K untouched.
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     r = tl.arange(0, RING_P2)
@@ -252,59 +145,33 @@ def _streamk_attention_kernel(
         row_scale = tl.full((BLOCK_M,), softmax_scale_log2, tl.float32)
         if QUANT:
             row_scale = row_scale * tl.load(k_scale + head)
-            if QK == 0:
-                qb = qb.to(tl.float16)
-            else:
+            if QK_FP8:
                 qf = qb.to(tl.float32)
                 q_scale = tl.maximum(tl.max(tl.abs(qf), 1), 1e-12) / FP8_MAX
                 row_scale = row_scale * q_scale
-                qn = qf / q_scale[:, None]
-                qb = qn.to(k.dtype.element_ty)
-                if QK == 2:
-                    q_lo = ((qn - qb.to(tl.float32)) * 16.0).to(k.dtype.element_ty)
+                qb = (qf / q_scale[:, None]).to(k.dtype.element_ty)
+            else:
+                qb = qb.to(tl.float16)
+        # A finite start: a block with no valid slot leaves the running max finite, so no inf - inf.
         m_i = tl.full((BLOCK_M,), -1.0e30, tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
-        l_acc = tl.zeros((BLOCK_M, 16), tl.float32)
         acc = tl.zeros((BLOCK_M, D), tl.float32)
-        for kb in tl.range(kb_lo, kb_hi, warp_specialize=WS):
+        for kb in range(kb_lo, kb_hi):
             start, end = _attended_block(kb, csum, sink_slots, tokens_per_frame, SB, BPF, BLOCK_N)
             n = start + tl.arange(0, BLOCK_N)
             in_block = n < end
             offs = head * stride_kh + n[:, None] * stride_ks + d[None, :]
-            kb_tile = tl.load(k + offs, mask=in_block[:, None], other=0.0)
-            if QUANT and QK != 0:
-                s = tl.dot(qb, tl.trans(kb_tile))
-                if QK == 2:
-                    s += tl.dot(q_lo, tl.trans(kb_tile)) * 0.0625
-            else:
-                s = tl.dot(qb, tl.trans(kb_tile.to(qb.dtype)))
+            kb_tile = tl.load(k + offs, mask=in_block[:, None], other=0.0).to(qb.dtype)
+            s = tl.dot(qb, tl.trans(kb_tile))
             s = tl.where(in_block[None, :], s * row_scale[:, None], float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            if LAZY:
-                if tl.max(m_new - m_i, 0) > 8.0:
-                    alpha = tl.math.exp2(m_i - m_new)
-                    acc = acc * alpha[:, None]
-                    l_i = l_i * alpha
-                    l_acc = l_acc * alpha[:, None]
-                    m_i = m_new
-            else:
-                alpha = tl.math.exp2(m_i - m_new)
-                acc = acc * alpha[:, None]
-                l_i = l_i * alpha
-                l_acc = l_acc * alpha[:, None]
-                m_i = m_new
+            p = tl.math.exp2(s - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
             vb = tl.load(v + offs, mask=in_block[:, None], other=0.0)
-            vb = vb.to(tl.float16) if QUANT else vb.to(qb.dtype)
-            if EXP16:
-                p = _exp2_f16((s - m_i[:, None]).to(tl.float16))
-                l_acc = tl.dot(p, tl.full((BLOCK_N, 16), 1.0, tl.float16), l_acc)
-            else:
-                p = tl.math.exp2(s - m_i[:, None])
-                l_i += tl.sum(p, 1)
-                p = p.to(vb.dtype)
-            acc = tl.dot(p, vb, acc)
-        if EXP16:
-            l_i = tl.max(l_acc, 1)
+            vb = vb.to(tl.float16) if QUANT else vb.to(q.dtype.element_ty)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
+            m_i = m_new
         if QUANT:
             acc = acc * tl.load(v_scale + head)
         acc = acc / l_i[:, None]
@@ -320,7 +187,7 @@ def _streamk_attention_kernel(
 
 
 @triton.jit
-def _streamk_combine_kernel(
+def _ring_attention_merge_kernel(
     ring_valid, n_ring, out, stride_ot, stride_oh, part_o, part_lse, n_tokens, n_heads, n_prog,
     D: tl.constexpr, BLOCK_M: tl.constexpr, SB: tl.constexpr, BPF: tl.constexpr, RING_P2: tl.constexpr,
 ):
@@ -357,15 +224,12 @@ def _streamk_combine_kernel(
         tl.store(out + dst, (acc / wsum[:, None]).to(out.dtype.element_ty), mask=(m < n_tokens)[:, None])
 
 
-QK_MODES = {"f16": 0, "fp8": 1, "fp8x2": 2}
-
-
 @functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def ring_attention_streamk(
+def ring_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -377,50 +241,51 @@ def ring_attention_streamk(
     block_m: int = 128,
     block_n: int = 128,
     num_warps: int = 8,
-    num_stages: int = 2,
-    programs: int | None = None,
-    qk: str = "f16",
-    exp16: bool = False,
-    lazy_rescale: bool = False,
-    warp_specialize: bool = False,
+    num_stages: int = 4,
     out: torch.Tensor | None = None,
+    qk_fp8: bool = False,
+    programs: int | None = None,
 ) -> torch.Tensor:
-    """The ring attention as a persistent stream-K launch (+ one small merge launch) over the sink and
-    the valid ring frames only, read in place. ``programs``: the persistent grid (default one per SM);
-    ``qk``: the query x key product (``QK_MODES``; FP8 caches only: bf16/fp32 caches multiply in
-    their own dtype); ``exp16``, ``lazy_rescale``: the softmax shortcuts described in the kernel
-    (``exp16`` FP8 caches only); ``warp_specialize``: Triton's producer/consumer split of the key
-    loop. ``out``: as in ``ring_attention_triton``."""
+    """The ring attention as one persistent stream-K launch + one small merge launch, over the sink and
+    the valid ring frames only, read in place; the block shape defaults are the H200 sweep's best
+    (docs/gpu-notes.md). ``programs``: the persistent grid (default one per SM). With no ring
+    (``ring_valid`` empty: the cross-attention) every program takes one whole tile and no merge runs.
+
+    ``out`` (T, n_heads, head_dim), any strides with a contiguous head_dim, lets the caller have the
+    result land straight in a larger buffer (e.g. the output projection's input) with no copy; it
+    may be ``q`` itself (a tile's queries are read only by the programs that produce its output)."""
     _check_layout(k_cache, ring_valid, sink_slots, tokens_per_frame)
     if q.stride(-1) != 1 or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError("q, k_cache and v_cache need a contiguous head_dim; k_cache and v_cache the same strides")
-    if qk not in QK_MODES:
-        raise ValueError(f"qk must be one of {sorted(QK_MODES)}, got {qk!r}")
     n_tokens, n_heads, head_dim = q.shape
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.stride(-1) != 1:
         raise ValueError(f"out must be {tuple(q.shape)} with a contiguous head_dim, got {tuple(out.shape)}")
-    if programs is None:
-        programs = _sm_count(q.device.index or 0) if q.is_cuda else 4
-    part_o = torch.empty(2 * programs * block_m, head_dim, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(2 * programs * block_m, dtype=torch.float32, device=q.device)
     n_ring = ring_valid.numel()
-    blocks = {"SB": triton.cdiv(sink_slots, block_n), "BPF": triton.cdiv(tokens_per_frame, block_n),
+    sink_blocks = triton.cdiv(sink_slots, block_n)
+    n_tiles = triton.cdiv(n_tokens, block_m) * n_heads
+    if n_ring == 0:
+        programs, merge = n_tiles * sink_blocks, sink_blocks > 1
+    else:
+        programs, merge = programs or (_sm_count(q.device.index or 0) if q.is_cuda else 4), True
+    part_o = torch.empty(2 * programs * block_m if merge else 1, head_dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(2 * programs * block_m if merge else 1, dtype=torch.float32, device=q.device)
+    blocks = {"SB": sink_blocks, "BPF": triton.cdiv(tokens_per_frame, block_n),
               "RING_P2": max(2, triton.next_power_of_2(n_ring))}
     valid = ring_valid.view(torch.uint8) if n_ring else torch.zeros(1, dtype=torch.uint8, device=q.device)
-    _streamk_attention_kernel[(programs,)](
+    _ring_attention_kernel[(programs,)](
         q, q.stride(0), q.stride(1), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_scale, v_scale,
         valid, n_ring, out, out.stride(0), out.stride(1), part_o, part_lse, n_tokens, n_heads, sink_slots,
         tokens_per_frame, math.log2(math.e) / math.sqrt(head_dim),
-        D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, **blocks, QUANT=is_fp8(k_cache), QK=QK_MODES[qk],
-        FP8_MAX=FP8_MAX, EXP16=exp16 and is_fp8(k_cache), LAZY=lazy_rescale, WS=warp_specialize,
-        num_warps=num_warps, num_stages=num_stages,
+        D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, **blocks, QUANT=is_fp8(k_cache), QK_FP8=qk_fp8,
+        FP8_MAX=FP8_MAX, num_warps=num_warps, num_stages=num_stages,
     )
-    _streamk_combine_kernel[(triton.cdiv(n_tokens, block_m) * n_heads,)](
-        valid, n_ring, out, out.stride(0), out.stride(1), part_o, part_lse, n_tokens, n_heads, programs,
-        D=head_dim, BLOCK_M=block_m, **blocks, num_warps=4,
-    )
+    if merge:
+        _ring_attention_merge_kernel[(n_tiles,)](
+            valid, n_ring, out, out.stride(0), out.stride(1), part_o, part_lse, n_tokens, n_heads, programs,
+            D=head_dim, BLOCK_M=block_m, **blocks, num_warps=4,
+        )
     return out
 
 

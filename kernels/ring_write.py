@@ -63,18 +63,16 @@ def _rope_pair_freqs(pair, ft_ptr, fh_ptr, fw_ptr, NT: tl.constexpr, NH: tl.cons
 
 
 @triton.jit
-def _rope(x, cos, sin, BLOCK_T: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr):
-    # x (BLOCK_T, HEADS, D); cos/sin (BLOCK_T, D // 2), the same for every head. Interleaved pairs
-    # (x[2i], x[2i+1]) rotate as complex numbers.
-    xe, xo = tl.split(tl.reshape(x, (BLOCK_T, HEADS, D // 2, 2)))
-    c, s = cos[:, None, :], sin[:, None, :]
-    return tl.reshape(tl.join(xe * c - xo * s, xe * s + xo * c), (BLOCK_T, HEADS, D))
+def _rope(x, cos, sin, BLOCK_T: tl.constexpr, D: tl.constexpr):
+    # Interleaved pairs (x[2i], x[2i+1]) rotate as complex numbers.
+    xe, xo = tl.split(tl.reshape(x, (BLOCK_T, D // 2, 2)))
+    return tl.reshape(tl.join(xe * cos - xo * sin, xe * sin + xo * cos), (BLOCK_T, D))
 
 
 @triton.jit
 def _rms_norm(x, weight_ptr, D: tl.constexpr, EPS: tl.constexpr):
     w = tl.load(weight_ptr + tl.arange(0, D)).to(tl.float32)
-    return x / tl.sqrt(tl.sum(x * x, 2) / D + EPS)[:, :, None] * w[None, None, :]
+    return x / tl.sqrt(tl.sum(x * x, 1) / D + EPS)[:, None] * w[None, :]
 
 
 @triton.jit
@@ -88,15 +86,13 @@ def _ring_write_kernel(
     HEADS: tl.constexpr, SLOT_IN_TENSOR: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr,
     PREP: tl.constexpr, EPS: tl.constexpr,
 ):
-    # One program: a (BLOCK_T tokens, HEADS heads, D) block of K and V, loaded in one go (so the
-    # loads are all in flight together). The RoPE angles depend on the token only, so their cos/sin
-    # (the costly part: precise trig per channel pair) serve all of the program's heads. With PREP,
-    # the block's other per-head work rides along: QK-norms, RoPE on Q (in place), the
-    # cross-attention query's norm (in place), the FP8 saturation count.
+    # One program: BLOCK_T tokens x HEADS heads (one head at a time), K and V together. The RoPE
+    # angles depend on the token only, so their cos/sin (the costly part: precise trig per channel
+    # pair) are computed once for the program's heads. With PREP, the block's other per-head work
+    # rides along: QK-norms, RoPE on Q (in place), the cross-attention query's norm (in place) and
+    # the FP8 saturation count.
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < n_tokens
-    hd = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
-    hmask = hd < n_heads
     ch = tl.arange(0, D)
     freq, group = _rope_pair_freqs(tl.arange(0, D // 2), ft, fh, fw, NT, NH, NW)
     pt = tl.load(pos + t * stride_pt, mask=tmask, other=0)
@@ -106,41 +102,41 @@ def _ring_write_kernel(
     angle = p.to(tl.float32) * freq[None, :]
     cos = tl.cos(angle)
     sin = tl.sin(angle)
-
-    mask = tmask[:, None, None] & hmask[None, :, None]
-    src = t[:, None, None] * stride_nt + hd[None, :, None] * stride_nh + ch[None, None, :]
-    k = tl.load(k_new + src, mask=mask, other=0.0).to(tl.float32)
-    v_src = t[:, None, None] * stride_vt + hd[None, :, None] * stride_vh + ch[None, None, :]
-    v = tl.load(v_new + v_src, mask=mask, other=0.0).to(tl.float32)
-    if PREP:
-        qv = tl.load(q + src, mask=mask, other=0.0).to(tl.float32)
-        cqv = tl.load(cq + src, mask=mask, other=0.0).to(tl.float32)
-        k = _rms_norm(k, k_norm, D, EPS)
-        tl.store(q + src, _rope(_rms_norm(qv, q_norm, D, EPS), cos, sin, BLOCK_T, HEADS, D).to(q.dtype.element_ty),
-                 mask=mask)
-        tl.store(cq + src, _rms_norm(cqv, cq_norm, D, EPS).to(cq.dtype.element_ty), mask=mask)
-    k = _rope(k, cos, sin, BLOCK_T, HEADS, D)
-    if QUANT:
-        ks = tl.load(k_scale + hd, mask=hmask, other=1.0)[None, :, None]
-        vs = tl.load(v_scale + hd, mask=hmask, other=1.0)[None, :, None]
-        if PREP:
-            # As model/cache.py counts: a K pair whose norm passes the range may saturate at some rotation.
-            ke, ko = tl.split(tl.reshape(k, (BLOCK_T, HEADS, D // 2, 2)))
-            limit = FP8_MAX * ks
-            over = tl.sum(tl.sum(tl.sum(((ke * ke + ko * ko) > limit * limit).to(tl.int64), 2), 1), 0)
-            over += tl.sum(tl.sum(tl.sum((tl.abs(v) > FP8_MAX * vs).to(tl.int64), 2), 1), 0)
-            tl.atomic_add(saturated, over)
-        k = tl.clamp(k / ks, -FP8_MAX, FP8_MAX)
-        v = tl.clamp(v / vs, -FP8_MAX, FP8_MAX)
-
     # The write pointer may live on the device, so a CUDA graph replays with a moving ring position.
     if SLOT_IN_TENSOR:
         start = tl.load(slot)
     else:
         start = slot
-    dst = hd[None, :, None] * stride_ch + (start + t)[:, None, None] * stride_cs + ch[None, None, :]
-    tl.store(k_cache + dst, k.to(k_cache.dtype.element_ty), mask=mask)
-    tl.store(v_cache + dst, v.to(v_cache.dtype.element_ty), mask=mask)
+    over = tl.full([], 0, tl.int64)
+    for i in tl.static_range(HEADS):
+        head = tl.program_id(1) * HEADS + i
+        mask = (tmask & (tl.full((BLOCK_T,), head, tl.int32) < n_heads))[:, None]
+        src = t[:, None] * stride_nt + head * stride_nh + ch[None, :]
+        k = tl.load(k_new + src, mask=mask, other=0.0).to(tl.float32)
+        v_src = t[:, None] * stride_vt + head * stride_vh + ch[None, :]
+        v = tl.load(v_new + v_src, mask=mask, other=0.0).to(tl.float32)
+        if PREP:
+            k = _rms_norm(k, k_norm, D, EPS)
+            qv = _rms_norm(tl.load(q + src, mask=mask, other=0.0).to(tl.float32), q_norm, D, EPS)
+            tl.store(q + src, _rope(qv, cos, sin, BLOCK_T, D).to(q.dtype.element_ty), mask=mask)
+            cqv = _rms_norm(tl.load(cq + src, mask=mask, other=0.0).to(tl.float32), cq_norm, D, EPS)
+            tl.store(cq + src, cqv.to(cq.dtype.element_ty), mask=mask)
+        k = _rope(k, cos, sin, BLOCK_T, D)
+        if QUANT:
+            ks = tl.load(k_scale + tl.minimum(head, n_heads - 1))
+            vs = tl.load(v_scale + tl.minimum(head, n_heads - 1))
+            if PREP:
+                # As model/cache.py counts: a K pair whose norm passes the range may saturate at some rotation.
+                ke, ko = tl.split(tl.reshape(k, (BLOCK_T, D // 2, 2)))
+                over += tl.sum(tl.sum(((ke * ke + ko * ko) > (FP8_MAX * ks) * (FP8_MAX * ks)).to(tl.int64), 1), 0)
+                over += tl.sum(tl.sum((tl.abs(v) > FP8_MAX * vs).to(tl.int64), 1), 0)
+            k = tl.clamp(k / ks, -FP8_MAX, FP8_MAX)
+            v = tl.clamp(v / vs, -FP8_MAX, FP8_MAX)
+        dst = head * stride_ch + (start + t)[:, None] * stride_cs + ch[None, :]
+        tl.store(k_cache + dst, k.to(k_cache.dtype.element_ty), mask=mask)
+        tl.store(v_cache + dst, v.to(v_cache.dtype.element_ty), mask=mask)
+    if PREP and QUANT:
+        tl.atomic_add(saturated, over)
 
 
 def _launch(k_cache, v_cache, k_scale, v_scale, k_new, v_new, slot_start, positions, freqs, prep,
@@ -150,8 +146,8 @@ def _launch(k_cache, v_cache, k_scale, v_scale, k_new, v_new, slot_start, positi
         raise ValueError("k_cache and v_cache must share strides with a contiguous head_dim")
     if k_new.stride(-1) != 1 or v_new.stride(-1) != 1 or positions.stride(-1) != 1:
         raise ValueError("k_new/v_new need a contiguous head_dim; positions (T, 3) row-major")
-    if heads & (heads - 1) or block_t & (block_t - 1):
-        raise ValueError(f"block_t and heads must be powers of two, got {block_t} and {heads}")
+    if block_t & (block_t - 1) or heads < 1:
+        raise ValueError(f"block_t must be a power of two and heads >= 1, got {block_t} and {heads}")
     q, cq, q_norm, k_norm, cq_norm, saturated = prep if prep is not None else (k_new,) * 6
     if prep is not None and (q.stride() != k_new.stride() or cq.stride() != k_new.stride()):
         raise ValueError("q and cq must share k_new's strides (columns of one fused projection)")

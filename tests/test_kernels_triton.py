@@ -29,7 +29,6 @@ def _run_checks() -> dict[str, dict[str, float]]:
     from charstream.kernels.ring_attention import (
         gather_window,
         ring_attention_reference,
-        ring_attention_streamk,
         ring_attention_triton,
     )
     from charstream.kernels.ring_write import (
@@ -95,13 +94,20 @@ def _run_checks() -> dict[str, dict[str, float]]:
         # 5 programs split most tiles between two; 64 leave some programs without work
         for programs in (5, 64):
             buf = torch.full((T, H + 1, D), POISON)
-            out = ring_attention_streamk(q, k_cache, v_cache, scale, scale, ring_valid, SINK, T, block_m=8, block_n=8,
-                                         programs=programs, out=buf[:, 1:])
-            report[f"streamk{programs}_" + "".join("1" if v else "0" for v in valid)] = {
+            out = ring_attention_triton(q, k_cache, v_cache, scale, scale, ring_valid, SINK, T, block_m=8, block_n=8,
+                                        programs=programs, out=buf[:, 1:])
+            report[f"programs{programs}_" + "".join("1" if v else "0" for v in valid)] = {
                 "rel": _rel(out, ref),
                 "poison_left": float((buf[:, 1:] == POISON).sum()),
                 "outside_changed": float((buf[:, 0] != POISON).sum()),
             }
+    # no ring (the cross-attention's form): 11 sink keys in two blocks of 8, the output over q itself
+    k_sink, v_sink = (torch.randn(H, 11, D, generator=g) for _ in range(2))
+    ref = ring_attention_reference(q, k_sink, v_sink, scale, scale, torch.zeros(0, dtype=torch.bool), 11, 1)
+    q_in_place = q.clone()
+    ring_attention_triton(q_in_place, k_sink, v_sink, scale, scale, torch.zeros(0, dtype=torch.bool), 11, 1,
+                          block_m=8, block_n=8, out=q_in_place)
+    report["attention_no_ring"] = {"rel": _rel(q_in_place, ref), "poison_left": 0.0, "outside_changed": 0.0}
     # the block's prep (QK-norms, RoPE on q and k, cross-q norm, ring write) on one fused buffer
     fused = torch.randn(T, 4 * H * D, generator=g) * 3
     norms = tuple(torch.rand(D, generator=g) + 0.5 for _ in range(3))
@@ -148,10 +154,10 @@ def test_delta_rotate_triton_matches_reference(report, dtype):
     assert r["sink_or_hw_changed"] == 0
 
 
-@pytest.mark.parametrize("kernel", ["attention", "streamk5", "streamk64"])
-@pytest.mark.parametrize("valid", ["101", "000", "111"])
-def test_ring_attention_triton_matches_reference(report, kernel, valid):
-    r = report[f"{kernel}_{valid}"]
+@pytest.mark.parametrize("case", [f"{programs}_{valid}" for programs in ("attention", "programs5", "programs64")
+                                  for valid in ("101", "000", "111")] + ["attention_no_ring"])
+def test_ring_attention_triton_matches_reference(report, case):
+    r = report[case]
     assert r["rel"] < 1e-5  # fp32 through the interpreter's dot
     assert r["poison_left"] == 0 and r["outside_changed"] == 0
 
