@@ -232,6 +232,50 @@ def gelu_rows(gen: torch.Generator) -> dict[str, object]:
     return result
 
 
+def gemm_allreduce(gen: torch.Generator) -> dict[str, object]:
+    """The fused kernel with a group of one: its FP8 GEMM + shared-buffer epilogue against
+    ``torch._scaled_mm`` at the TP=3 output projection's shape (757 x 15360 -> 7680). Across ranks it
+    is checked by tests/test_gemm_allreduce_gpu.py (2 and 4 processes sharing this GPU)."""
+    import socket
+
+    import torch.distributed as dist
+    from charstream.kernels.gemm_allreduce import Fp8GemmAllReduce
+    from charstream.kernels.quantize_rows import quantize_rows_triton
+    from charstream.model.fp8_linear import quantize_weight
+
+    m, k, n = T, 15360, 7680
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    xq, xs = quantize_rows_triton(torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen))
+    weights = [quantize_weight(torch.randn(n, k, device="cuda", generator=gen) * 0.02) for _ in range(4)]
+    result: dict[str, object] = {"flops_per_call": 2 * m * k * n}
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    ref = torch._scaled_mm(xq, weights[0][0].t(), scale_a=xs, scale_b=weights[0][1][None], out_dtype=torch.bfloat16)
+    result["scaled_mm_ms"] = _graph_ms([functools.partial(
+        torch._scaled_mm, xq, wq.t(), scale_a=xs, scale_b=ws[None], out_dtype=torch.bfloat16, use_fast_accum=True)
+        for wq, ws in weights * 8])
+    for bm, bn, bk, w, st in ((128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (128, 128, 128, 4, 4), (64, 256, 128, 4, 3)):
+        name = f"m{bm}_n{bn}_k{bk}_w{w}_s{st}"
+        entry: dict[str, object] = {}
+        try:
+            fused = Fp8GemmAllReduce(m, n, None, "cuda", block=(bm, bn, bk), num_warps=w, num_stages=st)
+            out.fill_(float("nan"))
+            fused(xq, xs, *weights[0], out)
+            entry["rel_vs_scaled_mm"] = _rel(out.float(), ref.float())
+            entry["nan"] = int(torch.isnan(out).sum())
+            entry["ms"] = _graph_ms([functools.partial(fused, xq, xs, wq, ws, out) for wq, ws in weights * 8])
+            entry["tflops"] = result["flops_per_call"] / entry["ms"] / 1e9
+        except Exception as exc:
+            traceback.print_exc()
+            entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        result[name] = entry
+        print(f"[check] gemm_allreduce {name}: {entry}", flush=True)
+    dist.destroy_process_group()
+    return result
+
+
 def _table(results: dict) -> str:
     rows = [("kernel / variant", "ms per call", "check")]
     att = results.get("attention", {})
@@ -239,6 +283,13 @@ def _table(results: dict) -> str:
         if isinstance(e, dict):
             rows.append((f"attention {name}", f"{e['ms']:.4f} ({e['tflops']:.0f} TF/s)" if "ms" in e else e.get("error", "")[:40],
                          f"rel {e.get('rel_error_vs_fp32', float('nan')):.2e} sparse {e.get('rel_error_sparse_ring', float('nan')):.2e}"))
+    gar = results.get("gemm_allreduce", {})
+    if "scaled_mm_ms" in gar:
+        rows.append(("gemm_allreduce torch._scaled_mm alone", f"{gar['scaled_mm_ms']:.4f}", ""))
+    for name, e in gar.items():
+        if isinstance(e, dict):
+            rows.append((f"gemm_allreduce world=1 {name}", f"{e['ms']:.4f} ({e['tflops']:.0f} TF/s)" if "ms" in e
+                         else e.get("error", "")[:40], f"rel {e.get('rel_vs_scaled_mm', float('nan')):.2e}"))
     for section in ("ring_write", "rotation", "gelu_rows"):
         for name, e in results.get(section, {}).items():
             if isinstance(e, dict):
@@ -254,7 +305,7 @@ def _table(results: dict) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", default=None)
-    parser.add_argument("--only", nargs="*", default=["attention", "ring_write", "rotation", "gelu_rows"])
+    parser.add_argument("--only", nargs="*", default=["attention", "ring_write", "rotation", "gelu_rows", "gemm_allreduce"])
     args = parser.parse_args()
     import triton
 
