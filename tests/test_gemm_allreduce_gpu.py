@@ -67,12 +67,12 @@ def test_fused_gemm_all_reduce_matches_gemm_then_all_reduce(world, tmp_path):
     seed = int.from_bytes(os.urandom(4), "little")
     ctx = mp.start_processes(_rank, args=(world, _free_port(), seed, str(tmp_path)), nprocs=world, join=False,
                              start_method="spawn")
-    deadline = time.monotonic() + 150  # a missed flag would spin forever: fail instead of hanging
+    deadline = time.monotonic() + 90  # a missed flag would spin forever: fail instead of hanging
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
             for p in ctx.processes:
                 p.kill()
-            pytest.fail(f"the {world} ranks did not finish in 150 s")
+            pytest.fail(f"the {world} ranks did not finish in 90 s")
     for rank in range(world):
         for call in json.loads((tmp_path / f"rank{rank}.json").read_text()):
             assert call["nan"] == 0, (rank, call)
