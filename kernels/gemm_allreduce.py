@@ -171,7 +171,8 @@ class Fp8GemmAllReduce:
         self.epoch = torch.zeros(1, dtype=torch.int32, device=device)
         torch.cuda.synchronize(device)  # zeroed before any peer maps them
         handles: list[object] = [None] * self.world
-        dist.all_gather_object(handles, (reduce_tensor(self.buffer), reduce_tensor(self.flags)), group=group)
+        if self.world > 1:  # a group of one maps nothing
+            dist.all_gather_object(handles, (reduce_tensor(self.buffer), reduce_tensor(self.flags)), group=group)
         # peers' tensors stay referenced here: dropping them would unmap the memory under the kernel
         self.peers = [(self.buffer, self.flags) if r == self.rank else tuple(fn(*args) for fn, args in h)
                       for r, h in enumerate(handles)]

@@ -241,14 +241,16 @@ def ring_attention_triton(
     block_m: int = 128,
     block_n: int = 128,
     num_warps: int = 8,
-    num_stages: int = 4,
+    num_stages: int | None = None,
     out: torch.Tensor | None = None,
     qk_fp8: bool = False,
     programs: int | None = None,
 ) -> torch.Tensor:
     """The ring attention as one persistent stream-K launch + one small merge launch, over the sink and
     the valid ring frames only, read in place; the block shape defaults are the H200 sweep's best
-    (docs/gpu-notes.md). ``programs``: the persistent grid (default one per SM). With no ring
+    (docs/gpu-notes.md); ``num_stages`` defaults to 4 over FP8 caches, 2 over 2-byte ones (four
+    stages of 128 x 128 bf16 K and V tiles pass the shared memory). ``programs``: the persistent grid
+    (default one per SM). With no ring
     (``ring_valid`` empty: the cross-attention) every program takes one whole tile and no merge runs.
 
     ``out`` (T, n_heads, head_dim), any strides with a contiguous head_dim, lets the caller have the
@@ -262,6 +264,8 @@ def ring_attention_triton(
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.stride(-1) != 1:
         raise ValueError(f"out must be {tuple(q.shape)} with a contiguous head_dim, got {tuple(out.shape)}")
+    if num_stages is None:
+        num_stages = 4 if k_cache.element_size() == 1 else 2
     n_ring = ring_valid.numel()
     sink_blocks = triton.cdiv(sink_slots, block_n)
     n_tiles = triton.cdiv(n_tokens, block_m) * n_heads
