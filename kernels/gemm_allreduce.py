@@ -155,7 +155,7 @@ class Fp8GemmAllReduce:
         out_features: int,
         group: dist.ProcessGroup | None,
         device: torch.device | str,
-        block: tuple[int, int, int] = (128, 128, 128),
+        block: tuple[int, int, int] = (128, 256, 128),
         num_warps: int = 8,
         num_stages: int = 3,
         programs: int | None = None,
