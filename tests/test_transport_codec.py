@@ -7,6 +7,7 @@ import random
 import msgpack
 import numpy as np
 import pytest
+from charstream.pipeline.bench_fuzz import codec_frames, well_typed
 from charstream.transport.codec import WIRE_VERSION, MessageError, decode, encode
 from charstream.transport.messages import (
     MESSAGE_TYPES,
@@ -139,64 +140,15 @@ def test_encode_refuses_oversize_and_unsendable_arrays():
 
 # --- property-based fuzz: decode returns a valid message or raises MessageError, nothing else ---
 
-# Hypothesis draws one blob (mode, seed, bytes) so 10,000 examples stay fast; the seed then
-# builds a header from pools of plausible and hostile values, reaching deep validator paths.
-FIELD_NAMES = sorted({f for cls in MESSAGE_TYPES for f in cls.__dataclass_fields__} | {"junk"})
-TYPE_NAMES = [c.__name__ for c in MESSAGE_TYPES] + ["Nope", 1, None]
-POOL = [None, True, False, 0, 1, -1, 2**63, 1.5, float("nan"), "", "s", "user_speech_end", b"\x00", [], [1, 2], {}, {"a": 1.0},
-        {"turn_id": 3, "stamps": {"x": 1.0}}, {"stamps": {"x": "y"}}, "interrupt", "rollback"]
-DTYPES = ["<f4", "<i2", "|u1", ">f8", "<f2", "|b1", "|O", "<U4", "x", 3, None]
-SHAPES = [[], [0], [1], [4], [2, 2], [-1], [2**62, 2**62], [1.5], "4", None, [1] * 9]
-_EXAMPLE_FRAMES = [[bytes(f) for f in encode(m)] for m in examples()]
-
-
-def build(mode: int, seed: int, data: bytes) -> list[bytes]:
-    rng = random.Random(seed)
-    if mode == 0:  # raw bytes, split into frames
-        cuts = sorted(rng.sample(range(len(data) + 1), k=min(rng.randint(0, 3), len(data) + 1)))
-        return [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
-    if mode == 1:  # a valid encoding with bytes of its header flipped or cut short
-        frames = list(rng.choice(_EXAMPLE_FRAMES))
-        head = bytearray(frames[0])
-        for byte in data[:3]:
-            head[rng.randrange(len(head))] = byte
-        if rng.random() < 0.3:
-            head = head[: rng.randrange(len(head) + 1)]
-        keep = rng.randint(1, len(frames)) if rng.random() < 0.2 else len(frames)  # sometimes truncated
-        return [bytes(head), *frames[1:keep]]
-    cls = rng.choice(MESSAGE_TYPES)  # a well-formed header, then a few hostile edits
-    template = msgpack.unpackb(rng.choice(_EXAMPLE_FRAMES)[0]) if rng.random() < 0.5 else {
-        "v": WIRE_VERSION, "t": cls.__name__, "f": {}, "a": []}
-    for _ in range(rng.randint(0, 3)):
-        key = rng.choice(["v", "t", "f", "a", "f", "a"])
-        if key == "v":
-            template["v"] = rng.choice([WIRE_VERSION, 0, 2, "1", None])
-        elif key == "t":
-            template["t"] = rng.choice(TYPE_NAMES)
-        elif key == "f" and isinstance(template["f"], dict):
-            template["f"][rng.choice(FIELD_NAMES)] = rng.choice(POOL)
-        elif key == "a":
-            template["a"] = [[rng.choice(FIELD_NAMES), rng.choice(DTYPES), rng.choice(SHAPES)] for _ in range(rng.randint(0, 3))]
-    frames = [msgpack.packb(template)]
-    for spec in template["a"] if isinstance(template["a"], list) else []:
-        try:  # often the size the spec declares, so decoding goes past the size check
-            size = int(np.prod(spec[2])) * np.dtype(spec[1]).itemsize if rng.random() < 0.5 else len(data)
-        except (TypeError, ValueError, OverflowError):
-            size = len(data)
-        frames.append(bytes(min(max(size, 0), 4096)))
-    return frames
-
-
+# Hypothesis draws one blob (seed, bytes) so 10,000 examples stay fast; the seed then builds frames
+# from pools of plausible and hostile values (bench_fuzz.codec_frames), reaching deep validator paths.
 @settings(max_examples=10_000, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(st.binary(min_size=5, max_size=100))  # one draw: hypothesis's per-draw cost dominates otherwise
 def test_fuzz_decoder_never_fails_unclearly(blob):
-    frames = build(blob[0] % 3, int.from_bytes(blob[1:5], "little"), blob[5:])
+    frames = codec_frames(random.Random(blob[:4]), blob[4:])
     try:
         msg = decode(frames, LIMIT, channel="fuzz", peer="hypothesis")
     except MessageError as e:
         assert e.channel == "fuzz" and e.peer == "hypothesis" and e.problem
         return
-    assert type(msg) in MESSAGE_TYPES
-    for value in vars(msg).values():
-        if isinstance(value, np.ndarray):
-            assert value.dtype.kind in "biuf"
+    assert well_typed(msg), msg
