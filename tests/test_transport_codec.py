@@ -10,7 +10,6 @@ import pytest
 from charstream.pipeline.bench_fuzz import codec_frames, well_typed
 from charstream.transport.codec import WIRE_VERSION, MessageError, decode, encode
 from charstream.transport.messages import (
-    MESSAGE_TYPES,
     AgentAudio,
     Conditioning,
     Control,
