@@ -1,12 +1,13 @@
 # Two entry points that work on a fresh machine (Python 3.11 + pip + the OS):
 #   make demo  - the live character demo on CPU (tiny preset, built-in scripted agent)
+#   make serve - talk to the character in a browser (the built-in offline agent hears your microphone)
 #   make test  - the test suite (CPU; GPU tests are marked `gpu` and skipped without CUDA)
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint venv browser clean
+.PHONY: demo serve test lint venv browser clean
 
 venv: $(STAMP)
 
@@ -26,6 +27,10 @@ browser:
 
 demo: $(STAMP)
 	$(VENV)/bin/charstream demo
+
+# Talk to the character in a browser: the built-in offline agent hears the page's microphone.
+serve: $(STAMP)
+	$(VENV)/bin/charstream serve
 
 test: $(STAMP) browser
 	$(PY) -m pytest -q $(PYTEST_ARGS)

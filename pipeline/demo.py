@@ -152,6 +152,9 @@ def plan(args: argparse.Namespace) -> DemoPlan:
     config.tracing.otlp_endpoint = args.otlp_endpoint
     config.tracing.prometheus_port = args.metrics_port
     config.ingest.script = script
+    # In-process, the user is scripted (and heard by the recogniser); with --serve the browser's
+    # user talks to the built-in agent.
+    config.ingest.adapter = "listening" if args.serve else "scripted"
     # The user speaks once the stream is up (model warm-up, first chunks buffered, WebRTC): the
     # recording then holds the whole conversation, even on a slow machine.
     config.ingest.lead_in_s = 3.0
@@ -165,22 +168,27 @@ def plan(args: argparse.Namespace) -> DemoPlan:
 class Progress:
     """Turns as they happen: one line when the character starts answering, one with the latencies."""
 
-    def __init__(self, script: list[dict], session_id: str) -> None:
+    def __init__(self, script: list[dict] | None, turns: int, session_id: str) -> None:
         self.script = script
         self.session_id = session_id
         self.fps: list[float] = []  # playout's recent-fps gauge at every tick
-        self.bar = tqdm(total=len(script), unit="turn", desc="conversation", dynamic_ncols=True,
+        self.bar = tqdm(total=turns, unit="turn", desc="conversation", dynamic_ncols=True,
                         bar_format="{desc}: {n_fmt}/{total_fmt} turns |{bar}| {elapsed} {postfix}")
 
     def speaking(self, turn_id: int, answer: int) -> None:
-        """The character's ``answer``-th reply (0-based) starts: it answers script line ``answer``."""
+        """The character's ``answer``-th reply (0-based) starts: it answers script line ``answer``
+        (scripted user), or whatever the browser's user said."""
+        if self.script is None:
+            tqdm.write(f"turn {turn_id}: the character answers")
+            return
         line = self.script[answer]["user"] if answer < len(self.script) else "?"
         tqdm.write(f"turn {turn_id}: user said “{_short(line)}” → the character answers")
 
     def turn(self, record: TurnRecord) -> None:
         seg = intervals(record.stamps, SEGMENTS)
         parts = " · ".join(f"{name} {seg[name] * 1e3:.0f} ms" for name in SEGMENTS if name in seg)
-        tqdm.write(f"turn {record.turn_id}: {parts}" + ("" if record.complete else " (incomplete)"))
+        heard = f" · heard “{_short(record.heard)}”" if record.heard is not None else ""
+        tqdm.write(f"turn {record.turn_id}: {parts}{heard}" + ("" if record.complete else " (incomplete)"))
         self.bar.update(1)
 
     def tick(self, frames: int) -> None:
@@ -272,15 +280,15 @@ async def run_demo(args: argparse.Namespace) -> int:
     progress: Progress | None = None
     try:
         if args.serve:
-            print(f"open {url}/?code={server.issue_code()} in a browser (a one-time link) and press Connect "
-                  "(the user is scripted; your microphone is not used)")
+            print(f"open {url}/?code={server.issue_code()} in a browser (a one-time link), press Connect and talk "
+                  f"to the character (the built-in agent, offline; the demo ends after {len(demo.script)} answers)")
             await ready.wait()
         else:
             _, token = server.create_session()
             client = ClientThread(out / "session.mp4")
             await client.connect(url, token)
         session = sessions[0]
-        progress = Progress(demo.script, session.session_id)
+        progress = Progress(None if args.serve else demo.script, len(demo.script), session.session_id)
         session.tracer.on_turn = progress.turn
         try:
             await asyncio.wait_for(watch_conversation(session, len(demo.script), progress), timeout)

@@ -1,14 +1,17 @@
 """``charstream serve``: the web page and WebRTC endpoint, one session per browser connection.
 
-    charstream serve [--source pipeline|testcard] [--port 8080] [--codec VP8|H264] [--config FILE]
-                     [--cluster auto|ADDRESS]
+    charstream serve [--source pipeline|testcard] [--adapter listening|zmq|...] [--out DIR]
+                     [--port 8080] [--codec VP8|H264] [--config FILE] [--cluster auto|ADDRESS]
 
 It prints a one-time link to the page (``/?code=...``: the page trades the code for the server
 key, so the key never lands in a URL; with ``--key`` you may also type the key into the page);
-each Connect reserves a session and streams it. Logs are JSON lines on stderr. ``--source pipeline`` (the default) runs the full session graph per
-connection (``pipeline.session.session_factory``: the character model, the configured agent
-adapter; with the default scripted agent the user is scripted too and the microphone is not
-used). ``--source testcard`` needs no model: a test card whose "character" answers each end of
+each Connect reserves a session and streams it. Logs are JSON lines on stderr. ``--source
+pipeline`` (the default) runs the full session graph per connection
+(``pipeline.session.session_factory``: the character model and an agent of its own): by default
+the built-in agent (``listening``), which hears the browser's microphone, recognises it offline
+and answers; ``--adapter zmq|pipecat|livekit`` swaps in a real agent. ``--out DIR`` writes each
+session's ``trace.jsonl``, ``report.md``/``report.json`` and ``waterfall.png`` into
+``DIR/<session id>/`` (the report when the session ends). ``--source testcard`` needs no model: a test card whose "character" answers each end of
 your speech (heard by silero-vad on your microphone) at once, which exercises rollback, the
 clock and the latency overlay end to end. ``--cluster`` makes it a fleet's front door: each
 session runs on a node of that Ray cluster (``pipeline/fleet/``, docs/FLEET.md).
@@ -23,10 +26,13 @@ import signal
 import tomllib
 from pathlib import Path
 
+import structlog
 from charstream.pipeline.config import PipelineConfig
 from charstream.stages.egress.server import CODECS, EgressServer, SessionFactory
 
 from charstream.logs import configure_logging
+
+log = structlog.get_logger("serve")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,7 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="what each session streams (default: the full pipeline)")
     parser.add_argument("--config", type=Path, help="PipelineConfig as TOML or JSON")
     parser.add_argument("--preset", help="model preset (overrides the config)")
-    parser.add_argument("--adapter", help="agent adapter: scripted | zmq | pipecat | livekit (overrides the config)")
+    parser.add_argument("--adapter", help="agent adapter: listening (the built-in agent, default) | zmq | scripted "
+                                          "| pipecat | livekit (overrides the config)")
+    parser.add_argument("--out", type=Path, help="write each session's trace, report and waterfall into OUT/<session>/")
     parser.add_argument("--host", help="listen address (default from config: 127.0.0.1)")
     parser.add_argument("--port", type=int, help="listen port (default from config: 8080; 0 picks a free one)")
     parser.add_argument("--codec", choices=sorted(CODECS), help="video codec (default from config: VP8)")
@@ -71,16 +79,41 @@ def load_config(args: argparse.Namespace) -> PipelineConfig:
     return config
 
 
-def make_factory(source: str, config: PipelineConfig) -> SessionFactory:
-    from charstream.pipeline.session import session_factory
+def make_factory(source: str, config: PipelineConfig, out: Path | None = None) -> SessionFactory:
+    from charstream.pipeline.session import LiveSession, session_factory
 
-    return session_factory(config, testcard=source == "testcard")
+    reports: set[asyncio.Task] = set()
+
+    def on_session(session: LiveSession) -> None:
+        if out is not None:
+            task = asyncio.create_task(write_session_report(session, out / session.session_id))
+            reports.add(task)
+            task.add_done_callback(reports.discard)
+
+    return session_factory(config, on_session=on_session, testcard=source == "testcard", out_dir=out)
 
 
-async def serve(config: PipelineConfig, source: str, key: str | None, cluster: str | None = None) -> None:
+async def write_session_report(session, directory: Path) -> None:
+    """Once ``session`` has ended: its report and waterfall beside its trace."""
+    from charstream.pipeline.trace_report import write_report
+
+    await session.done.wait()
+    trace = directory / "trace.jsonl"
+    if not trace.is_file():  # no turn was traced
+        return
+    try:
+        summary = await asyncio.to_thread(write_report, trace, directory)
+    except (OSError, ValueError) as e:
+        log.error("session_report_failed", session_id=session.session_id, error=str(e))
+        return
+    log.info("session_report", session_id=session.session_id, directory=str(directory), turns=summary.complete)
+
+
+async def serve(config: PipelineConfig, source: str, key: str | None, cluster: str | None = None,
+                out: Path | None = None) -> None:
     configure_logging()
     if cluster is None:
-        server = EgressServer(config.egress, make_factory(source, config), access_key=key)
+        server = EgressServer(config.egress, make_factory(source, config, out), access_key=key)
     else:
         from charstream.pipeline.fleet.frontdoor import FrontDoor, join_cluster
 
@@ -104,7 +137,9 @@ async def serve(config: PipelineConfig, source: str, key: str | None, cluster: s
 def run(args: argparse.Namespace) -> int:
     try:
         config = load_config(args)
-        asyncio.run(serve(config, args.source, args.key, args.cluster))
+        if args.out is not None and args.cluster is not None:
+            raise ValueError("--out writes the sessions of this host; with --cluster they run on the nodes")
+        asyncio.run(serve(config, args.source, args.key, args.cluster, args.out))
     except ModuleNotFoundError as e:
         if e.name != "ray":
             raise

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import copy
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from charstream.pipeline.config import PipelineConfig
@@ -53,7 +54,8 @@ def build_graph(config: PipelineConfig, output: PlayoutOutput, tracer: TurnTrace
     caller's process (group ``main``), never pickled."""
     model = {"preset": config.preset, "weights": weights}
     nodes = [
-        Node("ingest", IngestStage, {"config": config.ingest, "user_audio": user_audio, "adapter": agent}),
+        Node("ingest", IngestStage, {"config": config.ingest, "user_audio": user_audio, "adapter": agent,
+                                     "tracer": tracer}),
         Node("conditioning", build_conditioning, dict(model, config=config.conditioning, seed=config.diffusion.seed)),
         Node("diffusion", DiffusionStage, dict(model, config=config.diffusion), group="diffusion"),
         Node("decode", DecodeStage, dict(model, config=config.decode, seed=config.diffusion.seed), group="decoder"),
@@ -151,9 +153,10 @@ class LiveSession:
 
 def session_factory(config: PipelineConfig, weights: str | None = "packaged",
                     on_session: Callable[[LiveSession], Any] | None = None,
-                    testcard: bool | Node = False) -> SessionFactory:
-    """An egress ``SessionFactory``: each new peer gets its own ``LiveSession`` (own trace file name
-    when several sessions share a config: ``<stem>-<session>.jsonl`` after the first).
+                    testcard: bool | Node = False, out_dir: Path | None = None) -> SessionFactory:
+    """An egress ``SessionFactory``: each new peer gets its own ``LiveSession``. Its trace goes to
+    ``out_dir/<session>/trace.jsonl`` when ``out_dir`` is given, else to the config's file (own
+    name when several sessions share a config: ``<stem>-<session>.jsonl`` after the first).
     ``factory.sessions`` holds the running ones by session id."""
     started = 0
     sessions: dict[str, LiveSession] = {}
@@ -162,7 +165,9 @@ def session_factory(config: PipelineConfig, weights: str | None = "packaged",
         nonlocal started
         session_config = copy.deepcopy(config)
         path = session_config.tracing.jsonl_path
-        if path and started:
+        if out_dir is not None:
+            session_config.tracing.jsonl_path = str(out_dir / session_id / "trace.jsonl")
+        elif path and started:
             stem, _, ext = path.rpartition(".")
             session_config.tracing.jsonl_path = f"{stem}-{session_id}.{ext}" if stem else f"{path}-{session_id}"
         started += 1

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class IngestConfig:
-    adapter: str = "scripted"  # listening (the built-in agent) | scripted | zmq | pipecat | livekit
+    adapter: str = "listening"  # listening (the built-in agent: hears the mic) | scripted | zmq | pipecat | livekit
     asr_language_model: str = "domain"  # built-in agent's recogniser: domain (the conversation's trigram) | general
     think_delay_s: float = 0.4  # stands for STT + LLM in the scripted agent
     user_voice: str = "en-us"
@@ -77,7 +77,9 @@ class EgressConfig:
     ice_servers: list[str] = field(default_factory=list)  # STUN/TURN URLs; none on loopback/LAN (never a public default)
     ping_interval_s: float = 1.0  # data-channel ping: clock offset estimate + liveness
     client_timeout_s: float = 10.0  # no pong this long: the client vanished, its session is closed
-    user_audio_queue_frames: int = 100  # 20 ms mic frames held for ingest before the oldest is dropped
+    # 20 ms mic frames held for ingest before the oldest is dropped: 10 s, so the user's first words,
+    # spoken while the session's stages still load (seconds on a CPU), wait instead of being lost
+    user_audio_queue_frames: int = 500
     # Host header names served besides IP literals, "localhost" and `host` (a DNS-rebinding page
     # sends its own name): add the names a LAN or proxy setup reaches this server by.
     allowed_hosts: list[str] = field(default_factory=list)

@@ -70,6 +70,10 @@ STAGES: dict[str, tuple[str, str]] = {
 }
 
 OTEL_EXPORTERS = ("none", "console", "otlp", "memory")
+# Beside the contract: the server's own view of the user's end of speech. ``user_speech_end`` is
+# dated at the user's microphone (the browser's capture clock, mapped); the VAD's end on the
+# server's arrival clock and the moment the VAD decided are kept as stamps of their own.
+VAD_POINTS = ("vad_speech_end", "vad_decided")
 OTLP_ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 
 
@@ -90,6 +94,8 @@ class TurnRecord:
     turn_id: int
     stamps: dict[str, float] = field(default_factory=dict)
     error: str | None = None  # why the turn failed (``TurnTracer.fail``)
+    heard: str | None = None  # what the agent's recogniser heard the user say (``TurnTracer.annotate``)
+    answer: str | None = None  # what the agent answered
 
     @property
     def complete(self) -> bool:
@@ -105,8 +111,12 @@ class TurnRecord:
             "complete": self.complete,
             "in_order": in_order(self.stamps),
         }
-        if self.error is not None:
-            data["error"] = self.error
+        vad = {p: self.stamps[p] for p in VAD_POINTS if p in self.stamps}
+        if vad:
+            data["vad"] = vad
+        for name in ("heard", "answer", "error"):
+            if getattr(self, name) is not None:
+                data[name] = getattr(self, name)
         return data
 
 
@@ -209,7 +219,7 @@ class TurnTracer:
                 return
             record = self._turns.setdefault(trace.turn_id, TurnRecord(self.session_id, trace.turn_id))
             for point, at in trace.stamps.items():
-                if point in TRACE_POINTS:
+                if point in TRACE_POINTS or point in VAD_POINTS:
                     record.stamps.setdefault(point, at)  # the first stamp of a point wins (retries re-stamp)
             if record.complete:
                 # Earlier turns still pending never got all their stamps (their frames played first):
@@ -217,6 +227,14 @@ class TurnTracer:
                 for earlier in sorted(t for t in self._turns if t < trace.turn_id):
                     self._export(self._turns.pop(earlier))
                 self._export(self._turns.pop(trace.turn_id))
+
+    def annotate(self, turn_id: int, heard: str | None = None, answer: str | None = None) -> None:
+        """What the agent heard and answered in this turn (written with the turn's record)."""
+        with self._lock:
+            if turn_id in self._written:
+                return
+            record = self._turns.setdefault(turn_id, TurnRecord(self.session_id, turn_id))
+            record.heard, record.answer = heard, answer
 
     def stamp(self, turn_id: int, point: str, at: float | None = None) -> None:
         self.merge(TraceContext(turn_id, {point: time.time() if at is None else at}))

@@ -47,8 +47,11 @@ def _truth(agent, what, line):
     return [t for w, i, t in agent.truth if w == what and i == line][0]
 
 
-def test_registry_builds_the_scripted_agent_by_default():
-    assert isinstance(create_adapter(IngestConfig()), ScriptedAgent)
+def test_registry_builds_the_scripted_agent_and_the_built_in_one_by_default():
+    from charstream.stages.ingest.listening_agent import ListeningAgent
+
+    assert isinstance(create_adapter(IngestConfig(adapter="scripted")), ScriptedAgent)
+    assert isinstance(create_adapter(IngestConfig()), ListeningAgent)
     with pytest.raises(ValueError, match="unknown ingest adapter"):
         create_adapter(IngestConfig(adapter="carrier-pigeon"))
 
@@ -118,3 +121,12 @@ def test_barge_in_stops_the_character_within_one_chunk(conversation):
     assert 0 in agent._interrupted
     reply = agent._lines[0].agent
     assert sum(len(a.samples) for a in interrupted) < 0.8 * reply.duration * TIMELINE_RATE
+
+
+def test_the_scripted_users_speech_goes_through_the_recogniser(conversation):
+    """Each answer says what the recogniser really heard of the user's line (not the script's text)."""
+    stage, agent, rec = conversation
+    texts = [e for e in rec.log_events("info") if e["event"] == "agent_turn_text"]
+    assert [e["answer"] for e in texts] == [line.agent for line in SCRIPT]
+    assert "weather" in texts[0]["heard"]  # recognised, as pocketsphinx hears espeak's voice
+    assert all(isinstance(e["heard"], str) for e in texts)

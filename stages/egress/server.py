@@ -48,7 +48,7 @@ from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCRtpSend
 from aiortc.mediastreams import MediaStreamTrack
 from charstream.stages.config import EgressConfig
 from charstream.stages.egress.json_limits import loads
-from charstream.stages.egress.mic import UserAudioQueue, pump_microphone
+from charstream.stages.egress.mic import CaptureClock, UserAudioQueue, pump_microphone, watch_sender_reports
 from charstream.stages.egress.stage import PeerLink
 from charstream.stages.egress.timing import BadReport, ClientTiming, _number
 from charstream.stages.egress.tracks import PlayoutAudioTrack, PlayoutVideoTrack, TrackStart
@@ -155,8 +155,16 @@ class PeerSession:
 
     def _on_track(self, track: MediaStreamTrack) -> None:
         if track.kind == "audio" and self.media is not None:
+            clock = CaptureClock(self._client_to_server)
+            for receiver in self.pc.getReceivers():
+                if receiver.track is track:
+                    watch_sender_reports(receiver, clock)
             self.tasks.append(asyncio.create_task(
-                pump_microphone(track, self.media.user_audio, self.session_id), name=f"mic-{self.session_id}"))
+                pump_microphone(track, self.media.user_audio, self.session_id, clock), name=f"mic-{self.session_id}"))
+
+    def _client_to_server(self, client_time: float) -> float | None:
+        clock = self.timing.clock if self.timing is not None else None
+        return clock.to_server(client_time) if clock is not None and clock.known else None
 
     def _on_datachannel(self, channel) -> None:
         if self.channel is not None:
@@ -196,7 +204,12 @@ class PeerSession:
         segments = {name: round(s * 1e3, 1) for name, s in intervals(trace.stamps, SEGMENTS).items()}
         self.turn_segments[trace.turn_id] = segments
         self.log.info("client_first_speaking_frame", turn_id=trace.turn_id, segments_ms=segments)
-        self._send({"type": "turn", "turn_id": trace.turn_id, "segments_ms": segments})
+        # the turn's two ends on the page's own clock: its presented frame and the user's end of
+        # speech as the server dated it (the page compares the latter with its own microphone)
+        offset = self.timing.clock.offset
+        on_page = {f"{point}_ms": round((trace.stamps[point] + offset) * 1e3, 1)
+                   for point in ("user_speech_end", "client_first_speaking_frame") if point in trace.stamps}
+        self._send({"type": "turn", "turn_id": trace.turn_id, "segments_ms": segments, **on_page})
         if self.media is not None and self.media.on_turn is not None:
             self.media.on_turn(trace)
 

@@ -13,18 +13,24 @@ polyphase resampler (``stages.ingest.resample``), never by decimation. ``languag
 ``"general"`` against pocketsphinx's 72k-word English model. Which one recognises better on the
 project's espeak sentences is measured by ``pipeline/bench_asr.py`` (docs/PERF.md).
 
-A recogniser is not thread-safe; the caller serialises ``begin``/``feed``/``end`` (the built-in agent
-runs them on one worker thread).
+A recogniser is not thread-safe; the caller serialises ``begin``/``feed``/``end``.
+``TurnRecognizer`` does that for an agent: it follows the VAD's turns (the utterance opens at the
+VAD's start with the audio of the ``PREROLL_S`` before it, which the VAD needed to be sure), and
+runs every decoder call on one worker thread at a time, in the order the audio arrived, off the
+event loop.
 """
 
 from __future__ import annotations
 
+import atexit
 import tempfile
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+import anyio
 import numpy as np
 from charstream.stages.ingest.audio_input import to_float_mono
 from charstream.stages.ingest.domain_lm import arpa_text, corpus_lines
@@ -32,9 +38,10 @@ from charstream.stages.ingest.resample import StreamingResampler, to_int16
 
 ASR_RATE = 16_000
 LANGUAGE_MODELS = ("domain", "general")
+PREROLL_S = 0.5  # audio kept before the VAD's start: its decision comes ~100 ms after the onset
 
-_domain_lm_lock = threading.Lock()
-_domain_lm_path: Path | None = None
+_domain_lock = threading.Lock()
+_domain_files: tuple[Path, Path] | None = None
 
 
 @dataclass
@@ -52,17 +59,25 @@ def _model_files() -> dict[str, str]:
             "general_lm": str(model / "en-us.lm.bin")}
 
 
-def domain_lm_path() -> Path:
-    """The domain trigram as an ARPA file, built once per process (a temporary file: pocketsphinx
-    reads language models from paths)."""
-    global _domain_lm_path
-    with _domain_lm_lock:
-        if _domain_lm_path is None:
-            with tempfile.NamedTemporaryFile("w", prefix="charstream-domain-", suffix=".arpa",
-                                             delete=False) as f:
-                f.write(arpa_text(corpus_lines()))
-            _domain_lm_path = Path(f.name)
-        return _domain_lm_path
+def domain_files() -> tuple[Path, Path]:
+    """The domain trigram (ARPA) and the dictionary of its words (cmudict's entries for them),
+    written once per process to temporary files (pocketsphinx reads both from paths). The small
+    dictionary loads in a fraction of the full one's time (135k words)."""
+    global _domain_files
+    with _domain_lock:
+        if _domain_files is None:
+            sentences = corpus_lines()
+            vocabulary = {word for sentence in sentences for word in sentence}
+            with open(_model_files()["dict"], encoding="utf-8") as f:
+                entries = [line for line in f if line.split(maxsplit=1)[0].split("(")[0] in vocabulary]
+            with tempfile.NamedTemporaryFile("w", prefix="charstream-domain-", suffix=".arpa", delete=False) as lm, \
+                    tempfile.NamedTemporaryFile("w", prefix="charstream-domain-", suffix=".dict", delete=False) as d:
+                lm.write(arpa_text(sentences))
+                d.writelines(entries)
+            _domain_files = (Path(lm.name), Path(d.name))
+            for path in _domain_files:  # removed when the process exits
+                atexit.register(path.unlink, missing_ok=True)
+        return _domain_files
 
 
 class SpeechRecognizer:
@@ -74,12 +89,15 @@ class SpeechRecognizer:
         from pocketsphinx import Decoder
 
         files = _model_files()
-        lm = str(domain_lm_path()) if language_model == "domain" else files["general_lm"]
+        if language_model == "domain":
+            lm, dictionary = map(str, domain_files())
+        else:
+            lm, dictionary = files["general_lm"], files["dict"]
         self.language_model = language_model
         self.sample_rate = sample_rate
         # dither: digital silence (a WAV's, a muted track's) throws the decoder's noise estimate off;
         # on the espeak sentences it took the domain model's WER from 55% to 51% (docs/PERF.md)
-        self._decoder = Decoder(hmm=files["hmm"], dict=files["dict"], lm=lm, samprate=ASR_RATE,
+        self._decoder = Decoder(hmm=files["hmm"], dict=dictionary, lm=lm, samprate=ASR_RATE,
                                 dither=True, loglevel="FATAL")
         self._resampler = StreamingResampler(sample_rate, ASR_RATE) if sample_rate != ASR_RATE else None
         self._samples = 0
@@ -135,3 +153,49 @@ def _clean(hypothesis: str) -> str:
             continue
         kept.append(token.split("(")[0])
     return " ".join(kept)
+
+
+class TurnRecognizer:
+    """A ``SpeechRecognizer`` driven by the VAD's turns, for an async agent."""
+
+    def __init__(self, recogniser: SpeechRecognizer) -> None:
+        self.recogniser = recogniser
+        self._worker = anyio.CapacityLimiter(1)  # one decoder call at a time, in order
+        self._preroll: deque[np.ndarray] = deque()
+        self._preroll_samples = 0
+        self.listening = False  # between the VAD's start and end of the user's speech
+
+    @classmethod
+    async def load(cls, language_model: str = "domain", sample_rate: int = 48_000) -> TurnRecognizer:
+        return cls(await anyio.to_thread.run_sync(SpeechRecognizer, language_model, sample_rate))
+
+    async def hear(self, samples: np.ndarray) -> None:
+        """The user's audio as it arrives: decoded during an utterance, kept as pre-roll outside one."""
+        if self.listening:
+            await anyio.to_thread.run_sync(self.recogniser.feed, samples, limiter=self._worker)
+            return
+        self._preroll.append(samples)
+        self._preroll_samples += len(samples)
+        while self._preroll_samples - len(self._preroll[0]) >= PREROLL_S * self.recogniser.sample_rate:
+            self._preroll_samples -= len(self._preroll.popleft())
+
+    async def speech_started(self) -> None:
+        if self.listening:
+            return
+        self.listening = True
+        preroll = np.concatenate(self._preroll) if self._preroll else np.zeros(0, np.int16)
+        self._preroll.clear()
+        self._preroll_samples = 0
+
+        def begin() -> None:
+            self.recogniser.begin()
+            self.recogniser.feed(preroll)
+
+        await anyio.to_thread.run_sync(begin, limiter=self._worker)
+
+    async def speech_ended(self) -> Transcript | None:
+        """The VAD's end: the utterance's final transcript (None if none was open)."""
+        if not self.listening:
+            return None
+        self.listening = False
+        return await anyio.to_thread.run_sync(self.recogniser.end, limiter=self._worker)

@@ -7,7 +7,10 @@ microphone (48 kHz, speech or silence: ingest's VAD listens to it) and, while re
 frame of the reply at espeak's own 22,050 Hz (ingest resamples it, as for any agent).
 
 A turn: the user speaks → ingest's VAD detects the end of speech and ``notify``s the agent →
-the agent "thinks" for ``think_delay_s`` (standing for STT + LLM) → it streams the reply. So the end
+the agent "thinks" for ``think_delay_s`` (standing for an LLM) → it streams the reply. The user's
+speech also goes through the built-in agent's recogniser (``stages.ingest.asr``), as ingest hands
+it over (``hear``) and the VAD cuts it, so each turn's trace says what was really recognised
+(the reply is the script's, whatever was heard). So the end
 of speech is detected, never assumed. A line with ``barge_in_after_s`` starts the user speaking that
 long into the previous reply: the VAD hears it, ingest interrupts, and the agent drops the rest.
 """
@@ -29,6 +32,7 @@ from charstream.stages.ingest.adapters import (
     TurnRef,
     UserAudioFrame,
 )
+from charstream.stages.ingest.asr import TurnRecognizer
 from charstream.stages.ingest.resample import resample, to_int16
 from charstream.stages.ingest.tts import Speech, synthesize
 from charstream.transport.messages import TurnEvent, TurnKind
@@ -64,6 +68,7 @@ class _Line:
     user: np.ndarray  # int16 at MIC_RATE
     user_voiced: tuple[int, int]  # first and last non-silent sample of ``user``
     agent: Speech  # espeak output at its own rate
+    agent_text: str
     barge_in_after_s: float | None
 
 
@@ -78,6 +83,8 @@ class ScriptedAgent:
         self.script = script or DEFAULT_SCRIPT
         self._lines: list[_Line] = []
         self._user_end: float | None = None  # detection time of the current user line's end (VAD)
+        self._ears: TurnRecognizer | None = None
+        self._heard: str | None = None  # what the recogniser heard of the current user line
         self._interrupted: set[TurnRef] = set()
         # ground truth for tests and reports: (what, line, wall time), e.g. ("user_speech_end", 0, t)
         # where the user's end is the wall time of the line's last non-silent sample
@@ -85,6 +92,7 @@ class ScriptedAgent:
 
     async def start(self) -> None:
         self._lines = await anyio.to_thread.run_sync(self._synthesise)
+        self._ears = await TurnRecognizer.load(self.config.asr_language_model, MIC_RATE)
 
     def _synthesise(self) -> list[_Line]:
         lines = []
@@ -93,17 +101,21 @@ class ScriptedAgent:
             mic = to_int16(resample(user.samples.astype(np.float32) / 32768.0, user.sample_rate, MIC_RATE))
             voiced = np.flatnonzero(np.abs(mic.astype(np.int32)) > SILENCE_LEVEL)
             lines.append(_Line(mic, (int(voiced[0]), int(voiced[-1])),
-                               synthesize(line.agent, self.config.agent_voice), line.barge_in_after_s))
+                               synthesize(line.agent, self.config.agent_voice), line.agent, line.barge_in_after_s))
         return lines
 
     async def hear(self, frame: UserAudioFrame) -> None:
-        pass  # plays the user itself: nothing to hear
+        await self._ears.hear(frame.samples)
 
     async def notify(self, event: TurnEvent) -> None:
         if event.kind == TurnKind.USER_SPEECH_END:
             self._user_end = time.time()
+            transcript = await self._ears.speech_ended()
+            if transcript is not None:
+                self._heard = " ".join(filter(None, (self._heard, transcript.text)))
         elif event.kind == TurnKind.USER_SPEECH_START:  # a pause inside the line ended no turn
             self._user_end = None
+            await self._ears.speech_started()
 
     async def interrupt(self, turn_ref: TurnRef) -> None:
         self._interrupted.add(turn_ref)
@@ -133,7 +145,7 @@ class ScriptedAgent:
                 barge = lines[nxt].barge_in_after_s
                 if (reply_line is None and now >= next_user_at) or (
                         reply_line is not None and barge is not None and now - reply_started >= barge):
-                    user_line, mic_speech, said, self._user_end = nxt, lines[nxt].user, 0, None
+                    user_line, mic_speech, said, self._user_end, self._heard = nxt, lines[nxt].user, 0, None, None
             # the simulated microphone
             mic = np.zeros(MIC_FRAME, np.int16)
             if mic_speech is not None:
@@ -158,7 +170,7 @@ class ScriptedAgent:
             if think_until is not None and now >= think_until and reply_line is None:
                 think_until, reply_line, sent, reply_started = None, user_line, 0, now
                 self.truth.append(("agent_turn_start", reply_line, now))
-                yield AgentTurnStart(reply_line)
+                yield AgentTurnStart(reply_line, heard=self._heard or "", answer=lines[reply_line].agent_text)
             if reply_line is not None:
                 reply = lines[reply_line].agent
                 step = int(round(reply.sample_rate * TICK_S))

@@ -28,7 +28,7 @@ microphone (``user_audio``, egress's queue; None: no microphone) and, for the fr
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -66,8 +66,10 @@ from charstream.timeline import SAMPLES_PER_CHUNK, TIMELINE_RATE
 
 if TYPE_CHECKING:
     from charstream.stages.egress.mic import UserAudioQueue
+    from charstream.stages.tracing import TurnTracer
 
 KEEP_TRACES = 16  # traces of recent user turns not yet answered (bounded)
+CAPTURE_MAP_FRAMES = 256  # recent mic frames' (arrival, capture) times: ~5 s of 20 ms frames
 
 
 @dataclass
@@ -98,10 +100,12 @@ class IngestStage(Stage):
     name = "ingest"
 
     def __init__(self, config: IngestConfig, adapter: AgentAdapter | None = None,
-                 media_t0: float | None = None, user_audio: UserAudioQueue | None = None) -> None:
+                 media_t0: float | None = None, user_audio: UserAudioQueue | None = None,
+                 tracer: TurnTracer | None = None) -> None:
         self.config = config
         self.adapter = adapter
         self.user_audio = user_audio  # egress's microphone queue; None: this session has no microphone
+        self.tracer = tracer  # the session's: what the agent heard and answered goes with each turn
         self.media_t0 = media_t0
         self.stats = IngestStats()
         self._ctx: StageContext | None = None
@@ -115,6 +119,8 @@ class IngestStage(Stage):
         self._last_turn: _AgentTurn | None = None
         self._speech_until = 0  # timeline sample where emitted agent speech ends
         self._wake = anyio.Event()  # set on barge-in: a pacing wait ends early
+        # (arrival time of the first sample, seconds, capture time or None) of recent mic frames
+        self._capture_map: deque[tuple[float, float, float | None]] = deque(maxlen=CAPTURE_MAP_FRAMES)
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -151,8 +157,10 @@ class IngestStage(Stage):
                 frame = await user_audio.get()
             except UserAudioClosed:
                 return
-            # the frame's first sample was captured one frame duration before it arrived
-            await self.feed_user_audio(frame.samples, frame.received_at - len(frame.samples) / TIMELINE_RATE)
+            # on the arrival clock, the frame's first sample came one frame duration before the frame;
+            # its capture time (the browser's clock, mapped) dates the user's real end of speech
+            await self.feed_user_audio(frame.samples, frame.received_at - len(frame.samples) / TIMELINE_RATE,
+                                       captured_at=frame.captured_at)
 
     async def teardown(self) -> None:
         if self.adapter is not None:
@@ -177,13 +185,17 @@ class IngestStage(Stage):
 
     # --- user audio → VAD ----------------------------------------------------------------------
 
-    async def feed_user_audio(self, samples: np.ndarray, at_wall_time: float, sample_rate: int = 48_000) -> None:
+    async def feed_user_audio(self, samples: np.ndarray, at_wall_time: float, sample_rate: int = 48_000,
+                              captured_at: float | None = None) -> None:
         """The user's microphone audio (mono int16/float32, 48 kHz from WebRTC), first sample at
-        ``at_wall_time``. Detected speech start/end become TurnEvents; speech over the character is a
-        barge-in."""
+        ``at_wall_time`` (arrival clock) and, if known, ``captured_at`` (when the user spoke it).
+        The adapter hears it first; detected speech start/end become TurnEvents; speech over the
+        character is a barge-in."""
         if sample_rate != self._vad.sample_rate:
             self._protocol_error(f"user audio at {sample_rate} Hz; the VAD takes {self._vad.sample_rate} Hz", None)
             return
+        self._capture_map.append((at_wall_time, len(samples) / sample_rate, captured_at))
+        await self.adapter.hear(UserAudioFrame(samples, sample_rate, at_wall_time))
         try:
             events = self._vad.feed(samples, at_wall_time)
         except AudioFormatError as e:
@@ -219,11 +231,14 @@ class IngestStage(Stage):
             if self._user_turn is None:  # VAD ends only what it started; defensive
                 return
             trace = self._traces.get(self._user_turn) or TraceContext(self._user_turn)
-            trace.stamp("user_speech_end", event.at)
-            ctx.log.info("user_speech_end", turn_id=self._user_turn, at=event.at,
+            spoken = self._captured(event.at)
+            trace.stamp("user_speech_end", spoken)
+            trace.stamp("vad_speech_end", event.at)  # the same end dated on the arrival clock
+            trace.stamp("vad_decided")
+            ctx.log.info("user_speech_end", turn_id=self._user_turn, at=spoken, vad_at=event.at,
                          detected_after_s=round(event.detected_at - event.at, 3))
             message = TurnEvent(ctx.session_id, self._next_seq(), TurnKind.USER_SPEECH_END, self._user_turn,
-                                event.at, _copy(trace))
+                                spoken, _copy(trace))
         await ctx.emit(message)
         await self.adapter.notify(message)
 
@@ -242,6 +257,16 @@ class IngestStage(Stage):
                                  TraceContext(turn_id)))
         await self.adapter.interrupt(turn.ref)
 
+    def _captured(self, arrival_time: float) -> float:
+        """``arrival_time`` (a VAD decision dated on the arrival clock) moved to the capture clock
+        through the mic frame that holds it; unchanged where the capture time is not known."""
+        for start, seconds, captured in reversed(self._capture_map):
+            if start <= arrival_time:
+                if captured is None or arrival_time > start + seconds + 1.0:  # not known, or a gap
+                    return arrival_time
+                return captured + (arrival_time - start)
+        return arrival_time
+
     # --- agent events --------------------------------------------------------------------------
 
     async def _on_agent_event(self, event: AgentEvent) -> None:
@@ -253,6 +278,11 @@ class IngestStage(Stage):
             await self._on_vad(VadEvent(event.kind, event.at, time.time(), 1.0), barge_in=event.interrupt)
         elif isinstance(event, AgentTurnStart):
             await self._start_turn(event.turn_ref)
+            if event.heard is not None or event.answer is not None:
+                self._ctx.log.info("agent_turn_text", turn_id=self._turn.turn_id, heard=event.heard,
+                                   answer=event.answer)
+                if self.tracer is not None:
+                    self.tracer.annotate(self._turn.turn_id, heard=event.heard, answer=event.answer)
         elif isinstance(event, AgentTurnEnd):
             if self._turn is None:
                 last = self._last_turn.turn_id if self._last_turn else None

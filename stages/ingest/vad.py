@@ -15,6 +15,11 @@ int16 from the WebRTC track, or any supported rate — resamples it to 16 kHz, r
   the end 41 ms after the last sample above -40 dBFS on average, 91 ms at worst (dating from the
   first window below ``threshold``: 51 ms, 106 ms).
 
+The end is then refined to the sample (``refine_end``): the last sample above the speech level —
+-40 dBFS, or twice the loudest sample of the quietest window in the silence that decided the end,
+if the background is louder than that — within the windows around that window boundary. Windows
+are 32 ms; the user's end of speech is a sample.
+
 Wall times come from the caller: ``at_wall_time`` is the wall clock of the block's first sample.
 """
 
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,6 +42,8 @@ VAD_RATE = 16_000
 WINDOW = 512  # samples per silero window at 16 kHz (32 ms)
 WINDOW_S = WINDOW / VAD_RATE
 MAX_DECAY_WINDOWS = 4  # silero's probability falls within ~100 ms of the end of speech
+SPEECH_LEVEL = 0.01  # -40 dBFS: the benchmarks' definition of the end of speech (last sample above it)
+KEEP_WINDOWS = 32  # recent audio kept for the refinement (~1 s)
 
 _load_lock = threading.Lock()
 
@@ -85,7 +93,8 @@ class UserAudioVAD:
     """Streaming speech start/end detector for one user's audio."""
 
     def __init__(self, threshold: float = 0.5, silence_ms: int = 300, start_ms: int = 64,
-                 sample_rate: int = 48_000) -> None:
+                 sample_rate: int = 48_000, refine_end: bool = True) -> None:
+        self.refine_end = refine_end
         self.threshold = threshold
         self.decay_threshold = min(0.95, threshold + 0.2)
         self.silence_windows = max(1, round(silence_ms / (WINDOW_S * 1000)))
@@ -111,6 +120,7 @@ class UserAudioVAD:
         self._run = 0  # consecutive speech windows (quiet) or silent windows (speaking)
         self._run_start = 0  # index of the first window of the current run
         self._decay_start: int | None = None  # first window of the current fall below decay_threshold
+        self._recent: deque[np.ndarray] = deque(maxlen=KEEP_WINDOWS)  # the last windows evaluated
 
     def feed(self, samples: np.ndarray, at_wall_time: float) -> list[VadEvent]:
         """Feed one block of user audio (int16 or float32 mono) whose first sample was at ``at_wall_time``."""
@@ -127,6 +137,7 @@ class UserAudioVAD:
         with _one_thread(), torch.inference_mode():
             while len(self._pending) >= WINDOW:
                 window, self._pending = self._pending[:WINDOW], self._pending[WINDOW:]
+                self._recent.append(window)
                 event = self._step(float(self._model(torch.from_numpy(window.copy()), VAD_RATE)))
                 if event is not None:
                     events.append(event)
@@ -135,8 +146,26 @@ class UserAudioVAD:
 
     def _wall(self, window_index: int) -> float:
         """Wall time of the first sample of window ``window_index``."""
+        return self._wall_sample(window_index * WINDOW)
+
+    def _wall_sample(self, sample: int) -> float:
+        """Wall time of 16 kHz sample ``sample`` of the stream."""
         index, wall = self._anchor
-        return wall + (window_index * WINDOW - index) / VAD_RATE
+        return wall + (sample - index) / VAD_RATE
+
+    def _refined_end(self, began: int, last: int) -> int:
+        """The 16 kHz sample just after the last one above the speech level, searched from
+        MAX_DECAY_WINDOWS before window ``began`` to two windows after it; ``began``'s first sample
+        if none is (the level is set by the quietest window of the silence that ended the turn)."""
+        first_kept = last + 1 - len(self._recent)
+        quiet = min(float(np.max(np.abs(w))) for w in list(self._recent)[-self.silence_windows:])
+        level = max(SPEECH_LEVEL, 2.0 * quiet)
+        lo, hi = max(began - MAX_DECAY_WINDOWS, first_kept), min(began + 2, last + 1)
+        if lo >= hi:
+            return began * WINDOW
+        audio = np.concatenate([self._recent[w - first_kept] for w in range(lo, hi)])
+        loud = np.flatnonzero(np.abs(audio) > level)
+        return lo * WINDOW + int(loud[-1]) + 1 if len(loud) else began * WINDOW
 
     def _step(self, p: float) -> VadEvent | None:
         i = self._n_windows
@@ -166,5 +195,6 @@ class UserAudioVAD:
                 began = self._run_start
                 if self._decay_start is not None:  # at most MAX_DECAY_WINDOWS earlier: a decay, not quiet speech
                     began = max(min(self._decay_start, began), began - MAX_DECAY_WINDOWS)
-                return VadEvent(TurnKind.USER_SPEECH_END, self._wall(began), self._wall(i + 1), p)
+                end = self._refined_end(began, i) if self.refine_end else began * WINDOW
+                return VadEvent(TurnKind.USER_SPEECH_END, self._wall_sample(end), self._wall(i + 1), p)
         return None

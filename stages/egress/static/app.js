@@ -1,6 +1,9 @@
 // charstream web client: WebRTC receive (video + audio), microphone send, timing reports.
 // Data channel "timing" (protocol in stages/egress/timing.py): answer pings, report each presented
 // video frame (requestVideoFrameCallback: RTP timestamp + presentation time), show turn latencies.
+// The page also times its own microphone (an AudioWorklet level meter on the page's clock): each
+// end of speech it hears is kept in state.micSpeechEnds, and each turn gets pageTotalMs, the
+// user-experienced latency as the page saw it (its own end of speech -> the first speaking frame).
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -16,10 +19,44 @@ const keyReady = (async () => {
   const { key } = await postJSON("/code", { code });
   sessionStorage.setItem(KEY, key);
 })();
-const state = { status: "idle", framesReported: 0, pings: 0, turns: [], micSent: false, error: null };
+const state = { status: "idle", framesReported: 0, pings: 0, turns: [], micSent: false, error: null,
+                micSpeechEnds: [] };
 window.charstream = state; // read by tests and for debugging
 
-let pc = null, channel = null, token = null, micTrack = null, events = null;
+let pc = null, channel = null, token = null, micTrack = null, events = null, micMeter = null;
+
+// The last sample above -40 dBFS (the benchmarks' definition of the end of speech) once 300 ms of
+// quiet follow it; currentTime is the first sample of the 128-sample block being processed.
+const METER = `registerProcessor("mic-meter", class extends AudioWorkletProcessor {
+  constructor() { super(); this.lastLoud = null; }
+  process(inputs) {
+    const x = inputs[0] && inputs[0][0];
+    if (x) {
+      for (let i = x.length - 1; i >= 0; i--) {
+        if (Math.abs(x[i]) > 0.01) { this.lastLoud = currentTime + (i + 1) / sampleRate; break; }
+      }
+      if (this.lastLoud !== null && currentTime - this.lastLoud > 0.3) {
+        this.port.postMessage({ end: this.lastLoud, now: currentTime + x.length / sampleRate });
+        this.lastLoud = null;
+      }
+    }
+    return true;
+  }
+});`;
+
+async function meterMicrophone(stream) {
+  const ctx = new AudioContext();
+  await ctx.audioWorklet.addModule(URL.createObjectURL(new Blob([METER], { type: "text/javascript" })));
+  const node = new AudioWorkletNode(ctx, "mic-meter");
+  // context time -> page clock: the block that ends at msg.now was processed just before this message
+  node.port.onmessage = ({ data }) => {
+    const endMs = wallMs() - (data.now - data.end) * 1000;
+    state.micSpeechEnds.push(endMs);
+    if (state.micSpeechEnds.length > 64) state.micSpeechEnds.shift();
+  };
+  ctx.createMediaStreamSource(stream).connect(node);
+  return ctx;
+}
 
 function setStatus(text) { state.status = text; $("status").textContent = text; }
 const wallMs = () => performance.timeOrigin + performance.now();
@@ -41,7 +78,11 @@ function onMessage(event) {
     send({ type: "pong", id: msg.id, server_ms: msg.server_ms, client_ms: wallMs() });
     state.pings += 1;
   } else if (msg.type === "turn") {
+    const presented = msg.client_first_speaking_frame_ms;
+    const ends = state.micSpeechEnds.filter((t) => presented !== undefined && t < presented);
+    if (ends.length) msg.pageTotalMs = presented - ends[ends.length - 1];
     state.turns.push(msg);
+    if (state.turns.length > 256) state.turns.shift();
     showTurn(msg);
   } else if (msg.type === "end") {
     state.error = msg.reason;
@@ -101,6 +142,7 @@ async function connect() {
       const mic = await navigator.mediaDevices.getUserMedia({ audio: { echoCancellation: true } });
       micTrack = mic.getAudioTracks()[0];
       pc.addTransceiver(micTrack, { direction: "sendrecv" });
+      micMeter = await meterMicrophone(mic).catch((err) => { console.warn("no mic meter:", err); return null; });
       state.micSent = true;
       $("mic").disabled = false;
     } catch (err) {
@@ -139,6 +181,7 @@ async function disconnect() {
   if (closing) closing.close();
   if (micTrack) { micTrack.stop(); micTrack = null; }
   if (events) { events.close(); events = null; }
+  if (micMeter) { micMeter.close(); micMeter = null; }
   if (token && closing) postJSON("/hangup", { token }).catch(() => {});
   token = null;
   $("connect").disabled = false;
