@@ -21,6 +21,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("fleet", "drain"), "charstream.pipeline.fleet.commands", "stop a fleet node taking new sessions"),
     (("bench", "transport"), "charstream.pipeline.bench_transport", "ZeroMQ channel latency, throughput and backpressure"),
     (("bench", "fuzz"), "charstream.pipeline.bench_fuzz", "malformed input into every network-reading socket: crashes, hangs, escapes"),
+    (("bench", "fleet"), "charstream.pipeline.fleet.bench", "concurrent test-card sessions through a local Ray fleet's front door"),
     (("bench", "model"), "charstream.pipeline.bench_model", "CPU step and decode time of a model preset"),
     (("bench", "gpu"), "charstream.pipeline.bench_gpu", "GPU step breakdown, kernels, decoder, against the reference numbers"),
     (("model", "info"), "charstream.pipeline.model_info", "parameters, per-rank memory and FLOPs of a preset"),

@@ -40,15 +40,19 @@ def format_status(status: dict[str, Any]) -> str:
     lines = [f"layout {status['layout']}: {len(status['bundles'])} bundles per session {status['bundles']}", "",
              f"{'node':<14}{'state':<10}{'sessions':>9}{'free layouts':>14}"]
     lines += [f"{n['node_id'][:12]:<14}{n['state']:<10}{n['sessions']:>9}{n['free_layouts']:>14}" for n in status["nodes"]]
-    lines += ["", f"{'session':<14}{'node':<14}{'played s':>9}{'avg fps':>9}"]
-    lines += [f"{s['session_id']:<14}{s['node_id'][:12]:<14}{s['played_s']:>9.1f}"
-              f"{'-' if s['average_fps'] is None else format(s['average_fps'], '.2f'):>9}" for s in status["sessions"]]
+    lines += ["", f"{'session':<14}{'node':<14}{'played s':>9}{'avg fps':>9}{'page fps':>10}"]
+    lines += [f"{s['session_id']:<14}{s['node_id'][:12]:<14}{s['played_s']:>9.1f}{_fps(s['average_fps']):>9}"
+              f"{_fps(s['presented_fps']):>10}" for s in status["sessions"]]
     health = status["health"]
     share = "-" if health["slow_share"] is None else f"{100 * health['slow_share']:.1f}%"
     admissions = ", ".join(f"{k} {v}" for k, v in status["admissions"].items())
     lines += ["", f"health: {health['slow']} of {health['measured']} measured sessions averaging <= "
               f"{health['slow_fps']} fps ({share})", f"admissions: {admissions}"]
     return "\n".join(lines)
+
+
+def _fps(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def run(args: argparse.Namespace) -> int:

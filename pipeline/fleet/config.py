@@ -19,3 +19,6 @@ class FleetConfig:
     health_min_seconds: float = 5.0  # a session's average counts once it has played this long
     health_history: int = 10_000  # ended sessions kept for the health share
     poll_interval_s: float = 0.5  # node liveness and session fps refresh
+    # A session's actor may die before Ray marks its node dead: wait this long for the node's
+    # verdict (at least Ray's node-death detection time) before calling it the process's death.
+    node_loss_grace_s: float = 5.0

@@ -77,7 +77,8 @@ class FleetSession:
     state: str = "reserved"  # reserved -> active (its offer went to the node)
     started_at: float = field(default_factory=time.monotonic)
     played_s: float = 0.0
-    average_fps: float | None = None
+    average_fps: float | None = None  # fresh frames per second at playout: what fleet health counts
+    presented_fps: float | None = None  # frames per second the page reported presenting
     end_reason: str | None = None
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     watcher: asyncio.Task | None = None  # ends by itself: the actor's end, or its death once released
@@ -206,11 +207,15 @@ class FrontDoor(EgressServer):
         try:
             result = await _awaitable(session.actor.ended.remote())
             session.played_s, session.average_fps = result["played_s"], result["average_fps"]
+            session.presented_fps = result["presented_fps"]
             reason = result["reason"] or "session ended"
         except RayActorError as e:
-            if session.session_id not in self.sessions:  # released already (its actor killed)
-                return
-            await self._refresh_nodes()  # a lost node releases its sessions, with that reason
+            # The actor can die before Ray marks its node dead: a lost node, once seen, releases its
+            # sessions with that reason; only past the grace is it the session's process alone.
+            deadline = time.monotonic() + self.fleet.node_loss_grace_s
+            while session.session_id in self.sessions and time.monotonic() < deadline:
+                await self._refresh_nodes()
+                await asyncio.sleep(self.fleet.poll_interval_s)
             reason = f"the session's process died: {type(e).__name__}"
         await self._release(session, reason)
 
@@ -237,7 +242,7 @@ class FrontDoor(EgressServer):
             await asyncio.sleep(self.fleet.poll_interval_s)
             try:
                 await self._refresh_nodes()
-                await self._refresh_figures()
+                await self.refresh_figures()
             except Exception:  # a failed poll must not stop the next one
                 log.exception("fleet_poll_failed")
 
@@ -258,13 +263,14 @@ class FrontDoor(EgressServer):
                 await asyncio.gather(*(self._release(s, f"the session's node {node_id[:12]} was lost")
                                        for s in lost))
 
-    async def _refresh_figures(self) -> None:
+    async def refresh_figures(self) -> None:
         live = list(self.sessions.values())
         results = await asyncio.gather(*(asyncio.wait_for(_awaitable(s.actor.figures.remote()), 2.0) for s in live),
                                        return_exceptions=True)
         for session, figures in zip(live, results, strict=True):
             if isinstance(figures, dict):
                 session.played_s, session.average_fps = figures["played_s"], figures["average_fps"]
+                session.presented_fps = figures["presented_fps"]
 
     # --- status ------------------------------------------------------------------------------
 
@@ -277,7 +283,8 @@ class FrontDoor(EgressServer):
                       for n in sorted(self.nodes.values(), key=lambda n: n.node_id)],
             "sessions": [{"session_id": s.session_id, "node_id": s.node_id, "egress": s.url,
                           "played_s": round(s.played_s, 1),
-                          "average_fps": None if s.average_fps is None else round(s.average_fps, 2)}
+                          "average_fps": None if s.average_fps is None else round(s.average_fps, 2),
+                          "presented_fps": None if s.presented_fps is None else round(s.presented_fps, 2)}
                          for s in self.sessions.values()],
             "health": {**dataclasses.asdict(figures), "slow_share": figures.slow_share},
             "admissions": dict(self.admissions),

@@ -23,7 +23,7 @@ from charstream.pipeline.placement import apply_placement
 from charstream.pipeline.serve import make_factory
 from charstream.stages.egress.server import EgressServer, PeerSession
 
-FPS_SCAN_S = 1.0  # playout keeps 30 s of frame records: scanned well within that
+FPS_SCAN_S = 0.25  # playout keeps 30 s of frame records: scanned well within that
 
 
 class SessionHost:
@@ -36,6 +36,7 @@ class SessionHost:
         self._scanned_to = 0
         self._scanner: asyncio.Task | None = None
         self._ended_at: float | None = None
+        self._first_report: tuple[float, int] | None = None  # (when, count) of the page's first frame reports
 
     async def start(self, gpu_ids: list[str]) -> dict[str, Any]:
         """Start the node's egress with one reserved session; its processes see only ``gpu_ids``."""
@@ -63,13 +64,19 @@ class SessionHost:
         return {"reason": self.peer.end_reason, **figures}
 
     def figures(self) -> dict[str, float | None]:
-        """``played_s`` since the playout clock started, ``average_fps`` (None before it started)."""
+        """``played_s`` since the playout clock started, ``average_fps`` (None before it started) and
+        ``presented_fps``: the frames the page reported presenting per second (held frames too)."""
         self._scan()
         output = self.peer.media.output if self.peer is not None and self.peer.media is not None else None
         if output is None or output.t0 is None:
-            return {"played_s": 0.0, "average_fps": None}
-        played = max((self._ended_at or time.monotonic()) - output.t0, 0.0)
-        return {"played_s": played, "average_fps": self._fresh_frames / played if played > 0 else None}
+            return {"played_s": 0.0, "average_fps": None, "presented_fps": None}
+        now = self._ended_at or time.monotonic()
+        played = max(now - output.t0, 0.0)
+        presented = None
+        if self._first_report is not None and now > self._first_report[0]:
+            presented = (self.peer.timing.frames_reported - self._first_report[1]) / (now - self._first_report[0])
+        return {"played_s": played, "average_fps": self._fresh_frames / played if played > 0 else None,
+                "presented_fps": presented}
 
     async def stop(self, reason: str) -> None:
         """End the session from outside (the front door stopping); ``ended`` then returns."""
@@ -89,3 +96,6 @@ class SessionHost:
             if record is not None and record.chunk is not None:
                 self._fresh_frames += 1
         self._scanned_to = output.next_index
+        timing = self.peer.timing
+        if self._first_report is None and timing is not None and timing.frames_reported:
+            self._first_report = (time.monotonic(), timing.frames_reported)

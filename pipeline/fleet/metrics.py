@@ -30,9 +30,15 @@ class FleetCollector(Collector):
         fps = GaugeMetricFamily("charstream_fleet_session_average_fps",
                                 "a live session's fresh frames per second since its playout clock started",
                                 labels=["session", "node"])
+        presented = GaugeMetricFamily("charstream_fleet_session_presented_fps",
+                                      "frames per second a live session's page reported presenting",
+                                      labels=["session", "node"])
         for session in status["sessions"]:
+            labels = [session["session_id"], session["node_id"]]
             if session["average_fps"] is not None:
-                fps.add_metric([session["session_id"], session["node_id"]], session["average_fps"])
+                fps.add_metric(labels, session["average_fps"])
+            if session["presented_fps"] is not None:
+                presented.add_metric(labels, session["presented_fps"])
         health = status["health"]
         measured = GaugeMetricFamily("charstream_fleet_sessions_measured",
                                      "sessions with an average fps (live and recently ended)", value=health["measured"])
@@ -47,4 +53,4 @@ class FleetCollector(Collector):
                                          labels=["result"])
         for result, count in status["admissions"].items():
             admissions.add_metric([result], count)
-        yield from (nodes, sessions, free, fps, measured, slow, share, threshold, admissions)
+        yield from (nodes, sessions, free, fps, presented, measured, slow, share, threshold, admissions)
