@@ -49,6 +49,7 @@ log = structlog.get_logger("fleet")
 NODE_LABEL = "ray.io/node-id"  # every Ray node carries its id as this label
 SIGNALING_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 5.0
+MAX_EVENT_STREAMS = 2  # per session: each holds a connection until the session ends
 PLACED_POLL_S = 0.01
 
 
@@ -81,6 +82,7 @@ class FleetSession:
     presented_fps: float | None = None  # frames per second the page reported presenting
     end_reason: str | None = None
     ended: asyncio.Event = field(default_factory=asyncio.Event)
+    event_streams: int = 0  # open /events streams (a page's, and one it reconnected)
     watcher: asyncio.Task | None = None  # ends by itself: the actor's end, or its death once released
 
 
@@ -351,14 +353,19 @@ class FrontDoor(EgressServer):
         session = self._by_token.get(request.query.get("token", ""))
         if session is None:
             return _error(404, "unknown or ended session")
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        await response.write(b": admitted\n\n")
-        await session.ended.wait()
+        if session.event_streams >= MAX_EVENT_STREAMS:
+            return _error(429, f"the session already has {session.event_streams} event streams")
+        session.event_streams += 1
         try:
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await response.prepare(request)
+            await response.write(b": admitted\n\n")
+            await session.ended.wait()
             await response.write(f"data: {json.dumps({'type': 'end', 'reason': session.end_reason})}\n\n".encode())
         except ConnectionResetError:  # the page left first
             pass
+        finally:
+            session.event_streams -= 1
         return response
 
     async def _status(self, request: web.Request) -> web.Response:
