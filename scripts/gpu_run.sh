@@ -1,25 +1,29 @@
 #!/usr/bin/env bash
 # The device bundle and what runs on it, in one script (docs/gpu-notes.md, "Device calls").
 #
-#   here:       scripts/gpu_run.sh bundle [DIR]     the wheels the device image lacks, pinned: DIR/whl-a
-#                                                   (~43 MB: av, aiortc + its stack, pyzmq, structlog) and
-#                                                   DIR/whl-b (~22 MB: silero-vad, espeak-ng, OpenTelemetry).
+#   here:       scripts/gpu_run.sh bundle [DIR]     the wheels the device image lacks, pinned, in parts that each fit
+#                                                   a call beside the tree: DIR/whl-a (~43 MB: av, aiortc + its
+#                                                   stack, pyzmq, structlog), DIR/whl-b (~22 MB: silero-vad,
+#                                                   espeak-ng, OpenTelemetry), DIR/whl-c (~29 MB: pocketsphinx).
 #                                                   DIR defaults to .gpu-bundle (ignore it in .git/info/exclude).
-#   on device:  scripts/gpu_run.sh check DIR        GPU tests (the step graphed = eager, under TP at world size 1
+#   on device:  scripts/gpu_run.sh install DIR      the carried wheels and the package only
+#               scripts/gpu_run.sh check DIR        GPU tests (the step graphed = eager, under TP at world size 1
 #                                                   too), bench gpu of the serving step: characters-57b TP=3 and
 #                                                   TP=4 shards, characters-14b whole with its decoder and the
 #                                                   pipelined period (decoder graph on a second stream)
-#               scripts/gpu_run.sh install DIR      the carried wheels and the package only
 #               scripts/gpu_run.sh ab DIR           the TP=3 shard's step without and with its NCCL group (A/B)
-#               scripts/gpu_run.sh live DIR [PRESET...]   one `charstream demo --gpus 1` session per preset
-#                                                   (default: characters-14b tiny), >= 2 min of media each
+#               scripts/gpu_run.sh tp DIR [N...]    multi-GPU kinds: `bench gpu --tp N` (NCCL, one process per
+#                                                   GPU, the serving step graphed with its all-reduces), N = 3 4
+#               [GPUS=3+1] scripts/gpu_run.sh live DIR [PRESET...]   one `charstream demo --gpus $GPUS` (default 1)
+#                                                   session per preset (default: characters-14b tiny), >= 2 min each
 #
-# The tree with whl-a fits one call's 64 MiB, with both it does not: carry DIR/whl-a on a first call
-# (check) and DIR/whl-b on the next (live) while the machine is warm -- every device command installs
-# the wheels it finds under DIR into /tmp/site, which a warm machine keeps. Each section runs under
-# `timeout` with a line at its start and end; logs and JSON go to $OUT (at most 8 files come back).
+# The tree (17 MB) with all parts exceeds a call's 64 MiB: carry one part per call, back to back while
+# the machine is warm (it goes back 30 s after a call) -- every device command installs the parts it
+# finds under DIR into /tmp/site, which a warm machine keeps (check needs whl-a; live all three).
+# Each section runs under `timeout` with a line at its start and end; logs and JSON go to $OUT (at
+# most 8 files come back).
 set -o pipefail
-cmd=${1:?usage: gpu_run.sh bundle [DIR] | install DIR | check DIR | ab DIR | live DIR [PRESET...]}
+cmd=${1:?usage: gpu_run.sh bundle [DIR] | install DIR | check DIR | ab DIR | tp DIR [N...] | live DIR [PRESET...]}
 dir=${2:-.gpu-bundle}
 shift $(($# < 2 ? $# : 2))
 
@@ -29,11 +33,13 @@ WHEELS_B="silero-vad==6.2.3 espeakng-loader==0.2.4 protobuf==6.33.6 googleapis-c
   opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-semantic-conventions==0.66b2
   opentelemetry-proto==1.45.2 opentelemetry-exporter-otlp-proto-common==1.45.2 opentelemetry-exporter-otlp-proto-http==1.45.2
   opentelemetry-exporter-http-transport==0.66b2 opentelemetry-exporter-otlp-common==0.66b2"
+# The built-in agent's recogniser (29 MB): 5.0.4 is the newest release with a cp312 wheel (the device's Python).
+WHEELS_C="pocketsphinx==5.0.4"
 
 if [ "$cmd" = bundle ]; then
   platforms=(--platform manylinux_2_34_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64
              --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
-  for part in a b; do
+  for part in a b c; do
     names=WHEELS_${part^^}
     # shellcheck disable=SC2086
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -62,7 +68,7 @@ section() {  # section NAME LIMIT_S LOG COMMAND...: COMMAND under a time limit, 
   results+=("$name rc=$rc")
 }
 
-for part in a b; do
+for part in a b c; do
   if compgen -G "$dir/whl-$part/*.whl" >/dev/null && [ ! -e "/tmp/site/.whl-$part" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       "$dir/whl-$part"/*.whl && touch "/tmp/site/.whl-$part" || exit
@@ -91,14 +97,21 @@ elif [ "$cmd" = ab ]; then  # the TP=3 shard's serving step without, then with, 
     section "bench TP=3 step ${group:-with group}" 100 bench-ab.log python3 -m charstream.pipeline.bench_gpu \
       --tp-shard 3 --skip sweep kernels decoder pipeline ceilings $group --section-timeout 80
   done
+elif [ "$cmd" = tp ]; then  # multi-GPU kinds: the TP group with NCCL, one process per GPU, per size given
+  [ $# -gt 0 ] || set -- 3 4
+  for tp in "$@"; do
+    section "bench --tp $tp" 300 "bench-tp$tp.log" python3 -m charstream.pipeline.bench_gpu --preset characters-57b \
+      --tp "$tp" --json "$OUT/bench_tp$tp.json"
+  done
 elif [ "$cmd" = live ]; then
   [ $# -gt 0 ] || set -- characters-14b tiny
+  gpus=${GPUS:-1}  # a placement of pipeline/placement.py: 1, 3+1, 4+1, ...
   for preset in "$@"; do
     weights=random
     [ "$preset" = tiny ] && weights=packaged
     # 14 turns of the built-in script: a little over 2 minutes of media (11 gave 101 s).
-    section "live $preset --gpus 1" 300 "live-$preset.log" python3 -m charstream.pipeline.cli demo --preset "$preset" \
-      --gpus 1 --weights "$weights" --turns 14 --timeout 270 --verbose --out "/tmp/demo-$preset"
+    section "live $preset --gpus $gpus" 300 "live-$preset.log" python3 -m charstream.pipeline.cli demo --preset "$preset" \
+      --gpus "$gpus" --weights "$weights" --turns 14 --timeout 270 --verbose --out "/tmp/demo-$preset"
     cp "/tmp/demo-$preset/report.md" "$OUT/report-$preset.md" 2>/dev/null
     cp "/tmp/demo-$preset/trace.jsonl" "$OUT/trace-$preset.jsonl" 2>/dev/null
   done
