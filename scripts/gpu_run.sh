@@ -37,8 +37,9 @@ WHEELS_B="silero-vad==6.2.3 espeakng-loader==0.2.4 protobuf==6.33.6 googleapis-c
 WHEELS_C="pocketsphinx==5.0.4"
 
 if [ "$cmd" = bundle ]; then
-  platforms=(--platform manylinux_2_34_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64
-             --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
+  # In this order: pip takes the first tag a wheel has (the 2_28 builds are the ones run on the device).
+  platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
+             --platform manylinux2014_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_34_x86_64)
   for part in a b c; do
     names=WHEELS_${part^^}
     # shellcheck disable=SC2086
