@@ -1,16 +1,20 @@
 """``charstream bench fleet``: concurrent test-card sessions through a fleet's front door, on loopback.
 
     charstream bench fleet [--nodes 4,4,4] [--sessions 1,2,4,6] [--seconds 20] [--out FILE] [--json]
+                           [--layout cpu] [--source testcard|pipeline] [--preset tiny] [--cluster ADDRESS]
 
 It starts a local Ray cluster (``cluster.py``: one raylet per node on this machine, each with
-``--nodes`` CPU devices) and a front door in this process; for each count in ``--sessions`` it
+``--nodes`` devices: CPU devices for the ``cpu`` layout, GPUs for a GPU layout such as ``1`` or
+``3+1``) and a front door in this process; for each count in ``--sessions`` it
 admits that many aiortc clients at once through the front door, lets them play for ``--seconds``
 and reads each session's fps over that window: on its node, the fresh frames playout released per
 second (what fleet health counts), and at the client, the video frames it received per second.
 Then every client hangs up and the next count starts on an empty fleet. The share of sessions at or
 below ``slow_fps`` is the fleet-health figure. A count past the fleet's capacity is reported as
-refused (503), not run. Bounded: each step ends after its window; nothing but 127.0.0.x is reached.
-On real hosts the same figures come from ``charstream fleet status`` and ``/metrics``.
+refused (503), not run. Bounded: each step ends after its window; the local cluster is on 127.0.0.2. With ``--cluster`` the
+same steps run on an existing Ray cluster (a GPU fleet: ``--layout 3+1 --source pipeline --preset
+characters-57b``), whose nodes the clients then reach; there, ``charstream fleet status`` and
+``/metrics`` give the same figures for real traffic.
 """
 
 from __future__ import annotations
@@ -25,15 +29,23 @@ import time
 from charstream.pipeline.bench_output import commit_id, emit_report, text_table
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.fleet.client import FleetClient, FullError
+from charstream.pipeline.fleet.layout import placement
 
 KEY = "bench"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nodes", default="4,4,4", help="CPU devices per node, comma-separated (a session takes 2)")
+    parser.add_argument("--cluster", metavar="ADDRESS",
+                        help="run on this Ray cluster (a GPU fleet) instead of starting a local one")
+    parser.add_argument("--nodes", default="4,4,4",
+                        help="devices per node, comma-separated (a cpu-layout session takes 2)")
     parser.add_argument("--sessions", default="1,2,4,6", help="concurrent session counts to run, comma-separated")
     parser.add_argument("--seconds", type=float, default=20.0, help="measured window per count")
     parser.add_argument("--max-sessions-per-node", type=int, default=2)
+    parser.add_argument("--layout", default="cpu", help="each session's layout (pipeline/placement.py)")
+    parser.add_argument("--source", choices=["testcard", "pipeline"], default="testcard",
+                        help="what each session streams (pipeline: the model, --preset)")
+    parser.add_argument("--preset", default="tiny", help="model preset of pipeline sessions")
     parser.add_argument("--out", help="write the JSON report here")
     parser.add_argument("--json", action="store_true", help="print the JSON report (the table goes to stderr)")
 
@@ -46,7 +58,7 @@ async def run_step(url: str, door, count: int, seconds: float) -> dict:
         except FullError as e:
             return {"sessions": count, "refused": str(e)}
         await asyncio.gather(*(c.connect() for c in clients))
-        await asyncio.gather(*(c.media.wait_for_video(24, timeout=60) for c in clients))
+        await asyncio.gather(*(c.media.wait_for_video(24, timeout=120) for c in clients))
         await asyncio.sleep(2.0)  # past the start: every session's clock running
         await door.refresh_figures()
         start = {s.session_id: (s.played_s, (s.average_fps or 0.0) * s.played_s) for s in door.sessions.values()}
@@ -76,28 +88,38 @@ async def run_step(url: str, door, count: int, seconds: float) -> dict:
             await asyncio.sleep(0.1)
 
 
-async def bench(devices: list[int], counts: list[int], seconds: float, per_node: int) -> dict:
+async def bench(args: argparse.Namespace) -> dict:
     import ray
     from charstream.pipeline.fleet.cluster import local_cluster
     from charstream.pipeline.fleet.frontdoor import FrontDoor, join_cluster
 
-    cluster = local_cluster(devices)
+    counts = [int(n) for n in args.sessions.split(",")]
+    config = PipelineConfig.from_dict({
+        "preset": args.preset,
+        "egress": {"port": 0, "reservations_per_client": max(counts), "reservations_per_minute": 10 * sum(counts)},
+        "fleet": {"max_sessions_per_node": args.max_sessions_per_node, "layout": args.layout}})
+    devices = [int(n) for n in args.nodes.split(",")]
+    cluster = None
+    if args.cluster is None:
+        gpus = placement(config.fleet).gpus > 0
+        cluster = local_cluster(devices, "GPU" if gpus else config.fleet.cpu_device_resource)
     try:
-        join_cluster(cluster.address)
-        config = PipelineConfig.from_dict({
-            "egress": {"port": 0, "reservations_per_client": max(counts), "reservations_per_minute": 10 * sum(counts)},
-            "fleet": {"max_sessions_per_node": per_node}})
-        door = FrontDoor(config, "testcard", access_key=KEY)
+        join_cluster(args.cluster or cluster.address)
+        door = FrontDoor(config, args.source, access_key=KEY)
         url = await door.start()
         try:
-            steps = [await run_step(url, door, count, seconds) for count in counts]
+            steps = [await run_step(url, door, count, args.seconds) for count in counts]
+            nodes = [n["resources"] for n in door.status()["nodes"]]
         finally:
             await door.stop()
             ray.shutdown()  # the driver leaves before its cluster goes
     finally:
-        cluster.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
     return {"bench": "fleet", "commit": commit_id(), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-            "ray": ray.__version__, "nodes": devices, "max_sessions_per_node": per_node, "window_s": seconds,
+            "ray": ray.__version__, "cluster": args.cluster or "local", "layout": args.layout, "source": args.source,
+            "preset": args.preset, "nodes": devices if cluster is not None else nodes,
+            "max_sessions_per_node": args.max_sessions_per_node, "window_s": args.seconds,
             "slow_fps": config.fleet.slow_fps, "steps": steps}
 
 
@@ -110,13 +132,13 @@ def table(report: dict) -> str:
         rows.append([str(step["sessions"]), str(step["nodes_used"]), f"{step['node_fps_min']:.2f}",
                      f"{step['node_fps_median']:.2f}", f"{step['client_fps_min']:.2f}",
                      f"{step['slow']} ({100 * step['slow_share']:.0f}%)", f"{step['load_1min'][1]:.2f}"])
-    return (f"fleet load test: test-card sessions, nodes {report['nodes']}, {report['window_s']:g} s windows, "
+    what = "test-card" if report["source"] == "testcard" else report["preset"]
+    where = f"nodes {report['nodes']}" if report["cluster"] == "local" else f"cluster {report['cluster']}"
+    return (f"fleet load test: {what} sessions, layout {report['layout']}, {where}, {report['window_s']:g} s windows, "
             f"slow = average <= {report['slow_fps']} fps\n" + text_table(rows))
 
 
 def run(args: argparse.Namespace) -> int:
-    devices = [int(n) for n in args.nodes.split(",")]
-    counts = [int(n) for n in args.sessions.split(",")]
-    report = asyncio.run(bench(devices, counts, args.seconds, args.max_sessions_per_node))
+    report = asyncio.run(bench(args))
     emit_report(report, table(report), args.out, args.json)
     return 0
