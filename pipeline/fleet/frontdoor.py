@@ -76,7 +76,6 @@ class FleetSession:
     url: str  # the node egress
     client: str | None  # the address that reserved it (held to the per-client caps)
     state: str = "reserved"  # reserved -> active (its offer went to the node)
-    started_at: float = field(default_factory=time.monotonic)
     played_s: float = 0.0
     average_fps: float | None = None  # fresh frames per second at playout: what fleet health counts
     presented_fps: float | None = None  # frames per second the page reported presenting
