@@ -243,9 +243,9 @@ async def wait_for_client(client, peer, end_index: int, timeout: float = CLIENT_
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         first = peer.video.start.index  # both tracks start at this output frame
-        received_video, received_audio = list(client.video), list(client.audio)  # appended by the client's thread
-        video = peer.video.frame_index(received_video[-1].rtp) if received_video else None
-        audio_samples = sum(len(a.samples) for a in received_audio)
+        last_video = client.video[-1] if client.video else None  # appended by the client's thread
+        video = peer.video.frame_index(last_video.rtp) if last_video is not None else None
+        audio_samples = client.audio_samples
         if first is not None and video is not None and video >= end_index \
                 and first + audio_samples // SAMPLES_PER_FRAME >= end_index:
             return

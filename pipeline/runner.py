@@ -405,10 +405,16 @@ class Session:
         self._local_done.set()  # until a local group runs
         self._result: SessionResult | None = None
         self._group_of = {n.name: n.group for n in graph.nodes}
+        self._silent: set[str] = set()  # process groups whose stages stopped answering: frozen, no grace
 
     def stop(self, reason: str = "requested") -> None:
         """End the session cleanly (idempotent; call from the session's event loop)."""
         self._end(True, f"stop: {reason}")
+
+    async def wait_ending(self) -> SessionResult:
+        """The result as soon as the end is decided, while the teardown still runs."""
+        await self._ended.wait()
+        return self._result
 
     def _end(self, ok: bool, ended_by: str, error: str | None = None, stage: str | None = None) -> None:
         if self._ended.is_set():
@@ -426,6 +432,7 @@ class Session:
             self._end(True, f"shutdown by {sender}")
 
     def _on_silent(self, stage: str) -> None:
+        self._silent.add(self._group_of.get(stage, stage))
         self._end(False, "error", f"stage {stage!r} failed: stopped answering heartbeats (noticed by the control hub)", stage)
 
     async def _watch(self, supervisor: Supervisor, child: Child, reports: dict[str, dict]) -> None:
@@ -487,6 +494,8 @@ class Session:
                                                     detail={"reason": self._result.ended_by}))
                         if local is not None:
                             local.stop.set()
+                        for group in self._silent & set(self.pids):  # a frozen process cannot shut down
+                            os.kill(self.pids[group], signal.SIGKILL)
                         await supervisor.stop_all(STOP_GRACE_S)
                         await self._local_done.wait()
                         tg.cancel_scope.cancel()

@@ -124,9 +124,15 @@ class LiveSession:
         self._task = asyncio.create_task(self._run(), name=f"session-{self.session_id}")
 
     async def _run(self) -> None:
+        # The page hears why as soon as the end is decided: a frozen process's teardown takes seconds.
+        tell = asyncio.create_task(self._tell_peer()) if self.link is not None else None
         try:
             self.result = await self.runner.run()
         finally:
+            if tell is not None:
+                if self.runner.ended_at is None:  # run() failed before any end was decided
+                    tell.cancel()
+                await asyncio.gather(tell, return_exceptions=True)
             result = self.result
             error = None if result is not None and result.ok else ((result and result.error) or "session failed")
             if self.link is not None:  # the page is told why its session ended, and its connection closed
@@ -135,6 +141,10 @@ class LiveSession:
             self.output.close()
             self.user_audio.close()
             self.done.set()
+
+    async def _tell_peer(self) -> None:
+        result = await self.runner.wait_ending()
+        await self.link.end(result.error or result.ended_by)
 
     async def stop(self, reason: str = "requested") -> SessionResult | None:
         """End the session and wait for it (idempotent)."""

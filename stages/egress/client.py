@@ -2,9 +2,11 @@
 
 It does what the web page does: offers to receive video and audio (and send a microphone track
 if given one), opens the ``timing`` data channel, answers pings and reports every video frame it
-receives (``presented_ms`` = when the decoded frame came out of aiortc). It keeps what it got:
-per frame its arrival time and RTP timestamp (optionally the image), per audio frame the
-samples, and the sender reports (RTCP SR) of both streams, from which ``sender_time`` maps an
+receives (``presented_ms`` = when the decoded frame came out of aiortc). It keeps what it got, in
+bounded windows (a client of an hour-long session must not grow): per frame its arrival time and
+RTP timestamp (optionally the image; the last ``MAX_KEPT``), per audio frame the samples (the last
+``MAX_AUDIO_KEPT``; ``audio_samples`` counts them all), and the sender reports (RTCP SR, the last
+``MAX_REPORTS``) of both streams, from which ``sender_time`` maps an
 RTP timestamp to the server's wall clock exactly as a browser's lip sync does. With
 ``record_path`` it writes what it received to an mp4 (H.264 + AAC, timed by RTP timestamps, so
 freezes and gaps stay where they happened).
@@ -39,7 +41,9 @@ from aiortc.rtp import RtcpSrPacket
 from charstream.timeline import TIMELINE_RATE, VIDEO_FPS
 
 log = structlog.get_logger("egress.client")
-MAX_KEPT = 100_000  # received-frame records kept (≈ 70 min of video)
+MAX_KEPT = 100_000  # received-frame records kept (≈ 70 min of video; ~100 bytes each without images)
+MAX_AUDIO_KEPT = 3_000  # 20 ms audio frames kept with their samples (60 s, ~6 MB)
+MAX_REPORTS = 600  # RTCP sender reports kept per stream
 
 
 class SignalingError(Exception):
@@ -73,8 +77,10 @@ class EgressClient:
         self.channel = None
         self.session_id: str | None = None
         self.video: deque[ReceivedVideo] = deque(maxlen=MAX_KEPT)
-        self.audio: deque[ReceivedAudio] = deque(maxlen=MAX_KEPT)
-        self.sender_reports: dict[str, list[tuple[float, int]]] = {"video": [], "audio": []}  # (ntp s, rtp)
+        self.audio: deque[ReceivedAudio] = deque(maxlen=MAX_AUDIO_KEPT)
+        self.audio_samples = 0  # every sample received, also those no longer kept
+        # (ntp s, rtp) per stream
+        self.sender_reports: dict[str, deque[tuple[float, int]]] = {k: deque(maxlen=MAX_REPORTS) for k in ("video", "audio")}
         self.turns: list[dict[str, Any]] = []  # the server's per-turn latency messages
         self.ended: str | None = None  # the server's reason, when it ended the session
         self.pings_answered = 0
@@ -172,6 +178,7 @@ class EgressClient:
                     raise RuntimeError(f"expected {TIMELINE_RATE} Hz audio, got {frame.sample_rate}")
                 rtp = (self._rtp_origin("audio") + frame.pts) % 2**32
                 self.audio.append(ReceivedAudio(arrival, rtp, samples))
+                self.audio_samples += len(samples)
                 if self.recorder is not None:
                     self.recorder.audio(samples)
         except MediaStreamError:

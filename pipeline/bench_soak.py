@@ -1,0 +1,227 @@
+"""``charstream bench soak``: hours of use on one server — memory, descriptors, threads, shared memory.
+
+Two runs, each on one ``EgressServer`` in this process with the real session factory and the
+in-process aiortc client on a loop of its own (``demo.ClientThread``):
+
+* ``--sessions N --seconds S`` — N sequential sessions of S seconds each. After each ended
+  session (server and factory both empty) it samples RSS, open fds, threads, ``/dev/shm``
+  segments of ours and child processes. Reported: the slope of RSS per session after the warm-up
+  (a least-squares fit), the retained MB per ended session, and the same after ``malloc_trim``
+  (what glibc holds but could return, not a leak).
+* ``--minutes M`` — one session for M minutes, sampled every ``--every`` s: the RSS slope in
+  MB/min, fps held (playout's fresh frames per second), underruns, and frames lost: frames the
+  24 fps clock owed minus frames playout released, and released minus received by the client.
+
+    charstream bench soak --sessions 200 --seconds 1 --out bench-soak-sessions.json
+    charstream bench soak --minutes 30 --out bench-soak-session.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import gc
+import glob
+import platform
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+import numpy as np
+import psutil
+from charstream.pipeline.bench_output import commit_id, emit_report, text_table
+from charstream.pipeline.config import PipelineConfig
+from charstream.stages.config import EgressConfig
+
+from charstream.logs import configure_logging
+from charstream.timeline import VIDEO_FPS
+
+WARMUP_FRACTION = 0.1  # sessions before the fit: caches, allocator arenas and lazy imports settle
+
+
+def sample() -> dict[str, float]:
+    gc.collect()
+    process = psutil.Process()
+    return {
+        "t": time.monotonic(),
+        "rss_mb": round(process.memory_info().rss / 2**20, 2),
+        "fds": process.num_fds(),
+        "threads": process.num_threads(),
+        "shm_segments": len(glob.glob("/dev/shm/charstream-*")),
+        "children": len(process.children(recursive=True)),
+    }
+
+
+def slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of ys over xs (0 with fewer than two points)."""
+    if len(xs) < 2:
+        return 0.0
+    return float(np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)[0])
+
+
+def malloc_trim() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:  # not glibc
+        pass
+
+
+class Harness:
+    """The server, the factory and a way to run one client session on it."""
+
+    def __init__(self, source: str, config: PipelineConfig) -> None:
+        from charstream.pipeline.session import session_factory
+        from charstream.stages.egress.server import EgressServer
+
+        self.factory = session_factory(config, testcard=source == "testcard")
+        self.server = EgressServer(config.egress, self.factory)
+        self.url = ""
+
+    async def start(self) -> None:
+        self.url = await self.server.start()
+
+    async def session(self, seconds: float, every: float | None = None,
+                      on_sample=None) -> dict[str, Any]:
+        """One client session, ``seconds`` from its first video frame; its playout figures and what
+        the client got."""
+        from charstream.pipeline.demo import ClientThread
+
+        session_id, token = self.server.create_session()
+        client = ClientThread(None)
+        await client.connect(self.url, token)
+        live = self.factory.sessions[session_id]
+        await client._call(client.client.wait_for_video(1, timeout=120))  # the model loads first
+        started = time.monotonic()
+        while time.monotonic() - started < seconds and not live.output.closed:
+            await asyncio.sleep(min(every or seconds, seconds - (time.monotonic() - started)))
+            if on_sample is not None:
+                on_sample(live, client.client)
+        stats = live.stages["playout"].stats.summary()
+        received = len(client.client.video)
+        await client.close()
+        deadline = time.monotonic() + 30
+        while (self.server.sessions or self.factory.sessions) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return {"playout": stats, "received": received, "ended_early": live.output.closed,
+                "released": not (self.server.sessions or self.factory.sessions)}
+
+    async def stop(self) -> None:
+        await self.server.stop()
+
+
+async def soak_sessions(source: str, config: PipelineConfig, count: int, seconds: float) -> dict[str, Any]:
+    harness = Harness(source, config)
+    await harness.start()
+    baseline = sample()
+    samples, unreleased, ended_early = [], 0, 0
+    try:
+        for i in range(count):
+            result = await harness.session(seconds)
+            unreleased += not result["released"]
+            ended_early += result["ended_early"]
+            samples.append({"session": i + 1, **sample()})
+    finally:
+        await harness.stop()
+    warm = max(1, int(count * WARMUP_FRACTION))
+    fit = samples[warm - 1:]
+    before_trim = sample()
+    malloc_trim()
+    after_trim = sample()
+    retained = (fit[-1]["rss_mb"] - fit[0]["rss_mb"]) / max(1, len(fit) - 1)
+    return {
+        "mode": "sessions", "source": source, "sessions": count, "seconds_each": seconds,
+        "baseline": baseline, "end": before_trim, "end_after_malloc_trim": after_trim,
+        "rss_slope_mb_per_session": round(slope([s["session"] for s in fit], [s["rss_mb"] for s in fit]), 3),
+        "retained_mb_per_session": round(retained, 3),
+        "retained_mb_per_session_after_trim": round((after_trim["rss_mb"] - fit[0]["rss_mb"]) / max(1, len(fit) - 1), 3),
+        "fds_growth": before_trim["fds"] - fit[0]["fds"], "threads_growth": before_trim["threads"] - fit[0]["threads"],
+        "shm_segments_left": before_trim["shm_segments"], "children_left": before_trim["children"],
+        "sessions_not_released": unreleased, "sessions_ended_early": ended_early,
+        "samples": samples,
+    }
+
+
+async def soak_session(source: str, config: PipelineConfig, minutes: float, every: float) -> dict[str, Any]:
+    harness = Harness(source, config)
+    await harness.start()
+    samples = []
+
+    def on_sample(live, client) -> None:
+        stats = live.stages["playout"].stats
+        samples.append({**sample(), "frames_released": stats.frames_released, "fresh_frames": stats.fresh_frames,
+                        "underruns": stats.underruns, "received": len(client.video)})
+
+    try:
+        result = await harness.session(minutes * 60, every, on_sample)
+    finally:
+        await harness.stop()
+    playout = result["playout"]
+    t0 = samples[0]["t"] if samples else 0.0
+    minutes_axis = [(s["t"] - t0) / 60 for s in samples]
+    owed = round(playout["elapsed_s"] * VIDEO_FPS)
+    return {
+        "mode": "session", "source": source, "minutes": minutes, "ended_early": result["ended_early"],
+        "rss_slope_mb_per_min": round(slope(minutes_axis[1:], [s["rss_mb"] for s in samples[1:]]), 3),
+        "fds_slope_per_min": round(slope(minutes_axis[1:], [s["fds"] for s in samples[1:]]), 3),
+        "threads_slope_per_min": round(slope(minutes_axis[1:], [s["threads"] for s in samples[1:]]), 3),
+        "shm_segments_max": max((s["shm_segments"] for s in samples), default=0),
+        "fps_held": playout["achieved_fps"], "underruns": playout["underruns"],
+        "underrun_frames": playout["underrun_frames"], "frames_owed_by_clock": owed,
+        "frames_released": playout["frames_released"], "frames_received": result["received"],
+        "frames_lost_clock": owed - playout["frames_released"],
+        "frames_lost_network": playout["frames_released"] - result["received"],
+        "playout": playout, "samples": samples,
+    }
+
+
+def table(report: dict[str, Any]) -> str:
+    r = report["result"]
+    if r["mode"] == "sessions":
+        rows = [["sessions", "rss start", "rss end", "MB/session (fit)", "retained MB/session", "after trim",
+                 "fds +", "threads +", "shm left", "children left", "not released"],
+                [str(r["sessions"]), str(r["baseline"]["rss_mb"]), str(r["end"]["rss_mb"]),
+                 str(r["rss_slope_mb_per_session"]), str(r["retained_mb_per_session"]),
+                 str(r["retained_mb_per_session_after_trim"]), str(r["fds_growth"]), str(r["threads_growth"]),
+                 str(r["shm_segments_left"]), str(r["children_left"]), str(r["sessions_not_released"])]]
+    else:
+        rows = [["minutes", "MB/min", "fds/min", "threads/min", "fps held", "underruns", "lost (clock)",
+                 "lost (network)", "released", "received"],
+                [str(r["minutes"]), str(r["rss_slope_mb_per_min"]), str(r["fds_slope_per_min"]),
+                 str(r["threads_slope_per_min"]), str(r["fps_held"]), str(r["underruns"]),
+                 str(r["frames_lost_clock"]), str(r["frames_lost_network"]), str(r["frames_released"]),
+                 str(r["frames_received"])]]
+    return text_table(rows) + f"\nload avg 1/5/15 min at end: {report['load_avg_at_end']}"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--source", choices=["pipeline", "testcard"], default="pipeline")
+    parser.add_argument("--sessions", type=int, help="sequential sessions (the per-session memory run)")
+    parser.add_argument("--seconds", type=float, default=1.0, help="length of each of --sessions")
+    parser.add_argument("--minutes", type=float, help="one session this long (the long-session run)")
+    parser.add_argument("--every", type=float, default=10.0, help="seconds between samples of --minutes")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON (the table goes to stderr)")
+    parser.add_argument("--out", default="bench-soak.json", help="also write the JSON report here")
+
+
+def run(args: argparse.Namespace) -> int:
+    if (args.sessions is None) == (args.minutes is None):
+        raise SystemExit("charstream bench soak: give exactly one of --sessions N or --minutes M")
+    configure_logging("error")
+    config = PipelineConfig()
+    config.egress = EgressConfig(port=0, max_sessions=2)
+    load_start = [round(x, 2) for x in psutil.getloadavg()]
+    if args.sessions is not None:
+        result = asyncio.run(soak_sessions(args.source, config, args.sessions, args.seconds))
+    else:
+        result = asyncio.run(soak_session(args.source, config, args.minutes, args.every))
+    report = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()}, {psutil.cpu_count()} CPUs, {platform.platform()}",
+        "commit": commit_id(),
+        "load_avg_at_start": load_start,
+        "load_avg_at_end": [round(x, 2) for x in psutil.getloadavg()],
+        "result": result,
+    }
+    emit_report(report, table(report), args.out, args.json)
+    return 0

@@ -1,0 +1,102 @@
+"""Faults in a served session for real: the diffusion or decode process of a ``placement="processes"``
+session killed (SIGKILL) or frozen (SIGSTOP) while the page watches, beside a session that must
+keep streaming. The page and the log say which stage and why, within 2 s; nothing is left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import json
+import os
+import signal
+import time
+
+import psutil
+import pytest
+from charstream.pipeline.config import PipelineConfig
+from charstream.pipeline.session import session_factory
+from charstream.stages.config import EgressConfig
+from charstream.stages.egress.client import EgressClient
+from charstream.stages.egress.server import EgressServer
+from waiting import until
+
+DETECT_S = 2.0
+
+
+def running(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def shm_segments() -> set[str]:
+    return set(glob.glob("/dev/shm/charstream-*"))
+
+
+@pytest.mark.parametrize("fault, group, stage", [("SIGKILL", "diffusion", "diffusion"), ("SIGSTOP", "decoder", "decode")])
+def test_a_killed_or_frozen_model_process_ends_its_session_clearly_and_others_keep_streaming(fault, group, stage, capfd):
+    pipeline = session_factory(PipelineConfig(placement="processes"))
+    card = session_factory(PipelineConfig(), testcard=True)
+    bystanders: set[str] = set()
+
+    async def factory(session_id: str):
+        return await (card if session_id in bystanders else pipeline)(session_id)
+
+    async def main():
+        server = EgressServer(EgressConfig(port=0), factory)
+        url = await server.start()
+        shm_before = shm_segments()
+        bystander_id, bystander_token = server.create_session()
+        bystanders.add(bystander_id)
+        bystander = EgressClient()
+        await bystander.connect(url, bystander_token)
+        victim_id, victim_token = server.create_session()
+        victim = EgressClient()
+        await victim.connect(url, victim_token)
+        await victim.wait_for_video(12, timeout=120)  # the model processes are up and streaming
+        live = pipeline.sessions[victim_id]
+        pids = dict(live.runner.pids)
+        children = [psutil.Process(pid) for pid in pids.values()]
+        victim_process = psutil.Process(pids[group])
+        os.kill(pids[group], getattr(signal, fault))
+        hit = time.monotonic()
+        told_after = exited_after = None
+        while time.monotonic() - hit < 10 and (told_after is None or exited_after is None):
+            if told_after is None and victim.ended is not None:
+                told_after = time.monotonic() - hit
+            if exited_after is None and not running(victim_process):
+                exited_after = time.monotonic() - hit
+            await asyncio.sleep(0.01)
+        told, exited = told_after is not None, exited_after is not None
+        released = await until(lambda: victim_id not in server.sessions and victim_id not in pipeline.sessions, 10)
+        others_exited = await until(lambda: not any(running(c) for c in children), 5)
+        frames = len(bystander.video)
+        await asyncio.sleep(1.0)
+        out = {
+            "told": told, "told_after": told_after, "ended": victim.ended, "released": released,
+            "exited": exited, "exited_after": exited_after, "others_exited": others_exited, "bystander_frames_after": len(bystander.video) - frames,
+            "bystander_alive": bystander_id in server.sessions, "leaked_shm": shm_segments() - shm_before,
+            "orphans": [p.pid for p in psutil.Process().children(recursive=True) if p.pid in pids.values()],
+        }
+        # The server still takes new sessions.
+        next_id, next_token = server.create_session()
+        bystanders.add(next_id)
+        newcomer = EgressClient()
+        await newcomer.connect(url, next_token)
+        await newcomer.wait_for_video(6, timeout=30)
+        for client in (victim, bystander, newcomer):
+            await client.close()
+        await server.stop()
+        return out
+
+    out = asyncio.run(main())
+    errors = [json.loads(line) for line in capfd.readouterr().err.splitlines()
+              if line.startswith("{") and '"session_ending"' in line and '"error"' in line]
+    expected = "killed by signal SIGKILL" if fault == "SIGKILL" else "stopped answering heartbeats"
+    assert out["told"] and out["told_after"] < DETECT_S, out
+    assert f"stage '{stage}'" in out["ended"] and expected in out["ended"], out["ended"]  # on the page
+    assert any(expected in (e.get("error") or "") for e in errors), errors  # and in the log
+    assert out["exited"] and out["exited_after"] < DETECT_S, out  # a frozen process is killed, too
+    assert out["released"] and out["others_exited"] and out["orphans"] == [] and out["leaked_shm"] == set(), out
+    assert out["bystander_alive"] and out["bystander_frames_after"] >= 18, out  # 24 fps went on
