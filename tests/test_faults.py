@@ -36,7 +36,9 @@ def shm_segments() -> set[str]:
 
 @pytest.mark.parametrize("fault, group, stage", [("SIGKILL", "diffusion", "diffusion"), ("SIGSTOP", "decoder", "decode")])
 def test_a_killed_or_frozen_model_process_ends_its_session_clearly_and_others_keep_streaming(fault, group, stage, capfd):
-    pipeline = session_factory(PipelineConfig(placement="processes"))
+    config = PipelineConfig(placement="processes")
+    config.ingest.adapter = "scripted"  # an agent that talks without a microphone: speech flows through the model
+    pipeline = session_factory(config)
     card = session_factory(PipelineConfig(), testcard=True)
     bystanders: set[str] = set()
 
