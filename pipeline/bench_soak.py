@@ -8,8 +8,11 @@ in-process aiortc client on a loop of its own (``demo.ClientThread``):
   segments of ours and child processes. Reported: the slope of RSS per session after the warm-up
   (a least-squares fit), the retained MB per ended session, and the same after ``malloc_trim``
   (what glibc holds but could return, not a leak).
+The agent is the scripted one (its user and its replies synthesised, the built-in script
+repeated), so the character talks through the whole model path without a microphone.
+
 * ``--minutes M`` — one session for M minutes, sampled every ``--every`` s: the RSS slope in
-  MB/min, fps held (playout's fresh frames per second), underruns, and frames lost: frames the
+  MB/min (fitted after the first ``WARMUP_FRACTION`` of the run), fps held (playout's fresh frames per second), underruns, and frames lost: frames the
   24 fps clock owed minus frames playout released, and released minus received by the client.
 
     charstream bench soak --sessions 200 --seconds 1 --out bench-soak-sessions.json
@@ -37,6 +40,7 @@ from charstream.stages.config import EgressConfig
 from charstream.logs import configure_logging
 from charstream.timeline import VIDEO_FPS
 
+SCRIPT_REPEATS = 100  # the built-in script's turns, over and over: hours of conversation
 WARMUP_FRACTION = 0.1  # sessions before the fit: caches, allocator arenas and lazy imports settle
 
 
@@ -158,13 +162,14 @@ async def soak_session(source: str, config: PipelineConfig, minutes: float, ever
         await harness.stop()
     playout = result["playout"]
     t0 = samples[0]["t"] if samples else 0.0
-    minutes_axis = [(s["t"] - t0) / 60 for s in samples]
+    fit = [s for s in samples if s["t"] - t0 >= WARMUP_FRACTION * minutes * 60]
+    axis = [(s["t"] - t0) / 60 for s in fit]
     owed = round(playout["elapsed_s"] * VIDEO_FPS)
     return {
         "mode": "session", "source": source, "minutes": minutes, "ended_early": result["ended_early"],
-        "rss_slope_mb_per_min": round(slope(minutes_axis[1:], [s["rss_mb"] for s in samples[1:]]), 3),
-        "fds_slope_per_min": round(slope(minutes_axis[1:], [s["fds"] for s in samples[1:]]), 3),
-        "threads_slope_per_min": round(slope(minutes_axis[1:], [s["threads"] for s in samples[1:]]), 3),
+        "rss_slope_mb_per_min": round(slope(axis, [s["rss_mb"] for s in fit]), 3),
+        "fds_slope_per_min": round(slope(axis, [s["fds"] for s in fit]), 3),
+        "threads_slope_per_min": round(slope(axis, [s["threads"] for s in fit]), 3),
         "shm_segments_max": max((s["shm_segments"] for s in samples), default=0),
         "fps_held": playout["achieved_fps"], "underruns": playout["underruns"],
         "underrun_frames": playout["underrun_frames"], "frames_owed_by_clock": owed,
@@ -207,9 +212,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if (args.sessions is None) == (args.minutes is None):
         raise SystemExit("charstream bench soak: give exactly one of --sessions N or --minutes M")
+    from charstream.stages.ingest.scripted import DEFAULT_SCRIPT
+
     configure_logging("error")
     config = PipelineConfig()
     config.egress = EgressConfig(port=0, max_sessions=2)
+    # The scripted agent talks without a microphone; its script repeated, the character speaks all along.
+    config.ingest.adapter = "scripted"
+    config.ingest.script = [{"user": line.user, "agent": line.agent} for line in DEFAULT_SCRIPT] * SCRIPT_REPEATS
     load_start = [round(x, 2) for x in psutil.getloadavg()]
     if args.sessions is not None:
         result = asyncio.run(soak_sessions(args.source, config, args.sessions, args.seconds))
