@@ -10,11 +10,8 @@ loader uses it to read only a rank's slices from disk.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
-from charstream.kernels.gemm_allreduce import GemmAllReduce
 from charstream.model.config import ModelConfig
 from charstream.model.dit import DiT
 from torch import nn
@@ -64,21 +61,6 @@ def apply_tp(model: DiT, rank: int, world: int, group: dist.ProcessGroup | None 
         block.all_reduce_hook = block.w_out.register_forward_hook(_all_reduce_hook(group))
     model.tp_rank, model.tp_world, model.tp_group = rank, world, group
     return model
-
-
-def fuse_output_all_reduce(model: DiT, rows: int, tiles: int = 4) -> GemmAllReduce:
-    """Route every block's row-parallel output projection through one shared ``GemmAllReduce``
-    (overlapped tiles) at ``rows`` rows per call; other shapes keep GEMM-then-all-reduce.
-    Returns it, so the caller can report its buffer's size."""
-    if model.tp_world == 1:
-        raise ValueError("fuse_output_all_reduce needs a sharded model (TP world > 1)")
-    ref = model.blocks[0].w_out.weight
-    fused = GemmAllReduce(rows, ref.shape[0], ref.dtype, ref.device, model.tp_group, tiles)
-    for block in model.blocks:
-        block.all_reduce_hook.remove()
-        linear = block.w_out.forward  # the plain local GEMM (or an FP8 replacement)
-        block.w_out.forward = functools.partial(fused, linear=linear)
-    return fused
 
 
 def _all_reduce_hook(group: dist.ProcessGroup | None):

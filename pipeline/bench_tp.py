@@ -3,11 +3,9 @@
 One process per rank (NCCL on GPUs ``cuda:0..N-1``; gloo on CPU when the host has fewer GPUs, with
 a smaller model so it finishes). Measured at the production row count (``tokens_per_step``):
 - the all-reduce of one block's output (rows x dim), per call;
-- the row-parallel output GEMM alone, GEMM then all-reduce, and the overlapped ``GemmAllReduce``
-  at 2, 4 and 8 tiles (kernels/gemm_allreduce.py), all in the same run;
+- the row-parallel output GEMM alone, and GEMM then all-reduce, in the same run;
 - the whole 4-pass step on every rank, communication included: the serving ``DiffusionStep`` (on
-  GPUs the fused FP8 body as CUDA graphs, NCCL inside them), and the module body eagerly, with
-  GEMM-then-all-reduce and with the overlapped decomposition.
+  GPUs the fused FP8 body as CUDA graphs, NCCL inside them), and the module body eagerly.
 GPU timings are CUDA-event medians after warm-up; CPU timings are wall-clock medians and only
 meaningful as ratios within one run.
 """
@@ -24,12 +22,12 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from charstream.kernels.gemm_allreduce import GemmAllReduce, gemm_all_reduce_reference
+from charstream.kernels.gemm_allreduce import gemm_all_reduce_reference
 from charstream.model.config import ModelConfig, get_preset
 from charstream.pipeline.bench_output import commit_id, cuda_median_ms, free_port
 from charstream.stages.tp_group import NO_MULTICAST
 
-REFERENCE_US = {"fused_call": 153.8, "gemm_then_nccl": 208.2}  # 4xH100, docs/ARCHITECTURE.md (Reference numbers)
+REFERENCE_US = {"gemm_then_nccl": 208.2}  # 4xH100, docs/ARCHITECTURE.md (Reference numbers)
 CPU_PRESET_SCALE = {"dim": 768, "n_heads": 12, "head_dim": 64, "ffn_dim": 3072, "n_blocks": 2}
 
 
@@ -63,16 +61,11 @@ def _projection_figures(cfg: ModelConfig, world: int, device: torch.device, dtyp
     def gemm(a: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(a, w)
 
-    figures = {
+    return {
         "all_reduce_ms": _time_ms(lambda: dist.all_reduce(out), device, reps),
         "gemm_ms": _time_ms(lambda: gemm(x), device, reps),
         "gemm_then_all_reduce_ms": _time_ms(lambda: gemm_all_reduce_reference(x, gemm, None), device, reps),
     }
-    for tiles in (2, 4, 8):
-        fused = GemmAllReduce(rows, dim, dtype, device, None, tiles)
-        figures[f"fused_{tiles}_tiles_ms"] = _time_ms(lambda f=fused: f(x, gemm), device, reps)
-    figures["fused_buffer_bytes"] = fused.nbytes
-    return figures
 
 
 def _rank(rank: int, world: int, port: int, cfg: ModelConfig, use_cuda: bool, reps: int, queue) -> None:
@@ -88,16 +81,10 @@ def _rank(rank: int, world: int, port: int, cfg: ModelConfig, use_cuda: bool, re
     dtype = torch.bfloat16 if use_cuda else torch.float32
     g = torch.Generator(device=device).manual_seed(rank)
     figures = _projection_figures(cfg, world, device, dtype, g, reps)
-    rows = cfg.tokens_per_step
     # The serving step (on GPUs: fused FP8, CUDA-graphed, the all-reduces in the graph), then the
-    # module body with GEMM-then-all-reduce and with the overlapped GemmAllReduce.
-    variants = {"step_ms": (None, False), "step_module_ms": (False, False), "step_module_overlapped_ms": (False, True)}
-    for label, (fused, overlapped) in variants.items():
+    # module body (GEMM, then the all-reduce hook).
+    for label, fused in {"step_ms": None, "step_module_ms": False}.items():
         gen = Generator(cfg, None, device, dist.group.WORLD, dtype, fp8_cache=use_cuda, fused=fused)
-        if overlapped:
-            from charstream.model.tp import fuse_output_all_reduce
-
-            fuse_output_all_reduce(gen.model, rows)
         gen.reset_session(torch.zeros(cfg.latent_channels, cfg.latent_height, cfg.latent_width, device=device)
                           .normal_(generator=g))
         audio = torch.randn(cfg.n_audio_tokens, cfg.audio_dim, generator=g, device=device)
@@ -138,15 +125,12 @@ def print_table(result: dict) -> None:
     us = 1e3
     print(f"TP={result['tp']} {result['preset']} on {result['device']} ({result['backend']}), rows={result['rows']}")
     print(f"{'figure':32} {'measured':>12} {'reference':>12}")
-    best_tiles = min((k for k in result if k.startswith("fused_") and k.endswith("_tiles_ms")), key=result.get)
     rows = [
         ("all-reduce per call (us)", result["all_reduce_ms"] * us, None),
         ("output GEMM alone (us)", result["gemm_ms"] * us, None),
         ("GEMM then all-reduce (us)", result["gemm_then_all_reduce_ms"] * us, REFERENCE_US["gemm_then_nccl"]),
-        (f"overlapped, {best_tiles.split('_')[1]} tiles (us)", result[best_tiles] * us, REFERENCE_US["fused_call"]),
         (f"step, serving ({result['step_body']}) (ms)", result["step_ms"], None),
         ("step, module body (ms)", result["step_module_ms"], None),
-        ("step, module + overlapped (ms)", result["step_module_overlapped_ms"], None),
     ]
     for name, value, ref in rows:
         print(f"{name:32} {value:12.1f} {'' if ref is None else f'{ref:12.1f}':>12}")

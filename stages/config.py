@@ -45,9 +45,6 @@ class DiffusionConfig:
     devices: list[str] = field(default_factory=list)  # one per TP rank; empty = ``device`` for every rank
     seed: int = 0
     fp8_cache: bool | None = None  # FP8 e4m3 ring; None: on CUDA devices (the CPU keeps the model's dtype)
-    # The module body's overlapped GEMM + all-reduce at the steady shape (TP > 1; the fused FP8 step
-    # refuses it). Off: measured slower than the GEMM then NCCL's all-reduce (docs/PERF.md).
-    fused_gemm_allreduce: bool = False
     threads: int | None = None  # CPU intra-op threads; None: half the cores (decode runs beside it)
     graphed_step: bool = True  # CUDA: the fused FP8 step as CUDA graphs, on every TP rank (model/step.py)
     gathered_attention: bool | None = None  # full window: dequantise + cuDNN SDPA; None = step.GATHERED_BY_DEFAULT

@@ -92,7 +92,6 @@ class DiffusionStage(Stage):
         self.fp8 = self.device.startswith("cuda") if config.fp8_cache is None else config.fp8_cache
         self.graphed, self.gathered = config.graphed_step, config.gathered_attention
         self.devices = list(config.devices)  # per rank (pipeline/placement.py)
-        self.fused_all_reduce = config.fused_gemm_allreduce
         self.threads = cpu_threads(config.threads) if self.device == "cpu" else None
         self.epoch = 0
         self.first_chunk: int | None = None
@@ -135,7 +134,7 @@ class DiffusionStage(Stage):
             devices = self.devices or (
                 [self.device] * self.tp if self.device == "cpu" else [f"cuda:{i}" for i in range(self.tp)])
             self.generator = TPGenerator(self.cfg, self.tp, devices, path, self.fp8, dtype, self.seed,
-                                         fused_gemm_all_reduce=self.fused_all_reduce, **step)
+                                         **step)
         else:
             from charstream.model.generator import Generator
 

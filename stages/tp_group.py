@@ -48,7 +48,6 @@ class RankSpec:
     fused: bool  # the step's fused FP8 body
     graphed: bool | None  # the fused body as CUDA graphs (None: whenever fused on CUDA)
     prefer_gathered: bool
-    fused_rows: int | None  # module body: steady-state rows for the overlapped GEMM + all-reduce; None = off
 
 
 def _backend(device: str) -> str:
@@ -64,10 +63,6 @@ def _join(spec: RankSpec, rank: int) -> Generator:
                             timeout=timedelta(seconds=60))
     gen = Generator(spec.cfg, spec.weights, device, dist.group.WORLD, spec.dtype, spec.fp8_cache, seed=spec.seed,
                     fused=spec.fused, graphed=spec.graphed, prefer_gathered=spec.prefer_gathered)
-    if spec.fused_rows is not None:
-        from charstream.model.tp import fuse_output_all_reduce
-
-        gen.fused_all_reduce = fuse_output_all_reduce(gen.model, spec.fused_rows)
     return gen
 
 
@@ -119,23 +114,17 @@ class TPGenerator:
         fused: bool | None = None,
         graphed: bool | None = None,
         prefer_gathered: bool = GATHERED_BY_DEFAULT,
-        fused_gemm_all_reduce: bool = False,
     ) -> None:
-        """``fused``, ``graphed``, ``prefer_gathered``: as ``Generator`` takes them, for every rank.
-        ``fused_gemm_all_reduce``: the module body's overlapped output projection (model/tp.py)."""
+        """``fused``, ``graphed``, ``prefer_gathered``: as ``Generator`` takes them, for every rank."""
         cfg.validate(world)
         devices = devices or ["cpu"] * world
         if len(devices) != world:
             raise ValueError(f"TP world {world} needs {world} devices, got {devices}")
         os.environ.update(NO_MULTICAST)
         fused = fused_by_default(devices[0], dtype, fp8_cache) if fused is None else fused
-        if fused and fused_gemm_all_reduce:
-            raise ValueError("the overlapped GEMM + all-reduce (fused_gemm_allreduce) replaces the module body's "
-                             "output projection; the fused FP8 step has its own (GEMM, then the all-reduce)")
-        fused_rows = cfg.tokens_per_step if fused_gemm_all_reduce else None
         self.spec = RankSpec(cfg, world, tuple(devices), f"tcp://127.0.0.1:{_free_port()}",
                              str(weights) if weights else None, fp8_cache, dtype, seed, fused, graphed,
-                             prefer_gathered, fused_rows)
+                             prefer_gathered)
         ctx = mp.get_context("spawn")
         self.workers = [ctx.Process(target=_worker, args=(r, self.spec, os.getpid()), daemon=True,
                                     name=f"diffusion-tp{r}") for r in range(1, world)]
