@@ -242,6 +242,8 @@ async def wait_for_client(client, peer, end_index: int, timeout: float = CLIENT_
         return
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if peer.state == "closed":  # the session ended (a stage died): nothing more will reach the client
+            return
         first = peer.video.start.index  # both tracks start at this output frame
         last_video = client.video[-1] if client.video else None  # appended by the client's thread
         video = peer.video.frame_index(last_video.rtp) if last_video is not None else None

@@ -9,6 +9,9 @@ import glob
 import json
 import os
 import signal
+import subprocess
+import sys
+import threading
 import time
 
 import psutil
@@ -102,3 +105,29 @@ def test_a_killed_or_frozen_model_process_ends_its_session_clearly_and_others_ke
     assert out["exited"] and out["exited_after"] < DETECT_S, out  # a frozen process is killed, too
     assert out["released"] and out["others_exited"] and out["orphans"] == [] and out["leaked_shm"] == set(), out
     assert out["bystander_alive"] and out["bystander_frames_after"] >= 18, out  # 24 fps went on
+
+
+def test_the_demo_exits_soon_after_a_stage_death(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "charstream", "demo", "--placement", "processes", "--turns", "2",
+                             "--out", str(tmp_path), "--verbose"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        pids = None
+        for line in proc.stderr:  # the JSON log: the stage processes' pids once the session started
+            if '"session_started"' in line:
+                pids = json.loads(line)["pids"]
+                break
+        assert pids, "the demo's session never started"
+        threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep the pipe drained
+        time.sleep(2.0)  # streaming
+        os.kill(pids["diffusion"], signal.SIGKILL)
+        hit = time.monotonic()
+        out, _ = proc.communicate(timeout=60)
+        took = time.monotonic() - hit
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1 and "the session failed: stage 'diffusion'" in out and "killed by signal SIGKILL" in out
+    assert "had not caught up" not in out  # it did not wait out the client's catch-up time (15 s)
+    assert took < 10, f"the demo exited {took:.1f} s after its diffusion process died"
