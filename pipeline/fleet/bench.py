@@ -50,6 +50,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the JSON report (the table goes to stderr)")
 
 
+async def first_frames(client: FleetClient, frames: int = 24, timeout: float = 120.0) -> None:
+    """Wait for ``frames`` video frames; a session that ends first fails the step with its reason."""
+    video = asyncio.create_task(client.media.wait_for_video(frames, timeout))
+    ended = asyncio.create_task(client.ended_event.wait())
+    await asyncio.wait([video, ended], return_when=asyncio.FIRST_COMPLETED)
+    ended.cancel()
+    if not video.done():
+        video.cancel()
+        raise RuntimeError(f"session {client.session_id} ended before its first frames: {client.ended}")
+    video.result()
+
+
 async def run_step(url: str, door, count: int, seconds: float) -> dict:
     clients = [FleetClient(url, KEY) for _ in range(count)]
     try:
@@ -58,7 +70,7 @@ async def run_step(url: str, door, count: int, seconds: float) -> dict:
         except FullError as e:
             return {"sessions": count, "refused": str(e)}
         await asyncio.gather(*(c.connect() for c in clients))
-        await asyncio.gather(*(c.media.wait_for_video(24, timeout=120) for c in clients))
+        await asyncio.gather(*(first_frames(c) for c in clients))
         await asyncio.sleep(2.0)  # past the start: every session's clock running
         await door.refresh_figures()
         start = {s.session_id: (s.played_s, (s.average_fps or 0.0) * s.played_s) for s in door.sessions.values()}
