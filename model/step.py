@@ -54,10 +54,10 @@ from charstream.model.fp8_linear import Fp8Linear
 from charstream.model.rope import frame_positions
 from charstream.model.sampler import sample, seeded_noise
 
-# The ring attention's launch options on an H200 (block shapes, pipelining, FP8 or fp16 products):
-# the fastest correct entry of the bench's sweep (docs/gpu-notes.md); kernels/ring_attention.py's
-# defaults are the same shapes.
-ATTENTION_OPTIONS = {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 2, "qk_fp8": False}
+# The ring attention's launch options (block shapes, pipelining, FP8 or fp16 products): none, so the
+# kernel's own defaults serve -- the H200 sweep's best (0.153 ms per TP=3 call against 0.170 with the
+# 64-row blocks this used to pin: docs/PERF.md, issue 14, run 4).
+ATTENTION_OPTIONS: dict = {}
 # The gathered (cuDNN) attention once the window is full: faster on the H200 in run 3 (132.5 vs
 # 149.9 ms per TP=3 step) with its GPU tests passing (docs/gpu-runs/2026-11-29-run3-*).
 GATHERED_BY_DEFAULT = True
