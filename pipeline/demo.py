@@ -64,6 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="OTLP/HTTP traces endpoint for --otel otlp (default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus metrics (step time, playout depth, underruns, fps) on this port")
+    parser.add_argument("--metrics-host", default="127.0.0.1", help="the metrics listener's address")
     parser.add_argument("--verbose", action="store_true", help="structured logs (info) on stderr")
 
 
@@ -151,6 +152,7 @@ def plan(args: argparse.Namespace) -> DemoPlan:
     config.tracing.otel_exporter = args.otel
     config.tracing.otlp_endpoint = args.otlp_endpoint
     config.tracing.prometheus_port = args.metrics_port
+    config.tracing.prometheus_host = args.metrics_host
     config.ingest.script = script
     # In-process, the user is scripted (and heard by the recogniser); with --serve the browser's
     # user talks to the built-in agent.
@@ -274,9 +276,10 @@ async def run_demo(args: argparse.Namespace) -> int:
         sessions.append(session)
         ready.set()
 
-    if demo.config.tracing.prometheus_port:
-        serve_metrics(demo.config.tracing.prometheus_port)
-        print(f"metrics on http://127.0.0.1:{demo.config.tracing.prometheus_port}/metrics")
+    tracing = demo.config.tracing
+    if tracing.prometheus_port is not None:
+        serve_metrics(tracing.prometheus_port, tracing.prometheus_host)
+        print(f"metrics on http://{tracing.prometheus_host}:{tracing.prometheus_port}/metrics")
     server = EgressServer(demo.config.egress, session_factory(demo.config, demo.weights, on_session))
     url = await server.start()
     client = None

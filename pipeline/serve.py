@@ -2,6 +2,7 @@
 
     charstream serve [--source pipeline|testcard] [--adapter listening|zmq|...] [--out DIR]
                      [--port 8080] [--codec VP8|H264] [--config FILE] [--cluster auto|ADDRESS]
+                     [--metrics-port 9464 [--metrics-host 127.0.0.1]]
 
 It prints a one-time link to the page (``/?code=...``: the page trades the code for the server
 key, so the key never lands in a URL; with ``--key`` you may also type the key into the page);
@@ -29,6 +30,7 @@ from pathlib import Path
 import structlog
 from charstream.pipeline.config import PipelineConfig
 from charstream.stages.egress.server import CODECS, EgressServer, SessionFactory
+from charstream.stages.metrics import serve_metrics
 
 from charstream.logs import configure_logging
 
@@ -47,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, help="listen port (default from config: 8080; 0 picks a free one)")
     parser.add_argument("--codec", choices=sorted(CODECS), help="video codec (default from config: VP8)")
     parser.add_argument("--key", help="server key the page must present (default: random, printed)")
+    parser.add_argument("--metrics-port", type=int,
+                        help="serve Prometheus metrics on this port (default from config: tracing.prometheus_port)")
+    parser.add_argument("--metrics-host", help="the metrics listener's address (default from config: 127.0.0.1)")
     parser.add_argument("--gpus", metavar="LAYOUT",
                         help="GPU layout of each session: diffusion TP ranks + decoder, e.g. 3+1, 4+1, 6+1 "
                              "(pipeline/placement.py); sets devices and spawns one process per rank; "
@@ -69,6 +74,10 @@ def load_config(args: argparse.Namespace) -> PipelineConfig:
     for name in ("host", "port", "codec"):
         if getattr(args, name) is not None:
             setattr(config.egress, name, getattr(args, name))
+    if args.metrics_port is not None:
+        config.tracing.prometheus_port = args.metrics_port
+    if args.metrics_host is not None:
+        config.tracing.prometheus_host = args.metrics_host
     if args.gpus and args.cluster:
         config.fleet.layout = args.gpus  # placed on a node, not here
     elif args.gpus:
@@ -112,6 +121,11 @@ async def write_session_report(session, directory: Path) -> None:
 async def serve(config: PipelineConfig, source: str, key: str | None, cluster: str | None = None,
                 out: Path | None = None) -> None:
     configure_logging()
+    tracing = config.tracing
+    if tracing.prometheus_port is not None:  # before any session spawns its stage processes
+        serve_metrics(tracing.prometheus_port, tracing.prometheus_host)
+        print(f"charstream serve: metrics on http://{tracing.prometheus_host}:{tracing.prometheus_port}/metrics",
+              flush=True)
     if cluster is None:
         server = EgressServer(config.egress, make_factory(source, config, out), access_key=key)
     else:

@@ -39,6 +39,7 @@ from charstream.stages.egress.testcard import CardSource
 from charstream.stages.ingest.adapters import PUSH_ADAPTERS, AgentAdapter
 from charstream.stages.ingest.push import PushAdapter
 from charstream.stages.ingest.stage import IngestStage
+from charstream.stages.metrics import forget_processes
 from charstream.stages.playout import PlayoutOutput, PlayoutStage
 from charstream.stages.tracing import TurnRecord, TurnTracer
 
@@ -138,6 +139,8 @@ class LiveSession:
             if self.link is not None:  # the page is told why its session ended, and its connection closed
                 await self.link.end((result.error or result.ended_by) if result is not None else "the session failed")
             self.tracer.close(error=error)
+            if result is not None:
+                forget_processes(result.processes.values())  # their series end with the session
             self.output.close()
             self.user_audio.close()
             self.done.set()

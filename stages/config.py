@@ -92,7 +92,8 @@ class TracingConfig:
     # none | console | otlp | memory; None: the host's TracerProvider if it set one, else the OTEL_* environment
     otel_exporter: str | None = None
     otlp_endpoint: str | None = None  # None: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / _ENDPOINT (default localhost:4318)
-    prometheus_port: int | None = None
+    prometheus_port: int | None = None  # serve Prometheus metrics on this port (None: not served)
+    prometheus_host: str = "127.0.0.1"  # the metrics listener's address (loopback unless configured)
 
 
 def cpu_threads(configured: int | None) -> int:

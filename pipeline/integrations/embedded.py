@@ -24,6 +24,7 @@ from typing import Any
 from charstream.pipeline.config import PipelineConfig
 from charstream.stages.ingest.adapters import PUSH_ADAPTERS
 from charstream.stages.ingest.push import PushAdapter
+from charstream.stages.metrics import serve_metrics
 from charstream.stages.playout import PlayoutClosed, ReleasedFrame
 
 
@@ -39,7 +40,12 @@ class EmbeddedSession:
         self.adapter: PushAdapter = self.live.push_adapter
 
     async def start(self, timeout_s: float = 120.0) -> None:
-        """Start the session; returns once every stage is set up (raises if the session failed)."""
+        """Start the session; returns once every stage is set up (raises if the session failed).
+        With ``tracing.prometheus_port`` set, metrics are served (once per process; a host that
+        serves its own registers ``charstream.stages.metrics.collector()`` instead)."""
+        tracing = self.live.config.tracing
+        if tracing.prometheus_port is not None:
+            serve_metrics(tracing.prometheus_port, tracing.prometheus_host)
         self.live.start()
         started = asyncio.create_task(self.live.runner.started.wait())
         ended = asyncio.create_task(self.live.done.wait())
