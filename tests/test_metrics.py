@@ -74,7 +74,7 @@ def test_a_scrape_sees_step_time_from_the_stage_processes():
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert child.stdout.readline().strip() == "started"
-        deadline, families = time.monotonic() + 60, {}
+        deadline, families = time.monotonic() + 120, {}
         while time.monotonic() < deadline and step_count(families, "scraped") < 3:
             time.sleep(0.5)
             families = scrape(port)
@@ -107,7 +107,11 @@ def test_serve_honours_the_configured_metrics_port(tmp_path):
         assert listening_addresses(port) == {"0100007F"}
     finally:
         server.terminate()
-        server.wait(10)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
 
 
 def test_a_host_registry_takes_our_collector():

@@ -33,6 +33,7 @@ from pipecat.frames.frames import (  # noqa: E402
     UserStoppedSpeakingFrame,
     VADUserStoppedSpeakingFrame,
 )
+from pipecat.observers.base_observer import BaseObserver, FramePushed  # noqa: E402
 from pipecat.observers.user_bot_latency_observer import UserBotLatencyObserver  # noqa: E402
 from pipecat.pipeline.pipeline import Pipeline  # noqa: E402
 from pipecat.pipeline.worker import PipelineParams, PipelineWorker  # noqa: E402
@@ -49,16 +50,19 @@ VAD_STOP_SECS = 0.2
 CHUNK_S = 0.04  # the output transport's audio chunks (TransportParams.audio_out_10ms_chunks = 4)
 
 
-class Recorder(FrameProcessor):
-    """After the output transport: what it sent (its audio chunks) and its bot-speaking frames."""
+class Recorder(BaseObserver):
+    """What the output transport sends (its audio chunks) and its bot-speaking frames, in the order it
+    pushes them (an observer: a processor after it would see its system frames jump the queue)."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.transport = None
         self.events: list[tuple[float, str]] = []  # (time, "speech" | "quiet" | "silence" | "started" | "stopped")
-        self.errors: list[ErrorFrame] = []
 
-    async def process_frame(self, frame, direction: FrameDirection) -> None:
-        await super().process_frame(frame, direction)
+    async def on_push_frame(self, data: FramePushed) -> None:
+        frame = data.frame
+        if data.source is not self.transport or data.direction != FrameDirection.DOWNSTREAM:
+            return
         if isinstance(frame, SpeechOutputAudioRawFrame):
             # "speech" as the transport judges it (is_silence: a level threshold); "quiet": sound under it
             if not is_silence(frame.audio):
@@ -70,7 +74,6 @@ class Recorder(FrameProcessor):
             self.events.append((time.time(), "started"))
         elif isinstance(frame, BotStoppedSpeakingFrame):
             self.events.append((time.time(), "stopped"))
-        await self.push_frame(frame, direction)
 
     def count(self, kind: str, start: int = 0) -> int:
         return sum(1 for _, k in self.events[start:] if k == kind)
@@ -135,16 +138,23 @@ def pipecat_run():
     def last(kind: str) -> int:
         return max((i for i, (_, k) in enumerate(recorder.events) if k == kind), default=-1)
 
+    def sounded(start: int) -> int:
+        return recorder.count("speech", start) + recorder.count("quiet", start)
+
+    async def listen_for(seconds: float) -> None:
+        """Until the transport has sent this much silence from now on (counted, not timed: a loaded
+        machine sends it late, not less of it)."""
+        start = len(recorder.events)
+        await until(lambda: recorder.count("silence", start) >= seconds / CHUNK_S, 60)
+
     async def settle() -> None:
-        """Until the transport says the bot stopped after its last speech, and a second has passed with
-        no speech (longer than the pauses inside a reply)."""
-        await until(lambda: last("stopped") > last("speech") and time.time() - recorder.events[last("speech")][0] > 1,
-                    60)
+        """Until the transport says the bot stopped after its last speech, then a second of silence."""
+        await until(lambda: last("stopped") > max(last("speech"), last("quiet")), 60)
+        await listen_for(1.0)
 
     async def conversation(worker, service):
         assert await until(lambda: recorder.count("silence") >= 1 / CHUNK_S, 120), "no frames reached the transport"
-        marks["idle_start"] = len(recorder.events)
-        await asyncio.sleep(1.0)  # idle, listening: no bot speech
+        await listen_for(1.0)  # idle, listening: no bot speech
         marks["reply1"] = len(recorder.events)
         # the user's turn, as Pipecat's VAD and turn strategy report it, then the bot's answer
         await worker.queue_frames([UserStartedSpeakingFrame(),
@@ -154,9 +164,10 @@ def pipecat_run():
         await until(lambda: recorder.count("speech", marks["reply1"]) > 0, 60)
         # the user speaks over the bot; the pipeline's strategies do not interrupt (no InterruptionFrame)
         await worker.queue_frames([UserStartedSpeakingFrame(), UserStoppedSpeakingFrame()])
+        await until(lambda: sounded(marks["reply1"]) >= (first_s - 0.4) / CHUNK_S, 60)  # heard in full (asserted)
         await settle()
         marks["idle2"] = len(recorder.events)
-        await asyncio.sleep(1.0)
+        await listen_for(1.0)
         marks["reply2"] = len(recorder.events)
         await worker.queue_frames([TTSStartedFrame(), *second, TTSStoppedFrame()])
         await until(lambda: recorder.count("speech", marks["reply2"]) >= 1 / CHUNK_S, 60)  # a second into the reply
@@ -178,8 +189,9 @@ def pipecat_run():
         async def on_latency(_observer, seconds):
             latencies.append(seconds)
 
-        worker = PipelineWorker(Pipeline([catcher, service, transport.output(), recorder]),
-                                params=PipelineParams(), observers=[observer], enable_rtvi=False,
+        recorder.transport = transport.output()
+        worker = PipelineWorker(Pipeline([catcher, service, recorder.transport]),
+                                params=PipelineParams(), observers=[observer, recorder], enable_rtvi=False,
                                 idle_timeout_secs=None)
         runner = WorkerRunner(handle_sigint=False)
         await runner.add_workers(worker)
@@ -201,7 +213,7 @@ def test_the_transport_sees_the_character_speak_around_each_reply_and_never_whil
     recorder, catcher, _, marks = pipecat_run
     assert not catcher.errors
     idle = _kinds(recorder, 0, marks["reply1"]) + _kinds(recorder, marks["idle2"], marks["reply2"])
-    assert idle.count("silence") * CHUNK_S >= 1.5 and not {"speech", "quiet", "started", "stopped"} & set(idle)
+    assert idle.count("silence") * CHUNK_S >= 2 and not {"speech", "quiet", "started", "stopped"} & set(idle)
     for start, end in ((marks["reply1"], marks["idle2"]), (marks["reply2"], None)):
         reply = _kinds(recorder, start, end)
         first_speech, last_speech = reply.index("speech"), len(reply) - 1 - reply[::-1].index("speech")
