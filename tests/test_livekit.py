@@ -169,9 +169,9 @@ def test_playback_starts_at_the_speech_and_its_position_is_the_speech_duration(l
     started = [(t, ev) for t, kind, ev in events if kind == "started"]
     finished = [(t, ev) for t, kind, ev in events if kind == "finished"]
     assert len(started) == 2 and len(finished) == 2  # one per segment: none while idle, none twice
-    first_audio_at, first_audio = next((t, f) for t, f in out if isinstance(f, rtc.AudioFrame))
+    (first_at, first_audio), (second_at, _) = [(t, f) for t, f in out if isinstance(f, rtc.AudioFrame)][:2]
     assert np.frombuffer(first_audio.data, np.int16).any()  # the first counted frame is speech
-    assert abs(started[0][0] - first_audio_at) < 0.1
+    assert first_at <= started[0][0] <= second_at  # reported for that very frame
     ev = finished[0][1]
     assert not ev.interrupted
     assert ev.playback_position == pytest.approx(marks["first_s"], abs=FRAME_S)
@@ -207,7 +207,7 @@ def test_the_avatar_worker_exits_when_the_room_goes():
     async def main():
         room = StandInRoom()
         task = asyncio.create_task(example.serve_avatar(room, QueueAudioOutput(), PipelineConfig(), "gone"))
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.5)  # starting (or serving): the room may go at any time
         assert not task.done()
         room.connected = False
         room.emit("disconnected", "room deleted")

@@ -184,16 +184,8 @@ class CharstreamVideoGenerator(VideoGenerator):
 async def serve_avatar(room: rtc.Room, audio_recv: AudioReceiver, config: PipelineConfig, session_id: str,
                        agent_identity: str | None = None) -> str:
     """Render the character in ``room`` until the room disconnects, ``agent_identity`` leaves, or the
-    session ends; returns why it stopped."""
+    session ends (a room that goes while the session starts counts too); returns why it stopped."""
     config.ingest.adapter = "livekit"
-    session = EmbeddedSession(config, session_id)
-    await session.start()
-    model = get_preset(config.preset)
-    runner = AvatarRunner(
-        room, audio_recv=audio_recv, video_gen=CharstreamVideoGenerator(session),
-        options=AvatarOptions(video_width=model.width, video_height=model.height, video_fps=VIDEO_FPS,
-                              audio_sample_rate=TIMELINE_RATE, audio_channels=1),
-    )
     loop = asyncio.get_running_loop()
     gone: asyncio.Future[str] = loop.create_future()
 
@@ -210,7 +202,21 @@ async def serve_avatar(room: rtc.Room, audio_recv: AudioReceiver, config: Pipeli
 
     room.on("disconnected", on_disconnected)
     room.on("participant_disconnected", on_participant_disconnected)
+    session = EmbeddedSession(config, session_id)
+    runner: AvatarRunner | None = None
     try:
+        starting = asyncio.ensure_future(session.start())
+        await asyncio.wait({starting, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if gone.done():
+            starting.cancel()
+            return gone.result()
+        starting.result()  # a session that failed to start raises here
+        model = get_preset(config.preset)
+        runner = AvatarRunner(
+            room, audio_recv=audio_recv, video_gen=CharstreamVideoGenerator(session),
+            options=AvatarOptions(video_width=model.width, video_height=model.height, video_fps=VIDEO_FPS,
+                                  audio_sample_rate=TIMELINE_RATE, audio_channels=1),
+        )
         await runner.start()
         complete = asyncio.ensure_future(runner.wait_for_complete())
         complete.add_done_callback(lambda _: finish("the avatar runner finished"))
@@ -218,5 +224,6 @@ async def serve_avatar(room: rtc.Room, audio_recv: AudioReceiver, config: Pipeli
     finally:
         room.off("disconnected", on_disconnected)
         room.off("participant_disconnected", on_participant_disconnected)
-        await runner.aclose()
+        if runner is not None:
+            await runner.aclose()
         await session.stop("livekit avatar stopped")
