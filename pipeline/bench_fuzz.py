@@ -6,6 +6,9 @@ Targets (each served by the real component in a background event loop of this pr
   SLOT, HELLO with slot geometries, BEAT, BYE, garbage) built from valid encodings mutated at
   every level (``codec_frames``); on ipc it owns real shared-memory blocks, writes slots and
   sometimes truncates its block under a reference (the SIGBUS path).
+* **agent** — the external-agent socket (``ExternalAgent``, docs/AGENTS.md): its messages with
+  hostile versions, types, turns, formats, rates, channel counts and payloads (odd sizes, NaN/inf
+  float audio, over a second), garbage frames; the probe is a whole valid turn.
 * **http** — the signaling server (``EgressServer``): raw HTTP/1.1 requests on fresh connections,
   every endpoint, hostile Host/key/length headers and bodies (deep JSON, long numbers, garbage),
   requests that stop half-way.
@@ -18,7 +21,7 @@ right to one), escapes (the pump's last-resort handler, an exception out of the 
 hangs (a probe or response not back within ``HANG_S``), crashes (the run itself dying is one: the
 components run in this process), RSS growth and valid messages delivered / sent.
 
-    charstream bench fuzz --inputs 100000 --targets ipc,tcp,http --out bench-fuzz.json
+    charstream bench fuzz --inputs 100000 --targets ipc,tcp,http,agent --out bench-fuzz.json
 """
 
 from __future__ import annotations
@@ -483,8 +486,136 @@ class HttpTarget:
         self._loop.close()
 
 
+# --- the external-agent socket ---------------------------------------------------------------------
+
+AGENT_TYPES = ["hello", "ping", "turn_start", "audio", "audio", "audio", "turn_end", "bye", "pong", "", "welcome"]
+AGENT_VALUES = [None, True, 1.0, 0, -1, 2**63, 2**64 - 1, "", "x" * 1000, "\udcff", [], {}, [1], {"a": 1}, 1.5,
+                float("nan"), b"\x00"]
+
+
+def agent_message(rng: random.Random, data: bytes) -> list[bytes]:
+    """One message an agent could send (docs/AGENTS.md), valid or hostile at any field or frame."""
+    if rng.random() < 0.1:  # not a protocol message at all
+        return [data, *([data[:7]] if rng.random() < 0.3 else [])]
+    kind = rng.choice(AGENT_TYPES)
+
+    def pick(valid: list[Any], hostile: list[Any]) -> Any:  # mostly valid, so the checks behind get reached
+        return rng.choice(valid) if rng.random() < 0.8 else rng.choice(hostile)
+
+    header: dict[Any, Any] = {"v": pick([1], [True, 1.0, 2, None, "1"]), "type": kind,
+                              "turn": pick([7, "t-1", None], AGENT_VALUES)}
+    if kind == "audio":
+        header["format"] = pick(["s16le", "f32le"], ["mulaw", [], {}, None, 3])
+        header["rate"] = pick([16_000, 48_000, 96_000, 8_000], [12_345, 0, -16_000, True, 16_000.0, "16000", 2**63])
+        header["channels"] = pick([1, 2], [0, 3, True, -1, 2**40, "1", [], 1.0])
+    if kind == "turn_end" and rng.random() < 0.5:
+        header["reason"] = pick(["done", "interrupted"], AGENT_VALUES)
+    for _ in range(rng.choice([0, 0, 0, 1, 2])):
+        header[rng.choice(["v", "type", "turn", "format", "rate", "channels", "reason", "agent", 1, "x"])] = \
+            rng.choice(AGENT_VALUES)
+    frames = [msgpack.packb(header, unicode_errors="surrogateescape")]
+    if kind == "audio" or rng.random() < 0.1:
+        samples = rng.choice([320, 320, 960, 16_001, 17_000, 0, 1])  # 16_001 s16 samples at 16 kHz: over 1 s
+        payload = rng.choice([
+            np.zeros(samples, np.int16).tobytes(), np.full(samples, np.nan, np.float32).tobytes(),
+            np.full(samples, np.inf, np.float32).tobytes(), data, data[:-1] if data else b"\x01",
+        ])
+        frames.append(payload)
+        if rng.random() < 0.05:
+            frames.append(data)
+    return frames
+
+
+class AgentTarget:
+    """The external-agent socket (``ExternalAgent``, tcp on loopback) and its event stream."""
+
+    def __init__(self) -> None:
+        from charstream.stages.config import IngestConfig
+        from charstream.stages.ingest.external import ExternalAgent
+
+        self.agent = ExternalAgent(IngestConfig(zmq_dead_after_s=3600), endpoint="tcp://127.0.0.1:0")
+        self.counts = {"accepted": 0, "wrongly_accepted": 0, "bad": 0, "disconnects": 0, "hangs": 0,
+                       "probes_delivered": 0, "probes_sent": 0}
+        self.escapes: list[str] = []
+        self.wrong_examples: list[str] = []
+        self._probe_turns: set[Any] = set()
+        self._loop = _Loop()
+        self._loop.call(self.agent.start())
+        self._consumer = asyncio.run_coroutine_threadsafe(self._consume(), self._loop.loop)
+        self._ctx = zmq.Context()
+        self.rogue = self._ctx.socket(zmq.DEALER)
+        self.rogue.linger = 0
+        self.rogue.connect(self.agent.bound_endpoint)
+
+    async def _consume(self) -> None:
+        from charstream.stages.ingest.adapters import (
+            AgentAudioFrame,
+            AgentDisconnected,
+            AgentError,
+            AgentTurnEnd,
+        )
+
+        try:
+            async for event in self.agent.events():
+                if isinstance(event, AgentError):
+                    self.counts["bad"] += 1
+                elif isinstance(event, AgentDisconnected):
+                    self.counts["disconnects"] += 1
+                elif isinstance(event, AgentTurnEnd) and event.turn_ref in self._probe_turns:
+                    self.counts["probes_delivered"] += 1
+                elif getattr(event, "turn_ref", None) not in self._probe_turns:
+                    self.counts["accepted"] += 1
+                    ok = event.turn_ref is None or type(event.turn_ref) in (int, str)
+                    if isinstance(event, AgentAudioFrame):
+                        ok = ok and event.samples.dtype.kind in "if" and bool(np.isfinite(event.samples).all()) \
+                            and 1 <= event.channels <= 2 and event.samples.size / event.channels / event.sample_rate <= 1
+                    if isinstance(event, AgentTurnEnd):
+                        ok = ok and isinstance(event.reason, str)
+                    if not ok:
+                        self.counts["wrongly_accepted"] += 1
+                        if len(self.wrong_examples) < 3:
+                            self.wrong_examples.append(repr(event)[:200])
+        except Exception as e:  # the event stream died: ingest would have lost its agent for good
+            self.escapes.append(f"events: {type(e).__name__}: {e}")
+
+    def send(self, rng: random.Random, data: bytes) -> None:
+        self.rogue.send_multipart(agent_message(rng, data))
+        while self.rogue.poll(0):  # welcome, error, pong: read and ignore
+            self.rogue.recv_multipart()
+
+    def probe(self) -> bool:
+        """A valid turn (hello, turn_start, one 20 ms frame, turn_end) whose end must come out."""
+        self.counts["probes_sent"] += 1
+        turn = f"probe-{self.counts['probes_sent']}"
+        self._probe_turns.add(turn)
+        pack = msgpack.packb
+        for frames in ([pack({"v": 1, "type": "hello", "agent": "probe"})], [pack({"v": 1, "type": "turn_start", "turn": turn})],
+                       [pack({"v": 1, "type": "audio", "turn": turn, "format": "s16le", "rate": 16_000}),
+                        np.zeros(320, np.int16).tobytes()],
+                       [pack({"v": 1, "type": "turn_end", "turn": turn})]):
+            self.rogue.send_multipart(frames)
+        deadline = time.monotonic() + HANG_S
+        while self.counts["probes_delivered"] < self.counts["probes_sent"] and time.monotonic() < deadline:
+            while self.rogue.poll(0):
+                self.rogue.recv_multipart()
+            time.sleep(0.0005)
+        self._probe_turns.discard(turn)
+        return self.counts["probes_delivered"] == self.counts["probes_sent"]
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.counts, "escapes": len(self.escapes), "escape_examples": self.escapes[:3],
+                "wrong_examples": self.wrong_examples}
+
+    def close(self) -> None:
+        self._consumer.cancel()
+        self._loop.call(self.agent.close())
+        self._loop.close()
+        self.rogue.close()
+        self._ctx.term()
+
+
 TARGETS: dict[str, Callable[[], Any]] = {"ipc": lambda: ChannelTarget("ipc"), "tcp": lambda: ChannelTarget("tcp"),
-                                          "http": HttpTarget}
+                                          "http": HttpTarget, "agent": AgentTarget}
 
 
 def fuzz(target: Any, inputs: int, seed: int, probe_every: int) -> dict[str, Any]:
@@ -523,7 +654,7 @@ def table(report: dict[str, Any]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--inputs", type=int, default=100_000, help="generated inputs per target")
-    parser.add_argument("--targets", default="ipc,tcp,http")
+    parser.add_argument("--targets", default="ipc,tcp,http,agent")
     parser.add_argument("--seed", type=int, default=18)
     parser.add_argument("--probe-every", type=int, default=10, help="a valid message after every N inputs")
     parser.add_argument("--json", action="store_true", help="print the report as JSON (the table goes to stderr)")
