@@ -1,6 +1,8 @@
-"""Faults in a served session for real: the diffusion or decode process of a ``placement="processes"``
-session killed (SIGKILL) or frozen (SIGSTOP) while the page watches, beside a session that must
-keep streaming. The page and the log say which stage and why, within 2 s; nothing is left behind."""
+"""Faults for real: the diffusion or decode process of a served ``placement="processes"`` session
+killed (SIGKILL) or frozen (SIGSTOP) while the page watches, beside a session that must keep
+streaming (the page and the log say which stage and why within 2 s; nothing is left behind); the
+demo's diffusion process killed (the demo exits at once); an external agent process killed or
+frozen mid-turn (its turn ends within 2 s and the next agent is heard)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import sys
 import threading
 import time
 
+import anyio
 import psutil
 import pytest
 from charstream.pipeline.config import PipelineConfig
@@ -21,6 +24,9 @@ from charstream.pipeline.session import session_factory
 from charstream.stages.config import EgressConfig
 from charstream.stages.egress.client import EgressClient
 from charstream.stages.egress.server import EgressServer
+from ingest_support import Recorder
+from test_ingest_external import _ended, _run_until, _spawn
+from test_ingest_external import _stage as _agent_stage
 from waiting import until
 
 DETECT_S = 2.0
@@ -131,3 +137,35 @@ def test_the_demo_exits_soon_after_a_stage_death(tmp_path):
     assert proc.returncode == 1 and "the session failed: stage 'diffusion'" in out and "killed by signal SIGKILL" in out
     assert "had not caught up" not in out  # it did not wait out the client's catch-up time (15 s)
     assert took < 10, f"the demo exited {took:.1f} s after its diffusion process died"
+
+
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
+def test_an_agent_killed_or_frozen_mid_turn_ends_its_turn_and_the_character_listens_again(fault):
+    stage, rec = _agent_stage(), Recorder()  # the default zmq_dead_after_s: a frozen agent is found by silence
+    procs, timing = [], {}
+
+    async def clients(stage):
+        endpoint = stage.adapter.bound_endpoint
+        procs.append(_spawn(endpoint, "--line", "I will stop in the middle of this rather long sentence of mine.",
+                            "--pause", "0.1"))
+        while not rec.audio(1):
+            await anyio.sleep(0.02)
+        os.kill(procs[0].pid, getattr(signal, fault))
+        hit = time.monotonic()
+        while not _ended(rec, 1):
+            await anyio.sleep(0.01)
+        timing["ended_after"] = time.monotonic() - hit
+        procs.append(_spawn(endpoint, "--line", "I am the new agent.", "--pause", "0.1"))
+
+    try:
+        anyio.run(_run_until, stage, rec, lambda: _ended(rec, 2), clients)
+        procs[1].communicate(timeout=10)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()  # the frozen agent (SIGKILL ends a stopped process too)
+            proc.wait(timeout=5)
+    assert timing["ended_after"] < DETECT_S, timing
+    errors = [e for e in rec.log_events("error") if "mid-turn" in e.get("problem", "")]
+    assert len(errors) == 1 and errors[0]["turn_id"] == 1, rec.log_events("error")
+    assert len(rec.audio(2)) > 0  # back to listening: the next agent's turn was heard
