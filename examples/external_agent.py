@@ -24,6 +24,8 @@ from charstream.pipeline.integrations.agent_client import ExternalAgentClient
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--endpoint", default="tcp://127.0.0.1:5790")
+    parser.add_argument("--session", default=None,
+                        help="the session token to join (serve prints it); default: the oldest session waiting")
     parser.add_argument("--line", action="append", help="a line to speak (repeat for several turns)")
     parser.add_argument("--rate", type=int, default=24_000, help="sample rate to send at")
     parser.add_argument("--format", default="s16le", choices=["s16le", "f32le"])
@@ -33,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--linger", type=float, default=0.2, help="seconds to stay connected at the end")
     args = parser.parse_args(argv)
     lines = args.line or ["Hello! I am an external agent, speaking through charstream."]
-    agent = ExternalAgentClient(args.endpoint, args.rate, args.format, args.voice)
+    agent = ExternalAgentClient(args.endpoint, args.rate, args.format, args.voice, session=args.session)
     asyncio.run(agent.run(lines, args.pause, args.wait_for_user, args.linger))
     return 0
 

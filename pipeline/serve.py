@@ -30,6 +30,7 @@ from pathlib import Path
 import structlog
 from charstream.pipeline.config import PipelineConfig
 from charstream.stages.egress.server import CODECS, EgressServer, SessionFactory
+from charstream.stages.ingest.external import AgentHub
 from charstream.stages.metrics import serve_metrics
 
 from charstream.logs import configure_logging
@@ -88,18 +89,23 @@ def load_config(args: argparse.Namespace) -> PipelineConfig:
     return config
 
 
-def make_factory(source: str, config: PipelineConfig, out: Path | None = None) -> SessionFactory:
+def make_factory(source: str, config: PipelineConfig, out: Path | None = None,
+                 agent_hub: AgentHub | None = None) -> SessionFactory:
     from charstream.pipeline.session import LiveSession, session_factory
 
     reports: set[asyncio.Task] = set()
 
     def on_session(session: LiveSession) -> None:
+        if session.agent_token is not None:
+            print(f"charstream serve: session {session.session_id} waits for an agent at {agent_hub.bound_endpoint} "
+                  f"(hello with session={session.agent_token}, or without one to take the oldest waiting)", flush=True)
         if out is not None:
             task = asyncio.create_task(write_session_report(session, out / session.session_id))
             reports.add(task)
             task.add_done_callback(reports.discard)
 
-    return session_factory(config, on_session=on_session, testcard=source == "testcard", out_dir=out)
+    return session_factory(config, on_session=on_session, testcard=source == "testcard", out_dir=out,
+                           agent_hub=agent_hub)
 
 
 async def write_session_report(session, directory: Path) -> None:
@@ -126,8 +132,12 @@ async def serve(config: PipelineConfig, source: str, key: str | None, cluster: s
         serve_metrics(tracing.prometheus_port, tracing.prometheus_host)
         print(f"charstream serve: metrics on http://{tracing.prometheus_host}:{tracing.prometheus_port}/metrics",
               flush=True)
+    agent_hub = None
     if cluster is None:
-        server = EgressServer(config.egress, make_factory(source, config, out), access_key=key)
+        if config.ingest.adapter == "zmq" and source == "pipeline":  # one agent socket for every session
+            agent_hub = AgentHub(config.ingest)
+            await agent_hub.start()
+        server = EgressServer(config.egress, make_factory(source, config, out, agent_hub), access_key=key)
     else:
         from charstream.pipeline.fleet.frontdoor import FrontDoor, join_cluster
 
@@ -146,6 +156,8 @@ async def serve(config: PipelineConfig, source: str, key: str | None, cluster: s
     finally:
         print("charstream serve: stopping", flush=True)
         await server.stop()
+        if agent_hub is not None:
+            await agent_hub.close()
 
 
 def run(args: argparse.Namespace) -> int:

@@ -37,6 +37,7 @@ from charstream.stages.egress.server import SessionFactory, SessionMedia
 from charstream.stages.egress.stage import EgressStage, PeerLink
 from charstream.stages.egress.testcard import CardSource
 from charstream.stages.ingest.adapters import PUSH_ADAPTERS, AgentAdapter
+from charstream.stages.ingest.external import AgentHub, ExternalAgent
 from charstream.stages.ingest.push import PushAdapter
 from charstream.stages.ingest.stage import IngestStage
 from charstream.stages.metrics import forget_processes
@@ -91,11 +92,13 @@ class LiveSession:
     """A running session: its runner ``Session``, tracer, playout output and peer link.
 
     ``peer=False``: no browser (a framework reads ``output`` itself), so no egress node. ``testcard``:
-    the test card's graph (True, or the card's ``Node``) instead of the model's."""
+    the test card's graph (True, or the card's ``Node``) instead of the model's. ``agent_hub``: the
+    server's shared agent socket, which a ``zmq`` session's external agent joins (with the
+    session's ``agent_token``) instead of binding one of its own."""
 
     def __init__(self, config: PipelineConfig, session_id: str, weights: str | None = "packaged",
                  on_turn: Callable[[TurnRecord], None] | None = None, *, peer: bool = True,
-                 testcard: bool | Node = False) -> None:
+                 testcard: bool | Node = False, agent_hub: AgentHub | None = None) -> None:
         self.config = config
         self.session_id = session_id
         self.tracer = TurnTracer(session_id, config.tracing, on_turn=on_turn)
@@ -103,6 +106,7 @@ class LiveSession:
         self.user_audio = UserAudioQueue(config.egress.user_audio_queue_frames)
         self.link = PeerLink() if peer else None
         self.push_adapter: PushAdapter | None = None
+        self.agent_token: str | None = None
         if testcard:
             card = testcard if isinstance(testcard, Node) else None
             graph = testcard_graph(config, self.output, self.tracer, self.user_audio, self.link, card)
@@ -110,7 +114,11 @@ class LiveSession:
             mic = None if config.ingest.adapter == "scripted" else self.user_audio  # the scripted agent is its own user
             # Frameworks that own the conversation push into the session's adapter (EmbeddedSession).
             self.push_adapter = PushAdapter() if config.ingest.adapter in PUSH_ADAPTERS else None
-            graph = build_graph(config, self.output, self.tracer, mic, self.push_adapter, weights, self.link)
+            agent: AgentAdapter | None = self.push_adapter
+            if agent_hub is not None and config.ingest.adapter == "zmq":
+                agent = ExternalAgent(config.ingest, session_id, hub=agent_hub)
+                self.agent_token = agent.token
+            graph = build_graph(config, self.output, self.tracer, mic, agent, weights, self.link)
         self.runner = Session(graph, config, session_id, handle_signals=False)
         self.result: SessionResult | None = None
         self.done = asyncio.Event()
@@ -166,7 +174,8 @@ class LiveSession:
 
 def session_factory(config: PipelineConfig, weights: str | None = "packaged",
                     on_session: Callable[[LiveSession], Any] | None = None,
-                    testcard: bool | Node = False, out_dir: Path | None = None) -> SessionFactory:
+                    testcard: bool | Node = False, out_dir: Path | None = None,
+                    agent_hub: AgentHub | None = None) -> SessionFactory:
     """An egress ``SessionFactory``: each new peer gets its own ``LiveSession``. Its trace goes to
     ``out_dir/<session>/trace.jsonl`` when ``out_dir`` is given, else to the config's file (own
     name when several sessions share a config: ``<stem>-<session>.jsonl`` after the first).
@@ -184,7 +193,7 @@ def session_factory(config: PipelineConfig, weights: str | None = "packaged",
             stem, _, ext = path.rpartition(".")
             session_config.tracing.jsonl_path = f"{stem}-{session_id}.{ext}" if stem else f"{path}-{session_id}"
         started += 1
-        session = LiveSession(session_config, session_id, weights, testcard=testcard)
+        session = LiveSession(session_config, session_id, weights, testcard=testcard, agent_hub=agent_hub)
         sessions[session_id] = session
         session.start()
         session._task.add_done_callback(lambda _: sessions.pop(session_id, None))

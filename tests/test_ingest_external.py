@@ -273,3 +273,61 @@ def test_curve_agent_socket_lets_in_only_known_agents():
 
     answers = anyio.run(main)
     assert answers == {"known": "welcome"}  # the stranger's hello never arrived
+
+
+def test_sessions_share_one_agent_endpoint_told_apart_by_token():
+    """Two sessions' ExternalAgents on one AgentHub: each agent's hello names its session's token
+    (or none: the oldest session still waiting); each session hears only its own agent's turns, an
+    unknown token is refused, and every agent's messages reach the right ingest."""
+    from charstream.stages.ingest.external import AgentHub
+
+    config = IngestConfig(adapter="zmq", zmq_endpoint="tcp://127.0.0.1:0")
+
+    async def main():
+        hub = AgentHub(config)
+        await hub.start()
+        agents = [ExternalAgent(config, f"s{i}", hub=hub) for i in range(3)]
+        seen: dict[str, list] = {a.session_id: [] for a in agents}
+        replies = {}
+        try:
+            for agent in agents:
+                await agent.start()
+
+            async def pump(agent):
+                async for event in agent.events():
+                    seen[agent.session_id].append(event)
+
+            async with anyio.create_task_group() as tg:
+                for agent in agents:
+                    tg.start_soon(pump, agent)
+                context = zmq.asyncio.Context.instance()
+                hellos = {"stranger": "not-a-token", "second": agents[1].token, "first": None, "third": None}
+                sockets = {}
+                for name, token in hellos.items():
+                    socket = sockets[name] = context.socket(zmq.DEALER)
+                    socket.setsockopt(zmq.LINGER, 0)
+                    socket.connect(hub.bound_endpoint)
+                    hello = {"v": 1, "type": "hello", "agent": name} | ({"session": token} if token else {})
+                    await socket.send_multipart([msgpack.packb(hello)])
+                    with anyio.fail_after(5):
+                        replies[name] = msgpack.unpackb((await socket.recv_multipart())[0])
+                for turn, name in enumerate(("first", "second", "third")):
+                    await sockets[name].send_multipart([msgpack.packb({"v": 1, "type": "turn_start", "turn": turn})])
+                with anyio.fail_after(5):
+                    while sum(len(v) for v in seen.values()) < 3:
+                        await anyio.sleep(0.02)
+                for socket in sockets.values():
+                    socket.close(linger=0)
+                tg.cancel_scope.cancel()
+        finally:
+            for agent in agents:
+                await agent.close()
+            await hub.close()
+        return hub, replies, seen
+
+    hub, replies, seen = anyio.run(main)
+    assert replies["stranger"] == {"type": "error", "detail": "unknown session token", "v": 1}
+    assert all(replies[n]["type"] == "welcome" for n in ("first", "second", "third"))
+    # the tokenless hellos took the sessions still waiting, oldest first; the named one its own
+    assert [[e.turn_ref for e in seen[s]] for s in ("s0", "s1", "s2")] == [[0], [1], [2]]
+    assert hub.unrouted == 1 and hub.dropped == 0

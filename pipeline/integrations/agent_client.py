@@ -35,7 +35,8 @@ class ExternalAgentClient:
     on stdout)."""
 
     def __init__(self, endpoint: str, rate: int = 24_000, fmt: str = "s16le", voice: str = "en+f3",
-                 on_event: Callable[..., None] | None = None) -> None:
+                 on_event: Callable[..., None] | None = None, session: str | None = None) -> None:
+        self.session = session  # the session token to join; None: the oldest session waiting for an agent
         self.on_event = on_event or say
         self.socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -98,7 +99,10 @@ class ExternalAgentClient:
     async def run(self, lines: list[str], pause_s: float, wait_for_user: bool, linger_s: float) -> None:
         tasks = [asyncio.create_task(self.receive()), asyncio.create_task(self.keep_alive())]
         try:
-            await self.send({"type": "hello", "agent": "charstream.ExternalAgentClient"})
+            hello = {"type": "hello", "agent": "charstream.ExternalAgentClient"}
+            if self.session is not None:
+                hello["session"] = self.session
+            await self.send(hello)
             await asyncio.wait_for(self.welcomed.wait(), 10)
             for turn, text in enumerate(lines):
                 if wait_for_user:

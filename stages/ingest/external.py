@@ -4,11 +4,19 @@ charstream (``IngestConfig.adapter = "zmq"``).
 charstream binds a ROUTER at ``IngestConfig.zmq_endpoint``; the agent connects a DEALER, says
 ``hello``, then sends ``turn_start`` / ``audio`` (+ one raw PCM frame) / ``turn_end``; charstream sends
 back ``welcome``, ``user_speech_start`` / ``user_speech_end`` (from its VAD), ``interrupt`` (barge-in)
-and ``error``. One agent at a time: a new ``hello`` replaces the previous agent. An agent silent for
-``zmq_dead_after_s`` (it should ``ping`` when it has nothing to say) is disconnected.
+and ``error``. One agent per session: a new ``hello`` for it replaces the previous agent. An agent
+silent for ``zmq_dead_after_s`` (it should ``ping`` when it has nothing to say) is disconnected.
 
-Backpressure: the socket is read only when ingest asks for the next event, and its receive queue is
-bounded (``RECEIVE_HWM``), so an agent sending faster than ingest takes blocks in its own ``send``.
+Many sessions, one endpoint: an ``AgentHub`` owns the socket and hands each message to its session
+(``serve`` makes one and gives it to every session's ``ExternalAgent``). Each session has a secret
+``token``; a ``hello`` carrying ``"session": token`` joins that session, a ``hello`` without one
+joins the oldest session still waiting for an agent. An ``ExternalAgent`` given no hub makes one of
+its own (one session).
+
+Backpressure: the socket's receive queue is bounded (``RECEIVE_HWM``); each session's queue holds at
+most ``SESSION_QUEUE`` messages and ``SESSION_QUEUE_BYTES``: an agent that runs further ahead of
+its session (ingest paces speech to real time) gets an ``error`` for each message dropped (counted
+in ``AgentHub.dropped``), and other sessions never wait for it.
 
 Limits: a message part larger than ``MAX_MESSAGE_BYTES`` makes ZeroMQ drop the connection before it
 is read (memory stays bounded: 256 × 1 MiB at most); an ``audio`` frame longer than
@@ -19,10 +27,14 @@ public keys are in ``zmq_curve_agents`` get through the handshake.
 
 from __future__ import annotations
 
+import asyncio
+import secrets
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
 import msgpack
 import numpy as np
 import zmq
@@ -48,6 +60,8 @@ from charstream.timeline import TIMELINE_RATE
 PROTOCOL_VERSION = 1
 FORMATS = {"s16le": np.dtype("<i2"), "f32le": np.dtype("<f4")}
 RECEIVE_HWM = 256  # messages queued in the socket (~5 s of 20 ms frames)
+SESSION_QUEUE = 512  # messages waiting for one session's ingest (~10 s of 20 ms frames)
+SESSION_QUEUE_BYTES = 16 << 20
 MAX_MESSAGE_BYTES = 1 << 20  # per message part: 1 s of 96 kHz stereo float32 is 768 KB
 MAX_FRAME_S = 1.0  # audio per message; 20 ms is what the protocol recommends
 POLL_S = 0.1
@@ -57,17 +71,20 @@ class ProtocolError(ValueError):
     """A message that breaks docs/AGENTS.md; the text is sent back to the agent."""
 
 
-class ExternalAgent:
-    name = "zmq"
+class AgentHub:
+    """The agent socket of this process, shared by the sessions' ``ExternalAgent``s."""
 
-    def __init__(self, config: IngestConfig | None = None, session_id: str = "", endpoint: str | None = None) -> None:
+    def __init__(self, config: IngestConfig | None = None, endpoint: str | None = None) -> None:
         self.config = config or IngestConfig()
         self.endpoint = endpoint or self.config.zmq_endpoint  # "tcp://127.0.0.1:0" binds a free port
         self._socket: zmq.asyncio.Socket | None = None
-        self._peer: bytes | None = None
-        self._last_heard = 0.0
         self._auth: AsyncioAuthenticator | None = None
+        self._reader: asyncio.Task | None = None
+        self._sessions: dict[str, ExternalAgent] = {}  # by token, in registration order
+        self._peers: dict[bytes, ExternalAgent] = {}  # agent connection -> its session
         self.bound_endpoint: str | None = None
+        self.dropped = 0  # messages refused because their session's queue was full
+        self.unrouted = 0  # messages for no session (unknown token, no hello, no session waiting)
 
     async def start(self) -> None:
         context = zmq.asyncio.Context.instance()
@@ -91,16 +108,127 @@ class ExternalAgent:
         socket.bind(endpoint)
         self._socket = socket
         self.bound_endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._reader = asyncio.get_running_loop().create_task(self._read(), name="agent-hub")
+
+    def register(self, agent: ExternalAgent) -> None:
+        self._sessions[agent.token] = agent
+
+    def unregister(self, agent: ExternalAgent) -> None:
+        self._sessions.pop(agent.token, None)
+        for peer in [p for p, a in self._peers.items() if a is agent]:
+            del self._peers[peer]
+
+    async def _read(self) -> None:
+        while True:
+            frames = await self._socket.recv_multipart()
+            peer, frames = frames[0], frames[1:]
+            agent = self._route(peer, frames)
+            if agent is None:
+                continue
+            size = sum(map(len, frames))
+            if len(agent.inbox) >= SESSION_QUEUE or agent.inbox_bytes + size > SESSION_QUEUE_BYTES:
+                self.dropped += 1
+                await self.send(peer, {"type": "error", "detail": "message dropped: this session is "
+                                       f"{len(agent.inbox)} messages behind (send speech at real-time pace)"})
+                continue
+            agent.deliver(peer, frames, size)
+
+    def _route(self, peer: bytes, frames: list[bytes]) -> ExternalAgent | None:
+        """The session a message is for: a hello's token (or the oldest session waiting for an
+        agent), else the session the connection said hello to. None: answered with an error here."""
+        try:
+            header = msgpack.unpackb(frames[0], raw=False) if frames else None
+        except Exception:  # garbage: the connection's session (if any) answers it
+            header = None
+        if isinstance(header, dict) and header.get("type") == "hello":
+            token = header.get("session")
+            if token is not None:
+                agent = self._sessions.get(token) if isinstance(token, str) else None
+                problem = None if agent is not None else "unknown session token"
+            else:  # the connection's own session again, else the oldest one waiting for an agent
+                agent = self._peers.get(peer) or next((a for a in self._sessions.values() if a.peer is None), None)
+                problem = None if agent is not None else "no session is waiting for an agent"
+            if agent is None:
+                self.unrouted += 1
+                asyncio.get_running_loop().create_task(self.send(peer, {"type": "error", "detail": problem}))
+                return None
+            previous = self._peers.get(peer)
+            if previous is not None and previous is not agent:  # the connection moves to another session
+                previous.deliver(peer, [msgpack.packb({"v": PROTOCOL_VERSION, "type": "bye"})], 0)
+            self._peers[peer] = agent
+            return agent
+        agent = self._peers.get(peer)
+        if agent is None:
+            self.unrouted += 1
+            asyncio.get_running_loop().create_task(self.send(peer, {"type": "error", "detail": (
+                "say hello first (with your session token, or none to join a waiting session)")}))
+        return agent
+
+    async def send(self, peer: bytes, message: dict[str, Any]) -> None:
+        if self._socket is None:
+            return
+        message["v"] = PROTOCOL_VERSION
+        await self._socket.send_multipart([peer, msgpack.packb(message)])
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+            self._reader = None
+        if self._socket is not None:
+            self._socket.close(linger=0)
+            self._socket = None
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+
+
+class ExternalAgent:
+    name = "zmq"
+
+    def __init__(self, config: IngestConfig | None = None, session_id: str = "", endpoint: str | None = None,
+                 hub: AgentHub | None = None) -> None:
+        self.config = config or IngestConfig()
+        self.session_id = session_id
+        self.token = secrets.token_urlsafe(16)  # what an agent's hello names this session by
+        self._hub = hub
+        self._own_hub = hub is None  # made in start(), closed in close()
+        self._endpoint = endpoint
+        self.inbox: deque[tuple[bytes, list[bytes]]] = deque()  # filled by the hub, bounded there
+        self.inbox_bytes = 0
+        self._arrived = asyncio.Event()
+        self.peer: bytes | None = None  # the agent connected to this session
+        self._last_heard = 0.0
+
+    @property
+    def bound_endpoint(self) -> str | None:
+        return self._hub.bound_endpoint if self._hub is not None else None
+
+    async def start(self) -> None:
+        if self._own_hub:
+            self._hub = AgentHub(self.config, self._endpoint)
+            await self._hub.start()
+        self._hub.register(self)
+
+    def deliver(self, peer: bytes, frames: list[bytes], size: int) -> None:
+        """A message for this session (called by the hub)."""
+        self.inbox.append((peer, frames))
+        self.inbox_bytes += size
+        self._arrived.set()
 
     async def events(self) -> AsyncIterator[AgentEvent]:
-        socket = self._socket
         while True:
-            if await socket.poll(POLL_S * 1000, zmq.POLLIN):
-                frames = await socket.recv_multipart()
-                for event in await self._on_message(frames[0], frames[1:]):
+            if not self.inbox:
+                self._arrived.clear()
+                with anyio.move_on_after(POLL_S):
+                    await self._arrived.wait()
+            if self.inbox:
+                peer, frames = self.inbox.popleft()
+                self.inbox_bytes -= sum(map(len, frames))
+                for event in await self._on_message(peer, frames):
                     yield event
-            elif self._peer is not None and time.monotonic() - self._last_heard > self.config.zmq_dead_after_s:
-                self._peer = None
+            elif self.peer is not None and time.monotonic() - self._last_heard > self.config.zmq_dead_after_s:
+                self.peer = None
                 yield AgentDisconnected(f"agent silent for more than {self.config.zmq_dead_after_s} s")
 
     async def _on_message(self, peer: bytes, frames: list[bytes]) -> list[AgentEvent]:
@@ -110,7 +238,7 @@ class ExternalAgent:
             kind = header["type"]
             if kind == "hello":
                 return await self._hello(peer, header)
-            if peer != self._peer:
+            if peer != self.peer:
                 raise ProtocolError(f"{kind!r} from an agent that has not said hello (or was replaced)")
             self._last_heard = time.monotonic()
             turn = _turn(header)
@@ -127,7 +255,7 @@ class ExternalAgent:
                     raise ProtocolError(f"'reason' must be a string, got {type(reason).__name__}")
                 return [AgentTurnEnd(turn, reason[:64])]
             if kind == "bye":
-                self._peer = None
+                self.peer = None
                 return [AgentDisconnected("agent said bye")]
             raise ProtocolError(f"unknown message type {kind!r}")
         except (ProtocolError, AudioFormatError) as e:
@@ -137,10 +265,10 @@ class ExternalAgent:
 
     async def _hello(self, peer: bytes, header: dict[str, Any]) -> list[AgentEvent]:
         events: list[AgentEvent] = []
-        if self._peer is not None and self._peer != peer:
-            await self._send(self._peer, {"type": "error", "detail": "replaced by another agent's hello"})
+        if self.peer is not None and self.peer != peer:
+            await self._send(self.peer, {"type": "error", "detail": "replaced by another agent's hello"})
             events.append(AgentDisconnected(f"replaced by agent {header.get('agent', '?')!r}"))
-        self._peer, self._last_heard = peer, time.monotonic()
+        self.peer, self._last_heard = peer, time.monotonic()
         await self._send(peer, {"type": "welcome", "timeline_rate": TIMELINE_RATE,
                                 "rates": list(SUPPORTED_RATES), "formats": list(FORMATS),
                                 "max_channels": MAX_CHANNELS, "dead_after_s": self.config.zmq_dead_after_s})
@@ -150,24 +278,23 @@ class ExternalAgent:
         pass  # the protocol carries no user audio (version 1): the agent hears the user's turns only
 
     async def notify(self, event: TurnEvent) -> None:
-        if event.kind in (TurnKind.USER_SPEECH_START, TurnKind.USER_SPEECH_END) and self._peer is not None:
-            await self._send(self._peer, {"type": event.kind.value, "turn": event.turn_id, "at": event.at})
+        if event.kind in (TurnKind.USER_SPEECH_START, TurnKind.USER_SPEECH_END) and self.peer is not None:
+            await self._send(self.peer, {"type": event.kind.value, "turn": event.turn_id, "at": event.at})
 
     async def interrupt(self, turn_ref: TurnRef) -> None:
-        if self._peer is not None:
-            await self._send(self._peer, {"type": "interrupt", "turn": turn_ref})
+        if self.peer is not None:
+            await self._send(self.peer, {"type": "interrupt", "turn": turn_ref})
 
     async def _send(self, peer: bytes, message: dict[str, Any]) -> None:
-        message["v"] = PROTOCOL_VERSION
-        await self._socket.send_multipart([peer, msgpack.packb(message)])
+        await self._hub.send(peer, message)
 
     async def close(self) -> None:
-        if self._socket is not None:
-            self._socket.close(linger=0)
-            self._socket = None
-        if self._auth is not None:
-            self._auth.stop()
-            self._auth = None
+        if self._hub is None:
+            return
+        self._hub.unregister(self)
+        if self._own_hub:
+            await self._hub.close()
+        self._hub = None
 
 
 class _AllowedAgents:
