@@ -79,9 +79,12 @@ def write_speech_wav(path: Path, text: str = SENTENCE, lead_s: float = LEAD_S, t
     return float(np.flatnonzero(np.abs(samples.astype(np.int32)) > 328)[-1] / rate)
 
 
-async def run_sessions(count: int, workdir: Path, timeout_s: float = 45.0, preset: str = "tiny") -> list[SessionResult]:
+async def run_sessions(count: int, workdir: Path, timeout_s: float = 45.0, preset: str = "tiny",
+                       out: Path | None = None) -> list[SessionResult]:
+    """``count`` sessions one after the other against ``serve``'s own session factory (``out``: its
+    ``--out DIR``)."""
     from charstream.pipeline.config import PipelineConfig
-    from charstream.pipeline.session import LiveSession, session_factory
+    from charstream.pipeline.serve import make_factory
     from charstream.stages.egress.server import EgressServer
     from playwright.async_api import async_playwright
 
@@ -89,8 +92,8 @@ async def run_sessions(count: int, workdir: Path, timeout_s: float = 45.0, prese
     write_speech_wav(wav)
     config = PipelineConfig(preset=preset)
     config.egress.port = 0
-    live: list[LiveSession] = []
-    server = EgressServer(config.egress, session_factory(config, on_session=live.append), access_key="bench-key")
+    factory = make_factory("pipeline", config, out)
+    server = EgressServer(config.egress, factory, access_key="bench-key")
     url = await server.start()
     results = []
     try:
@@ -98,17 +101,15 @@ async def run_sessions(count: int, workdir: Path, timeout_s: float = 45.0, prese
             browser = await p.chromium.launch(executable_path=CHROMIUM, headless=True, args=chromium_args(wav))
             try:
                 for index in range(count):
-                    results.append(await one_session(browser, url, server, live, index, timeout_s))
+                    results.append(await one_session(browser, url, server, factory.sessions, index, timeout_s))
             finally:
                 await browser.close()
     finally:
         await server.stop()
-        for session in live:
-            await session.stop("benchmark finished")
     return results
 
 
-async def one_session(browser, url: str, server, live: list, index: int, timeout_s: float) -> SessionResult:
+async def one_session(browser, url: str, server, live: dict, index: int, timeout_s: float) -> SessionResult:
     result = SessionResult(index)
     started = time.monotonic()
     context = await browser.new_context()
@@ -120,7 +121,7 @@ async def one_session(browser, url: str, server, live: list, index: int, timeout
         except Exception as e:  # playwright's TimeoutError: the session was deaf or never answered
             result.error = f"no answered turn in {timeout_s:.0f} s: {type(e).__name__}"
         state = await page.evaluate("window.charstream")
-        session = live[-1] if len(live) > index else None
+        session = next(reversed(live.values()), None)  # sessions run one at a time: the newest is this one
         if session is not None:
             result.mic_frames, result.mic_dropped = session.user_audio.received, session.user_audio.dropped
             # the page's turn message left after the tracer merged the turn's client stamp

@@ -6,6 +6,7 @@ import asyncio
 import os
 import shutil
 import tempfile
+import time
 import wave
 from pathlib import Path
 
@@ -120,12 +121,21 @@ def test_serve_default_hears_the_fake_microphone_and_answers():
     RTP timestamps + RTCP sender reports + the data channel's clock offset). Two consecutive
     sessions here; ``python -m charstream.pipeline.bench_mic_sessions`` runs 20 (docs/PERF.md)."""
     from charstream.pipeline.bench_mic_sessions import run_sessions, summarize
+    from charstream.stages.tracing import read_jsonl
 
     with tempfile.TemporaryDirectory() as tmp:
-        results = asyncio.run(run_sessions(2, Path(tmp)))
+        out = Path(tmp) / "out"
+        results = asyncio.run(run_sessions(2, Path(tmp), out=out))
+        for _ in range(100):  # serve --out writes each report once its session has ended
+            reports = sorted(out.glob("*/report.md"))
+            if len(reports) == 2 and all((r.parent / "waterfall.png").is_file() for r in reports):
+                break
+            time.sleep(0.1)
+        traces = [read_jsonl(r.parent / "trace.jsonl") for r in reports]
     summary = summarize(results)
     print(summary, [(r.heard, r.trace_total_ms, r.page_total_ms, r.stamps) for r in results])
     assert summary["deaf"] == 0 and summary["answered"] == 2, [r.error for r in results]
+    assert len(traces) == 2 and all(t[0]["heard"] and t[0]["answer"] and "vad" in t[0] for t in traces), traces
     for r in results:
         assert r.mic_dropped == 0 and r.heard and r.answer  # every word reached the recogniser
         assert r.stamps["user_speech_end"] < r.stamps["vad_speech_end"] < r.stamps["vad_decided"]

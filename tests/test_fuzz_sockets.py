@@ -58,8 +58,6 @@ def test_agent_socket_survives_any_message(agent, blob):
     assert agent.stats()["escapes"] == 0, agent.stats()["escape_examples"]
 
 
-@pytest.mark.xfail(strict=True, reason="float32 agent audio of NaN/inf is accepted (stages/ingest/external.py "
-                                       "checks format, rate, channels and length, not the values; issue 15's file)")
 def test_agent_socket_accepts_only_finite_audio():
     target = AgentTarget()
     try:

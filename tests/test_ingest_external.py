@@ -155,6 +155,8 @@ def test_killed_agent_ends_its_turn_and_a_new_agent_takes_over():
     ([msgpack.packb({"v": 1.0, "type": "turn_end", "turn": 5})], "protocol version 1.0"),
     ([msgpack.packb({"v": 1, "type": "audio", "turn": 5, "rate": 8_000, "format": "s16le"}), b"\0\0" * 8_001],
      "at most 1.0 s per message"),
+    ([msgpack.packb({"v": 1, "type": "audio", "turn": 5, "rate": 16_000, "format": "f32le"}),
+      np.array([0.1, np.nan, np.inf, 0.2], "<f4").tobytes()], "2 non-finite samples"),
 ])
 def test_malformed_messages_get_an_error_reply_and_are_logged(frames, problem):
     stage, rec = _stage(), Recorder()

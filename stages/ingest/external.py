@@ -353,4 +353,6 @@ def _audio_frame(header: dict[str, Any], frames: list[bytes]) -> AgentAudioFrame
     if seconds > MAX_FRAME_S:
         raise ProtocolError(f"audio frame of {seconds:.2f} s: at most {MAX_FRAME_S} s per message (20 ms recommended)")
     samples = np.frombuffer(payload, dtype).astype(dtype.newbyteorder("="))
+    if samples.dtype.kind == "f" and not (finite := np.isfinite(samples)).all():  # a broken agent: say so
+        raise ProtocolError(f"audio frame has {int((~finite).sum())} non-finite samples (NaN/inf)")
     return AgentAudioFrame(samples, rate, channels, _turn(header))
