@@ -2,11 +2,12 @@
 pipeline per session with the built-in agent, the browser's fake microphone playing espeak speech
 whose end is known.
 
-    python -m charstream.pipeline.bench_mic_sessions [--sessions 20] [--json mic-sessions.json]
+    python -m charstream.pipeline.bench_mic_sessions [--sessions 20] [--concurrent 1] [--json mic-sessions.json]
 
 Each session: a fresh browser context opens the page with ``autoconnect``; Chromium's fake capture
 device plays a WAV (``LEAD_S`` of silence, one sentence, then silence) as the microphone; the
-session is done when the page has the first answered turn (or after ``--timeout``). Per session it
+session is done when the page has the first answered turn (or after ``--timeout``).
+``--concurrent K`` runs them K at a time (each with its own pipeline and agent). Per session it
 records whether the user was heard (a traced turn with what the recogniser heard) and answered
 (the page saw the turn's first speaking frame), the trace's ``total`` (user's end of speech → first
 speaking frame presented, both on the page's clock through the server's mapping), the page's own
@@ -80,9 +81,9 @@ def write_speech_wav(path: Path, text: str = SENTENCE, lead_s: float = LEAD_S, t
 
 
 async def run_sessions(count: int, workdir: Path, timeout_s: float = 45.0, preset: str = "tiny",
-                       out: Path | None = None) -> list[SessionResult]:
-    """``count`` sessions one after the other against ``serve``'s own session factory (``out``: its
-    ``--out DIR``)."""
+                       out: Path | None = None, concurrent: int = 1) -> list[SessionResult]:
+    """``count`` sessions, ``concurrent`` at a time, against ``serve``'s own session factory
+    (``out``: its ``--out DIR``)."""
     from charstream.pipeline.config import PipelineConfig
     from charstream.pipeline.serve import make_factory
     from charstream.stages.egress.server import EgressServer
@@ -100,8 +101,10 @@ async def run_sessions(count: int, workdir: Path, timeout_s: float = 45.0, prese
         async with async_playwright() as p:
             browser = await p.chromium.launch(executable_path=CHROMIUM, headless=True, args=chromium_args(wav))
             try:
-                for index in range(count):
-                    results.append(await one_session(browser, url, server, factory.sessions, index, timeout_s))
+                for first in range(0, count, concurrent):
+                    batch = range(first, min(first + concurrent, count))
+                    results += await asyncio.gather(*(one_session(browser, url, server, factory.sessions, index,
+                                                                  timeout_s) for index in batch))
             finally:
                 await browser.close()
     finally:
@@ -121,7 +124,7 @@ async def one_session(browser, url: str, server, live: dict, index: int, timeout
         except Exception as e:  # playwright's TimeoutError: the session was deaf or never answered
             result.error = f"no answered turn in {timeout_s:.0f} s: {type(e).__name__}"
         state = await page.evaluate("window.charstream")
-        session = next(reversed(live.values()), None)  # sessions run one at a time: the newest is this one
+        session = live.get(state.get("sessionId"))
         if session is not None:
             result.mic_frames, result.mic_dropped = session.user_audio.received, session.user_audio.dropped
             # the page's turn message left after the tracer merged the turn's client stamp
@@ -137,7 +140,7 @@ async def one_session(browser, url: str, server, live: dict, index: int, timeout
             result.page_total_ms = turn.get("pageTotalMs")
         await page.click("#disconnect")
         for _ in range(50):
-            if not server.sessions:
+            if state.get("sessionId") not in server.sessions:
                 break
             await asyncio.sleep(0.1)
     finally:
@@ -167,11 +170,12 @@ def summarize(results: list[SessionResult]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", type=int, default=20)
+    parser.add_argument("--concurrent", type=int, default=1, help="sessions at a time")
     parser.add_argument("--timeout", type=float, default=45.0, help="seconds per session to the first answer")
     parser.add_argument("--json", default=None, help="write per-session results and the summary here")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        results = asyncio.run(run_sessions(args.sessions, Path(tmp), args.timeout))
+        results = asyncio.run(run_sessions(args.sessions, Path(tmp), args.timeout, concurrent=args.concurrent))
     print(f"{'#':>3} {'heard':<34} {'answered':>8} {'trace total':>12} {'page total':>11} {'diff':>6}")
     for r in results:
         diff = (f"{r.trace_total_ms - r.page_total_ms:+.0f}" if r.trace_total_ms is not None

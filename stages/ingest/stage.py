@@ -119,8 +119,9 @@ class IngestStage(Stage):
         self._last_turn: _AgentTurn | None = None
         self._speech_until = 0  # timeline sample where emitted agent speech ends
         self._wake = anyio.Event()  # set on barge-in: a pacing wait ends early
-        # (arrival time of the first sample, seconds, capture time or None) of recent mic frames
-        self._capture_map: deque[tuple[float, float, float | None]] = deque(maxlen=CAPTURE_MAP_FRAMES)
+        # (first sample's index in the mic stream, samples, its arrival time, its capture time or None)
+        self._capture_map: deque[tuple[int, int, float, float | None]] = deque(maxlen=CAPTURE_MAP_FRAMES)
+        self._mic_samples = 0  # samples of user audio fed so far
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -194,7 +195,8 @@ class IngestStage(Stage):
         if sample_rate != self._vad.sample_rate:
             self._protocol_error(f"user audio at {sample_rate} Hz; the VAD takes {self._vad.sample_rate} Hz", None)
             return
-        self._capture_map.append((at_wall_time, len(samples) / sample_rate, captured_at))
+        self._capture_map.append((self._mic_samples, len(samples), at_wall_time, captured_at))
+        self._mic_samples += len(samples)
         await self.adapter.hear(UserAudioFrame(samples, sample_rate, at_wall_time))
         try:
             events = self._vad.feed(samples, at_wall_time)
@@ -231,7 +233,7 @@ class IngestStage(Stage):
             if self._user_turn is None:  # VAD ends only what it started; defensive
                 return
             trace = self._traces.get(self._user_turn) or TraceContext(self._user_turn)
-            spoken = self._captured(event.at)
+            spoken = self._captured(event)
             trace.stamp("user_speech_end", spoken)
             trace.stamp("vad_speech_end", event.at)  # the same end dated on the arrival clock
             trace.stamp("vad_decided")
@@ -257,15 +259,18 @@ class IngestStage(Stage):
                                  TraceContext(turn_id)))
         await self.adapter.interrupt(turn.ref)
 
-    def _captured(self, arrival_time: float) -> float:
-        """``arrival_time`` (a VAD decision dated on the arrival clock) moved to the capture clock
-        through the mic frame that holds it; unchanged where the capture time is not known."""
-        for start, seconds, captured in reversed(self._capture_map):
-            if start <= arrival_time:
-                if captured is None or arrival_time > start + seconds + 1.0:  # not known, or a gap
-                    return arrival_time
-                return captured + (arrival_time - start)
-        return arrival_time
+    def _captured(self, event: VadEvent) -> float:
+        """When the user spoke ``event``'s sample of the mic stream, from the capture time of the
+        frame that holds it (by position, not by the arrival clock, which bunches frames up on a
+        busy machine); ``event.at`` where the capture time is not known."""
+        if event.sample is None:
+            return event.at
+        for start, count, _, captured in reversed(self._capture_map):
+            if start <= event.sample:
+                if captured is None or event.sample > start + count:  # not known, or older than the map
+                    return event.at
+                return captured + (event.sample - start) / self._vad.sample_rate
+        return event.at
 
     # --- agent events --------------------------------------------------------------------------
 

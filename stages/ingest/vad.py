@@ -87,6 +87,7 @@ class VadEvent:
     at: float  # wall clock: speech onset, or the back-dated end of speech
     detected_at: float  # wall clock of the end of the window that decided it
     probability: float  # the deciding window's speech probability
+    sample: int | None = None  # ``at`` as a position in the fed stream (input-rate samples from its start)
 
 
 class UserAudioVAD:
@@ -153,6 +154,10 @@ class UserAudioVAD:
         index, wall = self._anchor
         return wall + (sample - index) / VAD_RATE
 
+    def _input_sample(self, sample: int) -> int:
+        """16 kHz stream sample ``sample`` as an input-rate sample index."""
+        return round(sample * self.sample_rate / VAD_RATE)
+
     def _refined_end(self, began: int, last: int) -> int:
         """The 16 kHz sample just after the last one above the speech level, searched from
         MAX_DECAY_WINDOWS before window ``began`` to two windows after it; ``began``'s first sample
@@ -176,7 +181,8 @@ class UserAudioVAD:
                 self._run += 1
                 if self._run >= self.start_windows:
                     self._speaking, self._run, self._decay_start = True, 0, None
-                    return VadEvent(TurnKind.USER_SPEECH_START, self._wall(self._run_start), self._wall(i + 1), p)
+                    return VadEvent(TurnKind.USER_SPEECH_START, self._wall(self._run_start), self._wall(i + 1), p,
+                                    self._input_sample(self._run_start * WINDOW))
             else:
                 self._run = 0
             return None
@@ -196,5 +202,6 @@ class UserAudioVAD:
                 if self._decay_start is not None:  # at most MAX_DECAY_WINDOWS earlier: a decay, not quiet speech
                     began = max(min(self._decay_start, began), began - MAX_DECAY_WINDOWS)
                 end = self._refined_end(began, i) if self.refine_end else began * WINDOW
-                return VadEvent(TurnKind.USER_SPEECH_END, self._wall_sample(end), self._wall(i + 1), p)
+                return VadEvent(TurnKind.USER_SPEECH_END, self._wall_sample(end), self._wall(i + 1), p,
+                                self._input_sample(end))
         return None

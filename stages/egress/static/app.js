@@ -165,6 +165,7 @@ async function connect() {
       pc.addEventListener("icegatheringstatechange", () => pc.iceGatheringState === "complete" && resolve());
     });
     const answer = await postJSON("/offer", { token, sdp: pc.localDescription.sdp, type: "offer" });
+    state.sessionId = answer.session_id;
     await pc.setRemoteDescription(answer);
     watchFrames(video);
     $("disconnect").disabled = false;
