@@ -22,6 +22,7 @@ import os
 import shutil
 import tempfile
 import threading
+import warnings
 from collections.abc import Iterable, Iterator
 
 from prometheus_client import (
@@ -147,8 +148,12 @@ class SessionMetrics:
     def close(self, average_fps: float | None) -> None:
         if average_fps is not None:
             SESSION_FPS.observe(average_fps)
-        for metric in (STEP_SECONDS, PLAYOUT_DEPTH, UNDERRUNS, FPS):
-            try:
-                metric.remove(self.session_id)
-            except KeyError:  # the session never touched this series
-                pass
+        if recording_to_files():  # a stage process: its files go with it (forget_processes)
+            return
+        with warnings.catch_warnings():  # "not implemented in multi-process mode": this process's own series
+            warnings.simplefilter("ignore", UserWarning)
+            for metric in (STEP_SECONDS, PLAYOUT_DEPTH, UNDERRUNS, FPS):
+                try:
+                    metric.remove(self.session_id)
+                except KeyError:  # the session never touched this series
+                    pass

@@ -3,9 +3,11 @@
 included, on loopback; the child's series go with the session; ``serve`` honours the configured
 metrics port."""
 
+import queue
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -68,24 +70,41 @@ def listening_addresses(port: int) -> set[str]:
     return found
 
 
-def test_a_scrape_sees_step_time_from_the_stage_processes():
+def marker_lines(stream) -> queue.Queue:
+    """The script's own lines from its stdout, read as they come (its JSON logs share the pipe: an
+    unread pipe would fill and stall it)."""
+    lines: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        for line in stream:
+            if not line.startswith("{"):
+                lines.put(line)
+
+    threading.Thread(target=read, daemon=True).start()
+    return lines
+
+
+def test_a_scrape_sees_step_time_from_the_stage_processes(tmp_path):
     port = free_port()
+    log = tmp_path / "session.err"
     child = subprocess.Popen([sys.executable, "-c", EMBEDDED, str(port)], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                             stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
+    lines = marker_lines(child.stdout)
     try:
-        assert child.stdout.readline().strip() == "started"
+        assert lines.get(timeout=180).strip() == "started"
         deadline, families = time.monotonic() + 120, {}
         while time.monotonic() < deadline and step_count(families, "scraped") < 3:
             time.sleep(0.5)
             families = scrape(port)
-        assert step_count(families, "scraped") >= 3, "no step time from the diffusion process"
+        assert step_count(families, "scraped") >= 3, ("no step time from the diffusion process",
+                                                      log.read_text()[-3000:])
         assert families["process_cpu_seconds"][0].value > 0  # the serving process's own metrics
         assert families["process_resident_memory_bytes"][0].value > 0
         assert any(s.labels.get("session") == "scraped" for s in families["charstream_fps"])  # playout, here
         assert listening_addresses(port) == {"0100007F"}  # 127.0.0.1 only
         child.stdin.write("\n")
         child.stdin.flush()
-        stopped = child.stdout.readline().split()
+        stopped = lines.get(timeout=60).split()
         assert stopped[:2] == ["stopped", "True"] and "diffusion" in " ".join(stopped[2:]), stopped
         assert step_count(scrape(port), "scraped") == 0  # the ended session's series went with it
     finally:
