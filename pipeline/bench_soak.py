@@ -17,6 +17,7 @@ repeated), so the character talks through the whole model path without a microph
 
     charstream bench soak --sessions 200 --seconds 1 --out bench-soak-sessions.json
     charstream bench soak --minutes 30 --out bench-soak-session.json
+    charstream bench soak --sessions 20 --placement processes --out bench-soak-processes.json
 """
 
 from __future__ import annotations
@@ -201,6 +202,8 @@ def table(report: dict[str, Any]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--source", choices=["pipeline", "testcard"], default="pipeline")
+    parser.add_argument("--placement", choices=["inproc", "processes"], default="inproc",
+                        help="processes: diffusion and decode in processes of their own (ipc, shared-memory slots)")
     parser.add_argument("--sessions", type=int, help="sequential sessions (the per-session memory run)")
     parser.add_argument("--seconds", type=float, default=1.0, help="length of each of --sessions")
     parser.add_argument("--minutes", type=float, help="one session this long (the long-session run)")
@@ -215,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
     from charstream.stages.ingest.scripted import DEFAULT_SCRIPT
 
     configure_logging("error")
-    config = PipelineConfig()
+    config = PipelineConfig(placement=args.placement)
     config.egress = EgressConfig(port=0, max_sessions=2)
     # The scripted agent talks without a microphone; its script repeated, the character speaks all along.
     config.ingest.adapter = "scripted"
@@ -226,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         result = asyncio.run(soak_session(args.source, config, args.minutes, args.every))
     report = {
+        "placement": args.placement,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {psutil.cpu_count()} CPUs, {platform.platform()}",
         "commit": commit_id(),
