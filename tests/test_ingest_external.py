@@ -333,3 +333,53 @@ def test_sessions_share_one_agent_endpoint_told_apart_by_token():
     # the tokenless hellos took the sessions still waiting, oldest first; the named one its own
     assert [[e.turn_ref for e in seen[s]] for s in ("s0", "s1", "s2")] == [[0], [1], [2]]
     assert hub.unrouted == 1 and hub.dropped == 0
+
+
+def test_two_live_sessions_each_hear_their_own_agent_on_one_endpoint():
+    """Two full sessions (the tiny model, in-process) share the server's agent socket; two agent
+    processes' worth of clients join them by token; each session's ingest gets exactly its own
+    agent's speech (different lengths, so a mix-up shows)."""
+    import asyncio
+
+    from charstream.pipeline.config import PipelineConfig
+    from charstream.pipeline.integrations.agent_client import ExternalAgentClient
+    from charstream.pipeline.session import LiveSession
+    from charstream.stages.ingest.external import AgentHub
+
+    lines = {"a": "Hello from the first agent.", "b": "And this is the second agent, speaking a little longer."}
+
+    async def main():
+        config = PipelineConfig(preset="tiny")
+        config.ingest.adapter, config.ingest.zmq_endpoint = "zmq", "tcp://127.0.0.1:0"
+        hub = AgentHub(config.ingest)
+        await hub.start()
+        sessions = {name: LiveSession(config, f"s-{name}", peer=False, agent_hub=hub) for name in lines}
+        try:
+            for session in sessions.values():
+                session.start()
+            class Client(ExternalAgentClient):  # keeps what it sent (espeak's length varies by a few samples)
+                def pcm(self, text):
+                    self.sent = super().pcm(text)
+                    return self.sent
+
+            clients = {name: Client(hub.bound_endpoint, rate=24_000, on_event=lambda **_: None,
+                                    session=sessions[name].agent_token) for name in lines}
+            await asyncio.wait_for(asyncio.gather(*(
+                clients[name].run([lines[name]], pause_s=0.1, wait_for_user=False, linger_s=0.5)
+                for name in lines)), 60)
+            expected = {name: 2 * len(clients[name].sent) for name in lines}  # 24 -> 48 kHz
+            stats = {name: s.stages["ingest"].stats for name, s in sessions.items()}
+            for _ in range(100):  # the turn end's resampler flush may still be on its way downstream
+                if all(stats[name].samples_emitted == expected[name] for name in lines):
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            for session in sessions.values():
+                await session.stop("test over")
+            await hub.close()
+        return stats, expected
+
+    stats, expected = asyncio.run(main())
+    for name in lines:
+        assert stats[name].turns == 1 and stats[name].protocol_errors == 0
+        assert stats[name].samples_emitted == expected[name]  # every sample of its own agent, once

@@ -199,6 +199,8 @@ class ExternalAgent:
         self._arrived = asyncio.Event()
         self.peer: bytes | None = None  # the agent connected to this session
         self._last_heard = 0.0
+        if hub is not None:  # joinable from now: its agent's messages wait in the inbox until ingest reads
+            hub.register(self)
 
     @property
     def bound_endpoint(self) -> str | None:
@@ -208,7 +210,7 @@ class ExternalAgent:
         if self._own_hub:
             self._hub = AgentHub(self.config, self._endpoint)
             await self._hub.start()
-        self._hub.register(self)
+            self._hub.register(self)
 
     def deliver(self, peer: bytes, frames: list[bytes], size: int) -> None:
         """A message for this session (called by the hub)."""
