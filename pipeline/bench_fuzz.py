@@ -185,9 +185,17 @@ class _Loop:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def close(self) -> None:
+        self.call(self._cancel_rest())  # connections still lingering, for instance
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
         self.loop.close()
+
+    @staticmethod
+    async def _cancel_rest() -> None:
+        rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in rest:
+            task.cancel()
+        await asyncio.gather(*rest, return_exceptions=True)
 
 
 def _rss_mb() -> float:
@@ -401,6 +409,7 @@ class HttpTarget:
         self.wrong_examples: list[str] = []
         self.probe_failures: list[str] = []
         self._lock = threading.Lock()
+        self._slots = threading.Semaphore(HTTP_WORKERS)  # one per request in flight
         self.workers = concurrent.futures.ThreadPoolExecutor(HTTP_WORKERS)
 
     def _exchange(self, raw: bytes) -> int | None:
@@ -429,7 +438,8 @@ class HttpTarget:
         return int(response[9:12])
 
     def send(self, rng: random.Random, data: bytes) -> None:
-        """Queue one request on the worker pool (inputs overlap: slow ones must not serialise the run)."""
+        """Start one request on the worker pool (inputs overlap: slow ones must not serialise the run)."""
+        self._slots.acquire()
         self.workers.submit(self._one, *http_request(rng, data, self.port))
 
     def _one(self, raw: bytes, entitled: bool) -> None:
@@ -437,6 +447,8 @@ class HttpTarget:
             status = self._exchange(raw)
         except TimeoutError:
             status = "hang"
+        finally:
+            self._slots.release()
         with self._lock:
             if status == "hang":
                 self.counts["hangs"] += 1
@@ -458,9 +470,11 @@ class HttpTarget:
             await self.server.close_session(session_id, "fuzz")
 
     def probe(self) -> bool:
-        """A valid reservation after the queued inputs are answered (and the reservations released)."""
-        while self.workers._work_queue.qsize() > HTTP_WORKERS:
-            time.sleep(0.001)
+        """A valid reservation once every input so far is answered (and its reservations released)."""
+        for _ in range(HTTP_WORKERS):
+            self._slots.acquire()
+        for _ in range(HTTP_WORKERS):
+            self._slots.release()
         self._loop.call(self._release())
         self.counts["probes_sent"] += 1
         raw = (f"POST /session HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\nX-Charstream-Key: {KEY}\r\n"
