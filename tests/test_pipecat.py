@@ -5,8 +5,12 @@ character speak, turns complete with Pipecat's latency observer agreeing, user s
 interrupts nothing, an InterruptionFrame stops the character, a session that cannot start is fatal."""
 
 import asyncio
+import subprocess
+import sys
 import time
+from pathlib import Path
 
+import av
 import numpy as np
 import pytest
 
@@ -268,3 +272,17 @@ def test_a_session_that_cannot_start_ends_the_pipeline_saying_why(tmp_path):
     (error,) = catcher.errors
     assert "did not start" in error.error and "SafetensorError" in error.error, error.error
     assert not error.processor.is_usable
+
+
+def test_the_example_runs_to_completion_and_writes_the_character(tmp_path):
+    out = tmp_path / "pipecat-avatar.mp4"
+    example = Path(__file__).resolve().parents[1] / "examples" / "pipecat_avatar.py"
+    done = subprocess.run([sys.executable, str(example), "--line", "Hello from Pipecat.", "--out", str(out),
+                           "--seconds-after", "0.5"], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "wrote" in done.stdout
+    with av.open(str(out)) as container:
+        video = sum(1 for _ in container.decode(video=0))
+    with av.open(str(out)) as container:
+        audio = np.concatenate([f.to_ndarray().ravel() for f in container.decode(audio=0)])
+    assert video > 24 and np.abs(audio).max() > 0.01  # the character's frames and its speech
