@@ -219,12 +219,15 @@ def test_the_transport_sees_the_character_speak_around_each_reply_and_never_whil
     assert not catcher.errors
     idle = _kinds(recorder, 0, marks["reply1"]) + _kinds(recorder, marks["idle2"], marks["reply2"])
     assert idle.count("silence") * CHUNK_S >= 2 and not {"speech", "quiet", "started", "stopped"} & set(idle)
-    for start, end in ((marks["reply1"], marks["idle2"]), (marks["reply2"], None)):
+    for start, end, interrupted in ((marks["reply1"], marks["idle2"], False), (marks["reply2"], None, True)):
         reply = _kinds(recorder, start, end)
         first_speech, last_speech = reply.index("speech"), len(reply) - 1 - reply[::-1].index("speech")
         assert "started" in reply[:first_speech + 2]  # as the first speech is sent (it emits right after)
-        assert "stopped" in reply[last_speech:], (start, reply[last_speech - 5:last_speech + 30])  # 0.35 s after
-        assert reply.count("started") == reply.count("stopped")
+        states = [k for k in reply if k in ("started", "stopped")]
+        assert states[-1] == "stopped" and states.count("started") == states.count("stopped"), states
+        if not interrupted:  # BOT_VAD_STOP_SECS after the last speech (an interruption stops it at once,
+            # while the chunk being written still goes out)
+            assert "stopped" in reply[last_speech:], reply[last_speech - 5:last_speech + 30]
     assert marks["received"]["audio"] > 100 and marks["received"]["video"] > 24  # the peer got media
 
 
