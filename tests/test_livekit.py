@@ -18,7 +18,7 @@ pytest.importorskip("livekit.agents", reason="extra 'livekit' not installed (mak
 from charstream.model.config import get_preset  # noqa: E402
 from charstream.pipeline.config import PipelineConfig  # noqa: E402
 from charstream.pipeline.integrations.embedded import EmbeddedSession  # noqa: E402
-from charstream.pipeline.integrations.livekit import CharstreamVideoGenerator  # noqa: E402
+from charstream.pipeline.integrations.livekit import CharstreamVideoGenerator, serve_avatar  # noqa: E402
 from charstream.stages.ingest.resample import resample, to_int16  # noqa: E402
 from charstream.stages.ingest.tts import synthesize  # noqa: E402
 from livekit import rtc  # noqa: E402
@@ -244,3 +244,21 @@ def test_the_agent_side_plugin_mints_the_avatar_token_and_says_why_it_cannot_joi
         await avatar.aclose()
 
     asyncio.run(main())
+
+
+def test_the_avatar_worker_exits_when_its_agent_leaves():
+    class Leaving:
+        def __init__(self, identity: str) -> None:
+            self.identity = identity
+
+    async def main():
+        room = StandInRoom()
+        task = asyncio.create_task(serve_avatar(room, QueueAudioOutput(), PipelineConfig(), "left", "agent-1"))
+        await asyncio.sleep(0.5)
+        room.emit("participant_disconnected", Leaving("a-viewer"))  # someone else: the avatar stays
+        await asyncio.sleep(0.2)
+        assert not task.done()
+        room.emit("participant_disconnected", Leaving("agent-1"))
+        return await asyncio.wait_for(task, 60)
+
+    assert asyncio.run(main()) == "agent agent-1 left"
