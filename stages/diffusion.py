@@ -104,7 +104,7 @@ class DiffusionStage(Stage):
         self._log = ctx.log
         self.cfg.validate(self.tp)  # a bad TP size fails here, with the config's message
         self._limiter = anyio.CapacityLimiter(1)
-        self.metrics = SessionMetrics(ctx.session_id)  # this process's registry (pipeline/metrics.py)
+        self.metrics = SessionMetrics(ctx.session_id)  # scraped with the serving process (stages/metrics.py)
         path = await anyio.to_thread.run_sync(self._load, limiter=self._limiter)
         log = ctx.log.info if path else ctx.log.warning
         step = self.diffusion_step
