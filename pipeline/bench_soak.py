@@ -27,6 +27,7 @@ import asyncio
 import ctypes
 import gc
 import glob
+import math
 import platform
 import time
 from datetime import UTC, datetime
@@ -41,7 +42,7 @@ from charstream.stages.config import EgressConfig
 from charstream.logs import configure_logging
 from charstream.timeline import VIDEO_FPS
 
-SCRIPT_REPEATS = 100  # the built-in script's turns, over and over: hours of conversation
+MIN_TURN_S = 6.0  # a scripted turn (user line, think, reply, gap) takes longer than this
 WARMUP_FRACTION = 0.1  # sessions before the fit: caches, allocator arenas and lazy imports settle
 
 
@@ -159,6 +160,9 @@ async def soak_session(source: str, config: PipelineConfig, minutes: float, ever
 
     try:
         result = await harness.session(minutes * 60, every, on_sample)
+        last = sample()  # the session over, the server still up
+        malloc_trim()
+        trimmed = sample()
     finally:
         await harness.stop()
     playout = result["playout"]
@@ -172,6 +176,7 @@ async def soak_session(source: str, config: PipelineConfig, minutes: float, ever
         "fds_slope_per_min": round(slope(axis, [s["fds"] for s in fit]), 3),
         "threads_slope_per_min": round(slope(axis, [s["threads"] for s in fit]), 3),
         "shm_segments_max": max((s["shm_segments"] for s in samples), default=0),
+        "rss_after_session_mb": last["rss_mb"], "rss_after_malloc_trim_mb": trimmed["rss_mb"],
         "fps_held": playout["achieved_fps"], "underruns": playout["underruns"],
         "underrun_frames": playout["underrun_frames"], "frames_owed_by_clock": owed,
         "frames_released": playout["frames_released"], "frames_received": result["received"],
@@ -220,9 +225,12 @@ def run(args: argparse.Namespace) -> int:
     configure_logging("error")
     config = PipelineConfig(placement=args.placement)
     config.egress = EgressConfig(port=0, max_sessions=2)
-    # The scripted agent talks without a microphone; its script repeated, the character speaks all along.
+    # The scripted agent talks without a microphone; its script repeated, the character speaks all along
+    # (every line is synthesised up front: no more repeats than the run can use).
+    seconds = args.minutes * 60 if args.minutes is not None else args.seconds
+    repeats = max(1, math.ceil(seconds / (len(DEFAULT_SCRIPT) * MIN_TURN_S)))
     config.ingest.adapter = "scripted"
-    config.ingest.script = [{"user": line.user, "agent": line.agent} for line in DEFAULT_SCRIPT] * SCRIPT_REPEATS
+    config.ingest.script = [{"user": line.user, "agent": line.agent} for line in DEFAULT_SCRIPT] * repeats
     load_start = [round(x, 2) for x in psutil.getloadavg()]
     if args.sessions is not None:
         result = asyncio.run(soak_sessions(args.source, config, args.sessions, args.seconds))
