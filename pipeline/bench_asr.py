@@ -8,7 +8,7 @@ Each of the 16 sentences of ``bench_ingest`` (none of which is in the domain cor
 48 kHz (the microphone's rate), optionally mixed with white noise at 10 dB below the speech's
 power, and fed in 20 ms frames the way the built-in agent hears the microphone: silero-vad decides
 the utterance, the recogniser opens at the VAD's start with the agent's pre-roll, decodes while the
-audio arrives and is finalised at the VAD's end. Reported per language model and condition:
+audio arrives and is finalised at the VAD's end (``TurnRecognizer``: the agent's own code). Reported per language model and condition:
 
 - WER: (substitutions + deletions + insertions) / reference words, over all utterances;
 - time to final transcript after the end of speech = the VAD's detection delay (stream time from
@@ -22,9 +22,10 @@ import argparse
 import json
 import time
 
+import anyio
 import numpy as np
 from charstream.pipeline.bench_ingest import LINES, VOICES
-from charstream.stages.ingest.asr import LANGUAGE_MODELS, PREROLL_S, SpeechRecognizer
+from charstream.stages.ingest.asr import LANGUAGE_MODELS, SpeechRecognizer, TurnRecognizer
 from charstream.stages.ingest.domain_lm import corpus_lines, words
 from charstream.stages.ingest.resample import resample, to_int16
 from charstream.stages.ingest.tts import synthesize
@@ -60,27 +61,25 @@ def utterance(text: str, voice: str, snr_db: float | None, rng: np.random.Genera
     return to_int16(audio), float(np.flatnonzero(voiced)[-1] / RATE)
 
 
-def recognise(recogniser: SpeechRecognizer, vad: UserAudioVAD, mic: np.ndarray) -> tuple[str, float, float]:
-    """Feed ``mic`` like the agent hears it; returns (transcript, VAD end detected at (stream s), finalize s)."""
+async def recognise(ears: TurnRecognizer, vad: UserAudioVAD, mic: np.ndarray) -> tuple[str, float, float]:
+    """Feed ``mic`` the way the built-in agent hears it (its own ``TurnRecognizer``, driven by the
+    VAD); returns (transcript, VAD end detected at (stream s), final search s)."""
     vad.reset()
-    preroll: list[np.ndarray] = []
     texts, detected, finalize = [], None, 0.0
     for i in range(0, len(mic), FRAME):
         frame = mic[i:i + FRAME]
-        if recogniser.in_utterance:
-            recogniser.feed(frame)
-        else:
-            preroll = (preroll + [frame])[-int(PREROLL_S * RATE / FRAME):]
+        await ears.hear(frame)
         for event in vad.feed(frame, i / RATE):
-            if event.kind == TurnKind.USER_SPEECH_START and not recogniser.in_utterance:
-                recogniser.begin()
-                recogniser.feed(np.concatenate(preroll))
-            elif event.kind == TurnKind.USER_SPEECH_END and recogniser.in_utterance:
-                transcript = recogniser.end()
-                texts.append(transcript.text)
-                detected, finalize = event.detected_at, finalize + transcript.finalize_s
-    if recogniser.in_utterance:  # the VAD never ended it: count what was decoded, flag the delay
-        texts.append(recogniser.end().text)
+            if event.kind == TurnKind.USER_SPEECH_START:
+                await ears.speech_started()
+            else:
+                transcript = await ears.speech_ended()
+                if transcript is not None:
+                    texts.append(transcript.text)
+                    detected, finalize = event.detected_at, finalize + transcript.finalize_s
+    transcript = await ears.speech_ended()  # the VAD never ended it: count what was decoded, flag the delay
+    if transcript is not None:
+        texts.append(transcript.text)
     return " ".join(texts), (detected if detected is not None else float("nan")), finalize
 
 
@@ -91,7 +90,7 @@ def bench(voices: list[str]) -> dict:
                      "sentences_in_corpus": held_in, "runs": {}}
     vad = UserAudioVAD(sample_rate=RATE)
     for lm in LANGUAGE_MODELS:
-        recogniser = SpeechRecognizer(lm, RATE)
+        ears = TurnRecognizer(SpeechRecognizer(lm, RATE))
         for condition, snr in CONDITIONS.items():
             rng = np.random.default_rng(0)
             errors = reference = 0
@@ -100,7 +99,7 @@ def bench(voices: list[str]) -> dict:
             for text in LINES:
                 for voice in voices:
                     mic, true_end = utterance(text, voice, snr, rng)
-                    heard, detected, finalize = recognise(recogniser, vad, mic)
+                    heard, detected, finalize = anyio.run(recognise, ears, vad, mic)
                     e, n = word_errors(text, heard)
                     errors, reference = errors + e, reference + n
                     to_final.append(detected - true_end + finalize)

@@ -100,3 +100,16 @@ def test_end_of_speech_refined_to_the_sample(snr_db, within_ms):
             errors[refine].append((end.at - T0 - true_end) * 1000)
     assert all(abs(e) <= within_ms for e in errors[True]), errors
     assert np.mean(np.abs(errors[True])) < np.mean(np.abs(errors[False])), errors
+
+
+def test_speech_end_finds_the_last_loud_sample_over_any_background():
+    from charstream.stages.ingest.vad import speech_end
+
+    rng = np.random.default_rng(2)
+    speech = (0.3 * np.sin(np.arange(4_800) * 0.2)).astype(np.float32)
+    for noise in (0.0, 0.003, 0.03):  # silence, a quiet room (-50 dBFS), a loud one (-30 dBFS)
+        audio = np.concatenate([speech, np.zeros(9_600, np.float32)])
+        audio += rng.standard_normal(len(audio)).astype(np.float32) * noise
+        end = speech_end(to_int16(audio), 1_536)
+        assert abs(end - len(speech)) <= 10, (noise, end)
+    assert speech_end(np.zeros(9_600, np.int16), 1_536) is None

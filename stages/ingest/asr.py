@@ -15,9 +15,9 @@ project's espeak sentences is measured by ``pipeline/bench_asr.py`` (docs/PERF.m
 
 A recogniser is not thread-safe; the caller serialises ``begin``/``feed``/``end``.
 ``TurnRecognizer`` does that for an agent: it follows the VAD's turns (the utterance opens at the
-VAD's start with the audio of the ``PREROLL_S`` before it, which the VAD needed to be sure), and
-runs every decoder call on one worker thread at a time, in the order the audio arrived, off the
-event loop.
+VAD's start with the audio of the ``PREROLL_S`` before it, which the VAD needed to be sure, and is
+cut ``TAIL_S`` after the last loud sample at its end), and runs every decoder call on one worker
+thread at a time, in the order the audio arrived, off the event loop.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import atexit
 import tempfile
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,10 +34,13 @@ import numpy as np
 from charstream.stages.ingest.audio_input import to_float_mono
 from charstream.stages.ingest.domain_lm import arpa_text, corpus_lines
 from charstream.stages.ingest.resample import StreamingResampler, to_int16
+from charstream.stages.ingest.vad import speech_end
 
 ASR_RATE = 16_000
 LANGUAGE_MODELS = ("domain", "general")
-PREROLL_S = 0.5  # audio kept before the VAD's start: its decision comes ~100 ms after the onset
+PREROLL_S = 0.35  # audio kept before the VAD's start, which comes ~100 ms after the onset: LEAD_S ~0.25 s
+HOLD_S = 0.45  # the newest audio of an utterance, held back until the end cuts it (> the VAD's 300 ms silence)
+TAIL_S = 0.2  # silence kept after the last loud sample
 
 _domain_lock = threading.Lock()
 _domain_files: tuple[Path, Path] | None = None
@@ -156,13 +158,18 @@ def _clean(hypothesis: str) -> str:
 
 
 class TurnRecognizer:
-    """A ``SpeechRecognizer`` driven by the VAD's turns, for an async agent."""
+    """A ``SpeechRecognizer`` driven by the VAD's turns, for an async agent.
+
+    The utterance the decoder sees is the speech with a little silence around it: from ``LEAD_S``
+    before the VAD's start to ``TAIL_S`` after the last loud sample (the VAD only ends a turn after
+    300 ms of silence, and pocketsphinx turned trailing silence into words — "do you" — often).
+    So the newest ``HOLD_S`` of an utterance is held back while the user speaks and cut at the end."""
 
     def __init__(self, recogniser: SpeechRecognizer) -> None:
         self.recogniser = recogniser
         self._worker = anyio.CapacityLimiter(1)  # one decoder call at a time, in order
-        self._preroll: deque[np.ndarray] = deque()
-        self._preroll_samples = 0
+        self._recent = _Window(round(PREROLL_S * recogniser.sample_rate))  # before an utterance: its lead
+        self._held = _Window(round(HOLD_S * recogniser.sample_rate))  # in an utterance: not yet decoded
         self.listening = False  # between the VAD's start and end of the user's speech
 
     @classmethod
@@ -170,26 +177,24 @@ class TurnRecognizer:
         return cls(await anyio.to_thread.run_sync(SpeechRecognizer, language_model, sample_rate))
 
     async def hear(self, samples: np.ndarray) -> None:
-        """The user's audio as it arrives: decoded during an utterance, kept as pre-roll outside one."""
-        if self.listening:
-            await anyio.to_thread.run_sync(self.recogniser.feed, samples, limiter=self._worker)
+        """The user's audio as it arrives: decoded during an utterance (``HOLD_S`` behind), kept as
+        lead outside one."""
+        if not self.listening:
+            self._recent.push(samples)
             return
-        self._preroll.append(samples)
-        self._preroll_samples += len(samples)
-        while self._preroll_samples - len(self._preroll[0]) >= PREROLL_S * self.recogniser.sample_rate:
-            self._preroll_samples -= len(self._preroll.popleft())
+        older = self._held.push(samples)
+        if len(older):
+            await anyio.to_thread.run_sync(self.recogniser.feed, older, limiter=self._worker)
 
     async def speech_started(self) -> None:
         if self.listening:
             return
         self.listening = True
-        preroll = np.concatenate(self._preroll) if self._preroll else np.zeros(0, np.int16)
-        self._preroll.clear()
-        self._preroll_samples = 0
+        lead = self._recent.take()
 
         def begin() -> None:
             self.recogniser.begin()
-            self.recogniser.feed(preroll)
+            self.recogniser.feed(lead)
 
         await anyio.to_thread.run_sync(begin, limiter=self._worker)
 
@@ -198,4 +203,31 @@ class TurnRecognizer:
         if not self.listening:
             return None
         self.listening = False
-        return await anyio.to_thread.run_sync(self.recogniser.end, limiter=self._worker)
+        held = self._held.take()
+        rate = self.recogniser.sample_rate
+        end = speech_end(held, round(0.032 * rate))
+        rest = held if end is None else held[:end + round(TAIL_S * rate)]  # nothing quiet in it: keep it all
+
+        def finish() -> Transcript:
+            self.recogniser.feed(rest)
+            return self.recogniser.end()
+
+        return await anyio.to_thread.run_sync(finish, limiter=self._worker)
+
+
+class _Window:
+    """The newest ``size`` samples of a stream; ``push`` returns what falls out of it."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._audio = np.zeros(0, np.int16)
+
+    def push(self, samples: np.ndarray) -> np.ndarray:
+        self._audio = np.concatenate([self._audio, np.asarray(samples).astype(np.int16, copy=False)])
+        out, self._audio = self._audio[:-self.size] if len(self._audio) > self.size else self._audio[:0], \
+            self._audio[-self.size:]
+        return out
+
+    def take(self) -> np.ndarray:
+        audio, self._audio = self._audio, self._audio[:0]
+        return audio

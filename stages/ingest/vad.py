@@ -163,14 +163,14 @@ class UserAudioVAD:
         MAX_DECAY_WINDOWS before window ``began`` to two windows after it; ``began``'s first sample
         if none is (the level is set by the quietest window of the silence that ended the turn)."""
         first_kept = last + 1 - len(self._recent)
-        quiet = min(float(np.max(np.abs(w))) for w in list(self._recent)[-self.silence_windows:])
-        level = max(SPEECH_LEVEL, 2.0 * quiet)
+        level = speech_level(list(self._recent)[-self.silence_windows:])
         lo, hi = max(began - MAX_DECAY_WINDOWS, first_kept), min(began + 2, last + 1)
         if lo >= hi:
             return began * WINDOW
         audio = np.concatenate([self._recent[w - first_kept] for w in range(lo, hi)])
         loud = np.flatnonzero(np.abs(audio) > level)
         return lo * WINDOW + int(loud[-1]) + 1 if len(loud) else began * WINDOW
+
 
     def _step(self, p: float) -> VadEvent | None:
         i = self._n_windows
@@ -205,3 +205,19 @@ class UserAudioVAD:
                 return VadEvent(TurnKind.USER_SPEECH_END, self._wall_sample(end), self._wall(i + 1), p,
                                 self._input_sample(end))
         return None
+
+
+def speech_level(quiet_blocks: list[np.ndarray]) -> float:
+    """The level above which a sample is speech: -40 dBFS (float scale), or twice the loudest sample
+    of the quietest block when the background is louder than that."""
+    quiet = min((float(np.max(np.abs(b))) for b in quiet_blocks if len(b)), default=0.0)
+    return max(SPEECH_LEVEL, 2.0 * quiet)
+
+
+def speech_end(audio: np.ndarray, block: int) -> int | None:
+    """Index just after the last sample of ``audio`` (int16 or float) above the speech level, the
+    level set by its quietest ``block``-sample block; None if no sample is above it."""
+    x = audio.astype(np.float32) / 32768.0 if audio.dtype == np.int16 else np.asarray(audio, np.float32)
+    blocks = [x[i:i + block] for i in range(0, len(x) - block + 1, block)] or [x]
+    loud = np.flatnonzero(np.abs(x) > speech_level(blocks))
+    return int(loud[-1]) + 1 if len(loud) else None
