@@ -104,12 +104,12 @@ class Harness:
             if on_sample is not None:
                 on_sample(live, client.client)
         stats = live.stages["playout"].stats.summary()
-        received = len(client.client.video)
+        received, ended_early = len(client.client.video), live.output.closed
         await client.close()
         deadline = time.monotonic() + 30
         while (self.server.sessions or self.factory.sessions) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        return {"playout": stats, "received": received, "ended_early": live.output.closed,
+        return {"playout": stats, "received": received, "ended_early": ended_early,
                 "released": not (self.server.sessions or self.factory.sessions)}
 
     async def stop(self) -> None:
