@@ -23,6 +23,7 @@ from charstream.pipeline.integrations.embedded import EmbeddedSession
 
 async def main():
     config = PipelineConfig(placement="processes")
+    config.transport.dead_after_s = 30.0  # what is tested is the scrape: a loaded 2-core VM may stall a process
     config.ingest.adapter = "pipecat"
     config.tracing.prometheus_port = int(sys.argv[1])
     session = EmbeddedSession(config, "scraped")
