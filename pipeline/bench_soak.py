@@ -148,7 +148,8 @@ async def soak_sessions(source: str, config: PipelineConfig, count: int, seconds
     }
 
 
-async def soak_session(source: str, config: PipelineConfig, minutes: float, every: float) -> dict[str, Any]:
+async def soak_session(source: str, config: PipelineConfig, minutes: float, every: float,
+                       trim: bool = False) -> dict[str, Any]:
     harness = Harness(source, config)
     await harness.start()
     samples = []
@@ -157,6 +158,9 @@ async def soak_session(source: str, config: PipelineConfig, minutes: float, ever
         stats = live.stages["playout"].stats
         samples.append({**sample(), "frames_released": stats.frames_released, "fresh_frames": stats.fresh_frames,
                         "underruns": stats.underruns, "received": len(client.video)})
+        if trim:  # what the process holds live, without what glibc keeps free for later
+            malloc_trim()
+            samples[-1]["rss_trimmed_mb"] = sample()["rss_mb"]
 
     try:
         result = await harness.session(minutes * 60, every, on_sample)
@@ -173,6 +177,7 @@ async def soak_session(source: str, config: PipelineConfig, minutes: float, ever
     return {
         "mode": "session", "source": source, "minutes": minutes, "ended_early": result["ended_early"],
         "rss_slope_mb_per_min": round(slope(axis, [s["rss_mb"] for s in fit]), 3),
+        "rss_trimmed_slope_mb_per_min": round(slope(axis, [s["rss_trimmed_mb"] for s in fit]), 3) if trim else None,
         "fds_slope_per_min": round(slope(axis, [s["fds"] for s in fit]), 3),
         "threads_slope_per_min": round(slope(axis, [s["threads"] for s in fit]), 3),
         "shm_segments_max": max((s["shm_segments"] for s in samples), default=0),
@@ -213,6 +218,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=float, default=1.0, help="length of each of --sessions")
     parser.add_argument("--minutes", type=float, help="one session this long (the long-session run)")
     parser.add_argument("--every", type=float, default=10.0, help="seconds between samples of --minutes")
+    parser.add_argument("--trim", action="store_true",
+                        help="--minutes: malloc_trim after each sample and record that RSS too (live memory vs glibc's free pool)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON (the table goes to stderr)")
     parser.add_argument("--out", default="bench-soak.json", help="also write the JSON report here")
 
@@ -235,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
     if args.sessions is not None:
         result = asyncio.run(soak_sessions(args.source, config, args.sessions, args.seconds))
     else:
-        result = asyncio.run(soak_session(args.source, config, args.minutes, args.every))
+        result = asyncio.run(soak_session(args.source, config, args.minutes, args.every, args.trim))
     report = {
         "placement": args.placement,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
