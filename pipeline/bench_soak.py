@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import gc
 import glob
 import math
@@ -38,6 +37,7 @@ import psutil
 from charstream.pipeline.bench_output import commit_id, emit_report, text_table
 from charstream.pipeline.config import PipelineConfig
 from charstream.stages.config import EgressConfig
+from charstream.stages.egress.memory import release_free_memory
 
 from charstream.logs import configure_logging
 from charstream.timeline import VIDEO_FPS
@@ -64,13 +64,6 @@ def slope(xs: list[float], ys: list[float]) -> float:
     if len(xs) < 2:
         return 0.0
     return float(np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)[0])
-
-
-def malloc_trim() -> None:
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:  # not glibc
-        pass
 
 
 class Harness:
@@ -132,7 +125,7 @@ async def soak_sessions(source: str, config: PipelineConfig, count: int, seconds
     warm = max(1, int(count * WARMUP_FRACTION))
     fit = samples[warm - 1:]
     before_trim = sample()
-    malloc_trim()
+    release_free_memory()
     after_trim = sample()
     retained = (fit[-1]["rss_mb"] - fit[0]["rss_mb"]) / max(1, len(fit) - 1)
     return {
@@ -159,13 +152,13 @@ async def soak_session(source: str, config: PipelineConfig, minutes: float, ever
         samples.append({**sample(), "frames_released": stats.frames_released, "fresh_frames": stats.fresh_frames,
                         "underruns": stats.underruns, "received": len(client.video)})
         if trim:  # what the process holds live, without what glibc keeps free for later
-            malloc_trim()
+            release_free_memory()
             samples[-1]["rss_trimmed_mb"] = sample()["rss_mb"]
 
     try:
         result = await harness.session(minutes * 60, every, on_sample)
         last = sample()  # the session over, the server still up
-        malloc_trim()
+        release_free_memory()
         trimmed = sample()
     finally:
         await harness.stop()

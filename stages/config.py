@@ -84,6 +84,7 @@ class EgressConfig:
     body_timeout_s: float = 10.0  # a request body must arrive within this
     reservations_per_client: int = 2  # reserved sessions still waiting for their offer, per client address
     reservations_per_minute: int = 20  # new reservations per client address and minute (renewals count)
+    memory_trim_s: float = 30.0  # the serving process returns glibc's free memory to the OS this often (0: never)
 
 
 @dataclass

@@ -48,6 +48,7 @@ from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCRtpSend
 from aiortc.mediastreams import MediaStreamTrack
 from charstream.stages.config import EgressConfig
 from charstream.stages.egress.json_limits import loads
+from charstream.stages.egress.memory import trim_forever
 from charstream.stages.egress.mic import CaptureClock, UserAudioQueue, pump_microphone, watch_sender_reports
 from charstream.stages.egress.stage import PeerLink
 from charstream.stages.egress.timing import BadReport, ClientTiming, _number
@@ -277,6 +278,7 @@ class EgressServer:
             web.post("/hangup", self._hangup),
         ])
         self._runner: web.AppRunner | None = None
+        self._trimmer: asyncio.Task | None = None
         self.url = ""
 
     def create_session(self, client: str | None = None) -> tuple[str, str]:
@@ -346,10 +348,15 @@ class EgressServer:
         await site.start()
         port = site._server.sockets[0].getsockname()[1]  # the real port when config.port is 0
         self.url = f"http://{self.config.host}:{port}"
+        if self.config.memory_trim_s > 0:
+            self._trimmer = asyncio.create_task(trim_forever(self.config.memory_trim_s), name="memory-trim")
         log.info("egress_listening", url=self.url, codec=self.config.codec)
         return self.url
 
     async def stop(self) -> None:
+        if self._trimmer is not None:
+            self._trimmer.cancel()
+            self._trimmer = None
         for session_id in list(self.sessions):
             await self.close_session(session_id, "server stopping")
         if self._runner is not None:
