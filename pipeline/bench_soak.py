@@ -213,6 +213,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--every", type=float, default=10.0, help="seconds between samples of --minutes")
     parser.add_argument("--trim", action="store_true",
                         help="--minutes: malloc_trim after each sample and record that RSS too (live memory vs glibc's free pool)")
+    parser.add_argument("--memory-trim-s", type=float, help="the server's egress.memory_trim_s (0: never)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON (the table goes to stderr)")
     parser.add_argument("--out", default="bench-soak.json", help="also write the JSON report here")
 
@@ -225,6 +226,8 @@ def run(args: argparse.Namespace) -> int:
     configure_logging("error")
     config = PipelineConfig(placement=args.placement)
     config.egress = EgressConfig(port=0, max_sessions=2)
+    if args.memory_trim_s is not None:
+        config.egress.memory_trim_s = args.memory_trim_s
     # The scripted agent talks without a microphone; its script repeated, the character speaks all along
     # (every line is synthesised up front: no more repeats than the run can use).
     seconds = args.minutes * 60 if args.minutes is not None else args.seconds
@@ -238,6 +241,7 @@ def run(args: argparse.Namespace) -> int:
         result = asyncio.run(soak_session(args.source, config, args.minutes, args.every, args.trim))
     report = {
         "placement": args.placement,
+        "memory_trim_s": config.egress.memory_trim_s,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {psutil.cpu_count()} CPUs, {platform.platform()}",
         "commit": commit_id(),
