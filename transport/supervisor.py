@@ -41,6 +41,15 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+def _stopped(pid: int) -> bool:
+    """The process is stopped (job control or ptrace): its state in /proc is T or t."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
 def describe_exit(exitcode: int | None) -> str:
     if exitcode is None:
         return "still running"
@@ -121,7 +130,11 @@ class Supervisor:
         return child.process.exitcode
 
     async def stop_all(self, grace_s: float) -> None:
-        """Wait up to ``grace_s`` for children to exit, then SIGTERM, then SIGKILL the rest."""
+        """Wait up to ``grace_s`` for children to exit, then SIGTERM, then SIGKILL the rest. A
+        stopped child (SIGSTOP) can neither exit nor take SIGTERM: it is killed at once."""
+        for c in self.children.values():
+            if c.process.is_alive() and _stopped(c.pid):
+                os.kill(c.pid, signal.SIGKILL)
         for sig, wait_s in ((None, grace_s), (signal.SIGTERM, 0.5), (signal.SIGKILL, 1.0)):
             alive = [c for c in self.children.values() if c.process.is_alive()]
             if sig is not None:
