@@ -333,13 +333,9 @@ class FrontDoor(EgressServer):
     async def _forward(self, request: web.Request, path: str) -> web.Response:
         """Hand the page's request to its session's node egress; its answer comes back as is."""
         try:
-            body = await self._json_body(request)
+            body, session = await self._token_request(request)
         except OfferError as e:
             return _error(e.status, str(e))
-        token = body.get("token")
-        session = self._by_token.get(token) if isinstance(token, str) else None
-        if session is None:
-            return _error(403, "unknown session token")
         session.state = "active"
         try:
             async with self._http.post(f"{session.url}/{path}", json=body,

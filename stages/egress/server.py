@@ -424,15 +424,20 @@ class EgressServer:
             return _error(500, f"session setup failed: {type(e).__name__}: {e}")
         return web.json_response({"sdp": answer.sdp, "type": answer.type, "session_id": session.session_id})
 
-    async def _hangup(self, request: web.Request) -> web.Response:
-        try:
-            body = await self._json_body(request)
-        except OfferError as e:
-            return _error(e.status, str(e))
+    async def _token_request(self, request: web.Request) -> tuple[dict[str, Any], Any]:
+        """The request's JSON body and the session its ``token`` names (OfferError: 4xx)."""
+        body = await self._json_body(request)
         token = body.get("token")
         session = self._by_token.get(token) if isinstance(token, str) else None
         if session is None:
-            return _error(403, "unknown session token")
+            raise OfferError(403, "unknown session token")
+        return body, session
+
+    async def _hangup(self, request: web.Request) -> web.Response:
+        try:
+            _, session = await self._token_request(request)
+        except OfferError as e:
+            return _error(e.status, str(e))
         await self.close_session(session.session_id, "client hung up")
         return web.json_response({"closed": session.session_id})
 
