@@ -47,9 +47,10 @@ from charstream.kernels.adaln_quant import adaln_quant
 from charstream.kernels.quantize_rows import quantize_rows
 from charstream.kernels.ring_attention import ring_attention, ring_attention_gathered, ring_attention_triton
 from charstream.kernels.ring_write import ring_write_prep_reference, ring_write_prep_triton
-from charstream.kernels.rope import complex_rotation, rope_rotation, rotate_complex
-from charstream.model.cache import KVCache
-from charstream.model.dit import DiT
+from charstream.kernels.rope import complex_rotation, rope_freqs, rope_rotation, rotate_complex
+from charstream.model.cache import KVCache, KVPool
+from charstream.model.config import ModelConfig
+from charstream.model.dit import DiT, Modulation, SelfAttention
 from charstream.model.fp8_linear import Fp8Linear
 from charstream.model.rope import frame_positions
 from charstream.model.sampler import sample, seeded_noise
@@ -79,6 +80,61 @@ class RingSelfAttention:
         return self.cache.attend(layer, rotate_complex(q, self.rotation).to(q.dtype)).reshape(shape)
 
 
+class LaneSelfAttention:
+    """The module body's self-attention of one frame in each session of a batch, lanes of one ``KVPool``:
+    lanes, write pointers, positions and validity are read from device tensors, so a CUDA graph replays it."""
+
+    def __init__(self, pool: KVPool, inputs: StepInputs) -> None:
+        self.pool, self.lanes, self.slot = pool, inputs.lanes, inputs.slot
+        b, t = inputs.positions.shape[:2]
+        # per step, as RingSelfAttention: the RoPE tables of every frame and each lane's attention bias
+        self.rotation = complex_rotation(rope_rotation(inputs.positions.flatten(0, 1), pool.freqs)).unflatten(0, (b, t))
+        self.bias = pool.slot_bias(inputs.lanes)
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        shape = q.shape  # (B, 1, T, H, D)
+        q, k, v = (t.flatten(1, 2) for t in (q, k, v))
+        self.pool.write(layer, self.lanes, self.slot, k, v, self.rotation)
+        q = rotate_complex(q, self.rotation).to(q.dtype)
+        return self.pool.attend(layer, self.lanes, q, self.bias).reshape(shape)
+
+
+class StepInputs:
+    """One run's inputs in device buffers (a CUDA graph reads them) and its output, for a batch of
+    ``batch`` frames: per row the noise, the audio tokens, the tokens' positions (B, T, 3), the ring
+    write pointer and the ``KVPool`` lane of one session's frame."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, device: torch.device) -> None:
+        self.noise = torch.zeros(batch, 1, cfg.latent_channels, cfg.latent_height, cfg.latent_width, device=device)
+        self.audio = torch.zeros(batch, 1, cfg.n_audio_tokens, cfg.audio_dim, device=device)
+        self.positions = frame_positions(0, cfg.grid, cfg.n_audio_tokens, device)[None].repeat(batch, 1, 1)
+        self.slot = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.lanes = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.latent = torch.zeros_like(self.noise)
+
+
+class LevelModulations:
+    """The module body's adaLN of the sampler's fixed levels, computed once: the weights are fixed
+    while it serves."""
+
+    def __init__(self, model: DiT) -> None:
+        dev = model.head.weight.device
+        self.sigma = {s: torch.full((1, 1), s, device=dev) for s in model.cfg.noise_levels}
+        self.modulation: dict[float, Modulation] = {s: model.modulation(self.sigma[s]) for s in model.cfg.noise_levels}
+
+
+def module_body(model: DiT, levels: LevelModulations, inputs: StepInputs, attn: SelfAttention) -> None:
+    """The module body: the sampler's passes of ``DiT.forward`` over ``attn``'s ring(s), one batch of
+    ``inputs`` (one session's frame or one per lane), into ``inputs.latent``. Modulations broadcast
+    over the batch."""
+    cross_kv = model.cross_context(inputs.audio)
+
+    def velocity(x: torch.Tensor, sigma: float) -> torch.Tensor:
+        return model(x, levels.sigma[sigma], inputs.audio, attn, cross_kv, levels.modulation[sigma])
+
+    inputs.latent.copy_(sample(velocity, inputs.noise, model.cfg.noise_levels))
+
+
 class DiffusionStep:
     def __init__(
         self,
@@ -98,13 +154,11 @@ class DiffusionStep:
         self.fused, self.graphed = fused, graphed
         self.device = dev
         dtype = model.head.weight.dtype
-        t, a = cfg.tokens_per_step, cfg.n_audio_tokens
-        # The step's inputs (written before each run; the graph reads them) and its output.
-        self.noise = torch.zeros(1, 1, cfg.latent_channels, cfg.latent_height, cfg.latent_width, device=dev)
-        self.audio = torch.zeros(1, 1, a, cfg.audio_dim, device=dev)
-        self.positions = frame_positions(0, cfg.grid, a, dev)
-        self.slot = torch.zeros((), dtype=torch.int64, device=dev)
-        self.latent = torch.zeros_like(self.noise)
+        t = cfg.tokens_per_step
+        # The step's inputs (written before each run; the graph reads them) and its output: a batch of one.
+        self.inputs = StepInputs(cfg, 1, dev)
+        self.noise, self.audio, self.latent = self.inputs.noise, self.inputs.audio, self.inputs.latent
+        self.positions, self.slot = self.inputs.positions[0], self.inputs.slot[0]
         self.graphs: dict[bool, torch.cuda.CUDAGraph] = {}
         self.gathered = False  # the attention mode of the next run (fused body), set by set_inputs
         self._session = False
@@ -151,8 +205,7 @@ class DiffusionStep:
         audio = torch.zeros(1, cfg.sink_frames, cfg.n_audio_tokens, cfg.audio_dim, device=dev)
         positions = torch.cat([frame_positions(t, cfg.grid, cfg.n_audio_tokens, dev) for t in range(cfg.sink_frames)])
         # The sampler's levels are fixed and the weights too within a session: their adaLN once.
-        self._modulations = {s: self.model.modulation(torch.full((1, 1), s, device=dev)) for s in cfg.noise_levels}
-        self._sigmas = {s: torch.full((1, 1), s, device=dev) for s in cfg.noise_levels}
+        self._levels = LevelModulations(self.model)
         self.cache.reset()
         self.cache.begin_sink()
         self.model(ref, torch.zeros(1, cfg.sink_frames, device=dev), audio, RingSelfAttention(self.cache, positions))
@@ -163,16 +216,20 @@ class DiffusionStep:
     @torch.inference_mode()
     def step(self, audio_tokens: torch.Tensor, seed: int) -> torch.Tensor:
         """Generate the next latent frame (C, h, w), float32, from audio tokens (n_audio_tokens, audio_dim)."""
-        cfg = self.cfg
-        if not self._session:
-            raise RuntimeError("step() before reset_session(): the sink frame is not written")
-        if tuple(audio_tokens.shape) != (cfg.n_audio_tokens, cfg.audio_dim):
-            raise ValueError(f"audio tokens have shape {tuple(audio_tokens.shape)}, expected {(cfg.n_audio_tokens, cfg.audio_dim)}")
+        self.check_step(audio_tokens)
         _, t = self.cache.begin_frame()
         self.set_inputs(audio_tokens, seeded_noise(self.noise.shape, seed), t)
         latent = self.run()[0, 0].clone()
         self.cache.end_frame()
         return latent
+
+    def check_step(self, audio_tokens: torch.Tensor) -> None:
+        """Raise if ``step(audio_tokens, ...)`` cannot run now (no session, or tokens of the wrong shape)."""
+        cfg = self.cfg
+        if not self._session:
+            raise RuntimeError("step() before reset_session(): the sink frame is not written")
+        if tuple(audio_tokens.shape) != (cfg.n_audio_tokens, cfg.audio_dim):
+            raise ValueError(f"audio tokens have shape {tuple(audio_tokens.shape)}, expected {(cfg.n_audio_tokens, cfg.audio_dim)}")
 
     def rollback(self, k: int) -> int:
         """Forget the last ``k`` generated frames; returns how many context frames could not be restored
@@ -243,17 +300,10 @@ class DiffusionStep:
     # -- the bodies ---------------------------------------------------------------------------------
 
     def _body(self) -> None:
-        velocity = self._fused_velocity() if self.fused else self._module_velocity()
-        self.latent.copy_(sample(velocity, self.noise, self.cfg.noise_levels))
-
-    def _module_velocity(self):
-        attn = RingSelfAttention(self.cache, self.positions)
-        cross_kv = self.model.cross_context(self.audio)
-
-        def velocity(x: torch.Tensor, sigma: float) -> torch.Tensor:
-            return self.model(x, self._sigmas[sigma], self.audio, attn, cross_kv, self._modulations[sigma])
-
-        return velocity
+        if self.fused:
+            self.latent.copy_(sample(self._fused_velocity(), self.noise, self.cfg.noise_levels))
+        else:
+            module_body(self.model, self._levels, self.inputs, RingSelfAttention(self.cache, self.positions))
 
     def _fused_velocity(self):
         m = self.model
@@ -308,3 +358,120 @@ class DiffusionStep:
         if self.tp_group is not None:
             dist.all_reduce(result, group=self.tp_group)  # the block's one collective
         return result
+
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # batch sizes with a CUDA graph each (and max_sessions)
+
+
+class BatchedStep:
+    """One forward for the due steps of up to ``max_sessions`` sessions of one model (TP 1).
+
+        batch = BatchedStep(model, max_sessions=32, kv_dtype=FP8_DTYPE, graphed=True)
+        step = batch.open()                      # a session: a DiffusionStep (module body) on a free lane
+        step.reset_session(reference_latent)     # its sink pass, alone, eager
+        latents = batch.step([step, ...], [audio_tokens, ...], [seed, ...])   # (n, C, h, w), row i: steps[i]
+        step.rollback(k)                         # between batches, as alone
+        batch.close(step)                        # the lane is free for the next session
+
+    Each session keeps everything of its own: its ring (a lane of one ``KVPool``) with its FP8 scales,
+    validity and write pointer, its frame count and time position (its position resets happen in its
+    ``begin_frame``), its rollbacks and its seeds; a batch gathers them into ``StepInputs`` and runs
+    ``module_body`` once over the lanes (``LaneSelfAttention``). Alone, the same session is the
+    same DiffusionStep stepping by itself. A batch is padded to the next bucket size with rows that
+    write and read a scratch lane no session owns; ``graphed`` (CUDA) captures one graph per bucket at
+    construction, so a batch is one replay."""
+
+    def __init__(self, model: DiT, max_sessions: int, kv_dtype: torch.dtype, graphed: bool = False,
+                 buckets: tuple[int, ...] = BUCKETS) -> None:
+        cfg, dev = model.cfg, model.head.weight.device
+        if graphed and dev.type != "cuda":
+            raise ValueError("a graphed batched step needs a CUDA device")
+        if model.tp_world != 1:
+            raise ValueError(f"batched sessions run at TP 1, not {model.tp_world}")
+        if max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
+        self.model, self.cfg, self.device, self.graphed = model, cfg, dev, graphed
+        self.max_sessions = max_sessions
+        self.freqs = rope_freqs(cfg.head_dim, dev)
+        self.pool = KVPool(cfg, cfg.n_heads, kv_dtype, dev, self.freqs, lanes=max_sessions + 1)
+        self.scratch = max_sessions  # the padding rows' lane
+        self.sessions: dict[int, DiffusionStep] = {}  # lane -> its open session
+        self.buckets = sorted({b for b in buckets if b < max_sessions} | {max_sessions})
+        with torch.inference_mode():
+            self.levels = LevelModulations(model)
+        self.inputs = {b: StepInputs(cfg, b, dev) for b in self.buckets}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if graphed:
+            self.capture()
+
+    def open(self) -> DiffusionStep:
+        """A new session on the lowest free lane (call its ``reset_session`` before its first step)."""
+        lane = next((i for i in range(self.max_sessions) if i not in self.sessions), None)
+        if lane is None:
+            raise RuntimeError(f"the batched step holds {self.max_sessions} sessions already")
+        cache = KVCache(self.cfg, self.cfg.n_heads, self.pool.k.dtype, self.device, self.freqs, pool=self.pool, lane=lane)
+        self.sessions[lane] = DiffusionStep(self.model, cache)
+        return self.sessions[lane]
+
+    def close(self, step: DiffusionStep) -> None:
+        """End ``step``'s session: its lane is free (the next session's ``reset_session`` clears it)."""
+        if self.sessions.get(step.cache.lane) is not step:
+            raise ValueError("not an open session of this batched step")
+        del self.sessions[step.cache.lane]
+        step._session = False
+
+    @torch.inference_mode()
+    def step(self, steps: list[DiffusionStep], audio_tokens: list[torch.Tensor], seeds: list[int]) -> torch.Tensor:
+        """The next latent frame of each session in ``steps`` (distinct open sessions), one forward:
+        (n, C, h, w) float32 on the device, row i the frame ``steps[i].step(audio_tokens[i], seeds[i])``
+        would generate alone."""
+        n, cfg = len(steps), self.cfg
+        if not 0 < n <= self.max_sessions or len(audio_tokens) != n or len(seeds) != n:
+            raise ValueError(f"a batch of {n} sessions, {len(audio_tokens)} audio and {len(seeds)} seeds "
+                             f"(1 to {self.max_sessions} of each)")
+        if len({s.cache.lane for s in steps}) != n or any(self.sessions.get(s.cache.lane) is not s for s in steps):
+            raise ValueError("a batch takes distinct open sessions of this batched step")
+        for s, a in zip(steps, audio_tokens, strict=True):
+            s.check_step(a)  # before any session's state moves
+        bucket = next(b for b in self.buckets if b >= n)
+        pad = bucket - n
+        inputs = self.inputs[bucket]
+        times = [s.cache.begin_frame()[1] for s in steps]
+        frame = (1, cfg.latent_channels, cfg.latent_height, cfg.latent_width)
+        noise = [seeded_noise(frame, seed) for seed in seeds] + [torch.zeros(frame)] * pad
+        inputs.noise.copy_(torch.stack(noise))
+        audio = [a.reshape(1, cfg.n_audio_tokens, cfg.audio_dim) for a in audio_tokens]
+        inputs.audio.copy_(torch.stack(audio + [torch.zeros_like(audio[0])] * pad))
+        inputs.positions[:, :, 0].copy_(torch.tensor(times + [cfg.sink_frames] * pad)[:, None])
+        inputs.slot.copy_(torch.tensor([s.cache.write_start for s in steps] + [self.pool.sink_slots] * pad))
+        inputs.lanes.copy_(torch.tensor([s.cache.lane for s in steps] + [self.scratch] * pad))
+        if self.graphed:
+            self.graphs[bucket].replay()
+        else:
+            self._body(inputs)
+        latents = inputs.latent[:n, 0].clone()
+        for s in steps:
+            s.cache.end_frame()
+        return latents
+
+    @torch.inference_mode()
+    def capture(self, warmup: int = 2) -> None:
+        """One CUDA graph per bucket, on a stream of its own (see ``DiffusionStep.capture``), sharing one
+        memory pool (they never replay concurrently); warm-up and capture rows point at the scratch lane."""
+        self.capture_stream = torch.cuda.Stream()
+        memory = torch.cuda.graph_pool_handle()
+        for bucket in self.buckets:
+            inputs = self.inputs[bucket]
+            inputs.lanes.fill_(self.scratch)
+            inputs.slot.fill_(self.pool.sink_slots)
+            self.capture_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.capture_stream):
+                for _ in range(warmup):
+                    self._body(inputs)
+            torch.cuda.current_stream().wait_stream(self.capture_stream)
+            self.graphs[bucket] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graphs[bucket], pool=memory, stream=self.capture_stream):
+                self._body(inputs)
+
+    def _body(self, inputs: StepInputs) -> None:
+        module_body(self.model, self.levels, inputs, LaneSelfAttention(self.pool, inputs))
