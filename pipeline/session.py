@@ -42,24 +42,30 @@ from charstream.stages.ingest.push import PushAdapter
 from charstream.stages.ingest.stage import IngestStage
 from charstream.stages.metrics import forget_processes
 from charstream.stages.playout import PlayoutOutput, PlayoutStage
+from charstream.stages.step_batcher import StepBatcher
 from charstream.stages.tracing import TurnRecord, TurnTracer
 
 
 def build_graph(config: PipelineConfig, output: PlayoutOutput, tracer: TurnTracer | None = None,
                 user_audio: UserAudioQueue | None = None, agent: AgentAdapter | None = None,
-                weights: str | None = "packaged", link: PeerLink | None = None) -> Graph:
+                weights: str | None = "packaged", link: PeerLink | None = None,
+                batcher: StepBatcher | None = None) -> Graph:
     """The session's stages and edges, each stage built from its config section. ``weights``: a
     weights file, ``"packaged"`` (the trained weights shipped for the preset, when present) or None
     (seeded random weights). The live objects — playout's ``output``, the ``tracer``, the user's
-    microphone (``user_audio``; None: no microphone), a pushed ``agent`` adapter and the peer
-    ``link`` (None: no browser, e.g. a framework reads ``output``) — are handed to the nodes of the
+    microphone (``user_audio``; None: no microphone), a pushed ``agent`` adapter, the peer
+    ``link`` (None: no browser, e.g. a framework reads ``output``) and the process's step
+    ``batcher`` (then diffusion runs in the caller's process too) — are handed to the nodes of the
     caller's process (group ``main``), never pickled."""
     model = {"preset": config.preset, "weights": weights}
+    diffusion = Node("diffusion", DiffusionStage, dict(model, config=config.diffusion), group="diffusion")
+    if batcher is not None:
+        diffusion = Node("diffusion", DiffusionStage, dict(diffusion.kwargs, batcher=batcher))
     nodes = [
         Node("ingest", IngestStage, {"config": config.ingest, "user_audio": user_audio, "adapter": agent,
                                      "tracer": tracer}),
         Node("conditioning", build_conditioning, dict(model, config=config.conditioning, seed=config.diffusion.seed)),
-        Node("diffusion", DiffusionStage, dict(model, config=config.diffusion), group="diffusion"),
+        diffusion,
         Node("decode", DecodeStage, dict(model, config=config.decode, seed=config.diffusion.seed), group="decoder"),
         Node("playout", PlayoutStage, {"config": config.playout, "output": output, "tracer": tracer}),
     ]
@@ -94,11 +100,13 @@ class LiveSession:
     ``peer=False``: no browser (a framework reads ``output`` itself), so no egress node. ``testcard``:
     the test card's graph (True, or the card's ``Node``) instead of the model's. ``agent_hub``: the
     server's shared agent socket, which a ``zmq`` session's external agent joins (with the
-    session's ``agent_token``) instead of binding one of its own."""
+    session's ``agent_token``) instead of binding one of its own. ``batcher``: the process's shared
+    diffusion step batcher (``session_factory`` makes one when ``diffusion.batch_sessions`` > 1)."""
 
     def __init__(self, config: PipelineConfig, session_id: str, weights: str | None = "packaged",
                  on_turn: Callable[[TurnRecord], None] | None = None, *, peer: bool = True,
-                 testcard: bool | Node = False, agent_hub: AgentHub | None = None) -> None:
+                 testcard: bool | Node = False, agent_hub: AgentHub | None = None,
+                 batcher: StepBatcher | None = None) -> None:
         self.config = config
         self.session_id = session_id
         self.tracer = TurnTracer(session_id, config.tracing, on_turn=on_turn)
@@ -118,7 +126,7 @@ class LiveSession:
             if agent_hub is not None and config.ingest.adapter == "zmq":
                 agent = ExternalAgent(config.ingest, session_id, hub=agent_hub)
                 self.agent_token = agent.token
-            graph = build_graph(config, self.output, self.tracer, mic, agent, weights, self.link)
+            graph = build_graph(config, self.output, self.tracer, mic, agent, weights, self.link, batcher)
         self.runner = Session(graph, config, session_id, handle_signals=False)
         self.result: SessionResult | None = None
         self.done = asyncio.Event()
@@ -179,9 +187,12 @@ def session_factory(config: PipelineConfig, weights: str | None = "packaged",
     """An egress ``SessionFactory``: each new peer gets its own ``LiveSession``. Its trace goes to
     ``out_dir/<session>/trace.jsonl`` when ``out_dir`` is given, else to the config's file (own
     name when several sessions share a config: ``<stem>-<session>.jsonl`` after the first).
-    ``factory.sessions`` holds the running ones by session id."""
+    ``factory.sessions`` holds the running ones by session id. With ``diffusion.batch_sessions`` > 1
+    its sessions share one model and batch their diffusion steps (``factory.batcher``)."""
     started = 0
     sessions: dict[str, LiveSession] = {}
+    batch = config.diffusion.batch_sessions > 1 and not testcard
+    batcher = StepBatcher(config.diffusion, config.preset, weights) if batch else None
 
     async def factory(session_id: str) -> SessionMedia:
         nonlocal started
@@ -193,7 +204,8 @@ def session_factory(config: PipelineConfig, weights: str | None = "packaged",
             stem, _, ext = path.rpartition(".")
             session_config.tracing.jsonl_path = f"{stem}-{session_id}.{ext}" if stem else f"{path}-{session_id}"
         started += 1
-        session = LiveSession(session_config, session_id, weights, testcard=testcard, agent_hub=agent_hub)
+        session = LiveSession(session_config, session_id, weights, testcard=testcard, agent_hub=agent_hub,
+                              batcher=batcher)
         sessions[session_id] = session
         session.start()
         session._task.add_done_callback(lambda _: sessions.pop(session_id, None))
@@ -202,4 +214,5 @@ def session_factory(config: PipelineConfig, weights: str | None = "packaged",
         return session.media()
 
     factory.sessions = sessions  # type: ignore[attr-defined]
+    factory.batcher = batcher  # type: ignore[attr-defined]
     return factory

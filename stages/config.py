@@ -48,6 +48,10 @@ class DiffusionConfig:
     threads: int | None = None  # CPU intra-op threads; None: half the cores (decode runs beside it)
     graphed_step: bool = True  # CUDA: the fused FP8 step as CUDA graphs, on every TP rank (model/step.py)
     gathered_attention: bool | None = None  # full window: dequantise + cuDNN SDPA; None = step.GATHERED_BY_DEFAULT
+    # > 1: the sessions of one serving process share one model and batch their due steps into one
+    # forward of up to this many (stages/step_batcher.py; the module body, CUDA-graphed per batch size)
+    batch_sessions: int = 1
+    batch_window_s: float = 0.01  # a forward waits at most this long after its first step for the others
 
 
 @dataclass

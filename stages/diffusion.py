@@ -15,7 +15,9 @@ rank 0 of a TP group (stages/tp_group.py) whose other ranks are processes of the
 
 Every rank's step is ``model.step.DiffusionStep``: on CUDA with the bf16 model and an FP8 ring,
 the fused FP8 body as CUDA graphs (under TP with the all-reduces inside them), captured once after
-``reset_session``; on CPU the module body.
+``reset_session``; on CPU the module body. With a ``batcher`` (``diffusion.batch_sessions`` > 1,
+stages/step_batcher.py) the session's step is a lane of the process's shared ``BatchedStep`` instead:
+the same chunks, seeds, rollbacks and epochs, its steps submitted to one forward with other sessions'.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from charstream.transport.messages import Conditioning, Control, ControlKind, La
 
 if TYPE_CHECKING:
     import torch
+    from charstream.stages.step_batcher import StepBatcher
 
 
 STEP_HISTORY = 100_000  # step times kept for the session's percentiles (69 min at 24 chunks/s)
@@ -83,7 +86,13 @@ def reference_latent(preset: str, weights: str | None, identity: int, device: st
 class DiffusionStage(Stage):
     name = "diffusion"
 
-    def __init__(self, config: DiffusionConfig, preset: str, weights: str | None = "packaged", identity: int = 0) -> None:
+    def __init__(self, config: DiffusionConfig, preset: str, weights: str | None = "packaged", identity: int = 0,
+                 batcher: StepBatcher | None = None) -> None:
+        """``batcher``: the process's shared step batcher (session_factory makes it), for this preset and weights."""
+        if batcher is not None and (batcher.preset, batcher.weights, batcher.device) != (preset, weights, config.device):
+            raise ValueError(f"the step batcher serves {batcher.preset} ({batcher.weights}) on {batcher.device}, "
+                             f"not {preset} ({weights}) on {config.device}")
+        self.batcher = batcher
         self.cfg = get_preset(preset)
         self.preset, self.weights, self.identity = preset, weights, identity
         self.device = config.device
@@ -109,12 +118,16 @@ class DiffusionStage(Stage):
         log = ctx.log.info if path else ctx.log.warning
         step = self.diffusion_step
         log("diffusion_ready", preset=self.preset, device=self.device, dtype=self.dtype, tp=self.tp,
-            fp8_cache=self.fp8, weights=path or "random", fused_step=step.fused, graphed_step=step.graphed)
+            fp8_cache=self.fp8, weights=path or "random", fused_step=step.fused,
+            graphed_step=self.batcher.graphed if self.batcher else step.graphed,
+            batched=self.batcher.max_sessions if self.batcher else 1)
 
     @property
     def diffusion_step(self):
-        """Rank 0's ``model.step.DiffusionStep``."""
+        """Rank 0's ``model.step.DiffusionStep`` (batched: this session's lane of the shared step)."""
         gen = self.generator
+        if self.batcher is not None:
+            return gen
         return (gen.generator if self.tp > 1 else gen).diffusion
 
     def _load(self) -> str | None:
@@ -125,6 +138,10 @@ class DiffusionStage(Stage):
             torch.set_num_threads(self.threads)
         path = resolve_weights(self.preset, self.weights)
         dtype = getattr(torch, self.dtype)
+        if self.batcher is not None:
+            self.reference = reference_latent(self.preset, path, self.identity, self.device)
+            self.generator = self.batcher.join(self.reference)  # a DiffusionStep on a lane of the shared pool
+            return path
         step = {"graphed": None if self.graphed else False}  # None: graphed wherever the fused body runs on CUDA
         if self.gathered is not None:
             step["prefer_gathered"] = self.gathered
@@ -191,8 +208,14 @@ class DiffusionStage(Stage):
             self.first_chunk = msg.chunk - self.generator.next_frame
             frame = self.generator.next_frame
         started = time.perf_counter()
-        latent = await anyio.to_thread.run_sync(
-            self._step, tokens, frame, chunk_seed(self.seed, msg.chunk), rewind, limiter=self._limiter)
+        seed = chunk_seed(self.seed, msg.chunk)
+        if self.batcher is None:
+            latent = await anyio.to_thread.run_sync(self._step, tokens, frame, seed, rewind, limiter=self._limiter)
+        else:
+            async with self._limiter:  # as the thread hop: never beside this session's rollback
+                if rewind:
+                    self._rewind_to(frame)  # host bookkeeping only
+                latent = await self.batcher.step(self.generator, tokens, seed)
         self.stats.last_step_s = time.perf_counter() - started
         self.stats.step_s.append(self.stats.last_step_s)
         self.metrics.observe_step(self.stats.last_step_s)
@@ -226,6 +249,8 @@ class DiffusionStage(Stage):
             self._log.info("diffusion_steps", steps=len(steps), step_p50_ms=round(float(np.percentile(steps, 50)), 2),
                            step_p99_ms=round(float(np.percentile(steps, 99)), 2), step_max_ms=round(float(steps.max()), 2),
                            generated=self.stats.generated, rollbacks=self.stats.rollbacks)
+        if self.batcher is not None and self.generator is not None:
+            await anyio.to_thread.run_sync(self.batcher.leave, self.generator)
         close = getattr(self.generator, "close", None)
         if close is not None:
             await anyio.to_thread.run_sync(close)

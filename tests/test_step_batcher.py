@@ -1,0 +1,202 @@
+"""Cross-session batching at the stage level (stages/step_batcher.py): diffusion stages sharing one
+``StepBatcher`` emit the latents they emit unbatched -- stepping concurrently, one rolling back, one
+leaving and a newcomer taking its lane -- a step refused on its own fails its session only, and real
+inproc sessions made by ``session_factory`` stream through one batched forward."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import anyio
+import numpy as np
+import pytest
+import structlog
+from charstream.model.config import TINY
+from charstream.pipeline.config import PipelineConfig
+from charstream.pipeline.session import LiveSession
+from charstream.stages.base import StageContext
+from charstream.stages.config import DiffusionConfig
+from charstream.stages.diffusion import DiffusionStage
+from charstream.stages.step_batcher import StepBatcher
+from charstream.transport.messages import Conditioning, Control, ControlKind
+
+from charstream.timeline import SAMPLES_PER_CHUNK
+
+
+def _context(name: str, out: list) -> StageContext:
+    async def emit(msg) -> None:
+        out.append(msg)
+
+    async def send_control(msg) -> None:
+        pass
+
+    return StageContext("diffusion", name, emit, send_control, structlog.get_logger())
+
+
+def _conditioning(name: str, chunk: int, epoch: int) -> Conditioning:
+    rng = np.random.default_rng([ord(c) for c in name] + [chunk, epoch])
+    tokens = rng.standard_normal((TINY.n_audio_tokens, TINY.audio_dim)).astype(np.float32)
+    return Conditioning(name, chunk, tokens, np.zeros(SAMPLES_PER_CHUNK, np.int16), epoch > 0, epoch)
+
+
+# Per session: its seed, identity, and what reaches its stage: ("c", chunk, epoch) conditioning,
+# ("r", last committed, epoch) a ROLLBACK. "b" rolls back to chunk 2 and regenerates 3, 4 in epoch 1;
+# "c" leaves after 3 chunks and "d" joins then, on c's lane.
+PLANS = {
+    "a": (1, 0, [("c", n, 0) for n in range(6)]),
+    "b": (2, 1, [("c", n, 0) for n in range(5)] + [("r", 2, 1)] + [("c", n, 1) for n in (3, 4, 5)]),
+    "c": (3, 2, [("c", n, 0) for n in range(3)]),
+    "d": (4, 3, [("c", n, 0) for n in range(3)]),
+}
+
+
+async def _play(name: str, batcher: StepBatcher | None, config: DiffusionConfig) -> list[tuple[int, int, np.ndarray]]:
+    seed, identity, plan = PLANS[name]
+    stage, out = DiffusionStage(dataclasses.replace(config, seed=seed), "tiny", identity=identity, batcher=batcher), []
+    ctx = _context(name, out)
+    await stage.setup(ctx)
+    try:
+        for kind, chunk, epoch in plan:
+            if kind == "c":
+                await stage.process(_conditioning(name, chunk, epoch), ctx)
+            else:
+                await stage.control(Control(name, 0, ControlKind.ROLLBACK, chunk=chunk, epoch=epoch), ctx)
+    finally:
+        await stage.teardown()
+    return [(m.chunk, m.epoch, m.latents) for m in out]
+
+
+def test_stages_sharing_a_batcher_emit_their_unbatched_latents():
+    config = DiffusionConfig(fp8_cache=False)
+    batched = DiffusionConfig(fp8_cache=False, batch_sessions=3, batch_window_s=0.5)
+    batcher = StepBatcher(batched, "tiny")
+
+    async def main():
+        alone = {name: await _play(name, None, config) for name in PLANS}
+        together: dict[str, list] = {}
+
+        async def run(name: str, after: str | None = None, wait: anyio.Event | None = None, done: anyio.Event | None = None):
+            if wait is not None:
+                await wait.wait()
+            together[name] = await _play(name, batcher, batched)
+            if done is not None:
+                done.set()
+
+        c_done = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, "a")
+            tg.start_soon(run, "b")
+            tg.start_soon(run, "c", None, None, c_done)
+            tg.start_soon(run, "d", None, c_done)  # joins once c has left: the pool holds 3
+        return alone, together
+
+    alone, together = anyio.run(main)
+    for name in PLANS:
+        assert [(c, e) for c, e, _ in together[name]] == [(c, e) for c, e, _ in alone[name]], name
+        for (_, _, got), (_, _, want) in zip(together[name], alone[name], strict=True):
+            np.testing.assert_array_equal(got, want)
+    assert [(c, e) for c, e, _ in alone["b"]][-3:] == [(3, 1), (4, 1), (5, 1)]
+    assert not np.allclose(alone["a"][0][2], alone["b"][0][2])  # sessions differ: seeds, identities, audio
+    assert batcher.stats.largest == 3 and batcher.stats.steps == sum(len(v) for v in together.values())
+    assert batcher.stats.forwards < batcher.stats.steps  # steps really shared forwards
+    assert batcher._open == 0 and batcher._worker is None and not batcher.batch.sessions  # all left, worker gone
+
+
+def test_a_step_refused_on_its_own_fails_only_its_session():
+    config = DiffusionConfig(fp8_cache=False, batch_sessions=2, batch_window_s=0.5)
+    batcher = StepBatcher(config, "tiny")
+
+    async def main():
+        stages = [DiffusionStage(dataclasses.replace(config, seed=s), "tiny", batcher=batcher) for s in (1, 2)]
+        outs: list[list] = [[], []]
+        ctxs = [_context(n, out) for n, out in zip("xy", outs, strict=True)]
+        for stage, ctx in zip(stages, ctxs, strict=True):
+            await stage.setup(ctx)
+        batcher.batch.close(stages[0].generator)  # x's lane taken from under it: its next step cannot run
+        errors: list[BaseException] = []
+
+        async def step(i: int) -> None:
+            try:
+                await stages[i].process(_conditioning("xy"[i], 0, 0), ctxs[i])
+            except RuntimeError as e:
+                errors.append(e)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(step, 0)
+            tg.start_soon(step, 1)
+        stages[0].generator = None  # its lane is gone already
+        for stage in stages:
+            await stage.teardown()
+        return outs, errors
+
+    outs, errors = anyio.run(main)
+    assert len(errors) == 1 and "before reset_session" in str(errors[0])
+    assert outs[0] == [] and [m.chunk for m in outs[1]] == [0]
+
+
+def test_a_full_batcher_refuses_the_next_session_clearly():
+    config = DiffusionConfig(fp8_cache=False, batch_sessions=2)
+    batcher = StepBatcher(config, "tiny")
+
+    async def main():
+        stages = [DiffusionStage(config, "tiny", batcher=batcher) for _ in range(3)]
+        for stage in stages[:2]:
+            await stage.setup(_context("s", []))
+        with pytest.raises(RuntimeError, match="holds 2 sessions"):
+            await stages[2].setup(_context("s", []))
+        for stage in stages:
+            await stage.teardown()
+
+    anyio.run(main)
+    assert batcher._open == 0
+    with pytest.raises(ValueError, match="tp = 1"):
+        StepBatcher(DiffusionConfig(batch_sessions=2, tp=2), "tiny")
+    with pytest.raises(ValueError, match="serves tiny"):
+        DiffusionStage(config, "characters-14b", batcher=batcher)
+
+
+def test_real_sessions_stream_through_one_batched_forward():
+    """Three inproc sessions (the listening agent, no microphone: every chunk a listening chunk, so
+    chunk n's frames depend on the session's seed only) with batching: the frames each releases equal
+    those of the same sessions unbatched."""
+
+    def configs(batch: int) -> list[PipelineConfig]:
+        out = []
+        for seed in (1, 2, 3):
+            config = PipelineConfig()
+            config.diffusion.seed, config.diffusion.batch_sessions = seed, batch
+            out.append(config)
+        return out
+
+    async def run(batch: int) -> tuple[list[dict], StepBatcher | None]:
+        cfgs = configs(batch)
+        batcher = StepBatcher(cfgs[0].diffusion, cfgs[0].preset) if batch > 1 else None
+        sessions = [LiveSession(c, f"s{c.diffusion.seed}", peer=False, batcher=batcher) for c in cfgs]
+        for s in sessions:
+            s.start()
+        frames: list[dict] = [{} for _ in sessions]
+
+        async def read(i: int) -> None:
+            out, index = sessions[i].output, 0
+            await out.wait_started()
+            while len(frames[i]) < 36:  # 9 chunks
+                frame = await out.frame_at(index)
+                index = frame.index + 1
+                if frame.chunk is not None:
+                    frames[i][(frame.chunk, frame.frame_in_chunk)] = frame.image
+
+        await asyncio.wait_for(asyncio.gather(*(read(i) for i in range(len(sessions)))), 90)
+        results = [await s.stop() for s in sessions]
+        assert all(r is not None and r.ok for r in results), [r and r.error for r in results]
+        return frames, batcher
+
+    alone, _ = asyncio.run(run(1))
+    together, batcher = asyncio.run(run(3))
+    for got, want in zip(together, alone, strict=True):
+        shared = sorted(set(got) & set(want))
+        assert len(shared) >= 24
+        for key in shared:
+            np.testing.assert_array_equal(got[key], want[key])
+    assert not np.array_equal(together[0][shared[-1]], together[1][shared[-1]])
+    assert batcher.stats.largest >= 2 and batcher._open == 0
