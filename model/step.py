@@ -421,10 +421,11 @@ class BatchedStep:
         step._session = False
 
     @torch.inference_mode()
-    def step(self, steps: list[DiffusionStep], audio_tokens: list[torch.Tensor], seeds: list[int]) -> torch.Tensor:
+    def step(self, steps: list[DiffusionStep], audio_tokens: list[torch.Tensor], seeds: list[int],
+             graphed: bool | None = None) -> torch.Tensor:
         """The next latent frame of each session in ``steps`` (distinct open sessions), one forward:
         (n, C, h, w) float32 on the device, row i the frame ``steps[i].step(audio_tokens[i], seeds[i])``
-        would generate alone."""
+        would generate alone. ``graphed``: replay the bucket's graph (default: the batch's mode) or run eagerly."""
         n, cfg = len(steps), self.cfg
         if not 0 < n <= self.max_sessions or len(audio_tokens) != n or len(seeds) != n:
             raise ValueError(f"a batch of {n} sessions, {len(audio_tokens)} audio and {len(seeds)} seeds "
@@ -433,7 +434,7 @@ class BatchedStep:
             raise ValueError("a batch takes distinct open sessions of this batched step")
         for s, a in zip(steps, audio_tokens, strict=True):
             s.check_step(a)  # before any session's state moves
-        bucket = next(b for b in self.buckets if b >= n)
+        bucket = self.bucket(n)
         pad = bucket - n
         inputs = self.inputs[bucket]
         times = [s.cache.begin_frame()[1] for s in steps]
@@ -445,7 +446,9 @@ class BatchedStep:
         inputs.positions[:, :, 0].copy_(torch.tensor(times + [cfg.sink_frames] * pad)[:, None])
         inputs.slot.copy_(torch.tensor([s.cache.write_start for s in steps] + [self.pool.sink_slots] * pad))
         inputs.lanes.copy_(torch.tensor([s.cache.lane for s in steps] + [self.scratch] * pad))
-        if self.graphed:
+        if self.graphed if graphed is None else graphed:
+            if not self.graphs:
+                raise RuntimeError("a graphed run before capture()")
             self.graphs[bucket].replay()
         else:
             self._body(inputs)
@@ -453,6 +456,10 @@ class BatchedStep:
         for s in steps:
             s.cache.end_frame()
         return latents
+
+    def bucket(self, n: int) -> int:
+        """The batch size (and graph) a batch of ``n`` sessions runs at."""
+        return next(b for b in self.buckets if b >= n)
 
     @torch.inference_mode()
     def capture(self, warmup: int = 2) -> None:

@@ -14,6 +14,9 @@
 #               scripts/gpu_run.sh ab DIR           the TP=3 shard's step without and with its NCCL group (A/B)
 #               scripts/gpu_run.sh tp DIR [N...]    multi-GPU kinds: `bench gpu --tp N` (NCCL, one process per
 #                                                   GPU, the serving step graphed with its all-reduces), N = 3 4
+#               scripts/gpu_run.sh batch DIR        cross-session batching: its GPU tests (batched = alone, graphed =
+#                                                   eager) beside the single step's, then `bench batch` (tiny, K =
+#                                                   1 8 16 32 64 sessions per forward against K separate steps)
 #               [GPUS=3+1] scripts/gpu_run.sh live DIR [PRESET...]   one `charstream demo --gpus $GPUS` (default 1)
 #                                                   session per preset (default: characters-14b tiny), >= 2 min each
 #
@@ -23,7 +26,7 @@
 # Each section runs under `timeout` with a line at its start and end; logs and JSON go to $OUT (at
 # most 8 files come back).
 set -o pipefail
-cmd=${1:?usage: gpu_run.sh bundle [DIR] | install DIR | check DIR | ab DIR | tp DIR [N...] | live DIR [PRESET...]}
+cmd=${1:?usage: gpu_run.sh bundle [DIR] | install DIR | check DIR | batch DIR | ab DIR | tp DIR [N...] | live DIR [PRESET...]}
 dir=${2:-.gpu-bundle}
 shift $(($# < 2 ? $# : 2))
 
@@ -92,6 +95,10 @@ elif [ "$cmd" = check ]; then
     --tp-shard 3 4 --skip sweep decoder pipeline --section-timeout 90 --json "$OUT/bench_57b.json"
   section "bench characters-14b, decoder, period" 200 bench-14b.log python3 -m charstream.pipeline.bench_gpu \
     --preset characters-14b --tp-shard 1 --skip sweep ceilings --section-timeout 90 --json "$OUT/bench_14b.json"
+elif [ "$cmd" = batch ]; then  # needs no wheels: the model layer and the bench only
+  section "gpu tests" 150 gpu-tests.log python3 -m pytest -q -s -m gpu -p no:cacheprovider --timeout=120 \
+    tests/test_batched_step.py tests/test_graphed_gpu.py
+  section "bench batch" 120 bench-batch.log python3 -m charstream.pipeline.bench_batch --out "$OUT/bench_batch.json"
 elif [ "$cmd" = ab ]; then  # the TP=3 shard's serving step without, then with, its one-rank NCCL group
   for group in --no-group ""; do
     # shellcheck disable=SC2086
