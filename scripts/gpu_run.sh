@@ -96,9 +96,9 @@ elif [ "$cmd" = check ]; then
   section "bench characters-14b, decoder, period" 200 bench-14b.log python3 -m charstream.pipeline.bench_gpu \
     --preset characters-14b --tp-shard 1 --skip sweep ceilings --section-timeout 90 --json "$OUT/bench_14b.json"
 elif [ "$cmd" = batch ]; then  # needs no wheels: the model layer and the bench only
-  section "gpu tests" 150 gpu-tests.log python3 -m pytest -q -s -m gpu -p no:cacheprovider --timeout=120 \
+  section "gpu tests" 80 gpu-tests.log python3 -m pytest -q -s -m gpu -p no:cacheprovider --timeout=70 \
     tests/test_batched_step.py tests/test_graphed_gpu.py
-  section "bench batch" 120 bench-batch.log python3 -m charstream.pipeline.bench_batch --out "$OUT/bench_batch.json"
+  section "bench batch" 50 bench-batch.log python3 -m charstream.pipeline.bench_batch --out "$OUT/bench_batch.json"
 elif [ "$cmd" = ab ]; then  # the TP=3 shard's serving step without, then with, its one-rank NCCL group
   for group in --no-group ""; do
     # shellcheck disable=SC2086
