@@ -191,6 +191,8 @@ def session_factory(config: PipelineConfig, weights: str | None = "packaged",
     its sessions share one model and batch their diffusion steps (``factory.batcher``)."""
     started = 0
     sessions: dict[str, LiveSession] = {}
+    if config.diffusion.batch_sessions < 1:
+        raise ValueError(f"diffusion.batch_sessions must be >= 1 (1 = off), got {config.diffusion.batch_sessions}")
     batch = config.diffusion.batch_sessions > 1 and not testcard
     batcher = StepBatcher(config.diffusion, config.preset, weights) if batch else None
 

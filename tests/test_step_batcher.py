@@ -5,6 +5,7 @@ inproc sessions made by ``session_factory`` stream through one batched forward."
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 
@@ -200,3 +201,19 @@ def test_real_sessions_stream_through_one_batched_forward():
             np.testing.assert_array_equal(got[key], want[key])
     assert not np.array_equal(together[0][shared[-1]], together[1][shared[-1]])
     assert batcher.stats.largest >= 2 and batcher._open == 0
+
+
+def test_serve_and_session_factory_make_one_batcher_for_their_sessions():
+    from charstream.pipeline import serve
+    from charstream.pipeline.session import session_factory
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    config = serve.load_config(parser.parse_args(["--batch-sessions", "8"]))
+    assert config.diffusion.batch_sessions == 8
+    factory = session_factory(config, weights=None)
+    assert isinstance(factory.batcher, StepBatcher) and factory.batcher.max_sessions == 8
+    assert session_factory(PipelineConfig()).batcher is None  # 1: off
+    config.diffusion.batch_sessions = 0
+    with pytest.raises(ValueError, match="batch_sessions must be >= 1"):
+        session_factory(config)
