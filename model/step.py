@@ -37,6 +37,11 @@ reallocated, so one capture serves a whole session: rollbacks are host bookkeepi
 position reset's delta rotation runs in place, outside the graph, in ``KVCache.begin_frame``. The
 sink pass (``sink_frames`` frames, a shape no other step has) always runs eagerly through
 ``DiT.forward``.
+
+Many sessions of one model in one forward: ``BatchedStep`` (the end of this file). Each session is a
+``DiffusionStep`` on a lane of one ``KVPool``; a batch runs the module body (``module_body``, the same
+function the single step's module body calls) once over the lanes, through ``LaneSelfAttention``, with
+every per-session value in device tensors, so one CUDA graph per batch size serves.
 """
 
 from __future__ import annotations
