@@ -217,3 +217,26 @@ def test_serve_and_session_factory_make_one_batcher_for_their_sessions():
     config.diffusion.batch_sessions = 0
     with pytest.raises(ValueError, match="batch_sessions must be >= 1"):
         session_factory(config)
+
+
+def test_a_session_ending_while_its_step_waits_drops_it_and_the_others_go_on():
+    config = DiffusionConfig(fp8_cache=False, batch_sessions=2, batch_window_s=0.5)
+    batcher = StepBatcher(config, "tiny")
+
+    async def main():
+        x, y = (DiffusionStage(dataclasses.replace(config, seed=s), "tiny", batcher=batcher) for s in (1, 2))
+        out_x, out_y = [], []
+        ctx_x, ctx_y = _context("x", out_x), _context("y", out_y)
+        await x.setup(ctx_x)
+        await y.setup(ctx_y)
+        lane_x = x.generator
+        with anyio.move_on_after(0.1):  # x's step waits for y's (the window is 0.5 s); x's session ends
+            await x.process(_conditioning("x", 0, 0), ctx_x)
+        await x.teardown()
+        await y.process(_conditioning("y", 0, 0), ctx_y)
+        await y.teardown()
+        return lane_x, out_x, out_y
+
+    lane_x, out_x, out_y = anyio.run(main)
+    assert out_x == [] and lane_x.next_frame == 0  # dropped before any forward took it
+    assert [m.chunk for m in out_y] == [0] and batcher.stats.forwards == 1 and batcher.stats.largest == 1
