@@ -363,10 +363,18 @@ def ring_attention_gathered(
     """The same attention through PyTorch's cuDNN SDPA: the attended frames (every one valid, listed by
     ring position in ``frame_order``) are first dequantised into the contiguous bf16 ``window``
     buffers. On an H200 this beat every in-place Triton variant (docs/gpu-notes.md); it needs a
-    full, mask-free window, so the in-place kernel serves the first frames of a session."""
+    full, mask-free window, so the in-place kernel serves the first frames of a session. (The serving
+    step keeps each layer's window current instead of gathering it per call: ``window_attention``.)"""
+    k_win, v_win = gather_window(k_cache, v_cache, k_scale, v_scale, frame_order, sink_slots, tokens_per_frame, window)
+    return window_attention(q, k_win, v_win, out)
+
+
+def window_attention(q: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """q (T, n_heads, head_dim) over every slot of a contiguous window (n_heads, S, head_dim) through
+    PyTorch's cuDNN SDPA (flash if cuDNN declines); key order is irrelevant to attention, so the
+    window may hold its frames in any order. Written into ``out`` (T, n_heads, head_dim)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    k_win, v_win = gather_window(k_cache, v_cache, k_scale, v_scale, frame_order, sink_slots, tokens_per_frame, window)
     qh = q.transpose(0, 1).contiguous()[None]
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
         o = F.scaled_dot_product_attention(qh, k_win[None], v_win[None])

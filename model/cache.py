@@ -152,6 +152,9 @@ class KVCache:
         self.write_start = 0  # first slot of the frame being written
         self.writing_sink = False
         self.next_frame = 0
+        # Bumped whenever cached history is rewritten (a new session, a rollback, a delta rotation), so
+        # a copy of the ring's window (the step's bf16 attention window) knows it must be rebuilt.
+        self.version = 0
 
     @property
     def fp8(self) -> bool:
@@ -164,6 +167,7 @@ class KVCache:
         self.saturated.zero_()
         self.offset = 0
         self.next_frame = 0
+        self.version += 1
 
     def begin_sink(self) -> None:
         """Next writes go to the sink slots; attention sees the sink only."""
@@ -189,8 +193,9 @@ class KVCache:
         return frame, self.cfg.sink_frames + frame - self.offset
 
     def _set_valid(self, valid: list[bool]) -> None:
-        """The ring frames attention may read, and the same as a per-slot bias (the CPU path's mask:
-        built once here, not per layer and pass)."""
+        """The ring frames attention may read, and on CPU the same as a per-slot bias (the CPU path's
+        mask: built once here, not per layer and pass; CUDA kernels read ``ring_valid``, so building it
+        there would cost launches per frame for nothing)."""
         self.ring_valid.copy_(torch.tensor(valid, dtype=torch.bool))
         if self.k.is_cpu:  # only the CPU attention reads it
             self.slot_bias = ring_slot_bias(self.ring_valid, self.sink_slots, self.tokens_per_frame)
@@ -204,6 +209,7 @@ class KVCache:
         if not 0 <= k <= self.next_frame:
             raise ValueError(f"cannot roll back {k} frames: {self.next_frame} generated this session")
         self.next_frame -= k
+        self.version += 1
         self.slot_frame = [f if f is not None and f < self.next_frame else None for f in self.slot_frame]
         wanted = range(max(0, self.next_frame - self.cfg.window_frames + 1), self.next_frame)
         return sum(f not in self.slot_frame for f in wanted)
@@ -213,6 +219,7 @@ class KVCache:
             # One in-place rotation of every ring key's time channels: position t -> t - delta.
             delta_rotate(self.k, self.k_scale, offset - self.offset, self.freqs.t, self.sink_slots)
             self.offset = offset
+            self.version += 1
 
     def write(
         self,

@@ -17,11 +17,13 @@ position reset, the TP group) is shared:
 
     adaln_quant     residual x += gate * out (previous block), LayerNorm, adaLN, FP8 rows   1 launch
     w_in            FP8 GEMM -> fused [q | k | v | cross-q | mlp-up]                       1 launch
-    ring_write_prep QK-norms, RoPE(q) in place, RoPE(k) + FP8 + ring write of K and V,
-                    cross-q norm in place, saturation count                               1 launch
+    ring_write_prep QK-norms, RoPE(q) in place, RoPE(k) + FP8 + ring write of K and V (and,
+                    gathered, their dequantised copy into the layer's attention window),
+                    cross-q norm in place, saturation count; RoPE from one table per step 1 launch
     attention       q over sink + valid ring, written over the spent v columns: in place
-                    over the FP8 ring while the window fills, then the window dequantised
-                    into bf16 + cuDNN SDPA (``gathered``, faster on an H200)             1-4 launches
+                    over the FP8 ring while the window fills, then cuDNN SDPA over the
+                    layer's bf16 window, which the ring write above keeps current
+                    (``gathered``, faster on an H200)                                     1-3 launches
     cross attention cross-q over the step's audio K/V, written over the cross-q columns    1 launch
     quantize_rows   GELU on the mlp columns + FP8 rows of [attn | cross | mlp]             1 launch
     w_out           FP8 GEMM, then the block's one all-reduce under TP                     1-2 launches
@@ -50,9 +52,14 @@ import torch
 import torch.distributed as dist
 from charstream.kernels.adaln_quant import adaln_quant
 from charstream.kernels.quantize_rows import quantize_rows
-from charstream.kernels.ring_attention import ring_attention, ring_attention_gathered, ring_attention_triton
-from charstream.kernels.ring_write import ring_write_prep_reference, ring_write_prep_triton
-from charstream.kernels.rope import complex_rotation, rope_freqs, rope_rotation, rotate_complex
+from charstream.kernels.ring_attention import (
+    gather_window,
+    ring_attention,
+    ring_attention_triton,
+    window_attention,
+)
+from charstream.kernels.ring_write import ring_write_prep_reference, ring_write_prep_triton, rope_table
+from charstream.kernels.rope import rope_freqs, rotate_complex
 from charstream.model.cache import KVCache, KVPool
 from charstream.model.config import ModelConfig
 from charstream.model.dit import DiT, Modulation, SelfAttention
@@ -74,9 +81,9 @@ class RingSelfAttention:
 
     def __init__(self, cache: KVCache, positions: torch.Tensor) -> None:
         self.cache, self.positions = cache, positions
-        # RoPE of the queries and keys of every layer, built once per step (the CUDA ring-write kernel
-        # rotates the keys itself and ignores it); one complex multiply rotates a tensor.
-        self.rotation = complex_rotation(rope_rotation(positions, cache.freqs))
+        # RoPE of the queries and keys of every layer, built once per step (the ring write reads it
+        # too); one complex multiply rotates a tensor.
+        self.rotation = rope_table(positions, cache.freqs)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         shape = q.shape  # (1, F, T, H, D)
@@ -93,7 +100,7 @@ class LaneSelfAttention:
         self.pool, self.lanes, self.slot = pool, inputs.lanes, inputs.slot
         b, t = inputs.positions.shape[:2]
         # per step, as RingSelfAttention: the RoPE tables of every frame and each lane's attention bias
-        self.rotation = complex_rotation(rope_rotation(inputs.positions.flatten(0, 1), pool.freqs)).unflatten(0, (b, t))
+        self.rotation = rope_table(inputs.positions.flatten(0, 1), pool.freqs).unflatten(0, (b, t))
         self.bias = pool.slot_bias(inputs.lanes)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -182,12 +189,16 @@ class DiffusionStep:
         self.x = torch.zeros(t, cfg.dim, dtype=dtype, device=dev)  # the residual stream
         self.ones = torch.ones(self.n_heads, device=dev)  # unit scales: the cross K/V are plain bf16
         self.no_ring = torch.zeros(0, dtype=torch.bool, device=dev)
-        # The gathered attention (CUDA: a Triton gather + cuDNN) once the window is full: ring
-        # positions of its frames, and the per-layer scratch window it fills.
+        # The gathered attention (CUDA: cuDNN) once the window is full reads every layer's window
+        # dequantised into contiguous bf16: the sink, then frame f at window position f % window_frames.
+        # Each pass's ring write also writes its frame there, so the window is gathered from the ring
+        # (one launch per layer) only when the cache's history was rewritten since it last mirrored it.
         self.prefer_gathered = prefer_gathered and dev.type == "cuda"
         self.frame_order = torch.zeros(cfg.window_frames, dtype=torch.int32, device=dev)
-        win = (self.n_heads, cache.sink_slots + cfg.window_frames * t, self.head_dim)
-        self.window = (torch.empty(win, dtype=dtype, device=dev), torch.empty(win, dtype=dtype, device=dev))
+        self.window_slot = torch.zeros((), dtype=torch.int64, device=dev)
+        self._window_mirrors: tuple[int, int] | None = None  # (cache.version, next frame) it holds up to
+        win = (cfg.n_blocks, self.n_heads, cache.sink_slots + cfg.window_frames * t, self.head_dim)
+        self.window = tuple(torch.empty(win, dtype=dtype, device=dev) for _ in range(2)) if self.prefer_gathered else None
 
     @property
     def next_frame(self) -> int:
@@ -254,12 +265,24 @@ class DiffusionStep:
         self.slot.fill_(cache.write_start)
         if not self.fused:
             return
-        frame = cache.next_frame
-        oldest = frame - self.cfg.window_frames + 1
-        order = [pos for pos, f in enumerate(cache.slot_frame) if f is not None and oldest <= f <= frame]
-        self.gathered = self.prefer_gathered and len(order) == self.cfg.window_frames
-        if self.gathered:
-            self.frame_order.copy_(torch.tensor(order, dtype=torch.int32))
+        frame, n_window = cache.next_frame, self.cfg.window_frames
+        oldest = frame - n_window + 1
+        held = [f for f in cache.slot_frame if f is not None and oldest <= f <= frame]
+        self.gathered = self.prefer_gathered and len(held) == n_window
+        if not self.gathered:
+            return
+        self.window_slot.fill_(cache.sink_slots + frame % n_window * cache.tokens_per_frame)
+        if self._window_mirrors != (cache.version, frame):
+            self._gather_window(sorted(held, key=lambda f: f % n_window))
+        self._window_mirrors = (cache.version, frame + 1)  # once this run has written the frame
+
+    def _gather_window(self, frames: list[int]) -> None:
+        """Rebuild every layer's window from the ring: the sink, then ``frames`` (by window position)."""
+        cache = self.cache
+        self.frame_order.copy_(torch.tensor([f % cache.ring_frames for f in frames], dtype=torch.int32))
+        for layer in range(self.cfg.n_blocks):
+            gather_window(cache.k[layer], cache.v[layer], cache.k_scale[layer], cache.v_scale[layer], self.frame_order,
+                          cache.sink_slots, cache.tokens_per_frame, (self.window[0][layer], self.window[1][layer]))
 
     @torch.inference_mode()
     def run(self, graphed: bool | None = None) -> torch.Tensor:
@@ -316,19 +339,21 @@ class DiffusionStep:
         audio_x = m.audio_embed(audio)[0, 0]
         # (1, 1, heads, A, head_dim) -> (heads, A, head_dim): the cross "cache" of this step
         cross_kv = [(k[0, 0].contiguous(), v[0, 0].contiguous()) for k, v in m.cross_context(audio)]
+        rotation = rope_table(self.positions, self.cache.freqs)  # every layer's and pass's RoPE, once
 
         def velocity(latent: torch.Tensor, sigma: float) -> torch.Tensor:
-            return self._fused_pass(latent, self.level_index[sigma], audio_x, cross_kv)
+            return self._fused_pass(latent, self.level_index[sigma], audio_x, cross_kv, rotation)
 
         return velocity
 
-    def _fused_pass(self, latent: torch.Tensor, level: int, audio_x: torch.Tensor, cross_kv: list) -> torch.Tensor:
+    def _fused_pass(self, latent: torch.Tensor, level: int, audio_x: torch.Tensor, cross_kv: list,
+                    rotation: torch.Tensor) -> torch.Tensor:
         m, cfg = self.model, self.cfg
         video = m.patch_embed(m.patchify(latent.to(self.x.dtype)))[0, 0]
         torch.cat([video, audio_x], dim=0, out=self.x)
         out = gate = None
         for layer in range(cfg.n_blocks):
-            out = self._fused_block(layer, level, out, gate, cross_kv[layer])
+            out = self._fused_block(layer, level, out, gate, cross_kv[layer], rotation)
             gate = self.mods[level, layer, 2]
         x = self.x + gate * out
         shift, scale = self.final_mods[level]
@@ -336,18 +361,19 @@ class DiffusionStep:
         return m.unpatchify(m.head(h)[None, None])
 
     def _fused_block(self, layer: int, level: int, out: torch.Tensor | None, gate: torch.Tensor | None,
-                     cross: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                     cross: tuple[torch.Tensor, torch.Tensor], rotation: torch.Tensor) -> torch.Tensor:
         cache, hd, shape = self.cache, self.hd, (self.n_heads, self.head_dim)
         shift, scale, _ = self.mods[level, layer]
         hq = adaln_quant(self.x, shift, scale, out, gate)
         fused = self.w_in[layer].forward_quantized(*hq, out_dtype=self.x.dtype)
         q, k, v, cq = (fused[:, i * hd : (i + 1) * hd].unflatten(-1, shape) for i in range(4))
         layer_cache = (cache.k[layer], cache.v[layer], cache.k_scale[layer], cache.v_scale[layer])
+        window = (self.window[0][layer], self.window[1][layer], self.window_slot) if self.gathered else None
         prep = ring_write_prep_triton if q.is_cuda else ring_write_prep_reference
-        prep(q, k, v, cq, *layer_cache, self.slot, self.positions, cache.freqs, self.norms[layer], cache.saturated)
+        prep(q, k, v, cq, *layer_cache, self.slot, self.positions, cache.freqs, self.norms[layer], cache.saturated,
+             rotation=rotation, window=window)
         if self.gathered:
-            ring_attention_gathered(q, *layer_cache, self.frame_order, cache.sink_slots, cache.tokens_per_frame,
-                                    self.window, out=v)
+            window_attention(q, *window[:2], out=v)
         elif q.is_cuda:
             ring_attention_triton(q, *layer_cache, cache.ring_valid, cache.sink_slots, cache.tokens_per_frame, out=v,
                                   **self.attention_options)

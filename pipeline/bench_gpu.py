@@ -52,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="time the shard's step without its all-reduces (default: in a one-rank NCCL group, "
                              "as the step serves: the collectives replay inside its graph)")
     parser.add_argument("--skip", nargs="*", default=[],
-                        choices=["ceilings", "sweep", "kernels", "step", "decoder", "pipeline"])
+                        choices=["ceilings", "sweep", "kernels", "profile", "step", "decoder", "pipeline"])
+    parser.add_argument("--trace", action="store_true", help="with --json: also write each shard's Chrome trace of one replay")
     parser.add_argument("--section-timeout", type=float, default=0.0,
                         help="seconds a section may run before every thread's stack is printed and the process "
                              "exits (0: no limit); the JSON holds the sections finished before it")
@@ -162,8 +163,12 @@ def kernel_breakdown(cfg: ModelConfig, tp: int, model, cache, step) -> dict[str,
     from charstream.kernels.adaln_quant import adaln_quant_triton
     from charstream.kernels.delta_rotate import delta_rotate_triton
     from charstream.kernels.quantize_rows import quantize_rows_triton
-    from charstream.kernels.ring_attention import ring_attention_gathered, ring_attention_triton
-    from charstream.kernels.ring_write import ring_write_prep_triton, ring_write_triton
+    from charstream.kernels.ring_attention import (
+        ring_attention_gathered,
+        ring_attention_triton,
+        window_attention,
+    )
+    from charstream.kernels.ring_write import ring_write_prep_triton, ring_write_triton, rope_table
 
     s = shard_config(cfg, tp)
     t, hd, heads, d = cfg.tokens_per_step, s["hd"], s["heads"], cfg.head_dim
@@ -179,6 +184,8 @@ def kernel_breakdown(cfg: ModelConfig, tp: int, model, cache, step) -> dict[str,
     cache.begin_frame()
     slot = torch.tensor(cache.write_start, device="cuda")
     pos = step.positions
+    rotation = rope_table(pos, cache.freqs)  # built once per step, read by every write
+    win_k, win_v = step.window
     attn_args = lambda layer: (cache.k[layer], cache.v[layer], cache.k_scale[layer], cache.v_scale[layer],  # noqa: E731
                                cache.ring_valid, cache.sink_slots, cache.tokens_per_frame)
     out = torch.empty(t, heads, d, device="cuda", dtype=torch.bfloat16)
@@ -189,38 +196,103 @@ def kernel_breakdown(cfg: ModelConfig, tp: int, model, cache, step) -> dict[str,
     per_pass = {
         "adaln_quant": _graph_ms([lambda i=i: adaln_quant_triton(x, mods[i, 0], mods[i, 1], res, mods[i, 2], hq) for i in every]),
         "gemm_in": _graph_ms([lambda i=i: step.w_in[i].forward_quantized(*hq) for i in every]),
+        # as the full-window step runs it: the RoPE table, and the window copy of the written K/V
         "ring_write_prep": _graph_ms([lambda i=i: ring_write_prep_triton(
             q, k, v, cq, cache.k[i], cache.v[i], cache.k_scale[i], cache.v_scale[i], slot, pos, cache.freqs,
-            step.norms[i], cache.saturated) for i in every]),
+            step.norms[i], cache.saturated, rotation=rotation, window=(win_k[i], win_v[i], step.window_slot))
+            for i in every]),
         "attention_ring_triton": _graph_ms([lambda i=i: ring_attention_triton(q, *attn_args(i), out=out, **step.attention_options)
                                 for i in every]),
-        "attention_gathered_cudnn": _graph_ms([lambda i=i: ring_attention_gathered(
+        "attention_window_cudnn": _graph_ms([lambda i=i: window_attention(q, win_k[i], win_v[i], out) for i in every]),
+        "attention_gather_then_cudnn": _graph_ms([lambda i=i: ring_attention_gathered(
             q, cache.k[i], cache.v[i], cache.k_scale[i], cache.v_scale[i], step.frame_order, cache.sink_slots,
-            cache.tokens_per_frame, step.window, out=out) for i in every]),
+            cache.tokens_per_frame, (win_k[0], win_v[0]), out=out) for i in every]),
         "cross_attention": _graph_ms([lambda: ring_attention_triton(cq, ck, ck, ones, ones, no_ring, cfg.n_audio_tokens, 1,
                                                                     block_n=16, out=out) for _ in every]),
         "quantize_rows_gelu": _graph_ms([lambda: quantize_rows_triton(fused[:, 2 * hd :], 2 * hd, oq) for _ in every]),
         "gemm_out": _graph_ms([lambda i=i: step.w_out[i].forward_quantized(*oq) for i in every]),
     }
     ring_write_ms = _graph_ms([lambda i=i: ring_write_triton(
-        cache.k[i], cache.v[i], cache.k_scale[i], cache.v_scale[i], k, v, slot, pos, cache.freqs) for i in every])
-    # cache upkeep: the contract's ring write each block-pass + the host/device bookkeeping of a frame
+        cache.k[i], cache.v[i], cache.k_scale[i], cache.v_scale[i], k, v, slot, pos, cache.freqs, rotation) for i in every])
+    rope_table_ms = _graph_ms([lambda: rope_table(pos, cache.freqs)])  # once per step
+    # cache upkeep: the contract's ring write each block-pass, its RoPE table once, the host
+    # bookkeeping of a frame (host time, the GPU idle meanwhile), the rotation every reset_every frames
     t0 = time.perf_counter()
     for _ in range(20):
         cache.begin_frame()  # the same frame again: no end_frame, so no position reset either
     torch.cuda.synchronize()
     begin_frame_ms = (time.perf_counter() - t0) / 20 * 1e3
-    rotate_ms = cuda_median_ms(lambda: delta_rotate_triton(cache.k, cache.k_scale, torch.tensor(-1, device="cuda"), cache.freqs.t,
-                                                   cache.sink_slots), 10)
+    # The rotation as KVCache._shift_to launches it (a host integer delta). Timed back to back by
+    # do_bench (the serving figure: the GPU time of the launch); the older figure -- CUDA events around
+    # each call with a device tensor made inside the timed region, the GPU idle while the host builds
+    # the tensor and Triton launches -- is kept beside it to show what it added.
+    rotate = lambda: delta_rotate_triton(cache.k, cache.k_scale, -1, cache.freqs.t, cache.sink_slots)  # noqa: E731
+    rotate_ms = _bench(rotate)
+    rotate_events_ms = cuda_median_ms(lambda: delta_rotate_triton(cache.k, cache.k_scale, torch.tensor(-1, device="cuda"),
+                                                                  cache.freqs.t, cache.sink_slots), 10)
+    rotate_events_back_to_back_ms = cuda_median_ms(lambda: [rotate() for _ in range(10)], 5) / 10
     k_bytes = cache.k.numel()
     return {
         "per_block_pass_ms": per_pass,
         "per_step_ms": {name: ms * passes for name, ms in per_pass.items()},
         "ring_write_ms_per_call": ring_write_ms,
-        "cache_upkeep_ms_per_step": ring_write_ms * passes + begin_frame_ms + rotate_ms / cfg.reset_every,
+        "rope_table_ms_per_step": rope_table_ms,
+        "cache_upkeep_ms_per_step": ring_write_ms * passes + rope_table_ms + begin_frame_ms + rotate_ms / cfg.reset_every,
         "begin_frame_ms": begin_frame_ms,
         "delta_rotation_ms": rotate_ms,
+        "delta_rotation_events_per_call_with_host_launch_ms": rotate_events_ms,
+        "delta_rotation_events_10_back_to_back_ms": rotate_events_back_to_back_ms,
         "delta_rotation_cache_gb": k_bytes / 1e9,
+    }
+
+
+def graph_profile(step, path: str | None = None) -> dict[str, object]:
+    """One replay of the step's graph under torch.profiler (CUPTI): every kernel's start and duration,
+    so the time between kernels (the graph's launch gaps) is measured, not inferred from a sum of
+    isolated timings. ``path``: also write the Chrome trace there."""
+    import tempfile
+    from collections import defaultdict
+
+    from torch.profiler import ProfilerActivity, profile
+
+    step.run(graphed=True)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step.run(graphed=True)
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = path or str(Path(tmp) / "trace.json")
+        prof.export_chrome_trace(trace)
+        events = json.loads(Path(trace).read_text()).get("traceEvents", [])
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    if not kernels:
+        return {"error": "no kernel events in the trace"}
+    short = lambda e: e["name"].split("(")[0][:60]  # noqa: E731
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    gaps: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    busy = gap_total = 0.0
+    end = kernels[0]["ts"]
+    for prev, e in zip([None, *kernels[:-1]], kernels, strict=True):
+        by_name[short(e)][0] += e["dur"] / 1e3
+        by_name[short(e)][1] += 1
+        if prev is not None:
+            gap = max(0.0, e["ts"] - end)
+            gap_total += gap
+            key = f"{short(prev)} -> {short(e)}"
+            gaps[key][0] += gap / 1e3
+            gaps[key][1] += 1
+        busy += max(0.0, e["ts"] + e["dur"] - max(end, e["ts"]))
+        end = max(end, e["ts"] + e["dur"])
+    span = end - kernels[0]["ts"]
+    top = lambda d: {k: {"ms": round(v[0], 4), "count": v[1]} for k, v in sorted(d.items(), key=lambda kv: -kv[1][0])[:15]}  # noqa: E731
+    return {
+        "kernels": len(kernels),
+        "span_ms": span / 1e3,
+        "busy_ms": busy / 1e3,
+        "gaps_ms": gap_total / 1e3,
+        "gap_us_per_boundary": gap_total / max(1, len(kernels) - 1),
+        "kernel_ms_by_name": top(by_name),
+        "gap_ms_by_boundary": top(gaps),
     }
 
 
@@ -463,8 +535,20 @@ def _table(results: dict) -> str:
             rows.append((f"  {name} x{4 * 60} (ms)", f"{ms:.2f}", "", ""))
         if "cache_upkeep_ms_per_step" in k:
             rows.append((f"cache upkeep TP={tp} (ms/step)", f"{k['cache_upkeep_ms_per_step']:.2f}", "<= 1", str(REFERENCE["cache_upkeep_ms"])))
-            rows.append((f"delta rotation TP={tp}, {k['delta_rotation_cache_gb']:.2f} GB (ms)", f"{k['delta_rotation_ms']:.3f}", "<= 1",
+            if "rope_table_ms_per_step" in k:
+                rows.append(("  ring write per call (us) / RoPE table per step (us) / begin_frame host (us)",
+                             f"{k['ring_write_ms_per_call'] * 1e3:.2f} / {k['rope_table_ms_per_step'] * 1e3:.1f} / "
+                             f"{k['begin_frame_ms'] * 1e3:.0f}", "", ""))
+            rows.append((f"delta rotation TP={tp}, {k['delta_rotation_cache_gb']:.2f} GB (ms)", f"{k['delta_rotation_ms']:.3f}", "<= 0.5",
                          str(REFERENCE["delta_rotation_ms"])))
+            if "delta_rotation_events_10_back_to_back_ms" in k:
+                rows.append(("  same, events per call with host launch / 10 back to back (ms)",
+                             f"{k['delta_rotation_events_per_call_with_host_launch_ms']:.3f} / "
+                             f"{k['delta_rotation_events_10_back_to_back_ms']:.3f}", "", ""))
+        prof = r.get("graph_profile", {})
+        if "span_ms" in prof:
+            rows.append((f"  one replay TP={tp} profiled: {prof['kernels']} kernels, span / busy / gaps (ms)",
+                         f"{prof['span_ms']:.1f} / {prof['busy_ms']:.1f} / {prof['gaps_ms']:.1f}", "", ""))
         att = r.get("attention", {})
         if att:
             for prefix in ("triton_f16", "triton_qkfp8"):
@@ -544,10 +628,14 @@ def run(args: argparse.Namespace) -> int:
             _save(results, args.json)
             shard["kernels"] = _section(shard, f"kernels TP={tp}", kernel_breakdown, cfg, tp, model, cache, step) or shard.get("kernels")
             per_step = shard["kernels"].get("per_step_ms") if isinstance(shard["kernels"], dict) else None
-            if per_step:  # the timed step (full window) attends through the gathered path
-                total = sum(ms for name, ms in per_step.items() if name != "attention_ring_triton")
+            if per_step:  # the timed step (full window) attends through the layer's window (cuDNN)
+                total = sum(ms for name, ms in per_step.items()
+                            if name not in ("attention_ring_triton", "attention_gather_then_cudnn"))
                 shard["kernels"]["sum_of_kernels_ms"] = total
                 shard["kernels"]["step_minus_sum_ms"] = shard["step"]["step_graphed_ms"] - total
+        if "profile" not in args.skip:
+            trace = str(Path(args.json).with_name(f"trace_tp{tp}.json")) if args.json and args.trace else None
+            shard["graph_profile"] = _section(shard, f"profile TP={tp}", graph_profile, step, trace) or shard.get("graph_profile")
         print(json.dumps({tp: shard}, default=str)[:3000], flush=True)
         _save(results, args.json)
         model = cache = None

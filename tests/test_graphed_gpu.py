@@ -77,6 +77,36 @@ def test_graphed_step_stays_valid_across_rollback_and_position_reset():
         assert torch.equal(got, want)
 
 
+def test_gathered_window_mirrors_the_ring_through_rollback_and_position_reset():
+    """The bf16 window that each pass's ring write keeps current equals the window gathered afresh
+    from the ring after every full-window step, through a rollback and position resets (which make the
+    step gather it again)."""
+    from charstream.kernels.ring_attention import gather_window
+
+    cfg = TINY.with_(reset_every=2)
+    gen = _generator(cfg, fused=True, graphed=True)
+    step, cache, n_window = gen.diffusion, gen.cache, cfg.window_frames
+    gen.reset_session(torch.randn(cfg.latent_channels, cfg.latent_height, cfg.latent_width))
+    checked = 0
+    for i in [*range(10), "rollback", *range(7, 14)]:
+        if i == "rollback":
+            assert gen.rollback(3) == 0
+            continue
+        gen.step(torch.randn(cfg.n_audio_tokens, cfg.audio_dim), i)
+        if not step.gathered:
+            continue
+        newest = cache.next_frame - 1
+        frames = sorted(range(newest - n_window + 1, newest + 1), key=lambda f: f % n_window)
+        order = torch.tensor([f % cache.ring_frames for f in frames], dtype=torch.int32, device="cuda")
+        fresh = tuple(torch.full_like(step.window[0][0], float("nan")) for _ in range(2))
+        for layer in range(cfg.n_blocks):
+            gather_window(cache.k[layer], cache.v[layer], cache.k_scale[layer], cache.v_scale[layer], order,
+                          cache.sink_slots, cache.tokens_per_frame, fresh)
+            assert torch.equal(fresh[0], step.window[0][layer]) and torch.equal(fresh[1], step.window[1][layer])
+        checked += 1
+    assert checked >= 10 and cache.offset > 0
+
+
 def test_graphed_step_under_tp_keeps_its_all_reduces_inside_the_graph(monkeypatch):
     """NCCL at world size 1 on the one GPU: the TP step's graph replays equal its eager runs and the
     step without a group, through a rollback and position resets; the eager step calls one

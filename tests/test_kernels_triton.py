@@ -112,14 +112,22 @@ def _run_checks() -> dict[str, dict[str, float]]:
     fused = torch.randn(T, 4 * H * D, generator=g) * 3
     norms = tuple(torch.rand(D, generator=g) + 0.5 for _ in range(3))
     positions = torch.stack([torch.full((T,), 3), torch.arange(T) % 4, torch.arange(T) % 5], 1)
+    # with a window: the written K/V also land in window slots [SINK + T, SINK + 2T) of a poisoned window
     runs = []
     for prep in (ring_write_prep_reference, ring_write_prep_triton):
         buf, kc, vc = fused.clone(), torch.zeros(H, n_slots, D), torch.zeros(H, n_slots, D)
         q, k, v, cq = (buf[:, i * H * D : (i + 1) * H * D].unflatten(-1, (H, D)) for i in range(4))
-        prep(q, k, v, cq, kc, vc, scale, scale, SINK, positions, freqs, norms, torch.zeros((), dtype=torch.int64))
-        runs.append((q, cq, kc, vc))
+        window = (torch.full((H, SINK + 2 * T, D), POISON), torch.full((H, SINK + 2 * T, D), POISON), torch.tensor(SINK + T))
+        prep(q, k, v, cq, kc, vc, scale, scale, torch.tensor(SINK), positions, freqs, norms,
+             torch.zeros((), dtype=torch.int64), window=window)
+        runs.append((q, cq, kc, vc, window[0][:, SINK + T :], window[1][:, SINK + T :]))
     report["write_prep"] = {
-        name: _rel(got, ref) for name, got, ref in zip(("q", "cq", "k_cache", "v_cache"), runs[1], runs[0], strict=True)
+        name: _rel(got, ref)
+        for name, got, ref in zip(("q", "cq", "k_cache", "v_cache", "k_window", "v_window"), runs[1], runs[0], strict=True)
+    }
+    report["write_prep_window"] = {
+        "poison_left": float(sum((w == POISON).sum() for w in runs[1][4:])),
+        "others_changed": float(sum((w[:, : SINK + T] != POISON).sum() for w in window[:2])),
     }
 
     order = torch.tensor([2, 0], dtype=torch.int32)
@@ -164,6 +172,7 @@ def test_ring_attention_triton_matches_reference(report, case):
 
 def test_ring_write_prep_triton_matches_reference(report):
     assert all(rel < 1e-5 for rel in report["write_prep"].values()), report["write_prep"]
+    assert report["write_prep_window"] == {"poison_left": 0.0, "others_changed": 0.0}
 
 
 def test_gather_window_lists_sink_then_frames_in_order(report):
