@@ -34,29 +34,34 @@ def adaln_quant_reference(
 
 @triton.jit
 def _adaln_quant_kernel(
-    x, stride_xm, residual, stride_rm, gate, shift, scale, hq, stride_qm, h_scale, n_cols,
-    BLOCK: tl.constexpr, RESIDUAL: tl.constexpr, EPS: tl.constexpr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
+    x, stride_xm, residual, stride_rm, gate, shift, scale, hq, stride_qm, h_scale, n_rows, n_cols,
+    ROWS: tl.constexpr, BLOCK: tl.constexpr, RESIDUAL: tl.constexpr, EPS: tl.constexpr, FP8_MAX: tl.constexpr,
+    MIN_AMAX: tl.constexpr,
 ):
-    # One program holds one whole row (dim <= BLOCK) in registers: one read, two writes.
-    row = tl.program_id(0)
+    # One program holds ROWS whole rows (dim <= BLOCK) in registers: one read, two writes per row. The
+    # rows' reductions run side by side, so an SM has ROWS rows' loads in flight where register use
+    # allows it only one program, and the modulation vectors are read once per ROWS rows.
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     c = tl.arange(0, BLOCK)
-    mask = c < n_cols
-    v = tl.load(x + row * stride_xm + c, mask=mask, other=0.0).to(tl.float32)
+    cmask = c < n_cols
+    mask = (row < n_rows)[:, None] & cmask[None, :]
+    v = tl.load(x + row[:, None] * stride_xm + c[None, :], mask=mask, other=0.0).to(tl.float32)
     if RESIDUAL:
-        r = tl.load(residual + row * stride_rm + c, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(gate + c, mask=mask, other=0.0).to(tl.float32)
-        stored = (v + g * r).to(x.dtype.element_ty)
-        tl.store(x + row * stride_xm + c, stored, mask=mask)
+        r = tl.load(residual + row[:, None] * stride_rm + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(gate + c, mask=cmask, other=0.0).to(tl.float32)
+        stored = (v + g[None, :] * r).to(x.dtype.element_ty)
+        tl.store(x + row[:, None] * stride_xm + c[None, :], stored, mask=mask)
         v = stored.to(tl.float32)  # normalise the stream as stored, as the next block will see it
-    mean = tl.sum(v, 0) / n_cols
-    centred = tl.where(mask, v - mean, 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, 0) / n_cols + EPS)
-    sh = tl.load(shift + c, mask=mask, other=0.0).to(tl.float32)
-    sc = tl.load(scale + c, mask=mask, other=0.0).to(tl.float32)
-    h = centred * rstd * (1.0 + sc) + sh
-    q_scale = tl.maximum(tl.max(tl.abs(h), 0), MIN_AMAX) / FP8_MAX
-    tl.store(h_scale + row, q_scale)
-    tl.store(hq + row * stride_qm + c, tl.clamp(h / q_scale, -FP8_MAX, FP8_MAX).to(hq.dtype.element_ty), mask=mask)
+    mean = tl.sum(v, 1) / n_cols
+    centred = tl.where(mask, v - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, 1) / n_cols + EPS)
+    sh = tl.load(shift + c, mask=cmask, other=0.0).to(tl.float32)
+    sc = tl.load(scale + c, mask=cmask, other=0.0).to(tl.float32)
+    h = centred * rstd[:, None] * (1.0 + sc[None, :]) + sh[None, :]
+    q_scale = tl.maximum(tl.max(tl.abs(tl.where(mask, h, 0.0)), 1), MIN_AMAX) / FP8_MAX
+    tl.store(h_scale + row, q_scale, mask=row < n_rows)
+    tl.store(hq + row[:, None] * stride_qm + c[None, :],
+             tl.clamp(h / q_scale[:, None], -FP8_MAX, FP8_MAX).to(hq.dtype.element_ty), mask=mask)
 
 
 def adaln_quant_triton(
@@ -66,19 +71,24 @@ def adaln_quant_triton(
     residual: torch.Tensor | None = None,
     gate: torch.Tensor | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rows: int = 1,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One launch; ``out`` = preallocated (hq, h_scale) for CUDA-graph replays."""
+    """One launch of ``rows`` rows per program; ``out`` = preallocated (hq, h_scale) for CUDA-graph
+    replays."""
     m, n = x.shape
     if x.stride(1) != 1 or (residual is not None and residual.stride(1) != 1):
         raise ValueError("x and residual need contiguous rows")
+    if rows & (rows - 1):
+        raise ValueError(f"rows must be a power of two, got {rows}")
     hq, h_scale = out if out is not None else (torch.empty(m, n, dtype=FP8_DTYPE, device=x.device),
                                                torch.empty(m, 1, dtype=torch.float32, device=x.device))
     has_res = residual is not None
-    _adaln_quant_kernel[(m,)](
+    _adaln_quant_kernel[(triton.cdiv(m, rows),)](
         x, x.stride(0), residual if has_res else x, residual.stride(0) if has_res else 0, gate if has_res else shift,
-        shift, scale, hq, hq.stride(0), h_scale, n,
-        BLOCK=triton.next_power_of_2(n), RESIDUAL=has_res, EPS=EPS, FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX,
-        num_warps=16 if n > 4096 else 4,
+        shift, scale, hq, hq.stride(0), h_scale, m, n,
+        ROWS=rows, BLOCK=triton.next_power_of_2(n), RESIDUAL=has_res, EPS=EPS, FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX,
+        num_warps=num_warps or (16 if n > 4096 else 4),
     )
     return hq, h_scale
 

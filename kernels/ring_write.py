@@ -94,9 +94,10 @@ def _ring_write_kernel(
     k_win, v_win, stride_wh, stride_ws, win_slot,
     D: tl.constexpr, BLOCK_T: tl.constexpr, HEADS: tl.constexpr, SLOT_IN_TENSOR: tl.constexpr,
     QUANT: tl.constexpr, FP8_MAX: tl.constexpr, PREP: tl.constexpr, WINDOW: tl.constexpr, EPS: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
-    # One program: BLOCK_T tokens x HEADS heads (one head at a time, the next head's loads issued
-    # before this head's stores, so two heads' reads are in flight), K and V together. The RoPE
+    # One program: BLOCK_T tokens x HEADS heads (one head at a time; PREFETCH: the next head's loads
+    # issued before this head's stores, two heads' reads in flight for more registers), K and V together. The RoPE
     # cos/sin come from the step's table (computed once per step, not per program and layer). With
     # PREP, the block's other per-head work rides along: QK-norms, RoPE on Q (in place), the
     # cross-attention query's norm (in place) and the FP8 saturation count. With WINDOW, the keys and
@@ -116,13 +117,19 @@ def _ring_write_kernel(
         win_start = tl.load(win_slot)
     over = tl.full([], 0, tl.int64)
     first = tl.program_id(1) * HEADS
-    nxt = _load_head(k_new, v_new, q, cq, t, tmask, first, n_heads, stride_nt, stride_nh, stride_vt, stride_vh, D, PREP)
+    if PREFETCH:
+        nxt = _load_head(k_new, v_new, q, cq, t, tmask, first, n_heads, stride_nt, stride_nh, stride_vt, stride_vh, D,
+                         PREP)
     for i in tl.static_range(HEADS):
         head = first + i
-        k, v, qv, cqv = nxt
-        if i + 1 < HEADS:
-            nxt = _load_head(k_new, v_new, q, cq, t, tmask, head + 1, n_heads, stride_nt, stride_nh, stride_vt,
-                             stride_vh, D, PREP)
+        if PREFETCH:
+            k, v, qv, cqv = nxt
+            if i + 1 < HEADS:
+                nxt = _load_head(k_new, v_new, q, cq, t, tmask, head + 1, n_heads, stride_nt, stride_nh, stride_vt,
+                                 stride_vh, D, PREP)
+        else:
+            k, v, qv, cqv = _load_head(k_new, v_new, q, cq, t, tmask, head, n_heads, stride_nt, stride_nh, stride_vt,
+                                       stride_vh, D, PREP)
         mask = (tmask & (tl.full(t.shape, head, tl.int32) < n_heads))[:, None]
         src = t[:, None] * stride_nt + head * stride_nh + ch[None, :]
         k = k.to(tl.float32)
@@ -162,7 +169,7 @@ def _ring_write_kernel(
 
 
 def _launch(k_cache, v_cache, k_scale, v_scale, k_new, v_new, slot_start, rotation, prep, window,
-            block_t=8, heads=4, num_warps=4):
+            block_t, heads, num_warps, prefetch):
     n_tokens, n_heads, head_dim = k_new.shape
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError("k_cache and v_cache must share strides with a contiguous head_dim")
@@ -187,7 +194,7 @@ def _launch(k_cache, v_cache, k_scale, v_scale, k_new, v_new, slot_start, rotati
         k_win, v_win, k_win.stride(0), k_win.stride(1), win_slot,
         D=head_dim, BLOCK_T=block_t, HEADS=heads, SLOT_IN_TENSOR=isinstance(slot_start, torch.Tensor),
         QUANT=is_fp8(k_cache), FP8_MAX=FP8_MAX, PREP=prep is not None, WINDOW=window is not None, EPS=RMS_EPS,
-        num_warps=num_warps,
+        PREFETCH=prefetch, num_warps=num_warps,
     )
 
 
@@ -205,13 +212,14 @@ def ring_write_triton(
     block_t: int = 8,
     heads: int = 4,
     num_warps: int = 4,
+    prefetch: bool = False,
 ) -> None:
     """RoPE(K) + per-head FP8 quantisation + write of K and V for all heads: one launch of
     ``block_t`` tokens x ``heads`` heads per program. ``rotation``: the positions' ``rope_table``
     (built here when not given)."""
     rotation = rope_table(positions, freqs) if rotation is None else rotation
     _launch(k_cache, v_cache, k_scale, v_scale, k_new, v_new, slot_start, rotation, None, None,
-            block_t, heads, num_warps)
+            block_t, heads, num_warps, prefetch)
 
 
 def ring_write_prep_reference(
@@ -275,13 +283,14 @@ def ring_write_prep_triton(
     block_t: int = 8,
     heads: int = 4,
     num_warps: int = 4,
+    prefetch: bool = False,
 ) -> None:
     """``ring_write_prep_reference`` in one launch (the ring write kernel with its PREP extras on;
     ``window``'s slot a device tensor)."""
     q_norm, k_norm, cq_norm = norms
     rotation = rope_table(positions, freqs) if rotation is None else rotation
     _launch(k_cache, v_cache, k_scale, v_scale, k_new, v_new, slot_start, rotation,
-            (q, cq, q_norm, k_norm, cq_norm, saturated), window, block_t, heads, num_warps)
+            (q, cq, q_norm, k_norm, cq_norm, saturated), window, block_t, heads, num_warps, prefetch)
 
 
 def _rms_norm_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

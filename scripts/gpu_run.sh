@@ -12,6 +12,9 @@
 #                                                   TP=4 shards, characters-14b whole with its decoder and the
 #                                                   pipelined period (decoder graph on a second stream)
 #               scripts/gpu_run.sh ab DIR           the TP=3 shard's step without and with its NCCL group (A/B)
+#               scripts/gpu_run.sh kernels DIR [BASE]  issue 14's kernels: their GPU tests, scripts/kernels_check.py,
+#                                                   bench gpu of the 57b shards with one replay profiled; BASE: a
+#                                                   second tree (main's checkout) whose TP=3 step is timed after, A/B
 #               scripts/gpu_run.sh tp DIR [N...]    multi-GPU kinds: `bench gpu --tp N` (NCCL, one process per
 #                                                   GPU, the serving step graphed with its all-reduces), N = 3 4
 #               scripts/gpu_run.sh batch DIR        cross-session batching: its GPU tests (batched = alone, graphed =
@@ -26,7 +29,7 @@
 # Each section runs under `timeout` with a line at its start and end; logs and JSON go to $OUT (at
 # most 8 files come back).
 set -o pipefail
-cmd=${1:?usage: gpu_run.sh bundle [DIR] | install DIR | check DIR | batch DIR | ab DIR | tp DIR [N...] | live DIR [PRESET...]}
+cmd=${1:?usage: gpu_run.sh bundle [DIR] | install DIR | check DIR | batch DIR | ab DIR | kernels DIR [BASE] | tp DIR [N...] | live DIR [PRESET...]}
 dir=${2:-.gpu-bundle}
 shift $(($# < 2 ? $# : 2))
 
@@ -105,6 +108,20 @@ elif [ "$cmd" = ab ]; then  # the TP=3 shard's serving step without, then with, 
     section "bench TP=3 step ${group:-with group}" 100 bench-ab.log python3 -m charstream.pipeline.bench_gpu \
       --tp-shard 3 --skip sweep kernels decoder pipeline ceilings $group --section-timeout 80
   done
+elif [ "$cmd" = kernels ]; then
+  section "gpu tests (kernels, graphed step)" 100 gpu-tests.log python3 -m pytest -q -m gpu -p no:cacheprovider \
+    --timeout=90 tests/test_kernels_gpu.py tests/test_graphed_gpu.py -k "not decoder"
+  section "kernels check" 80 kernels.log python3 scripts/kernels_check.py --only ring_write adaln rotation \
+    --json "$OUT/kernels.json"
+  section "bench characters-57b TP=3, TP=4 shards" 130 bench.log python3 -m charstream.pipeline.bench_gpu \
+    --tp-shard 3 4 --skip sweep decoder pipeline ceilings --section-timeout 60 --json "$OUT/bench.json"
+  if [ -n "${1:-}" ]; then  # the base tree's serving step, same machine, right after: like with like
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site-base \
+      "$1" >/dev/null || exit
+    section "base bench TP=3 step" 50 bench-base.log env PYTHONPATH=/tmp/site-base:/tmp/site \
+      CHARSTREAM_COMMIT="${BASE_COMMIT:-base}" python3 -m charstream.pipeline.bench_gpu --tp-shard 3 \
+      --skip sweep kernels decoder pipeline ceilings --section-timeout 45 --json "$OUT/bench-base.json"
+  fi
 elif [ "$cmd" = tp ]; then  # multi-GPU kinds: the TP group with NCCL, one process per GPU, per size given
   [ $# -gt 0 ] || set -- 3 4
   for tp in "$@"; do

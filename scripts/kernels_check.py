@@ -17,6 +17,7 @@ import time
 import traceback
 
 import torch
+from charstream.kernels.adaln_quant import adaln_quant_reference, adaln_quant_triton
 from charstream.kernels.delta_rotate import delta_rotate_reference, delta_rotate_triton
 from charstream.kernels.fp8 import FP8_DTYPE
 from charstream.kernels.quantize_rows import quantize_rows_reference, quantize_rows_triton
@@ -30,6 +31,7 @@ from charstream.kernels.ring_write import (
     ring_write_prep_triton,
     ring_write_reference,
     ring_write_triton,
+    rope_table,
 )
 from charstream.kernels.rope import rope_freqs
 from charstream.model.rope import frame_positions
@@ -125,7 +127,12 @@ def attention(gen: torch.Generator) -> dict[str, object]:
     return result
 
 
+RING_WRITE_VARIANTS = ((8, 4, 4, False), (8, 4, 4, True), (16, 1, 4, False), (8, 2, 4, True), (8, 4, 8, False))
+
+
 def ring_write(gen: torch.Generator) -> dict[str, object]:
+    """The contract write and the block's prep (with the window copy, as the full-window step runs
+    it), both reading one RoPE table; variants (tokens, heads, warps, prefetch)."""
     freqs = rope_freqs(D, "cuda")
     k_cache, v_cache = _fp8_cache(LAYERS, gen), _fp8_cache(LAYERS, gen)
     ks = torch.rand(LAYERS, H, device="cuda", generator=gen) * 0.02 + 0.01
@@ -133,11 +140,16 @@ def ring_write(gen: torch.Generator) -> dict[str, object]:
     fused = torch.randn(T, 4 * H * D, device="cuda", dtype=torch.bfloat16, generator=gen) * 3
     _, kn, vn, _ = (fused[:, i * H * D : (i + 1) * H * D].unflatten(-1, (H, D)) for i in range(4))
     positions = frame_positions(17, GRID, AUDIO, "cuda")
+    rotation = rope_table(positions, freqs)
     slot_at = SINK + 6 * T
     slot = torch.tensor(slot_at, device="cuda")
+    n_win = SINK + VALID * T
+    windows = [torch.empty(LAYERS, H, n_win, D, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    win_slot = torch.tensor(SINK + 3 * T, device="cuda")
     norms = tuple(torch.rand(D, device="cuda", generator=gen) + 0.5 for _ in range(3))
     saturated = torch.zeros((), dtype=torch.int64, device="cuda")
-    result: dict[str, object] = {"bytes_per_call": T * H * D * (2 * 2 + 2)}
+    result: dict[str, object] = {"bytes_per_call": T * H * D * (2 * 2 + 2),
+                                 "prep_bytes_per_call": T * H * D * (4 * 2 + 2 * 2 + 2 + 2 * 2)}
     ref = [torch.full((H, N_SLOTS, D), 300.0, device="cuda").to(FP8_DTYPE) for _ in range(2)]
     ring_write_reference(*ref, ks[0], vs[0], kn, vn, slot_at, positions, freqs)
     prep_ref = [fused.clone(), *(torch.full((H, N_SLOTS, D), 300.0, device="cuda").to(FP8_DTYPE) for _ in range(2)),
@@ -145,34 +157,78 @@ def ring_write(gen: torch.Generator) -> dict[str, object]:
     pq, pk, pv, pcq = (prep_ref[0][:, i * H * D : (i + 1) * H * D].unflatten(-1, (H, D)) for i in range(4))
     ring_write_prep_reference(pq, pk, pv, pcq, prep_ref[1], prep_ref[2], ks[0], vs[0], slot_at, positions, freqs, norms,
                               prep_ref[3])
-    for bt, heads, w in ((8, 4, 4), (16, 2, 4)):
-        name = f"t{bt}_h{heads}_w{w}"
-        launch = {"block_t": bt, "heads": heads, "num_warps": w}
+    result["rope_table_us"] = _graph_ms([functools.partial(rope_table, positions, freqs)]) * 1e3
+    for bt, heads, w, prefetch in RING_WRITE_VARIANTS:
+        name = f"t{bt}_h{heads}_w{w}{'_prefetch' if prefetch else ''}"
+        launch = {"block_t": bt, "heads": heads, "num_warps": w, "prefetch": prefetch}
         entry: dict[str, object] = {}
         try:
             got = [torch.full((H, N_SLOTS, D), 300.0, device="cuda").to(FP8_DTYPE) for _ in range(2)]
-            ring_write_triton(*got, ks[0], vs[0], kn, vn, slot, positions, freqs, **launch)
+            ring_write_triton(*got, ks[0], vs[0], kn, vn, slot, positions, freqs, rotation, **launch)
             entry["k"], entry["v"] = _fp8_mismatch(got[0], ref[0]), _fp8_mismatch(got[1], ref[1])
             entry["ms"] = _graph_ms([functools.partial(
                 ring_write_triton, k_cache[i % LAYERS], v_cache[i % LAYERS], ks[i % LAYERS], vs[i % LAYERS], kn, vn, slot,
-                positions, freqs, **launch) for i in range(240)])
+                positions, freqs, rotation, **launch) for i in range(240)])
             buf = fused.clone()
             gq, gk, gv, gcq = (buf[:, i * H * D : (i + 1) * H * D].unflatten(-1, (H, D)) for i in range(4))
             got = [torch.full((H, N_SLOTS, D), 300.0, device="cuda").to(FP8_DTYPE) for _ in range(2)]
+            win = [torch.full((H, n_win, D), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(2)]
             sat = torch.zeros((), dtype=torch.int64, device="cuda")
-            ring_write_prep_triton(gq, gk, gv, gcq, *got, ks[0], vs[0], slot, positions, freqs, norms, sat, **launch)
+            ring_write_prep_triton(gq, gk, gv, gcq, *got, ks[0], vs[0], slot, positions, freqs, norms, sat,
+                                   rotation=rotation, window=(*win, win_slot), **launch)
+            written = slice(SINK + 3 * T, SINK + 4 * T)
+            window_exact = all(torch.equal(w_[:, written], (c[:, slot_at : slot_at + T].float() * s_[:, None, None]).to(torch.bfloat16))
+                               for w_, c, s_ in zip(win, got, (ks[0], vs[0]), strict=True))
             entry["prep"] = {"q_rel": _rel(gq, pq), "cq_rel": _rel(gcq, pcq), "k": _fp8_mismatch(got[0], prep_ref[1]),
-                             "v": _fp8_mismatch(got[1], prep_ref[2]), "saturated": int(sat), "saturated_ref": int(prep_ref[3])}
+                             "v": _fp8_mismatch(got[1], prep_ref[2]), "saturated": int(sat), "saturated_ref": int(prep_ref[3]),
+                             "window_exact": window_exact,
+                             "window_others_untouched": bool(all(torch.isnan(w_[:, : SINK + 3 * T]).all() for w_ in win))}
             scratch = fused.clone()  # the prep rewrites q and cq in place: time it on a copy
             tq, tk, tv, tcq = (scratch[:, i * H * D : (i + 1) * H * D].unflatten(-1, (H, D)) for i in range(4))
             entry["prep_ms"] = _graph_ms([functools.partial(
                 ring_write_prep_triton, tq, tk, tv, tcq, k_cache[i % LAYERS], v_cache[i % LAYERS], ks[i % LAYERS],
-                vs[i % LAYERS], slot, positions, freqs, norms, saturated, **launch) for i in range(240)])
+                vs[i % LAYERS], slot, positions, freqs, norms, saturated, rotation=rotation,
+                window=(windows[0][i % LAYERS], windows[1][i % LAYERS], win_slot), **launch) for i in range(240)])
         except Exception as exc:
             traceback.print_exc()
             entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         result[name] = entry
         print(f"[check] ring_write {name}: {entry}", flush=True)
+    return result
+
+
+ADALN_VARIANTS = ((1, 16), (1, 32), (2, 16), (2, 32))  # (rows per program, warps)
+
+
+def adaln(gen: torch.Generator) -> dict[str, object]:
+    """Residual update + LayerNorm + adaLN + FP8 rows at the block input's shape (757 x 7680), each
+    call another layer's modulation (as in the step), the residual stream updated in place."""
+    dim = 7680
+    x = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16, generator=gen) * 3
+    res = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    mods = torch.randn(60, 3, dim, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.2
+    x_ref = x.clone()
+    rq, rscale = adaln_quant_reference(x_ref, mods[0, 0], mods[0, 1], res, mods[0, 2])
+    hq = torch.empty(T, dim, device="cuda", dtype=FP8_DTYPE)
+    hs = torch.empty(T, 1, device="cuda")
+    result: dict[str, object] = {"bytes_per_call": T * dim * (2 + 2 + 2 + 1)}
+    for rows, w in ADALN_VARIANTS:
+        name = f"rows{rows}_w{w}"
+        entry: dict[str, object] = {}
+        try:
+            xg = x.clone()
+            out = (torch.full((T, dim), 300.0, device="cuda").to(FP8_DTYPE), torch.full((T, 1), float("nan"), device="cuda"))
+            adaln_quant_triton(xg, mods[0, 0], mods[0, 1], res, mods[0, 2], out, rows=rows, num_warps=w)
+            entry["check"] = _fp8_mismatch(out[0], rq)
+            entry["scale_rel"] = _rel(out[1], rscale)
+            entry["x_rel"] = _rel(xg, x_ref)
+            entry["ms"] = _graph_ms([functools.partial(adaln_quant_triton, xg, mods[i % 60, 0], mods[i % 60, 1], res,
+                                                       mods[i % 60, 2], (hq, hs), rows=rows, num_warps=w) for i in range(240)])
+        except Exception as exc:
+            traceback.print_exc()
+            entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        result[name] = entry
+        print(f"[check] adaln {name}: {entry}", flush=True)
     return result
 
 
@@ -290,7 +346,7 @@ def _table(results: dict) -> str:
         if isinstance(e, dict):
             rows.append((f"gemm_allreduce world=1 {name}", f"{e['ms']:.4f} ({e['tflops']:.0f} TF/s)" if "ms" in e
                          else e.get("error", "")[:40], f"rel {e.get('rel_vs_scaled_mm', float('nan')):.2e}"))
-    for section in ("ring_write", "rotation", "gelu_rows"):
+    for section in ("ring_write", "adaln", "rotation", "gelu_rows"):
         for name, e in results.get(section, {}).items():
             if isinstance(e, dict):
                 ms = f"{e['ms'] * 1e3:.2f} us" if "ms" in e else e.get("error", "")[:40]
@@ -305,7 +361,7 @@ def _table(results: dict) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", default=None)
-    parser.add_argument("--only", nargs="*", default=["attention", "ring_write", "rotation", "gelu_rows", "gemm_allreduce"])
+    parser.add_argument("--only", nargs="*", default=["attention", "ring_write", "adaln", "rotation", "gelu_rows", "gemm_allreduce"])
     args = parser.parse_args()
     import triton
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from charstream.kernels.adaln_quant import adaln_quant_reference, adaln_quant_triton
 from charstream.kernels.delta_rotate import delta_rotate_reference, delta_rotate_triton
 from charstream.kernels.fp8 import FP8_DTYPE
 from charstream.kernels.quantize_rows import quantize_rows_reference, quantize_rows_triton
@@ -174,6 +175,24 @@ def test_quantize_rows(act_from, cols):
     rq, rscale = quantize_rows_reference(x, act_from)
     assert torch.allclose(scale, rscale, rtol=1e-5)
     _assert_fp8_close(xq, rq)
+
+
+@pytest.mark.parametrize(("rows", "num_warps"), [(1, 16), (2, 32), (2, 16)])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_adaln_quant(rows, num_warps, with_residual):
+    dim = 7680
+    x = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16) * 3
+    residual = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16) * torch.rand(T, 1, device="cuda") * 4
+    shift, scale, gate = (torch.randn(dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    res = (residual, gate) if with_residual else (None, None)
+    x_ref, x_got = x.clone(), x.clone()
+    rq, rscale = adaln_quant_reference(x_ref, shift, scale, *res)
+    out = (torch.full((T, dim), 300.0, device="cuda").to(FP8_DTYPE), torch.full((T, 1), float("nan"), device="cuda"))
+    adaln_quant_triton(x_got, shift, scale, *res, out=out, rows=rows, num_warps=num_warps)
+    # the residual update: the same fp32 sum rounded to bf16 (a fused multiply-add may round once less)
+    assert _rel(x_got, x_ref) < 1e-3 and (x_got != x_ref).float().mean() < 1e-3
+    assert torch.allclose(out[1], rscale, rtol=1e-4)
+    _assert_fp8_close(out[0], rq)
 
 
 def test_fp8_linear_matches_bf16_matmul():
