@@ -5,7 +5,8 @@ Contract (shared with the Triton kernel): ``k_all`` is the whole K storage of a 
 launch; ``k_scale`` float32 (n_layers, n_heads); channels ``[0, 2 * len(freqs_t))`` are temporal;
 each pair rotates by ``-delta_t * freq`` (position t becomes t - delta_t). Sink slots keep their
 fixed position. FP8: dequantise -> rotate -> requantise with the same per-head scale.
-``delta_t`` may be negative (a rollback across a reset undoes one).
+``delta_t`` may be negative (a rollback across a reset undoes one). ``skip`` = (first slot, count):
+ring slots left as they are -- the frame about to be overwritten, whose keys no one reads again.
 """
 
 from __future__ import annotations
@@ -23,18 +24,22 @@ def delta_rotate_reference(
     delta_t: int | torch.Tensor,
     freqs_t: torch.Tensor,
     sink_slots: int,
+    skip: tuple[int, int] | None = None,
 ) -> None:
     d_t = 2 * freqs_t.numel()
     ring_t = k_all[:, :, sink_slots:, :d_t]  # a view: written back in place
     scale = k_scale[:, :, None, None]
-    rotated = rotate_pairs(dequantise(ring_t, scale), -delta_t * freqs_t)
-    ring_t.copy_(quantise(rotated, scale, k_all.dtype))
+    rotated = quantise(rotate_pairs(dequantise(ring_t, scale), -delta_t * freqs_t), scale, k_all.dtype)
+    if skip is not None:
+        kept = slice(skip[0] - sink_slots, skip[0] - sink_slots + skip[1])
+        rotated[:, :, kept] = ring_t[:, :, kept]
+    ring_t.copy_(rotated)
 
 
 @triton.jit
 def _delta_rotate_kernel(
-    k, stride_kl, stride_kh, stride_ks, k_scale, stride_sl, freqs_t, delta, n_heads, n_slots, sink_slots,
-    NT: tl.constexpr, PAIRS: tl.constexpr, BLOCK_S: tl.constexpr,
+    k, stride_kl, stride_kh, stride_ks, k_scale, stride_sl, freqs_t, delta, n_heads, n_slots, sink_slots, skip_lo,
+    skip_hi, NT: tl.constexpr, PAIRS: tl.constexpr, BLOCK_S: tl.constexpr,
     DELTA_IN_TENSOR: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr,
 ):
     # One program: BLOCK_S ring slots of one (layer, head). Each row's first 2 x PAIRS channels (the
@@ -55,7 +60,7 @@ def _delta_rotate_kernel(
     angle = -dt * tl.load(freqs_t + pair, mask=pair < NT, other=0.0)
     cos = tl.cos(angle)[None, :]
     sin = tl.sin(angle)[None, :]
-    mask = (s < n_slots)[:, None]
+    mask = ((s < n_slots) & ((s < skip_lo) | (s >= skip_hi)))[:, None]  # masked rows move no bytes
     ptr = k + layer * stride_kl + head * stride_kh + s[:, None] * stride_ks + ch[None, :]
     x = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
     if QUANT:
@@ -74,6 +79,7 @@ def delta_rotate_triton(
     delta_t: int | torch.Tensor,
     freqs_t: torch.Tensor,
     sink_slots: int,
+    skip: tuple[int, int] | None = None,
     block_s: int = 128,
     num_warps: int = 4,
 ) -> None:
@@ -89,7 +95,7 @@ def delta_rotate_triton(
     _delta_rotate_kernel[grid](
         k_all, k_all.stride(0), k_all.stride(1), k_all.stride(2), k_scale, k_scale.stride(0),
         freqs_t, delta_t if isinstance(delta_t, torch.Tensor) else float(delta_t), n_heads, n_slots, sink_slots,
-        NT=n_pairs, PAIRS=pairs, BLOCK_S=block_s,
+        *((skip[0], skip[0] + skip[1]) if skip is not None else (0, 0)), NT=n_pairs, PAIRS=pairs, BLOCK_S=block_s,
         DELTA_IN_TENSOR=isinstance(delta_t, torch.Tensor), QUANT=is_fp8(k_all), FP8_MAX=FP8_MAX,
         num_warps=num_warps,
     )
@@ -101,7 +107,8 @@ def delta_rotate(
     delta_t: int | torch.Tensor,
     freqs_t: torch.Tensor,
     sink_slots: int,
+    skip: tuple[int, int] | None = None,
 ) -> None:
     """Dispatcher: the Triton kernel on CUDA, the PyTorch reference otherwise."""
     rotate = delta_rotate_triton if k_all.is_cuda else delta_rotate_reference
-    rotate(k_all, k_scale, delta_t, freqs_t, sink_slots)
+    rotate(k_all, k_scale, delta_t, freqs_t, sink_slots, skip)

@@ -182,8 +182,10 @@ class KVCache:
         every pass writes its K/V there before attending.
         """
         frame = self.next_frame
-        self._shift_to(position_offset(frame, self.cfg.window_frames, self.cfg.reset_every))
         ring_pos = frame % self.ring_frames
+        # The frame this one replaces is never read again: the rotation leaves its slots alone.
+        overwritten = (self.sink_slots + ring_pos * self.tokens_per_frame, self.tokens_per_frame)
+        self._shift_to(position_offset(frame, self.cfg.window_frames, self.cfg.reset_every), overwritten)
         self.slot_frame[ring_pos] = frame
         oldest = frame - self.cfg.window_frames + 1
         valid = [f is not None and oldest <= f <= frame for f in self.slot_frame]
@@ -214,10 +216,10 @@ class KVCache:
         wanted = range(max(0, self.next_frame - self.cfg.window_frames + 1), self.next_frame)
         return sum(f not in self.slot_frame for f in wanted)
 
-    def _shift_to(self, offset: int) -> None:
+    def _shift_to(self, offset: int, skip: tuple[int, int]) -> None:
         if offset != self.offset:
             # One in-place rotation of every ring key's time channels: position t -> t - delta.
-            delta_rotate(self.k, self.k_scale, offset - self.offset, self.freqs.t, self.sink_slots)
+            delta_rotate(self.k, self.k_scale, offset - self.offset, self.freqs.t, self.sink_slots, skip)
             self.offset = offset
             self.version += 1
 

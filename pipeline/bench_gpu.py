@@ -222,11 +222,13 @@ def kernel_breakdown(cfg: ModelConfig, tp: int, model, cache, step) -> dict[str,
         cache.begin_frame()  # the same frame again: no end_frame, so no position reset either
     torch.cuda.synchronize()
     begin_frame_ms = (time.perf_counter() - t0) / 20 * 1e3
-    # The rotation as KVCache._shift_to launches it (a host integer delta). Timed back to back by
+    # The rotation as KVCache._shift_to launches it (a host integer delta, the frame about to be
+    # overwritten skipped). Timed back to back by
     # do_bench (the serving figure: the GPU time of the launch); the older figure -- CUDA events around
     # each call with a device tensor made inside the timed region, the GPU idle while the host builds
-    # the tensor and Triton launches -- is kept beside it to show what it added.
-    rotate = lambda: delta_rotate_triton(cache.k, cache.k_scale, -1, cache.freqs.t, cache.sink_slots)  # noqa: E731
+    # the tensor and Triton launches, the whole ring rotated -- is kept beside it to show what it added.
+    skip = (cache.write_start, cache.tokens_per_frame)  # the frame being begun: overwritten, not rotated
+    rotate = lambda: delta_rotate_triton(cache.k, cache.k_scale, -1, cache.freqs.t, cache.sink_slots, skip)  # noqa: E731
     rotate_ms = _bench(rotate)
     rotate_events_ms = cuda_median_ms(lambda: delta_rotate_triton(cache.k, cache.k_scale, torch.tensor(-1, device="cuda"),
                                                                   cache.freqs.t, cache.sink_slots), 10)

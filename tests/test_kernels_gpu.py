@@ -156,15 +156,17 @@ def test_delta_rotate(dtype):
     k_all = (torch.randn(4, H, N_SLOTS, D, device="cuda") * 60).clamp(-448, 448).to(dtype)
     k_scale = torch.rand(4, H, device="cuda") * 0.02 + 0.01
     ref, got = k_all.clone(), k_all.clone()
-    delta_rotate_reference(ref, k_scale, 42, freqs.t, SINK)
-    delta_rotate_triton(got, k_scale, torch.tensor(42, device="cuda"), freqs.t, SINK)
+    skip = (SINK + 4 * T, T)  # the frame at ring position 4: about to be overwritten, left alone
+    delta_rotate_reference(ref, k_scale, 42, freqs.t, SINK, skip)
+    delta_rotate_triton(got, k_scale, torch.tensor(42, device="cuda"), freqs.t, SINK, skip)
     if dtype == FP8_DTYPE:
         _assert_fp8_close(got, ref)
     else:
         assert _rel(got, ref) < 1e-2
     assert (got[:, :, :SINK].float() == k_all[:, :, :SINK].float()).all()
+    assert (got[:, :, skip[0] : sum(skip)].float() == k_all[:, :, skip[0] : sum(skip)].float()).all()
     assert (got[..., 44:].float() == k_all[..., 44:].float()).all()
-    assert (got[:, :, SINK:, :44].float() != k_all[:, :, SINK:, :44].float()).float().mean() > 0.5
+    assert (got[:, :, SINK : skip[0], :44].float() != k_all[:, :, SINK : skip[0], :44].float()).float().mean() > 0.5
 
 
 @pytest.mark.parametrize(("act_from", "cols"), [(None, 9600), (1920, 9600), (3000, 20000)])
