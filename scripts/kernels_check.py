@@ -17,6 +17,7 @@ import time
 import traceback
 
 import torch
+import torch.nn.functional as F
 from charstream.kernels.adaln_quant import adaln_quant_reference, adaln_quant_triton
 from charstream.kernels.delta_rotate import delta_rotate_reference, delta_rotate_triton
 from charstream.kernels.fp8 import FP8_DTYPE
@@ -25,6 +26,7 @@ from charstream.kernels.ring_attention import (
     ring_attention_gathered,
     ring_attention_reference,
     ring_attention_triton,
+    window_attention,
 )
 from charstream.kernels.ring_write import (
     ring_write_prep_reference,
@@ -197,6 +199,41 @@ def ring_write(gen: torch.Generator) -> dict[str, object]:
     return result
 
 
+def window_attn(gen: torch.Generator) -> dict[str, object]:
+    """cuDNN SDPA over a full bf16 window (what the full-window step runs per call): the query copied
+    contiguous first (``window_attention``) against the query passed as the strided view of the
+    fused projection it is."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    n_win = SINK + VALID * T
+    k_win, v_win = (torch.randn(LAYERS, H, n_win, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    fused = torch.randn(T, 4 * H * D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    q = fused[:, : H * D].unflatten(-1, (H, D))
+    out = torch.empty(T, H, D, device="cuda", dtype=torch.bfloat16)
+
+    def strided(i, o):
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
+            r = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k_win[i][None], v_win[i][None])
+        o.copy_(r[0].transpose(0, 1))
+        return o
+
+    ref = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], k_win[0].float()[None], v_win[0].float()[None])
+    ref = ref[0].transpose(0, 1)
+    result: dict[str, object] = {}
+    for name, fn in (("copy_q", lambda i, o: window_attention(q, k_win[i], v_win[i], o)), ("strided_q", strided)):
+        entry: dict[str, object] = {}
+        try:
+            buf = torch.full((T, H, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+            entry["rel_vs_fp32"] = _rel(fn(0, buf), ref)
+            entry["ms"] = _graph_ms([functools.partial(fn, i % LAYERS, out) for i in range(4 * LAYERS)])
+        except Exception as exc:
+            traceback.print_exc()
+            entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        result[name] = entry
+        print(f"[check] window_attn {name}: {entry}", flush=True)
+    return result
+
+
 ADALN_VARIANTS = ((1, 16), (1, 32), (2, 16), (2, 32))  # (rows per program, warps)
 
 
@@ -347,7 +384,7 @@ def _table(results: dict) -> str:
         if isinstance(e, dict):
             rows.append((f"gemm_allreduce world=1 {name}", f"{e['ms']:.4f} ({e['tflops']:.0f} TF/s)" if "ms" in e
                          else e.get("error", "")[:40], f"rel {e.get('rel_vs_scaled_mm', float('nan')):.2e}"))
-    for section in ("ring_write", "adaln", "rotation", "gelu_rows"):
+    for section in ("ring_write", "adaln", "window_attn", "rotation", "gelu_rows"):
         for name, e in results.get(section, {}).items():
             if isinstance(e, dict):
                 ms = f"{e['ms'] * 1e3:.2f} us" if "ms" in e else e.get("error", "")[:40]
@@ -362,7 +399,8 @@ def _table(results: dict) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", default=None)
-    parser.add_argument("--only", nargs="*", default=["attention", "ring_write", "adaln", "rotation", "gelu_rows", "gemm_allreduce"])
+    parser.add_argument("--only", nargs="*", default=["attention", "ring_write", "adaln", "window_attn", "rotation",
+                                                         "gelu_rows", "gemm_allreduce"])
     args = parser.parse_args()
     import triton
 
