@@ -199,6 +199,8 @@ class DiffusionStep:
         self._window_mirrors: tuple[int, int] | None = None  # (cache.version, next frame) it holds up to
         win = (cfg.n_blocks, self.n_heads, cache.sink_slots + cfg.window_frames * t, self.head_dim)
         self.window = tuple(torch.empty(win, dtype=dtype, device=dev) for _ in range(2)) if self.prefer_gathered else None
+        # its queries, (heads, tokens, head_dim) as cuDNN reads them: the ring write's RoPE lands there
+        self.window_q = torch.empty(self.n_heads, t, self.head_dim, dtype=dtype, device=dev) if self.prefer_gathered else None
 
     @property
     def next_frame(self) -> int:
@@ -369,11 +371,12 @@ class DiffusionStep:
         q, k, v, cq = (fused[:, i * hd : (i + 1) * hd].unflatten(-1, shape) for i in range(4))
         layer_cache = (cache.k[layer], cache.v[layer], cache.k_scale[layer], cache.v_scale[layer])
         window = (self.window[0][layer], self.window[1][layer], self.window_slot) if self.gathered else None
+        q_out = self.window_q.transpose(0, 1) if self.gathered else None
         prep = ring_write_prep_triton if q.is_cuda else ring_write_prep_reference
         prep(q, k, v, cq, *layer_cache, self.slot, self.positions, cache.freqs, self.norms[layer], cache.saturated,
-             rotation=rotation, window=window)
+             rotation=rotation, window=window, q_out=q_out)
         if self.gathered:
-            window_attention(q, *window[:2], out=v)
+            window_attention(self.window_q, *window[:2], out=v)
         elif q.is_cuda:
             ring_attention_triton(q, *layer_cache, cache.ring_valid, cache.sink_slots, cache.tokens_per_frame, out=v,
                                   **self.attention_options)
