@@ -111,7 +111,7 @@ elif [ "$cmd" = ab ]; then  # the TP=3 shard's serving step without, then with, 
 elif [ "$cmd" = kernels ]; then
   section "gpu tests (kernels, graphed step)" 100 gpu-tests.log python3 -m pytest -q -m gpu -p no:cacheprovider \
     --timeout=90 tests/test_kernels_gpu.py tests/test_graphed_gpu.py -k "not decoder"
-  section "kernels check" 80 kernels.log python3 scripts/kernels_check.py --only ring_write adaln window_attn rotation \
+  section "kernels check" 80 kernels.log python3 scripts/kernels_check.py --only ring_write adaln window_attn cross_attn rotation \
     --json "$OUT/kernels.json"
   section "bench characters-57b TP=3, TP=4 shards" 130 bench.log python3 -m charstream.pipeline.bench_gpu \
     --tp-shard 3 4 --skip sweep decoder pipeline ceilings --section-timeout 60 --json "$OUT/bench.json"

@@ -232,6 +232,39 @@ def window_attn(gen: torch.Generator) -> dict[str, object]:
     return result
 
 
+CROSS_VARIANTS = ((128, 8), (64, 4), (32, 4), (16, 2))  # (block_m, warps); 9 audio keys in one 16-key block
+
+
+def cross_attn(gen: torch.Generator) -> dict[str, object]:
+    """The cross-attention over the step's 9 audio keys (the sink-only form of the ring kernel, in place
+    over the cross-q columns), by query-block size."""
+    audio = 9
+    ck, cv = (torch.randn(H, audio, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    ones = torch.ones(H, device="cuda")
+    no_ring = torch.zeros(0, dtype=torch.bool, device="cuda")
+    fused = torch.randn(T, 4 * H * D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    cq = fused[:, 3 * H * D :].unflatten(-1, (H, D))
+    ref = ring_attention_reference(cq, ck, cv, ones, ones, no_ring, audio, 1).float()
+    result: dict[str, object] = {}
+    for bm, w in CROSS_VARIANTS:
+        name = f"m{bm}_w{w}"
+        entry: dict[str, object] = {}
+        try:
+            buf = torch.full((T, H, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+            got = ring_attention_triton(cq, ck, cv, ones, ones, no_ring, audio, 1, block_m=bm, block_n=16, num_warps=w,
+                                        out=buf)
+            entry["rel_vs_fp32"] = _rel(got, ref)
+            scratch = fused.clone()[:, 3 * H * D :].unflatten(-1, (H, D))
+            entry["ms"] = _graph_ms([functools.partial(ring_attention_triton, scratch, ck, cv, ones, ones, no_ring, audio, 1,
+                                                       block_m=bm, block_n=16, num_warps=w, out=scratch)] * 240)
+        except Exception as exc:
+            traceback.print_exc()
+            entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        result[name] = entry
+        print(f"[check] cross_attn {name}: {entry}", flush=True)
+    return result
+
+
 ADALN_VARIANTS = ((1, 16), (1, 32), (2, 16), (2, 32))  # (rows per program, warps)
 
 
@@ -382,7 +415,7 @@ def _table(results: dict) -> str:
         if isinstance(e, dict):
             rows.append((f"gemm_allreduce world=1 {name}", f"{e['ms']:.4f} ({e['tflops']:.0f} TF/s)" if "ms" in e
                          else e.get("error", "")[:40], f"rel {e.get('rel_vs_scaled_mm', float('nan')):.2e}"))
-    for section in ("ring_write", "adaln", "window_attn", "rotation", "gelu_rows"):
+    for section in ("ring_write", "adaln", "window_attn", "cross_attn", "rotation", "gelu_rows"):
         for name, e in results.get(section, {}).items():
             if isinstance(e, dict):
                 ms = f"{e['ms'] * 1e3:.2f} us" if "ms" in e else e.get("error", "")[:40]
@@ -397,8 +430,8 @@ def _table(results: dict) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", default=None)
-    parser.add_argument("--only", nargs="*", default=["attention", "ring_write", "adaln", "window_attn", "rotation",
-                                                         "gelu_rows", "gemm_allreduce"])
+    parser.add_argument("--only", nargs="*", default=["attention", "ring_write", "adaln", "window_attn", "cross_attn",
+                                                         "rotation", "gelu_rows", "gemm_allreduce"])
     args = parser.parse_args()
     import triton
 
