@@ -109,8 +109,10 @@ elif [ "$cmd" = ab ]; then  # the TP=3 shard's serving step without, then with, 
       --tp-shard 3 --skip sweep kernels decoder pipeline ceilings $group --section-timeout 80
   done
 elif [ "$cmd" = kernels ]; then
-  section "gpu tests (kernels, graphed step)" 100 gpu-tests.log python3 -m pytest -q -m gpu -p no:cacheprovider \
-    --timeout=90 tests/test_kernels_gpu.py tests/test_graphed_gpu.py -k "not decoder"
+  k=tests/test_kernels_gpu.py
+  section "gpu tests (kernels, graphed step)" 110 gpu-tests.log python3 -m pytest -q -m gpu -p no:cacheprovider \
+    --timeout=90 $k::test_ring_write $k::test_ring_write_prep $k::test_ring_attention_gathered_over_listed_frames \
+    $k::test_delta_rotate $k::test_adaln_quant tests/test_graphed_gpu.py tests/test_batched_step.py -k "not decoder"
   section "kernels check" 80 kernels.log python3 scripts/kernels_check.py --only ring_write adaln window_attn cross_attn rotation \
     --json "$OUT/kernels.json"
   section "bench characters-57b TP=3, TP=4 shards" 130 bench.log python3 -m charstream.pipeline.bench_gpu \
