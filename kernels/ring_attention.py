@@ -366,17 +366,19 @@ def ring_attention_gathered(
     full, mask-free window, so the in-place kernel serves the first frames of a session. (The serving
     step keeps each layer's window current instead of gathering it per call: ``window_attention``.)"""
     k_win, v_win = gather_window(k_cache, v_cache, k_scale, v_scale, frame_order, sink_slots, tokens_per_frame, window)
-    return window_attention(q.transpose(0, 1).contiguous(), k_win, v_win, out)
+    return window_attention(q, k_win, v_win, out)
 
 
-def window_attention(qh: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Queries qh (n_heads, T, head_dim) over every slot of a contiguous window (n_heads, S, head_dim)
-    through PyTorch's cuDNN SDPA (flash if cuDNN declines); key order is irrelevant to attention, so
-    the window may hold its frames in any order. Written into ``out`` (T, n_heads, head_dim)."""
+def window_attention(q: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """q (T, n_heads, head_dim) over every slot of a contiguous window (n_heads, S, head_dim) through
+    PyTorch's cuDNN SDPA (flash if cuDNN declines); key order is irrelevant to attention, so the
+    window may hold its frames in any order. Written into ``out`` (T, n_heads, head_dim)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    # q as the strided (heads, tokens) view it is: cuDNN reads it in place (measured faster than a
+    # contiguous copy, and faster than a contiguous buffer too: docs/PERF.md, issue 14, run 5)
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
-        o = F.scaled_dot_product_attention(qh[None], k_win[None], v_win[None])
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k_win[None], v_win[None])
     out.copy_(o[0].transpose(0, 1))
     return out
 

@@ -71,6 +71,9 @@ from charstream.model.sampler import sample, seeded_noise
 # kernel's own defaults serve -- the H200 sweep's best (0.153 ms per TP=3 call against 0.170 with the
 # 64-row blocks this used to pin: docs/PERF.md, issue 14, run 4).
 ATTENTION_OPTIONS: dict = {}
+# The cross-attention's (the ring kernel over the step's audio keys only): one 16-key block, 64-query
+# tiles at 4 warps (5.4 against 6.0 us per call at 128 / 8 on the H200: docs/PERF.md, issue 14, run 5).
+CROSS_ATTENTION_OPTIONS = {"block_m": 64, "block_n": 16, "num_warps": 4}
 # The gathered (cuDNN) attention once the window is full: faster on the H200 in run 3 (132.5 vs
 # 149.9 ms per TP=3 step) with its GPU tests passing (docs/gpu-runs/2026-11-29-run3-*).
 GATHERED_BY_DEFAULT = True
@@ -199,8 +202,6 @@ class DiffusionStep:
         self._window_mirrors: tuple[int, int] | None = None  # (cache.version, next frame) it holds up to
         win = (cfg.n_blocks, self.n_heads, cache.sink_slots + cfg.window_frames * t, self.head_dim)
         self.window = tuple(torch.empty(win, dtype=dtype, device=dev) for _ in range(2)) if self.prefer_gathered else None
-        # its queries, (heads, tokens, head_dim) as cuDNN reads them: the ring write's RoPE lands there
-        self.window_q = torch.empty(self.n_heads, t, self.head_dim, dtype=dtype, device=dev) if self.prefer_gathered else None
 
     @property
     def next_frame(self) -> int:
@@ -371,12 +372,11 @@ class DiffusionStep:
         q, k, v, cq = (fused[:, i * hd : (i + 1) * hd].unflatten(-1, shape) for i in range(4))
         layer_cache = (cache.k[layer], cache.v[layer], cache.k_scale[layer], cache.v_scale[layer])
         window = (self.window[0][layer], self.window[1][layer], self.window_slot) if self.gathered else None
-        q_out = self.window_q.transpose(0, 1) if self.gathered else None
         prep = ring_write_prep_triton if q.is_cuda else ring_write_prep_reference
         prep(q, k, v, cq, *layer_cache, self.slot, self.positions, cache.freqs, self.norms[layer], cache.saturated,
-             rotation=rotation, window=window, q_out=q_out)
+             rotation=rotation, window=window)
         if self.gathered:
-            window_attention(self.window_q, *window[:2], out=v)
+            window_attention(q, *window[:2], out=v)
         elif q.is_cuda:
             ring_attention_triton(q, *layer_cache, cache.ring_valid, cache.sink_slots, cache.tokens_per_frame, out=v,
                                   **self.attention_options)
@@ -384,7 +384,8 @@ class DiffusionStep:
             v.copy_(ring_attention(q, *layer_cache, cache.ring_valid, cache.sink_slots, cache.tokens_per_frame))
         ck, cv = cross  # the audio K/V as a sink-only "ring" of unit scales
         if q.is_cuda:
-            ring_attention_triton(cq, ck, cv, self.ones, self.ones, self.no_ring, ck.shape[1], 1, block_n=16, out=cq)
+            ring_attention_triton(cq, ck, cv, self.ones, self.ones, self.no_ring, ck.shape[1], 1, out=cq,
+                                  **CROSS_ATTENTION_OPTIONS)
         else:
             cq.copy_(ring_attention(cq, ck, cv, self.ones, self.ones, self.no_ring, ck.shape[1], 1))
         oq = quantize_rows(fused[:, 2 * hd :], act_from=2 * hd)

@@ -169,6 +169,7 @@ def kernel_breakdown(cfg: ModelConfig, tp: int, model, cache, step) -> dict[str,
         window_attention,
     )
     from charstream.kernels.ring_write import ring_write_prep_triton, ring_write_triton, rope_table
+    from charstream.model.step import CROSS_ATTENTION_OPTIONS
 
     s = shard_config(cfg, tp)
     t, hd, heads, d = cfg.tokens_per_step, s["hd"], s["heads"], cfg.head_dim
@@ -196,21 +197,19 @@ def kernel_breakdown(cfg: ModelConfig, tp: int, model, cache, step) -> dict[str,
     per_pass = {
         "adaln_quant": _graph_ms([lambda i=i: adaln_quant_triton(x, mods[i, 0], mods[i, 1], res, mods[i, 2], hq) for i in every]),
         "gemm_in": _graph_ms([lambda i=i: step.w_in[i].forward_quantized(*hq) for i in every]),
-        # as the full-window step runs it: the RoPE table, the window copy of the written K/V, the
-        # queries into the window attention's own buffer
+        # as the full-window step runs it: the RoPE table, and the window copy of the written K/V
         "ring_write_prep": _graph_ms([lambda i=i: ring_write_prep_triton(
             q, k, v, cq, cache.k[i], cache.v[i], cache.k_scale[i], cache.v_scale[i], slot, pos, cache.freqs,
-            step.norms[i], cache.saturated, rotation=rotation, window=(win_k[i], win_v[i], step.window_slot),
-            q_out=step.window_q.transpose(0, 1)) for i in every]),
+            step.norms[i], cache.saturated, rotation=rotation, window=(win_k[i], win_v[i], step.window_slot))
+            for i in every]),
         "attention_ring_triton": _graph_ms([lambda i=i: ring_attention_triton(q, *attn_args(i), out=out, **step.attention_options)
                                 for i in every]),
-        "attention_window_cudnn": _graph_ms([lambda i=i: window_attention(step.window_q, win_k[i], win_v[i], out)
-                                             for i in every]),
+        "attention_window_cudnn": _graph_ms([lambda i=i: window_attention(q, win_k[i], win_v[i], out) for i in every]),
         "attention_gather_then_cudnn": _graph_ms([lambda i=i: ring_attention_gathered(
             q, cache.k[i], cache.v[i], cache.k_scale[i], cache.v_scale[i], step.frame_order, cache.sink_slots,
             cache.tokens_per_frame, (win_k[0], win_v[0]), out=out) for i in every]),
         "cross_attention": _graph_ms([lambda: ring_attention_triton(cq, ck, ck, ones, ones, no_ring, cfg.n_audio_tokens, 1,
-                                                                    block_n=16, out=out) for _ in every]),
+                                                                    out=out, **CROSS_ATTENTION_OPTIONS) for _ in every]),
         "quantize_rows_gelu": _graph_ms([lambda: quantize_rows_triton(fused[:, 2 * hd :], 2 * hd, oq) for _ in every]),
         "gemm_out": _graph_ms([lambda i=i: step.w_out[i].forward_quantized(*oq) for i in every]),
     }
