@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from charstream.kernels.carveout import prefer_max_shared_memory
 from charstream.kernels.fp8 import FP8_DTYPE, FP8_MAX
 from charstream.kernels.quantize_rows import MIN_AMAX, quantize_rows_reference
 
@@ -86,14 +85,12 @@ def adaln_quant_triton(
     hq, h_scale = out if out is not None else (torch.empty(m, n, dtype=FP8_DTYPE, device=x.device),
                                                torch.empty(m, 1, dtype=torch.float32, device=x.device))
     has_res = residual is not None
-    kernel = _adaln_quant_kernel[(triton.cdiv(m, rows),)](
+    _adaln_quant_kernel[(triton.cdiv(m, rows),)](
         x, x.stride(0), residual if has_res else x, residual.stride(0) if has_res else 0, gate if has_res else shift,
         shift, scale, hq, hq.stride(0), h_scale, m, n,
         ROWS=rows, BLOCK=triton.next_power_of_2(n), RESIDUAL=has_res, EPS=EPS, FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX,
         num_warps=num_warps or (32 if n > 4096 else 4),
     )
-    if x.is_cuda:  # the input GEMM follows: one shared-memory split for both (kernels/carveout.py)
-        prefer_max_shared_memory(kernel)
     return hq, h_scale
 
 

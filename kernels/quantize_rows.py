@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from charstream.kernels.carveout import prefer_max_shared_memory
 from charstream.kernels.fp8 import FP8_DTYPE, FP8_MAX
 
 MIN_AMAX = 1e-12  # an all-zero row gets a tiny scale instead of a division by zero
@@ -85,13 +84,11 @@ def quantize_rows_triton(
     xq, scale = out if out is not None else (torch.empty(m, k, dtype=FP8_DTYPE, device=x.device),
                                              torch.empty(m, 1, dtype=torch.float32, device=x.device))
     one_sweep = k <= ONE_SWEEP_MAX_COLS
-    kernel = _quantize_rows_kernel[(m,)](
+    _quantize_rows_kernel[(m,)](
         x, x.stride(0), xq, xq.stride(0), scale, k, k if act_from is None else act_from,
         BLOCK=triton.next_power_of_2(k) if one_sweep else 2048, ONE_SWEEP=one_sweep, FP8_MAX=FP8_MAX,
         MIN_AMAX=MIN_AMAX, num_warps=num_warps,
     )
-    if x.is_cuda:  # the output GEMM follows: one shared-memory split for both (kernels/carveout.py)
-        prefer_max_shared_memory(kernel)
     return xq, scale
 
 

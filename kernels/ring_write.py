@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from charstream.kernels.carveout import prefer_max_shared_memory
 from charstream.kernels.fp8 import FP8_MAX, dequantise, is_fp8, quantise
 from charstream.kernels.rope import RopeFreqs, apply_rope, complex_rotation, rope_rotation, rotate_complex
 
@@ -188,7 +187,7 @@ def _launch(k_cache, v_cache, k_scale, v_scale, k_new, v_new, slot_start, rotati
     k_win, v_win, win_slot = window if window is not None else (k_cache, v_cache, slot_start)
     if window is not None and (k_win.stride() != v_win.stride() or k_win.stride(-1) != 1):
         raise ValueError("the window's K and V must share strides with a contiguous head_dim")
-    kernel = _ring_write_kernel[(triton.cdiv(n_tokens, block_t), triton.cdiv(n_heads, heads))](
+    _ring_write_kernel[(triton.cdiv(n_tokens, block_t), triton.cdiv(n_heads, heads))](
         k_new, v_new, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
         k_scale, v_scale, slot_start, table, table.stride(0), n_tokens, n_heads,
@@ -198,8 +197,6 @@ def _launch(k_cache, v_cache, k_scale, v_scale, k_new, v_new, slot_start, rotati
         QUANT=is_fp8(k_cache), FP8_MAX=FP8_MAX, PREP=prep is not None, WINDOW=window is not None, EPS=RMS_EPS,
         PREFETCH=prefetch, num_warps=num_warps,
     )
-    if k_cache.is_cuda:  # cuDNN's attention follows the prep: one shared-memory split (kernels/carveout.py)
-        prefer_max_shared_memory(kernel)
 
 
 def ring_write_triton(

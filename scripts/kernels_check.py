@@ -260,72 +260,6 @@ def cross_attn(gen: torch.Generator) -> dict[str, object]:
     return result
 
 
-def carveout(gen: torch.Generator) -> dict[str, object]:
-    """One block-pass of the full-window step at the TP=3 shard's shapes (adaLN rows, FP8 input GEMM,
-    prep, cuDNN window attention, cross-attention, GELU rows, FP8 output GEMM), 60 of them in one CUDA
-    graph over 8 layers' weights, with the Triton kernels' shared-memory carveout left to the driver
-    against the largest (kernels/carveout.py): the launch gaps at the small -> large kernel boundaries.
-    "ms": per block-pass (x 240 for a step), each setting measured twice, alternating."""
-    from charstream.kernels.adaln_quant import _adaln_quant_kernel
-    from charstream.kernels.carveout import CARVEOUT_DEFAULT, CARVEOUT_MAX_SHARED, set_carveout
-    from charstream.kernels.quantize_rows import _quantize_rows_kernel
-    from charstream.kernels.ring_write import _ring_write_kernel
-    from charstream.model.fp8_linear import Fp8Linear
-    from charstream.model.step import CROSS_ATTENTION_OPTIONS
-
-    dim, hd, ffn, audio = 7680, H * D, 10240, 9
-    w_in = [Fp8Linear.from_weight(torch.randn(4 * hd + ffn, dim, device="cuda", generator=gen) * 0.02) for _ in range(LAYERS)]
-    w_out = [Fp8Linear.from_weight(torch.randn(dim, 2 * hd + ffn, device="cuda", generator=gen) * 0.02) for _ in range(LAYERS)]
-    x = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
-    mods = torch.randn(LAYERS, 3, dim, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.2
-    k_cache, v_cache = _fp8_cache(LAYERS, gen), _fp8_cache(LAYERS, gen)
-    ks = torch.rand(LAYERS, H, device="cuda", generator=gen) * 0.02 + 0.01
-    n_win = SINK + VALID * T
-    windows = [torch.randn(LAYERS, H, n_win, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2)]
-    freqs = rope_freqs(D, "cuda")
-    positions = frame_positions(17, GRID, AUDIO, "cuda")
-    rotation = rope_table(positions, freqs)
-    slot, win_slot = torch.tensor(SINK + 6 * T, device="cuda"), torch.tensor(SINK + 3 * T, device="cuda")
-    norms = tuple(torch.rand(D, device="cuda", generator=gen) + 0.5 for _ in range(3))
-    saturated = torch.zeros((), dtype=torch.int64, device="cuda")
-    ck, cv = (torch.randn(H, audio, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
-    ones = torch.ones(H, device="cuda")
-    no_ring = torch.zeros(0, dtype=torch.bool, device="cuda")
-    state = {"out": torch.randn(T, dim, device="cuda", dtype=torch.bfloat16, generator=gen), "kept": []}
-
-    def block_pass(i: int) -> None:
-        hq = adaln_quant_triton(x, mods[i, 0], mods[i, 1], state["out"], mods[i, 2])
-        fused = w_in[i].forward_quantized(*hq)
-        q, k, v, cq = (fused[:, j * hd : (j + 1) * hd].unflatten(-1, (H, D)) for j in range(4))
-        ring_write_prep_triton(q, k, v, cq, k_cache[i], v_cache[i], ks[i], ks[i], slot, positions, freqs, norms, saturated,
-                               rotation=rotation, window=(windows[0][i], windows[1][i], win_slot))
-        window_attention(q, windows[0][i], windows[1][i], out=v)
-        ring_attention_triton(cq, ck, cv, ones, ones, no_ring, audio, 1, out=cq, **CROSS_ATTENTION_OPTIONS)
-        oq = quantize_rows_triton(fused[:, 2 * hd :], act_from=2 * hd)
-        state["kept"].append(state["out"])  # a graph may read it: keep it alive
-        state["out"] = w_out[i].forward_quantized(*oq)
-
-    def set_all(percent: int) -> None:
-        for jit in (_adaln_quant_kernel, _ring_write_kernel, _quantize_rows_kernel):
-            for caches in jit.device_caches.values():
-                for compiled in caches[0].values():
-                    set_carveout(compiled, percent)
-
-    result: dict[str, object] = {}
-    for name, percent in (("driver_default", CARVEOUT_DEFAULT), ("max_shared", CARVEOUT_MAX_SHARED),
-                          ("driver_default_again", CARVEOUT_DEFAULT), ("max_shared_again", CARVEOUT_MAX_SHARED)):
-        try:
-            block_pass(0)  # compiled before the carveout is set
-            set_all(percent)
-            result[name] = {"ms": _graph_ms([functools.partial(block_pass, i % LAYERS) for i in range(60)], reps=5)}
-        except Exception as exc:
-            traceback.print_exc()
-            result[name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-        print(f"[check] carveout {name}: {result[name]}", flush=True)
-    set_all(CARVEOUT_MAX_SHARED)  # as the dispatchers leave it
-    return result
-
-
 ADALN_VARIANTS = ((1, 16), (1, 32), (2, 16), (2, 32))  # (rows per program, warps)
 
 
@@ -476,7 +410,7 @@ def _table(results: dict) -> str:
         if isinstance(e, dict):
             rows.append((f"gemm_allreduce world=1 {name}", f"{e['ms']:.4f} ({e['tflops']:.0f} TF/s)" if "ms" in e
                          else e.get("error", "")[:40], f"rel {e.get('rel_vs_scaled_mm', float('nan')):.2e}"))
-    for section in ("ring_write", "adaln", "window_attn", "cross_attn", "carveout", "rotation", "gelu_rows"):
+    for section in ("ring_write", "adaln", "window_attn", "cross_attn", "rotation", "gelu_rows"):
         for name, e in results.get(section, {}).items():
             if isinstance(e, dict):
                 ms = f"{e['ms'] * 1e3:.2f} us" if "ms" in e else e.get("error", "")[:40]
@@ -492,7 +426,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", default=None)
     parser.add_argument("--only", nargs="*", default=["attention", "ring_write", "adaln", "window_attn", "cross_attn",
-                                                         "carveout", "rotation", "gelu_rows", "gemm_allreduce"])
+                                                         "rotation", "gelu_rows", "gemm_allreduce"])
     args = parser.parse_args()
     import triton
 
