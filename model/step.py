@@ -23,7 +23,7 @@ position reset, the TP group) is shared:
     attention       q over sink + valid ring, written over the spent v columns: in place
                     over the FP8 ring while the window fills, then cuDNN SDPA over the
                     layer's bf16 window, which the ring write above keeps current
-                    (``gathered``, faster on an H200)                                     1-3 launches
+                    (``gathered``, faster on an H200)                                     2 launches
     cross attention cross-q over the step's audio K/V, written over the cross-q columns    1 launch
     quantize_rows   GELU on the mlp columns + FP8 rows of [attn | cross | mlp]             1 launch
     w_out           FP8 GEMM, then the block's one all-reduce under TP                     1-2 launches
