@@ -151,6 +151,30 @@ def test_h264_is_negotiated_when_configured():
     assert frame.shape == (128, 128, 3) and frame.std() > 20  # the colour bars, decoded
 
 
+def test_client_keeps_a_bounded_window_and_counts_everything():
+    """The client's frame records stay within ``kept_s`` of media however long the session runs
+    (a 30-minute soak grew by every frame's record); the counts still cover every frame."""
+
+    async def main():
+        factory = quiet_card()
+        server = EgressServer(EgressConfig(port=0), factory)
+        url = await server.start()
+        _, token = server.create_session()
+        client = EgressClient(kept_s=0.5)
+        await client.connect(url, token)
+        await client.wait_for_video(3 * 24, timeout=30)
+        audio_in = await until(lambda: client.audio_samples >= 3 * TIMELINE_RATE, timeout=10)
+        seen = dict(video=len(client.video), frames=client.video_frames, audio=len(client.audio),
+                    samples=client.audio_samples, audio_in=audio_in)
+        await client.close()
+        await server.stop()
+        return seen
+
+    seen = asyncio.run(main())
+    assert seen["video"] == 12 and seen["frames"] >= 72  # the last 0.5 s of 3+ s received
+    assert seen["audio_in"] and seen["audio"] == 25 and seen["samples"] >= 3 * TIMELINE_RATE
+
+
 def test_bad_input_is_refused_and_other_sessions_keep_running():
     async def post(http, url, path, body, headers=None):
         async with http.post(url + path, data=body, headers=headers or {}) as r:
@@ -198,9 +222,9 @@ def test_bad_input_is_refused_and_other_sessions_keep_running():
         a.channel.send('{"type": "frame", "rtp": NaN, "presented_ms": 1}')
         b.silent = True  # b vanishes without closing
         out["b_closed"] = await until(lambda: id_b not in server.sessions and id_b not in factory.sessions, 15, poll_s=0.05)
-        frames_before = len(a.video)
+        frames_before = a.video_frames
         await asyncio.sleep(1.0)
-        out["a_still_streaming"] = len(a.video) - frames_before
+        out["a_still_streaming"] = a.video_frames - frames_before
         out["a_bad_messages"] = server.sessions[id_a].bad_messages
         mic = server.sessions[id_a].media.user_audio  # the VAD-facing queue
         out["mic_frames"] = mic.received

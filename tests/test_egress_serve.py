@@ -53,7 +53,7 @@ def test_serve_command_streams_the_test_card_and_stops_cleanly(tmp_path):
             client = EgressClient(keep_images=True)
             await client.connect(url, token)
             await client.wait_for_video(24, timeout=30)
-            frames = len(client.video)
+            frames = client.video_frames
             image = client.video[-1].image
             await client.close()
             return page, key, reused, frames, image.shape

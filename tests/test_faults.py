@@ -87,11 +87,11 @@ def test_a_killed_or_frozen_model_process_ends_its_session_clearly_and_others_ke
         told, exited = told_after is not None, exited_after is not None
         released = await until(lambda: victim_id not in server.sessions and victim_id not in pipeline.sessions, 10)
         others_exited = await until(lambda: not any(running(c) for c in children), 5)
-        frames = len(bystander.video)
+        frames = bystander.video_frames
         await asyncio.sleep(1.0)
         out = {
             "told": told, "told_after": told_after, "ended": victim.ended, "released": released,
-            "exited": exited, "exited_after": exited_after, "others_exited": others_exited, "bystander_frames_after": len(bystander.video) - frames,
+            "exited": exited, "exited_after": exited_after, "others_exited": others_exited, "bystander_frames_after": bystander.video_frames - frames,
             "bystander_alive": bystander_id in server.sessions, "segments": len(segments),
             "leaked_shm": {name for name in segments if os.path.exists(name)},
             "orphans": [p.pid for p in psutil.Process().children(recursive=True) if p.pid in pids.values()],

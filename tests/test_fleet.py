@@ -136,7 +136,7 @@ def test_a_fleet_spreads_admits_contains_node_loss_and_drains(cluster, front_doo
             # Kill the big worker: exactly its two sessions end, both pages told why, within 5 s.
             [victim] = [c for c in clients if where[c] == big]
             [survivor] = [c for c in clients if where[c] == small]
-            frames_before = len(survivor.media.video)
+            frames_before = survivor.media.video_frames
             killed = time.monotonic()
             cluster.remove_node(nodes[big], allow_graceful=False)
             told = "window.charstream.status.startsWith('ended:')"
@@ -147,7 +147,7 @@ def test_a_fleet_spreads_admits_contains_node_loss_and_drains(cluster, front_doo
             assert "node" in victim.ended and "lost" in victim.ended, victim.ended
             assert "node" in page_status and "lost" in page_status, page_status
             assert survivor.ended is None
-            assert await until(lambda: len(survivor.media.video) >= frames_before + 24, timeout=10)
+            assert await until(lambda: survivor.media.video_frames >= frames_before + 24, timeout=10)
             states = {n["node_id"]: n["state"] for n in status()["nodes"]}
             assert states[big] == "dead" and sessions_by_node()[big] == 0
 
@@ -161,12 +161,12 @@ def test_a_fleet_spreads_admits_contains_node_loss_and_drains(cluster, front_doo
 
             # Drain the head: no new session anywhere (the small worker is full); the head's plays on.
             assert "draining" in fleet_cli("drain", head[:10], "--url", url)
-            frames_before = len(newcomer.media.video)
+            frames_before = newcomer.media.video_frames
             refused = FleetClient(url, KEY)
             extra.append(refused)
             with pytest.raises(FullError):
                 await refused.reserve()
-            assert await until(lambda: len(newcomer.media.video) >= frames_before + 24, timeout=10)
+            assert await until(lambda: newcomer.media.video_frames >= frames_before + 24, timeout=10)
             assert newcomer.ended is None
 
             # Health counts sessions that played >= 5 s.

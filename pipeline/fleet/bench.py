@@ -74,7 +74,7 @@ async def run_step(url: str, door, count: int, seconds: float) -> dict:
         await asyncio.sleep(2.0)  # past the start: every session's clock running
         await door.refresh_figures()
         start = {s.session_id: (s.played_s, (s.average_fps or 0.0) * s.played_s) for s in door.sessions.values()}
-        received = [len(c.media.video) for c in clients]
+        received = [c.media.video_frames for c in clients]
         began, load_before = time.monotonic(), os.getloadavg()[0]
         await asyncio.sleep(seconds)
         await door.refresh_figures()
@@ -84,7 +84,7 @@ async def run_step(url: str, door, count: int, seconds: float) -> dict:
             session = door.sessions[client.session_id]
             played0, fresh0 = start[client.session_id]
             node_fps.append((session.average_fps * session.played_s - fresh0) / (session.played_s - played0))
-        client_fps = [(len(c.media.video) - n) / window for c, n in zip(clients, received, strict=True)]
+        client_fps = [(c.media.video_frames - n) / window for c, n in zip(clients, received, strict=True)]
         slow = sum(fps <= door.fleet.slow_fps for fps in node_fps)
         return {"sessions": count, "window_s": round(window, 2),
                 "nodes_used": len({door.sessions[c.session_id].node_id for c in clients}),

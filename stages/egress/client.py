@@ -3,13 +3,13 @@
 It does what the web page does: offers to receive video and audio (and send a microphone track
 if given one), opens the ``timing`` data channel, answers pings and reports every video frame it
 receives (``presented_ms`` = when the decoded frame came out of aiortc). It keeps what it got, in
-bounded windows (a client of an hour-long session must not grow): per frame its arrival time and
-RTP timestamp (optionally the image; the last ``MAX_KEPT``), per audio frame the samples (the last
-``MAX_AUDIO_KEPT``; ``audio_samples`` counts them all), and the sender reports (RTCP SR, the last
-``MAX_REPORTS``) of both streams, from which ``sender_time`` maps an
-RTP timestamp to the server's wall clock exactly as a browser's lip sync does. With
-``record_path`` it writes what it received to an mp4 (H.264 + AAC, timed by RTP timestamps, so
-freezes and gaps stay where they happened).
+bounded windows (a client of an hour-long session must not grow): of the last ``kept_s`` seconds
+(60 by default), per video frame its arrival time and RTP timestamp (optionally the image;
+``video_frames`` counts them all) and per audio frame the samples (``audio_samples`` counts them
+all); and the sender reports (RTCP SR, the last ``MAX_REPORTS``) of both streams, from which
+``sender_time`` maps an RTP timestamp to the server's wall clock exactly as a browser's lip sync
+does. With ``record_path`` it writes what it received to an mp4 (H.264 + AAC, timed by RTP
+timestamps, so freezes and gaps stay where they happened).
 
 Usage::
 
@@ -41,8 +41,8 @@ from aiortc.rtp import RtcpSrPacket
 from charstream.timeline import TIMELINE_RATE, VIDEO_FPS
 
 log = structlog.get_logger("egress.client")
-MAX_KEPT = 100_000  # received-frame records kept (≈ 70 min of video; ~100 bytes each without images)
-MAX_AUDIO_KEPT = 3_000  # 20 ms audio frames kept with their samples (60 s, ~6 MB)
+KEPT_S = 60.0  # seconds of received media kept: ~165 bytes a video frame without images, ~2 KB an audio frame
+AUDIO_FRAMES_PER_S = 50  # aiortc's 20 ms audio frames
 MAX_REPORTS = 600  # RTCP sender reports kept per stream
 
 
@@ -68,7 +68,7 @@ class ReceivedAudio:
 
 class EgressClient:
     def __init__(self, mic: MediaStreamTrack | None = None, record_path: str | Path | None = None,
-                 keep_images: bool = False, ice_servers: list[str] | None = None) -> None:
+                 keep_images: bool = False, ice_servers: list[str] | None = None, kept_s: float = KEPT_S) -> None:
         self.mic = mic
         self.ice_servers = ice_servers or []  # none by default: aiortc's default is Google's public STUN
         self.keep_images = keep_images
@@ -76,8 +76,9 @@ class EgressClient:
         self.pc: RTCPeerConnection | None = None
         self.channel = None
         self.session_id: str | None = None
-        self.video: deque[ReceivedVideo] = deque(maxlen=MAX_KEPT)
-        self.audio: deque[ReceivedAudio] = deque(maxlen=MAX_AUDIO_KEPT)
+        self.video: deque[ReceivedVideo] = deque(maxlen=max(1, round(kept_s * VIDEO_FPS)))
+        self.video_frames = 0  # every video frame received, also those no longer kept
+        self.audio: deque[ReceivedAudio] = deque(maxlen=max(1, round(kept_s * AUDIO_FRAMES_PER_S)))
         self.audio_samples = 0  # every sample received, also those no longer kept
         # (ntp s, rtp) per stream
         self.sender_reports: dict[str, deque[tuple[float, int]]] = {k: deque(maxlen=MAX_REPORTS) for k in ("video", "audio")}
@@ -114,9 +115,9 @@ class EgressClient:
 
     async def wait_for_video(self, frames: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        while len(self.video) < frames:
+        while self.video_frames < frames:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"got {len(self.video)} of {frames} video frames in {timeout} s")
+                raise TimeoutError(f"got {self.video_frames} of {frames} video frames in {timeout} s")
             await asyncio.sleep(0.05)
 
     def sender_time(self, kind: str, rtp: int) -> float | None:
@@ -162,6 +163,7 @@ class EgressClient:
                 rtp = (self._rtp_origin("video") + frame.pts) % 2**32
                 image = frame.to_ndarray(format="rgb24") if self.keep_images or self.recorder else None
                 self.video.append(ReceivedVideo(arrival, rtp, image if self.keep_images else None))
+                self.video_frames += 1
                 self._send({"type": "frame", "rtp": rtp, "presented_ms": arrival * 1e3})
                 if self.recorder is not None:
                     self.recorder.video(image, frame.pts)
