@@ -97,7 +97,7 @@ class Harness:
             if on_sample is not None:
                 on_sample(live, client.client)
         stats = live.stages["playout"].stats.summary()
-        received, ended_early = len(client.client.video), live.output.closed
+        received, ended_early = client.client.video_frames, live.output.closed
         await client.close()
         deadline = time.monotonic() + 30
         while (self.server.sessions or self.factory.sessions) and time.monotonic() < deadline:
@@ -150,7 +150,7 @@ async def soak_session(source: str, config: PipelineConfig, minutes: float, ever
     def on_sample(live, client) -> None:
         stats = live.stages["playout"].stats
         samples.append({**sample(), "frames_released": stats.frames_released, "fresh_frames": stats.fresh_frames,
-                        "underruns": stats.underruns, "received": len(client.video)})
+                        "underruns": stats.underruns, "received": client.video_frames})
         if trim:  # what the process holds live, without what glibc keeps free for later
             release_free_memory()
             samples[-1]["rss_trimmed_mb"] = sample()["rss_mb"]
@@ -221,6 +221,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if (args.sessions is None) == (args.minutes is None):
         raise SystemExit("charstream bench soak: give exactly one of --sessions N or --minutes M")
+    import torch
     from charstream.stages.ingest.scripted import DEFAULT_SCRIPT
 
     configure_logging("error")
@@ -235,6 +236,8 @@ def run(args: argparse.Namespace) -> int:
     config.ingest.adapter = "scripted"
     config.ingest.script = [{"user": line.user, "agent": line.agent} for line in DEFAULT_SCRIPT] * repeats
     load_start = [round(x, 2) for x in psutil.getloadavg()]
+    commit = commit_id()  # the tree that runs: read before the run, the checkout may move meanwhile
+    started = datetime.now(UTC).isoformat(timespec="seconds")
     if args.sessions is not None:
         result = asyncio.run(soak_sessions(args.source, config, args.sessions, args.seconds))
     else:
@@ -242,9 +245,11 @@ def run(args: argparse.Namespace) -> int:
     report = {
         "placement": args.placement,
         "memory_trim_s": config.egress.memory_trim_s,
+        "started": started,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {psutil.cpu_count()} CPUs, {platform.platform()}",
-        "commit": commit_id(),
+        "commit": commit,
+        "torch": torch.__version__,
         "load_avg_at_start": load_start,
         "load_avg_at_end": [round(x, 2) for x in psutil.getloadavg()],
         "result": result,
