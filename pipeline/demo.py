@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from charstream.pipeline.config import PipelineConfig
+from charstream.stages.config import AGENT_PACES
 from charstream.stages.metrics import REGISTRY, serve_metrics
 from charstream.stages.tracing import SEGMENTS, TurnRecord, intervals
 from tqdm import tqdm
@@ -65,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus metrics (step time, playout depth, underruns, fps) on this port")
     parser.add_argument("--metrics-host", default="127.0.0.1", help="the metrics listener's address")
+    parser.add_argument("--agent-pace", choices=AGENT_PACES, default="realtime",
+                        help="how the scripted agent streams its reply: realtime (20 ms per 20 ms, default) or "
+                             "synthesized (as TTS services push it: up to ingest's max_ahead_s ahead of real time)")
     parser.add_argument("--verbose", action="store_true", help="structured logs (info) on stderr")
 
 
@@ -154,6 +158,7 @@ def plan(args: argparse.Namespace) -> DemoPlan:
     config.tracing.prometheus_port = args.metrics_port
     config.tracing.prometheus_host = args.metrics_host
     config.ingest.script = script
+    config.ingest.agent_pace = args.agent_pace
     # In-process, the user is scripted (and heard by the recogniser); with --serve the browser's
     # user talks to the built-in agent.
     config.ingest.adapter = "listening" if args.serve else "scripted"

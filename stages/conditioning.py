@@ -2,16 +2,27 @@
 
 The stream never stops: with no speech to place, every chunk is a listening chunk (silence,
 ``speaking=False``) and the loop runs as fast as downstream credit allows. Agent speech of a turn
-is placed on the timeline at a chunk boundary (turn-start rollback, transport/messages.py):
+is placed on the timeline by the turn-start rollback (docs/ARCHITECTURE.md, Turn-start rollback):
 
-1. once the turn's first chunk of audio plus the look-ahead is in (the agent streams at real-time
-   pace, so ~210 ms after its first audio), send ``Control(TURN_START, chunk=next_chunk)``;
-   listening chunks keep flowing until then, so playout has something to show meanwhile;
-2. playout drops its unplayed chunks and broadcasts ``Control(ROLLBACK, chunk=c, epoch=e)``;
-3. the speech is placed at chunk ``c + 1`` and emission restarts there in epoch ``e``.
+1. from the turn's first audio, listening chunks go just in time (one chunk ahead of their due
+   time), so the diffusion step is idle when the speech comes; once the turn's first chunk of audio
+   plus the look-ahead is in (an agent at real-time pace: ~207 ms after its first audio; one that
+   streams as it synthesises: at once), send ``Control(TURN_START, chunk=next_chunk)`` with what
+   playout needs to place the speech: the earliest chunk a rewind of at most ``rollback_frames``
+   reaches (``earliest_chunk``), when the last listening chunk left (``last_emit_at``) and how long
+   an encode takes (``encode_s``);
+2. playout keeps the listening chunks that play before the speech can be ready and broadcasts
+   ``Control(ROLLBACK, chunk=c, epoch=e, detail={"onset_frame": k, "due_at": t})``;
+3. the speech is placed at frame ``k`` of chunk ``c + 1`` (its ``k`` leading frames silent) and
+   emission restarts there in epoch ``e``; chunk ``c + 1`` is due at playout at wall time ``t``.
+
+Listening chunks are emitted at most ``min(idle_lead_chunks, rollback_frames)`` chunks ahead of
+playout (the schedule is anchored by playout's ``Control(CLOCK)`` and each ROLLBACK), so a rewind
+to the chunk after the one on screen stays within what the ring cache undoes exactly.
 
 A speaking chunk is emitted once its whole span plus the look-ahead has arrived, or the turn has
-ended. The turn's first speaking chunk carries the turn's trace stamps and ``conditioning_ready``.
+ended. The turn's first speaking chunk carries the turn's trace stamps; every chunk carries
+``conditioning_ready`` (playout measures the production latency from it).
 ``start_sample`` of ``AgentAudio`` is used relative to the turn's first audio, so adapters may
 count from the turn or from the session. TURN_START is sent from ``process`` (the dispatch loop),
 never behind the chunk loop's wait for credit.
@@ -23,7 +34,7 @@ stops sending mid-turn) is logged with the turn id and dropped or ended; listeni
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,13 +54,18 @@ from charstream.transport.messages import (
     TurnKind,
 )
 
-from charstream.timeline import CHUNK_SECONDS, SAMPLES_PER_CHUNK, TIMELINE_RATE
+from charstream.timeline import CHUNK_SECONDS, SAMPLES_PER_CHUNK, SAMPLES_PER_FRAME, TIMELINE_RATE
 
 # int16 48 kHz window [chunk start - context, chunk end + look-ahead) -> (n_audio_tokens, audio_dim) float32
 EncodeFn = Callable[[np.ndarray], np.ndarray]
 
 MAX_GAP_SAMPLES = 5 * TIMELINE_RATE  # an agent jumping ahead further than this is a protocol error
 KEEP_TURN_STAMPS = 16  # stamps of turns whose speech has not arrived yet (bounded)
+# While a turn's first chunk is awaited, listening chunks go this many chunks ahead of their due time:
+# playout's buffer covers the wait, and the step is idle (not busy with a chunk the speech replaces)
+# when the speech comes; one chunk still covers a step + decode if the agent is slow to send it.
+PENDING_LEAD_CHUNKS = 1
+ENCODE_HISTORY = 8  # recent encode durations: the estimate sent with a turn start is their max
 
 
 @dataclass
@@ -63,7 +79,6 @@ class _Turn:
     ended: bool = False
     turn_start_sent_at: float | None = None
     last_audio_at: float = 0.0
-    first_tokens: np.ndarray | None = None  # encoded while the rollback is on its way
 
     @property
     def audio(self) -> np.ndarray:
@@ -84,16 +99,23 @@ class _Turn:
 class ConditioningStage(Stage):
     name = "conditioning"
 
-    def __init__(self, config: ConditioningConfig, encode: EncodeFn, lookahead_ms: float, context_ms: float = 0.0) -> None:
+    def __init__(self, config: ConditioningConfig, encode: EncodeFn, lookahead_ms: float, context_ms: float = 0.0,
+                 rollback_frames: int | None = None) -> None:
         self.encode = encode
         self.lookahead = int(round(lookahead_ms * TIMELINE_RATE / 1000))
         self.context = int(round(context_ms * TIMELINE_RATE / 1000))
         self.rollback_wait_s = config.rollback_wait_s  # placement without a ROLLBACK answer after this long
         self.stall_s = config.stall_s  # a speaking turn with no new audio this long is ended
-        # Listening chunks at most this many chunks ahead of real time (None: credit alone limits them).
-        # Keeps playout's buffer shallow, so little is thrown away and its dispatch never waits for room.
-        self.idle_lead = config.idle_lead_chunks
+        # Listening chunks at most this many chunks ahead of playout (None: credit alone limits them).
+        # Keeps playout's buffer shallow, so little is thrown away and its dispatch never waits for room;
+        # capped at the ring's margin (``rollback_frames``), so rewinding to the chunk after the one on
+        # screen is exact.
+        lead = config.idle_lead_chunks
+        self.idle_lead = lead if lead is None or rollback_frames is None else min(lead, rollback_frames)
+        self.rollback_frames = rollback_frames
         self._anchor: tuple[int, float] | None = None  # (chunk, monotonic time it is due at playout)
+        self._last_emit_at: float | None = None  # wall clock of the last emitted chunk
+        self._encode_s: deque[float] = deque(maxlen=ENCODE_HISTORY)
         self.next_chunk = 0
         self.epoch = 0
         self.turn: _Turn | None = None
@@ -118,16 +140,18 @@ class ConditioningStage(Stage):
         if msg.kind == ControlKind.ROLLBACK and msg.chunk is not None and msg.epoch > self.epoch:
             self.epoch = msg.epoch
             self.next_chunk = msg.chunk + 1
-            self._anchor = (self.next_chunk, time.monotonic())  # chunk c is on screen now: c + 1 is next
+            self._anchor = (self.next_chunk, _due(msg))
             start = self.next_chunk * SAMPLES_PER_CHUNK
             turn = self.turn
             # Speech that asked for this rollback, or is placed but not yet committed, starts at the
-            # first uncommitted chunk.
+            # first uncommitted chunk, at the frame playout chose (the frames before it are silent).
             if turn is not None and turn.turn_start_sent_at is not None and (
                     turn.placed_at is None or turn.placed_at >= start):
-                turn.placed_at = start
-            ctx.log.debug("rollback", chunk=msg.chunk, epoch=msg.epoch,
+                turn.placed_at = start + int(msg.detail.get("onset_frame") or 0) * SAMPLES_PER_FRAME
+            ctx.log.debug("rollback", chunk=msg.chunk, epoch=msg.epoch, onset_frame=msg.detail.get("onset_frame"),
                           turn_id=turn.turn_id if turn else None)
+        elif msg.kind == ControlKind.CLOCK and msg.chunk is not None:
+            self._anchor = (msg.chunk, _due(msg))
         elif msg.kind == ControlKind.INTERRUPT:
             self._interrupt(ctx, msg.trace.turn_id)
         self._wake()
@@ -176,9 +200,15 @@ class ConditioningStage(Stage):
         if turn.length < SAMPLES_PER_CHUNK + self.lookahead and not turn.ended:
             return
         turn.turn_start_sent_at = time.monotonic()
-        ctx.log.info("turn start", turn_id=turn.turn_id, chunk=self.next_chunk, epoch=self.epoch)
+        detail: dict[str, float | int | None] = {
+            # a rewind to an earlier chunk would reach past the ring's margin (inexact)
+            "earliest_chunk": None if self.rollback_frames is None else self.next_chunk - self.rollback_frames,
+            "last_emit_at": self._last_emit_at,  # the step may still be busy with that chunk
+            "encode_s": max(self._encode_s, default=0.0),  # the first speaking chunk is encoded once placed
+        }
+        ctx.log.info("turn start", turn_id=turn.turn_id, chunk=self.next_chunk, epoch=self.epoch, **detail)
         await ctx.send_control(Control(ctx.session_id, 0, ControlKind.TURN_START, chunk=self.next_chunk,
-                                       epoch=self.epoch, trace=TraceContext(turn.turn_id)))
+                                       epoch=self.epoch, detail=detail, trace=TraceContext(turn.turn_id)))
 
     async def _on_turn_event(self, msg: TurnEvent, ctx: StageContext) -> None:
         turn_id = msg.turn_id
@@ -231,16 +261,13 @@ class ConditioningStage(Stage):
     # --- the chunk loop ----------------------------------------------------------------------
 
     async def run(self, ctx: StageContext) -> None:
-        self._silence_tokens = await self._encode(np.zeros(self.context + SAMPLES_PER_CHUNK + self.lookahead, np.int16))
+        silence = np.zeros(self.context + SAMPLES_PER_CHUNK + self.lookahead, np.int16)
+        for _ in range(2):  # the second, warm, encode is the first estimate a turn start sends
+            self._silence_tokens = await self._encode(silence)
+        del self._encode_s[0]
         while True:
             wait = self._wait_needed(ctx)
             await self._maybe_turn_start(ctx)  # a stalled agent's short first chunk still starts its turn
-            turn = self.turn
-            if turn is not None and turn.turn_start_sent_at is not None and turn.first_tokens is None:
-                # Encode the first speaking chunk during the rollback's round trip: its window is
-                # relative to the turn's speech, whatever chunk the speech lands on.
-                turn.first_tokens = await self._encode(self._window(turn, 0))
-                continue
             if wait is not None:
                 with anyio.move_on_after(wait):
                     await self._changed.wait()
@@ -248,6 +275,7 @@ class ConditioningStage(Stage):
                 continue
             chunk, epoch = self.next_chunk, self.epoch
             message = await self._build(chunk, epoch)
+            self._last_emit_at = time.time()
             await ctx.emit(message)
             if self.epoch == epoch and self.next_chunk == chunk:  # a rollback meanwhile set its own restart
                 self.next_chunk = chunk + 1
@@ -259,9 +287,9 @@ class ConditioningStage(Stage):
         if turn is None:
             return self._pace(now)
         if turn.placed_at is None:
-            if turn.turn_start_sent_at is None:  # still gathering the first chunk: keep listening
+            if turn.turn_start_sent_at is None:  # still gathering the first chunk: listen just in time
                 self._check_stall(ctx, turn, now)
-                return self._pace(now)
+                return self._pace(now, PENDING_LEAD_CHUNKS)
             left = turn.turn_start_sent_at + self.rollback_wait_s - now
             if left > 0:
                 return left
@@ -278,14 +306,16 @@ class ConditioningStage(Stage):
             return None
         return None if self._check_stall(ctx, turn, now) else turn.last_audio_at + self.stall_s - now
 
-    def _pace(self, now: float) -> float | None:
-        """Seconds until listening chunk ``next_chunk`` may go (None: now)."""
-        if self.idle_lead is None:
+    def _pace(self, now: float, lead: int | None = None) -> float | None:
+        """Seconds until listening chunk ``next_chunk`` may go, ``lead`` chunks (default: the idle
+        lead) ahead of its due time at playout (None: now)."""
+        lead = self.idle_lead if lead is None else lead
+        if lead is None:
             return None
         if self._anchor is None:
             self._anchor = (self.next_chunk, now)
         chunk, at = self._anchor
-        due = at + (self.next_chunk - chunk - self.idle_lead) * CHUNK_SECONDS
+        due = at + (self.next_chunk - chunk - lead) * CHUNK_SECONDS
         return due - now if due > now else None
 
     def _check_stall(self, ctx: StageContext, turn: _Turn, now: float) -> bool:
@@ -302,13 +332,13 @@ class ConditioningStage(Stage):
         rel = start - turn.placed_at if turn is not None and turn.placed_at is not None else None
         if turn is None or rel is None or rel + SAMPLES_PER_CHUNK <= 0 or rel >= turn.length:
             return Conditioning(self._session, chunk, self._silence_tokens, np.zeros(SAMPLES_PER_CHUNK, np.int16),
-                                speaking=False, epoch=epoch, trace=TraceContext(None))
+                                speaking=False, epoch=epoch, trace=TraceContext(None).stamp("conditioning_ready"))
         window = self._window(turn, rel)
-        tokens = turn.first_tokens if rel == 0 and turn.first_tokens is not None else await self._encode(window)
+        tokens = await self._encode(window)
         trace = TraceContext(turn.turn_id)
         if rel <= 0:  # the turn's first speaking chunk carries the turn's trace
             trace.stamps.update(turn.trace.stamps)
-            trace.stamp("conditioning_ready")
+        trace.stamp("conditioning_ready")
         audio = window[self.context:self.context + SAMPLES_PER_CHUNK].copy()
         return Conditioning(self._session, chunk, tokens, audio, speaking=True, epoch=epoch, trace=trace)
 
@@ -322,11 +352,22 @@ class ConditioningStage(Stage):
         return window
 
     async def _encode(self, window: np.ndarray) -> np.ndarray:
-        return np.asarray(await anyio.to_thread.run_sync(self.encode, window), np.float32)
+        started = time.perf_counter()
+        tokens = np.asarray(await anyio.to_thread.run_sync(self.encode, window), np.float32)
+        self._encode_s.append(time.perf_counter() - started)
+        return tokens
 
     async def setup(self, ctx: StageContext) -> None:
         self._session = ctx.session_id
         self._changed = anyio.Event()
+
+
+def _due(msg: Control) -> float:
+    """Monotonic time at which the control's chunk is due at playout (its ``due_at`` wall clock; now
+    if it has none)."""
+    now = time.monotonic()
+    due_at = msg.detail.get("due_at")
+    return now if due_at is None else now + float(due_at) - time.time()
 
 
 def build(config: ConditioningConfig, preset: str, weights: str | None = "packaged", seed: int = 0) -> ConditioningStage:
@@ -346,4 +387,5 @@ def build(config: ConditioningConfig, preset: str, weights: str | None = "packag
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             encoder = AudioEncoder(cfg).eval().requires_grad_(False)
-    return ConditioningStage(config, make_encode_fn(encoder), cfg.audio_lookahead_ms, cfg.audio_context_ms)
+    return ConditioningStage(config, make_encode_fn(encoder), cfg.audio_lookahead_ms, cfg.audio_context_ms,
+                             cfg.rollback_frames)

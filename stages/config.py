@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+AGENT_PACES = ("realtime", "synthesized")  # IngestConfig.agent_pace
+
 
 @dataclass
 class IngestConfig:
@@ -29,6 +31,9 @@ class IngestConfig:
     script: list[dict] | None = None  # scripted agent: [{"user", "agent", "barge_in_after_s"?}]; None = built-in
     lead_in_s: float = 0.5  # scripted agent: silence before the user's first line
     turn_gap_s: float = 1.5  # scripted agent: silence after a reply before the next line (> playout_tail_s)
+    # scripted agent's reply: "realtime" (one 20 ms frame per 20 ms) | "synthesized" (as a TTS service
+    # pushes it: what is synthesised -- espeak makes the whole line at once -- up to max_ahead_s ahead)
+    agent_pace: str = "realtime"
 
 
 @dataclass

@@ -223,8 +223,7 @@ class DiffusionStage(Stage):
             self.stats.stale += 1
             return
         self.stats.generated += 1
-        if msg.trace.turn_id is not None:
-            msg.trace.stamp("diffusion_done")
+        msg.trace.stamp("diffusion_done")  # on every chunk: playout budgets a speech placement from these
         await ctx.emit(Latents(msg.session_id, msg.chunk, latent, msg.audio, msg.speaking, msg.epoch, msg.trace))
 
     async def control(self, msg: Control, ctx: StageContext) -> None:

@@ -17,16 +17,27 @@ Released frames go to a ``PlayoutOutput``: a bounded history that egress tracks 
 read by output index. The output timeline is what the WebRTC tracks stamp as pts, so audio and
 video leave with one clock.
 
-Turn-start rollback (transport/messages.py): on ``Control(TURN_START)`` (or ``INTERRUPT``) the
-unplayed chunks are dropped, ``Control(ROLLBACK, chunk=last_committed, epoch=e+1)`` is sent, and
-chunks of older epochs are discarded afterwards. The playing chunk is committed (its frames are
-already out), so ``last_committed`` is the chunk on screen. The first new chunk then plays as soon
-as it arrives instead of waiting for the full target depth: that is the point of the rollback.
+Turn-start rollback (docs/ARCHITECTURE.md, Turn-start rollback): on ``Control(TURN_START)`` playout
+places the speech at the first frame that its first chunk can reach in time -- now + the
+conditioning encode (or the end of the step still busy with the last listening chunk) + the
+production latency of recent chunks (``conditioning_ready`` stamp -> arrival here, the largest of
+the last ``LATENCY_HISTORY``) -- and never before ``earliest_chunk``, the furthest rewind the
+diffusion ring undoes exactly. The buffered chunks before that frame's chunk are kept and play on
+(no hole); the rest are dropped, and ``Control(ROLLBACK, chunk=last_kept, epoch=e+1,
+detail={"onset_frame": k, "due_at": t})`` is sent: the speech starts at frame ``k`` of chunk
+``last_kept + 1`` (its leading frames silent), which is due at wall clock ``t``. That frame gets the
+turn's ``playout_first_speaking_frame`` stamp. On ``INTERRUPT`` (a barge-in) every unplayed chunk
+is dropped. Chunks of older epochs arriving afterwards are discarded; if the first new chunk comes
+late anyway, it plays as soon as it arrives instead of waiting for the full target depth.
+
+Whenever the clock (re)starts playing after waiting for chunks, playout sends ``Control(CLOCK,
+chunk=c, detail={"due_at": t})``: conditioning paces listening chunks from it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -47,6 +58,7 @@ from charstream.timeline import (
 )
 
 FRAME_SECONDS = 1.0 / VIDEO_FPS
+LATENCY_HISTORY = 12  # chunks (2 s) whose production latency a speech placement budgets for (their max)
 
 
 class PlayoutClosed(Exception):
@@ -161,6 +173,8 @@ class PlayoutStats:
     invalid_chunks: int = 0  # malformed chunks, discarded with an error log
     rollbacks: int = 0
     rolled_back_chunks: int = 0  # unplayed chunks dropped by rollbacks
+    kept_chunks: int = 0  # unplayed chunks a turn start kept to play before the speech
+    late_speech: int = 0  # turn starts whose first speech chunk arrived after it was due
     elapsed_s: float = 0.0  # from the clock's start to the end of the last released frame
 
     @property
@@ -172,6 +186,17 @@ class PlayoutStats:
         data = {k: v for k, v in self.__dict__.items()}
         data["achieved_fps"] = round(self.achieved_fps, 3)
         return data
+
+
+@dataclass
+class Placement:
+    """Where a turn's speech starts: frame ``onset`` of chunk ``chunk``, after ``kept`` unplayed chunks
+    (the frames of ``chunk`` before the onset are its listening version, already made)."""
+
+    kept: int
+    chunk: int
+    onset: int
+    ready_s: float  # the estimate it was placed by: seconds until the speech's first chunk arrives
 
 
 class PlayoutStage(Stage):
@@ -198,6 +223,14 @@ class PlayoutStage(Stage):
         self._resume_depth = self.config.target_depth_chunks + 1
         self._stamped_turns: set[int] = set()
         self._control_seq = 0
+        # Production latency of recent chunks, from their conditioning_ready stamp: to their arrival
+        # here, and to the end of their diffusion step.
+        self._to_arrival: deque[float] = deque(maxlen=LATENCY_HISTORY)
+        self._to_step_end: deque[float] = deque(maxlen=LATENCY_HISTORY)
+        self._onset: tuple[int, int, int] | None = None  # (epoch, chunk, frame) where placed speech starts
+        self._speech_due: float | None = None  # monotonic deadline of the placed speech chunk's first frame
+        self._resumed = False  # the clock just started playing after waiting: tell conditioning (CLOCK)
+        self._holding = False  # at the placed speech's onset frame, its chunk not there yet: holding
         self._metrics: SessionMetrics | None = None
         self._ctx: StageContext | None = None
 
@@ -220,6 +253,7 @@ class PlayoutStage(Stage):
             self.stats.invalid_chunks += 1
             ctx.log.error("playout_invalid_chunk", chunk=msg.chunk, problem=problem)
             return
+        self._measure(msg)
         # Waiting for room is the backpressure: while we wait, upstream gets no credit.
         while len(self._buffer) >= self.config.max_depth_chunks:
             await self._wait_buffer_change()
@@ -229,6 +263,11 @@ class PlayoutStage(Stage):
         if msg.epoch > self.epoch:
             ctx.log.warning("playout_epoch_ahead", chunk=msg.chunk, epoch=msg.epoch, playout_epoch=self.epoch)
             self.epoch = msg.epoch
+        if self._speech_due is not None and self._onset is not None and (msg.epoch, msg.chunk) == self._onset[:2]:
+            margin = self._speech_due - time.monotonic()
+            self.stats.late_speech += margin < 0
+            ctx.log.info("playout_speech_arrived", chunk=msg.chunk, margin_ms=round(margin * 1e3, 1))
+            self._speech_due = None
         if self._starved and self.output.t0 is not None:
             self.stats.late_chunks += 1
         self._buffer.append(msg)
@@ -236,27 +275,98 @@ class PlayoutStage(Stage):
         self._notify_buffer()
 
     async def control(self, msg: Control, ctx: StageContext) -> None:
-        if msg.kind in (ControlKind.TURN_START, ControlKind.INTERRUPT):
-            await self.rollback(ctx, reason=msg.kind)
+        if msg.kind == ControlKind.TURN_START:
+            await self.rollback(ctx, ControlKind.TURN_START, self._place_speech(msg.detail))
+        elif msg.kind == ControlKind.INTERRUPT:
+            await self.rollback(ctx, ControlKind.INTERRUPT)
 
-    async def rollback(self, ctx: StageContext, reason: str = ControlKind.TURN_START) -> Control:
-        """Drop every unplayed chunk, bump the epoch, tell upstream where to regenerate from."""
+    def _measure(self, chunk: VideoChunk) -> None:
+        """Record the chunk's production latency (its conditioning_ready stamp to now)."""
+        stamps = chunk.trace.stamps
+        ready = stamps.get("conditioning_ready")
+        if ready is None:
+            return
+        self._to_arrival.append(time.time() - ready)
+        if "diffusion_done" in stamps:
+            self._to_step_end.append(stamps["diffusion_done"] - ready)
+
+    def _place_speech(self, detail: dict) -> Placement | None:
+        """The first frame a turn's first speech chunk can reach in time (None: no estimate -- no clock,
+        starved, or nothing measured yet -- so every unplayed chunk goes and the speech plays when it comes)."""
+        t0 = self.output.t0
+        if t0 is None or self._starved or not self._to_arrival or not detail:  # (the test card sends no detail)
+            return None
+        now = time.time()
+        # The first speaking chunk leaves conditioning once encoded, and its step starts once the step
+        # busy with the last listening chunk (if any) is done.
+        leaves = now + float(detail.get("encode_s") or 0.0)
+        last_emit = detail.get("last_emit_at")
+        if last_emit is not None and self._to_step_end:
+            leaves = max(leaves, float(last_emit) + max(self._to_step_end))
+        ready_s = leaves + max(self._to_arrival) - now
+        # Frames from the next one released to the first frame whose deadline the chunk can meet.
+        ahead = max(0, math.ceil((time.monotonic() + ready_s - t0) * VIDEO_FPS) - self.output.next_index)
+        playing = self._playing
+        left = FRAMES_PER_CHUNK - self._position if playing is not None else 0
+        first = playing.chunk + 1 if playing is not None else self._buffer[0].chunk if self._buffer else \
+            (self.last_committed or -1) + 1
+        if ahead < left:  # within the chunk on screen
+            place = Placement(0, playing.chunk, self._position + ahead, ready_s)
+        else:
+            kept, onset = divmod(ahead - left, FRAMES_PER_CHUNK)
+            place = Placement(kept, first + kept, onset, ready_s)
+        earliest = detail.get("earliest_chunk")
+        if earliest is not None and place.chunk < int(earliest):  # a rewind that far would not be exact
+            place = Placement(int(earliest) - first, int(earliest), 0, ready_s)
+        if place.kept > len(self._buffer) or (place.kept == len(self._buffer) and place.onset):
+            # not enough made ahead: the speech will be late whatever we do
+            place = Placement(len(self._buffer), first + len(self._buffer), 0, ready_s)
+        return place
+
+    async def rollback(self, ctx: StageContext, reason: str = ControlKind.TURN_START,
+                       place: Placement | None = None) -> Control:
+        """Keep the unplayed chunks before ``place`` (with an onset frame: its chunk's listening frames
+        before it too), drop the rest, bump the epoch and tell upstream where to regenerate from: the
+        chunk after the last one kept whole. No ``place``: every unplayed chunk goes."""
+        keep = 0 if place is None else place.kept + (place.onset > 0 and place.chunk != self._chunk_on_screen())
+        kept = [self._buffer.popleft() for _ in range(min(keep, len(self._buffer)))]
         dropped = [c.chunk for c in self._buffer]
-        self._buffer.clear()
+        self._buffer = deque(kept)
         self.epoch += 1
         self.stats.rollbacks += 1
         self.stats.rolled_back_chunks += len(dropped)
+        self.stats.kept_chunks += len(kept)
         # Speech should start as soon as its first chunk exists, not after a full re-buffer.
         self._resume_depth = 1
         self._set_depth()
         self._notify_buffer()
         self._control_seq += 1
-        last = self.last_committed if self.last_committed is not None else -1
+        if place is None:
+            last = self.last_committed if self.last_committed is not None else -1
+            self._onset, self._speech_due = (self.epoch, last + 1, 0), None
+            detail: dict[str, str | int | float | None] = {"onset_frame": 0}
+        else:
+            last = place.chunk - 1
+            self._onset = (self.epoch, place.chunk, place.onset)
+            # Deadlines of the chunk's first frame (conditioning's anchor) and of the onset frame.
+            left = FRAMES_PER_CHUNK - self._position if self._playing is not None else 0
+            start = self.output.next_index + (
+                -self._position if place.chunk == self._chunk_on_screen() else left + FRAMES_PER_CHUNK * place.kept)
+            self._speech_due = self.output.t0 + (start + place.onset) / VIDEO_FPS
+            detail = {"onset_frame": place.onset,
+                      "due_at": time.time() + self.output.t0 + start / VIDEO_FPS - time.monotonic()}
+        detail.update(reason=str(reason), dropped=len(dropped), kept=len(kept))
         rollback = Control(ctx.session_id, self._control_seq, ControlKind.ROLLBACK, chunk=last, epoch=self.epoch,
-                           detail={"reason": str(reason), "dropped": len(dropped)})
-        ctx.log.info("playout_rollback", last_committed=last, epoch=self.epoch, dropped=dropped, reason=str(reason))
+                           detail=detail)
+        ctx.log.info("playout_rollback", last_kept=last, epoch=self.epoch, kept=[c.chunk for c in kept],
+                     dropped=dropped, onset_frame=detail["onset_frame"], reason=str(reason),
+                     ready_in_ms=None if place is None else round(place.ready_s * 1e3, 1),
+                     due_in_ms=None if self._speech_due is None else round((self._speech_due - time.monotonic()) * 1e3, 1))
         await ctx.send_control(rollback)
         return rollback
+
+    def _chunk_on_screen(self) -> int | None:
+        return self._playing.chunk if self._playing is not None and self._position < FRAMES_PER_CHUNK else None
 
     # --- the clock -----------------------------------------------------------------------------
 
@@ -276,6 +386,9 @@ class PlayoutStage(Stage):
                     self.stats.late_ticks += 1
                 frame = self._next_frame(index)
                 self.output.publish(frame)
+                if self._resumed:  # conditioning paces listening chunks from this
+                    self._resumed = False
+                    await self._send_clock(ctx, frame, deadline)
                 self.stats.frames_released += 1
                 self.stats.elapsed_s = time.monotonic() - t0 + FRAME_SECONDS
                 if frame.first_speaking and self.tracer is not None and frame.trace is not None:
@@ -291,22 +404,22 @@ class PlayoutStage(Stage):
         if self._playing is None or self._position == FRAMES_PER_CHUNK:
             self._playing = None
             if self._starved and len(self._buffer) >= self._resume_depth:
-                self._starved = False
+                self._starved, self._resumed = False, True
             if not self._starved and self._buffer:
-                self._resume_depth = self.config.target_depth_chunks + 1
-                self._playing = self._buffer.popleft()
+                self._play(self._buffer.popleft())
                 self._position = 0
                 self.last_committed = self._playing.chunk
-                self._set_depth()
-                self._notify_buffer()
             elif not self._starved:
                 self._starved = True
-                self.stats.underruns += 1
-                if self._metrics is not None:
-                    self._metrics.underrun()
-                if self._ctx is not None:
-                    self._ctx.log.warning("playout_underrun", frame=index, underruns=self.stats.underruns)
-        chunk = self._playing
+                self._underrun(index)
+        elif self._onset_due():  # the placed speech takes over its chunk at the onset frame
+            if self._buffer and (self._buffer[0].epoch, self._buffer[0].chunk) == self._onset[:2]:
+                self._play(self._buffer.popleft())
+                self._holding = False
+            elif not self._holding:
+                self._holding = True
+                self._underrun(index)
+        chunk = None if self._holding else self._playing
         if chunk is None:  # underrun: hold the last frame, play silence
             self.stats.underrun_frames += 1
             image = self._last_image if self._last_image is not None else np.zeros((16, 16, 3), np.uint8)
@@ -320,12 +433,44 @@ class PlayoutStage(Stage):
         audio = chunk.audio[position * SAMPLES_PER_FRAME:(position + 1) * SAMPLES_PER_FRAME]
         first_speaking = False
         turn = chunk.trace.turn_id
-        if position == 0 and chunk.speaking and turn is not None and turn not in self._stamped_turns:
+        # The speech a rollback placed starts at its onset frame; the frames before it are silent.
+        onset = self._onset[2] if self._onset is not None and self._onset[:2] == (chunk.epoch, chunk.chunk) else 0
+        speaking = chunk.speaking and position >= onset
+        if position == onset and speaking and turn is not None and turn not in self._stamped_turns:
             self._stamped_turns.add(turn)
             chunk.trace.stamp("playout_first_speaking_frame", now)
             first_speaking = True
-        return ReleasedFrame(index, image, audio, chunk.chunk, position, chunk.speaking, chunk.epoch, chunk.trace,
+        return ReleasedFrame(index, image, audio, chunk.chunk, position, speaking, chunk.epoch, chunk.trace,
                              first_speaking, now)
+
+    def _play(self, chunk: VideoChunk) -> None:
+        self._playing = chunk
+        if chunk.epoch == self.epoch:  # the rollback's speech has begun (the chunks it kept are of the epoch before)
+            self._resume_depth = self.config.target_depth_chunks + 1
+        self._set_depth()
+        self._notify_buffer()
+
+    def _onset_due(self) -> bool:
+        """The listening version of the placed speech's chunk is at the onset frame."""
+        onset, playing = self._onset, self._playing
+        return onset is not None and onset[2] > 0 and playing is not None and playing.epoch < onset[0] \
+            and playing.chunk == onset[1] and self._position == onset[2]
+
+    def _underrun(self, index: int) -> None:
+        self.stats.underruns += 1
+        if self._metrics is not None:
+            self._metrics.underrun()
+        if self._ctx is not None:
+            self._ctx.log.warning("playout_underrun", frame=index, underruns=self.stats.underruns)
+
+    async def _send_clock(self, ctx: StageContext, frame: ReleasedFrame, deadline: float) -> None:
+        """Tell conditioning when the chunk that just started playing was due (its pacing anchor)."""
+        if frame.chunk is None or frame.frame_in_chunk != 0:
+            return
+        self._control_seq += 1
+        await ctx.send_control(Control(ctx.session_id, self._control_seq, ControlKind.CLOCK, chunk=frame.chunk,
+                                       epoch=self.epoch,
+                                       detail={"due_at": time.time() + deadline - time.monotonic()}))
 
     # --- helpers -------------------------------------------------------------------------------
 

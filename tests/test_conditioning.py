@@ -20,7 +20,7 @@ from charstream.transport.messages import (
 )
 from structlog.testing import capture_logs
 
-from charstream.timeline import SAMPLES_PER_CHUNK
+from charstream.timeline import SAMPLES_PER_CHUNK, SAMPLES_PER_FRAME
 
 LOOKAHEAD = 1920  # the tiny preset's 40 ms at 48 kHz
 CONTEXT = 3840  # its 80 ms of left context
@@ -150,7 +150,7 @@ async def test_turn_start_rollback_places_speech_at_the_first_uncommitted_chunk(
         stamps = chunks[0].trace.stamps
         assert chunks[0].trace.turn_id == 7 and stamps["user_speech_end"] == 100.0
         assert stamps["agent_first_audio"] <= stamps["conditioning_ready"]
-        assert all("conditioning_ready" not in c.trace.stamps for c in chunks[1:])
+        assert all(set(c.trace.stamps) == {"conditioning_ready"} for c in chunks[1:])  # the latency playout measures
         assert [c.trace.turn_id for c in chunks] == [7, 7, 7, None, None]
         tg.cancel_scope.cancel()
 
@@ -174,6 +174,66 @@ async def test_a_speaking_chunk_waits_for_its_span_and_look_ahead():
         second = await h.next()
         assert (second.chunk, second.epoch, second.speaking) == (1, 1, True)
         assert np.array_equal(second.audio, speech[SAMPLES_PER_CHUNK:2 * SAMPLES_PER_CHUNK])
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_speech_starts_at_the_onset_frame_playout_chose_and_the_rewind_stays_within_the_ring():
+    """The ROLLBACK's onset frame k: the first speaking chunk holds k silent frames, then the speech;
+    its tokens encode exactly that window; the next chunks follow the speech without a gap. The turn
+    start tells playout how far back a rewind is exact: rollback_frames (tiny: 4) behind the next chunk."""
+    speech = tone(3 * SAMPLES_PER_CHUNK)
+    onset = 3
+    async with anyio.create_task_group() as tg:
+        h = await started(stage(idle_lead_chunks=8), tg, capacity=64)
+        assert h.stage.idle_lead == h.stage.rollback_frames == 4  # the lead is capped at the ring's margin
+        await h.next()  # listening has begun: the encoder is warm
+        await h.speech(2, speech)
+        (turn_start,) = h.controls
+        assert turn_start.detail["earliest_chunk"] == turn_start.chunk - 4
+        assert 0 < turn_start.detail["encode_s"] < 0.5 and turn_start.detail["last_emit_at"] <= time.time()
+        due_at = time.time() + 0.5
+        await h.stage.control(Control("sess", 1, ControlKind.ROLLBACK, chunk=1, epoch=1,
+                                      detail={"onset_frame": onset, "due_at": due_at}), h.ctx)
+        await h.stage.process(TurnEvent("sess", 1, TurnKind.AGENT_TURN_END, 2, at=time.time()), h.ctx)
+        chunks = []
+        while len(chunks) < 5:
+            c = await h.next()
+            if c.epoch == 1:
+                chunks.append(c)
+        assert [c.chunk for c in chunks] == [2, 3, 4, 5, 6] and [c.speaking for c in chunks] == [True] * 4 + [False]
+        lead = onset * SAMPLES_PER_FRAME
+        timeline = np.concatenate([np.zeros(lead, np.int16), speech, np.zeros(2 * SAMPLES_PER_CHUNK - lead, np.int16)])
+        assert np.array_equal(np.concatenate([c.audio for c in chunks]), timeline)
+        padded = np.concatenate([np.zeros(CONTEXT, np.int16), timeline, np.zeros(LOOKAHEAD, np.int16)])
+        for i, c in enumerate(chunks[:4]):
+            window = padded[i * SAMPLES_PER_CHUNK:(i + 1) * SAMPLES_PER_CHUNK + CONTEXT + LOOKAHEAD]
+            assert np.allclose(c.audio_tokens, h.stage.encode(window), atol=1e-5)
+        assert "agent_first_audio" in chunks[0].trace.stamps and chunks[0].trace.turn_id == 2
+        # Listening resumes paced from playout's clock: chunk 2 was due at due_at, so chunk 6 leaves
+        # no earlier than lead (4) chunks before its due time.
+        assert h.stage._anchor[0] == 2
+        assert abs(h.stage._anchor[1] - (time.monotonic() + due_at - time.time())) < 0.01
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_while_the_first_chunk_gathers_listening_goes_just_in_time():
+    """From the agent's first audio to the turn start, listening chunks leave one chunk ahead of their
+    due time instead of the idle lead: the step is idle when the speech comes."""
+    async with anyio.create_task_group() as tg:
+        h = await started(stage(idle_lead_chunks=4), tg, capacity=64)
+        await h.stage.control(Control("sess", 1, ControlKind.CLOCK, chunk=0, detail={"due_at": time.time()}), h.ctx)
+        with anyio.fail_after(2):
+            while h.send.statistics().current_buffer_used < 5:
+                await anyio.sleep(0.01)
+        await anyio.sleep(0.05)
+        assert h.send.statistics().current_buffer_used == 5  # chunks 0..4: four ahead of chunk 0 on screen
+        await h.speech(3, tone(FRAME))  # the turn's first 20 ms
+        await anyio.sleep(0.4)  # with the idle lead, chunks 5 and 6 would have left (at 0.17 and 0.33 s)
+        assert h.send.statistics().current_buffer_used == 5 and h.controls == []  # chunk 5 is due at 0.83 s: not yet
+        await h.speech(3, tone(SAMPLES_PER_CHUNK + LOOKAHEAD), start=FRAME)
+        assert [c.kind for c in h.controls] == [ControlKind.TURN_START]
         tg.cancel_scope.cancel()
 
 

@@ -10,7 +10,7 @@ import pytest
 from charstream.stages.config import PlayoutConfig
 from charstream.stages.egress.testcard import card_chunk
 from charstream.stages.playout import PlayoutOutput, PlayoutStage
-from charstream.transport.messages import Control, ControlKind, VideoChunk
+from charstream.transport.messages import Control, ControlKind, TraceContext, VideoChunk
 from playout_support import start_playout
 
 from charstream.timeline import CHUNK_SECONDS, SAMPLES_PER_FRAME
@@ -151,8 +151,8 @@ def test_turn_start_rollback_drops_exactly_the_unplayed_chunks():
 
     r = asyncio.run(main())
     assert r["playing"] == 2 and r["buffered"] == [3, 4, 5, 6, 7, 8]  # max depth 6 behind the playing chunk
-    [rollback] = r["controls"]
-    assert rollback.kind == ControlKind.ROLLBACK and rollback.chunk == 2 and rollback.epoch == 1
+    [rollback] = [c for c in r["controls"] if c.kind == ControlKind.ROLLBACK]
+    assert rollback.chunk == 2 and rollback.epoch == 1
     assert rollback.detail["dropped"] == len(r["buffered"])
     assert r["stats_after"] == (len(r["buffered"]), 1, 0)
     assert r["stale"] >= 1  # chunk 9 of epoch 0 was waiting for room when the rollback came
@@ -193,3 +193,81 @@ def test_output_handed_in_is_the_one_released_and_closed_at_teardown():
 
     same, closed = asyncio.run(main())
     assert same and closed
+
+
+def stamped(chunk: VideoChunk, latency_s: float) -> VideoChunk:
+    """The stamps conditioning and diffusion put on every chunk: it left conditioning ``latency_s`` ago."""
+    now = time.time()
+    chunk.trace.stamps.update(conditioning_ready=now - latency_s, diffusion_done=now - 0.01)
+    return chunk
+
+
+def speech_chunk(n: int, onset: int, turn_id: int = 5) -> VideoChunk:
+    """A chunk of the placed speech: its audio silent before the onset frame, as conditioning builds it."""
+    chunk = card_chunk("turn", n, SIZE, SIZE, speaking=True, epoch=1, turn_id=turn_id)
+    chunk.audio = chunk.audio.copy()
+    chunk.audio[:onset * SAMPLES_PER_FRAME] = 0
+    chunk.audio[onset * SAMPLES_PER_FRAME:] = 1000 + n
+    return chunk
+
+
+@pytest.mark.parametrize("latency_s", [0.06, 0.30])
+def test_turn_start_keeps_what_plays_before_the_speech_and_places_it_at_a_frame_on_time(latency_s):
+    """No hole at a turn start: listening chunks measured to take ``latency_s`` from conditioning to
+    here; the speech is placed at the first frame its chunk can reach, the chunks before it keep playing,
+    and its first chunk -- made as fast as measured -- lands in time: no underrun, no held frame. The
+    frames of its chunk before the onset are the listening version already made; the onset frame is
+    the first speaking one (stamped), with the speech's first audio. A rewind within rollback_frames:
+    the ROLLBACK never goes before ``earliest_chunk``."""
+    async def upstream(session):
+        playout, ctx = session.playout, session.ctx
+        start, n = time.monotonic(), 0
+        while not (rollbacks := [c for c in session.controls if c.kind == ControlKind.ROLLBACK]):
+            if time.monotonic() >= start + (n - 2) * CHUNK_SECONDS:  # listening, 3 chunks ahead (the idle lead)
+                await playout.process(stamped(card_chunk(ctx.session_id, n, SIZE, SIZE), latency_s), ctx)
+                n += 1
+            await asyncio.sleep(0.001)
+        [rollback] = rollbacks
+        await asyncio.sleep(latency_s / 2)  # its first chunk arrives inside the measured latency
+        onset = rollback.detail["onset_frame"]
+        for n in range(rollback.chunk + 1, rollback.chunk + 9):
+            await playout.process(stamped(speech_chunk(n, onset if n == rollback.chunk + 1 else 0), latency_s), ctx)
+
+    async def main():
+        session = await start_playout("turn", PlayoutStage(PlayoutConfig(target_depth_chunks=2)), upstream)
+        playout = session.playout
+        frames = await collect(playout.output, 4 * 6 + 1)  # six chunks and a frame
+        frontier = playout._buffer[-1].chunk + 1
+        sent = time.time()
+        await playout.control(Control("turn", 1, ControlKind.TURN_START, chunk=frontier, epoch=0, trace=TraceContext(5),
+                                      detail={"earliest_chunk": frontier - 3, "last_emit_at": None, "encode_s": 0.0}),
+                              session.ctx)
+        after = await collect_from(playout.output, frames[-1].index + 1, 28)  # into the speech, not past it
+        rollback = next(c for c in session.controls if c.kind == ControlKind.ROLLBACK)
+        result = dict(frames=frames + after, rollback=rollback, frontier=frontier, stats=playout.stats, sent=sent)
+        await session.close()
+        return result
+
+    r = asyncio.run(main())
+    stats, rollback, frames = r["stats"], r["rollback"], r["frames"]
+    assert stats.underruns == 0 and stats.underrun_frames == 0 and stats.late_speech == 0  # no hole
+    assert all(f.chunk is not None for f in frames)
+    speech_at, onset = rollback.chunk + 1, rollback.detail["onset_frame"]
+    assert speech_at >= r["frontier"] - 3  # the rewind (frontier - speech_at) stays within rollback_frames = 3
+    assert stats.kept_chunks == rollback.detail["kept"] and stats.kept_chunks >= (1 if latency_s > 0.2 else 0)
+    # The media timeline has no gap: chunk after chunk, each frame in order, the speech's chunk
+    # continuing its listening version at the onset frame.
+    assert [(f.chunk, f.frame_in_chunk) for f in frames] == [(n, i) for n in range(frames[0].chunk, frames[-1].chunk + 1)
+                                                             for i in range(4)][:len(frames)]
+    before = [f for f in frames if f.epoch == 0]
+    speech = [f for f in frames if f.epoch == 1]
+    assert (speech[0].chunk, speech[0].frame_in_chunk) == (speech_at, onset)
+    assert all(not f.speaking for f in before) and before[-1].index + 1 == speech[0].index
+    assert all(np.array_equal(f.image, card_chunk("turn", f.chunk, SIZE, SIZE).frames[f.frame_in_chunk]) for f in before)
+    [first] = [f for f in frames if f.first_speaking]
+    assert first is speech[0] and first.speaking and (first.audio == 1000 + speech_at).all()
+    assert first.trace.stamps["playout_first_speaking_frame"] == first.released_at
+    # Placed at the first frame its chunk can reach: at least the latency after the turn start, less
+    # than a frame more (plus scheduling).
+    assert latency_s <= first.released_at - r["sent"] < latency_s + 1 / 24 + 0.03
+

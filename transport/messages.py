@@ -5,10 +5,11 @@ Arrays are numpy (tensors are converted at the stage boundary); the codec sends 
 multipart frames. Audio on the media timeline is 48 kHz mono int16; chunk ``n`` covers media
 time ``[n * CHUNK_SECONDS, (n + 1) * CHUNK_SECONDS)``.
 
-Turn-start rollback (docs/ARCHITECTURE.md, Turn-start rollback): when agent speech starts, conditioning sends ``Control(TURN_START)``;
-playout drops its unplayed chunks and broadcasts ``Control(ROLLBACK, chunk=last_committed,
-epoch=e+1)``; every stage then discards data of older epochs, conditioning restarts at
-``last_committed + 1`` with the speech, and diffusion rewinds its ring write pointer to match.
+Turn-start rollback (docs/ARCHITECTURE.md, Turn-start rollback): when agent speech can be placed,
+conditioning sends ``Control(TURN_START)``; playout keeps the unplayed chunks that play before the
+speech can be ready, drops the rest and broadcasts ``Control(ROLLBACK, chunk=last_kept, epoch=e+1)``;
+every stage then discards data of older epochs (all of it lies after ``last_kept``), conditioning restarts at
+``last_kept + 1`` with the speech, and diffusion rewinds its ring write pointer to match.
 """
 
 from __future__ import annotations
@@ -104,8 +105,9 @@ class VideoChunk:
 
 class ControlKind(StrEnum):
     INTERRUPT = "interrupt"  # barge-in: drop unplayed speech, return to listening
-    TURN_START = "turn_start"  # conditioning -> playout: agent speech begins at media chunk ``chunk``
-    ROLLBACK = "rollback"  # playout -> diffusion: last committed chunk in ``chunk``
+    TURN_START = "turn_start"  # conditioning -> playout: agent speech is ready to place; ``chunk``: the next one it would emit
+    ROLLBACK = "rollback"  # playout -> all: last kept chunk in ``chunk``; the speech starts at ``detail['onset_frame']`` of the next
+    CLOCK = "clock"  # playout -> conditioning: chunk ``chunk`` is due at wall clock ``detail['due_at']`` (the pacing anchor)
     SHUTDOWN = "shutdown"
     ERROR = "error"  # a stage failed; ``detail['stage']`` and ``detail['error']`` say which and why
 

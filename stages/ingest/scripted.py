@@ -3,8 +3,10 @@
 Each script line is a user utterance and the character's reply. Both are synthesised with espeak-ng
 (``stages.ingest.tts``): the user in ``IngestConfig.user_voice``, the character in ``agent_voice``.
 The agent runs one 20 ms tick at real-time pace and, per tick, yields the simulated user's
-microphone (48 kHz, speech or silence: ingest's VAD listens to it) and, while replying, one 20 ms
-frame of the reply at espeak's own 22,050 Hz (ingest resamples it, as for any agent).
+microphone (48 kHz, speech or silence: ingest's VAD listens to it) and, while replying, the reply in
+20 ms frames at espeak's own 22,050 Hz (ingest resamples it, as for any agent): one frame per tick
+(``agent_pace = "realtime"``), or as a TTS service pushes audio, everything synthesised so far up to
+ingest's ``max_ahead_s`` ahead of real time (``"synthesized"``; espeak makes the whole line at once).
 
 A turn: the user speaks → ingest's VAD detects the end of speech and ``notify``s the agent →
 the agent "thinks" for ``think_delay_s`` (standing for an LLM) → it streams the reply. The user's
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 
 import anyio
 import numpy as np
-from charstream.stages.config import IngestConfig
+from charstream.stages.config import AGENT_PACES, IngestConfig
 from charstream.stages.ingest.adapters import (
     AgentAudioFrame,
     AgentEvent,
@@ -78,6 +80,8 @@ class ScriptedAgent:
     def __init__(self, config: IngestConfig | None = None, session_id: str = "",
                  script: list[ScriptLine] | None = None) -> None:
         self.config = config or IngestConfig()
+        if self.config.agent_pace not in AGENT_PACES:
+            raise ValueError(f"ingest.agent_pace {self.config.agent_pace!r}: expected one of {', '.join(AGENT_PACES)}")
         if script is None and self.config.script is not None:
             script = [ScriptLine(**line) for line in self.config.script]
         self.script = script or DEFAULT_SCRIPT
@@ -174,8 +178,14 @@ class ScriptedAgent:
             if reply_line is not None:
                 reply = lines[reply_line].agent
                 step = int(round(reply.sample_rate * TICK_S))
-                yield AgentAudioFrame(reply.samples[sent:sent + step], reply.sample_rate, turn_ref=reply_line)
-                sent += step
+                until = sent + step  # real time: this tick's frame
+                if config.agent_pace == "synthesized":  # ingest takes audio up to max_ahead_s ahead of its clock
+                    until = int(reply.sample_rate * (now - reply_started + config.max_ahead_s))
+                while True:
+                    yield AgentAudioFrame(reply.samples[sent:sent + step], reply.sample_rate, turn_ref=reply_line)
+                    sent += step
+                    if sent >= min(until, len(reply.samples)):
+                        break
                 if sent >= len(reply.samples):
                     yield AgentTurnEnd(reply_line)
                     reply_line, next_user_at = None, now + config.turn_gap_s
