@@ -179,7 +179,6 @@ class Progress:
         self.script = script
         self.session_id = session_id
         self.fps: list[float] = []  # playout's recent-fps gauge at every tick
-        self.underruns = 0  # as last read (the session's metrics go when it ends)
         self.bar = tqdm(total=turns, unit="turn", desc="conversation", dynamic_ncols=True,
                         bar_format="{desc}: {n_fmt}/{total_fmt} turns |{bar}| {elapsed} {postfix}")
 
@@ -203,7 +202,6 @@ class Progress:
         fps = REGISTRY.get_sample_value("charstream_fps", {"session": self.session_id})
         self.fps.append(fps or 0.0)
         underruns = REGISTRY.get_sample_value("charstream_underruns_total", {"session": self.session_id})
-        self.underruns = int(underruns or 0)
         self.bar.set_postfix_str(f"{frames / VIDEO_FPS:.1f} s played · {fps or 0:.1f} fps · "
                                  f"{int(underruns or 0)} underruns", refresh=True)
 
@@ -325,10 +323,14 @@ async def run_demo(args: argparse.Namespace) -> int:
     if not result.ok:
         print(f"charstream demo: the session failed: {result.error}")
     played = sessions[0].output.next_index
-    underruns = progress.underruns if progress is not None else 0
+    # Playout always runs in this process: its own counts (the metrics registry misses them when the
+    # model stages are processes of their own).
+    stats = sessions[0].stages["playout"].stats
     fps = progress.fps[2:] if progress is not None else []  # one reading a second, past the first two (ramp)
-    print(f"charstream demo: {played} frames played ({played / VIDEO_FPS:.1f} s of media), {underruns} underruns, "
-          f"playout fps min {min(fps, default=0):.1f} / median {statistics.median(fps) if fps else 0:.1f}")
+    print(f"charstream demo: {played} frames played ({played / VIDEO_FPS:.1f} s of media), {stats.underruns} underruns "
+          f"({stats.underrun_frames} frames held), playout fps min {min(fps, default=0):.1f} / median "
+          f"{statistics.median(fps) if fps else 0:.1f}; {stats.rollbacks} rollbacks: {stats.late_speech} with the "
+          f"speech late, {stats.kept_chunks} chunks kept, {stats.rolled_back_chunks} dropped")
     summary = write_report(out / "trace.jsonl", out)
     print(render_table(summary))
     files = ["trace.jsonl", "report.md", "report.json", "waterfall.png"] + ([] if args.serve else ["session.mp4"])

@@ -20,8 +20,10 @@
 #               scripts/gpu_run.sh batch DIR        cross-session batching: its GPU tests (batched = alone, graphed =
 #                                                   eager) beside the single step's, then `bench batch` (tiny, K =
 #                                                   1 8 16 32 64 sessions per forward against K separate steps)
-#               [GPUS=3+1] scripts/gpu_run.sh live DIR [PRESET...]   one `charstream demo --gpus $GPUS` (default 1)
-#                                                   session per preset (default: characters-14b tiny), >= 2 min each
+#               [GPUS=3+1] [PACES="realtime synthesized"] scripts/gpu_run.sh live DIR [PRESET...]
+#                                                   one `charstream demo --gpus $GPUS` (default 1) session per
+#                                                   preset (default: characters-14b tiny) and agent pace (default:
+#                                                   realtime; docs/ARCHITECTURE.md, Turn-start rollback), >= 2 min each
 #
 # The tree (17 MB) with all parts exceeds a call's 64 MiB: carry one part per call, back to back while
 # the machine is warm (it goes back 30 s after a call) -- every device command installs the parts it
@@ -136,11 +138,15 @@ elif [ "$cmd" = live ]; then
   for preset in "$@"; do
     weights=random
     [ "$preset" = tiny ] && weights=packaged
-    # 14 turns of the built-in script: a little over 2 minutes of media (11 gave 101 s).
-    section "live $preset --gpus $gpus" 300 "live-$preset.log" python3 -m charstream.pipeline.cli demo --preset "$preset" \
-      --gpus "$gpus" --weights "$weights" --turns 14 --timeout 270 --verbose --out "/tmp/demo-$preset"
-    cp "/tmp/demo-$preset/report.md" "$OUT/report-$preset.md" 2>/dev/null
-    cp "/tmp/demo-$preset/trace.jsonl" "$OUT/trace-$preset.jsonl" 2>/dev/null
+    for pace in ${PACES:-realtime}; do  # how the scripted agent streams its reply (--agent-pace)
+      tag=$preset-$pace
+      # 14 turns of the built-in script: a little over 2 minutes of media (11 gave 101 s).
+      section "live $preset --gpus $gpus --agent-pace $pace" 300 "live-$tag.log" python3 -m charstream.pipeline.cli demo \
+        --preset "$preset" --gpus "$gpus" --weights "$weights" --agent-pace "$pace" --turns 14 --timeout 270 --verbose \
+        --out "/tmp/demo-$tag"
+      cp "/tmp/demo-$tag/report.md" "$OUT/report-$tag.md" 2>/dev/null
+      cp "/tmp/demo-$tag/trace.jsonl" "$OUT/trace-$tag.jsonl" 2>/dev/null
+    done
   done
 else
   echo "unknown command $cmd" >&2

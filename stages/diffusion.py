@@ -247,7 +247,8 @@ class DiffusionStage(Stage):
         if len(steps) and self._log is not None:  # the session's step times, as the stage saw them (thread hop included)
             self._log.info("diffusion_steps", steps=len(steps), step_p50_ms=round(float(np.percentile(steps, 50)), 2),
                            step_p99_ms=round(float(np.percentile(steps, 99)), 2), step_max_ms=round(float(steps.max()), 2),
-                           generated=self.stats.generated, rollbacks=self.stats.rollbacks)
+                           generated=self.stats.generated, rollbacks=self.stats.rollbacks,
+                           frames_rolled_back=self.stats.frames_rolled_back, context_lost=self.stats.context_lost)
         if self.batcher is not None and self.generator is not None:
             await anyio.to_thread.run_sync(self.batcher.leave, self.generator)
         close = getattr(self.generator, "close", None)
