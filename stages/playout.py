@@ -58,7 +58,7 @@ from charstream.timeline import (
 )
 
 FRAME_SECONDS = 1.0 / VIDEO_FPS
-LATENCY_HISTORY = 12  # chunks (2 s) whose production latency a speech placement budgets for (their max)
+LATENCY_HISTORY = 24  # chunks (4 s) whose production latency a speech placement budgets for (their max)
 
 
 class PlayoutClosed(Exception):
@@ -308,13 +308,12 @@ class PlayoutStage(Stage):
         ahead = max(0, math.ceil((time.monotonic() + ready_s - t0) * VIDEO_FPS) - self.output.next_index)
         playing = self._playing
         left = FRAMES_PER_CHUNK - self._position if playing is not None else 0
-        first = playing.chunk + 1 if playing is not None else self._buffer[0].chunk if self._buffer else \
-            (self.last_committed or -1) + 1
+        first = playing.chunk + 1 if playing is not None else self._buffer[0].chunk
         if ahead < left:  # within the chunk on screen
             place = Placement(0, playing.chunk, self._position + ahead, ready_s)
         else:
             kept, onset = divmod(ahead - left, FRAMES_PER_CHUNK)
-            place = Placement(kept, first + kept, onset, ready_s)
+            place = Placement(kept, first + kept, onset, ready_s)  # (buffered chunks are consecutive)
         earliest = detail.get("earliest_chunk")
         if earliest is not None and place.chunk < int(earliest):  # a rewind that far would not be exact
             place = Placement(int(earliest) - first, int(earliest), 0, ready_s)
@@ -338,6 +337,7 @@ class PlayoutStage(Stage):
         self.stats.kept_chunks += len(kept)
         # Speech should start as soon as its first chunk exists, not after a full re-buffer.
         self._resume_depth = 1
+        self._holding = False  # a hold for an earlier placement's speech ends: its chunk is gone
         self._set_depth()
         self._notify_buffer()
         self._control_seq += 1

@@ -130,3 +130,35 @@ def test_the_scripted_users_speech_goes_through_the_recogniser(conversation):
     assert [e["answer"] for e in texts] == [line.agent for line in SCRIPT]
     assert "weather" in texts[0]["heard"]  # recognised, as pocketsphinx hears espeak's voice
     assert all(isinstance(e["heard"], str) for e in texts)
+
+
+def test_synthesized_pace_pushes_the_reply_ahead_as_far_as_ingest_takes_it():
+    """``agent_pace = "synthesized"``: as a TTS service pushes audio, the reply's first max_ahead_s
+    arrive at once, then it stays that far ahead of the media clock -- the same audio, contiguous."""
+    config = IngestConfig(think_delay_s=0.1, lead_in_s=0.2, agent_pace="synthesized")
+    agent = ScriptedAgent(config, script=[ScriptLine("Hello there.", "Hi! Nice to meet you.")])
+    stage, rec = IngestStage(config, agent), Recorder()
+
+    async def main():
+        ctx = rec.context()
+        await stage.setup(ctx)
+        with anyio.fail_after(20):
+            await stage.run(ctx)
+        await stage.teardown()
+
+    anyio.run(main)
+    [turn_id] = {a.trace.turn_id for a in rec.audio()}
+    audio = rec.audio(turn_id)
+    ids = {id(a) for a in audio}
+    sent_at = [t for t, m in rec.data if id(m) in ids]
+    for a, b in zip(audio, audio[1:], strict=False):
+        assert b.start_sample == a.start_sample + len(a.samples)  # contiguous
+    reply = agent._lines[0].agent
+    assert abs(sum(len(a.samples) for a in audio) - reply.duration * TIMELINE_RATE) <= 1
+    # The first chunk and its look-ahead (9,920 samples) come with the first frame, not 207 ms later.
+    assert len(audio[0].samples) >= SAMPLES_PER_CHUNK + 1920
+    # Each frame starts at most max_ahead_s ahead of the media clock (ingest's bound), most of them about that far.
+    ahead = [a.start_sample / TIMELINE_RATE - (t - stage.media_t0) for t, a in zip(sent_at, audio, strict=True)]
+    assert max(ahead) <= config.max_ahead_s + 0.01 and np.median(ahead) >= config.max_ahead_s - 0.08, ahead
+    with pytest.raises(ValueError, match="agent_pace"):
+        ScriptedAgent(IngestConfig(agent_pace="fast"))

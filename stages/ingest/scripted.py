@@ -3,10 +3,11 @@
 Each script line is a user utterance and the character's reply. Both are synthesised with espeak-ng
 (``stages.ingest.tts``): the user in ``IngestConfig.user_voice``, the character in ``agent_voice``.
 The agent runs one 20 ms tick at real-time pace and, per tick, yields the simulated user's
-microphone (48 kHz, speech or silence: ingest's VAD listens to it) and, while replying, the reply in
-20 ms frames at espeak's own 22,050 Hz (ingest resamples it, as for any agent): one frame per tick
-(``agent_pace = "realtime"``), or as a TTS service pushes audio, everything synthesised so far up to
-ingest's ``max_ahead_s`` ahead of real time (``"synthesized"``; espeak makes the whole line at once).
+microphone (48 kHz, speech or silence: ingest's VAD listens to it) and, while replying, one frame of
+the reply at espeak's own 22,050 Hz (ingest resamples it, as for any agent): its next 20 ms
+(``agent_pace = "realtime"``), or, as a TTS service pushes audio, all that ingest takes -- up to its
+``max_ahead_s`` ahead of real time (``"synthesized"``: espeak makes the whole line at once, so the
+first frame holds 0.25 s, each later one 20 ms).
 
 A turn: the user speaks → ingest's VAD detects the end of speech and ``notify``s the agent →
 the agent "thinks" for ``think_delay_s`` (standing for an LLM) → it streams the reply. The user's
@@ -178,14 +179,11 @@ class ScriptedAgent:
             if reply_line is not None:
                 reply = lines[reply_line].agent
                 step = int(round(reply.sample_rate * TICK_S))
-                until = sent + step  # real time: this tick's frame
-                if config.agent_pace == "synthesized":  # ingest takes audio up to max_ahead_s ahead of its clock
-                    until = int(reply.sample_rate * (now - reply_started + config.max_ahead_s))
-                while True:
-                    yield AgentAudioFrame(reply.samples[sent:sent + step], reply.sample_rate, turn_ref=reply_line)
-                    sent += step
-                    if sent >= min(until, len(reply.samples)):
-                        break
+                until = sent + step  # real time: this tick's 20 ms
+                if config.agent_pace == "synthesized":  # all that ingest takes now: max_ahead_s ahead of its clock
+                    until = max(until, int(reply.sample_rate * (now - reply_started + config.max_ahead_s)))
+                yield AgentAudioFrame(reply.samples[sent:until], reply.sample_rate, turn_ref=reply_line)
+                sent = until
                 if sent >= len(reply.samples):
                     yield AgentTurnEnd(reply_line)
                     reply_line, next_user_at = None, now + config.turn_gap_s
