@@ -223,10 +223,10 @@ async def test_while_the_first_chunk_gathers_listening_goes_just_in_time():
     due time instead of the idle lead: the step is idle when the speech comes."""
     async with anyio.create_task_group() as tg:
         h = await started(stage(idle_lead_chunks=4), tg, capacity=64)
-        await h.stage.control(Control("sess", 1, ControlKind.CLOCK, chunk=0, detail={"due_at": time.time()}), h.ctx)
-        with anyio.fail_after(2):
-            while h.send.statistics().current_buffer_used < 5:
+        with anyio.fail_after(5):  # the encoder is warm once listening begins
+            while not h.send.statistics().current_buffer_used:
                 await anyio.sleep(0.01)
+        await h.stage.control(Control("sess", 1, ControlKind.CLOCK, chunk=0, detail={"due_at": time.time()}), h.ctx)
         await anyio.sleep(0.05)
         assert h.send.statistics().current_buffer_used == 5  # chunks 0..4: four ahead of chunk 0 on screen
         await h.speech(3, tone(FRAME))  # the turn's first 20 ms
