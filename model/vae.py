@@ -73,6 +73,15 @@ class _StateIO:
         return self.old[i] if i < len(self.old) else None
 
 
+def conv_per_clip(conv: nn.Conv2d, x: Tensor, frames: int) -> Tensor:
+    """``conv(x)`` for ``x`` holding clips of ``frames`` images each. On CPU at inference, one clip at a time:
+    oneDNN picks its algorithm by batch size, so a batch of clips would differ in the low bits from each
+    clip run alone, and sessions decoded together (model/batched_decoder.py) from each decoded by itself."""
+    if not x.is_cpu or x.shape[0] == frames or torch.is_grad_enabled():
+        return conv(x)
+    return torch.cat([conv(clip) for clip in x.split(frames)])
+
+
 class RMSNorm2d(nn.Module):
     """RMS norm over channels, per pixel and frame (causal by construction)."""
 
@@ -129,7 +138,7 @@ class CausalResBlock(nn.Module):
         self.temporal = CausalTemporalConv(channels)
 
     def forward(self, x: Tensor, frames: int, io: _StateIO) -> Tensor:
-        h = self.conv(self.norm1.silu(x))
+        h = conv_per_clip(self.conv, self.norm1.silu(x), frames)
         return self.temporal(self.norm2.silu(h), frames, io).add_(x)  # a fresh tensor: in place is safe
 
 
@@ -198,7 +207,7 @@ class Decoder(nn.Module):
             raise ValueError(f"decoder expects {self.latent_channels} latent channels, got {c}")
         io = _StateIO(state.caches if state is not None else ())
         z = latents * self.latent_std.view(1, 1, c, 1, 1) + self.latent_mean.view(1, 1, c, 1, 1)
-        x = self.conv_in(z.reshape(b * t, c, h, w).contiguous(memory_format=torch.channels_last))
+        x = conv_per_clip(self.conv_in, z.reshape(b * t, c, h, w).contiguous(memory_format=torch.channels_last), t)
         x = self.mid(x, t, io)
         # depth-to-time: each latent frame's channels become frames_per_latent video frames
         k, ch = self.frames_per_latent, x.shape[1]
@@ -209,7 +218,7 @@ class Decoder(nn.Module):
             x = block(x, frames, io)
             if i < len(self.ups):
                 x = self.ups[i](x)
-        x = _pixel_shuffle_2x(self.conv_out(self.norm_out.silu(x)))
+        x = _pixel_shuffle_2x(conv_per_clip(self.conv_out, self.norm_out.silu(x), frames))
         video = x.reshape(b, frames, 3, x.shape[-2], x.shape[-1])
         prev = state.frames if state is not None else 0
         return video, CausalState(tuple(io.new), prev + t)

@@ -58,8 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(pipeline/placement.py); sets devices and spawns one process per rank; "
                              "with --cluster, the layout each session reserves on a node")
     parser.add_argument("--batch-sessions", type=int, metavar="N",
-                        help="batch the diffusion steps of up to N sessions of this process into one forward "
-                             "(diffusion.batch_sessions; default from config: 1 = off)")
+                        help="batch the diffusion steps, and the decoding, of up to N sessions of this process "
+                             "into one forward each (diffusion.batch_sessions and decode.batch_sessions; default "
+                             "from config: 1 = off)")
     parser.add_argument("--cluster", metavar="ADDRESS",
                         help="front door of a fleet: run each session on a node of this Ray cluster "
                              "('auto': the cluster this host belongs to); needs charstream[fleet]")
@@ -79,7 +80,7 @@ def load_config(args: argparse.Namespace) -> PipelineConfig:
         if getattr(args, name) is not None:
             setattr(config.egress, name, getattr(args, name))
     if args.batch_sessions is not None:
-        config.diffusion.batch_sessions = args.batch_sessions
+        config.diffusion.batch_sessions = config.decode.batch_sessions = args.batch_sessions
     if args.metrics_port is not None:
         config.tracing.prometheus_port = args.metrics_port
     if args.metrics_host is not None:

@@ -7,10 +7,11 @@ or, with ``testcard=True`` (no model): card ─► playout, the same egress node
 
 Ingest, conditioning and playout live in the caller's process (group ``main``: asyncio, next to
 egress); diffusion and decode get process groups of their own, which ``placement = "processes"``
-spawns and ``"inproc"`` (the CPU demo, tests) keeps in one process. The session owns the live
-objects its nodes share — playout's ``PlayoutOutput`` (what egress serves to the peer connection),
-the microphone queue, the tracer, a pushed agent adapter, the peer link — and hands each to its
-nodes explicitly; ``session_factory`` is what the egress server calls for each new peer.
+spawns and ``"inproc"`` (the CPU demo, tests) keeps in one process -- except a stage whose sessions
+share a batcher (``diffusion/decode.batch_sessions`` > 1), which runs in the caller's process with
+it. The session owns the live objects its nodes share — playout's ``PlayoutOutput`` (what egress
+serves to the peer connection), the microphone queue, the tracer, a pushed agent adapter, the peer
+link, the batchers — and hands each to its nodes explicitly; ``session_factory`` is what the egress server calls for each new peer.
 
 The user's microphone (a browser's, through egress) is fed to ingest's VAD, except with the
 scripted agent, which plays the user itself. Each session owns a ``TurnTracer``: playout merges
@@ -31,6 +32,7 @@ from charstream.pipeline.runner import Edge, Graph, Node, Session, SessionResult
 from charstream.stages.base import Stage
 from charstream.stages.conditioning import build as build_conditioning
 from charstream.stages.decode import DecodeStage
+from charstream.stages.decode_batcher import DecodeBatcher
 from charstream.stages.diffusion import DiffusionStage
 from charstream.stages.egress.mic import UserAudioQueue
 from charstream.stages.egress.server import SessionFactory, SessionMedia
@@ -49,24 +51,27 @@ from charstream.stages.tracing import TurnRecord, TurnTracer
 def build_graph(config: PipelineConfig, output: PlayoutOutput, tracer: TurnTracer | None = None,
                 user_audio: UserAudioQueue | None = None, agent: AgentAdapter | None = None,
                 weights: str | None = "packaged", link: PeerLink | None = None,
-                batcher: StepBatcher | None = None) -> Graph:
+                batcher: StepBatcher | None = None, decode_batcher: DecodeBatcher | None = None) -> Graph:
     """The session's stages and edges, each stage built from its config section. ``weights``: a
     weights file, ``"packaged"`` (the trained weights shipped for the preset, when present) or None
     (seeded random weights). The live objects — playout's ``output``, the ``tracer``, the user's
     microphone (``user_audio``; None: no microphone), a pushed ``agent`` adapter, the peer
-    ``link`` (None: no browser, e.g. a framework reads ``output``) and the process's step
-    ``batcher`` (then diffusion runs in the caller's process too) — are handed to the nodes of the
-    caller's process (group ``main``), never pickled."""
+    ``link`` (None: no browser, e.g. a framework reads ``output``), the process's step ``batcher`` and
+    its ``decode_batcher`` (then diffusion, or decode, runs in the caller's process too) — are handed to
+    the nodes of the caller's process (group ``main``), never pickled."""
     model = {"preset": config.preset, "weights": weights}
     diffusion = Node("diffusion", DiffusionStage, dict(model, config=config.diffusion), group="diffusion")
     if batcher is not None:
         diffusion = Node("diffusion", DiffusionStage, dict(diffusion.kwargs, batcher=batcher))
+    decode = Node("decode", DecodeStage, dict(model, config=config.decode, seed=config.diffusion.seed), group="decoder")
+    if decode_batcher is not None:
+        decode = Node("decode", DecodeStage, dict(decode.kwargs, batcher=decode_batcher))
     nodes = [
         Node("ingest", IngestStage, {"config": config.ingest, "user_audio": user_audio, "adapter": agent,
                                      "tracer": tracer}),
         Node("conditioning", build_conditioning, dict(model, config=config.conditioning, seed=config.diffusion.seed)),
         diffusion,
-        Node("decode", DecodeStage, dict(model, config=config.decode, seed=config.diffusion.seed), group="decoder"),
+        decode,
         Node("playout", PlayoutStage, {"config": config.playout, "output": output, "tracer": tracer}),
     ]
     edges = [
@@ -100,13 +105,14 @@ class LiveSession:
     ``peer=False``: no browser (a framework reads ``output`` itself), so no egress node. ``testcard``:
     the test card's graph (True, or the card's ``Node``) instead of the model's. ``agent_hub``: the
     server's shared agent socket, which a ``zmq`` session's external agent joins (with the
-    session's ``agent_token``) instead of binding one of its own. ``batcher``: the process's shared
-    diffusion step batcher (``session_factory`` makes one when ``diffusion.batch_sessions`` > 1)."""
+    session's ``agent_token``) instead of binding one of its own. ``batcher`` / ``decode_batcher``: the
+    process's shared diffusion step and decode batchers (``session_factory`` makes them when
+    ``diffusion.batch_sessions`` / ``decode.batch_sessions`` > 1)."""
 
     def __init__(self, config: PipelineConfig, session_id: str, weights: str | None = "packaged",
                  on_turn: Callable[[TurnRecord], None] | None = None, *, peer: bool = True,
                  testcard: bool | Node = False, agent_hub: AgentHub | None = None,
-                 batcher: StepBatcher | None = None) -> None:
+                 batcher: StepBatcher | None = None, decode_batcher: DecodeBatcher | None = None) -> None:
         self.config = config
         self.session_id = session_id
         self.tracer = TurnTracer(session_id, config.tracing, on_turn=on_turn)
@@ -126,7 +132,8 @@ class LiveSession:
             if agent_hub is not None and config.ingest.adapter == "zmq":
                 agent = ExternalAgent(config.ingest, session_id, hub=agent_hub)
                 self.agent_token = agent.token
-            graph = build_graph(config, self.output, self.tracer, mic, agent, weights, self.link, batcher)
+            graph = build_graph(config, self.output, self.tracer, mic, agent, weights, self.link, batcher,
+                                decode_batcher)
         self.runner = Session(graph, config, session_id, handle_signals=False)
         self.result: SessionResult | None = None
         self.done = asyncio.Event()
@@ -188,13 +195,17 @@ def session_factory(config: PipelineConfig, weights: str | None = "packaged",
     ``out_dir/<session>/trace.jsonl`` when ``out_dir`` is given, else to the config's file (own
     name when several sessions share a config: ``<stem>-<session>.jsonl`` after the first).
     ``factory.sessions`` holds the running ones by session id. With ``diffusion.batch_sessions`` > 1
-    its sessions share one model and batch their diffusion steps (``factory.batcher``)."""
+    its sessions share one model and batch their diffusion steps (``factory.batcher``); with
+    ``decode.batch_sessions`` > 1 one decoder and their chunks (``factory.decode_batcher``)."""
     started = 0
     sessions: dict[str, LiveSession] = {}
-    if config.diffusion.batch_sessions < 1:
-        raise ValueError(f"diffusion.batch_sessions must be >= 1 (1 = off), got {config.diffusion.batch_sessions}")
+    for section in ("diffusion", "decode"):
+        if (n := getattr(config, section).batch_sessions) < 1:
+            raise ValueError(f"{section}.batch_sessions must be >= 1 (1 = off), got {n}")
     batch = config.diffusion.batch_sessions > 1 and not testcard
     batcher = StepBatcher(config.diffusion, config.preset, weights) if batch else None
+    batch = config.decode.batch_sessions > 1 and not testcard
+    decode_batcher = DecodeBatcher(config.decode, config.preset, weights, config.diffusion.seed) if batch else None
 
     async def factory(session_id: str) -> SessionMedia:
         nonlocal started
@@ -207,7 +218,7 @@ def session_factory(config: PipelineConfig, weights: str | None = "packaged",
             session_config.tracing.jsonl_path = f"{stem}-{session_id}.{ext}" if stem else f"{path}-{session_id}"
         started += 1
         session = LiveSession(session_config, session_id, weights, testcard=testcard, agent_hub=agent_hub,
-                              batcher=batcher)
+                              batcher=batcher, decode_batcher=decode_batcher)
         sessions[session_id] = session
         session.start()
         session._task.add_done_callback(lambda _: sessions.pop(session_id, None))
@@ -217,4 +228,5 @@ def session_factory(config: PipelineConfig, weights: str | None = "packaged",
 
     factory.sessions = sessions  # type: ignore[attr-defined]
     factory.batcher = batcher  # type: ignore[attr-defined]
+    factory.decode_batcher = decode_batcher  # type: ignore[attr-defined]
     return factory

@@ -64,6 +64,11 @@ class DecodeConfig:
     device: str = "cpu"
     graphed: bool = True  # on CUDA: the decoder as one CUDA graph per chunk (model/graphed_decoder.py)
     threads: int | None = None  # CPU intra-op threads; None: half the cores (diffusion runs beside it)
+    # > 1: the sessions of one serving process share one decoder and decode their due chunks in one
+    # forward of up to this many (stages/decode_batcher.py; CUDA-graphed per batch size); decode then
+    # runs in the serving process
+    batch_sessions: int = 1
+    batch_window_s: float = 0.01  # a forward waits at most this long after its first chunk for the others
 
 
 @dataclass

@@ -9,6 +9,10 @@ state of the last committed chunk, so the frames on screen stay continuous. Data
 is dropped; data of a newer epoch than the last ROLLBACK seen (the control message was overtaken)
 rolls back implicitly to its own chunk.
 
+With a ``batcher`` (``decode.batch_sessions`` > 1, stages/decode_batcher.py) the sessions of one
+process share one decoder: the stage keeps its states, epochs and chunk order as above and submits
+each chunk with the state it continues from to one forward with other sessions' chunks.
+
 On CUDA (``decode.graphed``, the default) a chunk is one replay of ``model.graphed_decoder.GraphedDecoder``
 (bf16, channels-last): its history lives in static buffers, so each kept state is a copy of them
 (``snapshot``) and a rollback copies the wanted one back; on CPU the eager decoder runs.
@@ -37,6 +41,7 @@ from charstream.transport.messages import Control, ControlKind, Latents, Message
 if TYPE_CHECKING:
     from charstream.model.graphed_decoder import GraphedDecoder
     from charstream.model.vae import CausalState, Decoder
+    from charstream.stages.decode_batcher import DecodeBatcher
 
 
 
@@ -54,7 +59,14 @@ class DecodeStage(Stage):
     name = "decode"
 
     def __init__(self, config: DecodeConfig, preset: str, weights: str | None = "packaged", seed: int = 0,
-                 keep_states: int = 16) -> None:
+                 keep_states: int = 16, batcher: DecodeBatcher | None = None) -> None:
+        """``batcher``: the process's shared decode batcher (session_factory makes it), for this preset and weights."""
+        if batcher is not None and ((batcher.preset, batcher.weights, batcher.device) != (preset, weights, config.device)
+                                    or (weights is None and batcher.seed != seed)):
+            raise ValueError(f"the decode batcher serves {batcher.preset} ({batcher.weights}, seed {batcher.seed}) on "
+                             f"{batcher.device}, not {preset} ({weights}, seed {seed}) on {config.device}")
+        self.batcher = batcher
+        self._joined = False
         self.cfg = get_preset(preset)
         self.preset, self.weights, self.seed = preset, weights, seed
         self.device = config.device
@@ -71,11 +83,16 @@ class DecodeStage(Stage):
     async def setup(self, ctx: StageContext) -> None:
         self._limiter = anyio.CapacityLimiter(1)
         path = await anyio.to_thread.run_sync(self._resolve_weights, limiter=self._limiter)
-        self.decoder = await anyio.to_thread.run_sync(self._load, path, limiter=self._limiter)
-        await anyio.to_thread.run_sync(self._decode, self._zero_latent(), None, limiter=self._limiter)  # warm-up
+        if self.batcher is not None:
+            await anyio.to_thread.run_sync(self.batcher.join, self)  # the first session's join builds the decoder
+            self._joined = True
+        else:
+            self.decoder = await anyio.to_thread.run_sync(self._load, path, limiter=self._limiter)
+            await anyio.to_thread.run_sync(self._decode, self._zero_latent(), None, limiter=self._limiter)  # warm-up
         log = ctx.log.info if path else ctx.log.warning
         log("decode_ready", preset=self.preset, device=self.device, dtype=self.dtype, weights=path or "random",
-            graphed=self.graphed)
+            graphed=self.batcher.graphed if self.batcher else self.graphed,
+            batched=self.batcher.max_sessions if self.batcher else 1)
 
     def _resolve_weights(self) -> str | None:
         from charstream.model.weights import resolve_weights  # torch: imported off the event loop
@@ -141,8 +158,11 @@ class DecodeStage(Stage):
             ctx.log.info("decode_epoch_ahead", chunk=msg.chunk, epoch=msg.epoch, previous=self.epoch)
             self._rollback(msg.chunk - 1, msg.epoch)
         started = time.perf_counter()
-        frames, state = await anyio.to_thread.run_sync(
-            self._decode, msg.latents, self._state_before(msg.chunk, ctx), limiter=self._limiter)
+        state = self._state_before(msg.chunk, ctx)
+        if self.batcher is None:
+            frames, state = await anyio.to_thread.run_sync(self._decode, msg.latents, state, limiter=self._limiter)
+        else:
+            frames, state = await self.batcher.decode(self, msg.latents, state)
         self.stats.last_decode_s = time.perf_counter() - started
         if msg.epoch < self.epoch:  # rolled back while decoding
             self.stats.stale += 1
@@ -174,5 +194,8 @@ class DecodeStage(Stage):
         ctx.log.error("decode_bad_input", chunk=chunk, problem=problem)
 
     async def teardown(self) -> None:
+        if self._joined:
+            self.batcher.leave(self)
+            self._joined = False
         self._states.clear()
         self.decoder = None

@@ -1,0 +1,431 @@
+"""Cross-session batching of the decoder: the scheduler both model stages share (stages/batcher.py), the
+batched decoder (model/batched_decoder.py) and decode stages sharing a ``DecodeBatcher``. Batched equals
+each session decoding alone -- sessions joining, leaving, one continuing from an older state (a
+rollback) -- bit for bit on CPU; on CUDA within a stated tolerance, and the graphs equal eager."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import anyio
+import numpy as np
+import pytest
+import structlog
+import torch
+from charstream.model.batched_decoder import BatchedDecoder
+from charstream.model.config import TINY
+from charstream.model.vae import CausalState, Decoder, to_uint8_frames
+from charstream.pipeline.config import PipelineConfig
+from charstream.pipeline.session import LiveSession
+from charstream.stages.base import StageContext
+from charstream.stages.batcher import SessionBatcher
+from charstream.stages.config import DecodeConfig
+from charstream.stages.decode import DecodeStage
+from charstream.stages.decode_batcher import DecodeBatcher
+from charstream.stages.step_batcher import StepBatcher
+from charstream.transport.messages import Control, ControlKind, Latents
+
+from charstream.timeline import SAMPLES_PER_CHUNK
+
+# -- the scheduler ------------------------------------------------------------------------------------
+
+
+class _Doubler(SessionBatcher):
+    """The smallest real batcher: doubles each item; refuses None alone; a negative item fails its forward."""
+
+    def __init__(self, window_s: float) -> None:
+        super().__init__(4, window_s)
+        self.batches: list[list[int]] = []
+
+    def check(self, key, item) -> None:
+        if item is None:
+            raise ValueError("refused on its own")
+
+    def forward(self, keys, items):
+        self.batches.append(list(items))
+        if any(i < 0 for i in items):
+            raise RuntimeError("the forward failed")
+        return [2 * i for i in items]
+
+
+def test_the_scheduler_batches_what_is_due_and_routes_each_failure_to_its_sessions():
+    async def main():
+        b = _Doubler(window_s=5.0)
+        keys = [object() for _ in range(3)]
+        for _ in keys:
+            b.opened()
+        # every open session has one in: one forward at once, not after the 5 s window
+        with anyio.fail_after(2):
+            got = await asyncio.gather(*(b.submit(k, i) for i, k in enumerate(keys)))
+        assert got == [0, 2, 4] and b.batches == [[0, 1, 2]]
+        first = asyncio.ensure_future(b.submit(keys[0], 7))
+        await asyncio.sleep(0)
+        with pytest.raises(RuntimeError, match="previous item is pending"):
+            await b.submit(keys[0], 8)
+        with anyio.fail_after(2):
+            assert await asyncio.gather(first, b.submit(keys[1], 1), b.submit(keys[2], 2)) == [14, 2, 4]
+        # one refused alone, two sharing a failed forward: each hears its own outcome
+        results = await asyncio.gather(b.submit(keys[0], None), b.submit(keys[1], 3), b.submit(keys[2], -1),
+                                       return_exceptions=True)
+        assert isinstance(results[0], ValueError)
+        assert all(isinstance(r, RuntimeError) and "forward failed" in str(r) for r in results[1:])
+        # a session leaving while its item waits: dropped, and the others are not held by it any more
+        b.window_s = 30.0
+        waiting = asyncio.ensure_future(b.submit(keys[0], 5))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # keys[1] and keys[2] have nothing in: the forward waits for them
+        b.closed(keys[0])
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        with anyio.fail_after(2):
+            assert await asyncio.gather(b.submit(keys[1], 5), b.submit(keys[2], 6)) == [10, 12]
+        b.closed(keys[1])
+        b.closed(keys[2])
+        return b
+
+    b = asyncio.run(main())
+    assert b._worker is None and b._open == 0  # the worker ended with the last session
+    assert len(b.batches) == 4 and b.batches[2] == [3, -1]  # the refused item never reached a forward
+    assert b.stats.forwards == 3 and b.stats.steps == 8  # the failed forward served no one
+
+
+def test_the_window_lets_a_forward_go_without_a_silent_session():
+    async def main():
+        b = _Doubler(window_s=0.2)
+        keys = [object() for _ in range(3)]
+        for _ in keys:
+            b.opened()
+        started = asyncio.get_running_loop().time()
+        got = await asyncio.gather(b.submit(keys[0], 1), b.submit(keys[1], 2))  # keys[2] stays silent
+        waited = asyncio.get_running_loop().time() - started
+        for k in keys:
+            b.closed(k)
+        return got, waited, b
+
+    got, waited, b = asyncio.run(main())
+    assert got == [2, 4] and b.batches == [[1, 2]] and 0.15 < waited < 2.0
+
+
+# -- the batched decoder (model level) ----------------------------------------------------------------
+
+# a small decoder (4 x 4 latent): without vae.conv_per_clip its batch of clips differs from each alone
+SMALL = TINY.with_(height=32, width=32, vae_channels=(32, 16, 8))
+
+
+def _decoder(cfg=SMALL, seed: int = 5) -> Decoder:
+    torch.manual_seed(seed)
+    return Decoder(cfg).eval().requires_grad_(False)
+
+
+def _latent(name: str, n: int, cfg=SMALL) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * ord(name) + n)
+    return torch.randn(cfg.latent_channels, cfg.latent_height, cfg.latent_width, generator=g)
+
+
+# Each forward: (sessions joining, sessions leaving, {session: chunk it continues after (a rollback)}, due).
+SCRIPT = [
+    (["a", "b"], [], {}, ["a", "b"]),
+    (["c"], [], {}, ["a", "b", "c"]),  # 3 rows: padded to the bucket of 4 when graphed
+    ([], [], {}, ["b", "c"]),  # a is not due this time
+    ([], [], {"a": 0}, ["a", "b", "c"]),  # a rolls back: continues from its state after chunk 0
+    ([], ["b"], {}, ["a", "c"]),
+    (["d"], [], {}, ["a", "c", "d"]),  # a newcomer: zero history beside sessions with theirs
+    ([], [], {}, ["a", "c", "d"]),
+]
+
+
+def _play(decode_one, decode_many, cfg=SMALL) -> dict[str, list[tuple[torch.Tensor, CausalState]]]:
+    """Run SCRIPT: each session's frames and state per chunk decoded, one forward per entry (decode_many)
+    or one call per session (decode_one)."""
+    states: dict[str, list[CausalState | None]] = {}  # per session: the state after each chunk, None first
+    out: dict[str, list] = {}
+    for join, leave, rollbacks, due in SCRIPT:
+        for name in leave:
+            del states[name]
+        for name in join:
+            states[name], out[name] = [None], []
+        for name, chunk in rollbacks.items():
+            del states[name][chunk + 2 :]
+        latents = [_latent(name, len(out[name]), cfg) for name in due]
+        before = [states[name][-1] for name in due]
+        if decode_many is not None:
+            frames, after = decode_many(torch.stack(latents), before)
+        else:
+            frames, after = zip(*(decode_one(z, s) for z, s in zip(latents, before, strict=True)), strict=True)
+        for name, f, s in zip(due, frames, after, strict=True):
+            out[name].append((f.cpu().clone(), s))
+            states[name].append(s)
+    return out
+
+
+def _alone(decoder: Decoder):
+    def one(latent, state):
+        video, state = decoder.decode_chunk(latent, state)
+        return to_uint8_frames(video), state
+
+    return one
+
+
+def test_batched_sessions_decode_as_each_alone_bit_for_bit_on_cpu():
+    decoder = _decoder()
+    with torch.inference_mode():
+        alone = _play(_alone(decoder), None)
+        batch = BatchedDecoder(decoder, max_sessions=4)
+        batched = _play(None, batch.decode)
+    for name, chunks in alone.items():
+        assert len(batched[name]) == len(chunks)
+        for (got_f, got_s), (want_f, want_s) in zip(batched[name], chunks, strict=True):
+            assert torch.equal(got_f, want_f), name
+            assert got_s.frames == want_s.frames
+            for g, w in zip(got_s.caches, want_s.caches, strict=True):
+                assert torch.equal(g, w), name  # the float history too, not only the rounded frames
+    # the script has teeth: a's rollback changed what its chunk 3 continued from, sessions differ
+    assert [s.frames for _, s in alone["a"]] == [1, 2, 2, 3, 4, 5] and not torch.equal(alone["a"][0][0], alone["b"][0][0])
+
+
+def test_the_batched_decoder_refuses_bad_batches_before_anything_moves():
+    decoder = _decoder()
+    batch = BatchedDecoder(decoder, max_sessions=2)
+    z = torch.stack([_latent("a", 0)])
+    with torch.inference_mode():
+        _, (state,) = batch.decode(z, [None])
+    foreign = CausalState(tuple(c[..., :1] for c in state.caches), 1)
+    with pytest.raises(ValueError, match="not a decoder state"):
+        batch.decode(torch.cat([z, z]), [state, foreign])
+    with pytest.raises(ValueError, match="1 to 2"):
+        batch.decode(torch.cat([z, z, z]), [None, None, None])
+    with pytest.raises(ValueError, match="a batch of 1 latent frames for 2 states"):
+        batch.decode(z, [None, None])
+    with pytest.raises(ValueError, match="CUDA"):
+        BatchedDecoder(decoder, 2, graphed=True)
+
+
+# -- decode stages sharing a batcher ------------------------------------------------------------------
+
+
+def _context(name: str, out: list) -> StageContext:
+    async def emit(msg) -> None:
+        out.append(msg)
+
+    async def send_control(msg) -> None:
+        pass
+
+    return StageContext("decode", name, emit, send_control, structlog.get_logger())
+
+
+def _latents(name: str, chunk: int, epoch: int) -> Latents:
+    rng = np.random.default_rng([ord(c) for c in name] + [chunk, epoch])
+    z = rng.standard_normal((TINY.latent_channels, TINY.latent_height, TINY.latent_width)).astype(np.float32)
+    return Latents(name, chunk, z, np.zeros(SAMPLES_PER_CHUNK, np.int16), epoch > 0, epoch)
+
+
+# ("l", chunk, epoch) latents reach the stage, ("r", last committed, epoch) a ROLLBACK. "b" rolls back to
+# chunk 2 and decodes 3, 4 again in epoch 1; "a" gets a chunk of an epoch no ROLLBACK announced (its
+# control was overtaken); "c" leaves after 3 chunks and "d" joins then.
+PLANS = {
+    "a": [("l", n, 0) for n in range(3)] + [("l", 3, 1)],
+    "b": [("l", n, 0) for n in range(5)] + [("r", 2, 1)] + [("l", n, 1) for n in (3, 4)],
+    "c": [("l", n, 0) for n in range(3)],
+    "d": [("l", n, 0) for n in range(3)],
+}
+
+
+async def _decode_plan(name: str, batcher: DecodeBatcher | None, config: DecodeConfig) -> list[tuple[int, int, np.ndarray]]:
+    stage, out = DecodeStage(config, "tiny", batcher=batcher), []
+    ctx = _context(name, out)
+    await stage.setup(ctx)
+    try:
+        for kind, chunk, epoch in PLANS[name]:
+            if kind == "l":
+                await stage.process(_latents(name, chunk, epoch), ctx)
+            else:
+                await stage.control(Control(name, 0, ControlKind.ROLLBACK, chunk=chunk, epoch=epoch), ctx)
+    finally:
+        await stage.teardown()
+    assert stage.stats.gaps == 0
+    return [(m.chunk, m.epoch, m.frames) for m in out]
+
+
+def test_decode_stages_sharing_a_batcher_emit_their_unbatched_frames():
+    config = DecodeConfig()
+    batched = DecodeConfig(batch_sessions=3, batch_window_s=0.5)
+    batcher = DecodeBatcher(batched, "tiny")
+
+    async def main():
+        alone = {name: await _decode_plan(name, None, config) for name in PLANS}
+        together: dict[str, list] = {}
+
+        async def run(name: str, wait: anyio.Event | None = None, done: anyio.Event | None = None):
+            if wait is not None:
+                await wait.wait()
+            together[name] = await _decode_plan(name, batcher, batched)
+            if done is not None:
+                done.set()
+
+        c_done = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, "a")
+            tg.start_soon(run, "b")
+            tg.start_soon(run, "c", None, c_done)
+            tg.start_soon(run, "d", c_done)  # joins once c has left
+        return alone, together
+
+    alone, together = anyio.run(main)
+    for name in PLANS:
+        assert [(c, e) for c, e, _ in together[name]] == [(c, e) for c, e, _ in alone[name]], name
+        for (_, _, got), (_, _, want) in zip(together[name], alone[name], strict=True):
+            np.testing.assert_array_equal(got, want)
+    assert [(c, e) for c, e, _ in alone["b"]][-2:] == [(3, 1), (4, 1)]
+    assert not np.array_equal(alone["b"][3][2], alone["b"][5][2])  # chunk 3 again, from other latents
+    assert batcher.stats.largest == 3 and batcher.stats.steps == sum(len(v) for v in together.values())
+    assert batcher.stats.forwards < batcher.stats.steps  # chunks really shared forwards
+    assert batcher._open == 0 and batcher._worker is None
+    with pytest.raises(ValueError, match="decode batcher serves tiny"):
+        DecodeStage(batched, "tiny", weights=None, batcher=batcher)
+
+
+def test_a_chunk_refused_on_its_own_fails_only_its_session():
+    config = DecodeConfig(batch_sessions=2, batch_window_s=0.5)
+    batcher = DecodeBatcher(config, "tiny")
+
+    async def main():
+        x, y = object(), object()
+        await anyio.to_thread.run_sync(batcher.join, x)
+        await anyio.to_thread.run_sync(batcher.join, y)
+        z = _latents("x", 0, 0).latents
+        results = await asyncio.gather(batcher.decode(x, z[:, :2], None), batcher.decode(y, z, None),
+                                       return_exceptions=True)
+        batcher.leave(x)
+        batcher.leave(y)
+        return results
+
+    (bad, good) = anyio.run(main)
+    assert isinstance(bad, ValueError) and "expected (8, 16, 16)" in str(bad)
+    frames, state = good
+    assert frames.shape == (4, 128, 128, 3) and frames.dtype == np.uint8 and state.frames == 1
+
+
+def test_real_sessions_with_both_batchers_release_their_unbatched_frames():
+    """Three inproc sessions (the listening agent: every chunk a listening chunk, so chunk n's frames
+    depend on the session's seed only) with their diffusion steps and decoding batched release the
+    frames the same sessions release unbatched."""
+
+    def configs(batch: int) -> list[PipelineConfig]:
+        out = []
+        for seed in (1, 2, 3):
+            config = PipelineConfig()
+            config.diffusion.seed = seed
+            config.diffusion.batch_sessions = config.decode.batch_sessions = batch
+            out.append(config)
+        return out
+
+    async def run(batch: int):
+        cfgs = configs(batch)
+        batcher = StepBatcher(cfgs[0].diffusion, cfgs[0].preset) if batch > 1 else None
+        decode_batcher = DecodeBatcher(cfgs[0].decode, cfgs[0].preset) if batch > 1 else None
+        sessions = [LiveSession(c, f"s{c.diffusion.seed}", peer=False, batcher=batcher, decode_batcher=decode_batcher)
+                    for c in cfgs]
+        for s in sessions:
+            s.start()
+        frames: list[dict] = [{} for _ in sessions]
+
+        async def read(i: int) -> None:
+            out, index = sessions[i].output, 0
+            await out.wait_started()
+            while len(frames[i]) < 24:  # 6 chunks
+                frame = await out.frame_at(index)
+                index = frame.index + 1
+                if frame.chunk is not None:
+                    frames[i][(frame.chunk, frame.frame_in_chunk)] = frame.image
+
+        await asyncio.wait_for(asyncio.gather(*(read(i) for i in range(len(sessions)))), 90)
+        results = [await s.stop() for s in sessions]
+        assert all(r is not None and r.ok for r in results), [r and r.error for r in results]
+        return frames, decode_batcher
+
+    alone, _ = asyncio.run(run(1))
+    together, decode_batcher = asyncio.run(run(3))
+    for got, want in zip(together, alone, strict=True):
+        shared = sorted(set(got) & set(want))
+        assert len(shared) >= 16
+        for key in shared:
+            np.testing.assert_array_equal(got[key], want[key])
+    assert not np.array_equal(together[0][shared[-1]], together[1][shared[-1]])
+    assert decode_batcher.stats.largest >= 2 and decode_batcher._open == 0
+
+
+def test_session_factory_makes_one_decode_batcher_and_serve_batches_both_stages():
+    from charstream.pipeline import serve
+    from charstream.pipeline.session import session_factory
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    config = serve.load_config(parser.parse_args(["--batch-sessions", "8"]))
+    assert config.diffusion.batch_sessions == config.decode.batch_sessions == 8
+    factory = session_factory(config, weights=None)
+    assert isinstance(factory.decode_batcher, DecodeBatcher) and factory.decode_batcher.max_sessions == 8
+    config = PipelineConfig()
+    config.decode.batch_sessions = 4  # decode alone batched: diffusion stays per session
+    factory = session_factory(config)
+    assert factory.batcher is None and factory.decode_batcher.max_sessions == 4
+    assert session_factory(PipelineConfig()).decode_batcher is None
+    config.decode.batch_sessions = 0
+    with pytest.raises(ValueError, match="decode.batch_sessions must be >= 1"):
+        session_factory(config)
+
+
+# -- CUDA ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_batched_decode_on_cuda_equals_each_alone_within_tolerance_and_the_graphs_equal_eager():
+    """tiny's decoder in the GPU's serving form (bf16, channels-last). Alone: ``GraphedDecoder``, one
+    session at a time; batched: one graphed forward per SCRIPT entry. cuDNN may choose another conv
+    algorithm per batch size, so bf16 rounding differs: uint8 frames within 4 levels, mostly equal."""
+    from charstream.model.graphed_decoder import GraphedDecoder
+
+    cfg = TINY
+    with torch.inference_mode():
+        alone_dec = GraphedDecoder(_decoder(cfg).to("cuda"), torch.bfloat16)
+        batch = BatchedDecoder(_decoder(cfg).to("cuda", torch.bfloat16), max_sessions=4, graphed=True)
+
+    def one(latent, state):
+        frames, state = alone_dec.decode_chunk(latent.to("cuda", torch.bfloat16), state)
+        return frames.clone(), state
+
+    alone = _play(one, None, cfg)
+    batched = _play(None, batch.decode, cfg)
+    worst, differing, total = 0, 0, 0
+    for name, chunks in alone.items():
+        for (got, _), (want, _) in zip(batched[name], chunks, strict=True):
+            diff = (got.int() - want.int()).abs()
+            worst, differing, total = max(worst, int(diff.max())), differing + int((diff > 0).sum()), total + diff.numel()
+    print(f"batched vs alone on CUDA: worst {worst} levels, {differing / total:.2e} of the values differ")
+    assert worst <= 4 and differing / total < 0.01
+    # graphed vs eager at the batch the graph ran (a full bucket: 4 sessions' rows, no padding)
+    with torch.inference_mode():
+        z = torch.stack([_latent(n, 0, cfg) for n in "wxyz"])
+        g_frames, g_states = batch.decode(z, [None] * 4)
+        g_frames = g_frames.clone()
+        e_frames, e_states = batch.decode(z, [None] * 4, graphed=False)
+    assert torch.equal(g_frames, e_frames)
+    for g, e in zip(g_states, e_states, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(g.caches, e.caches, strict=True))
+    assert not torch.equal(alone["a"][0][0], alone["b"][0][0])
+    # and the stage's batcher serves sessions on CUDA (its own stream, frames back on the host)
+    decode_batcher = DecodeBatcher(DecodeConfig(device="cuda", batch_sessions=4), "tiny", weights=None)
+
+    async def two():
+        keys = object(), object()
+        for k in keys:
+            await anyio.to_thread.run_sync(decode_batcher.join, k)
+        got = await asyncio.gather(*(decode_batcher.decode(k, _latents("ab"[i], 0, 0).latents, None)
+                                     for i, k in enumerate(keys)))
+        for k in keys:
+            decode_batcher.leave(k)
+        return got
+
+    got = anyio.run(two)
+    assert [f.shape for f, _ in got] == [(4, 128, 128, 3)] * 2 and decode_batcher.stats.largest == 2
