@@ -18,8 +18,9 @@
 #               scripts/gpu_run.sh tp DIR [N...]    multi-GPU kinds: `bench gpu --tp N` (NCCL, one process per
 #                                                   GPU, the serving step graphed with its all-reduces), N = 3 4
 #               scripts/gpu_run.sh batch DIR        cross-session batching: its GPU tests (batched = alone, graphed =
-#                                                   eager) beside the single step's, then `bench batch` (tiny, K =
-#                                                   1 8 16 32 64 sessions per forward against K separate steps)
+#                                                   eager, step and decoder) beside the single step's, then `bench
+#                                                   batch` (tiny, K = 1 8 16 32 64 sessions per forward against K
+#                                                   separate steps, and the same for the decoder)
 #               [GPUS=3+1] [PACES="realtime synthesized"] scripts/gpu_run.sh live DIR [PRESET...]
 #                                                   one `charstream demo --gpus $GPUS` (default 1) session per
 #                                                   preset (default: characters-14b tiny) and agent pace (default:
@@ -101,9 +102,9 @@ elif [ "$cmd" = check ]; then
   section "bench characters-14b, decoder, period" 200 bench-14b.log python3 -m charstream.pipeline.bench_gpu \
     --preset characters-14b --tp-shard 1 --skip sweep ceilings --section-timeout 90 --json "$OUT/bench_14b.json"
 elif [ "$cmd" = batch ]; then  # needs no wheels: the model layer and the bench only
-  section "gpu tests" 80 gpu-tests.log python3 -m pytest -q -s -m gpu -p no:cacheprovider --timeout=70 \
-    tests/test_batched_step.py tests/test_graphed_gpu.py
-  section "bench batch" 50 bench-batch.log python3 -m charstream.pipeline.bench_batch --out "$OUT/bench_batch.json"
+  section "gpu tests" 100 gpu-tests.log python3 -m pytest -q -s -m gpu -p no:cacheprovider --timeout=70 \
+    tests/test_batched_step.py tests/test_batched_decoder.py tests/test_graphed_gpu.py
+  section "bench batch" 70 bench-batch.log python3 -m charstream.pipeline.bench_batch --out "$OUT/bench_batch.json"
 elif [ "$cmd" = ab ]; then  # the TP=3 shard's serving step without, then with, its one-rank NCCL group
   for group in --no-group ""; do
     # shellcheck disable=SC2086

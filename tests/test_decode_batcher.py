@@ -1,7 +1,9 @@
-"""Cross-session batching of the decoder: the scheduler both model stages share (stages/batcher.py), the
-batched decoder (model/batched_decoder.py) and decode stages sharing a ``DecodeBatcher``. Batched equals
-each session decoding alone -- sessions joining, leaving, one continuing from an older state (a
-rollback) -- bit for bit on CPU; on CUDA within a stated tolerance, and the graphs equal eager."""
+"""Cross-session batching of the decoder at the stage level: the scheduler both model stages share
+(stages/batcher.py: due set, window, one pending item per session, failures routed to the sessions
+they hit, a session leaving while its item waits), decode stages sharing a ``DecodeBatcher``
+(stages/decode_batcher.py) emitting their unbatched frames through a rollback, an epoch-ahead chunk
+and a session leaving and another joining, and real inproc sessions with both batchers releasing the
+frames they release unbatched."""
 
 from __future__ import annotations
 
@@ -12,10 +14,7 @@ import anyio
 import numpy as np
 import pytest
 import structlog
-import torch
-from charstream.model.batched_decoder import BatchedDecoder
 from charstream.model.config import TINY
-from charstream.model.vae import CausalState, Decoder, to_uint8_frames
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.session import LiveSession
 from charstream.stages.base import StageContext
@@ -105,100 +104,6 @@ def test_the_window_lets_a_forward_go_without_a_silent_session():
 
     got, waited, b = asyncio.run(main())
     assert got == [2, 4] and b.batches == [[1, 2]] and 0.15 < waited < 2.0
-
-
-# -- the batched decoder (model level) ----------------------------------------------------------------
-
-# a small decoder (4 x 4 latent): without vae.conv_per_clip its batch of clips differs from each alone
-SMALL = TINY.with_(height=32, width=32, vae_channels=(32, 16, 8))
-
-
-def _decoder(cfg=SMALL, seed: int = 5) -> Decoder:
-    torch.manual_seed(seed)
-    return Decoder(cfg).eval().requires_grad_(False)
-
-
-def _latent(name: str, n: int, cfg=SMALL) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 * ord(name) + n)
-    return torch.randn(cfg.latent_channels, cfg.latent_height, cfg.latent_width, generator=g)
-
-
-# Each forward: (sessions joining, sessions leaving, {session: chunk it continues after (a rollback)}, due).
-SCRIPT = [
-    (["a", "b"], [], {}, ["a", "b"]),
-    (["c"], [], {}, ["a", "b", "c"]),  # 3 rows: padded to the bucket of 4 when graphed
-    ([], [], {}, ["b", "c"]),  # a is not due this time
-    ([], [], {"a": 0}, ["a", "b", "c"]),  # a rolls back: continues from its state after chunk 0
-    ([], ["b"], {}, ["a", "c"]),
-    (["d"], [], {}, ["a", "c", "d"]),  # a newcomer: zero history beside sessions with theirs
-    ([], [], {}, ["a", "c", "d"]),
-]
-
-
-def _play(decode_one, decode_many, cfg=SMALL) -> dict[str, list[tuple[torch.Tensor, CausalState]]]:
-    """Run SCRIPT: each session's frames and state per chunk decoded, one forward per entry (decode_many)
-    or one call per session (decode_one)."""
-    states: dict[str, list[CausalState | None]] = {}  # per session: the state after each chunk, None first
-    out: dict[str, list] = {}
-    for join, leave, rollbacks, due in SCRIPT:
-        for name in leave:
-            del states[name]
-        for name in join:
-            states[name], out[name] = [None], []
-        for name, chunk in rollbacks.items():
-            del states[name][chunk + 2 :]
-        latents = [_latent(name, len(out[name]), cfg) for name in due]
-        before = [states[name][-1] for name in due]
-        if decode_many is not None:
-            frames, after = decode_many(torch.stack(latents), before)
-        else:
-            frames, after = zip(*(decode_one(z, s) for z, s in zip(latents, before, strict=True)), strict=True)
-        for name, f, s in zip(due, frames, after, strict=True):
-            out[name].append((f.cpu().clone(), s))
-            states[name].append(s)
-    return out
-
-
-def _alone(decoder: Decoder):
-    def one(latent, state):
-        video, state = decoder.decode_chunk(latent, state)
-        return to_uint8_frames(video), state
-
-    return one
-
-
-def test_batched_sessions_decode_as_each_alone_bit_for_bit_on_cpu():
-    decoder = _decoder()
-    with torch.inference_mode():
-        alone = _play(_alone(decoder), None)
-        batch = BatchedDecoder(decoder, max_sessions=4)
-        batched = _play(None, batch.decode)
-    for name, chunks in alone.items():
-        assert len(batched[name]) == len(chunks)
-        for (got_f, got_s), (want_f, want_s) in zip(batched[name], chunks, strict=True):
-            assert torch.equal(got_f, want_f), name
-            assert got_s.frames == want_s.frames
-            for g, w in zip(got_s.caches, want_s.caches, strict=True):
-                assert torch.equal(g, w), name  # the float history too, not only the rounded frames
-    # the script has teeth: a's rollback changed what its chunk 3 continued from, sessions differ
-    assert [s.frames for _, s in alone["a"]] == [1, 2, 2, 3, 4, 5] and not torch.equal(alone["a"][0][0], alone["b"][0][0])
-
-
-def test_the_batched_decoder_refuses_bad_batches_before_anything_moves():
-    decoder = _decoder()
-    batch = BatchedDecoder(decoder, max_sessions=2)
-    z = torch.stack([_latent("a", 0)])
-    with torch.inference_mode():
-        _, (state,) = batch.decode(z, [None])
-    foreign = CausalState(tuple(c[..., :1] for c in state.caches), 1)
-    with pytest.raises(ValueError, match="not a decoder state"):
-        batch.decode(torch.cat([z, z]), [state, foreign])
-    with pytest.raises(ValueError, match="1 to 2"):
-        batch.decode(torch.cat([z, z, z]), [None, None, None])
-    with pytest.raises(ValueError, match="a batch of 1 latent frames for 2 states"):
-        batch.decode(z, [None, None])
-    with pytest.raises(ValueError, match="CUDA"):
-        BatchedDecoder(decoder, 2, graphed=True)
 
 
 # -- decode stages sharing a batcher ------------------------------------------------------------------
@@ -375,57 +280,3 @@ def test_session_factory_makes_one_decode_batcher_and_serve_batches_both_stages(
         session_factory(config)
 
 
-# -- CUDA ---------------------------------------------------------------------------------------------
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_batched_decode_on_cuda_equals_each_alone_within_tolerance_and_the_graphs_equal_eager():
-    """tiny's decoder in the GPU's serving form (bf16, channels-last). Alone: ``GraphedDecoder``, one
-    session at a time; batched: one graphed forward per SCRIPT entry. cuDNN may choose another conv
-    algorithm per batch size, so bf16 rounding differs: uint8 frames within 4 levels, mostly equal."""
-    from charstream.model.graphed_decoder import GraphedDecoder
-
-    cfg = TINY
-    with torch.inference_mode():
-        alone_dec = GraphedDecoder(_decoder(cfg).to("cuda"), torch.bfloat16)
-        batch = BatchedDecoder(_decoder(cfg).to("cuda", torch.bfloat16), max_sessions=4, graphed=True)
-
-    def one(latent, state):
-        frames, state = alone_dec.decode_chunk(latent.to("cuda", torch.bfloat16), state)
-        return frames.clone(), state
-
-    alone = _play(one, None, cfg)
-    batched = _play(None, batch.decode, cfg)
-    worst, differing, total = 0, 0, 0
-    for name, chunks in alone.items():
-        for (got, _), (want, _) in zip(batched[name], chunks, strict=True):
-            diff = (got.int() - want.int()).abs()
-            worst, differing, total = max(worst, int(diff.max())), differing + int((diff > 0).sum()), total + diff.numel()
-    print(f"batched vs alone on CUDA: worst {worst} levels, {differing / total:.2e} of the values differ")
-    assert worst <= 4 and differing / total < 0.01
-    # graphed vs eager at the batch the graph ran (a full bucket: 4 sessions' rows, no padding)
-    with torch.inference_mode():
-        z = torch.stack([_latent(n, 0, cfg) for n in "wxyz"])
-        g_frames, g_states = batch.decode(z, [None] * 4)
-        g_frames = g_frames.clone()
-        e_frames, e_states = batch.decode(z, [None] * 4, graphed=False)
-    assert torch.equal(g_frames, e_frames)
-    for g, e in zip(g_states, e_states, strict=True):
-        assert all(torch.equal(a, b) for a, b in zip(g.caches, e.caches, strict=True))
-    assert not torch.equal(alone["a"][0][0], alone["b"][0][0])
-    # and the stage's batcher serves sessions on CUDA (its own stream, frames back on the host)
-    decode_batcher = DecodeBatcher(DecodeConfig(device="cuda", batch_sessions=4), "tiny", weights=None)
-
-    async def two():
-        keys = object(), object()
-        for k in keys:
-            await anyio.to_thread.run_sync(decode_batcher.join, k)
-        got = await asyncio.gather(*(decode_batcher.decode(k, _latents("ab"[i], 0, 0).latents, None)
-                                     for i, k in enumerate(keys)))
-        for k in keys:
-            decode_batcher.leave(k)
-        return got
-
-    got = anyio.run(two)
-    assert [f.shape for f, _ in got] == [(4, 128, 128, 3)] * 2 and decode_batcher.stats.largest == 2
