@@ -37,7 +37,7 @@ import psutil
 from charstream.pipeline.bench_output import commit_id, emit_report, text_table
 from charstream.pipeline.config import PipelineConfig
 from charstream.stages.config import EgressConfig
-from charstream.stages.egress.memory import release_free_memory
+from charstream.stages.memory import release_free_memory
 
 from charstream.logs import configure_logging
 from charstream.timeline import VIDEO_FPS

@@ -33,6 +33,7 @@ from typing import Any
 import anyio
 from charstream.pipeline.config import PipelineConfig
 from charstream.stages.base import Stage, StageContext
+from charstream.stages.memory import bound_allocator_pools
 from charstream.transport.channel import (
     ControlClient,
     ControlHub,
@@ -323,6 +324,7 @@ class _GroupRun:
 def _group_process(spec: GroupSpec) -> dict[str, Any]:
     """Entry point of a spawned stage process: run the group until SHUTDOWN/SIGTERM, return its report."""
     configure_logging()
+    bound_allocator_pools()  # this process decodes or diffuses for hours: see stages/memory.py
     # Import the stages' modules (torch and all) before any channel or heartbeat starts: a long
     # import inside the event loop would read as a dead peer. (Class factories were imported when
     # the spec was unpickled.)
