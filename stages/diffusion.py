@@ -139,7 +139,8 @@ class DiffusionStage(Stage):
         path = resolve_weights(self.preset, self.weights)
         dtype = getattr(torch, self.dtype)
         if self.batcher is not None:
-            self.reference = reference_latent(self.preset, path, self.identity, self.device)
+            # on the host: the join moves it to the device under the batcher's lock (stages/batcher.py says why)
+            self.reference = reference_latent(self.preset, path, self.identity, "cpu")
             self.generator = self.batcher.join(self.reference)  # a DiffusionStep on a lane of the shared pool
             return path
         step = {"graphed": None if self.graphed else False}  # None: graphed wherever the fused body runs on CUDA
