@@ -34,6 +34,9 @@ class IngestConfig:
     # scripted agent's reply: "realtime" (one 20 ms frame per 20 ms) | "synthesized" (as a TTS service
     # pushes it: what is synthesised -- espeak makes the whole line at once -- up to max_ahead_s ahead)
     agent_pace: str = "realtime"
+    # scripted agent: its user's speech also goes through the built-in recogniser (pocketsphinx), so each
+    # turn says what was heard; off, turns carry no "heard" (a capacity run: a real agent's STT runs elsewhere)
+    scripted_recognizer: bool = True
 
 
 @dataclass

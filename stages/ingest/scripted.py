@@ -97,30 +97,38 @@ class ScriptedAgent:
 
     async def start(self) -> None:
         self._lines = await anyio.to_thread.run_sync(self._synthesise)
-        self._ears = await TurnRecognizer.load(self.config.asr_language_model, MIC_RATE)
+        if self.config.scripted_recognizer:
+            self._ears = await TurnRecognizer.load(self.config.asr_language_model, MIC_RATE)
 
     def _synthesise(self) -> list[_Line]:
+        voiced_user: dict[str, tuple[np.ndarray, tuple[int, int]]] = {}
+        replies: dict[str, Speech] = {}
         lines = []
-        for line in self.script:
-            user = synthesize(line.user, self.config.user_voice)
-            mic = to_int16(resample(user.samples.astype(np.float32) / 32768.0, user.sample_rate, MIC_RATE))
-            voiced = np.flatnonzero(np.abs(mic.astype(np.int32)) > SILENCE_LEVEL)
-            lines.append(_Line(mic, (int(voiced[0]), int(voiced[-1])),
-                               synthesize(line.agent, self.config.agent_voice), line.agent, line.barge_in_after_s))
+        for line in self.script:  # a repeated script synthesises each text once
+            if line.user not in voiced_user:
+                user = synthesize(line.user, self.config.user_voice)
+                mic = to_int16(resample(user.samples.astype(np.float32) / 32768.0, user.sample_rate, MIC_RATE))
+                voiced = np.flatnonzero(np.abs(mic.astype(np.int32)) > SILENCE_LEVEL)
+                voiced_user[line.user] = mic, (int(voiced[0]), int(voiced[-1]))
+            if line.agent not in replies:
+                replies[line.agent] = synthesize(line.agent, self.config.agent_voice)
+            lines.append(_Line(*voiced_user[line.user], replies[line.agent], line.agent, line.barge_in_after_s))
         return lines
 
     async def hear(self, frame: UserAudioFrame) -> None:
-        await self._ears.hear(frame.samples)
+        if self._ears is not None:
+            await self._ears.hear(frame.samples)
 
     async def notify(self, event: TurnEvent) -> None:
         if event.kind == TurnKind.USER_SPEECH_END:
             self._user_end = time.time()
-            transcript = await self._ears.speech_ended()
+            transcript = await self._ears.speech_ended() if self._ears is not None else None
             if transcript is not None:
                 self._heard = " ".join(filter(None, (self._heard, transcript.text)))
         elif event.kind == TurnKind.USER_SPEECH_START:  # a pause inside the line ended no turn
             self._user_end = None
-            await self._ears.speech_started()
+            if self._ears is not None:
+                await self._ears.speech_started()
 
     async def interrupt(self, turn_ref: TurnRef) -> None:
         self._interrupted.add(turn_ref)
@@ -175,7 +183,8 @@ class ScriptedAgent:
             if think_until is not None and now >= think_until and reply_line is None:
                 think_until, reply_line, sent, reply_started = None, user_line, 0, now
                 self.truth.append(("agent_turn_start", reply_line, now))
-                yield AgentTurnStart(reply_line, heard=self._heard or "", answer=lines[reply_line].agent_text)
+                heard = (self._heard or "") if self._ears is not None else None  # None: nothing listened
+                yield AgentTurnStart(reply_line, heard=heard, answer=lines[reply_line].agent_text)
             if reply_line is not None:
                 reply = lines[reply_line].agent
                 step = int(round(reply.sample_rate * TICK_S))
