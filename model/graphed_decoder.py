@@ -10,6 +10,7 @@ for a rollback (the eager decoder's immutable ``CausalState`` does the same by r
 from __future__ import annotations
 
 import torch
+from charstream.model.capture import CAPTURE_MODE, one_capture_at_a_time
 from charstream.model.vae import CausalState, Decoder, to_uint8_frames
 
 
@@ -35,6 +36,7 @@ class GraphedDecoder:
             old.copy_(fresh)
         return frames
 
+    @one_capture_at_a_time
     @torch.inference_mode()
     def _capture(self) -> None:
         saved = self.snapshot()
@@ -45,7 +47,7 @@ class GraphedDecoder:
             for _ in range(2):
                 self._body()
         torch.cuda.current_stream().wait_stream(self.capture_stream)
-        with torch.cuda.graph(self.graph, stream=self.capture_stream):
+        with torch.cuda.graph(self.graph, stream=self.capture_stream, capture_error_mode=CAPTURE_MODE):
             self.frames = self._body()
         self.restore(saved)
 

@@ -61,6 +61,7 @@ from charstream.kernels.ring_attention import (
 from charstream.kernels.ring_write import ring_write_prep_reference, ring_write_prep_triton, rope_table
 from charstream.kernels.rope import rope_freqs, rotate_complex
 from charstream.model.cache import KVCache, KVPool
+from charstream.model.capture import CAPTURE_MODE, one_capture_at_a_time
 from charstream.model.config import ModelConfig
 from charstream.model.dit import DiT, Modulation, SelfAttention
 from charstream.model.fp8_linear import Fp8Linear
@@ -299,6 +300,7 @@ class DiffusionStep:
             self._body()
         return self.latent
 
+    @one_capture_at_a_time
     @torch.inference_mode()
     def capture(self, warmup: int = 2) -> None:
         """Record the fused body as CUDA graphs, one per attention mode (after warm-up runs on a side
@@ -322,7 +324,7 @@ class DiffusionStep:
                     self._body()
             torch.cuda.current_stream().wait_stream(self.capture_stream)
             self.graphs[gathered] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graphs[gathered], stream=self.capture_stream):
+            with torch.cuda.graph(self.graphs[gathered], stream=self.capture_stream, capture_error_mode=CAPTURE_MODE):
                 self._body()
         self.gathered = mode
         cache.k[:, :, span], cache.v[:, :, span] = saved[:2]
@@ -496,6 +498,7 @@ class BatchedStep:
         """The batch size (and graph) a batch of ``n`` sessions runs at."""
         return next(b for b in self.buckets if b >= n)
 
+    @one_capture_at_a_time
     @torch.inference_mode()
     def capture(self, warmup: int = 2) -> None:
         """One CUDA graph per bucket, on a stream of its own (see ``DiffusionStep.capture``), sharing one
@@ -512,7 +515,8 @@ class BatchedStep:
                     self._body(inputs)
             torch.cuda.current_stream().wait_stream(self.capture_stream)
             self.graphs[bucket] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graphs[bucket], pool=memory, stream=self.capture_stream):
+            with torch.cuda.graph(self.graphs[bucket], pool=memory, stream=self.capture_stream,
+                                  capture_error_mode=CAPTURE_MODE):
                 self._body(inputs)
 
     def _body(self, inputs: StepInputs) -> None:
