@@ -22,6 +22,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "transport"), "charstream.pipeline.bench_transport", "ZeroMQ channel latency, throughput and backpressure"),
     (("bench", "fuzz"), "charstream.pipeline.bench_fuzz", "malformed input into every network-reading socket: crashes, hangs, escapes"),
     (("bench", "fleet"), "charstream.pipeline.fleet.bench", "concurrent test-card sessions through a local Ray fleet's front door"),
+    (("bench", "capacity"), "charstream.pipeline.bench_capacity", "concurrent live sessions on one host: fps, latency, where it saturates"),
     (("bench", "soak"), "charstream.pipeline.bench_soak", "hours of use: RSS/fds/threads/shm per session and per minute, fps held"),
     (("bench", "model"), "charstream.pipeline.bench_model", "CPU step and decode time of a model preset"),
     (("bench", "gpu"), "charstream.pipeline.bench_gpu", "GPU step breakdown, kernels, decoder, against the reference numbers"),

@@ -25,6 +25,10 @@
 #                                                   one `charstream demo --gpus $GPUS` (default 1) session per
 #                                                   preset (default: characters-14b tiny) and agent pace (default:
 #                                                   realtime; docs/ARCHITECTURE.md, Turn-start rollback), >= 2 min each
+#               scripts/gpu_run.sh capacity DIR [BATCH...]   `charstream bench capacity --gpus 1` (~5 min): concurrent
+#                                                   tiny sessions 8 16 32 48 (CAPACITY_SESSIONS), one ladder per
+#                                                   diffusion.batch_sessions value (default 1, and 8 where the tree
+#                                                   has cross-session batching); needs whl-a and whl-b, not whl-c
 #
 # The tree (17 MB) with all parts exceeds a call's 64 MiB: carry one part per call, back to back while
 # the machine is warm (it goes back 30 s after a call) -- every device command installs the parts it
@@ -32,7 +36,7 @@
 # Each section runs under `timeout` with a line at its start and end; logs and JSON go to $OUT (at
 # most 8 files come back).
 set -o pipefail
-cmd=${1:?usage: gpu_run.sh bundle [DIR] | install DIR | check DIR | batch DIR | ab DIR | kernels DIR [BASE] | tp DIR [N...] | live DIR [PRESET...]}
+cmd=${1:?usage: gpu_run.sh bundle [DIR] | install DIR | check DIR | batch DIR | ab DIR | kernels DIR [BASE] | tp DIR [N...] | live DIR [PRESET...] | capacity DIR [BATCH...]}
 dir=${2:-.gpu-bundle}
 shift $(($# < 2 ? $# : 2))
 
@@ -96,7 +100,7 @@ if [ "$cmd" = install ]; then  # only the above: the first of two calls on a fre
   exit 0
 elif [ "$cmd" = check ]; then
   section "gpu tests" 150 gpu-tests.log python3 -m pytest -q -m gpu -p no:cacheprovider --timeout=120 \
-    tests/test_graphed_gpu.py tests/test_diffusion_stage.py
+    tests/test_graphed_gpu.py tests/test_diffusion_stage.py tests/test_capture_gpu.py
   section "bench characters-57b TP=3, TP=4 shards" 200 bench-57b.log python3 -m charstream.pipeline.bench_gpu \
     --tp-shard 3 4 --skip sweep decoder pipeline --section-timeout 90 --json "$OUT/bench_57b.json"
   section "bench characters-14b, decoder, period" 200 bench-14b.log python3 -m charstream.pipeline.bench_gpu \
@@ -149,6 +153,19 @@ elif [ "$cmd" = live ]; then
       cp "/tmp/demo-$tag/trace.jsonl" "$OUT/trace-$tag.jsonl" 2>/dev/null
     done
   done
+elif [ "$cmd" = capacity ]; then
+  if [ $# -eq 0 ]; then  # with batching where this tree has it (DiffusionConfig.batch_sessions)
+    set -- 1
+    python3 -c "import dataclasses, sys; from charstream.stages.config import DiffusionConfig as D
+sys.exit('batch_sessions' not in {f.name for f in dataclasses.fields(D)})" && set -- 1 8
+  fi
+  # ~5 minutes in all: each ladder gets its share (the bench starts no count that would not fit), and with
+  # two ladders each starts at 16. 8 server processes (6 sessions each at 48), 4 client processes, 16 cores.
+  sessions=${CAPACITY_SESSIONS:-$([ $# -gt 1 ] && echo 16 32 48 || echo 8 16 32 48)}
+  # shellcheck disable=SC2086
+  section "capacity tiny --gpus 1, batch_sessions $*" 340 capacity.log python3 -m charstream.pipeline.cli bench capacity \
+    --gpus 1 --sessions $sessions --workers "${CAPACITY_WORKERS:-8}" --clients "${CAPACITY_CLIENTS:-4}" \
+    --batch-sessions "$@" --hold 30 --budget-s $((300 / $#)) --out "$OUT/capacity.json"
 else
   echo "unknown command $cmd" >&2
   exit 2

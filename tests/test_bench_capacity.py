@@ -1,0 +1,54 @@
+"""``charstream bench capacity`` end to end on CPU: two live sessions on two server processes, their
+aiortc clients in a process of their own, a measured window, and every process gone afterwards."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import psutil
+import pytest
+from charstream.pipeline import bench_capacity
+from charstream.stages.config import DiffusionConfig
+
+
+def test_bench_capacity_measures_frames_the_clients_received(tmp_path):
+    out = tmp_path / "capacity.json"
+    done = subprocess.run([sys.executable, "-m", "charstream", "bench", "capacity", "--sessions", "2", "--workers", "2",
+                           "--clients", "1", "--warmup", "1", "--hold", "4", "--start-timeout", "60",
+                           "--out", str(out)], capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    [ladder] = report["ladders"]
+    assert "error" not in ladder and not report["partial"]
+    [level] = ladder["levels"]
+    sessions = level["per_session"]
+    assert level["sessions"] == 2 and {s["worker"] for s in sessions} == {"worker-0", "worker-1"}
+    window = level["window_s"]
+    for s in sessions:
+        assert "problem" not in s, s
+        received, released = s["received_fps"] * window, s["released_fps"] * window
+        assert received >= 24, s  # at least a second of video decoded by the client in the window
+        assert received <= released + 12, s  # the client cannot get frames playout never released
+        assert s["held"] == (min(s["playout_fps"], s["received_fps"]) >= 24 - 1 / window and s["ended"] is None)
+    assert level["below"] == sum(not s["held"] for s in sessions)
+    assert {p["name"] for p in level["processes"]} == {"worker-0", "worker-1", "client-0"}
+    assert all(p["cores"] > 0 and p["loop_lag"]["samples"] > 0 for p in level["processes"] if p["sessions"])
+    # Clean shutdown: every worker and client exited by itself, none is left.
+    assert all(e["exit"] == "exited with status 0" for e in ladder["process_exits"].values()), ladder["process_exits"]
+    assert not any(psutil.pid_exists(pid) for pid in ladder["pids"].values())
+    assert "capacity: tiny sessions, CPU" in done.stdout
+
+
+def test_batch_sessions_is_set_only_where_the_diffusion_config_has_it():
+    args = argparse.Namespace(preset="tiny", gpus=None, placement="inproc", threads=1, sessions=[1], start_timeout=10,
+                              warmup=1, hold=1, recognizer=False)
+    if "batch_sessions" in {f.name for f in __import__("dataclasses").fields(DiffusionConfig)}:
+        assert bench_capacity.session_config(args, 4).diffusion.batch_sessions == 4
+    else:
+        with pytest.raises(ValueError, match="no batch_sessions field"):
+            bench_capacity.session_config(args, 4)
+    config = bench_capacity.session_config(args, 1)
+    assert config.ingest.adapter == "scripted" and not config.ingest.scripted_recognizer
