@@ -189,15 +189,22 @@ class Processes:
     async def call(self, name: str, cmd: str, timeout: float = CALL_TIMEOUT_S, **fields: Any) -> dict[str, Any]:
         request_id = next(self._ids)
         future = self._pending[request_id] = asyncio.get_running_loop().create_future()
+        child = self.supervisor.children[name]
+        deadline = time.monotonic() + timeout
         try:
             await self.sock.send_multipart([name.encode(), json.dumps({"id": request_id, "cmd": cmd, **fields}).encode()])
-            reply = await asyncio.wait_for(future, timeout)
-        except (TimeoutError, zmq.ZMQError) as e:
-            child = self.supervisor.children[name]
+            while not future.done() and child.process.is_alive() and time.monotonic() < deadline:
+                await asyncio.wait([future], timeout=min(0.5, max(0.0, deadline - time.monotonic())))
+        except zmq.ZMQError as e:
             state = "running" if child.process.is_alive() else describe_exit(child.process.exitcode)
-            raise RuntimeError(f"{name} did not answer {cmd!r} within {timeout:.0f} s ({state}): {e!r}") from None
+            raise RuntimeError(f"{name}: {cmd!r} not sent ({state}): {e}") from None
         finally:
             self._pending.pop(request_id, None)
+        if not future.done():
+            future.cancel()
+            state = "running" if child.process.is_alive() else describe_exit(child.process.exitcode)
+            raise RuntimeError(f"{name} did not answer {cmd!r} ({state}, waited {timeout - (deadline - time.monotonic()):.1f} s)")
+        reply = future.result()
         if not reply["ok"]:
             raise RuntimeError(reply["error"])
         return reply
@@ -300,11 +307,56 @@ class Ladder:
         self.failed: dict[str, str] = {}  # session -> why it did not start
         self.gpu = bool(args.gpus) and shutil.which("nvidia-smi") is not None
 
-    def _least_loaded(self, names: list[str], attr: str) -> str:
-        return min(names, key=lambda n: sum(getattr(p, attr) == n for p in self.placed))
+    async def _start(self, per_worker: dict[str, int], placed: list[Placed], failed: dict[str, str]) -> None:
+        """Open ``per_worker`` sessions on each worker, connect a client to each (the least loaded client
+        process) and wait for every one's first video frame; appends to ``placed``, and to ``failed`` why not."""
+        opened = await asyncio.gather(*(self.procs.call(w, "open", count=k) for w, k in per_worker.items()))
+        new: dict[str, list[list[str]]] = {}
+        clients = {c: sum(p.client == c for p in placed) for c in self.clients}
+        for worker, reply in zip(per_worker, opened, strict=True):
+            for session_id, token in reply["sessions"]:
+                client = min(self.clients, key=lambda c: clients[c])
+                clients[client] += 1
+                placed.append(Placed(session_id, worker, client))
+                new.setdefault(client, []).append([reply["url"], session_id, token])
+        timeout, started = self.args.start_timeout, time.monotonic()
+        replies = await asyncio.gather(*(self.procs.call(c, "connect", timeout + CALL_TIMEOUT_S, sessions=s)
+                                         for c, s in new.items()))
+        for reply in replies:
+            failed.update(reply["failed"])
+        waiting = {s for sessions in new.values() for _, s, _ in sessions} - set(failed)
+        while waiting and time.monotonic() - started < timeout:
+            await asyncio.sleep(0.5)
+            for client in new:
+                for sid, got in (await self.procs.call(client, "stats"))["sessions"].items():
+                    if sid in waiting and (got["video_frames"] > 0 or got["ended"] is not None):
+                        waiting.discard(sid)
+                        if got["video_frames"] == 0:
+                            failed[sid] = f"ended before its first frame: {got['ended']}"
+        for sid in waiting:
+            failed[sid] = f"no video frame within {timeout:.0f} s"
+
+    async def warm_up(self) -> float:
+        """One session per worker, played until its first frame and hung up: the first session of a
+        process pays for lazy imports, kernel compiles and CUDA's first use, which the counts measured
+        should not. Returns the seconds it took."""
+        started = time.monotonic()
+        placed: list[Placed] = []
+        failed: dict[str, str] = {}
+        await self._start(dict.fromkeys(self.workers, 1), placed, failed)
+        if failed:
+            raise RuntimeError("warm-up sessions failed: " + "; ".join(f"{s}: {why}" for s, why in failed.items()))
+        await asyncio.gather(*(self.procs.call(c, "hangup", sessions=[p.session_id for p in placed if p.client == c])
+                               for c in self.clients))
+        while sum([(await self.procs.call(w, "stats"))["live_sessions"] for w in self.workers]):
+            if time.monotonic() - started > 2 * self.args.start_timeout:
+                raise TimeoutError("warm-up sessions did not end after their clients hung up")
+            await asyncio.sleep(0.5)
+        return time.monotonic() - started
 
     async def add(self, count: int) -> float:
-        """Start ``count`` more sessions and wait for their first frames; returns the seconds it took."""
+        """Start ``count`` more sessions, spread over the workers, and wait for their first frames;
+        returns the seconds it took."""
         started = time.monotonic()
         per_worker: dict[str, int] = {}
         loads = {w: sum(p.worker == w for p in self.placed) for w in self.workers}
@@ -312,37 +364,17 @@ class Ladder:
             worker = min(self.workers, key=lambda w: loads[w])
             loads[worker] += 1
             per_worker[worker] = per_worker.get(worker, 0) + 1
-        opened = await asyncio.gather(*(self.procs.call(w, "open", count=k) for w, k in per_worker.items()))
-        new: dict[str, list[list[str]]] = {}
-        for worker, reply in zip(per_worker, opened, strict=True):
-            for session_id, token in reply["sessions"]:
-                client = self._least_loaded(self.clients, "client")
-                self.placed.append(Placed(session_id, worker, client))
-                new.setdefault(client, []).append([reply["url"], session_id, token])
-        timeout = self.args.start_timeout
-        replies = await asyncio.gather(*(self.procs.call(c, "connect", timeout + CALL_TIMEOUT_S, sessions=s)
-                                         for c, s in new.items()))
-        for reply in replies:
-            self.failed.update(reply["failed"])
-        waiting = {s for sessions in new.values() for _, s, _ in sessions} - set(self.failed)
-        deadline = started + timeout
-        while waiting and time.monotonic() < deadline:
-            await asyncio.sleep(0.5)
-            for client in new:
-                for sid, got in (await self.procs.call(client, "stats"))["sessions"].items():
-                    if sid in waiting and (got["video_frames"] > 0 or got["ended"] is not None):
-                        waiting.discard(sid)
-                        if got["video_frames"] == 0:
-                            self.failed[sid] = f"ended before its first frame: {got['ended']}"
-        for sid in waiting:
-            self.failed[sid] = f"no video frame within {timeout:.0f} s"
+        await self._start(per_worker, self.placed, self.failed)
         return time.monotonic() - started
 
     async def snapshot(self, cmd: str) -> dict[str, Any]:
+        """Every process's counters; one that fails to answer (it died) is left out, its error kept."""
         names = self.workers + self.clients
-        replies = await asyncio.gather(*(self.procs.call(n, cmd) for n in names))
+        replies = await asyncio.gather(*(self.procs.call(n, cmd) for n in names), return_exceptions=True)
         pids = {n: self.procs.hello[n]["pid"] for n in names}
-        return {"wall": time.time(), "now": time.monotonic(), "replies": dict(zip(names, replies, strict=True)),
+        return {"wall": time.time(), "now": time.monotonic(),
+                "replies": {n: r for n, r in zip(names, replies, strict=True) if not isinstance(r, BaseException)},
+                "errors": {n: str(r) for n, r in zip(names, replies, strict=True) if isinstance(r, BaseException)},
                 "cpu": {n: process_cpu(pid) for n, pid in pids.items()}, "bench_cpu": process_cpu(os.getpid()),
                 "host": host_cpu()}
 
@@ -379,9 +411,12 @@ def summarise_level(count: int, start_s: float, first: dict, last: dict, placed:
     window = last["now"] - first["now"]
     slack = 1 / window  # one frame over the window: its ends fall between frames
     sessions = []
+    def reported(snapshot: dict, name: str, session_id: str) -> dict | None:
+        return snapshot["replies"].get(name, {}).get("sessions", {}).get(session_id)
+
     for p in placed:
-        w0, w1 = first["replies"][p.worker]["sessions"].get(p.session_id), last["replies"][p.worker]["sessions"].get(p.session_id)
-        c0, c1 = first["replies"][p.client]["sessions"].get(p.session_id), last["replies"][p.client]["sessions"].get(p.session_id)
+        w0, w1 = reported(first, p.worker, p.session_id), reported(last, p.worker, p.session_id)
+        c0, c1 = reported(first, p.client, p.session_id), reported(last, p.client, p.session_id)
         row: dict[str, Any] = {"session": p.session_id, "worker": p.worker, "client": p.client}
         if p.session_id in failed or not (w0 and w1 and c0 and c1):
             row.update(playout_fps=0.0, received_fps=0.0, held=False,
@@ -405,11 +440,13 @@ def summarise_level(count: int, start_s: float, first: dict, last: dict, placed:
         row["held"] = (row["playout_fps"] >= args.min_fps - slack and row["received_fps"] >= args.min_fps - slack
                        and row["ended"] is None)
         sessions.append(row)
-    pipeline = [t[1] * 1e3 for p in placed if (w := last["replies"][p.worker]["sessions"].get(p.session_id))
+    pipeline = [t[1] * 1e3 for p in placed if (w := reported(last, p.worker, p.session_id))
                 for t in w["turns"] if first["wall"] <= t[0] <= last["wall"]]
     steps = [s for name, r in last["replies"].items() if name.startswith("worker") for s in r.get("step_ms", [])]
     processes = []
     for name, reply in last["replies"].items():
+        if name not in first["replies"]:
+            continue
         cpu = _delta(first["cpu"][name], last["cpu"][name])
         processes.append({"name": name, "sessions": sum(name in (p.worker, p.client) for p in placed),
                           "cores": round(cpu["process"] / window, 3), "main_thread": round(cpu["main_thread"] / window, 3),
@@ -431,7 +468,7 @@ def summarise_level(count: int, start_s: float, first: dict, last: dict, placed:
                     if steps else None),
         "gpu": gpu, "host_cpu_busy": round(host_busy, 3), "host_cores": psutil.cpu_count(),
         "bench_process_cores": round(_delta(first["bench_cpu"], last["bench_cpu"])["process"] / window, 3),
-        "processes": processes, "per_session": sessions,
+        "processes": processes, "process_errors": {**first["errors"], **last["errors"]}, "per_session": sessions,
     }
     level["saturated"] = saturated(level)
     return level
@@ -474,6 +511,7 @@ async def ladder(args: argparse.Namespace, batch_sessions: int, budget_s: float 
                              for n, h in procs.hello.items() if n.startswith("worker")}
         result["pids"] = {n: h["pid"] for n, h in procs.hello.items()}
         run = Ladder(args, config, procs)
+        result["warmup_sessions_s"] = round(await run.warm_up(), 1)
         with tqdm(total=round(args.hold), unit="s", dynamic_ncols=True,
                   bar_format="{desc} |{bar}| {n_fmt}/{total_fmt} s{postfix}") as progress:
             for count in args.sessions:
@@ -488,6 +526,9 @@ async def ladder(args: argparse.Namespace, batch_sessions: int, budget_s: float 
                 result["levels"].append(level)
                 tqdm.write(level_line(level, args.min_fps))
                 on_level(result)
+                if level["process_errors"]:
+                    result["stopped"] = "a process failed: " + "; ".join(level["process_errors"].values())
+                    break
                 if level["below"]:
                     reasons = "; ".join(level["saturated"]) or "no measured resource at >= 90% (see the per-session rows)"
                     result["stopped"] = (f"{level['below']} of {count} sessions below {args.min_fps:g} fps; "

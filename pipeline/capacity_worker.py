@@ -8,7 +8,7 @@ decode the media and report presented frames, as a page does. Both are spawned b
 DEALER named after the process, connected to the bench's ROUTER on loopback), JSON both ways:
 
     worker:  open {count} -> {sessions: [[id, token]], url} · mark -> snapshot · stats -> snapshot + window
-    client:  connect {sessions: [[url, id, token]]} -> {failed} · mark / stats -> counts · close
+    client:  connect {sessions: [[url, id, token]]} -> {failed} · mark / stats -> counts · hangup {sessions}
     both:    quit -> {} and the process ends
 
 A snapshot holds cumulative counters per session with the process's own monotonic clock (the same
@@ -307,10 +307,14 @@ class Clients:
                 "sessions": {sid: {"video_frames": len(c.video), "audio_samples": c.audio_samples, "ended": c.ended}
                              for sid, c in self.clients.items()}}
 
-    async def close(self, request: dict[str, Any] | None = None) -> dict[str, Any]:
-        clients, self.clients = list(self.clients.values()), {}
+    async def hangup(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Close the clients of these sessions (their servers end the sessions)."""
+        clients = [self.clients.pop(sid) for sid in request["sessions"] if sid in self.clients]
         await asyncio.gather(*(asyncio.wait_for(c.close(), 10) for c in clients), return_exceptions=True)
         return {"closed": len(clients)}
+
+    async def close(self) -> None:
+        await self.hangup({"sessions": list(self.clients)})
 
 
 async def _clients(endpoint: str, name: str, connect_timeout_s: float) -> None:
@@ -322,7 +326,7 @@ async def _clients(endpoint: str, name: str, connect_timeout_s: float) -> None:
         clients.lag.start()
         await link.send({"id": None, "hello": name, "pid": os.getpid()})
         quit_id = await serve_requests(link, name, {"connect": clients.connect, "mark": clients.mark,
-                                                    "stats": clients.stats, "close": clients.close}, stop)
+                                                    "stats": clients.stats, "hangup": clients.hangup}, stop)
     finally:
         try:
             await clients.lag.stop()
