@@ -45,6 +45,7 @@ import statistics
 import subprocess
 import threading
 import time
+import traceback
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -68,7 +69,7 @@ MIN_TURN_S = 6.0  # a scripted turn (user line, think, reply, gap) takes longer 
 GPU_SAMPLE_S = 1.0
 CALL_TIMEOUT_S = 30.0  # a request to a worker or client process (connects take their own limit)
 QUIT_TIMEOUT_S = 60.0  # a process's cleanup (its sessions stop) before it is terminated
-EXIT_GRACE_S = 10.0  # from its answer to quit (cleaned up) to its exit
+EXIT_GRACE_S = 30.0  # from its answer to quit (cleaned up) to its exit: a loaded host takes seconds to end a torch process
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -113,6 +114,8 @@ def session_config(args: argparse.Namespace, batch_sessions: int) -> PipelineCon
         config.diffusion.threads = args.threads
     if config.decode.device == "cpu":
         config.decode.threads = args.threads
+    if batch_sessions < 1:
+        raise ValueError(f"--batch-sessions must be >= 1 (1 = off), got {batch_sessions}")
     if batch_sessions != 1 or "batch_sessions" in DIFFUSION_FIELDS:
         if "batch_sessions" not in DIFFUSION_FIELDS:
             raise ValueError("--batch-sessions: DiffusionConfig has no batch_sessions field in this tree "
@@ -434,6 +437,7 @@ def summarise_level(count: int, start_s: float, first: dict, last: dict, placed:
             skipped_video_frames=(w1["skipped_video_frames"] - w0["skipped_video_frames"]
                                   if w1["skipped_video_frames"] is not None and w0["skipped_video_frames"] is not None
                                   else None),
+            frames_released_total=w1["frames_released"], frames_received_total=c1["video_frames"],
             turns=len(turns),
             pipeline_median_ms=round(1e3 * statistics.median(t[1] for t in turns), 1) if turns else None,
             ended=w1["ended"] or c1["ended"])
@@ -448,9 +452,15 @@ def summarise_level(count: int, start_s: float, first: dict, last: dict, placed:
         if name not in first["replies"]:
             continue
         cpu = _delta(first["cpu"][name], last["cpu"][name])
-        processes.append({"name": name, "sessions": sum(name in (p.worker, p.client) for p in placed),
-                          "cores": round(cpu["process"] / window, 3), "main_thread": round(cpu["main_thread"] / window, 3),
-                          "child_processes_cores": round(cpu["children"] / window, 3), "loop_lag": reply["loop_lag"]})
+        entry = {"name": name, "sessions": sum(name in (p.worker, p.client) for p in placed),
+                 "cores": round(cpu["process"] / window, 3), "main_thread": round(cpu["main_thread"] / window, 3),
+                 "child_processes_cores": round(cpu["children"] / window, 3), "loop_lag": reply["loop_lag"]}
+        if reply.get("batcher") is not None:  # how many sessions' steps one forward served, in the window
+            forwards = reply["batcher"]["forwards"] - first["replies"][name]["batcher"]["forwards"]
+            served = reply["batcher"]["steps"] - first["replies"][name]["batcher"]["steps"]
+            entry["batched"] = {"forwards": forwards, "steps": served,
+                                "steps_per_forward": round(served / forwards, 2) if forwards else None}
+        processes.append(entry)
     busy = _delta(dict(zip(("busy", "total"), first["host"], strict=True)), dict(zip(("busy", "total"), last["host"], strict=True)))
     host_busy = busy["busy"] / max(1e-9, busy["total"])
     playout = [s["playout_fps"] for s in sessions]
@@ -470,6 +480,9 @@ def summarise_level(count: int, start_s: float, first: dict, last: dict, placed:
         "bench_process_cores": round(_delta(first["bench_cpu"], last["bench_cpu"])["process"] / window, 3),
         "processes": processes, "process_errors": {**first["errors"], **last["errors"]}, "per_session": sessions,
     }
+    batched = [p["batched"] for p in processes if "batched" in p]
+    forwards = sum(b["forwards"] for b in batched)
+    level["steps_per_forward"] = round(sum(b["steps"] for b in batched) / forwards, 2) if forwards else None
     level["saturated"] = saturated(level)
     return level
 
@@ -536,6 +549,7 @@ async def ladder(args: argparse.Namespace, batch_sessions: int, budget_s: float 
                     break
     except Exception as e:
         result["error"] = f"{type(e).__name__}: {e}"
+        result["traceback"] = traceback.format_exc(limit=-6)  # where, for a first run on a new machine
     finally:
         result["process_exits"] = await procs.close()
     held = [lv["sessions"] for lv in result["levels"] if not lv["below"]]
@@ -556,7 +570,7 @@ def level_line(level: dict[str, Any], min_fps: float) -> str:
 
 def table(report: dict[str, Any]) -> str:
     rows = [["batch", "sessions", "held", "playout fps min/med", "received fps min/med", "underruns",
-             "pipeline p50/p90 ms", "step p50/p99 ms", "GPU busy", "host CPU", "worst loop lag p99", "saturated"]]
+             "pipeline p50/p90 ms", "step p50/p99 ms", "steps/forward", "GPU busy", "host CPU", "worst loop lag p99", "saturated"]]
     for result in report["ladders"]:
         for lv in result["levels"]:
             p, s, g = lv["pipeline_ms"], lv["step_ms"], lv["gpu"]
@@ -567,6 +581,7 @@ def table(report: dict[str, Any]) -> str:
                          f"{lv['received_fps_min']:.2f} / {lv['received_fps_median']:.2f}", str(lv["underruns"]),
                          f"{p['p50']:.0f} / {p['p90']:.0f}" if p.get("turns") else "-",
                          f"{s['p50']:.2f} / {s['p99']:.2f}" if s else "-",
+                         f"{lv['steps_per_forward']:.1f}" if lv["steps_per_forward"] else "-",
                          f"{g['util_mean']:.0f}%" if g and g.get("samples") else "-",
                          f"{100 * lv['host_cpu_busy']:.0f}%", f"{worker_lag:.0f} ms", "; ".join(lv["saturated"]) or "-"])
     where = f"--gpus {report['gpus']}" if report["gpus"] else "CPU"
@@ -589,11 +604,15 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("charstream bench capacity: --sessions must be increasing positive counts")
     if args.workers < 1 or args.clients < 1:
         raise SystemExit("charstream bench capacity: --workers and --clients must be at least 1")
+    per_worker = math.ceil(max(args.sessions) / args.workers)
     for k in args.batch_sessions:
         try:
             session_config(args, k)  # a bad layout, preset or batching value fails here, before any process
         except ValueError as e:
             raise SystemExit(f"charstream bench capacity: {e}") from None
+        if k > 1 and per_worker > k:  # a worker's batcher takes at most batch_sessions sessions
+            raise SystemExit(f"charstream bench capacity: --batch-sessions {k} serves at most {k} sessions per "
+                             f"worker; {max(args.sessions)} sessions on {args.workers} workers need {per_worker}")
     configure_logging("error")
     report: dict[str, Any] = {
         "bench": "capacity", "preset": args.preset, "weights": args.weights, "gpus": args.gpus,

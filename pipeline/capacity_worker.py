@@ -204,7 +204,9 @@ class Worker:
         return data
 
     def snapshot(self) -> dict[str, Any]:
-        return {"now": time.monotonic(), "sessions": {sid: self._session(sid, s) for sid, s in self.sessions.items()}}
+        batcher = self.factory.batcher  # the process's cross-session step batcher (batch_sessions > 1)
+        return {"now": time.monotonic(), "sessions": {sid: self._session(sid, s) for sid, s in self.sessions.items()},
+                "batcher": None if batcher is None else {"forwards": batcher.stats.forwards, "steps": batcher.stats.steps}}
 
     async def mark(self, request: dict[str, Any]) -> dict[str, Any]:
         self.lag.samples.clear()

@@ -29,9 +29,9 @@ def test_bench_capacity_measures_frames_the_clients_received(tmp_path):
     window = level["window_s"]
     for s in sessions:
         assert "problem" not in s, s
-        received, released = s["received_fps"] * window, s["released_fps"] * window
-        assert received >= 24, s  # at least a second of video decoded by the client in the window
-        assert received <= released + 12, s  # the client cannot get frames playout never released
+        assert s["received_fps"] * window >= 24, s  # at least a second of video decoded by the client in the window
+        # The client cannot get frames playout never released (its snapshot is a moment after the worker's).
+        assert 0 < s["frames_received_total"] <= s["frames_released_total"] + 12, s
         assert s["held"] == (min(s["playout_fps"], s["received_fps"]) >= 24 - 1 / window and s["ended"] is None)
     assert level["below"] == sum(not s["held"] for s in sessions)
     assert {p["name"] for p in level["processes"]} == {"worker-0", "worker-1", "client-0"}
