@@ -18,6 +18,7 @@ computing whatever the buffers hold, read by no one.
 from __future__ import annotations
 
 import torch
+from charstream.model.capture import CAPTURE_MODE, one_capture_at_a_time
 from charstream.model.step import BUCKETS
 from charstream.model.vae import CausalState, Decoder, to_uint8_frames
 
@@ -90,6 +91,7 @@ class BatchedDecoder:
                  for i, s in enumerate(states)]
         return frames[:n], after
 
+    @one_capture_at_a_time
     @torch.inference_mode()
     def capture(self, warmup: int = 2) -> None:
         """One CUDA graph per bucket, on a stream of its own (model/step.py says why), sharing one memory pool
@@ -103,7 +105,8 @@ class BatchedDecoder:
                     self._body(bucket)
             torch.cuda.current_stream().wait_stream(self.capture_stream)
             self.graphs[bucket] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graphs[bucket], pool=memory, stream=self.capture_stream):
+            with torch.cuda.graph(self.graphs[bucket], pool=memory, stream=self.capture_stream,
+                                  capture_error_mode=CAPTURE_MODE):
                 self.outputs[bucket] = self._body(bucket)
 
     def _body(self, n: int) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:

@@ -1,7 +1,8 @@
 """CUDA graph capture in a process that serves several sessions.
 
 Each session's diffusion step and decoder capture their graphs at setup (``model/step.py``,
-``model/graphed_decoder.py``) in a worker thread, while other sessions of the same process may be
+``model/graphed_decoder.py``; a process's batched step and decoder at their first session,
+``model/batched_decoder.py``) in a worker thread, while other sessions of the same process may be
 stepping and decoding. Two rules keep that safe. One capture at a time per process
 (``one_capture_at_a_time``): ``torch.cuda.graph`` synchronises the device and empties the
 allocator's cache on entry, and the warm-up runs before it compile Triton kernels. And the capture

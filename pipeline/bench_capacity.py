@@ -25,8 +25,8 @@ event loop's lag. A session holds the rate when both of its fps are at least ``-
 frame over the window (the window's ends fall between frames). The ladder stops at the first count
 where a session does not, and says which resources were saturated there (≥ 90%, or an event loop
 lagging more than a frame). ``--batch-sessions 1 8`` runs the whole ladder once per value, on fresh
-processes (``DiffusionConfig.batch_sessions``: the most sessions one batched diffusion forward
-serves; 1 is off). ``--budget-s`` bounds one ladder's wall time: a count that would not fit is not
+processes (``diffusion.batch_sessions`` and ``decode.batch_sessions``, as ``serve --batch-sessions``:
+the most sessions of a process one batched forward serves; 1 is off). ``--budget-s`` bounds one ladder's wall time: a count that would not fit is not
 started. The JSON (``--out``) is rewritten after each count, so a run cut short keeps what it measured.
 """
 
@@ -56,7 +56,6 @@ import zmq.asyncio
 from charstream.pipeline.bench_output import commit_id, emit_report, percentiles, text_table
 from charstream.pipeline.capacity_worker import run_clients, run_worker
 from charstream.pipeline.config import PipelineConfig
-from charstream.stages.config import DiffusionConfig
 from charstream.transport.supervisor import Supervisor, describe_exit
 from tqdm import tqdm
 
@@ -85,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=2, help="server processes, each one event loop (default 2)")
     parser.add_argument("--clients", type=int, default=1, help="client processes (default 1)")
     parser.add_argument("--batch-sessions", type=int, nargs="+", default=[1],
-                        help="one ladder per value: diffusion.batch_sessions (1: no cross-session batching)")
+                        help="one ladder per value: diffusion and decode batch_sessions (1: no cross-session batching)")
     parser.add_argument("--hold", type=float, default=30.0, help="measured seconds at each count (default 30)")
     parser.add_argument("--warmup", type=float, default=5.0, help="seconds between a count's start and its window")
     parser.add_argument("--min-fps", type=float, default=24.0, help="the rate every session must hold (default 24)")
@@ -116,11 +115,7 @@ def session_config(args: argparse.Namespace, batch_sessions: int) -> PipelineCon
         config.decode.threads = args.threads
     if batch_sessions < 1:
         raise ValueError(f"--batch-sessions must be >= 1 (1 = off), got {batch_sessions}")
-    if batch_sessions != 1 or "batch_sessions" in DIFFUSION_FIELDS:
-        if "batch_sessions" not in DIFFUSION_FIELDS:
-            raise ValueError("--batch-sessions: DiffusionConfig has no batch_sessions field in this tree "
-                             "(cross-session batching is not built here)")
-        config.diffusion = dataclasses.replace(config.diffusion, batch_sessions=batch_sessions)
+    config.diffusion.batch_sessions = config.decode.batch_sessions = batch_sessions  # as serve --batch-sessions
     longest = max(args.sessions)
     run_s = args.start_timeout + len(args.sessions) * (args.warmup + args.hold + args.start_timeout)
     repeats = max(1, math.ceil(run_s / (len(DEFAULT_SCRIPT) * MIN_TURN_S)))  # every text is synthesised once
@@ -132,9 +127,6 @@ def session_config(args: argparse.Namespace, batch_sessions: int) -> PipelineCon
     config.egress.offer_timeout_s = args.start_timeout + CALL_TIMEOUT_S
     config.tracing.otel_exporter = "none"
     return config
-
-
-DIFFUSION_FIELDS = {f.name for f in dataclasses.fields(DiffusionConfig)}
 
 
 class Processes:
@@ -455,11 +447,10 @@ def summarise_level(count: int, start_s: float, first: dict, last: dict, placed:
         entry = {"name": name, "sessions": sum(name in (p.worker, p.client) for p in placed),
                  "cores": round(cpu["process"] / window, 3), "main_thread": round(cpu["main_thread"] / window, 3),
                  "child_processes_cores": round(cpu["children"] / window, 3), "loop_lag": reply["loop_lag"]}
-        if reply.get("batcher") is not None:  # how many sessions' steps one forward served, in the window
-            forwards = reply["batcher"]["forwards"] - first["replies"][name]["batcher"]["forwards"]
-            served = reply["batcher"]["steps"] - first["replies"][name]["batcher"]["steps"]
-            entry["batched"] = {"forwards": forwards, "steps": served,
-                                "steps_per_forward": round(served / forwards, 2) if forwards else None}
+        for kind, now in reply.get("batchers", {}).items():  # sessions served per batched forward, in the window
+            before = first["replies"][name]["batchers"][kind]
+            forwards, served = now["forwards"] - before["forwards"], now["served"] - before["served"]
+            entry.setdefault("batched", {})[kind] = {"forwards": forwards, "served": served}
         processes.append(entry)
     busy = _delta(dict(zip(("busy", "total"), first["host"], strict=True)), dict(zip(("busy", "total"), last["host"], strict=True)))
     host_busy = busy["busy"] / max(1e-9, busy["total"])
@@ -480,9 +471,11 @@ def summarise_level(count: int, start_s: float, first: dict, last: dict, placed:
         "bench_process_cores": round(_delta(first["bench_cpu"], last["bench_cpu"])["process"] / window, 3),
         "processes": processes, "process_errors": {**first["errors"], **last["errors"]}, "per_session": sessions,
     }
-    batched = [p["batched"] for p in processes if "batched" in p]
-    forwards = sum(b["forwards"] for b in batched)
-    level["steps_per_forward"] = round(sum(b["steps"] for b in batched) / forwards, 2) if forwards else None
+    level["sessions_per_forward"] = {}
+    for kind in ("diffusion", "decode"):
+        batched = [p["batched"][kind] for p in processes if kind in p.get("batched", {})]
+        if forwards := sum(b["forwards"] for b in batched):
+            level["sessions_per_forward"][kind] = round(sum(b["served"] for b in batched) / forwards, 2)
     level["saturated"] = saturated(level)
     return level
 
@@ -570,10 +563,10 @@ def level_line(level: dict[str, Any], min_fps: float) -> str:
 
 def table(report: dict[str, Any]) -> str:
     rows = [["batch", "sessions", "held", "playout fps min/med", "received fps min/med", "underruns",
-             "pipeline p50/p90 ms", "step p50/p99 ms", "steps/forward", "GPU busy", "host CPU", "worst loop lag p99", "saturated"]]
+             "pipeline p50/p90 ms", "step p50/p99 ms", "batched step/decode", "GPU busy", "host CPU", "worst loop lag p99", "saturated"]]
     for result in report["ladders"]:
         for lv in result["levels"]:
-            p, s, g = lv["pipeline_ms"], lv["step_ms"], lv["gpu"]
+            p, s, g, per = lv["pipeline_ms"], lv["step_ms"], lv["gpu"], lv["sessions_per_forward"]
             worker_lag = max((x["loop_lag"].get("p99_ms", 0.0) for x in lv["processes"] if x["name"].startswith("worker")),
                              default=0.0)
             rows.append([str(result["batch_sessions"]), str(lv["sessions"]), f"{lv['held']}/{lv['sessions']}",
@@ -581,7 +574,7 @@ def table(report: dict[str, Any]) -> str:
                          f"{lv['received_fps_min']:.2f} / {lv['received_fps_median']:.2f}", str(lv["underruns"]),
                          f"{p['p50']:.0f} / {p['p90']:.0f}" if p.get("turns") else "-",
                          f"{s['p50']:.2f} / {s['p99']:.2f}" if s else "-",
-                         f"{lv['steps_per_forward']:.1f}" if lv["steps_per_forward"] else "-",
+                         " / ".join(f"{per.get(k, 0):.1f}" for k in ("diffusion", "decode")) if per else "-",
                          f"{g['util_mean']:.0f}%" if g and g.get("samples") else "-",
                          f"{100 * lv['host_cpu_busy']:.0f}%", f"{worker_lag:.0f} ms", "; ".join(lv["saturated"]) or "-"])
     where = f"--gpus {report['gpus']}" if report["gpus"] else "CPU"

@@ -204,9 +204,11 @@ class Worker:
         return data
 
     def snapshot(self) -> dict[str, Any]:
-        batcher = self.factory.batcher  # the process's cross-session step batcher (batch_sessions > 1)
+        # the process's cross-session batchers (batch_sessions > 1): forwards run, session steps / chunks served
+        batchers = {"diffusion": self.factory.batcher, "decode": self.factory.decode_batcher}
         return {"now": time.monotonic(), "sessions": {sid: self._session(sid, s) for sid, s in self.sessions.items()},
-                "batcher": None if batcher is None else {"forwards": batcher.stats.forwards, "steps": batcher.stats.steps}}
+                "batchers": {kind: {"forwards": b.stats.forwards, "served": b.stats.steps}
+                             for kind, b in batchers.items() if b is not None}}
 
     async def mark(self, request: dict[str, Any]) -> dict[str, Any]:
         self.lag.samples.clear()

@@ -26,9 +26,9 @@
 #                                                   preset (default: characters-14b tiny) and agent pace (default:
 #                                                   realtime; docs/ARCHITECTURE.md, Turn-start rollback), >= 2 min each
 #               scripts/gpu_run.sh capacity DIR [BATCH...]   `charstream bench capacity --gpus 1` (~5 min): concurrent
-#                                                   tiny sessions 8 16 32 48 (CAPACITY_SESSIONS), one ladder per
-#                                                   diffusion.batch_sessions value (default 1, and 8 where the tree
-#                                                   has cross-session batching); needs whl-a and whl-b, not whl-c
+#                                                   tiny sessions (CAPACITY_SESSIONS, default 16 32 48; 8 16 32 48
+#                                                   with one ladder), one ladder per batch_sessions value (default
+#                                                   1 8: without and with batching); needs whl-a and whl-b, not whl-c
 #
 # The tree (17 MB) with all parts exceeds a call's 64 MiB: carry one part per call, back to back while
 # the machine is warm (it goes back 30 s after a call) -- every device command installs the parts it
@@ -154,11 +154,7 @@ elif [ "$cmd" = live ]; then
     done
   done
 elif [ "$cmd" = capacity ]; then
-  if [ $# -eq 0 ]; then  # with batching where this tree has it (DiffusionConfig.batch_sessions)
-    set -- 1
-    python3 -c "import dataclasses, sys; from charstream.stages.config import DiffusionConfig as D
-sys.exit('batch_sessions' not in {f.name for f in dataclasses.fields(D)})" && set -- 1 8
-  fi
+  [ $# -gt 0 ] || set -- 1 8  # without and with cross-session batching (diffusion and decode)
   # ~5 minutes in all: each ladder gets its share (the bench starts no count that would not fit), and with
   # two ladders each starts at 16. 8 server processes (6 sessions each at 48), 4 client processes, 16 cores.
   sessions=${CAPACITY_SESSIONS:-$([ $# -gt 1 ] && echo 16 32 48 || echo 8 16 32 48)}

@@ -11,7 +11,6 @@ import sys
 import psutil
 import pytest
 from charstream.pipeline import bench_capacity
-from charstream.stages.config import DiffusionConfig
 
 
 def test_bench_capacity_measures_frames_the_clients_received(tmp_path):
@@ -42,13 +41,11 @@ def test_bench_capacity_measures_frames_the_clients_received(tmp_path):
     assert "capacity: tiny sessions, CPU" in done.stdout
 
 
-def test_batch_sessions_is_set_only_where_the_diffusion_config_has_it():
+def test_batch_sessions_sets_both_batchers_and_the_scripted_agent_needs_no_recogniser():
     args = argparse.Namespace(preset="tiny", gpus=None, placement="inproc", threads=1, sessions=[1], start_timeout=10,
                               warmup=1, hold=1, recognizer=False)
-    if "batch_sessions" in {f.name for f in __import__("dataclasses").fields(DiffusionConfig)}:
-        assert bench_capacity.session_config(args, 4).diffusion.batch_sessions == 4
-    else:
-        with pytest.raises(ValueError, match="no batch_sessions field"):
-            bench_capacity.session_config(args, 4)
-    config = bench_capacity.session_config(args, 1)
+    config = bench_capacity.session_config(args, 4)
+    assert config.diffusion.batch_sessions == config.decode.batch_sessions == 4
     assert config.ingest.adapter == "scripted" and not config.ingest.scripted_recognizer
+    with pytest.raises(ValueError, match="must be >= 1"):
+        bench_capacity.session_config(args, 0)
