@@ -12,8 +12,8 @@ the forwards, and what arrives while one runs goes into the next, so batches gro
     result = await batcher.submit(key, item)      # key: the session's own object; one item pending each
     batcher.closed(key)                           # a session leaves: an item of it still waiting is dropped
 
-Bounded: at most ``max_sessions`` items per forward and one pending item per session (a second is a
-clear error). A session that ends while its item waits drops it (the future is cancelled); one that
+Bounded: at most ``max_sessions`` items per forward (a forward that has them goes at once) and one
+pending item per session (a second is a clear error). A session that ends while its item waits drops it (the future is cancelled); one that
 ends while its item is in a forward leaves the forward to finish (nobody awaits its result). An item
 that ``check`` refuses fails its session only; a forward that raises fails the future of every
 session in it. A subclass supplies ``check`` and ``forward``; ``forward`` runs under ``self.model_lock``,
@@ -119,7 +119,8 @@ class SessionBatcher:
                     self._worker = None
                     return
                 deadline = time.monotonic() + self.window_s
-                while 0 < len(self._pending) < self._open and (left := deadline - time.monotonic()) > 0:
+                # a full forward goes at once too (more sessions may be open than one forward takes)
+                while 0 < len(self._pending) < min(self._open, self.max_sessions) and (left := deadline - time.monotonic()) > 0:
                     self._wake.wait(left)
                 taken, self._pending = self._pending[: self.max_sessions], self._pending[self.max_sessions :]
             self._run([d for d in taken if d.result.set_running_or_notify_cancel()])

@@ -96,6 +96,29 @@ def test_the_scheduler_batches_what_is_due_and_routes_each_failure_to_its_sessio
     assert b.stats.forwards == 3 and b.stats.steps == 8  # the failed forward served no one
 
 
+def test_a_full_forward_goes_at_once_when_more_sessions_are_open_than_it_takes():
+    async def main():
+        b = _Doubler(window_s=30.0)  # takes 4 per forward
+        keys = [object() for _ in range(6)]
+        for _ in keys:
+            b.opened()
+        with anyio.fail_after(10):  # 5 of 6 in: the first 4 go at once, not after the window
+            first = [asyncio.ensure_future(b.submit(k, i)) for i, k in enumerate(keys[:5])]
+            while sum(f.done() for f in first) < 4:
+                await asyncio.sleep(0.01)
+        last = first[4]
+        assert b.batches == [[0, 1, 2, 3]] and not last.done()  # the fifth waits: 1 of a forward of 4 in
+        with anyio.fail_after(10):  # three more make a full forward: it goes at once
+            got = await asyncio.gather(last, b.submit(keys[5], 5), b.submit(keys[0], 6), b.submit(keys[1], 7))
+        assert got == [8, 10, 12, 14]
+        for k in keys:
+            b.closed(k)
+        return b
+
+    b = asyncio.run(main())
+    assert b.batches == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
 def test_the_window_lets_a_forward_go_without_a_silent_session():
     async def main():
         b = _Doubler(window_s=0.2)
