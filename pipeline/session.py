@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -203,13 +202,10 @@ def session_factory(config: PipelineConfig, weights: str | None = "packaged",
     for section in ("diffusion", "decode"):
         if (n := getattr(config, section).batch_sessions) < 1:
             raise ValueError(f"{section}.batch_sessions must be >= 1 (1 = off), got {n}")
-    batch_steps = config.diffusion.batch_sessions > 1 and not testcard
-    batch_decode = config.decode.batch_sessions > 1 and not testcard
-    # both batchers on a GPU: one device lock (stages/batcher.py says why)
-    gpu = any(d.startswith("cuda") for d in (config.diffusion.device, config.decode.device))
-    lock = threading.Lock() if batch_steps and batch_decode and gpu else None
-    batcher = StepBatcher(config.diffusion, config.preset, weights, lock) if batch_steps else None
-    decode_batcher = DecodeBatcher(config.decode, config.preset, weights, config.diffusion.seed, lock) if batch_decode else None
+    batch = config.diffusion.batch_sessions > 1 and not testcard
+    batcher = StepBatcher(config.diffusion, config.preset, weights) if batch else None
+    batch = config.decode.batch_sessions > 1 and not testcard
+    decode_batcher = DecodeBatcher(config.decode, config.preset, weights, config.diffusion.seed) if batch else None
 
     async def factory(session_id: str) -> SessionMedia:
         nonlocal started

@@ -17,11 +17,7 @@ pending item per session (a second is a clear error). A session that ends while 
 ends while its item is in a forward leaves the forward to finish (nobody awaits its result). An item
 that ``check`` refuses fails its session only; a forward that raises fails the future of every
 session in it. A subclass supplies ``check`` and ``forward``; ``forward`` runs under ``self.model_lock``,
-which its own joins and leaves take too when they touch the model. Batchers of one process whose models
-share a GPU share one lock (``session_factory`` hands both the same): a CUDA graph captured in one
-thread forbids CUDA calls in every other thread of the process meanwhile (PyTorch's global capture
-mode), so the diffusion batcher's forwards must not run while the decoder's graphs are captured, nor
-the other way round.
+which its own joins and leaves take too when they touch the model.
 """
 
 from __future__ import annotations
@@ -49,17 +45,15 @@ class BatcherStats:
 
 
 class SessionBatcher:
-    def __init__(self, max_sessions: int, window_s: float, threads: int | None = None, name: str = "batcher",
-                 lock: threading.Lock | None = None) -> None:
-        """``threads``: the worker's torch intra-op threads (CPU; None leaves torch's setting). ``lock``: the
-        device lock this batcher shares with the process's other batchers (None: one of its own)."""
+    def __init__(self, max_sessions: int, window_s: float, threads: int | None = None, name: str = "batcher") -> None:
+        """``threads``: the worker's torch intra-op threads (CPU; None leaves torch's setting)."""
         if max_sessions < 2:
             raise ValueError(f"a batcher needs batch_sessions >= 2, got {max_sessions}")
         if window_s < 0:
             raise ValueError(f"batch_window_s must be >= 0, got {window_s}")
         self.max_sessions, self.window_s, self.threads, self.name = max_sessions, window_s, threads, name
         self.stats = BatcherStats()
-        self.model_lock = lock or threading.Lock()  # the model (and device): one forward, join or leave at a time
+        self.model_lock = threading.Lock()  # the shared model: one forward (or a subclass's join/leave) at a time
         self._wake = threading.Condition()  # guards _pending, _open, _worker
         self._pending: list[_Due] = []
         self._open = 0

@@ -10,11 +10,13 @@ from), epochs and chunk order, and submits each chunk with the state it continue
     batcher.join(stage)                                   # (blocking) the first join builds the decoder
     frames, state = await batcher.decode(stage, latent, state)   # uint8 (4, H, W, 3) numpy, the state after
     batcher.leave(stage)
+
+On CUDA the forwards run on a stream of their own, so their copies wait for no diffusion forward.
 """
 
 from __future__ import annotations
 
-import threading
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -28,19 +30,18 @@ if TYPE_CHECKING:
 
 
 class DecodeBatcher(SessionBatcher):
-    def __init__(self, config: DecodeConfig, preset: str, weights: str | None = "packaged", seed: int = 0,
-                 lock: threading.Lock | None = None) -> None:
-        """``seed``: the decoder's weights when ``weights`` is None (seeded random). ``lock``: the device lock
-        shared with the process's step batcher (stages/batcher.py says why)."""
+    def __init__(self, config: DecodeConfig, preset: str, weights: str | None = "packaged", seed: int = 0) -> None:
+        """``seed``: the decoder's weights when ``weights`` is None (seeded random)."""
         self.device = config.device
         cuda = self.device.startswith("cuda")
         super().__init__(config.batch_sessions, config.batch_window_s,
-                         None if cuda else cpu_threads(config.threads), "decode-batcher", lock)
+                         None if cuda else cpu_threads(config.threads), "decode-batcher")
         self.preset, self.weights, self.seed = preset, weights, seed
         self.cfg = get_preset(preset)
         self.graphed = config.graphed and cuda
         self.dtype = "bfloat16" if cuda else "float32"
         self.batch: BatchedDecoder | None = None  # built by the first join
+        self._stream: Any = None
 
     def join(self, session: object) -> None:
         """(blocking) ``session`` (its own object) joins; the first join loads the decoder and captures its graphs."""
@@ -54,10 +55,13 @@ class DecodeBatcher(SessionBatcher):
         self.closed(session)
 
     def _build(self) -> BatchedDecoder:
+        import torch
         from charstream.model.batched_decoder import BatchedDecoder
         from charstream.model.weights import load_decoder, resolve_weights
 
         decoder = load_decoder(self.preset, resolve_weights(self.preset, self.weights), self.device, self.dtype, self.seed)
+        if self.device.startswith("cuda"):
+            self._stream = torch.cuda.Stream(self.device)
         return BatchedDecoder(decoder, self.max_sessions, graphed=self.graphed)
 
     async def decode(self, session: object, latent: np.ndarray, state: CausalState | None) -> tuple[np.ndarray, CausalState]:
@@ -76,6 +80,8 @@ class DecodeBatcher(SessionBatcher):
         import torch
 
         latents = torch.from_numpy(np.stack([latent for latent, _ in items]).astype(np.float32, copy=False))
-        frames, states = self.batch.decode(latents, [state for _, state in items])
-        return list(zip(frames.cpu().numpy(), states, strict=True))
+        with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext():
+            frames, states = self.batch.decode(latents, [state for _, state in items])
+            rows = frames.cpu().numpy()
+        return list(zip(rows, states, strict=True))
 

@@ -139,8 +139,7 @@ class DiffusionStage(Stage):
         path = resolve_weights(self.preset, self.weights)
         dtype = getattr(torch, self.dtype)
         if self.batcher is not None:
-            # on the host: the join moves it to the device under the batcher's lock (stages/batcher.py says why)
-            self.reference = reference_latent(self.preset, path, self.identity, "cpu")
+            self.reference = reference_latent(self.preset, path, self.identity, self.device)
             self.generator = self.batcher.join(self.reference)  # a DiffusionStep on a lane of the shared pool
             return path
         step = {"graphed": None if self.graphed else False}  # None: graphed wherever the fused body runs on CUDA

@@ -19,7 +19,6 @@ its own (no session, bad tokens) fails only its session's.
 
 from __future__ import annotations
 
-import threading
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -33,14 +32,12 @@ if TYPE_CHECKING:
 
 
 class StepBatcher(SessionBatcher):
-    def __init__(self, config: DiffusionConfig, preset: str, weights: str | None = "packaged",
-                 lock: threading.Lock | None = None) -> None:
-        """``lock``: the device lock shared with the process's decode batcher (stages/batcher.py says why)."""
+    def __init__(self, config: DiffusionConfig, preset: str, weights: str | None = "packaged") -> None:
         if config.tp != 1:
             raise ValueError(f"batched sessions run at diffusion.tp = 1, not {config.tp}")
         self.device = config.device
         super().__init__(config.batch_sessions, config.batch_window_s,
-                         cpu_threads(config.threads) if self.device == "cpu" else None, "step-batcher", lock)
+                         cpu_threads(config.threads) if self.device == "cpu" else None, "step-batcher")
         self.config, self.preset, self.weights = config, preset, weights
         self.fp8 = self.device.startswith("cuda") if config.fp8_cache is None else config.fp8_cache
         self.graphed = config.graphed_step and self.device.startswith("cuda")

@@ -151,7 +151,7 @@ def test_batched_decode_on_cuda_equals_each_alone_within_tolerance_and_the_graph
     for g, e in zip(g_states, e_states, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(g.caches, e.caches, strict=True))
     assert not torch.equal(alone["a"][0][0], alone["b"][0][0])
-    # and the stage's batcher serves sessions on CUDA (frames back on the host)
+    # and the stage's batcher serves sessions on CUDA (its own stream, frames back on the host)
     decode_batcher = DecodeBatcher(DecodeConfig(device="cuda", batch_sessions=4), "tiny", weights=None)
 
     async def two():
