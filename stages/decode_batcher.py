@@ -60,9 +60,11 @@ class DecodeBatcher(SessionBatcher):
         from charstream.model.weights import load_decoder, resolve_weights
 
         decoder = load_decoder(self.preset, resolve_weights(self.preset, self.weights), self.device, self.dtype, self.seed)
+        batch = BatchedDecoder(decoder, self.max_sessions, graphed=self.graphed)
         if self.device.startswith("cuda"):
             self._stream = torch.cuda.Stream(self.device)
-        return BatchedDecoder(decoder, self.max_sessions, graphed=self.graphed)
+            self._stream.wait_stream(torch.cuda.current_stream())  # the buffers it starts from are made there
+        return batch
 
     async def decode(self, session: object, latent: np.ndarray, state: CausalState | None) -> tuple[np.ndarray, CausalState]:
         """``latent`` (C, h, w) decoded from ``state`` (None: the session starts here): its uint8 frames
