@@ -374,8 +374,8 @@ class Ladder:
                 "host": host_cpu()}
 
     async def level(self, count: int, progress: tqdm) -> dict[str, Any]:
-        add = count - len(self.placed)
-        start_s = await self.add(add) if add > 0 else 0.0
+        added_from = len(self.placed)
+        start_s = await self.add(count - added_from)
         progress.set_description_str(f"{count} sessions: warm-up")
         await asyncio.sleep(self.args.warmup)
         sampler = GpuSampler() if self.gpu else None
@@ -393,7 +393,8 @@ class Ladder:
             progress.set_postfix_str(f"host CPU {100 * share:.0f}%{gpu}", refresh=True)
         last = await self.snapshot("stats")
         gpu = sampler.stop() if sampler is not None else None
-        return summarise_level(count, start_s, first, last, self.placed, self.failed, gpu, self.args)
+        return {"added_from": added_from, **summarise_level(count, start_s, first, last, self.placed, self.failed, gpu,
+                                                            self.args)}
 
 
 def _delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
@@ -523,8 +524,14 @@ async def ladder(args: argparse.Namespace, batch_sessions: int, budget_s: float 
             for count in args.sessions:
                 if count <= len(run.placed):
                     continue
-                last_start = result["levels"][-1]["start_s"] if result["levels"] else 0.0
-                needed = 2 * last_start + args.warmup + args.hold  # a larger count starts slower
+                # Starting scales with the sessions added (the warm-up started one per worker).
+                added = count - len(run.placed)
+                if result["levels"]:
+                    last = result["levels"][-1]
+                    start_s = last["start_s"] * added / max(1, last["sessions"] - last["added_from"])
+                else:
+                    start_s = result["warmup_sessions_s"] * added / args.workers
+                needed = start_s + args.warmup + args.hold
                 if budget_s is not None and time.monotonic() - began + needed > budget_s:
                     result["stopped"] = f"{count} sessions not started: ~{needed:.0f} s more would pass the {budget_s:.0f} s budget"
                     break

@@ -26,7 +26,7 @@
 #                                                   preset (default: characters-14b tiny) and agent pace (default:
 #                                                   realtime; docs/ARCHITECTURE.md, Turn-start rollback), >= 2 min each
 #               scripts/gpu_run.sh capacity DIR [BATCH...]   `charstream bench capacity --gpus 1` (~5 min): concurrent
-#                                                   tiny sessions (CAPACITY_SESSIONS, default 16 32 48; 8 16 32 48
+#                                                   tiny sessions (CAPACITY_SESSIONS, default 32 48; 8 16 32 48
 #                                                   with one ladder), one ladder per batch_sessions value (default
 #                                                   1 8: without and with batching); needs whl-a and whl-b, not whl-c
 #
@@ -155,11 +155,12 @@ elif [ "$cmd" = live ]; then
   done
 elif [ "$cmd" = capacity ]; then
   [ $# -gt 0 ] || set -- 1 8  # without and with cross-session batching (diffusion and decode)
-  # ~5 minutes in all: each ladder gets its share (the bench starts no count that would not fit), and with
-  # two ladders each starts at 16. 8 server processes (6 sessions each at 48), 4 client processes, 16 cores.
-  sessions=${CAPACITY_SESSIONS:-$([ $# -gt 1 ] && echo 16 32 48 || echo 8 16 32 48)}
+  # ~5 minutes of ladders: each gets its share (the bench starts no count that would not fit); with two
+  # ladders each holds 32 then 48 (the target is 32). 8 server processes (6 sessions each at 48) and 4
+  # client processes on the 16 cores.
+  sessions=${CAPACITY_SESSIONS:-$([ $# -gt 1 ] && echo 32 48 || echo 8 16 32 48)}
   # shellcheck disable=SC2086
-  section "capacity tiny --gpus 1, batch_sessions $*" 340 capacity.log python3 -m charstream.pipeline.cli bench capacity \
+  section "capacity tiny --gpus 1, batch_sessions $*" 360 capacity.log python3 -m charstream.pipeline.cli bench capacity \
     --gpus 1 --sessions $sessions --workers "${CAPACITY_WORKERS:-8}" --clients "${CAPACITY_CLIENTS:-4}" \
     --batch-sessions "$@" --hold 30 --budget-s $((300 / $#)) --out "$OUT/capacity.json"
 else
