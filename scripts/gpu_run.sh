@@ -155,6 +155,9 @@ elif [ "$cmd" = live ]; then
   done
 elif [ "$cmd" = capacity ]; then
   [ $# -gt 0 ] || set -- 1 8  # without and with cross-session batching (diffusion and decode)
+  # The premise of sessions sharing a process on the GPU (model/capture.py): captures beside running sessions.
+  section "capture beside running sessions" 90 capacity.log python3 -m pytest -q -m gpu -p no:cacheprovider \
+    --timeout=80 tests/test_capture_gpu.py
   # ~5 minutes of ladders: each gets its share (the bench starts no count that would not fit); with two
   # ladders each holds 32 then 48 (the target is 32). 8 server processes (6 sessions each at 48) and 4
   # client processes on the 16 cores.
