@@ -101,6 +101,9 @@ def test_stages_sharing_a_batcher_emit_their_unbatched_latents():
     assert not np.allclose(alone["a"][0][2], alone["b"][0][2])  # sessions differ: seeds, identities, audio
     assert batcher.stats.largest == 3 and batcher.stats.steps == sum(len(v) for v in together.values())
     assert batcher.stats.forwards < batcher.stats.steps  # steps really shared forwards
+    worker = batcher._worker  # the last leave wakes the worker, which then ends on its own thread
+    if worker is not None:
+        worker.join(5)
     assert batcher._open == 0 and batcher._worker is None and not batcher.batch.sessions  # all left, worker gone
 
 
