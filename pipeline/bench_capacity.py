@@ -494,9 +494,10 @@ def saturated(level: dict[str, Any]) -> list[str]:
         what = "the event loop of server" if p["name"].startswith("worker") else "the event loop of the bench's client"
         if p["main_thread"] >= SATURATED:
             found.append(f"{what} {p['name']}: its thread {100 * p['main_thread']:.0f}% of a core, lag p99 {lag:.0f} ms")
-        elif lag > 1e3 * FRAME_S:  # late, but not busy itself: the process is starved of CPU
+        elif lag > 1e3 * FRAME_S:  # late, but its thread not busy: it waited for a core or for the GIL
             found.append(f"{what} {p['name']} late (lag p99 {lag:.0f} ms > a frame) at {100 * p['main_thread']:.0f}% "
-                         "of a core: starved, not busy")
+                         f"of a core, the process's other threads {p['cores'] - p['main_thread']:.2f} cores: "
+                         "starved (of a core or the GIL), not busy")
     return found
 
 
