@@ -8,6 +8,8 @@ in-process aiortc client on a loop of its own (``demo.ClientThread``):
   segments of ours and child processes. Reported: the slope of RSS per session after the warm-up
   (a least-squares fit), the retained MB per ended session, and the same after ``malloc_trim``
   (what glibc holds but could return, not a leak).
+Every sample also holds glibc's own account (``malloc_info``: arenas, heap, free pool, mapped
+blocks), which tells memory the process uses from memory its allocator keeps.
 The agent is the scripted one (its user and its replies synthesised, the built-in script
 repeated), so the character talks through the whole model path without a microphone.
 
@@ -37,7 +39,7 @@ import psutil
 from charstream.pipeline.bench_output import commit_id, emit_report, text_table
 from charstream.pipeline.config import PipelineConfig
 from charstream.stages.config import EgressConfig
-from charstream.stages.memory import release_free_memory
+from charstream.stages.memory import allocator_stats, release_free_memory
 
 from charstream.logs import configure_logging
 from charstream.timeline import VIDEO_FPS
@@ -56,6 +58,7 @@ def sample() -> dict[str, float]:
         "threads": process.num_threads(),
         "shm_segments": len(glob.glob("/dev/shm/charstream-*")),
         "children": len(process.children(recursive=True)),
+        **{f"malloc_{k}": v for k, v in allocator_stats().items()},  # glibc's heaps, its free pool, mapped blocks
     }
 
 
@@ -174,6 +177,7 @@ async def soak_session(source: str, config: PipelineConfig, minutes: float, ever
         "fds_slope_per_min": round(slope(axis, [s["fds"] for s in fit]), 3),
         "threads_slope_per_min": round(slope(axis, [s["threads"] for s in fit]), 3),
         "shm_segments_max": max((s["shm_segments"] for s in samples), default=0),
+        "malloc_free_mb_first_last": [fit[0].get("malloc_free_mb"), fit[-1].get("malloc_free_mb")] if fit else None,
         "rss_after_session_mb": last["rss_mb"], "rss_after_malloc_trim_mb": trimmed["rss_mb"],
         "fps_held": playout["achieved_fps"], "underruns": playout["underruns"],
         "underrun_frames": playout["underrun_frames"], "frames_owed_by_clock": owed,

@@ -23,6 +23,7 @@ import asyncio
 import ctypes
 import ctypes.util
 import os
+import re
 
 _LIBC = ctypes.util.find_library("c")
 MALLOC_THRESHOLD_BYTES = 128 << 10
@@ -40,6 +41,34 @@ def bound_allocator_pools(threshold: int = MALLOC_THRESHOLD_BYTES) -> bool:
         return bool(libc.mallopt(M_MMAP_THRESHOLD, threshold)) and bool(libc.mallopt(M_TRIM_THRESHOLD, threshold))
     except (OSError, AttributeError, TypeError):  # no libc found, or not glibc
         return False
+
+
+def allocator_stats() -> dict[str, float]:
+    """glibc's own account (``malloc_info``): arenas, MB it holds from the OS in its heaps, of that
+    MB free (its pool), and MB in mapped blocks; empty without glibc."""
+    try:
+        libc = ctypes.CDLL(_LIBC)
+        libc.open_memstream.restype = ctypes.c_void_p
+        libc.open_memstream.argtypes = [ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_size_t)]
+        libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+        libc.fclose.argtypes = libc.free.argtypes = [ctypes.c_void_p]
+        buffer, size = ctypes.c_char_p(), ctypes.c_size_t()
+        stream = libc.open_memstream(ctypes.byref(buffer), ctypes.byref(size))
+        libc.malloc_info(0, stream)
+        libc.fclose(stream)
+        text = buffer.value.decode()
+        libc.free(buffer)
+    except (OSError, AttributeError, TypeError):
+        return {}
+    totals = text.rsplit("</heap>", 1)[-1]  # after the per-arena sections: the process's totals
+
+    def total(pattern: str) -> float:
+        match = re.search(pattern, totals)
+        return round(int(match[1]) / 2**20, 2) if match else 0.0
+
+    free = total(r'<total type="fast" count="\d+" size="(\d+)"/>') + total(r'<total type="rest" count="\d+" size="(\d+)"/>')
+    return {"arenas": text.count("<heap nr="), "heap_mb": total(r'<system type="current" size="(\d+)"/>'),
+            "free_mb": round(free, 2), "mapped_mb": total(r'<total type="mmap" count="\d+" size="(\d+)"/>')}
 
 
 def release_free_memory() -> bool:

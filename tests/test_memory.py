@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from charstream.stages.memory import allocator_stats
 
 # In a fresh process: one big block freed (glibc's dynamic threshold rises to its size), then 2 MB
 # blocks, each followed by a live 256 KiB one (too big for the bins' leftovers, so it lands right
@@ -55,3 +56,15 @@ def test_an_operators_malloc_environment_is_left_alone():
                           "print(bound_allocator_pools())"], capture_output=True, text=True, check=True,
                          env={"PATH": "/usr/bin:/bin", "MALLOC_MMAP_THRESHOLD_": "65536"}).stdout.strip()
     assert out == "False"
+
+
+def test_allocator_stats_accounts_for_a_mapped_block():
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    before = allocator_stats()
+    block = libc.malloc(64 << 20)  # far above any mmap threshold: always mapped
+    during = allocator_stats()
+    libc.free(block)
+    assert set(before) == {"arenas", "heap_mb", "free_mb", "mapped_mb"} and before["arenas"] >= 1
+    assert during["mapped_mb"] - before["mapped_mb"] >= 64
