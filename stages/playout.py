@@ -20,8 +20,8 @@ video leave with one clock.
 Turn-start rollback (docs/ARCHITECTURE.md, Turn-start rollback): on ``Control(TURN_START)`` playout
 places the speech at the first frame that its first chunk can reach in time -- now + the
 conditioning encode (or the end of the step still busy with the last listening chunk) + the
-production latency of recent chunks (``conditioning_ready`` stamp -> arrival here, the largest of
-the last ``LATENCY_HISTORY``) -- and never before ``earliest_chunk``, the furthest rewind the
+production latency of recent chunks (``conditioning_ready`` stamp -> arrival here, the
+``LATENCY_PERCENTILE`` of the last ``LATENCY_HISTORY``) -- and never before ``earliest_chunk``, the furthest rewind the
 diffusion ring undoes exactly. The buffered chunks before that frame's chunk are kept and play on
 (no hole); the rest are dropped, and ``Control(ROLLBACK, chunk=last_kept, epoch=e+1,
 detail={"onset_frame": k, "due_at": t})`` is sent: the speech starts at frame ``k`` of chunk
@@ -58,7 +58,8 @@ from charstream.timeline import (
 )
 
 FRAME_SECONDS = 1.0 / VIDEO_FPS
-LATENCY_HISTORY = 24  # chunks (4 s) whose production latency a speech placement budgets for (their max)
+LATENCY_HISTORY = 24  # chunks (4 s) whose production latency a speech placement budgets for
+LATENCY_PERCENTILE = 90  # of those: a few slow outliers (a loaded CPU) do not set the budget
 
 
 class PlayoutClosed(Exception):
@@ -302,8 +303,8 @@ class PlayoutStage(Stage):
         leaves = now + float(detail.get("encode_s") or 0.0)
         last_emit = detail.get("last_emit_at")
         if last_emit is not None and self._to_step_end:
-            leaves = max(leaves, float(last_emit) + max(self._to_step_end))
-        ready_s = leaves + max(self._to_arrival) - now
+            leaves = max(leaves, float(last_emit) + _budget(self._to_step_end))
+        ready_s = leaves + _budget(self._to_arrival) - now
         # Frames from the next one released to the first frame whose deadline the chunk can meet.
         ahead = max(0, math.ceil((time.monotonic() + ready_s - t0) * VIDEO_FPS) - self.output.next_index)
         playing = self._playing
@@ -493,6 +494,10 @@ class PlayoutStage(Stage):
         if self._metrics is not None:
             self._metrics.close(self.stats.achieved_fps if self.stats.frames_released else None)
             self._metrics = None
+
+
+def _budget(latencies: deque[float]) -> float:
+    return float(np.percentile(latencies, LATENCY_PERCENTILE))
 
 
 def _check_chunk(chunk: VideoChunk) -> str | None:
