@@ -6,7 +6,9 @@ output timeline is released at ``t0 + n / 24`` (absolute deadlines on the monoto
 sleep error never accumulates), together with exactly its 2,000 samples. The buffer therefore
 holds ``target_depth_chunks × 166.7 ms`` of media ahead of the playhead: an upstream stall
 shorter than that is absorbed. When the buffer runs dry the clock keeps going: the last frame is
-held with silence (an underrun, counted) until the buffer is back at its target depth.
+held with silence (an underrun, counted) until the buffer is back at its target depth -- or, when
+it ran dry in the middle of speech, until the next chunk lands (speech arrives at the agent's pace:
+the buffer cannot refill faster, so waiting for depth only lengthens the freeze).
 
 Backpressure: ``process`` waits while the buffer holds ``max_depth_chunks`` (upstream gets no
 credit meanwhile). A rollback wakes that wait (the waiting chunk is then stale), so a runner should
@@ -403,7 +405,7 @@ class PlayoutStage(Stage):
     def _next_frame(self, index: int) -> ReleasedFrame:
         now = time.time()
         if self._playing is None or self._position == FRAMES_PER_CHUNK:
-            self._playing = None
+            ended, self._playing = self._playing, None
             if self._starved and len(self._buffer) >= self._resume_depth:
                 self._starved, self._resumed = False, True
             if not self._starved and self._buffer:
@@ -412,6 +414,10 @@ class PlayoutStage(Stage):
                 self.last_committed = self._playing.chunk
             elif not self._starved:
                 self._starved = True
+                if ended is not None and ended.speaking:
+                    # Speech comes at the agent's pace: waiting for depth would only make the freeze
+                    # longer. Its next chunk plays as it lands; the hold becomes the turn's slack.
+                    self._resume_depth = 1
                 self._underrun(index)
         elif self._onset_due():  # the placed speech takes over its chunk at the onset frame
             if self._buffer and (self._buffer[0].epoch, self._buffer[0].chunk) == self._onset[:2]:

@@ -276,3 +276,23 @@ def test_turn_start_keeps_what_plays_before_the_speech_and_places_it_at_a_frame_
     if not deeper:
         assert first.released_at - r["sent"] < latency_s + 1 / 24 + 0.03
 
+
+
+@pytest.mark.parametrize("speaking", [True, False])
+def test_dry_in_the_middle_of_speech_resumes_with_the_next_chunk(speaking):
+    """Speech arrives at the agent's pace, so a buffer that ran dry mid-speech cannot refill: its next
+    chunk plays as it lands (listening waits for the target depth again, as before)."""
+    async def main():
+        session = await start_playout(f"dry{speaking}", PlayoutStage(PlayoutConfig(target_depth_chunks=1)),
+                                      realtime_source(16, stall_after=6, stall_s=0.6, speaking_from=0 if speaking else None))
+        frames = await collect(session.playout.output, 4 * 12)
+        await session.close()
+        return frames
+
+    frames = asyncio.run(main())
+    held = [i for i, f in enumerate(frames) if f.chunk is None]
+    after = frames[held[-1] + 1]
+    assert after.chunk == 7 and after.frame_in_chunk == 0
+    # Chunk 7 lands 0.6 s late; one chunk was buffered: ~10 frames held. Waiting for depth 2 holds
+    # a chunk (4 frames) longer.
+    assert (len(held) <= 12) if speaking else (len(held) >= 13), len(held)
