@@ -437,8 +437,10 @@ def summarise_level(count: int, start_s: float, first: dict, last: dict, placed:
         row["held"] = (row["playout_fps"] >= args.min_fps - slack and row["received_fps"] >= args.min_fps - slack
                        and row["ended"] is None)
         sessions.append(row)
-    pipeline = [t[1] * 1e3 for p in placed if (w := reported(last, p.worker, p.session_id))
-                for t in w["turns"] if first["wall"] <= t[0] <= last["wall"]]
+    window_turns = [t for p in placed if (w := reported(last, p.worker, p.session_id))
+                    for t in w["turns"] if first["wall"] <= t[0] <= last["wall"]]
+    pipeline = [t[1] * 1e3 for t in window_turns]
+    total = [t[2] * 1e3 for t in window_turns if t[2] is not None]  # user's end of speech -> the client shows it
     steps = [s for name, r in last["replies"].items() if name.startswith("worker") for s in r.get("step_ms", [])]
     processes = []
     for name, reply in last["replies"].items():
@@ -466,6 +468,8 @@ def summarise_level(count: int, start_s: float, first: dict, last: dict, placed:
         "late_ticks": sum(s.get("late_ticks", 0) for s in sessions),
         "pipeline_ms": ({"turns": len(pipeline), **{k: round(v, 1) for k, v in percentiles(pipeline, (50, 90)).items()}}
                         if pipeline else {"turns": 0}),
+        "total_ms": ({"turns": len(total), **{k: round(v, 1) for k, v in percentiles(total, (50, 90)).items()}}
+                     if total else {"turns": 0}),
         "step_ms": ({"steps": len(steps), **{k: round(v, 2) for k, v in percentiles(steps, (50, 99)).items()}}
                     if steps else None),
         "gpu": gpu, "host_cpu_busy": round(host_busy, 3), "host_cores": psutil.cpu_count(),

@@ -190,7 +190,7 @@ class Worker:
             "late_ticks": stats.late_ticks if stats else 0,
             "skipped_video_frames": peer.video.skipped_frames if peer is not None and peer.video is not None else None,
             "ended": None if not session.done.is_set() else (result.error or result.ended_by if result else "failed"),
-            # (wall time of the first speaking frame, pipeline s, total s) of every exported turn
+            # (wall time of the first speaking frame, pipeline s, total s or None) of every exported turn
             "turns": [[r.stamps["playout_first_speaking_frame"],
                        r.stamps["playout_first_speaking_frame"] - r.stamps["agent_first_audio"],
                        r.stamps["client_first_speaking_frame"] - r.stamps["user_speech_end"]
@@ -198,9 +198,6 @@ class Worker:
                       for r in session.tracer.records
                       if {"playout_first_speaking_frame", "agent_first_audio"} <= r.stamps.keys()],
         }
-        diffusion = stages.get("diffusion")  # None when the session's diffusion runs in a process of its own
-        if diffusion is not None:
-            data["steps"] = diffusion.stats.generated
         return data
 
     def snapshot(self) -> dict[str, Any]:
@@ -213,7 +210,7 @@ class Worker:
     async def mark(self, request: dict[str, Any]) -> dict[str, Any]:
         self.lag.samples.clear()
         for sid, session in self.sessions.items():
-            diffusion = session.stages.get("diffusion")
+            diffusion = session.stages.get("diffusion")  # None when it runs in a process of its own
             self._steps_from[sid] = len(diffusion.stats.step_s) if diffusion is not None else 0
         return self.snapshot()
 
