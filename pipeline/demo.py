@@ -322,10 +322,13 @@ async def run_demo(args: argparse.Namespace) -> int:
         return 1
     if not result.ok:
         print(f"charstream demo: the session failed: {result.error}")
+    playout = sessions[0].stages.get("playout")
+    if playout is None:  # the session failed before its playout started: nothing was played
+        return 1
     played = sessions[0].output.next_index
     # Playout always runs in this process: its own counts (the metrics registry misses them when the
     # model stages are processes of their own).
-    stats = sessions[0].stages["playout"].stats
+    stats = playout.stats
     fps = progress.fps[2:] if progress is not None else []  # one reading a second, past the first two (ramp)
     print(f"charstream demo: {played} frames played ({played / VIDEO_FPS:.1f} s of media), {stats.underruns} underruns "
           f"({stats.underrun_frames} frames held), playout fps min {min(fps, default=0):.1f} / median "

@@ -67,3 +67,15 @@ def test_session_mp4_is_24_fps_with_audio_and_covers_the_conversation(demo):
         frames = sum(1 for _ in container.decode(video=0))
     assert video_s >= conversation and audio_s >= conversation, (video_s, audio_s, conversation)
     assert frames == pytest.approx(video_s * 24, abs=2)  # every frame there: 24 fps in fact, not just in name
+
+
+def test_a_session_that_fails_at_start_ends_the_demo_with_its_reason(tmp_path):
+    # The scripted agent's recogniser is pocketsphinx: without it, ingest fails in its setup, before
+    # playout exists -- the demo says why and exits 1 (it used to die on the missing playout stats).
+    code = ("import runpy, sys; sys.modules['pocketsphinx'] = None; "
+            f"sys.argv = ['charstream', 'demo', '--turns', '1', '--out', {str(tmp_path)!r}]; "
+            "runpy.run_module('charstream', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "charstream demo: the session failed: stage 'ingest' failed: ModuleNotFoundError" in proc.stdout
+    assert "KeyError" not in proc.stderr, proc.stderr[-2000:]
