@@ -22,8 +22,9 @@ video leave with one clock.
 Turn-start rollback (docs/ARCHITECTURE.md, Turn-start rollback): on ``Control(TURN_START)`` playout
 places the speech at the first frame that its first chunk can reach in time -- now + the
 conditioning encode (or the end of the step still busy with the last listening chunk) + the
-production latency of recent chunks (``conditioning_ready`` stamp -> arrival here, the
-``LATENCY_PERCENTILE`` of the last ``LATENCY_HISTORY``) -- and never before ``earliest_chunk``, the furthest rewind the
+production latency of recent chunks (``conditioning_ready`` stamp -> arrival here, the largest
+of the last ``LATENCY_HISTORY``) + what recent turn starts' first chunks took beyond their estimate
+(a frame until one has been measured) -- and never before ``earliest_chunk``, the furthest rewind the
 diffusion ring undoes exactly. The buffered chunks before that frame's chunk are kept and play on
 (no hole); the rest are dropped, and ``Control(ROLLBACK, chunk=last_kept, epoch=e+1,
 detail={"onset_frame": k, "due_at": t})`` is sent: the speech starts at frame ``k`` of chunk
@@ -60,8 +61,8 @@ from charstream.timeline import (
 )
 
 FRAME_SECONDS = 1.0 / VIDEO_FPS
-LATENCY_HISTORY = 24  # chunks (4 s) whose production latency a speech placement budgets for
-LATENCY_PERCENTILE = 90  # of those: a few slow outliers (a loaded CPU) do not set the budget
+LATENCY_HISTORY = 24  # chunks (4 s) whose production latency a speech placement budgets for (their max)
+ERROR_HISTORY = 4  # turn starts whose first speech chunk came later than estimated: the next estimate adds the most
 
 
 class PlayoutClosed(Exception):
@@ -200,6 +201,7 @@ class Placement:
     chunk: int
     onset: int
     ready_s: float  # the estimate it was placed by: seconds until the speech's first chunk arrives
+    allowance_s: float  # of which the allowance for what earlier turn starts took beyond their estimate
 
 
 class PlayoutStage(Stage):
@@ -232,6 +234,8 @@ class PlayoutStage(Stage):
         self._to_step_end: deque[float] = deque(maxlen=LATENCY_HISTORY)
         self._onset: tuple[int, int, int] | None = None  # (epoch, chunk, frame) where placed speech starts
         self._speech_due: float | None = None  # monotonic deadline of the placed speech chunk's first frame
+        self._speech_expected: float | None = None  # monotonic time its arrival was estimated for (no allowance)
+        self._late_by: deque[float] = deque(maxlen=ERROR_HISTORY)  # arrivals after the estimate (>= 0 s)
         self._resumed = False  # the clock just started playing after waiting: tell conditioning (CLOCK)
         self._holding = False  # at the placed speech's onset frame, its chunk not there yet: holding
         self._metrics: SessionMetrics | None = None
@@ -267,9 +271,12 @@ class PlayoutStage(Stage):
             ctx.log.warning("playout_epoch_ahead", chunk=msg.chunk, epoch=msg.epoch, playout_epoch=self.epoch)
             self.epoch = msg.epoch
         if self._speech_due is not None and self._onset is not None and (msg.epoch, msg.chunk) == self._onset[:2]:
-            margin = self._speech_due - time.monotonic()
+            now = time.monotonic()
+            margin = self._speech_due - now
             self.stats.late_speech += margin < 0
-            ctx.log.info("playout_speech_arrived", chunk=msg.chunk, margin_ms=round(margin * 1e3, 1))
+            self._late_by.append(max(0.0, now - self._speech_expected))
+            ctx.log.info("playout_speech_arrived", chunk=msg.chunk, margin_ms=round(margin * 1e3, 1),
+                         after_estimate_ms=round((now - self._speech_expected) * 1e3, 1))
             self._speech_due = None
         if self._starved and self.output.t0 is not None:
             self.stats.late_chunks += 1
@@ -305,24 +312,27 @@ class PlayoutStage(Stage):
         leaves = now + float(detail.get("encode_s") or 0.0)
         last_emit = detail.get("last_emit_at")
         if last_emit is not None and self._to_step_end:
-            leaves = max(leaves, float(last_emit) + _budget(self._to_step_end))
-        ready_s = leaves + _budget(self._to_arrival) - now
+            leaves = max(leaves, float(last_emit) + max(self._to_step_end))
+        # A turn's first chunk costs a little more than a listening one (the rewinds, the control hops,
+        # an encode after a pause): what earlier turn starts took beyond their estimate, a frame until one has.
+        late = max(self._late_by) if self._late_by else FRAME_SECONDS
+        ready_s = leaves + max(self._to_arrival) + late - now
         # Frames from the next one released to the first frame whose deadline the chunk can meet.
         ahead = max(0, math.ceil((time.monotonic() + ready_s - t0) * VIDEO_FPS) - self.output.next_index)
         playing = self._playing
         left = FRAMES_PER_CHUNK - self._position if playing is not None else 0
         first = playing.chunk + 1 if playing is not None else self._buffer[0].chunk
         if ahead < left:  # within the chunk on screen
-            place = Placement(0, playing.chunk, self._position + ahead, ready_s)
+            place = Placement(0, playing.chunk, self._position + ahead, ready_s, late)
         else:
             kept, onset = divmod(ahead - left, FRAMES_PER_CHUNK)
-            place = Placement(kept, first + kept, onset, ready_s)  # (buffered chunks are consecutive)
+            place = Placement(kept, first + kept, onset, ready_s, late)  # (buffered chunks are consecutive)
         earliest = detail.get("earliest_chunk")
         if earliest is not None and place.chunk < int(earliest):  # a rewind that far would not be exact
-            place = Placement(int(earliest) - first, int(earliest), 0, ready_s)
+            place = Placement(int(earliest) - first, int(earliest), 0, ready_s, late)
         if place.kept > len(self._buffer) or (place.kept == len(self._buffer) and place.onset):
             # not enough made ahead: the speech will be late whatever we do
-            place = Placement(len(self._buffer), first + len(self._buffer), 0, ready_s)
+            place = Placement(len(self._buffer), first + len(self._buffer), 0, ready_s, late)
         return place
 
     async def rollback(self, ctx: StageContext, reason: str = ControlKind.TURN_START,
@@ -356,6 +366,7 @@ class PlayoutStage(Stage):
             start = self.output.next_index + (
                 -self._position if place.chunk == self._chunk_on_screen() else left + FRAMES_PER_CHUNK * place.kept)
             self._speech_due = self.output.t0 + (start + place.onset) / VIDEO_FPS
+            self._speech_expected = time.monotonic() + place.ready_s - place.allowance_s
             detail = {"onset_frame": place.onset,
                       "due_at": time.time() + self.output.t0 + start / VIDEO_FPS - time.monotonic()}
         detail.update(reason=str(reason), dropped=len(dropped), kept=len(kept))
@@ -500,10 +511,6 @@ class PlayoutStage(Stage):
         if self._metrics is not None:
             self._metrics.close(self.stats.achieved_fps if self.stats.frames_released else None)
             self._metrics = None
-
-
-def _budget(latencies: deque[float]) -> float:
-    return float(np.percentile(latencies, LATENCY_PERCENTILE))
 
 
 def _check_chunk(chunk: VideoChunk) -> str | None:
