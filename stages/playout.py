@@ -24,7 +24,8 @@ places the speech at the first frame that its first chunk can reach in time -- n
 conditioning encode (or the end of the step still busy with the last listening chunk) + the
 production latency of recent chunks (``conditioning_ready`` stamp -> arrival here, the largest
 of the last ``LATENCY_HISTORY``) + what recent turn starts' first chunks took beyond their estimate
-(a frame until one has been measured) -- and never before ``earliest_chunk``, the furthest rewind the
+(a frame until one has been measured), with the chunk after it due no earlier than one step (or
+encode) after that -- and never before ``earliest_chunk``, the furthest rewind the
 diffusion ring undoes exactly. The buffered chunks before that frame's chunk are kept and play on
 (no hole); the rest are dropped, and ``Control(ROLLBACK, chunk=last_kept, epoch=e+1,
 detail={"onset_frame": k, "due_at": t})`` is sent: the speech starts at frame ``k`` of chunk
@@ -317,10 +318,15 @@ class PlayoutStage(Stage):
         # an encode after a pause): what earlier turn starts took beyond their estimate, a frame until one has.
         late = max(self._late_by) if self._late_by else FRAME_SECONDS
         ready_s = leaves + max(self._to_arrival) + late - now
-        # Frames from the next one released to the first frame whose deadline the chunk can meet.
+        # Frames from the next one released to the first frame whose deadline the chunk can meet ...
         ahead = max(0, math.ceil((time.monotonic() + ready_s - t0) * VIDEO_FPS) - self.output.next_index)
         playing = self._playing
         left = FRAMES_PER_CHUNK - self._position if playing is not None else 0
+        # ... and whose next chunk, made one step (or encode) after it, is not due before it is there.
+        interval = max(max(self._to_step_end, default=0.0), float(detail.get("encode_s") or 0.0))
+        next_needed = time.monotonic() + ready_s + interval
+        while t0 + (self.output.next_index + _next_boundary(ahead, left)) / VIDEO_FPS < next_needed:
+            ahead += 1
         first = playing.chunk + 1 if playing is not None else self._buffer[0].chunk
         if ahead < left:  # within the chunk on screen
             place = Placement(0, playing.chunk, self._position + ahead, ready_s, late)
@@ -511,6 +517,12 @@ class PlayoutStage(Stage):
         if self._metrics is not None:
             self._metrics.close(self.stats.achieved_fps if self.stats.frames_released else None)
             self._metrics = None
+
+
+def _next_boundary(offset: int, left: int) -> int:
+    """Frames from the next release to the start of the chunk after the one holding frame ``offset``
+    (``left``: frames left in the chunk on screen)."""
+    return left if offset < left else left + FRAMES_PER_CHUNK * ((offset - left) // FRAMES_PER_CHUNK + 1)
 
 
 def _check_chunk(chunk: VideoChunk) -> str | None:

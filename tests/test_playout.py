@@ -195,10 +195,11 @@ def test_output_handed_in_is_the_one_released_and_closed_at_teardown():
     assert same and closed
 
 
-def stamped(chunk: VideoChunk, latency_s: float) -> VideoChunk:
-    """The stamps conditioning and diffusion put on every chunk: it left conditioning ``latency_s`` ago."""
-    now = time.time()
-    chunk.trace.stamps.update(conditioning_ready=now - latency_s, diffusion_done=now - 0.01)
+def stamped(chunk: VideoChunk, latency_s: float, step_s: float) -> VideoChunk:
+    """The stamps conditioning and diffusion put on every chunk: it left conditioning ``latency_s`` ago,
+    its step took ``step_s``."""
+    ready = time.time() - latency_s
+    chunk.trace.stamps.update(conditioning_ready=ready, diffusion_done=ready + step_s)
     return chunk
 
 
@@ -211,8 +212,8 @@ def speech_chunk(n: int, onset: int, turn_id: int = 5) -> VideoChunk:
     return chunk
 
 
-@pytest.mark.parametrize("latency_s,deeper", [(0.06, 0), (0.30, 0), (0.06, 2)])
-def test_turn_start_keeps_what_plays_before_the_speech_and_places_it_at_a_frame_on_time(latency_s, deeper):
+@pytest.mark.parametrize("latency_s,step_s,deeper", [(0.06, 0.03, 0), (0.30, 0.15, 0), (0.06, 0.03, 2)])
+def test_turn_start_keeps_what_plays_before_the_speech_and_places_it_at_a_frame_on_time(latency_s, step_s, deeper):
     """No hole at a turn start: listening chunks measured to take ``latency_s`` from conditioning to
     here; the speech is placed at the first frame its chunk can reach, the chunks before it keep playing,
     and its first chunk -- made as fast as measured -- lands in time: no underrun, no held frame. The
@@ -225,14 +226,14 @@ def test_turn_start_keeps_what_plays_before_the_speech_and_places_it_at_a_frame_
         start, n = time.monotonic(), 0
         while not (rollbacks := [c for c in session.controls if c.kind == ControlKind.ROLLBACK]):
             if time.monotonic() >= start + (n - 2) * CHUNK_SECONDS:  # listening, 3 chunks ahead (the idle lead)
-                await playout.process(stamped(card_chunk(ctx.session_id, n, SIZE, SIZE), latency_s), ctx)
+                await playout.process(stamped(card_chunk(ctx.session_id, n, SIZE, SIZE), latency_s, step_s), ctx)
                 n += 1
             await asyncio.sleep(0.001)
         [rollback] = rollbacks
         await asyncio.sleep(latency_s / 2)  # its first chunk arrives inside the measured latency
         onset = rollback.detail["onset_frame"]
         for n in range(rollback.chunk + 1, rollback.chunk + 9):
-            await playout.process(stamped(speech_chunk(n, onset if n == rollback.chunk + 1 else 0), latency_s), ctx)
+            await playout.process(stamped(speech_chunk(n, onset if n == rollback.chunk + 1 else 0), latency_s, step_s), ctx)
 
     async def main():
         session = await start_playout("turn", PlayoutStage(PlayoutConfig(target_depth_chunks=2)), upstream)
@@ -273,8 +274,11 @@ def test_turn_start_keeps_what_plays_before_the_speech_and_places_it_at_a_frame_
     # Placed at the first frame its chunk can reach: at least the latency after the turn start, less
     # than a frame more (plus scheduling) beyond the first turn start's one-frame allowance.
     assert latency_s + 1 / 24 <= first.released_at - r["sent"]
-    if not deeper:
-        assert first.released_at - r["sent"] < latency_s + 2 / 24 + 0.03
+    # The chunk after the onset's is made a step later: it is not due before then.
+    assert rollback.detail["due_at"] + 4 / 24 - r["sent"] >= latency_s + 1 / 24 + step_s
+    if not deeper:  # nor later than needed: the onset frame or the next chunk is at most a frame late
+        assert min(first.released_at - r["sent"] - latency_s - 1 / 24,
+                   rollback.detail["due_at"] + 4 / 24 - r["sent"] - latency_s - 1 / 24 - step_s) < 1 / 24 + 0.03
 
 
 
