@@ -28,6 +28,10 @@ from charstream.transport.config import TransportConfig
 class PipelineConfig:
     preset: str = "tiny"
     placement: str = "inproc"  # inproc (one process) | processes (edge, diffusion ranks, decoder)
+    # How long a thread running Python keeps the GIL from one that asks for it (sys.setswitchinterval),
+    # set by the process that serves sessions: a model thread retakes the GIL after each CUDA call of
+    # its step (~15), and at Python's 5 ms each retake waits for the event loop's thread to be forced off.
+    gil_switch_interval_ms: float = 0.5
     transport: TransportConfig = field(default_factory=TransportConfig)
     ingest: IngestConfig = field(default_factory=IngestConfig)
     conditioning: ConditioningConfig = field(default_factory=ConditioningConfig)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -196,7 +197,11 @@ def session_factory(config: PipelineConfig, weights: str | None = "packaged",
     name when several sessions share a config: ``<stem>-<session>.jsonl`` after the first).
     ``factory.sessions`` holds the running ones by session id. With ``diffusion.batch_sessions`` > 1
     its sessions share one model and batch their diffusion steps (``factory.batcher``); with
-    ``decode.batch_sessions`` > 1 one decoder and their chunks (``factory.decode_batcher``)."""
+    ``decode.batch_sessions`` > 1 one decoder and their chunks (``factory.decode_batcher``). Sets the
+    process's GIL switch interval (``config.gil_switch_interval_ms``): its sessions' threads share it."""
+    if config.gil_switch_interval_ms <= 0:
+        raise ValueError(f"gil_switch_interval_ms must be > 0, got {config.gil_switch_interval_ms}")
+    sys.setswitchinterval(config.gil_switch_interval_ms / 1e3)
     started = 0
     sessions: dict[str, LiveSession] = {}
     for section in ("diffusion", "decode"):
