@@ -1,0 +1,29 @@
+"""The process that serves sessions sets its GIL switch interval from the config (session_factory):
+its sessions' model threads retake the GIL after every CUDA call of a step, each retake waiting up to
+the interval while the event loop's thread runs Python."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from charstream.pipeline.config import PipelineConfig
+from charstream.pipeline.session import session_factory
+
+
+def test_session_factory_sets_the_configured_switch_interval_and_rejects_a_bad_one():
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        session_factory(PipelineConfig())
+        assert sys.getswitchinterval() == pytest.approx(PipelineConfig().gil_switch_interval_ms / 1e3)
+        assert PipelineConfig().gil_switch_interval_ms < 5.0  # below Python's own 5 ms
+        config = PipelineConfig.from_dict({"gil_switch_interval_ms": 2.0})
+        session_factory(config)
+        assert sys.getswitchinterval() == pytest.approx(0.002)
+        config.gil_switch_interval_ms = 0
+        with pytest.raises(ValueError, match="gil_switch_interval_ms must be > 0"):
+            session_factory(config)
+        assert sys.getswitchinterval() == pytest.approx(0.002)  # a rejected config changes nothing
+    finally:
+        sys.setswitchinterval(before)
