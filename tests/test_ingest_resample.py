@@ -51,3 +51,17 @@ def test_refuses_nonsense_rates():
         StreamingResampler(0, 48_000)
     with pytest.raises(ValueError, match="filter phases"):
         StreamingResampler(44_101, 48_000)
+
+
+@pytest.mark.parametrize("rate_in,rate_out", [(48_000, 16_000), (22_050, 48_000)])
+def test_each_output_is_the_windowed_sinc_sum_around_its_input_time(rate_in, rate_out):
+    # the oracle, one output at a time: sample k sits at input time k·down/up, taps of its phase
+    rng = np.random.default_rng(2)
+    x = rng.uniform(-0.5, 0.5, 2_000).astype(np.float32)
+    r = StreamingResampler(rate_in, rate_out)
+    taps, half = r._taps, r._half
+    padded = np.concatenate([np.zeros(half, np.float32), x, np.zeros(half, np.float32)])
+    y = np.concatenate([r.push(x[:700]), r.push(x[700:]), r.flush()])
+    expected = [float(np.dot(padded[(k * r.down) // r.up + 1:(k * r.down) // r.up + 1 + 2 * half],
+                             taps[(k * r.down) % r.up].astype(np.float64))) for k in range(len(y))]
+    np.testing.assert_allclose(y, expected, atol=1e-5)
