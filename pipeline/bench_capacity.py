@@ -1,6 +1,6 @@
 """``charstream bench capacity``: how many concurrent live sessions one host serves, each at 24 fps.
 
-    charstream bench capacity --gpus 1 --sessions 8 16 32 48 --workers 8 --clients 4 --out capacity.json
+    charstream bench capacity --gpus 1 --sessions 8 16 32 48 --workers 16 --clients 4 --out capacity.json
     charstream bench capacity --sessions 1 2 --workers 2 --clients 1 --hold 10     (CPU)
 
 Every session is the whole stage graph (``pipeline.session``): the built-in scripted agent

@@ -159,12 +159,13 @@ elif [ "$cmd" = capacity ]; then
   section "capture beside running sessions" 90 capacity.log python3 -m pytest -q -m gpu -p no:cacheprovider \
     --timeout=80 tests/test_capture_gpu.py
   # ~5 minutes of ladders: each gets its share (the bench starts no count that would not fit); with two
-  # ladders each holds 32 then 48 (the target is 32). 8 server processes (6 sessions each at 48) and 4
-  # client processes on the 16 cores.
+  # ladders each holds 32 then 48 (the target is 32). 16 server processes (2 sessions each at 32, 3 at 48)
+  # and 4 client processes on the 16 cores: a process's sessions share its GIL (at 8 x 4 each process
+  # used 1.13 cores and its loop lagged 50 ms), and a client process holds 8-12 sessions at < 0.5 core.
   sessions=${CAPACITY_SESSIONS:-$([ $# -gt 1 ] && echo 32 48 || echo 8 16 32 48)}
   # shellcheck disable=SC2086
   section "capacity tiny --gpus 1, batch_sessions $*" 360 capacity.log python3 -m charstream.pipeline.cli bench capacity \
-    --gpus 1 --sessions $sessions --workers "${CAPACITY_WORKERS:-8}" --clients "${CAPACITY_CLIENTS:-4}" \
+    --gpus 1 --sessions $sessions --workers "${CAPACITY_WORKERS:-16}" --clients "${CAPACITY_CLIENTS:-4}" \
     --batch-sessions "$@" --hold 30 --budget-s $((300 / $#)) --out "$OUT/capacity.json"
 else
   echo "unknown command $cmd" >&2
