@@ -59,5 +59,9 @@ def apply_placement(config: PipelineConfig, name: str, gpus_available: int | Non
     diffusion = dataclasses.replace(config.diffusion, tp=layout.tp, device=layout.diffusion[0],
                                     devices=list(layout.diffusion), fp8_cache=layout.decoder != "cpu")
     decode = dataclasses.replace(config.decode, device=layout.decoder)
+    # The audio encoder beside the decoder: on the edge's CPU, among egress and playout, a 14b chunk's
+    # encode took 47-155 ms on the H200 host (docs/PERF.md), a wait every turn's first chunk pays.
+    conditioning = dataclasses.replace(config.conditioning, device=layout.decoder)
     placement = "inproc" if name == "cpu" else "processes"
-    return dataclasses.replace(config, diffusion=diffusion, decode=decode, placement=placement)
+    return dataclasses.replace(config, conditioning=conditioning, diffusion=diffusion, decode=decode,
+                               placement=placement)

@@ -387,5 +387,6 @@ def build(config: ConditioningConfig, preset: str, weights: str | None = "packag
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             encoder = AudioEncoder(cfg).eval().requires_grad_(False)
+    encoder = encoder.to(config.device)
     return ConditioningStage(config, make_encode_fn(encoder), cfg.audio_lookahead_ms, cfg.audio_context_ms,
                              cfg.rollback_frames)

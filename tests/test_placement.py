@@ -7,6 +7,8 @@ def test_reference_session_layout():
     cfg = apply_placement(PipelineConfig(preset="characters-57b"), "3+1", gpus_available=4)
     assert cfg.diffusion.tp == 3 and cfg.diffusion.devices == ["cuda:0", "cuda:1", "cuda:2"]
     assert cfg.decode.device == "cuda:3" and cfg.placement == "processes" and cfg.diffusion.fp8_cache
+    assert cfg.conditioning.device == "cuda:3"  # the audio encoder beside the decoder, off the edge's CPU
+    assert apply_placement(PipelineConfig(), "cpu").conditioning.device == "cpu"
 
 
 def test_every_layout_splits_the_57b_heads():
