@@ -14,9 +14,9 @@ import anyio
 import numpy as np
 import pytest
 import structlog
+from batch_support import assert_same_frames, released_frames, seeded_configs
 from charstream.model.config import TINY
 from charstream.pipeline.config import PipelineConfig
-from charstream.pipeline.session import LiveSession
 from charstream.stages.base import StageContext
 from charstream.stages.batcher import SessionBatcher
 from charstream.stages.config import DecodeConfig
@@ -242,51 +242,14 @@ def test_a_chunk_refused_on_its_own_fails_only_its_session():
 
 
 def test_real_sessions_with_both_batchers_release_their_unbatched_frames():
-    """Three inproc sessions (the listening agent: every chunk a listening chunk, so chunk n's frames
-    depend on the session's seed only) with their diffusion steps and decoding batched release the
-    frames the same sessions release unbatched."""
-
-    def configs(batch: int) -> list[PipelineConfig]:
-        out = []
-        for seed in (1, 2, 3):
-            config = PipelineConfig()
-            config.diffusion.seed = seed
-            config.diffusion.batch_sessions = config.decode.batch_sessions = batch
-            out.append(config)
-        return out
-
-    async def run(batch: int):
-        cfgs = configs(batch)
-        batcher = StepBatcher(cfgs[0].diffusion, cfgs[0].preset) if batch > 1 else None
-        decode_batcher = DecodeBatcher(cfgs[0].decode, cfgs[0].preset) if batch > 1 else None
-        sessions = [LiveSession(c, f"s{c.diffusion.seed}", peer=False, batcher=batcher, decode_batcher=decode_batcher)
-                    for c in cfgs]
-        for s in sessions:
-            s.start()
-        frames: list[dict] = [{} for _ in sessions]
-
-        async def read(i: int) -> None:
-            out, index = sessions[i].output, 0
-            await out.wait_started()
-            while len(frames[i]) < 24:  # 6 chunks
-                frame = await out.frame_at(index)
-                index = frame.index + 1
-                if frame.chunk is not None:
-                    frames[i][(frame.chunk, frame.frame_in_chunk)] = frame.image
-
-        await asyncio.wait_for(asyncio.gather(*(read(i) for i in range(len(sessions)))), 90)
-        results = [await s.stop() for s in sessions]
-        assert all(r is not None and r.ok for r in results), [r and r.error for r in results]
-        return frames, decode_batcher
-
-    alone, _ = asyncio.run(run(1))
-    together, decode_batcher = asyncio.run(run(3))
-    for got, want in zip(together, alone, strict=True):
-        shared = sorted(set(got) & set(want))
-        assert len(shared) >= 16
-        for key in shared:
-            np.testing.assert_array_equal(got[key], want[key])
-    assert not np.array_equal(together[0][shared[-1]], together[1][shared[-1]])
+    """Three inproc sessions with their diffusion steps and decoding batched release the frames the
+    same sessions release unbatched."""
+    alone = asyncio.run(released_frames(seeded_configs(1, 1), 24))  # 6 chunks
+    configs = seeded_configs(3, 3)
+    decode_batcher = DecodeBatcher(configs[0].decode, configs[0].preset)
+    together = asyncio.run(released_frames(configs, 24, StepBatcher(configs[0].diffusion, configs[0].preset),
+                                           decode_batcher))
+    assert_same_frames(together, alone, at_least=16)
     assert decode_batcher.stats.largest >= 2 and decode_batcher._open == 0
 
 

@@ -13,9 +13,9 @@ import anyio
 import numpy as np
 import pytest
 import structlog
+from batch_support import assert_same_frames, released_frames, seeded_configs
 from charstream.model.config import TINY
 from charstream.pipeline.config import PipelineConfig
-from charstream.pipeline.session import LiveSession
 from charstream.stages.base import StageContext
 from charstream.stages.config import DiffusionConfig
 from charstream.stages.diffusion import DiffusionStage
@@ -161,48 +161,12 @@ def test_a_full_batcher_refuses_the_next_session_clearly():
 
 
 def test_real_sessions_stream_through_one_batched_forward():
-    """Three inproc sessions (the listening agent, no microphone: every chunk a listening chunk, so
-    chunk n's frames depend on the session's seed only) with batching: the frames each releases equal
-    those of the same sessions unbatched."""
-
-    def configs(batch: int) -> list[PipelineConfig]:
-        out = []
-        for seed in (1, 2, 3):
-            config = PipelineConfig()
-            config.diffusion.seed, config.diffusion.batch_sessions = seed, batch
-            out.append(config)
-        return out
-
-    async def run(batch: int) -> tuple[list[dict], StepBatcher | None]:
-        cfgs = configs(batch)
-        batcher = StepBatcher(cfgs[0].diffusion, cfgs[0].preset) if batch > 1 else None
-        sessions = [LiveSession(c, f"s{c.diffusion.seed}", peer=False, batcher=batcher) for c in cfgs]
-        for s in sessions:
-            s.start()
-        frames: list[dict] = [{} for _ in sessions]
-
-        async def read(i: int) -> None:
-            out, index = sessions[i].output, 0
-            await out.wait_started()
-            while len(frames[i]) < 36:  # 9 chunks
-                frame = await out.frame_at(index)
-                index = frame.index + 1
-                if frame.chunk is not None:
-                    frames[i][(frame.chunk, frame.frame_in_chunk)] = frame.image
-
-        await asyncio.wait_for(asyncio.gather(*(read(i) for i in range(len(sessions)))), 90)
-        results = [await s.stop() for s in sessions]
-        assert all(r is not None and r.ok for r in results), [r and r.error for r in results]
-        return frames, batcher
-
-    alone, _ = asyncio.run(run(1))
-    together, batcher = asyncio.run(run(3))
-    for got, want in zip(together, alone, strict=True):
-        shared = sorted(set(got) & set(want))
-        assert len(shared) >= 24
-        for key in shared:
-            np.testing.assert_array_equal(got[key], want[key])
-    assert not np.array_equal(together[0][shared[-1]], together[1][shared[-1]])
+    """Three inproc sessions with batching release the frames of the same sessions unbatched."""
+    alone = asyncio.run(released_frames(seeded_configs(1, 1), 36))  # 9 chunks
+    configs = seeded_configs(3, 1)
+    batcher = StepBatcher(configs[0].diffusion, configs[0].preset)
+    together = asyncio.run(released_frames(configs, 36, step_batcher=batcher))
+    assert_same_frames(together, alone, at_least=24)
     assert batcher.stats.largest >= 2 and batcher._open == 0
 
 

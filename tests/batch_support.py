@@ -1,0 +1,60 @@
+"""Real inproc sessions for the batching tests: what each releases, batched or alone.
+
+With the listening agent and no microphone every chunk is a listening chunk, so chunk n's frames
+depend on the session's seed only: the same sessions batched and alone must release equal frames.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+from charstream.pipeline.config import PipelineConfig
+from charstream.pipeline.session import LiveSession
+from charstream.stages.decode_batcher import DecodeBatcher
+from charstream.stages.step_batcher import StepBatcher
+
+
+def seeded_configs(steps: int, decodes: int, seeds: tuple[int, ...] = (1, 2, 3)) -> list[PipelineConfig]:
+    """One config per seed, with ``batch_sessions`` of diffusion = ``steps`` and of decode = ``decodes``."""
+    configs = []
+    for seed in seeds:
+        config = PipelineConfig()
+        config.diffusion.seed = seed
+        config.diffusion.batch_sessions, config.decode.batch_sessions = steps, decodes
+        configs.append(config)
+    return configs
+
+
+async def released_frames(configs: list[PipelineConfig], frames: int, step_batcher: StepBatcher | None = None,
+                          decode_batcher: DecodeBatcher | None = None) -> list[dict]:
+    """Each session's first ``frames`` generated frames by (chunk, frame in chunk); every session ends ok."""
+    sessions = [LiveSession(c, f"s{c.diffusion.seed}", peer=False, batcher=step_batcher,
+                            decode_batcher=decode_batcher) for c in configs]
+    for s in sessions:
+        s.start()
+    released: list[dict] = [{} for _ in sessions]
+
+    async def read(i: int) -> None:
+        out, index = sessions[i].output, 0
+        await out.wait_started()
+        while len(released[i]) < frames:
+            frame = await out.frame_at(index)
+            index = frame.index + 1
+            if frame.chunk is not None:
+                released[i][(frame.chunk, frame.frame_in_chunk)] = frame.image
+
+    await asyncio.wait_for(asyncio.gather(*(read(i) for i in range(len(sessions)))), 90)
+    results = [await s.stop() for s in sessions]
+    assert all(r is not None and r.ok for r in results), [r and r.error for r in results]
+    return released
+
+
+def assert_same_frames(together: list[dict], alone: list[dict], at_least: int) -> None:
+    """Every frame both runs released is equal, at least ``at_least`` of them per session; sessions differ."""
+    for got, want in zip(together, alone, strict=True):
+        shared = sorted(set(got) & set(want))
+        assert len(shared) >= at_least
+        for key in shared:
+            np.testing.assert_array_equal(got[key], want[key])
+    assert not np.array_equal(together[0][shared[-1]], together[1][shared[-1]])
