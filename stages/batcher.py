@@ -22,6 +22,7 @@ which its own joins and leaves take too when they touch the model.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import concurrent.futures
 import threading
@@ -44,7 +45,7 @@ class BatcherStats:
     largest: int = 0  # most items in one forward
 
 
-class SessionBatcher:
+class SessionBatcher(abc.ABC):
     def __init__(self, max_sessions: int, window_s: float, threads: int | None = None, name: str = "batcher") -> None:
         """``threads``: the worker's torch intra-op threads (CPU; None leaves torch's setting)."""
         if max_sessions < 2:
@@ -62,11 +63,13 @@ class SessionBatcher:
     # -- the subclass's part (called by the worker) -------------------------------------------------
 
     def check(self, key: Any, item: Any) -> None:
-        """Raise if ``item`` cannot run (it fails its own session only, before any forward)."""
+        """Raise if ``item`` cannot run (it fails its own session only, before any forward); by
+        default every item can."""
+        return None
 
+    @abc.abstractmethod
     def forward(self, keys: list[Any], items: list[Any]) -> list[Any]:
         """One forward for ``items`` (distinct sessions ``keys``): each session's result, in order."""
-        raise NotImplementedError
 
     # -- sessions -----------------------------------------------------------------------------------
 
