@@ -65,7 +65,9 @@ fi
 
 # -- on the device ------------------------------------------------------------------------------------
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export CHARSTREAM_COMMIT=${CHARSTREAM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+# The device's copy of the tree does not carry this checkout's git state (its `git rev-parse` named a
+# commit hours old on 2026-12-01): the run command names the commit, CHARSTREAM_COMMIT=<sha> bash ...
+export CHARSTREAM_COMMIT=${CHARSTREAM_COMMIT:-unknown}
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
 START=$SECONDS
