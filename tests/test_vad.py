@@ -83,8 +83,7 @@ def test_rejects_audio_it_cannot_read():
 
 # With noise 20 dB below the speech the refined end is either close or one VAD window (32 ms) late,
 # when the reply's tail sits under the background's level: over 80 espeak syntheses (its output differs
-# a little each run) of each line, -13.5 to +39.6 ms (en+f3; en-us -4.8 to -0.5); a 35 ms bound failed
-# 3 runs in 80 (2026-12-01).
+# a little each run) of each line, -13.5 to +39.6 ms (en+f3; en-us -4.8 to -0.5).
 @pytest.mark.parametrize("snr_db,within_ms", [(None, 5.0), (20.0, 45.0)])
 def test_end_of_speech_refined_to_the_sample(snr_db, within_ms):
     """The window-dated end moved to the last sample above the speech level in the 16 kHz band the
