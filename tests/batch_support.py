@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import structlog
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.session import LiveSession
+from charstream.stages.base import StageContext
 from charstream.stages.decode_batcher import DecodeBatcher
 from charstream.stages.step_batcher import StepBatcher
 
@@ -58,3 +60,14 @@ def assert_same_frames(together: list[dict], alone: list[dict], at_least: int) -
         for key in shared:
             np.testing.assert_array_equal(got[key], want[key])
     assert not np.array_equal(together[0][shared[-1]], together[1][shared[-1]])
+
+
+def recording_context(stage: str, session: str, out: list) -> StageContext:
+    """A stage's context for session ``session`` whose emitted messages land in ``out`` (controls dropped)."""
+    async def emit(msg) -> None:
+        out.append(msg)
+
+    async def send_control(msg) -> None:
+        pass
+
+    return StageContext(stage, session, emit, send_control, structlog.get_logger())

@@ -13,11 +13,9 @@ import asyncio
 import anyio
 import numpy as np
 import pytest
-import structlog
-from batch_support import assert_same_frames, released_frames, seeded_configs
+from batch_support import assert_same_frames, recording_context, released_frames, seeded_configs
 from charstream.model.config import TINY
 from charstream.pipeline.config import PipelineConfig
-from charstream.stages.base import StageContext
 from charstream.stages.batcher import SessionBatcher
 from charstream.stages.config import DecodeConfig
 from charstream.stages.decode import DecodeStage
@@ -139,16 +137,6 @@ def test_the_window_lets_a_forward_go_without_a_silent_session():
 # -- decode stages sharing a batcher ------------------------------------------------------------------
 
 
-def _context(name: str, out: list) -> StageContext:
-    async def emit(msg) -> None:
-        out.append(msg)
-
-    async def send_control(msg) -> None:
-        pass
-
-    return StageContext("decode", name, emit, send_control, structlog.get_logger())
-
-
 def _latents(name: str, chunk: int, epoch: int) -> Latents:
     rng = np.random.default_rng([ord(c) for c in name] + [chunk, epoch])
     z = rng.standard_normal((TINY.latent_channels, TINY.latent_height, TINY.latent_width)).astype(np.float32)
@@ -168,7 +156,7 @@ PLANS = {
 
 async def _decode_plan(name: str, batcher: DecodeBatcher | None, config: DecodeConfig) -> list[tuple[int, int, np.ndarray]]:
     stage, out = DecodeStage(config, "tiny", batcher=batcher), []
-    ctx = _context(name, out)
+    ctx = recording_context("decode", name, out)
     await stage.setup(ctx)
     try:
         for kind, chunk, epoch in PLANS[name]:

@@ -12,27 +12,15 @@ import dataclasses
 import anyio
 import numpy as np
 import pytest
-import structlog
-from batch_support import assert_same_frames, released_frames, seeded_configs
+from batch_support import assert_same_frames, recording_context, released_frames, seeded_configs
 from charstream.model.config import TINY
 from charstream.pipeline.config import PipelineConfig
-from charstream.stages.base import StageContext
 from charstream.stages.config import DiffusionConfig
 from charstream.stages.diffusion import DiffusionStage
 from charstream.stages.step_batcher import StepBatcher
 from charstream.transport.messages import Conditioning, Control, ControlKind
 
 from charstream.timeline import SAMPLES_PER_CHUNK
-
-
-def _context(name: str, out: list) -> StageContext:
-    async def emit(msg) -> None:
-        out.append(msg)
-
-    async def send_control(msg) -> None:
-        pass
-
-    return StageContext("diffusion", name, emit, send_control, structlog.get_logger())
 
 
 def _conditioning(name: str, chunk: int, epoch: int) -> Conditioning:
@@ -55,7 +43,7 @@ PLANS = {
 async def _play(name: str, batcher: StepBatcher | None, config: DiffusionConfig) -> list[tuple[int, int, np.ndarray]]:
     seed, identity, plan = PLANS[name]
     stage, out = DiffusionStage(dataclasses.replace(config, seed=seed), "tiny", identity=identity, batcher=batcher), []
-    ctx = _context(name, out)
+    ctx = recording_context("diffusion", name, out)
     await stage.setup(ctx)
     try:
         for kind, chunk, epoch in plan:
@@ -114,7 +102,7 @@ def test_a_step_refused_on_its_own_fails_only_its_session():
     async def main():
         stages = [DiffusionStage(dataclasses.replace(config, seed=s), "tiny", batcher=batcher) for s in (1, 2)]
         outs: list[list] = [[], []]
-        ctxs = [_context(n, out) for n, out in zip("xy", outs, strict=True)]
+        ctxs = [recording_context("diffusion", n, out) for n, out in zip("xy", outs, strict=True)]
         for stage, ctx in zip(stages, ctxs, strict=True):
             await stage.setup(ctx)
         batcher.batch.close(stages[0].generator)  # x's lane taken from under it: its next step cannot run
@@ -146,9 +134,9 @@ def test_a_full_batcher_refuses_the_next_session_clearly():
     async def main():
         stages = [DiffusionStage(config, "tiny", batcher=batcher) for _ in range(3)]
         for stage in stages[:2]:
-            await stage.setup(_context("s", []))
+            await stage.setup(recording_context("diffusion", "s", []))
         with pytest.raises(RuntimeError, match="holds 2 sessions"):
-            await stages[2].setup(_context("s", []))
+            await stages[2].setup(recording_context("diffusion", "s", []))
         for stage in stages:
             await stage.teardown()
 
@@ -193,7 +181,7 @@ def test_a_session_ending_while_its_step_waits_drops_it_and_the_others_go_on():
     async def main():
         x, y = (DiffusionStage(dataclasses.replace(config, seed=s), "tiny", batcher=batcher) for s in (1, 2))
         out_x, out_y = [], []
-        ctx_x, ctx_y = _context("x", out_x), _context("y", out_y)
+        ctx_x, ctx_y = recording_context("diffusion", "x", out_x), recording_context("diffusion", "y", out_y)
         await x.setup(ctx_x)
         await y.setup(ctx_y)
         lane_x = x.generator
