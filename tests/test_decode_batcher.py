@@ -241,7 +241,7 @@ def test_real_sessions_with_both_batchers_release_their_unbatched_frames():
     assert decode_batcher.stats.largest >= 2 and decode_batcher._open == 0
 
 
-def test_session_factory_makes_one_decode_batcher_and_serve_batches_both_stages():
+def test_serve_and_session_factory_make_one_batcher_per_stage_for_their_sessions():
     from charstream.pipeline import serve
     from charstream.pipeline.session import session_factory
 
@@ -250,14 +250,20 @@ def test_session_factory_makes_one_decode_batcher_and_serve_batches_both_stages(
     config = serve.load_config(parser.parse_args(["--batch-sessions", "8"]))
     assert config.diffusion.batch_sessions == config.decode.batch_sessions == 8
     factory = session_factory(config, weights=None)
+    assert isinstance(factory.batcher, StepBatcher) and factory.batcher.max_sessions == 8
     assert isinstance(factory.decode_batcher, DecodeBatcher) and factory.decode_batcher.max_sessions == 8
     config = PipelineConfig()
     config.decode.batch_sessions = 4  # decode alone batched: diffusion stays per session
     factory = session_factory(config)
     assert factory.batcher is None and factory.decode_batcher.max_sessions == 4
-    assert session_factory(PipelineConfig()).decode_batcher is None
+    off = session_factory(PipelineConfig())  # 1: off
+    assert off.batcher is None and off.decode_batcher is None
     config.decode.batch_sessions = 0
     with pytest.raises(ValueError, match="decode.batch_sessions must be >= 1"):
+        session_factory(config)
+    config = PipelineConfig()
+    config.diffusion.batch_sessions = 0
+    with pytest.raises(ValueError, match="batch_sessions must be >= 1"):
         session_factory(config)
 
 

@@ -5,7 +5,6 @@ inproc sessions made by ``session_factory`` stream through one batched forward."
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 
@@ -14,7 +13,6 @@ import numpy as np
 import pytest
 from batch_support import assert_same_frames, recording_context, released_frames, seeded_configs
 from charstream.model.config import TINY
-from charstream.pipeline.config import PipelineConfig
 from charstream.stages.config import DiffusionConfig
 from charstream.stages.diffusion import DiffusionStage
 from charstream.stages.step_batcher import StepBatcher
@@ -156,22 +154,6 @@ def test_real_sessions_stream_through_one_batched_forward():
     together = asyncio.run(released_frames(configs, 36, step_batcher=batcher))
     assert_same_frames(together, alone, at_least=24)
     assert batcher.stats.largest >= 2 and batcher._open == 0
-
-
-def test_serve_and_session_factory_make_one_batcher_for_their_sessions():
-    from charstream.pipeline import serve
-    from charstream.pipeline.session import session_factory
-
-    parser = argparse.ArgumentParser()
-    serve.add_arguments(parser)
-    config = serve.load_config(parser.parse_args(["--batch-sessions", "8"]))
-    assert config.diffusion.batch_sessions == 8
-    factory = session_factory(config, weights=None)
-    assert isinstance(factory.batcher, StepBatcher) and factory.batcher.max_sessions == 8
-    assert session_factory(PipelineConfig()).batcher is None  # 1: off
-    config.diffusion.batch_sessions = 0
-    with pytest.raises(ValueError, match="batch_sessions must be >= 1"):
-        session_factory(config)
 
 
 def test_a_session_ending_while_its_step_waits_drops_it_and_the_others_go_on():
