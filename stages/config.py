@@ -62,6 +62,10 @@ class DiffusionConfig:
     batch_sessions: int = 1
     batch_window_s: float = 0.01  # a forward waits at most this long after its first step for the others
 
+    def fp8_ring(self) -> bool:
+        """Whether the KV ring holds FP8: ``fp8_cache``, or when None, on a CUDA device."""
+        return self.device.startswith("cuda") if self.fp8_cache is None else self.fp8_cache
+
 
 @dataclass
 class DecodeConfig:

@@ -98,7 +98,7 @@ class DiffusionStage(Stage):
         self.device = config.device
         self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
         self.seed, self.tp = config.seed, config.tp
-        self.fp8 = self.device.startswith("cuda") if config.fp8_cache is None else config.fp8_cache
+        self.fp8 = config.fp8_ring()
         self.graphed, self.gathered = config.graphed_step, config.gathered_attention
         self.devices = list(config.devices)  # per rank (pipeline/placement.py)
         self.threads = cpu_threads(config.threads) if self.device == "cpu" else None

@@ -39,7 +39,7 @@ class StepBatcher(SessionBatcher):
         super().__init__(config.batch_sessions, config.batch_window_s,
                          cpu_threads(config.threads) if self.device == "cpu" else None, "step-batcher")
         self.config, self.preset, self.weights = config, preset, weights
-        self.fp8 = self.device.startswith("cuda") if config.fp8_cache is None else config.fp8_cache
+        self.fp8 = config.fp8_ring()
         self.graphed = config.graphed_step and self.device.startswith("cuda")
         self.batch: BatchedStep | None = None  # built by the first join
 
