@@ -321,7 +321,7 @@ class PlayoutStage(Stage):
         # Frames from the next one released to the first frame whose deadline the chunk can meet ...
         ahead = max(0, math.ceil((time.monotonic() + ready_s - t0) * VIDEO_FPS) - self.output.next_index)
         playing = self._playing
-        left = FRAMES_PER_CHUNK - self._position if playing is not None else 0
+        left = self._frames_left_on_screen()
         # ... and whose next chunk, made one step (or encode) after it, is not due before it is there.
         interval = max(max(self._to_step_end, default=0.0), float(detail.get("encode_s") or 0.0))
         next_needed = time.monotonic() + ready_s + interval
@@ -368,7 +368,7 @@ class PlayoutStage(Stage):
             last = place.chunk - 1
             self._onset = (self.epoch, place.chunk, place.onset)
             # Deadlines of the chunk's first frame (conditioning's anchor) and of the onset frame.
-            left = FRAMES_PER_CHUNK - self._position if self._playing is not None else 0
+            left = self._frames_left_on_screen()
             start = self.output.next_index + (
                 -self._position if place.chunk == self._chunk_on_screen() else left + FRAMES_PER_CHUNK * place.kept)
             self._speech_due = self.output.t0 + (start + place.onset) / VIDEO_FPS
@@ -384,6 +384,10 @@ class PlayoutStage(Stage):
                      due_in_ms=None if self._speech_due is None else round((self._speech_due - time.monotonic()) * 1e3, 1))
         await ctx.send_control(rollback)
         return rollback
+
+    def _frames_left_on_screen(self) -> int:
+        """Frames of the playing chunk not released yet (0 with none playing)."""
+        return FRAMES_PER_CHUNK - self._position if self._playing is not None else 0
 
     def _chunk_on_screen(self) -> int | None:
         return self._playing.chunk if self._playing is not None and self._position < FRAMES_PER_CHUNK else None
