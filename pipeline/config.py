@@ -7,6 +7,7 @@ plain data (JSON/TOML) and rejects unknown keys with the path of the offending k
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +46,13 @@ class PipelineConfig:
     @property
     def model(self) -> ModelConfig:
         return get_preset(self.preset)
+
+    def apply_gil_switch_interval(self) -> None:
+        """Set this process's GIL switch interval from ``gil_switch_interval_ms``: every process that runs
+        a session's threads calls it (the serving process, each stage process)."""
+        if self.gil_switch_interval_ms <= 0:
+            raise ValueError(f"gil_switch_interval_ms must be > 0, got {self.gil_switch_interval_ms}")
+        sys.setswitchinterval(self.gil_switch_interval_ms / 1e3)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PipelineConfig:

@@ -325,6 +325,7 @@ def _group_process(spec: GroupSpec) -> dict[str, Any]:
     """Entry point of a spawned stage process: run the group until SHUTDOWN/SIGTERM, return its report."""
     configure_logging()
     bound_allocator_pools()  # this process decodes or diffuses for hours: see stages/memory.py
+    spec.config.apply_gil_switch_interval()  # its stage's model thread and its event loop share the GIL
     # Import the stages' modules (torch and all) before any channel or heartbeat starts: a long
     # import inside the event loop would read as a dead peer. (Class factories were imported when
     # the spec was unpickled.)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -199,9 +198,7 @@ def session_factory(config: PipelineConfig, weights: str | None = "packaged",
     its sessions share one model and batch their diffusion steps (``factory.batcher``); with
     ``decode.batch_sessions`` > 1 one decoder and their chunks (``factory.decode_batcher``). Sets the
     process's GIL switch interval (``config.gil_switch_interval_ms``): its sessions' threads share it."""
-    if config.gil_switch_interval_ms <= 0:
-        raise ValueError(f"gil_switch_interval_ms must be > 0, got {config.gil_switch_interval_ms}")
-    sys.setswitchinterval(config.gil_switch_interval_ms / 1e3)
+    config.apply_gil_switch_interval()
     started = 0
     sessions: dict[str, LiveSession] = {}
     for section in ("diffusion", "decode"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import anyio
 import numpy as np
@@ -83,6 +84,20 @@ class Idle(Stage):
         if self.note_file:
             with open(self.note_file, "a") as f:
                 f.write(text)
+
+
+class NoteSwitchInterval(Stage):
+    """Writes its process's GIL switch interval (seconds) to ``note_file`` at setup, then ends the session."""
+
+    def __init__(self, note_file: str) -> None:
+        self.note_file = note_file
+
+    async def setup(self, ctx: StageContext) -> None:
+        with open(self.note_file, "w") as f:
+            f.write(repr(sys.getswitchinterval()))
+
+    async def run(self, ctx: StageContext) -> None:
+        await ctx.send_control(Control(ctx.session_id, 1, ControlKind.SHUTDOWN))
 
 
 class GateSink(Stage):
