@@ -56,11 +56,14 @@ import zmq.asyncio
 from charstream.pipeline.bench_output import commit_id, emit_report, percentiles, text_table
 from charstream.pipeline.capacity_worker import run_clients, run_worker
 from charstream.pipeline.config import PipelineConfig
+from charstream.stages.playout import UNDERRUN_CAUSES
 from charstream.transport.supervisor import Supervisor, describe_exit
 from tqdm import tqdm
 
 from charstream.logs import configure_logging
 from charstream.timeline import VIDEO_FPS
+
+CAUSE_KEYS = tuple(f"{cause}_underruns" for cause in UNDERRUN_CAUSES)  # per session and level, beside the total
 
 SATURATED = 0.9  # a resource this busy (of its whole) counts as saturated
 FRAME_S = 1 / VIDEO_FPS
@@ -427,6 +430,7 @@ def summarise_level(count: int, start_s: float, first: dict, last: dict, placed:
             released_fps=round((w1["frames_released"] - w0["frames_released"]) / dt_w, 3),
             received_fps=round((c1["video_frames"] - c0["video_frames"]) / dt_c, 3),
             underruns=w1["underruns"] - w0["underruns"], late_ticks=w1["late_ticks"] - w0["late_ticks"],
+            **{k: w1[k] - w0[k] for k in CAUSE_KEYS},
             skipped_video_frames=(w1["skipped_video_frames"] - w0["skipped_video_frames"]
                                   if w1["skipped_video_frames"] is not None and w0["skipped_video_frames"] is not None
                                   else None),
@@ -465,6 +469,7 @@ def summarise_level(count: int, start_s: float, first: dict, last: dict, placed:
         "playout_fps_min": min(playout), "playout_fps_median": statistics.median(playout),
         "received_fps_min": min(received), "received_fps_median": statistics.median(received),
         "underruns": sum(s.get("underruns", 0) for s in sessions),
+        **{k: sum(s.get(k, 0) for s in sessions) for k in CAUSE_KEYS},
         "late_ticks": sum(s.get("late_ticks", 0) for s in sessions),
         "pipeline_ms": ({"turns": len(pipeline), **{k: round(v, 1) for k, v in percentiles(pipeline, (50, 90)).items()}}
                         if pipeline else {"turns": 0}),
@@ -574,7 +579,8 @@ def level_line(level: dict[str, Any], min_fps: float) -> str:
 
 
 def table(report: dict[str, Any]) -> str:
-    rows = [["batch", "sessions", "held", "playout fps min/med", "received fps min/med", "underruns",
+    rows = [["batch", "sessions", "held", "playout fps min/med", "received fps min/med",
+             "underruns (" + "/".join(UNDERRUN_CAUSES) + ")",
              "pipeline p50/p90 ms", "step p50/p99 ms", "batched step/decode", "GPU busy", "host CPU", "worst loop lag p99", "saturated"]]
     for result in report["ladders"]:
         for lv in result["levels"]:
@@ -583,7 +589,8 @@ def table(report: dict[str, Any]) -> str:
                              default=0.0)
             rows.append([str(result["batch_sessions"]), str(lv["sessions"]), f"{lv['held']}/{lv['sessions']}",
                          f"{lv['playout_fps_min']:.2f} / {lv['playout_fps_median']:.2f}",
-                         f"{lv['received_fps_min']:.2f} / {lv['received_fps_median']:.2f}", str(lv["underruns"]),
+                         f"{lv['received_fps_min']:.2f} / {lv['received_fps_median']:.2f}",
+                         f"{lv['underruns']} (" + "/".join(str(lv.get(k, 0)) for k in CAUSE_KEYS) + ")",
                          f"{p['p50']:.0f} / {p['p90']:.0f}" if p.get("turns") else "-",
                          f"{s['p50']:.2f} / {s['p99']:.2f}" if s else "-",
                          " / ".join(f"{per.get(k, 0):.1f}" for k in ("diffusion", "decode")) if per else "-",

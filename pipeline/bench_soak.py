@@ -40,6 +40,7 @@ from charstream.pipeline.bench_output import commit_id, emit_report, text_table
 from charstream.pipeline.config import PipelineConfig
 from charstream.stages.config import EgressConfig
 from charstream.stages.memory import allocator_stats, release_free_memory
+from charstream.stages.playout import UNDERRUN_CAUSES
 
 from charstream.logs import configure_logging
 from charstream.timeline import VIDEO_FPS
@@ -180,7 +181,10 @@ async def soak_session(source: str, config: PipelineConfig, minutes: float, ever
         "malloc_free_mb_first_last": [fit[0].get("malloc_free_mb"), fit[-1].get("malloc_free_mb")] if fit else None,
         "rss_after_session_mb": last["rss_mb"], "rss_after_malloc_trim_mb": trimmed["rss_mb"],
         "fps_held": playout["achieved_fps"], "underruns": playout["underruns"],
-        "underrun_frames": playout["underrun_frames"], "frames_owed_by_clock": owed,
+        "underrun_frames": playout["underrun_frames"],
+        **{f"{cause}_{what}": playout[f"{cause}_{what}"] for cause in UNDERRUN_CAUSES
+           for what in ("underruns", "underrun_frames")},
+        "late_chunks": playout["late_chunks"], "frames_owed_by_clock": owed,
         "frames_released": playout["frames_released"], "frames_received": result["received"],
         "frames_lost_clock": owed - playout["frames_released"],
         "frames_lost_network": playout["frames_released"] - result["received"],
@@ -198,10 +202,12 @@ def table(report: dict[str, Any]) -> str:
                  str(r["retained_mb_per_session_after_trim"]), str(r["fds_growth"]), str(r["threads_growth"]),
                  str(r["shm_segments_left"]), str(r["children_left"]), str(r["sessions_not_released"])]]
     else:
-        rows = [["minutes", "MB/min", "fds/min", "threads/min", "fps held", "underruns", "lost (clock)",
-                 "lost (network)", "released", "received"],
+        rows = [["minutes", "MB/min", "fds/min", "threads/min", "fps held",
+                 "underruns (" + "/".join(UNDERRUN_CAUSES) + ")", "lost (clock)", "lost (network)", "released",
+                 "received"],
                 [str(r["minutes"]), str(r["rss_slope_mb_per_min"]), str(r["fds_slope_per_min"]),
-                 str(r["threads_slope_per_min"]), str(r["fps_held"]), str(r["underruns"]),
+                 str(r["threads_slope_per_min"]), str(r["fps_held"]),
+                 f"{r['underruns']} (" + "/".join(str(r[f"{c}_underruns"]) for c in UNDERRUN_CAUSES) + ")",
                  str(r["frames_lost_clock"]), str(r["frames_lost_network"]), str(r["frames_released"]),
                  str(r["frames_received"])]]
     return text_table(rows) + f"\nload avg 1/5/15 min at end: {report['load_avg_at_end']}"

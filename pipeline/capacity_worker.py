@@ -31,6 +31,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 from charstream.pipeline.config import PipelineConfig
+from charstream.stages.playout import UNDERRUN_CAUSES
 
 LAG_INTERVAL_S = 0.05  # the lag probe's sleep: its overshoot is how late the loop runs callbacks
 MAX_LAG_SAMPLES = 20_000  # ~17 minutes of probes per window
@@ -187,6 +188,7 @@ class Worker:
             "fresh_frames": stats.fresh_frames if stats else 0,
             "frames_released": stats.frames_released if stats else 0,
             "underruns": stats.underruns if stats else 0,
+            **{f"{cause}_underruns": getattr(stats, f"{cause}_underruns") if stats else 0 for cause in UNDERRUN_CAUSES},
             "late_ticks": stats.late_ticks if stats else 0,
             "skipped_video_frames": peer.video.skipped_frames if peer is not None and peer.video is not None else None,
             "ended": None if not session.done.is_set() else (result.error or result.ended_by if result else "failed"),

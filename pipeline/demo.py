@@ -7,8 +7,9 @@ loopback, reports presented frames on the data channel (the trace's last stamp) 
 it received; with ``--serve`` a browser connects to the printed address instead.
 
 Writes into ``--out`` (default ``./demo-out``): ``trace.jsonl`` (one line per turn, the seven
-contract stamps), ``report.md`` + ``waterfall.png`` (``charstream trace report``), and
-``session.mp4`` (what the client received: 24 fps video + audio; not with ``--serve``).
+contract stamps), ``report.md`` + ``waterfall.png`` (``charstream trace report``), ``playout.json``
+(playout's figures: underruns by cause, rollbacks, fps), and ``session.mp4`` (what the client
+received: 24 fps video + audio; not with ``--serve``).
 """
 
 from __future__ import annotations
@@ -264,11 +265,12 @@ async def run_demo(args: argparse.Namespace) -> int:
     from charstream.pipeline.session import LiveSession, session_factory
     from charstream.pipeline.trace_report import render_table, write_report
     from charstream.stages.egress.server import EgressServer
+    from charstream.stages.playout import UNDERRUN_CAUSES
 
     demo = plan(args)
     out = demo.out
     out.mkdir(parents=True, exist_ok=True)
-    for name in ("trace.jsonl", "report.md", "report.json", "waterfall.png", "session.mp4"):
+    for name in ("trace.jsonl", "report.md", "report.json", "waterfall.png", "playout.json", "session.mp4"):
         (out / name).unlink(missing_ok=True)
     print(f"charstream demo: {len(demo.script)} turns, preset {args.preset!r}, {demo.weights_note}")
 
@@ -334,9 +336,15 @@ async def run_demo(args: argparse.Namespace) -> int:
           f"({stats.underrun_frames} frames held), playout fps min {min(fps, default=0):.1f} / median "
           f"{statistics.median(fps) if fps else 0:.1f}; {stats.rollbacks} rollbacks: {stats.late_speech} with the "
           f"speech late, {stats.kept_chunks} chunks kept, {stats.rolled_back_chunks} dropped")
+    print("underruns by cause (frames held): " + ", ".join(
+        f"{cause} {getattr(stats, f'{cause}_underruns')} ({getattr(stats, f'{cause}_underrun_frames')})"
+        for cause in UNDERRUN_CAUSES))
+    (out / "playout.json").write_text(json.dumps({**stats.summary(), "frames_played": played}, indent=1) + "\n",
+                                      encoding="utf-8")
     summary = write_report(out / "trace.jsonl", out)
     print(render_table(summary))
-    files = ["trace.jsonl", "report.md", "report.json", "waterfall.png"] + ([] if args.serve else ["session.mp4"])
+    files = ["trace.jsonl", "report.md", "report.json", "waterfall.png", "playout.json"] + (
+        [] if args.serve else ["session.mp4"])
     print("wrote " + ", ".join(str(out / f) for f in files))
     if not result.ok or summary.complete < len(demo.script):
         print(f"charstream demo: {summary.complete} of {len(demo.script)} turns have all seven stamps")

@@ -62,6 +62,7 @@ from charstream.timeline import (
 )
 
 FRAME_SECONDS = 1.0 / VIDEO_FPS
+UNDERRUN_CAUSES = ("onset", "speech", "listening")  # PlayoutStats' <cause>_underruns and <cause>_underrun_frames
 LATENCY_HISTORY = 24  # chunks (4 s) whose production latency a speech placement budgets for (their max)
 ERROR_HISTORY = 4  # turn starts whose first speech chunk came later than estimated: the next estimate adds the most
 
@@ -172,6 +173,16 @@ class PlayoutStats:
     fresh_frames: int = 0  # released frames that came from a chunk (not held)
     underruns: int = 0  # times the buffer ran dry
     underrun_frames: int = 0  # hold frames released during underruns
+    # The same by cause, decided where the underrun is: ``onset`` -- a turn start's speech not there
+    # when its frame was due (placed too early, or nothing could be placed); ``speech`` -- a speaking
+    # chunk of the turn late in the middle of its speech; ``listening`` -- anything else (a listening
+    # chunk late, after a barge-in).
+    onset_underruns: int = 0
+    speech_underruns: int = 0
+    listening_underruns: int = 0
+    onset_underrun_frames: int = 0
+    speech_underrun_frames: int = 0
+    listening_underrun_frames: int = 0
     late_chunks: int = 0  # chunks that arrived while playout was starved for them
     late_ticks: int = 0  # frames released more than one frame period after their deadline
     stale_chunks: int = 0  # chunks of an older epoch, discarded
@@ -186,6 +197,20 @@ class PlayoutStats:
     def achieved_fps(self) -> float:
         """Fresh frames per second of wall time: 24 when nothing stalled, less for each held frame."""
         return self.fresh_frames / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def count_underrun(self, cause: str) -> None:
+        """The buffer ran dry for ``cause`` (one of ``UNDERRUN_CAUSES``)."""
+        self._count(cause, "underruns")
+
+    def count_held(self, cause: str) -> None:
+        """A hold frame released for an underrun of ``cause``."""
+        self._count(cause, "underrun_frames")
+
+    def _count(self, cause: str, what: str) -> None:
+        if cause not in UNDERRUN_CAUSES:
+            raise ValueError(f"underrun cause {cause!r} is not one of {UNDERRUN_CAUSES}")
+        setattr(self, what, getattr(self, what) + 1)
+        setattr(self, f"{cause}_{what}", getattr(self, f"{cause}_{what}") + 1)
 
     def summary(self) -> dict[str, float | int]:
         data = {k: v for k, v in self.__dict__.items()}
@@ -239,6 +264,8 @@ class PlayoutStage(Stage):
         self._late_by: deque[float] = deque(maxlen=ERROR_HISTORY)  # arrivals after the estimate (>= 0 s)
         self._resumed = False  # the clock just started playing after waiting: tell conditioning (CLOCK)
         self._holding = False  # at the placed speech's onset frame, its chunk not there yet: holding
+        self._speech_pending = False  # a turn start's speech has not begun playing yet
+        self._hold_cause = UNDERRUN_CAUSES[-1]  # the cause of the underrun being held
         self._metrics: SessionMetrics | None = None
         self._ctx: StageContext | None = None
 
@@ -357,6 +384,7 @@ class PlayoutStage(Stage):
         # Speech should start as soon as its first chunk exists, not after a full re-buffer.
         self._resume_depth = 1
         self._holding = False  # a hold for an earlier placement's speech ends: its chunk is gone
+        self._speech_pending = reason == ControlKind.TURN_START
         self._set_depth()
         self._notify_buffer()
         self._control_seq += 1
@@ -439,17 +467,18 @@ class PlayoutStage(Stage):
                     # Speech comes at the agent's pace: waiting for depth would only make the freeze
                     # longer. Its next chunk plays as it lands; the hold becomes the turn's slack.
                     self._resume_depth = 1
-                self._underrun(index)
+                speaking = ended is not None and ended.speaking and ended.epoch == self.epoch
+                self._underrun(index, "onset" if self._speech_pending else "speech" if speaking else "listening")
         elif self._onset_due():  # the placed speech takes over its chunk at the onset frame
             if self._buffer and (self._buffer[0].epoch, self._buffer[0].chunk) == self._onset[:2]:
                 self._play(self._buffer.popleft())
                 self._holding = False
             elif not self._holding:
                 self._holding = True
-                self._underrun(index)
+                self._underrun(index, "onset")
         chunk = None if self._holding else self._playing
         if chunk is None:  # underrun: hold the last frame, play silence
-            self.stats.underrun_frames += 1
+            self.stats.count_held(self._hold_cause)
             image = self._last_image if self._last_image is not None else np.zeros((16, 16, 3), np.uint8)
             return ReleasedFrame(index, image, np.zeros(SAMPLES_PER_FRAME, np.int16), None, 0, False, self.epoch,
                                  None, False, now)
@@ -475,6 +504,7 @@ class PlayoutStage(Stage):
         self._playing = chunk
         if chunk.epoch == self.epoch:  # the rollback's speech has begun (the chunks it kept are of the epoch before)
             self._resume_depth = self.config.target_depth_chunks + 1
+            self._speech_pending = False
         self._set_depth()
         self._notify_buffer()
 
@@ -484,12 +514,13 @@ class PlayoutStage(Stage):
         return onset is not None and onset[2] > 0 and playing is not None and playing.epoch < onset[0] \
             and playing.chunk == onset[1] and self._position == onset[2]
 
-    def _underrun(self, index: int) -> None:
-        self.stats.underruns += 1
+    def _underrun(self, index: int, cause: str) -> None:
+        self.stats.count_underrun(cause)
+        self._hold_cause = cause
         if self._metrics is not None:
             self._metrics.underrun()
         if self._ctx is not None:
-            self._ctx.log.warning("playout_underrun", frame=index, underruns=self.stats.underruns)
+            self._ctx.log.warning("playout_underrun", frame=index, cause=cause, underruns=self.stats.underruns)
 
     async def _send_clock(self, ctx: StageContext, frame: ReleasedFrame, deadline: float) -> None:
         """Tell conditioning when the chunk that just started playing was due (its pacing anchor)."""

@@ -32,7 +32,9 @@ def test_bench_capacity_measures_frames_the_clients_received(tmp_path):
         # The client cannot get frames playout never released (its snapshot is a moment after the worker's).
         assert 0 < s["frames_received_total"] <= s["frames_released_total"] + 12, s
         assert s["held"] == (min(s["playout_fps"], s["received_fps"]) >= 24 - 1 / window and s["ended"] is None)
+        assert sum(s[k] for k in bench_capacity.CAUSE_KEYS) == s["underruns"], s  # every underrun has its cause
     assert level["below"] == sum(not s["held"] for s in sessions)
+    assert all(level[k] == sum(s[k] for s in sessions) for k in bench_capacity.CAUSE_KEYS)
     assert {p["name"] for p in level["processes"]} == {"worker-0", "worker-1", "client-0"}
     assert all(p["cores"] > 0 and p["loop_lag"]["samples"] > 0 for p in level["processes"] if p["sessions"])
     # Clean shutdown: every worker and client exited by itself, none is left.

@@ -52,6 +52,17 @@ def test_trace_holds_three_turns_with_all_seven_stamps_in_order(demo):
     assert (out / "waterfall.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_playout_json_counts_underruns_by_cause_and_the_summary_prints_them(demo):
+    proc, out = demo
+    playout = json.loads((out / "playout.json").read_text())
+    causes = ("onset", "speech", "listening")
+    assert playout["frames_played"] > 0 and playout["rollbacks"] >= 3
+    assert sum(playout[f"{c}_underruns"] for c in causes) == playout["underruns"]
+    assert sum(playout[f"{c}_underrun_frames"] for c in causes) == playout["underrun_frames"]
+    assert re.search(r"^underruns by cause \(frames held\): onset \d+ \(\d+\), speech \d+ \(\d+\), "
+                     r"listening \d+ \(\d+\)$", proc.stdout, re.M)
+
+
 def test_session_mp4_is_24_fps_with_audio_and_covers_the_conversation(demo):
     _, out = demo
     stamps = [json.loads(line)["stamps"] for line in (out / "trace.jsonl").read_text().splitlines()]

@@ -1,0 +1,81 @@
+"""Playout's underruns by cause: each cause forced, counted where the underrun is decided."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from charstream.stages.config import PlayoutConfig
+from charstream.stages.egress.testcard import card_chunk
+from charstream.stages.playout import UNDERRUN_CAUSES, PlayoutStage
+from charstream.transport.messages import Control, ControlKind, TraceContext
+from playout_support import start_playout
+from test_playout import SIZE, collect, collect_from, realtime_source, stamped
+
+from charstream.timeline import CHUNK_SECONDS
+
+
+def by_cause(stats) -> dict[str, tuple[int, int]]:
+    return {c: (getattr(stats, f"{c}_underruns"), getattr(stats, f"{c}_underrun_frames")) for c in UNDERRUN_CAUSES}
+
+
+@pytest.mark.parametrize("speaking", [True, False])
+def test_a_stall_is_counted_as_speech_or_listening(speaking):
+    """A 0.6 s stall after chunk 6 holds ~10 frames: mid-speech when the chunks speak, else while listening."""
+    async def main():
+        session = await start_playout(f"cause{speaking}", PlayoutStage(PlayoutConfig(target_depth_chunks=1)),
+                                      realtime_source(16, stall_after=6, stall_s=0.6, speaking_from=0 if speaking else None))
+        frames = await collect(session.playout.output, 4 * 12)
+        stats = session.playout.stats
+        await session.close()
+        return frames, stats
+
+    frames, stats = asyncio.run(main())
+    held = sum(f.chunk is None for f in frames)
+    cause = "speech" if speaking else "listening"
+    counts = by_cause(stats)
+    assert counts[cause][0] >= 1 and counts[cause][1] >= held >= 8
+    assert all(v == (0, 0) for c, v in counts.items() if c != cause), counts
+    assert stats.underruns == counts[cause][0] and stats.underrun_frames == counts[cause][1]
+
+
+@pytest.mark.parametrize("placed", [True, False])
+def test_speech_late_at_its_turn_start_is_an_onset_underrun(placed):
+    """The turn's first speech chunk comes 0.5 s after the rollback, well after its frame: an onset
+    underrun (``placed``: at the frame the estimate chose; else a turn start with no detail, which drops
+    every unplayed chunk) -- and no other cause counted, also not for the speech that then plays on."""
+    async def upstream(session):
+        playout, ctx = session.playout, session.ctx
+        start, n = time.monotonic(), 0
+        while not (rollbacks := [c for c in session.controls if c.kind == ControlKind.ROLLBACK]):
+            if time.monotonic() >= start + (n - 2) * CHUNK_SECONDS:  # listening, 3 chunks ahead
+                await playout.process(stamped(card_chunk(ctx.session_id, n, SIZE, SIZE), 0.05, 0.02), ctx)
+                n += 1
+            await asyncio.sleep(0.001)
+        [rollback] = rollbacks
+        await asyncio.sleep(0.5)
+        for n in range(rollback.chunk + 1, rollback.chunk + 9):  # then the rest at once (as synthesised)
+            await playout.process(stamped(card_chunk(ctx.session_id, n, SIZE, SIZE, speaking=True, epoch=1, turn_id=5),
+                                          0.05, 0.02), ctx)
+
+    async def main():
+        session = await start_playout(f"onset{placed}", PlayoutStage(PlayoutConfig(target_depth_chunks=2)), upstream)
+        playout = session.playout
+        frames = await collect(playout.output, 4 * 6)
+        frontier = playout._buffer[-1].chunk + 1
+        detail = {"earliest_chunk": frontier - 3, "last_emit_at": None, "encode_s": 0.0} if placed else {}
+        await playout.control(Control("onset", 1, ControlKind.TURN_START, chunk=frontier, epoch=0, trace=TraceContext(5),
+                                      detail=detail), session.ctx)
+        after = await collect_from(playout.output, frames[-1].index + 1, 4 * 8)
+        stats = playout.stats
+        await session.close()
+        return after, stats
+
+    after, stats = asyncio.run(main())
+    counts = by_cause(stats)
+    held = sum(f.chunk is None for f in after)
+    assert counts["onset"][0] == 1 and counts["onset"][1] == held >= 6, counts
+    assert counts["speech"] == (0, 0) and counts["listening"] == (0, 0), counts
+    assert stats.late_speech == (1 if placed else 0)  # a placed speech chunk after its frame is late speech too
+    assert [f.speaking for f in after if f.chunk is not None][-4:] == [True] * 4  # then the speech plays on
