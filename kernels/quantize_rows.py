@@ -5,6 +5,9 @@ fused into the same pass.
 ``quantize_rows(x, act_from)``: x (M, K) bf16/fp32 -> (xq (M, K) float8_e4m3fn, scale (M, 1) float32)
 with ``x' = x`` on columns ``[0, act_from)`` and ``gelu_tanh(x)`` on ``[act_from, K)`` (``act_from = K``:
 no activation), ``scale = max(amax(|x'|), tiny) / 448`` and ``xq = x' / scale``. Dequantised = xq x scale.
+``prefix`` (M, P), optional: the rows' first P columns, read from there instead of from x (whose
+columns [0, P) are then not read) -- a producer's own output buffer (cuDNN's attention output) needs no
+copy into x first.
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ from charstream.kernels.fp8 import FP8_DTYPE, FP8_MAX
 MIN_AMAX = 1e-12  # an all-zero row gets a tiny scale instead of a division by zero
 
 
-def quantize_rows_reference(x: torch.Tensor, act_from: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_reference(x: torch.Tensor, act_from: int | None = None,
+                            prefix: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     k = x.shape[-1]
     act_from = k if act_from is None else act_from
-    xf = x.float()
+    xf = x.float() if prefix is None else torch.cat([prefix.float(), x[:, prefix.shape[1] :].float()], dim=1)
     if act_from < k:
         xf = torch.cat([xf[:, :act_from], F.gelu(xf[:, act_from:], approximate="tanh")], dim=1)
     scale = xf.abs().amax(dim=1, keepdim=True).clamp_min(MIN_AMAX) / FP8_MAX
@@ -36,16 +40,28 @@ def _gelu_tanh(x):
 
 
 @triton.jit
+def _load_row(x, stride_xm, prefix, stride_pm, n_prefix, row, c, n_cols, PREFIX: tl.constexpr):
+    if PREFIX:  # columns [0, n_prefix) from prefix, the rest from x: each element read from one of them
+        v = tl.load(x + row * stride_xm + c, mask=(c >= n_prefix) & (c < n_cols), other=0.0).to(tl.float32)
+        lead = tl.load(prefix + row * stride_pm + c, mask=c < n_prefix, other=0.0).to(tl.float32)
+        v = tl.where(c < n_prefix, lead, v)
+    else:
+        v = tl.load(x + row * stride_xm + c, mask=c < n_cols, other=0.0).to(tl.float32)
+    return v
+
+
+@triton.jit
 def _quantize_rows_kernel(
-    x, stride_xm, xq, stride_qm, scale_out, n_cols, act_from,
+    x, stride_xm, prefix, stride_pm, n_prefix, xq, stride_qm, scale_out, n_cols, act_from,
     BLOCK: tl.constexpr, ONE_SWEEP: tl.constexpr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
+    PREFIX: tl.constexpr,
 ):
     # One program per row. ONE_SWEEP (the row fits in BLOCK): the row stays in registers between the
     # amax and the store, so x is read once; otherwise two sweeps (the second reads from L2).
     row = tl.program_id(0)
     if ONE_SWEEP:
         c = tl.arange(0, BLOCK)
-        v = tl.load(x + row * stride_xm + c, mask=c < n_cols, other=0.0).to(tl.float32)
+        v = _load_row(x, stride_xm, prefix, stride_pm, n_prefix, row, c, n_cols, PREFIX)
         v = tl.where(c >= act_from, _gelu_tanh(v), v)
         scale = tl.maximum(tl.max(tl.abs(v), 0), MIN_AMAX) / FP8_MAX
         tl.store(scale_out + row, scale)
@@ -55,14 +71,14 @@ def _quantize_rows_kernel(
         amax = tl.zeros((BLOCK,), tl.float32)
         for start in range(0, n_cols, BLOCK):
             c = start + tl.arange(0, BLOCK)
-            v = tl.load(x + row * stride_xm + c, mask=c < n_cols, other=0.0).to(tl.float32)
+            v = _load_row(x, stride_xm, prefix, stride_pm, n_prefix, row, c, n_cols, PREFIX)
             v = tl.where(c >= act_from, _gelu_tanh(v), v)
             amax = tl.maximum(amax, tl.abs(v))
         scale = tl.maximum(tl.max(amax, 0), MIN_AMAX) / FP8_MAX
         tl.store(scale_out + row, scale)
         for start in range(0, n_cols, BLOCK):
             c = start + tl.arange(0, BLOCK)
-            v = tl.load(x + row * stride_xm + c, mask=c < n_cols, other=0.0).to(tl.float32)
+            v = _load_row(x, stride_xm, prefix, stride_pm, n_prefix, row, c, n_cols, PREFIX)
             v = tl.where(c >= act_from, _gelu_tanh(v), v)
             q = tl.clamp(v / scale, -FP8_MAX, FP8_MAX)
             tl.store(xq + row * stride_qm + c, q.to(xq.dtype.element_ty), mask=c < n_cols)
@@ -76,22 +92,30 @@ def quantize_rows_triton(
     act_from: int | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     num_warps: int = 8,
+    prefix: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch. ``out`` = preallocated (xq, scale), so a CUDA graph reuses the same buffers."""
     m, k = x.shape
     if x.stride(1) != 1:
         raise ValueError("x needs contiguous rows")
+    if prefix is not None and (prefix.dim() != 2 or prefix.shape[0] != m or prefix.shape[1] > k or prefix.stride(1) != 1):
+        raise ValueError(f"prefix must be ({m}, <= {k}) with contiguous rows, got {tuple(prefix.shape)}")
+    lead = x if prefix is None else prefix
     xq, scale = out if out is not None else (torch.empty(m, k, dtype=FP8_DTYPE, device=x.device),
                                              torch.empty(m, 1, dtype=torch.float32, device=x.device))
     one_sweep = k <= ONE_SWEEP_MAX_COLS
     _quantize_rows_kernel[(m,)](
-        x, x.stride(0), xq, xq.stride(0), scale, k, k if act_from is None else act_from,
+        x, x.stride(0), lead, lead.stride(0), 0 if prefix is None else prefix.shape[1], xq, xq.stride(0), scale, k,
+        k if act_from is None else act_from,
         BLOCK=triton.next_power_of_2(k) if one_sweep else 2048, ONE_SWEEP=one_sweep, FP8_MAX=FP8_MAX,
-        MIN_AMAX=MIN_AMAX, num_warps=num_warps,
+        MIN_AMAX=MIN_AMAX, PREFIX=prefix is not None, num_warps=num_warps,
     )
     return xq, scale
 
 
-def quantize_rows(x: torch.Tensor, act_from: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, act_from: int | None = None,
+                  prefix: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatcher: the Triton kernel on CUDA, the PyTorch reference otherwise."""
-    return quantize_rows_triton(x, act_from) if x.is_cuda else quantize_rows_reference(x, act_from)
+    if x.is_cuda:
+        return quantize_rows_triton(x, act_from, prefix=prefix)
+    return quantize_rows_reference(x, act_from, prefix)

@@ -280,7 +280,9 @@ def ring_attention_triton(
     part_lse = torch.empty(2 * programs * block_m if merge else 1, dtype=torch.float32, device=q.device)
     blocks = {"SB": sink_blocks, "BPF": triton.cdiv(tokens_per_frame, block_n),
               "RING_P2": max(2, triton.next_power_of_2(n_ring))}
-    valid = ring_valid.view(torch.uint8) if n_ring else torch.zeros(1, dtype=torch.uint8, device=q.device)
+    # With no ring the flags are never read (every load masked): q stands in for the pointer, so no
+    # placeholder tensor is made (and filled: one more launch) per call.
+    valid = ring_valid.view(torch.uint8) if n_ring else q
     _ring_attention_kernel[(programs,)](
         q, q.stride(0), q.stride(1), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_scale, v_scale,
         valid, n_ring, out, out.stride(0), out.stride(1), part_o, part_lse, n_tokens, n_heads, sink_slots,
@@ -369,16 +371,21 @@ def ring_attention_gathered(
     return window_attention(q, k_win, v_win, out)
 
 
-def window_attention(q: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def window_attention(q: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """q (T, n_heads, head_dim) over every slot of a contiguous window (n_heads, S, head_dim) through
     PyTorch's cuDNN SDPA (flash if cuDNN declines); key order is irrelevant to attention, so the
-    window may hold its frames in any order. Written into ``out`` (T, n_heads, head_dim)."""
+    window may hold its frames in any order. Written into ``out`` (T, n_heads, head_dim); without
+    ``out``, the (T, n_heads, head_dim) view of SDPA's own output buffer is returned, no copy made
+    (its layout follows q's, so it flattens to (T, n_heads * head_dim) rows when q is such columns)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     # q as the strided (heads, tokens) view it is: cuDNN reads it in place (measured faster than a
     # contiguous copy, and faster than a contiguous buffer too: docs/PERF.md, issue 14, run 5)
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k_win[None], v_win[None])
+    if out is None:
+        return o[0].transpose(0, 1)
     out.copy_(o[0].transpose(0, 1))
     return out
 

@@ -94,7 +94,7 @@ def _ring_write_kernel(
     k_win, v_win, stride_wh, stride_ws, win_slot,
     D: tl.constexpr, BLOCK_T: tl.constexpr, HEADS: tl.constexpr, SLOT_IN_TENSOR: tl.constexpr,
     QUANT: tl.constexpr, FP8_MAX: tl.constexpr, PREP: tl.constexpr, WINDOW: tl.constexpr, EPS: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, RING: tl.constexpr,
 ):
     # One program: BLOCK_T tokens x HEADS heads (one head at a time; PREFETCH: the next head's loads
     # issued before this head's stores, two heads' reads in flight for more registers: 4.11 against
@@ -103,6 +103,7 @@ def _ring_write_kernel(
     # PREP, the block's other per-head work rides along: QK-norms, RoPE on Q (in place), the
     # cross-attention query's norm (in place) and the FP8 saturation count. With WINDOW, the keys and
     # values as stored are also written dequantised into the attention window's slots at ``win_slot``.
+    # RING off: everything but the ring's stores (a measurement of what the write adds to the prep).
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < n_tokens
     ch = tl.arange(0, D)
@@ -153,9 +154,10 @@ def _ring_write_kernel(
             v = tl.clamp(v / vs, -FP8_MAX, FP8_MAX)
         k_stored = k.to(k_cache.dtype.element_ty)
         v_stored = v.to(v_cache.dtype.element_ty)
-        dst = head * stride_ch + (start + t)[:, None] * stride_cs + ch[None, :]
-        tl.store(k_cache + dst, k_stored, mask=mask)
-        tl.store(v_cache + dst, v_stored, mask=mask)
+        if RING:
+            dst = head * stride_ch + (start + t)[:, None] * stride_cs + ch[None, :]
+            tl.store(k_cache + dst, k_stored, mask=mask)
+            tl.store(v_cache + dst, v_stored, mask=mask)
         if WINDOW:  # as gather_window dequantises: stored value x per-head scale, in the window's dtype
             k_w = k_stored.to(tl.float32)
             v_w = v_stored.to(tl.float32)
@@ -170,7 +172,7 @@ def _ring_write_kernel(
 
 
 def _launch(k_cache, v_cache, k_scale, v_scale, k_new, v_new, slot_start, rotation, prep, window,
-            block_t, heads, num_warps, prefetch):
+            block_t, heads, num_warps, prefetch, write_ring=True):
     n_tokens, n_heads, head_dim = k_new.shape
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError("k_cache and v_cache must share strides with a contiguous head_dim")
@@ -195,7 +197,7 @@ def _launch(k_cache, v_cache, k_scale, v_scale, k_new, v_new, slot_start, rotati
         k_win, v_win, k_win.stride(0), k_win.stride(1), win_slot,
         D=head_dim, BLOCK_T=block_t, HEADS=heads, SLOT_IN_TENSOR=isinstance(slot_start, torch.Tensor),
         QUANT=is_fp8(k_cache), FP8_MAX=FP8_MAX, PREP=prep is not None, WINDOW=window is not None, EPS=RMS_EPS,
-        PREFETCH=prefetch, num_warps=num_warps,
+        PREFETCH=prefetch, RING=write_ring, num_warps=num_warps,
     )
 
 
@@ -285,13 +287,16 @@ def ring_write_prep_triton(
     heads: int = 4,
     num_warps: int = 4,
     prefetch: bool = True,
+    write_ring: bool = True,
 ) -> None:
     """``ring_write_prep_reference`` in one launch (the ring write kernel with its PREP extras on;
-    ``window``'s slot a device tensor)."""
+    ``window``'s slot a device tensor). ``write_ring=False`` leaves the ring's K/V unwritten and does
+    the rest: not a serving mode, it measures what the ring write adds to the prep (``bench gpu``'s
+    cache upkeep as served, ``scripts/kernels_check.py``)."""
     q_norm, k_norm, cq_norm = norms
     rotation = rope_table(positions, freqs) if rotation is None else rotation
     _launch(k_cache, v_cache, k_scale, v_scale, k_new, v_new, slot_start, rotation,
-            (q, cq, q_norm, k_norm, cq_norm, saturated), window, block_t, heads, num_warps, prefetch)
+            (q, cq, q_norm, k_norm, cq_norm, saturated), window, block_t, heads, num_warps, prefetch, write_ring)
 
 
 def _rms_norm_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -20,12 +20,13 @@ position reset, the TP group) is shared:
     ring_write_prep QK-norms, RoPE(q) in place, RoPE(k) + FP8 + ring write of K and V (and,
                     gathered, their dequantised copy into the layer's attention window),
                     cross-q norm in place, saturation count; RoPE from one table per step 1 launch
-    attention       q over sink + valid ring, written over the spent v columns: in place
-                    over the FP8 ring while the window fills, then cuDNN SDPA over the
+    attention       q over sink + valid ring: in place over the FP8 ring while the window
+                    fills, written over the spent v columns, then cuDNN SDPA over the
                     layer's bf16 window, which the ring write above keeps current
-                    (``gathered``, faster on an H200)                                     2 launches
+                    (``gathered``, faster on an H200), into cuDNN's own buffer            2 / 1 launches
     cross attention cross-q over the step's audio K/V, written over the cross-q columns    1 launch
-    quantize_rows   GELU on the mlp columns + FP8 rows of [attn | cross | mlp]             1 launch
+    quantize_rows   GELU on the mlp columns + FP8 rows of [attn | cross | mlp], the attn
+                    columns read from cuDNN's buffer when gathered (no copy into v)        1 launch
     w_out           FP8 GEMM, then the block's one all-reduce under TP                     1-2 launches
 
   so [attn | cross | mlp] is the fused buffer's tail and nothing is concatenated. On CUDA it runs
@@ -377,8 +378,9 @@ class DiffusionStep:
         prep = ring_write_prep_triton if q.is_cuda else ring_write_prep_reference
         prep(q, k, v, cq, *layer_cache, self.slot, self.positions, cache.freqs, self.norms[layer], cache.saturated,
              rotation=rotation, window=window)
+        attn = None  # the attention output when it is not in the v columns: cuDNN writes a buffer of its own
         if self.gathered:
-            window_attention(q, *window[:2], out=v)
+            attn = window_attention(q, *window[:2]).flatten(1)  # read there by quantize_rows, not copied over v
         elif q.is_cuda:
             ring_attention_triton(q, *layer_cache, cache.ring_valid, cache.sink_slots, cache.tokens_per_frame, out=v,
                                   **self.attention_options)
@@ -390,7 +392,7 @@ class DiffusionStep:
                                   **CROSS_ATTENTION_OPTIONS)
         else:
             cq.copy_(ring_attention(cq, ck, cv, self.ones, self.ones, self.no_ring, ck.shape[1], 1))
-        oq = quantize_rows(fused[:, 2 * hd :], act_from=2 * hd)
+        oq = quantize_rows(fused[:, 2 * hd :], act_from=2 * hd, prefix=attn)
         result = self.w_out[layer].forward_quantized(*oq, out_dtype=self.x.dtype)
         if self.tp_group is not None:
             dist.all_reduce(result, group=self.tp_group)  # the block's one collective

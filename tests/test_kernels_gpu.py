@@ -114,6 +114,33 @@ def test_ring_write_prep():
     assert rsat.item() > 0 and abs(gsat.item() - rsat.item()) <= 0.01 * rsat.item()
 
 
+def test_ring_write_prep_without_the_ring_write_does_the_rest():
+    """``write_ring=False`` (bench gpu's measure of the write's cost inside the prep): the ring keeps its
+    poison, and q, cq, the window and the saturation count are bit-equal to the full prep's."""
+    freqs = rope_freqs(D, "cuda")
+    fused = torch.randn(T, 4 * H * D, device="cuda", dtype=torch.bfloat16) * 3
+    positions = frame_positions(17, GRID, AUDIO, "cuda")
+    k_scale, v_scale = (torch.rand(H, device="cuda") * 0.004 + 0.004 for _ in range(2))
+    norms = tuple(torch.rand(D, device="cuda") + 0.5 for _ in range(3))
+    slot = torch.tensor(SINK + 3 * T, device="cuda")
+    runs = []
+    for write_ring in (True, False):
+        buf = fused.clone()
+        q, k, v, cq = (buf[:, i * H * D : (i + 1) * H * D].unflatten(-1, (H, D)) for i in range(4))
+        caches = [_poisoned((H, N_SLOTS, D), FP8_DTYPE) for _ in range(2)]
+        window = [_poisoned((H, SINK + 7 * T, D), torch.bfloat16) for _ in range(2)]
+        saturated = torch.zeros((), dtype=torch.int64, device="cuda")
+        ring_write_prep_triton(q, k, v, cq, *caches, k_scale, v_scale, slot, positions, freqs, norms, saturated,
+                               window=(*window, torch.tensor(2 * T, device="cuda")), write_ring=write_ring)
+        runs.append(((q, cq, *window, saturated), caches))
+    (full, full_ring), (bare, bare_ring) = runs
+    poison = _poisoned((1,), FP8_DTYPE).float()
+    assert all((c.float() == poison).all() for c in bare_ring)
+    assert all((c[:, SINK + 3 * T : SINK + 4 * T].float() != poison).any() for c in full_ring)
+    assert (full[2][:, 2 * T : 3 * T] != 1e4).all()  # the window was written
+    assert all(torch.equal(a, b) for a, b in zip(full, bare, strict=True))
+
+
 @pytest.mark.parametrize(("dtype", "qk_fp8"), [(FP8_DTYPE, False), (FP8_DTYPE, True), (torch.bfloat16, False)])
 @pytest.mark.parametrize("programs", [None, 7])  # one per SM; 7: most tiles split across programs
 def test_ring_attention(dtype, qk_fp8, programs):
@@ -175,6 +202,22 @@ def test_quantize_rows(act_from, cols):
     x = torch.randn(T, cols, device="cuda", dtype=torch.bfloat16) * torch.rand(T, 1, device="cuda") * 10
     xq, scale = quantize_rows_triton(x, act_from)
     rq, rscale = quantize_rows_reference(x, act_from)
+    assert torch.allclose(scale, rscale, rtol=1e-5)
+    _assert_fp8_close(xq, rq)
+
+
+@pytest.mark.parametrize("cols", [15360, 20000])  # the TP=3 [attn | cross | mlp] row (one sweep); two sweeps
+def test_quantize_rows_reads_the_leading_columns_from_the_prefix(cols):
+    """The full-window step's GELU rows: the attention columns from cuDNN's own output buffer. x's
+    columns there are NaN, so reading them would show."""
+    hd = 2560
+    x = torch.randn(T, cols, device="cuda", dtype=torch.bfloat16) * torch.rand(T, 1, device="cuda") * 10
+    attn = torch.randn(T, 20, 128, device="cuda", dtype=torch.bfloat16) * 4  # (tokens, heads, D) as cuDNN leaves it
+    poisoned = x.clone()
+    poisoned[:, :hd] = float("nan")
+    out = (_poisoned((T, cols), FP8_DTYPE), torch.full((T, 1), float("nan"), device="cuda"))
+    xq, scale = quantize_rows_triton(poisoned, 2 * hd, out, prefix=attn.flatten(1))
+    rq, rscale = quantize_rows_reference(torch.cat([attn.flatten(1), x[:, hd:]], dim=1), 2 * hd)
     assert torch.allclose(scale, rscale, rtol=1e-5)
     _assert_fp8_close(xq, rq)
 

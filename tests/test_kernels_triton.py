@@ -26,6 +26,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _run_checks() -> dict[str, dict[str, float]]:
     from charstream.kernels.delta_rotate import delta_rotate_reference, delta_rotate_triton
+    from charstream.kernels.quantize_rows import quantize_rows_reference, quantize_rows_triton
     from charstream.kernels.ring_attention import (
         gather_window,
         ring_attention_reference,
@@ -131,6 +132,33 @@ def _run_checks() -> dict[str, dict[str, float]]:
         "poison_left": float(sum((w == POISON).sum() for w in runs[1][4:])),
         "others_changed": float(sum((w[:, : SINK + T] != POISON).sum() for w in window[:2])),
     }
+    # without the ring write (what bench gpu measures it by): the ring untouched, the rest as with it
+    buf, kc, vc = fused.clone(), torch.full((H, n_slots, D), POISON), torch.full((H, n_slots, D), POISON)
+    q, k, v, cq = (buf[:, i * H * D : (i + 1) * H * D].unflatten(-1, (H, D)) for i in range(4))
+    window = (torch.full((H, SINK + 2 * T, D), POISON), torch.full((H, SINK + 2 * T, D), POISON), torch.tensor(SINK + T))
+    ring_write_prep_triton(q, k, v, cq, kc, vc, scale, scale, torch.tensor(SINK), positions, freqs, norms,
+                           torch.zeros((), dtype=torch.int64), window=window, write_ring=False)
+    report["write_prep_no_ring_write"] = {
+        "ring_changed": float((kc != POISON).sum() + (vc != POISON).sum()),
+        "rest_differs": float(sum((got != want).sum() for got, want in zip(
+            (q, cq, window[0][:, SINK + T :], window[1][:, SINK + T :]), (runs[1][:2] + runs[1][4:]), strict=True))),
+    }
+    # GELU + FP8 rows with the leading columns read from a buffer of their own (x's there poisoned):
+    # the same codes as with those columns in x (the interpreter's FP8 rounding is not the GPU's, so
+    # the kernel is compared with itself here and with the reference on the GPU)
+    x = torch.randn(T, 40, generator=g) * 3
+    lead = x[:, :16].clone()
+    poisoned = x.clone()
+    poisoned[:, :16] = float("nan")
+    want_q, want_s = quantize_rows_triton(x, 24)
+    got_q, got_s = quantize_rows_triton(poisoned, 24, prefix=lead)
+    ref_q, ref_s = quantize_rows_reference(poisoned, 24, prefix=lead)
+    report["quantize_rows_prefix"] = {
+        "codes_differ": float((got_q.view(torch.uint8) != want_q.view(torch.uint8)).sum()),
+        "scale_rel": _rel(got_s, want_s),
+        "reference_scale_rel": _rel(ref_s, quantize_rows_reference(x, 24)[1]),
+        "nan": float(torch.isnan(got_q.float()).sum() + torch.isnan(ref_q.float()).sum()),
+    }
 
     order = torch.tensor([2, 0], dtype=torch.int32)
     window = tuple(torch.full((H, SINK + 2 * T, D), POISON) for _ in range(2))
@@ -175,6 +203,15 @@ def test_ring_attention_triton_matches_reference(report, case):
 def test_ring_write_prep_triton_matches_reference(report):
     assert all(rel < 1e-5 for rel in report["write_prep"].values()), report["write_prep"]
     assert report["write_prep_window"] == {"poison_left": 0.0, "others_changed": 0.0}
+
+
+def test_ring_write_prep_without_the_ring_write_does_the_rest(report):
+    assert report["write_prep_no_ring_write"] == {"ring_changed": 0.0, "rest_differs": 0.0}
+
+
+def test_quantize_rows_reads_the_leading_columns_from_the_prefix(report):
+    r = report["quantize_rows_prefix"]
+    assert r["codes_differ"] == 0 and r["scale_rel"] == 0 and r["reference_scale_rel"] == 0 and r["nan"] == 0
 
 
 def test_gather_window_lists_sink_then_frames_in_order(report):
