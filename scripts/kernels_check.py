@@ -37,7 +37,7 @@ from charstream.kernels.ring_write import (
 )
 from charstream.kernels.rope import rope_freqs
 from charstream.model.rope import frame_positions
-from charstream.pipeline.bench_gpu import _graph_ms
+from charstream.pipeline.bench_gpu import _graph_ms, _graphs_ms
 
 H, D, T, GRID, AUDIO = 20, 128, 757, (22, 34), 9
 SINK, RING, VALID = T, 10, 7
@@ -196,7 +196,61 @@ def ring_write(gen: torch.Generator) -> dict[str, object]:
             entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         result[name] = entry
         print(f"[check] ring_write {name}: {entry}", flush=True)
+    result["as_served"] = _prep_parts(fused, k_cache, v_cache, ks, vs, slot, positions, freqs, rotation, norms, windows,
+                                      win_slot, result["rope_table_us"])
     return result
+
+
+def _prep_parts(fused, k_cache, v_cache, ks, vs, slot, positions, freqs, rotation, norms, windows, win_slot,
+                rope_table_us) -> dict[str, object]:
+    """The serving prep (its default launch) without its FP8 ring stores, without its window copy, and
+    without both, against itself, timed in turns: what the ring write adds to the prep is its cost as
+    served. Checked first: without the ring stores the ring keeps its poison, q, cq and the window are
+    bit-equal to the full prep's."""
+    entry: dict[str, object] = {}
+    try:
+        n_win, slot_at = windows[0].shape[2], int(slot)
+        runs = []
+        for write_ring in (True, False):
+            buf = fused.clone()
+            gq, gk, gv, gcq = (buf[:, i * H * D : (i + 1) * H * D].unflatten(-1, (H, D)) for i in range(4))
+            ring = [torch.full((H, N_SLOTS, D), 300.0, device="cuda").to(FP8_DTYPE) for _ in range(2)]
+            win = [torch.full((H, n_win, D), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+            sat = torch.zeros((), dtype=torch.int64, device="cuda")
+            ring_write_prep_triton(gq, gk, gv, gcq, *ring, ks[0], vs[0], slot, positions, freqs, norms, sat,
+                                   rotation=rotation, window=(*win, win_slot), write_ring=write_ring)
+            runs.append((gq, gcq, *win, sat, ring))
+        full, bare = runs
+        poison = torch.tensor(300.0).to(FP8_DTYPE).float().item()
+        entry["no_ring_write_check"] = {
+            "ring_left_poisoned": bool(all((r.float() == poison).all() for r in bare[5])),
+            "ring_written_by_full": bool(all((r[:, slot_at : slot_at + T].float() != poison).any() for r in full[5])),
+            "q_cq_window_equal": bool(all(torch.equal(a, b) for a, b in zip(full[:4], bare[:4], strict=True))),
+            "saturated_equal": int(full[4]) == int(bare[4]),
+        }
+        scratch = fused.clone()
+        tq, tk, tv, tcq = (scratch[:, i * H * D : (i + 1) * H * D].unflatten(-1, (H, D)) for i in range(4))
+        saturated = torch.zeros((), dtype=torch.int64, device="cuda")
+
+        def call(i: int, write_ring: bool, window: bool) -> None:
+            layer = i % LAYERS
+            ring_write_prep_triton(tq, tk, tv, tcq, k_cache[layer], v_cache[layer], ks[layer], vs[layer], slot, positions,
+                                   freqs, norms, saturated, rotation=rotation, write_ring=write_ring,
+                                   window=(windows[0][layer], windows[1][layer], win_slot) if window else None)
+
+        parts = {"served": (True, True), "no_ring_write": (False, True), "no_window_copy": (True, False),
+                 "neither": (False, False)}
+        ms = _graphs_ms({name: [functools.partial(call, i, *kw) for i in range(240)] for name, kw in parts.items()})
+        entry["prep_us"] = {name: v * 1e3 for name, v in ms.items()}
+        entry["ring_write_marginal_us"] = (ms["served"] - ms["no_ring_write"]) * 1e3
+        entry["window_copy_marginal_us"] = (ms["served"] - ms["no_window_copy"]) * 1e3
+        # the GPU part of cache upkeep per step as served (begin_frame's host time and the rotation: bench gpu)
+        entry["ring_writes_as_served_plus_rope_table_ms_per_step"] = (240 * entry["ring_write_marginal_us"] + rope_table_us) / 1e3
+    except Exception as exc:
+        traceback.print_exc()
+        entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    print(f"[check] ring_write as_served: {entry}", flush=True)
+    return entry
 
 
 def window_attn(gen: torch.Generator) -> dict[str, object]:
@@ -328,27 +382,39 @@ def rotation(gen: torch.Generator) -> dict[str, object]:
 
 
 def gelu_rows(gen: torch.Generator) -> dict[str, object]:
+    """GELU + FP8 rows of [attn | cross | mlp]: the attention columns in the fused buffer (where the
+    in-place ring attention writes them), or read from the attention's own (T, heads x D) buffer
+    (``prefix``: cuDNN's output, as the full-window step serves, x's attention columns poisoned with NaN
+    so a read of them shows); beside it, the copy of that buffer into the fused columns it replaces."""
     hd, ffn = H * D, 10240
     fused = torch.randn(T, 4 * hd + ffn, device="cuda", dtype=torch.bfloat16, generator=gen)
     fused *= torch.rand(T, 1, device="cuda", generator=gen).to(torch.bfloat16) * 10
     x = fused[:, 2 * hd :]
+    attn = x[:, :hd].clone()
     rq, rscale = quantize_rows_reference(x, 2 * hd)
+    poisoned = x.clone()
+    poisoned[:, :hd] = float("nan")
     result: dict[str, object] = {"bytes_per_call": x.numel() * 3}
-    for w in (8,):
+    for name, rows, prefix in (("w8", x, None), ("w8_prefix", poisoned, attn)):
         entry: dict[str, object] = {}
         try:
             xq = torch.full_like(rq, 300.0)
             sc = torch.full_like(rscale, float("nan"))
-            quantize_rows_triton(x, 2 * hd, (xq, sc), num_warps=w)
+            quantize_rows_triton(rows, 2 * hd, (xq, sc), num_warps=8, prefix=prefix)
             entry["check"] = _fp8_mismatch(xq, rq)
             entry["scale_rel"] = _rel(sc, rscale)
-            call = functools.partial(quantize_rows_triton, x, 2 * hd, (xq, sc), num_warps=w)
+            call = functools.partial(quantize_rows_triton, rows, 2 * hd, (xq, sc), num_warps=8, prefix=prefix)
             entry["ms"] = _graph_ms([call] * 240)
         except Exception as exc:
             traceback.print_exc()
             entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        result[f"w{w}"] = entry
-        print(f"[check] gelu_rows w{w}: {entry}", flush=True)
+        result[name] = entry
+        print(f"[check] gelu_rows {name}: {entry}", flush=True)
+    # what the prefix replaces: cuDNN's (T, heads, D) output copied over the fused buffer's v columns
+    out = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v_cols = fused[:, 2 * hd : 3 * hd].unflatten(-1, (H, D))
+    result["attention_output_copy"] = {"ms": _graph_ms([functools.partial(v_cols.copy_, out)] * 240)}
+    print(f"[check] gelu_rows attention_output_copy: {result['attention_output_copy']}", flush=True)
     return result
 
 
@@ -410,9 +476,21 @@ def _table(results: dict) -> str:
         if isinstance(e, dict):
             rows.append((f"gemm_allreduce world=1 {name}", f"{e['ms']:.4f} ({e['tflops']:.0f} TF/s)" if "ms" in e
                          else e.get("error", "")[:40], f"rel {e.get('rel_vs_scaled_mm', float('nan')):.2e}"))
+    served = results.get("ring_write", {}).get("as_served", {})
+    if "prep_us" in served:
+        p = served["prep_us"]
+        rows.append(("ring_write as served: prep / no ring write / no window copy / neither",
+                     " / ".join(f"{p[n]:.2f}" for n in ("served", "no_ring_write", "no_window_copy", "neither")) + " us",
+                     json.dumps(served.get("no_ring_write_check", {}))[:110]))
+        contract = results["ring_write"].get("t8_h4_w4_prefetch", {}).get("ms", float("nan")) * 1e3
+        rows.append(("  ring write: marginal in the prep / contract launch (us per call)",
+                     f"{served['ring_write_marginal_us']:.2f} / {contract:.2f}",
+                     f"x240 + RoPE table: {served['ring_writes_as_served_plus_rope_table_ms_per_step']:.3f} / "
+                     f"{(240 * contract + results['ring_write']['rope_table_us']) / 1e3:.3f} ms per step"))
+        rows.append(("  window copy: marginal in the prep (us per call)", f"{served['window_copy_marginal_us']:.2f}", ""))
     for section in ("ring_write", "adaln", "window_attn", "cross_attn", "rotation", "gelu_rows"):
         for name, e in results.get(section, {}).items():
-            if isinstance(e, dict):
+            if isinstance(e, dict) and name != "as_served":
                 ms = f"{e['ms'] * 1e3:.2f} us" if "ms" in e else e.get("error", "")[:40]
                 if "prep_ms" in e:
                     ms += f" (prep {e['prep_ms'] * 1e3:.2f} us)"
