@@ -225,7 +225,9 @@ def _prep_parts(fused, k_cache, v_cache, ks, vs, slot, positions, freqs, rotatio
         entry["no_ring_write_check"] = {
             "ring_left_poisoned": bool(all((r.float() == poison).all() for r in bare[5])),
             "ring_written_by_full": bool(all((r[:, slot_at : slot_at + T].float() != poison).any() for r in full[5])),
-            "q_cq_window_equal": bool(all(torch.equal(a, b) for a, b in zip(full[:4], bare[:4], strict=True))),
+            # the window's unwritten slots hold the NaN poison: equal as NaN
+            "q_cq_window_equal": bool(all(torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
+                                          for a, b in zip(full[:4], bare[:4], strict=True))),
             "saturated_equal": int(full[4]) == int(bare[4]),
         }
         scratch = fused.clone()
