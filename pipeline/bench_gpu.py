@@ -15,11 +15,13 @@ random FP8 cache: the step's cost does not depend on the values (METHOD.md: neve
 from __future__ import annotations
 
 import argparse
+import bisect
 import faulthandler
 import json
 import os
 import time
 import traceback
+from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
@@ -291,9 +293,9 @@ def kernel_breakdown(cfg: ModelConfig, tp: int, model, cache, step) -> dict[str,
 def graph_profile(step, path: str | None = None) -> dict[str, object]:
     """One replay of the step's graph under torch.profiler (CUPTI): every kernel's start and duration,
     so the time between kernels (the graph's launch gaps) is measured, not inferred from a sum of
-    isolated timings. ``path``: also write the Chrome trace there."""
+    isolated timings (``trace_summary``); then the replay timed by events at the same moment.
+    ``path``: also write the Chrome trace there."""
     import tempfile
-    from collections import defaultdict
 
     from torch.profiler import ProfilerActivity, profile
 
@@ -306,12 +308,23 @@ def graph_profile(step, path: str | None = None) -> dict[str, object]:
         trace = path or str(Path(tmp) / "trace.json")
         prof.export_chrome_trace(trace)
         events = json.loads(Path(trace).read_text()).get("traceEvents", [])
+    summary = trace_summary(events)
+    if "error" not in summary:
+        summary["replay_events_ms_same_moment"] = cuda_median_ms(lambda: step.run(graphed=True), 10)
+    return summary
+
+
+def trace_summary(events: list[dict]) -> dict[str, object]:
+    """A Chrome trace of one replay: kernels by name, the gaps between consecutive kernels by boundary,
+    and what the kernel span leaves out of the replay -- the graph's memcpy / memset nodes (each placed
+    at the boundary of the kernels around it, so a gap they fill shows), the runtime calls, and the
+    launch call's start before the first kernel."""
     kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
     if not kernels:
         return {"error": "no kernel events in the trace"}
     short = lambda e: e["name"].split("(")[0][:60]  # noqa: E731
-    by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    gaps: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    table = lambda: defaultdict(lambda: [0.0, 0])  # noqa: E731
+    by_name, gaps, others, nodes = table(), table(), table(), table()
     busy = gap_total = 0.0
     end = kernels[0]["ts"]
     for prev, e in zip([None, *kernels[:-1]], kernels, strict=True):
@@ -325,32 +338,35 @@ def graph_profile(step, path: str | None = None) -> dict[str, object]:
             gaps[key][1] += 1
         busy += max(0.0, e["ts"] + e["dur"] - max(end, e["ts"]))
         end = max(end, e["ts"] + e["dur"])
-    span = end - kernels[0]["ts"]
-    # What the kernel span leaves out of the event-timed replay: the graph's other GPU work (memcpy /
-    # memset nodes), the launch call before the first kernel, and the replay timed by events now.
-    others: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    starts = [k["ts"] for k in kernels]
     for e in events:
-        if e.get("ph") == "X" and e.get("cat") in ("gpu_memcpy", "gpu_memset", "cuda_runtime", "cuda_driver"):
-            key = e["cat"] if e["cat"].startswith("gpu_") else f"{e['cat']} {e['name']}"
-            others[key][0] += e.get("dur", 0) / 1e3
-            others[key][1] += 1
+        if e.get("ph") != "X" or e.get("cat") not in ("gpu_memcpy", "gpu_memset", "cuda_runtime", "cuda_driver"):
+            continue
+        key = e["cat"] if e["cat"].startswith("gpu_") else f"{e['cat']} {e['name']}"
+        others[key][0] += e.get("dur", 0) / 1e3
+        others[key][1] += 1
+        if e["cat"].startswith("gpu_"):  # between which kernels: the last to start before it, the next after
+            i = bisect.bisect_right(starts, e["ts"])
+            before = short(kernels[i - 1]) if i else "(start)"
+            after = short(kernels[i]) if i < len(kernels) else "(end)"
+            nodes[f"{e['cat']}: {before} -> {after}"][0] += e.get("dur", 0) / 1e3
+            nodes[f"{e['cat']}: {before} -> {after}"][1] += 1
     launches = [e for e in events if e.get("ph") == "X" and "GraphLaunch" in e.get("name", "")]
     launch = {"graph_launch_call_us": launches[0]["dur"],
               "graph_launch_start_to_first_kernel_us": kernels[0]["ts"] - launches[0]["ts"],
               "graph_launch_start_to_last_kernel_end_ms": (end - launches[0]["ts"]) / 1e3} if launches else {}
-    replay_ms = cuda_median_ms(lambda: step.run(graphed=True), 10)
     top = lambda d: {k: {"ms": round(v[0], 4), "count": v[1]} for k, v in sorted(d.items(), key=lambda kv: -kv[1][0])[:15]}  # noqa: E731
     return {
         "kernels": len(kernels),
-        "span_ms": span / 1e3,
+        "span_ms": (end - kernels[0]["ts"]) / 1e3,
         "busy_ms": busy / 1e3,
         "gaps_ms": gap_total / 1e3,
         "gap_us_per_boundary": gap_total / max(1, len(kernels) - 1),
         "kernel_ms_by_name": top(by_name),
         "gap_ms_by_boundary": top(gaps),
         "other_events_ms": top(others),
+        "copy_nodes_by_boundary": top(nodes),
         **launch,
-        "replay_events_ms_same_moment": replay_ms,
     }
 
 
