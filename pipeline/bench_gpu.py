@@ -631,6 +631,8 @@ def _table(results: dict) -> str:
         if "span_ms" in prof:
             rows.append((f"  one replay TP={tp} profiled: {prof['kernels']} kernels, span / busy / gaps (ms)",
                          f"{prof['span_ms']:.1f} / {prof['busy_ms']:.1f} / {prof['gaps_ms']:.1f}", "", ""))
+            for where, v in list(prof.get("copy_nodes_by_boundary", {}).items())[:3]:
+                rows.append((f"  {where[:80]} (count, ms)", f"{v['count']}, {v['ms']:.2f}", "", ""))
             if "replay_events_ms_same_moment" in prof:
                 rows.append(("  replay by events, same moment / launch start -> last kernel end (ms)",
                              f"{prof['replay_events_ms_same_moment']:.1f} / "
