@@ -24,49 +24,15 @@ import json
 import os
 import signal
 import time
-from collections import deque
 from typing import Any
 
-import numpy as np
 import zmq
 import zmq.asyncio
 from charstream.pipeline.config import PipelineConfig
+from charstream.pipeline.loop_lag import LoopLag
 from charstream.stages.playout import UNDERRUN_CAUSES
 
-LAG_INTERVAL_S = 0.05  # the lag probe's sleep: its overshoot is how late the loop runs callbacks
-MAX_LAG_SAMPLES = 20_000  # ~17 minutes of probes per window
 CONNECTS_AT_ONCE = 4  # offers in flight per client process (each starts a session on its worker)
-
-
-class LoopLag:
-    """How late this event loop wakes a sleeper: a probe task sleeps ``LAG_INTERVAL_S`` and records
-    the overshoot. A loop busy with Python work (per-frame encode, packets, stages) shows it here."""
-
-    def __init__(self) -> None:
-        self.samples: deque[float] = deque(maxlen=MAX_LAG_SAMPLES)
-        self._task: asyncio.Task | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._probe(), name="loop-lag")
-
-    async def _probe(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            asked = loop.time()
-            await asyncio.sleep(LAG_INTERVAL_S)
-            self.samples.append(max(0.0, loop.time() - asked - LAG_INTERVAL_S))
-
-    def summary(self) -> dict[str, float | int]:
-        lag = np.asarray(self.samples, float) * 1e3
-        if not len(lag):
-            return {"samples": 0}
-        return {"samples": len(lag), "p50_ms": round(float(np.percentile(lag, 50)), 2),
-                "p99_ms": round(float(np.percentile(lag, 99)), 2), "max_ms": round(float(lag.max()), 2)}
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
 
 
 class Link:

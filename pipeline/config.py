@@ -28,7 +28,10 @@ from charstream.transport.config import TransportConfig
 @dataclass
 class PipelineConfig:
     preset: str = "tiny"
-    placement: str = "inproc"  # inproc (one process) | processes (edge, diffusion ranks, decoder)
+    # inproc (one process) | processes (edge, diffusion ranks, decoder) | engine (the model stages in a
+    # running engine process shared by many sessions: pipeline/engine.py, `charstream engine`)
+    placement: str = "inproc"
+    engine_endpoint: str = "ipc:///tmp/charstream-engine.sock"  # placement engine: the engine's socket (ipc or loopback tcp)
     # How long a thread running Python keeps the GIL from one that asks for it (sys.setswitchinterval),
     # set by the process that serves sessions: a model thread retakes the GIL after each CUDA call of
     # its step (~15), and at Python's 5 ms each retake waits for the event loop's thread to be forced off.

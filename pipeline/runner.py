@@ -7,7 +7,9 @@ does the same with a ``stop()`` and the ids of its processes.
 
 Placement (``config.placement``): ``inproc`` runs every node in this process over inproc://;
 ``processes`` runs group ``"main"`` here and spawns one process per other group, with ipc://
-(or tcp://, ``config.transport.cross_process``) between processes and inproc:// inside each.
+(or tcp://, ``config.transport.cross_process``) between processes and inproc:// inside each;
+``engine``: group ``"engine"`` is hosted by a running model engine (``pipeline/engine.py``,
+``config.engine_endpoint``) beside other sessions' groups, the rest as in ``processes``.
 
 Per stage: ``setup`` -> register on the control bus -> (once every stage of the session is set
 up) ``run`` as a task beside the dispatch loop that feeds ``control`` first, then ``process`` ->
@@ -32,6 +34,7 @@ from typing import Any
 
 import anyio
 from charstream.pipeline.config import PipelineConfig
+from charstream.pipeline.engine_link import EngineError, EngineLink, host_request
 from charstream.stages.base import Stage, StageContext
 from charstream.stages.memory import bound_allocator_pools
 from charstream.transport.channel import (
@@ -51,6 +54,7 @@ from charstream.transport.supervisor import Child, Supervisor, describe_exit
 from charstream.logs import configure_logging, get_logger
 
 LOCAL_GROUP = "main"  # in "processes" placement, this group runs in the caller's process
+ENGINE_GROUP = "engine"  # in "engine" placement, the model engine process hosts this group (pipeline/engine.py)
 STOP_GRACE_S = 1.0  # how long stage processes get to exit after SHUTDOWN before SIGTERM
 
 
@@ -146,11 +150,15 @@ def build_stage(node: Node) -> Stage:
     return resolve_factory(node.factory)(**node.kwargs)
 
 
-class _GroupRun:
-    """The nodes of one process group: channels, contexts, lifecycle, failure reporting."""
+class GroupRun:
+    """The nodes of one process group: channels, contexts, lifecycle, failure reporting.
 
-    def __init__(self, spec: GroupSpec, transport: Transport, stop: anyio.Event) -> None:
+    ``build_in_thread``: construct the stages in a worker thread (the model engine's loop serves
+    other sessions while one session's stages load their weights)."""
+
+    def __init__(self, spec: GroupSpec, transport: Transport, stop: anyio.Event, build_in_thread: bool = False) -> None:
         self.spec = spec
+        self.build_in_thread = build_in_thread
         self.transport = transport
         self.stop = stop
         self.stages: dict[str, Stage] = {}
@@ -289,7 +297,8 @@ class _GroupRun:
     async def _lifecycle(self, contexts: dict[str, StageContext]) -> None:
         for node in self.spec.nodes:
             try:
-                self.stages[node.name] = build_stage(node)
+                self.stages[node.name] = (await anyio.to_thread.run_sync(build_stage, node) if self.build_in_thread
+                                          else build_stage(node))
                 await self.stages[node.name].setup(contexts[node.name])
             except Exception as e:
                 await self.fail(node.name, e)
@@ -335,7 +344,7 @@ def _group_process(spec: GroupSpec) -> dict[str, Any]:
     async def main() -> dict[str, Any]:
         transport = Transport(spec.config.transport, spec.keys)
         stop = anyio.Event()
-        group = _GroupRun(spec, transport, stop)
+        group = GroupRun(spec, transport, stop)
         try:
             async with anyio.create_task_group() as tg:
 
@@ -409,6 +418,9 @@ class Session:
         self._result: SessionResult | None = None
         self._group_of = {n.name: n.group for n in graph.nodes}
         self._silent: set[str] = set()  # process groups whose stages stopped answering: frozen, no grace
+        self.engine_pid: int | None = None  # the engine hosting this session's model group, once it accepted
+        self._engine_stages = ({n for n, g in self._group_of.items() if g == ENGINE_GROUP}
+                               if config.placement == "engine" else set())
 
     def stop(self, reason: str = "requested") -> None:
         """End the session cleanly (idempotent; call from the session's event loop)."""
@@ -422,6 +434,8 @@ class Session:
     def _end(self, ok: bool, ended_by: str, error: str | None = None, stage: str | None = None) -> None:
         if self._ended.is_set():
             return
+        if error is not None and stage in self._engine_stages and self.config.engine_endpoint not in error:
+            error += f" (hosted by the engine at {self.config.engine_endpoint}, pid {self.engine_pid})"
         self._result = SessionResult(self.session_id, ok, ended_by, error, stage)
         self.ended_at = time.monotonic()
         (self.log.info if ok else self.log.error)("session_ending", ended_by=ended_by, error=error)
@@ -438,23 +452,46 @@ class Session:
         self._silent.add(self._group_of.get(stage, stage))
         self._end(False, "error", f"stage {stage!r} failed: stopped answering heartbeats (noticed by the control hub)", stage)
 
-    async def _watch(self, supervisor: Supervisor, child: Child, reports: dict[str, dict]) -> None:
-        code = await supervisor.wait_exit(child)
-        report = child.report()
-        if report is not None:
-            reports[child.name] = report
-        stages = [n for n, g in self._group_of.items() if g == child.name]
+    def _end_by_report(self, report: dict[str, Any] | None, stages: list[str], otherwise: str) -> None:
+        """End the session as a group's report says: its error, its clean shutdown, or ``otherwise``."""
         if report is not None and report.get("error"):
             self._end(False, "error", report["error"], report.get("failed_stage"))
         elif report is not None and report.get("ended_by", "").startswith("shutdown"):
             self._end(True, report["ended_by"])
         else:
             names = ", ".join(repr(s) for s in stages)
-            self._end(
-                False, "error",
-                f"stage {names} (process group {child.name!r}, pid {child.pid}) died: {describe_exit(code)}",
-                stages[0] if stages else None,
-            )
+            self._end(False, "error", f"stage {names} {otherwise}", stages[0] if stages else None)
+
+    async def _watch(self, supervisor: Supervisor, child: Child, reports: dict[str, dict]) -> None:
+        code = await supervisor.wait_exit(child)
+        report = child.report()
+        if report is not None:
+            reports[child.name] = report
+        stages = [n for n, g in self._group_of.items() if g == child.name]
+        self._end_by_report(report, stages, f"(process group {child.name!r}, pid {child.pid}) died: {describe_exit(code)}")
+
+    async def _engine(self, spec: GroupSpec, reports: dict[str, dict], done: anyio.Event) -> None:
+        """The engine hosts ``spec``'s nodes: ask it, then watch the link until the group's report comes,
+        the session ends (the group is released) or the engine goes silent (the session's error)."""
+        stages = [n.name for n in spec.nodes]
+        weights = {n.kwargs.get("weights") for n in spec.nodes}
+        try:
+            if len(weights) != 1:
+                raise EngineError(f"the engine group's stages name different weights: {sorted(map(str, weights))}")
+            request = host_request(self.session_id, self.config, weights.pop(), stages, spec.inputs, spec.outputs,
+                                   spec.control_endpoint, spec.keys)
+            async with EngineLink(self.config.engine_endpoint, self.config.transport) as link:
+                await link.host(request)
+                self.engine_pid = link.pid
+                report = await link.serve(self._ended, STOP_GRACE_S)
+            if report is not None:
+                reports[ENGINE_GROUP] = report
+            if not self._ended.is_set():
+                self._end_by_report(report, stages, f"ended by the engine: {(report or {}).get('ended_by')}")
+        except (EngineError, ValueError) as e:  # refused, unanswered or silent (the error names the engine)
+            self._end(False, "error", f"stage {', '.join(map(repr, stages))} failed: {e}", stages[0])
+        finally:
+            done.set()
 
     async def _signals(self) -> None:
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -474,7 +511,9 @@ class Session:
             transport = Transport(config.transport, keys)
             supervisor = Supervisor()
             reports: dict[str, dict] = {}
-            local: _GroupRun | None = None
+            local: GroupRun | None = None
+            engine_done = anyio.Event()
+            engine_done.set()  # until an engine hosts a group
             try:
                 expected = {n.name for n in self.graph.nodes}
                 async with ControlHub(transport, specs[0].control_endpoint, expected, self._on_control, self._on_silent) as hub:
@@ -482,9 +521,12 @@ class Session:
                         for spec in specs:
                             if spec.group == LOCAL_GROUP:
                                 self._local_done = anyio.Event()
-                                local = _GroupRun(spec, transport, anyio.Event())
+                                local = GroupRun(spec, transport, anyio.Event())
                                 self.stages = local.stages
                                 tg.start_soon(self._run_local, local)
+                            elif spec.group == ENGINE_GROUP and config.placement == "engine":
+                                engine_done = anyio.Event()
+                                tg.start_soon(self._engine, spec, reports, engine_done)
                             else:
                                 child = supervisor.launch(spec.group, _group_process, spec)
                                 self.pids[spec.group] = child.pid
@@ -500,6 +542,7 @@ class Session:
                         for group in self._silent & set(self.pids):  # a frozen process cannot shut down
                             os.kill(self.pids[group], signal.SIGKILL)
                         await supervisor.stop_all(STOP_GRACE_S)
+                        await engine_done.wait()  # the engine's group ended (its report), or was released
                         await self._local_done.wait()
                         tg.cancel_scope.cancel()
             finally:
@@ -525,7 +568,7 @@ class Session:
         self.started.set()
         self.log.info("session_started", pids=self.pids, pid=os.getpid())
 
-    async def _run_local(self, group: _GroupRun) -> None:
+    async def _run_local(self, group: GroupRun) -> None:
         try:
             await group.run()
         except Exception as e:  # channel set-up failures (bind, CURVE policy)

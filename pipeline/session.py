@@ -9,7 +9,8 @@ Ingest, conditioning and playout live in the caller's process (group ``main``: a
 egress); diffusion and decode get process groups of their own, which ``placement = "processes"``
 spawns and ``"inproc"`` (the CPU demo, tests) keeps in one process -- except a stage whose sessions
 share a batcher (``diffusion/decode.batch_sessions`` > 1), which runs in the caller's process with
-it. The session owns the live objects its nodes share — playout's ``PlayoutOutput`` (what egress
+it. ``"engine"``: conditioning, diffusion and decode are hosted by a running model engine
+(``pipeline/engine.py``) with its batchers, so this process makes no CUDA context. The session owns the live objects its nodes share — playout's ``PlayoutOutput`` (what egress
 serves to the peer connection), the microphone queue, the tracer, a pushed agent adapter, the peer
 link, the batchers — and hands each to its nodes explicitly; ``session_factory`` is what the egress server calls for each new peer.
 
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from charstream.pipeline.config import PipelineConfig
-from charstream.pipeline.runner import Edge, Graph, Node, Session, SessionResult
+from charstream.pipeline.runner import ENGINE_GROUP, Edge, Graph, Node, Session, SessionResult
 from charstream.stages.base import Stage
 from charstream.stages.conditioning import build as build_conditioning
 from charstream.stages.decode import DecodeStage
@@ -48,6 +49,26 @@ from charstream.stages.step_batcher import StepBatcher
 from charstream.stages.tracing import TurnRecord, TurnTracer
 
 
+def model_nodes(config: PipelineConfig, weights: str | None = "packaged", batcher: StepBatcher | None = None,
+                decode_batcher: DecodeBatcher | None = None) -> list[Node]:
+    """The model stages (conditioning, diffusion, decode), each built from its config
+    section. Their process groups: the caller's (``main``) for conditioning and for a stage with the
+    process's shared ``batcher`` / ``decode_batcher``, else ``diffusion`` / ``decoder``; all three
+    ``engine`` in ``placement = "engine"`` (the engine builds them itself, with its batchers)."""
+    model = {"preset": config.preset, "weights": weights}
+    diffusion = Node("diffusion", DiffusionStage, dict(model, config=config.diffusion), group="diffusion")
+    if batcher is not None:
+        diffusion = Node("diffusion", DiffusionStage, dict(diffusion.kwargs, batcher=batcher))
+    decode = Node("decode", DecodeStage, dict(model, config=config.decode, seed=config.diffusion.seed), group="decoder")
+    if decode_batcher is not None:
+        decode = Node("decode", DecodeStage, dict(decode.kwargs, batcher=decode_batcher))
+    nodes = [Node("conditioning", build_conditioning, dict(model, config=config.conditioning, seed=config.diffusion.seed)),
+             diffusion, decode]
+    if config.placement == "engine":
+        nodes = [Node(n.name, n.factory, n.kwargs, ENGINE_GROUP) for n in nodes]
+    return nodes
+
+
 def build_graph(config: PipelineConfig, output: PlayoutOutput, tracer: TurnTracer | None = None,
                 user_audio: UserAudioQueue | None = None, agent: AgentAdapter | None = None,
                 weights: str | None = "packaged", link: PeerLink | None = None,
@@ -59,17 +80,11 @@ def build_graph(config: PipelineConfig, output: PlayoutOutput, tracer: TurnTrace
     ``link`` (None: no browser, e.g. a framework reads ``output``), the process's step ``batcher`` and
     its ``decode_batcher`` (then diffusion, or decode, runs in the caller's process too) — are handed to
     the nodes of the caller's process (group ``main``), never pickled."""
-    model = {"preset": config.preset, "weights": weights}
-    diffusion = Node("diffusion", DiffusionStage, dict(model, config=config.diffusion), group="diffusion")
-    if batcher is not None:
-        diffusion = Node("diffusion", DiffusionStage, dict(diffusion.kwargs, batcher=batcher))
-    decode = Node("decode", DecodeStage, dict(model, config=config.decode, seed=config.diffusion.seed), group="decoder")
-    if decode_batcher is not None:
-        decode = Node("decode", DecodeStage, dict(decode.kwargs, batcher=decode_batcher))
+    conditioning, diffusion, decode = model_nodes(config, weights, batcher, decode_batcher)
     nodes = [
         Node("ingest", IngestStage, {"config": config.ingest, "user_audio": user_audio, "adapter": agent,
                                      "tracer": tracer}),
-        Node("conditioning", build_conditioning, dict(model, config=config.conditioning, seed=config.diffusion.seed)),
+        conditioning,
         diffusion,
         decode,
         Node("playout", PlayoutStage, {"config": config.playout, "output": output, "tracer": tracer}),
@@ -204,9 +219,10 @@ def session_factory(config: PipelineConfig, weights: str | None = "packaged",
     for section in ("diffusion", "decode"):
         if (n := getattr(config, section).batch_sessions) < 1:
             raise ValueError(f"{section}.batch_sessions must be >= 1 (1 = off), got {n}")
-    batch = config.diffusion.batch_sessions > 1 and not testcard
+    here = not testcard and config.placement != "engine"  # the engine batches its sessions' model stages itself
+    batch = config.diffusion.batch_sessions > 1 and here
     batcher = StepBatcher(config.diffusion, config.preset, weights) if batch else None
-    batch = config.decode.batch_sessions > 1 and not testcard
+    batch = config.decode.batch_sessions > 1 and here
     decode_batcher = DecodeBatcher(config.decode, config.preset, weights, config.diffusion.seed) if batch else None
 
     async def factory(session_id: str) -> SessionMedia:

@@ -1,0 +1,194 @@
+"""The model engine for real: a ``charstream engine`` process hosting the model stages of two live
+``placement = "engine"`` sessions (tiny, CPU) over ipc, its refusals of bad requests, and its death
+(SIGKILL) ending its session with an error that names it, within 2 s, leaving nothing behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import zmq
+import zmq.asyncio
+from charstream.pipeline.config import PipelineConfig
+from charstream.pipeline.engine_link import EngineError, engine_call, pack, unpack
+from charstream.pipeline.session import LiveSession
+from test_faults import mapped_segments
+
+DETECT_S = 2.0
+
+
+def start_engine(endpoint: str, log_path, *args: str) -> subprocess.Popen:
+    """``charstream engine`` on ``endpoint``, answering status (its torch imported, its socket bound)."""
+    log = open(log_path, "w")  # noqa: SIM115 -- the process writes it until the test ends
+    proc = subprocess.Popen([sys.executable, "-m", "charstream", "engine", "--bind", endpoint, *args],
+                            stdout=log, stderr=log)
+
+    async def answered() -> None:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                await engine_call(endpoint, {"cmd": "status"}, timeout=1.0)
+                return
+            except EngineError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"engine did not start: {open(log_path).read()[-2000:]}") from None
+
+    asyncio.run(answered())
+    return proc
+
+
+def stop_engine(proc: subprocess.Popen) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    return proc.wait(timeout=30)
+
+
+def engine_session(endpoint: str, seed: int) -> LiveSession:
+    """A live session (the listening agent, no microphone: every chunk a listening chunk) whose
+    model stages the engine hosts."""
+    config = PipelineConfig(placement="engine", engine_endpoint=endpoint)
+    config.diffusion.seed = seed
+    return LiveSession(config, f"s{seed}", peer=False)
+
+
+async def frames_released(session: LiveSession, count: int) -> int:
+    """Wait for ``count`` generated frames (not the held start frame) released by the session's playout."""
+    out, index, seen = session.output, 0, 0
+    await out.wait_started()
+    while seen < count:
+        frame = await out.frame_at(index)
+        index = frame.index + 1
+        seen += frame.chunk is not None
+    return seen
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    """One engine batching up to two sessions (so it hosts at most two)."""
+    folder = tmp_path_factory.mktemp("engine")
+    endpoint = f"ipc://{folder}/engine.sock"
+    proc = start_engine(endpoint, folder / "engine.log", "--batch-sessions", "2")
+    yield endpoint, proc
+    assert stop_engine(proc) == 0, (folder / "engine.log").read_text()[-3000:]
+
+
+def test_two_sessions_through_one_engine_stream_then_free_their_groups(engine):
+    endpoint, proc = engine
+
+    async def main():
+        sessions = [engine_session(endpoint, seed) for seed in (1, 2)]
+        for s in sessions:
+            s.start()
+        await asyncio.wait_for(asyncio.gather(*(frames_released(s, 24) for s in sessions)), 90)
+        during = await engine_call(endpoint, {"cmd": "status"})
+        with pytest.raises(EngineError, match="the engine is full: it hosts 2 of at most 2"):
+            await engine_call(endpoint, {"cmd": "host", "session_id": "s3"})
+        results = [await s.stop() for s in sessions]
+        deadline = time.monotonic() + 10
+        while (after := await engine_call(endpoint, {"cmd": "status"}))["hosted"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        return sessions, during, results, after
+
+    sessions, during, results, after = asyncio.run(main())
+    assert sorted(during["sessions"]) == ["s1", "s2"] and during["pid"] == proc.pid
+    assert all(r is not None and r.ok for r in results), [r and r.error for r in results]
+    for session, result in zip(sessions, results, strict=True):
+        assert result.processes == {}  # nothing spawned by the front-end: the engine hosts the model stages
+        assert "diffusion" not in session.stages and "playout" in session.stages
+        assert session.stages["playout"].stats.fresh_frames >= 24
+        edges = result.edges  # the engine's report of the group: both ends of every boundary edge
+        assert {"sender", "receiver"} <= set(edges["ingest->conditioning"])  # (no microphone: nothing on it)
+        assert edges["decode->playout"]["sender"]["sent"] >= edges["decode->playout"]["receiver"]["received"] >= 6
+    # Ending the sessions freed their groups; both went through the engine's shared batchers.
+    assert after["hosted"] == 0 and after["served"] >= 2, after
+    assert after["batchers"]["diffusion"]["served"] >= 12 and after["batchers"]["decode"]["served"] >= 12, after
+
+
+def test_a_bad_request_gets_an_error_reply_and_the_engine_keeps_serving(engine):
+    endpoint, _ = engine
+    good = {"session_id": "x", "config": {}, "weights": "packaged", "nodes": ["diffusion"], "inputs": [],
+            "outputs": [], "control": "ipc:///tmp/none", "keys": None}
+
+    async def ask(payloads):
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.connect(endpoint)
+        replies = []
+        try:
+            for payload in payloads:
+                await sock.send_multipart(payload if isinstance(payload, list) else [payload])
+                assert await sock.poll(5000), f"no reply to {payload!r}"
+                replies.append(unpack(await sock.recv()))
+        finally:
+            sock.close()
+            ctx.term()
+        return replies
+
+    bad = [
+        b"\xc1 not msgpack",
+        pack([1, 2, 3]),
+        [pack({"cmd": "status"}), b"extra"],
+        pack({"cmd": "launch"}),
+        pack({"cmd": "host", **good, "config": {"diffusion": {"nope": 1}}}),
+        pack({"cmd": "host", **good, "config": {"preset": "characters-14b"}}),
+        pack({"cmd": "host", **good, "nodes": ["playout"]}),
+        pack({"cmd": "host", **good, "inputs": [{"src": "conditioning", "dst": "diffusion", "types": [],
+                                                 "endpoint": "ipc:///tmp/x", "capacity": 1}],
+              "nodes": ["conditioning", "diffusion"]}),
+        pack({"cmd": "host", **good, "inputs": [{"src": "conditioning", "dst": "diffusion", "types": [],
+                                                 "endpoint": "file:///etc", "capacity": 1}], "nodes": ["diffusion"]}),
+        pack({"cmd": "host", **good, "keys": {"server_public": b"short"}}),
+    ]
+    replies = asyncio.run(ask(bad))
+    expected = ["not msgpack", "expected a map", "expected one frame", "unknown command 'launch'",
+                "unknown key(s) ['nope']", "serves preset 'tiny', not 'characters-14b'", "expected distinct names of",
+                "must start with inproc://", "must start with ipc:// or tcp://", "keys: expected None or Z85"]
+    for reply, words in zip(replies, expected, strict=True):
+        assert reply["ok"] is False and words in reply["error"], (words, reply)
+    status = asyncio.run(engine_call(endpoint, {"cmd": "status"}))
+    assert status["ok"] and status["hosted"] == 0
+    # A valid request from a front-end that then says nothing more (it died): hosted, then freed.
+    [accepted] = asyncio.run(ask([pack({"cmd": "host", **good})]))
+    assert accepted["ok"] and accepted["hosted"] == 1, accepted
+
+    async def freed() -> float:
+        started = time.monotonic()
+        while (await engine_call(endpoint, {"cmd": "status"}))["hosted"]:
+            assert time.monotonic() - started < 10, "the silent front-end's group was not freed"
+            await asyncio.sleep(0.1)
+        return time.monotonic() - started
+
+    assert asyncio.run(freed()) < 10
+
+
+def test_a_killed_engine_ends_its_session_naming_it_within_2_s_and_leaves_nothing(tmp_path):
+    endpoint = f"ipc://{tmp_path}/engine.sock"
+    proc = start_engine(endpoint, tmp_path / "engine.log")
+    try:
+        async def main():
+            session = engine_session(endpoint, 3)
+            session.start()
+            await asyncio.wait_for(frames_released(session, 12), 90)
+            segments = mapped_segments([os.getpid(), proc.pid])  # the decode->playout edge's slots, the engine's
+            os.kill(proc.pid, signal.SIGKILL)
+            hit = time.monotonic()
+            result = await asyncio.wait_for(session.runner.wait_ending(), 10)
+            ended_after = time.monotonic() - hit
+            await asyncio.wait_for(session.done.wait(), 10)
+            return session, result, ended_after, segments
+
+        session, result, ended_after, segments = asyncio.run(main())
+    finally:
+        stop_engine(proc)
+    assert not result.ok and ended_after < DETECT_S, (ended_after, result)
+    assert f"the engine at {endpoint}" in result.error and str(proc.pid) in result.error, result.error
+    assert session.result.processes == {} and not psutil.pid_exists(proc.pid)  # the front-end spawned nothing
+    assert not [p for p in psutil.Process().children(recursive=True) if str(tmp_path) in " ".join(p.cmdline())]
+    assert segments and not {name for name in segments if os.path.exists(name)}, segments  # no /dev/shm left
