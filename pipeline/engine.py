@@ -356,7 +356,7 @@ def run_engine(config: PipelineConfig, weights: str | None, endpoint: str, max_s
     or SIGINT; returns its report."""
     configure_logging()
     bound_allocator_pools()  # hours of model work in worker threads: see stages/memory.py
-    sys.setswitchinterval(config.gil_switch_interval_ms / 1e3)  # model threads beside the loop (config.py)
+    config.apply_gil_switch_interval()  # the hosted stages' model threads share the GIL with the loop
     # Before the loop serves: an import inside it (or one a stage's thread holds the import lock of while
     # the loop wants the module) stalls every hosted session's heartbeats for seconds.
     import torch
