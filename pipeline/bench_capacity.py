@@ -2,6 +2,7 @@
 
     charstream bench capacity --gpus 1 --sessions 8 16 32 48 --workers 16 --clients 4 --out capacity.json
     charstream bench capacity --sessions 1 2 --workers 2 --clients 1 --hold 10     (CPU)
+    charstream bench capacity --gpus 1 --engines 1 --batch-sessions 32 --sessions 32 48 --workers 16 --clients 4
 
 Every session is the whole stage graph (``pipeline.session``): the built-in scripted agent
 (espeak-ng voices, silero-vad on its simulated user's microphone; its recogniser off unless
@@ -11,7 +12,11 @@ frames on the data channel, as a page does. Sessions are spread over ``--workers
 processes (each one event loop with its own ``EgressServer``, its sessions and, ``--placement
 inproc``, their model stages in its threads, sharing the GPU); their clients over ``--clients``
 processes of their own, so the bench measures the server, not its clients
-(``pipeline/capacity_worker.py``). Everything binds loopback.
+(``pipeline/capacity_worker.py``). With ``--engines K`` the bench first starts K model engines
+(``pipeline/engine.py``) and every session's model stages run in one of them (``placement
+engine``: worker ``i``'s sessions in engine ``i mod K``, so sessions, added to the workers in
+turn, fill the engines in turn; one CUDA context per engine, ``--batch-sessions`` batching
+inside each engine). Everything binds loopback.
 
 The ladder: for each count of ``--sessions``, it adds sessions up to that count (the earlier ones
 keep playing), waits until every new client has video, warms up ``--warmup`` s, then holds
@@ -21,7 +26,7 @@ clock ticks, frames the video track skipped (a slow encoder) and the pipeline la
 whose first speaking frame fell in the window (agent's first audio → first speaking frame); and
 where the host stands: GPU busy (``nvidia-smi`` utilization, sampled each second), CPU of every
 process (cores used, and its main thread, which runs the event loop) and the machine, and each
-event loop's lag. A session holds the rate when both of its fps are at least ``--min-fps`` less one
+event loop's lag; per engine also the sessions it hosts and the sessions per batched forward. A session holds the rate when both of its fps are at least ``--min-fps`` less one
 frame over the window (the window's ends fall between frames). The ladder stops at the first count
 where a session does not, and says which resources were saturated there (≥ 90%, or an event loop
 lagging more than a frame). ``--batch-sessions 1 8`` runs the whole ladder once per value, on fresh
@@ -41,8 +46,10 @@ import math
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
+import tempfile
 import threading
 import time
 import traceback
@@ -56,6 +63,8 @@ import zmq.asyncio
 from charstream.pipeline.bench_output import commit_id, emit_report, percentiles, text_table
 from charstream.pipeline.capacity_worker import run_clients, run_worker
 from charstream.pipeline.config import PipelineConfig
+from charstream.pipeline.engine import check_engine_config, run_engine
+from charstream.pipeline.engine_link import EngineError, engine_call
 from charstream.stages.playout import UNDERRUN_CAUSES
 from charstream.transport.supervisor import Supervisor, describe_exit
 from tqdm import tqdm
@@ -81,9 +90,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", default="packaged", help="'packaged' (the trained weights shipped) or 'random'")
     parser.add_argument("--gpus", metavar="LAYOUT", default=None,
                         help="GPU layout of every session (pipeline/placement.py), e.g. 1; default: CPU")
-    parser.add_argument("--placement", choices=["inproc", "processes"], default="inproc",
+    parser.add_argument("--placement", choices=["inproc", "processes", "engine"], default=None,
                         help="inproc (default): a session's model stages run in its worker's threads (what "
-                             "cross-session batching needs); processes: in processes of their own, as `demo --gpus`")
+                             "cross-session batching needs); processes: in processes of their own, as `demo --gpus`; "
+                             "engine (the default with --engines): in the engines the bench starts")
+    parser.add_argument("--engines", type=int, default=0,
+                        help="model engine processes (pipeline/engine.py) started before the workers, hosting "
+                             "every session's model stages (default 0: none)")
     parser.add_argument("--workers", type=int, default=2, help="server processes, each one event loop (default 2)")
     parser.add_argument("--clients", type=int, default=1, help="client processes (default 1)")
     parser.add_argument("--batch-sessions", type=int, nargs="+", default=[1],
@@ -102,6 +115,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON (the table goes to stderr)")
 
 
+def placement(args: argparse.Namespace) -> str:
+    """``--placement``, or its default: engine with ``--engines``, else inproc."""
+    engines = getattr(args, "engines", 0)
+    chosen = args.placement or ("engine" if engines else "inproc")
+    if (chosen == "engine") != (engines > 0):
+        raise ValueError("placement engine and --engines K >= 1 go together")
+    return chosen
+
+
+def per_process(args: argparse.Namespace) -> int:
+    """The most sessions one batcher serves: per worker, or per engine with ``--engines`` (the warm-up
+    puts one session per worker in the engines at once)."""
+    if getattr(args, "engines", 0):
+        return math.ceil(max(max(args.sessions), args.workers) / args.engines)
+    return math.ceil(max(args.sessions) / args.workers)
+
+
+def engine_endpoint(folder: str, index: int) -> str:
+    return f"ipc://{folder}/engine-{index}.sock"
+
+
 def session_config(args: argparse.Namespace, batch_sessions: int) -> PipelineConfig:
     """Every session's config: the preset on the layout's devices, the scripted agent talking all along."""
     from charstream.stages.ingest.scripted import DEFAULT_SCRIPT
@@ -111,7 +145,7 @@ def session_config(args: argparse.Namespace, batch_sessions: int) -> PipelineCon
         from charstream.pipeline.placement import apply_placement
 
         config = apply_placement(config, args.gpus)  # the workers check the devices exist
-    config.placement = args.placement
+    config.placement = placement(args)
     if config.diffusion.device == "cpu":
         config.diffusion.threads = args.threads
     if config.decode.device == "cpu":
@@ -222,6 +256,45 @@ class Processes:
                 for name, c in self.supervisor.children.items()}
 
 
+class Engines:
+    """The model engines (``--engines``): started before the workers, asked for ``status`` on their own
+    sockets (msgpack, ``pipeline/engine_link.py``), stopped with SIGTERM after the workers quit."""
+
+    def __init__(self, count: int, config: PipelineConfig, weights: str | None, folder: str, max_sessions: int) -> None:
+        self.supervisor = Supervisor()
+        self.endpoints = {f"engine-{j}": engine_endpoint(folder, j) for j in range(count)}
+        self.pids: dict[str, int] = {}
+        for name, endpoint in self.endpoints.items():
+            self.supervisor.launch(name, run_engine, config, weights, endpoint, max_sessions, "warning")
+
+    async def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for name, endpoint in self.endpoints.items():
+            child = self.supervisor.children[name]
+            while name not in self.pids:
+                if not child.process.is_alive():
+                    why = (child.report() or {}).get("error", "")
+                    raise RuntimeError(f"{name} ended before it was ready: {describe_exit(child.process.exitcode)} {why}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{name} not ready after {timeout:.0f} s")
+                try:
+                    self.pids[name] = (await engine_call(endpoint, {"cmd": "status"}, timeout=1.0))["pid"]
+                except EngineError:
+                    pass
+
+    async def call(self, name: str, mark: bool) -> dict[str, Any]:
+        return await engine_call(self.endpoints[name], {"cmd": "status", "mark": mark}, CALL_TIMEOUT_S)
+
+    async def close(self) -> dict[str, Any]:
+        for child in self.supervisor.children.values():
+            if child.process.is_alive():
+                os.kill(child.pid, signal.SIGTERM)  # the engine ends what it still hosts and exits
+        await self.supervisor.stop_all(grace_s=EXIT_GRACE_S)
+        self.supervisor.kill_all()
+        return {name: {"exit": describe_exit(c.process.exitcode), **(c.report() or {})}
+                for name, c in self.supervisor.children.items()}
+
+
 # -- measurement of the host ---------------------------------------------------------------------------
 
 
@@ -294,12 +367,20 @@ class Placed:
     session_id: str
     worker: str
     client: str
+    engine: str | None = None  # the engine hosting its model stages (--engines)
+
+
+def engine_of(worker: int, engines: int) -> str | None:
+    """The engine that hosts worker ``worker``'s sessions' model stages (None without engines)."""
+    return f"engine-{worker % engines}" if engines else None
 
 
 class Ladder:
-    def __init__(self, args: argparse.Namespace, config: PipelineConfig, procs: Processes) -> None:
-        self.args, self.config, self.procs = args, config, procs
+    def __init__(self, args: argparse.Namespace, config: PipelineConfig, procs: Processes,
+                 engines: Engines | None = None) -> None:
+        self.args, self.config, self.procs, self.engines = args, config, procs, engines
         self.workers = [f"worker-{i}" for i in range(args.workers)]
+        self.engine_of = {w: engine_of(i, len(engines.endpoints) if engines else 0) for i, w in enumerate(self.workers)}
         self.clients = [f"client-{i}" for i in range(args.clients)]
         self.placed: list[Placed] = []
         self.failed: dict[str, str] = {}  # session -> why it did not start
@@ -315,7 +396,7 @@ class Ladder:
             for session_id, token in reply["sessions"]:
                 client = min(self.clients, key=lambda c: clients[c])
                 clients[client] += 1
-                placed.append(Placed(session_id, worker, client))
+                placed.append(Placed(session_id, worker, client, self.engine_of[worker]))
                 new.setdefault(client, []).append([reply["url"], session_id, token])
         timeout, started = self.args.start_timeout, time.monotonic()
         replies = await asyncio.gather(*(self.procs.call(c, "connect", timeout + CALL_TIMEOUT_S, sessions=s)
@@ -346,9 +427,10 @@ class Ladder:
             raise RuntimeError("warm-up sessions failed: " + "; ".join(f"{s}: {why}" for s, why in failed.items()))
         await asyncio.gather(*(self.procs.call(c, "hangup", sessions=[p.session_id for p in placed if p.client == c])
                                for c in self.clients))
-        while sum([(await self.procs.call(w, "stats"))["live_sessions"] for w in self.workers]):
+        while sum([(await self.procs.call(w, "stats"))["live_sessions"] for w in self.workers]) + sum(
+                [(await self.engines.call(e, False))["hosted"] for e in (self.engines.endpoints if self.engines else ())]):
             if time.monotonic() - started > 2 * self.args.start_timeout:
-                raise TimeoutError("warm-up sessions did not end after their clients hung up")
+                raise TimeoutError("warm-up sessions did not end after their clients hung up (or their engines kept them)")
             await asyncio.sleep(0.5)
         return time.monotonic() - started
 
@@ -367,9 +449,11 @@ class Ladder:
 
     async def snapshot(self, cmd: str) -> dict[str, Any]:
         """Every process's counters; one that fails to answer (it died) is left out, its error kept."""
-        names = self.workers + self.clients
-        replies = await asyncio.gather(*(self.procs.call(n, cmd) for n in names), return_exceptions=True)
-        pids = {n: self.procs.hello[n]["pid"] for n in names}
+        engines = list(self.engines.endpoints) if self.engines else []
+        names = self.workers + self.clients + engines
+        replies = await asyncio.gather(*(self.procs.call(n, cmd) for n in self.workers + self.clients),
+                                       *(self.engines.call(n, cmd == "mark") for n in engines), return_exceptions=True)
+        pids = {n: self.procs.hello[n]["pid"] for n in self.workers + self.clients} | (self.engines.pids if engines else {})
         return {"wall": time.time(), "now": time.monotonic(),
                 "replies": {n: r for n, r in zip(names, replies, strict=True) if not isinstance(r, BaseException)},
                 "errors": {n: str(r) for n, r in zip(names, replies, strict=True) if isinstance(r, BaseException)},
@@ -417,6 +501,8 @@ def summarise_level(count: int, start_s: float, first: dict, last: dict, placed:
         w0, w1 = reported(first, p.worker, p.session_id), reported(last, p.worker, p.session_id)
         c0, c1 = reported(first, p.client, p.session_id), reported(last, p.client, p.session_id)
         row: dict[str, Any] = {"session": p.session_id, "worker": p.worker, "client": p.client}
+        if p.engine is not None:
+            row["engine"] = p.engine
         if p.session_id in failed or not (w0 and w1 and c0 and c1):
             row.update(playout_fps=0.0, received_fps=0.0, held=False,
                        problem=failed.get(p.session_id, "not reported by its worker or client"))
@@ -445,15 +531,17 @@ def summarise_level(count: int, start_s: float, first: dict, last: dict, placed:
                     for t in w["turns"] if first["wall"] <= t[0] <= last["wall"]]
     pipeline = [t[1] * 1e3 for t in window_turns]
     total = [t[2] * 1e3 for t in window_turns if t[2] is not None]  # user's end of speech -> the client shows it
-    steps = [s for name, r in last["replies"].items() if name.startswith("worker") for s in r.get("step_ms", [])]
+    steps = [s for name, r in last["replies"].items() if name.startswith(("worker", "engine")) for s in r.get("step_ms", [])]
     processes = []
     for name, reply in last["replies"].items():
         if name not in first["replies"]:
             continue
         cpu = _delta(first["cpu"][name], last["cpu"][name])
-        entry = {"name": name, "sessions": sum(name in (p.worker, p.client) for p in placed),
+        entry = {"name": name, "sessions": sum(name in (p.worker, p.client, p.engine) for p in placed),
                  "cores": round(cpu["process"] / window, 3), "main_thread": round(cpu["main_thread"] / window, 3),
                  "child_processes_cores": round(cpu["children"] / window, 3), "loop_lag": reply["loop_lag"]}
+        if "hosted" in reply:  # an engine: the sessions it hosted when the window closed
+            entry["hosted"] = reply["hosted"]
         for kind, now in reply.get("batchers", {}).items():  # sessions served per batched forward, in the window
             before = first["replies"][name]["batchers"][kind]
             forwards, served = now["forwards"] - before["forwards"], now["served"] - before["served"]
@@ -500,7 +588,8 @@ def saturated(level: dict[str, Any]) -> list[str]:
         found.append(f"host CPU {100 * level['host_cpu_busy']:.0f}% of {level['host_cores']} cores")
     for p in level["processes"]:
         lag = p["loop_lag"].get("p99_ms", 0.0)
-        what = "the event loop of server" if p["name"].startswith("worker") else "the event loop of the bench's client"
+        what = {"worker": "the event loop of server", "engine": "the event loop of engine"}.get(
+            p["name"].split("-")[0], "the event loop of the bench's client")
         if p["main_thread"] >= SATURATED:
             found.append(f"{what} {p['name']}: its thread {100 * p['main_thread']:.0f}% of a core, lag p99 {lag:.0f} ms")
         elif lag > 1e3 * FRAME_S:  # late, but its thread not busy: it waited for a core or for the GIL
@@ -517,17 +606,27 @@ async def ladder(args: argparse.Namespace, batch_sessions: int, budget_s: float 
     procs = Processes()
     procs.start_reading()
     result: dict[str, Any] = {"batch_sessions": batch_sessions, "levels": [], "stopped": None}
+    folder = tempfile.TemporaryDirectory(prefix="cs-engines-")  # the engines' sockets
+    engines: Engines | None = None
     try:
+        if args.engines:
+            weights = None if args.weights == "random" else args.weights
+            engines = Engines(args.engines, config, weights, folder.name, per_process(args))
+            await engines.wait_ready(args.start_timeout)
+            result["engines"] = {name: {"endpoint": ep, "pid": engines.pids[name]} for name, ep in engines.endpoints.items()}
         for i in range(args.workers):
-            procs.launch(f"worker-{i}", run_worker, procs.endpoint, f"worker-{i}", config, args.weights)
+            worker_config = config
+            if engines is not None:  # its sessions' model stages in its engine
+                worker_config = dataclasses.replace(config, engine_endpoint=engines.endpoints[engine_of(i, args.engines)])
+            procs.launch(f"worker-{i}", run_worker, procs.endpoint, f"worker-{i}", worker_config, args.weights)
         for i in range(args.clients):
             procs.launch(f"client-{i}", run_clients, procs.endpoint, f"client-{i}", args.start_timeout)
         await procs.wait_hello(args.start_timeout)
         result["startup_s"] = round(time.monotonic() - began, 1)
         result["workers"] = {n: {k: v for k, v in h.items() if k not in ("id", "hello")}
                              for n, h in procs.hello.items() if n.startswith("worker")}
-        result["pids"] = {n: h["pid"] for n, h in procs.hello.items()}
-        run = Ladder(args, config, procs)
+        result["pids"] = {n: h["pid"] for n, h in procs.hello.items()} | (engines.pids if engines else {})
+        run = Ladder(args, config, procs, engines)
         result["warmup_sessions_s"] = round(await run.warm_up(), 1)
         with tqdm(total=round(args.hold), unit="s", dynamic_ncols=True,
                   bar_format="{desc} |{bar}| {n_fmt}/{total_fmt} s{postfix}") as progress:
@@ -562,6 +661,9 @@ async def ladder(args: argparse.Namespace, batch_sessions: int, budget_s: float 
         result["traceback"] = traceback.format_exc(limit=-6)  # where, for a first run on a new machine
     finally:
         result["process_exits"] = await procs.close()
+        if engines is not None:  # after the workers: their sessions have ended
+            result["process_exits"].update(await engines.close())
+        folder.cleanup()
     held = [lv["sessions"] for lv in result["levels"] if not lv["below"]]
     result["capacity"] = max(held) if held else 0
     result["wall_s"] = round(time.monotonic() - began, 1)
@@ -597,9 +699,22 @@ def table(report: dict[str, Any]) -> str:
                          f"{g['util_mean']:.0f}%" if g and g.get("samples") else "-",
                          f"{100 * lv['host_cpu_busy']:.0f}%", f"{worker_lag:.0f} ms", "; ".join(lv["saturated"]) or "-"])
     where = f"--gpus {report['gpus']}" if report["gpus"] else "CPU"
+    engines = f"{report['engines']} engine / " if report.get("engines") else ""
     lines = [f"capacity: {report['preset']} sessions, {where}, placement {report['placement']}, "
-             f"{report['workers']} server / {report['clients']} client processes, {report['hold_s']:g} s windows, "
+             f"{engines}{report['workers']} server / {report['clients']} client processes, {report['hold_s']:g} s windows, "
              f"held = both fps >= {report['min_fps']:g} less one frame per window", text_table(rows)]
+    for result in report["ladders"]:
+        for lv in result["levels"]:
+            for p in lv["processes"]:
+                if p["name"].startswith("engine"):
+                    per = p.get("batched", {})
+                    forwards = " / ".join(f"{b['served'] / b['forwards']:.1f}" if b["forwards"] else "-"
+                                          for b in (per.get("diffusion"), per.get("decode")) if b is not None)
+                    lag = p["loop_lag"]
+                    lines.append(f"batch {result['batch_sessions']}, {lv['sessions']} sessions: {p['name']} hosted "
+                                 f"{p.get('hosted')} sessions, {p['cores']:.2f} cores (main thread {p['main_thread']:.2f}), "
+                                 f"loop lag p50/p99 {lag.get('p50_ms', '-')}/{lag.get('p99_ms', '-')} ms, "
+                                 f"sessions per forward step/decode {forwards or '-'}")
     for result in report["ladders"]:
         verdict = f"batch_sessions {result['batch_sessions']}: capacity {result['capacity']} sessions"
         if result.get("stopped"):
@@ -616,19 +731,24 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("charstream bench capacity: --sessions must be increasing positive counts")
     if args.workers < 1 or args.clients < 1:
         raise SystemExit("charstream bench capacity: --workers and --clients must be at least 1")
-    per_worker = math.ceil(max(args.sessions) / args.workers)
+    if args.engines < 0 or args.engines > args.workers:
+        raise SystemExit("charstream bench capacity: --engines must be 0..--workers (each worker's sessions use one engine)")
+    per = per_process(args)
+    where = "engine" if args.engines else "worker"
     for k in args.batch_sessions:
         try:
-            session_config(args, k)  # a bad layout, preset or batching value fails here, before any process
+            config = session_config(args, k)  # a bad layout, preset or batching value fails here, before any process
+            if args.engines:
+                check_engine_config(config, per)
         except ValueError as e:
             raise SystemExit(f"charstream bench capacity: {e}") from None
-        if k > 1 and per_worker > k:  # a worker's batcher takes at most batch_sessions sessions
+        if k > 1 and per > k:  # a worker's (an engine's) batcher takes at most batch_sessions sessions
             raise SystemExit(f"charstream bench capacity: --batch-sessions {k} serves at most {k} sessions per "
-                             f"worker; {max(args.sessions)} sessions on {args.workers} workers need {per_worker}")
+                             f"{where}; {max(args.sessions)} sessions on {args.engines or args.workers} {where}s need {per}")
     configure_logging("error")
     report: dict[str, Any] = {
         "bench": "capacity", "preset": args.preset, "weights": args.weights, "gpus": args.gpus,
-        "placement": args.placement, "workers": args.workers, "clients": args.clients, "sessions": args.sessions,
+        "placement": placement(args), "engines": args.engines, "workers": args.workers, "clients": args.clients, "sessions": args.sessions,
         "hold_s": args.hold, "warmup_s": args.warmup, "min_fps": args.min_fps, "budget_s": args.budget_s,
         "recognizer": args.recognizer, "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {psutil.cpu_count()} CPUs, {platform.platform()}", "commit": commit_id(),

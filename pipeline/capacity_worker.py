@@ -113,6 +113,8 @@ def run_worker(endpoint: str, name: str, config: PipelineConfig, weights: str | 
 
 def device_info(config: PipelineConfig, weights: str | None) -> dict[str, Any]:
     """torch's version, the weights and the sessions' device, initialised now (not in the first session's setup)."""
+    if config.placement == "engine":  # the model stages, and CUDA, are the engine's
+        return {"device": f"engine at {config.engine_endpoint}"}
     import torch
     from charstream.model.weights import resolve_weights
 

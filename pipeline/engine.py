@@ -55,7 +55,6 @@ from charstream.logs import configure_logging, get_logger
 
 MAX_EDGE_CAPACITY = 1024  # credits of one edge: far more than any session graph's
 STOP_TIMEOUT_S = 15.0  # on SIGTERM, hosted groups get this long to tear down
-log = get_logger(component="engine")
 # What the model stages import lazily (in their threads): imported once when the engine starts.
 MODEL_MODULES = tuple(f"charstream.model.{m}" for m in ("audio_encoder", "batched_decoder", "character", "generator",
                                                          "graphed_decoder", "step", "threads", "vae", "weights"))
@@ -175,6 +174,7 @@ class Engine:
         self.hosted: dict[bytes, _Hosted] = {}
         self.served = 0  # sessions hosted and ended
         self.lag = LoopLag()
+        self.log = get_logger(component="engine")
         self._sock: zmq.asyncio.Socket | None = None
         self._tg: anyio.abc.TaskGroup | None = None
 
@@ -187,7 +187,7 @@ class Engine:
         try:
             self._sock.bind(self.endpoint)
             self.lag.start()
-            log.info("engine_ready", endpoint=self.endpoint, pid=os.getpid(), preset=self.config.preset,
+            self.log.info("engine_ready", endpoint=self.endpoint, pid=os.getpid(), preset=self.config.preset,
                      device=self.config.diffusion.device, batch_sessions=self.config.diffusion.batch_sessions,
                      max_sessions=self.max_sessions)
             async with anyio.create_task_group() as tg:
@@ -211,7 +211,7 @@ class Engine:
         try:
             await self._sock.send_multipart([identity, pack(message)])
         except zmq.ZMQError as e:  # the peer is gone (router_mandatory): nobody to tell
-            log.debug("engine_reply_dropped", error=str(e))
+            self.log.debug("engine_reply_dropped", error=str(e))
 
     async def _receive(self) -> None:
         while True:
@@ -237,7 +237,7 @@ class Engine:
                 else:
                     raise RequestError(f"unknown command {cmd!r}; known: host, ping, release, status")
             except RequestError as e:
-                log.warning("engine_request_refused", cmd=cmd if isinstance(cmd, str) else None, error=str(e))
+                self.log.warning("engine_request_refused", cmd=cmd if isinstance(cmd, str) else None, error=str(e))
                 reply = cmd if cmd in ("host", "status") else "error"
                 await self._send(identity, {"reply": reply, "ok": False, "error": str(e)})
 
@@ -286,7 +286,7 @@ class Engine:
                         config.transport.dead_after_s, time.monotonic())
         self.hosted[identity] = entry
         self._tg.start_soon(self._run_hosted, entry)
-        log.info("engine_hosting", session_id=session_id, stages=names, hosted=len(self.hosted))
+        self.log.info("engine_hosting", session_id=session_id, stages=names, hosted=len(self.hosted))
         return {"pid": os.getpid(), "hosted": len(self.hosted)}
 
     async def _run_hosted(self, hosted: _Hosted) -> None:
@@ -300,7 +300,7 @@ class Engine:
                 hosted.transport.close()
                 del self.hosted[hosted.identity]
                 self.served += 1
-                log.info("engine_session_ended", session_id=hosted.session_id, ended_by=group.ended_by,
+                self.log.info("engine_session_ended", session_id=hosted.session_id, ended_by=group.ended_by,
                          error=group.error, hosted=len(self.hosted))
                 await self._send(hosted.identity, {"event": "ended", "report": group.report()})
 
@@ -316,7 +316,7 @@ class Engine:
                 if stalled:  # our own loop was late: we could not have heard them
                     hosted.heard = now
                 elif now - hosted.heard > hosted.dead_after_s and not hosted.group.stop.is_set():
-                    log.warning("engine_frontend_silent", session_id=hosted.session_id, silent_s=round(now - hosted.heard, 2))
+                    self.log.warning("engine_frontend_silent", session_id=hosted.session_id, silent_s=round(now - hosted.heard, 2))
                     hosted.group.ended_by = f"its front-end stopped pinging for {hosted.dead_after_s:g} s"
                     hosted.group.stop.set()
 
@@ -351,10 +351,11 @@ def engine_config(preset: str, gpus: str | None, batch_sessions: int) -> Pipelin
     return config
 
 
-def run_engine(config: PipelineConfig, weights: str | None, endpoint: str, max_sessions: int) -> dict[str, Any]:
+def run_engine(config: PipelineConfig, weights: str | None, endpoint: str, max_sessions: int,
+               log_level: str | None = None) -> dict[str, Any]:
     """The engine's process (``charstream engine``, or a ``Supervisor`` target): serves until SIGTERM
     or SIGINT; returns its report."""
-    configure_logging()
+    configure_logging(log_level)
     bound_allocator_pools()  # hours of model work in worker threads: see stages/memory.py
     config.apply_gil_switch_interval()  # the hosted stages' model threads share the GIL with the loop
     # Before the loop serves: an import inside it (or one a stage's thread holds the import lock of while

@@ -29,7 +29,9 @@
 #               scripts/gpu_run.sh capacity DIR [BATCH...]   `charstream bench capacity --gpus 1` (~5 min): concurrent
 #                                                   tiny sessions (CAPACITY_SESSIONS, default 32 48; 8 16 32 48
 #                                                   with one ladder), one ladder per batch_sessions value (default
-#                                                   1 8: without and with batching); needs whl-a and whl-b, not whl-c
+#                                                   1 8: without and with batching); needs whl-a and whl-b, not whl-c;
+#                                                   CAPACITY_ENGINES=K: K model engines host every session's model
+#                                                   stages (placement engine; a batch value must cover 48 / K sessions)
 #
 # The tree (17 MB) with all parts exceeds a call's 64 MiB: carry one part per call, back to back while
 # the machine is warm (it goes back 30 s after a call) -- every device command installs the parts it
@@ -172,9 +174,10 @@ elif [ "$cmd" = capacity ]; then
   # used 1.13 cores and its loop lagged 50 ms), and a client process holds 8-12 sessions at < 0.5 core.
   sessions=${CAPACITY_SESSIONS:-$([ $# -gt 1 ] && echo 32 48 || echo 8 16 32 48)}
   # shellcheck disable=SC2086
-  section "capacity tiny --gpus 1, batch_sessions $*" 360 capacity.log python3 -m charstream.pipeline.cli bench capacity \
+  section "capacity tiny --gpus 1, batch_sessions $*${CAPACITY_ENGINES:+, $CAPACITY_ENGINES engines}" 360 capacity.log python3 -m charstream.pipeline.cli bench capacity \
     --gpus 1 --sessions $sessions --workers "${CAPACITY_WORKERS:-16}" --clients "${CAPACITY_CLIENTS:-4}" \
-    --batch-sessions "$@" --hold 30 --budget-s $((300 / $#)) --out "$OUT/capacity.json"
+    --batch-sessions "$@" ${CAPACITY_ENGINES:+--engines "$CAPACITY_ENGINES"} --hold 30 --budget-s $((300 / $#)) \
+    --out "$OUT/capacity.json"
 else
   echo "unknown command $cmd" >&2
   exit 2
