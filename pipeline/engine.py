@@ -244,7 +244,8 @@ class Engine:
     async def _ping(self, identity: bytes) -> None:
         hosted = self.hosted.get(identity)
         if hosted is None:  # e.g. a link that reconnected to a restarted engine: its group is not here
-            await self._send(identity, {"event": "ended", "report": {"error": "the engine hosts no session for this link"}})
+            await self._send(identity, {"event": "ended", "report": {
+                "error": f"the engine at {self.endpoint} (pid {os.getpid()}) hosts no session for this link"}})
             return
         hosted.heard = time.monotonic()
         await self._send(identity, {"event": "pong"})

@@ -2,7 +2,7 @@
 
     charstream serve [--source pipeline|testcard] [--adapter listening|zmq|...] [--out DIR]
                      [--port 8080] [--codec VP8|H264] [--config FILE] [--cluster auto|ADDRESS]
-                     [--metrics-port 9464 [--metrics-host 127.0.0.1]]
+                     [--metrics-port 9464 [--metrics-host 127.0.0.1]] [--engine ipc:///tmp/charstream-engine.sock]
 
 It prints a one-time link to the page (``/?code=...``: the page trades the code for the server
 key, so the key never lands in a URL; with ``--key`` you may also type the key into the page);
@@ -61,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="batch the diffusion steps, and the decoding, of up to N sessions of this process "
                              "into one forward each (diffusion.batch_sessions and decode.batch_sessions; default "
                              "from config: 1 = off)")
+    parser.add_argument("--engine", metavar="ENDPOINT",
+                        help="host each session's model stages in the model engine running at ENDPOINT "
+                             "(`charstream engine`, placement engine: its devices and batching)")
     parser.add_argument("--cluster", metavar="ADDRESS",
                         help="front door of a fleet: run each session on a node of this Ray cluster "
                              "('auto': the cluster this host belongs to); needs charstream[fleet]")
@@ -85,6 +88,10 @@ def load_config(args: argparse.Namespace) -> PipelineConfig:
         config.tracing.prometheus_port = args.metrics_port
     if args.metrics_host is not None:
         config.tracing.prometheus_host = args.metrics_host
+    if args.engine is not None:
+        if args.gpus or args.batch_sessions is not None:
+            raise ValueError("--engine: the engine's own --gpus and --batch-sessions apply, not serve's")
+        config.placement, config.engine_endpoint = "engine", args.engine
     if args.gpus and args.cluster:
         config.fleet.layout = args.gpus  # placed on a node, not here
     elif args.gpus:
