@@ -356,7 +356,18 @@ class GpuSampler:
             return {"samples": 0, "error": self.error}
         util = [u for u, _ in self.samples]
         return {"samples": len(util), "util_mean": round(statistics.fmean(util), 1), "util_max": max(util),
-                "memory_max_mib": max(m for _, m in self.samples), "error": self.error}
+                "memory_max_mib": max(m for _, m in self.samples), "error": self.error,
+                "context_pids": compute_pids()}
+
+
+def compute_pids() -> list[int] | None:
+    """The pids of the processes holding a CUDA context on GPU 0 now (``nvidia-smi``; None if it cannot tell)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader", "-i", "0"],
+                             capture_output=True, text=True, timeout=5, check=True).stdout
+        return sorted(int(line) for line in out.split())
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
 
 
 # -- the ladder ----------------------------------------------------------------------------------------
@@ -457,7 +468,7 @@ class Ladder:
         return {"wall": time.time(), "now": time.monotonic(),
                 "replies": {n: r for n, r in zip(names, replies, strict=True) if not isinstance(r, BaseException)},
                 "errors": {n: str(r) for n, r in zip(names, replies, strict=True) if isinstance(r, BaseException)},
-                "cpu": {n: process_cpu(pid) for n, pid in pids.items()}, "bench_cpu": process_cpu(os.getpid()),
+                "cpu": {n: process_cpu(pid) for n, pid in pids.items()}, "bench_cpu": process_cpu(os.getpid()), "pids": pids,
                 "host": host_cpu()}
 
     async def level(self, count: int, progress: tqdm) -> dict[str, Any]:
@@ -542,6 +553,8 @@ def summarise_level(count: int, start_s: float, first: dict, last: dict, placed:
                  "child_processes_cores": round(cpu["children"] / window, 3), "loop_lag": reply["loop_lag"]}
         if "hosted" in reply:  # an engine: the sessions it hosted when the window closed
             entry["hosted"] = reply["hosted"]
+        if "cuda_context" in reply:  # a server worker: whether it made a CUDA context (engine placement: never)
+            entry["cuda_context"] = reply["cuda_context"]
         for kind, now in reply.get("batchers", {}).items():  # sessions served per batched forward, in the window
             before = first["replies"][name]["batchers"][kind]
             forwards, served = now["forwards"] - before["forwards"], now["served"] - before["served"]
@@ -574,6 +587,9 @@ def summarise_level(count: int, start_s: float, first: dict, last: dict, placed:
         batched = [p["batched"][kind] for p in processes if kind in p.get("batched", {})]
         if forwards := sum(b["forwards"] for b in batched):
             level["sessions_per_forward"][kind] = round(sum(b["served"] for b in batched) / forwards, 2)
+    if gpu and gpu.get("context_pids") is not None:  # which processes hold a CUDA context (engines: only they)
+        level["cuda_contexts"] = {"count": len(gpu["context_pids"]),
+                                  "processes": sorted(n for n, pid in last["pids"].items() if pid in gpu["context_pids"])}
     level["saturated"] = saturated(level)
     return level
 
@@ -705,6 +721,14 @@ def table(report: dict[str, Any]) -> str:
              f"held = both fps >= {report['min_fps']:g} less one frame per window", text_table(rows)]
     for result in report["ladders"]:
         for lv in result["levels"]:
+            workers = [p for p in lv["processes"] if "cuda_context" in p]
+            if report.get("engines") and workers:
+                lines.append(f"batch {result['batch_sessions']}, {lv['sessions']} sessions: server processes with a CUDA "
+                             f"context: {sum(p['cuda_context'] for p in workers)} of {len(workers)}")
+            if "cuda_contexts" in lv:
+                contexts = lv["cuda_contexts"]
+                lines.append(f"batch {result['batch_sessions']}, {lv['sessions']} sessions: {contexts['count']} CUDA "
+                             f"contexts on GPU 0 ({', '.join(contexts['processes']) or 'pids not ours'})")
             for p in lv["processes"]:
                 if p["name"].startswith("engine"):
                     per = p.get("batched", {})

@@ -23,6 +23,7 @@ import asyncio
 import json
 import os
 import signal
+import sys
 import time
 from typing import Any
 
@@ -194,6 +195,8 @@ class Worker:
         snapshot["step_ms"] = [round(s * 1e3, 3) for s in steps]  # the window's diffusion steps (wall, thread hop included)
         snapshot["loop_lag"] = self.lag.summary()
         snapshot["live_sessions"] = len(self.factory.sessions)
+        torch = sys.modules.get("torch")  # imported by the stages or the VAD, or not at all
+        snapshot["cuda_context"] = bool(torch is not None and torch.cuda.is_initialized())  # engine placement: False
         return snapshot
 
 
