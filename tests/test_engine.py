@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import signal
@@ -16,7 +17,7 @@ import pytest
 import zmq
 import zmq.asyncio
 from charstream.pipeline.config import PipelineConfig
-from charstream.pipeline.engine_link import EngineError, engine_call, pack, unpack
+from charstream.pipeline.engine_link import EngineError, check_engine_endpoint, engine_call, pack, unpack
 from charstream.pipeline.session import LiveSession
 from test_faults import mapped_segments
 
@@ -192,3 +193,20 @@ def test_a_killed_engine_ends_its_session_naming_it_within_2_s_and_leaves_nothin
     assert session.result.processes == {} and not psutil.pid_exists(proc.pid)  # the front-end spawned nothing
     assert not [p for p in psutil.Process().children(recursive=True) if str(tmp_path) in " ".join(p.cmdline())]
     assert segments and not {name for name in segments if os.path.exists(name)}, segments  # no /dev/shm left
+
+
+def test_serve_engine_places_sessions_in_the_engine_and_makes_no_batchers_of_its_own():
+    from charstream.pipeline import serve
+    from charstream.pipeline.session import session_factory
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    config = serve.load_config(parser.parse_args(["--engine", "ipc:///tmp/e.sock"]))
+    assert config.placement == "engine" and config.engine_endpoint == "ipc:///tmp/e.sock"
+    config.diffusion.batch_sessions = config.decode.batch_sessions = 4  # the engine's own setting applies
+    factory = session_factory(config)
+    assert factory.batcher is None and factory.decode_batcher is None
+    with pytest.raises(ValueError, match="the engine's own --gpus and --batch-sessions"):
+        serve.load_config(parser.parse_args(["--engine", "ipc:///tmp/e.sock", "--batch-sessions", "8"]))
+    with pytest.raises(ValueError, match="loopback only"):
+        check_engine_endpoint("tcp://0.0.0.0:5000")
