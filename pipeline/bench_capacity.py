@@ -624,9 +624,9 @@ async def ladder(args: argparse.Namespace, batch_sessions: int, budget_s: float 
     result: dict[str, Any] = {"batch_sessions": batch_sessions, "levels": [], "stopped": None}
     folder = tempfile.TemporaryDirectory(prefix="cs-engines-")  # the engines' sockets
     engines: Engines | None = None
+    weights = None if args.weights == "random" else args.weights  # build_graph's: None = seeded random weights
     try:
         if args.engines:
-            weights = None if args.weights == "random" else args.weights
             engines = Engines(args.engines, config, weights, folder.name, per_process(args))
             await engines.wait_ready(args.start_timeout)
             result["engines"] = {name: {"endpoint": ep, "pid": engines.pids[name]} for name, ep in engines.endpoints.items()}
@@ -634,7 +634,7 @@ async def ladder(args: argparse.Namespace, batch_sessions: int, budget_s: float 
             worker_config = config
             if engines is not None:  # its sessions' model stages in its engine
                 worker_config = dataclasses.replace(config, engine_endpoint=engines.endpoints[engine_of(i, args.engines)])
-            procs.launch(f"worker-{i}", run_worker, procs.endpoint, f"worker-{i}", worker_config, args.weights)
+            procs.launch(f"worker-{i}", run_worker, procs.endpoint, f"worker-{i}", worker_config, weights)
         for i in range(args.clients):
             procs.launch(f"client-{i}", run_clients, procs.endpoint, f"client-{i}", args.start_timeout)
         await procs.wait_hello(args.start_timeout)
