@@ -16,6 +16,7 @@ import psutil
 import pytest
 import zmq
 import zmq.asyncio
+from batch_support import assert_same_frames, released_frames, seeded_configs
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.engine_link import EngineError, check_engine_endpoint, engine_call, pack, unpack
 from charstream.pipeline.session import LiveSession
@@ -58,15 +59,17 @@ def engine_session(endpoint: str, seed: int) -> LiveSession:
     return LiveSession(config, f"s{seed}", peer=False)
 
 
-async def frames_released(session: LiveSession, count: int) -> int:
-    """Wait for ``count`` generated frames (not the held start frame) released by the session's playout."""
-    out, index, seen = session.output, 0, 0
+async def frames_released(session: LiveSession, count: int) -> dict:
+    """The first ``count`` generated frames (not the held start frame) the session's playout releases,
+    by (chunk, frame in chunk)."""
+    out, index, frames = session.output, 0, {}
     await out.wait_started()
-    while seen < count:
+    while len(frames) < count:
         frame = await out.frame_at(index)
         index = frame.index + 1
-        seen += frame.chunk is not None
-    return seen
+        if frame.chunk is not None:
+            frames[(frame.chunk, frame.frame_in_chunk)] = frame.image
+    return frames
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +89,7 @@ def test_two_sessions_through_one_engine_stream_then_free_their_groups(engine):
         sessions = [engine_session(endpoint, seed) for seed in (1, 2)]
         for s in sessions:
             s.start()
-        await asyncio.wait_for(asyncio.gather(*(frames_released(s, 24) for s in sessions)), 90)
+        frames = await asyncio.wait_for(asyncio.gather(*(frames_released(s, 24) for s in sessions)), 90)
         during = await engine_call(endpoint, {"cmd": "status"})
         with pytest.raises(EngineError, match="the engine is full: it hosts 2 of at most 2"):
             await engine_call(endpoint, {"cmd": "host", "session_id": "s3"})
@@ -94,9 +97,10 @@ def test_two_sessions_through_one_engine_stream_then_free_their_groups(engine):
         deadline = time.monotonic() + 10
         while (after := await engine_call(endpoint, {"cmd": "status"}))["hosted"] and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
-        return sessions, during, results, after
+        alone = await released_frames(seeded_configs(1, 1, (1, 2)), 24)  # the same sessions in one process
+        return sessions, during, results, after, frames, alone
 
-    sessions, during, results, after = asyncio.run(main())
+    sessions, during, results, after, frames, alone = asyncio.run(main())
     assert sorted(during["sessions"]) == ["s1", "s2"] and during["pid"] == proc.pid
     assert all(r is not None and r.ok for r in results), [r and r.error for r in results]
     for session, result in zip(sessions, results, strict=True):
@@ -106,6 +110,8 @@ def test_two_sessions_through_one_engine_stream_then_free_their_groups(engine):
         edges = result.edges  # the engine's report of the group: both ends of every boundary edge
         assert {"sender", "receiver"} <= set(edges["ingest->conditioning"])  # (no microphone: nothing on it)
         assert edges["decode->playout"]["sender"]["sent"] >= edges["decode->playout"]["receiver"]["received"] >= 6
+    # The engine's sessions released the frames the same sessions (seeds) release in one process.
+    assert_same_frames(frames, alone, at_least=16)
     # Ending the sessions freed their groups; both went through the engine's shared batchers.
     assert after["hosted"] == 0 and after["served"] >= 2, after
     assert after["batchers"]["diffusion"]["served"] >= 12 and after["batchers"]["decode"]["served"] >= 12, after
@@ -167,6 +173,45 @@ def test_a_bad_request_gets_an_error_reply_and_the_engine_keeps_serving(engine):
         return time.monotonic() - started
 
     assert asyncio.run(freed()) < 10
+
+
+FRONT_END = """
+import asyncio, sys
+from charstream.pipeline.config import PipelineConfig
+from charstream.pipeline.session import LiveSession
+
+async def main():
+    session = LiveSession(PipelineConfig(placement="engine", engine_endpoint=sys.argv[1]), "front", peer=False)
+    session.start()
+    await session.output.frame_at(12)
+    print("streaming", flush=True)
+    await asyncio.sleep(120)
+
+asyncio.run(main())
+"""
+
+
+def test_a_killed_front_end_has_its_group_torn_down_and_forgotten(engine):
+    endpoint, _ = engine
+    front = subprocess.Popen([sys.executable, "-c", FRONT_END, endpoint], stdout=subprocess.PIPE, text=True)
+    try:
+        assert front.stdout.readline().strip() == "streaming"
+        status = asyncio.run(engine_call(endpoint, {"cmd": "status"}))
+        assert status["sessions"] == ["front"], status
+        front.kill()
+        killed = time.monotonic()
+
+        async def freed() -> float:
+            while (await engine_call(endpoint, {"cmd": "status"}))["hosted"]:
+                assert time.monotonic() - killed < 10, "the dead front-end's group was not freed"
+                await asyncio.sleep(0.05)
+            return time.monotonic() - killed
+
+        # its hub, its edges and its link fall silent for dead_after_s (1.5 s); then the teardown
+        assert asyncio.run(freed()) < 4.0
+    finally:
+        front.kill()
+        front.wait()
 
 
 def test_a_killed_engine_ends_its_session_naming_it_within_2_s_and_leaves_nothing(tmp_path):
