@@ -264,6 +264,7 @@ class Engines:
         self.supervisor = Supervisor()
         self.endpoints = {f"engine-{j}": engine_endpoint(folder, j) for j in range(count)}
         self.pids: dict[str, int] = {}
+        self.devices: dict[str, dict[str, str]] = {}  # torch's version, the device and the GPU's name
         for name, endpoint in self.endpoints.items():
             self.supervisor.launch(name, run_engine, config, weights, endpoint, max_sessions, "warning")
 
@@ -278,9 +279,10 @@ class Engines:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{name} not ready after {timeout:.0f} s")
                 try:
-                    self.pids[name] = (await engine_call(endpoint, {"cmd": "status"}, timeout=1.0))["pid"]
+                    status = await engine_call(endpoint, {"cmd": "status"}, timeout=1.0)
                 except EngineError:
-                    pass
+                    continue
+                self.pids[name], self.devices[name] = status["pid"], status["device"]
 
     async def call(self, name: str, mark: bool) -> dict[str, Any]:
         return await engine_call(self.endpoints[name], {"cmd": "status", "mark": mark}, CALL_TIMEOUT_S)
@@ -629,7 +631,8 @@ async def ladder(args: argparse.Namespace, batch_sessions: int, budget_s: float 
         if args.engines:
             engines = Engines(args.engines, config, weights, folder.name, per_process(args))
             await engines.wait_ready(args.start_timeout)
-            result["engines"] = {name: {"endpoint": ep, "pid": engines.pids[name]} for name, ep in engines.endpoints.items()}
+            result["engines"] = {name: {"endpoint": ep, "pid": engines.pids[name], **engines.devices[name]}
+                                 for name, ep in engines.endpoints.items()}
         for i in range(args.workers):
             worker_config = config
             if engines is not None:  # its sessions' model stages in its engine

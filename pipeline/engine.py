@@ -146,6 +146,16 @@ class _Hosted:
     steps_from: int = 0  # diffusion steps before the status window (``status`` with ``mark``)
 
 
+def describe_device(device: str) -> dict[str, str]:
+    """torch's version and, on CUDA, the GPU's name (torch is imported by then: ``run_engine``)."""
+    import torch
+
+    info = {"device": device, "torch": torch.__version__}
+    if device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device).index or 0)
+    return info
+
+
 def check_engine_config(config: PipelineConfig, max_sessions: int) -> None:
     """ValueError if an engine cannot serve ``max_sessions`` sessions with ``config``'s devices and batching."""
     if config.diffusion.tp != 1:
@@ -175,6 +185,7 @@ class Engine:
         self.served = 0  # sessions hosted and ended
         self.lag = LoopLag()
         self.log = get_logger(component="engine")
+        self.device = describe_device(config.diffusion.device)
         self._sock: zmq.asyncio.Socket | None = None
         self._tg: anyio.abc.TaskGroup | None = None
 
@@ -333,7 +344,8 @@ class Engine:
                 hosted.steps_from = len(times)
         batchers = {kind: {"forwards": b.stats.forwards, "served": b.stats.steps}
                     for kind, b in (("diffusion", self.batcher), ("decode", self.decode_batcher)) if b is not None}
-        status = {"pid": os.getpid(), "now": time.monotonic(), "hosted": len(self.hosted), "served": self.served,
+        status = {"pid": os.getpid(), "now": time.monotonic(), "device": self.device, "hosted": len(self.hosted),
+                  "served": self.served,
                   "max_sessions": self.max_sessions, "sessions": [h.session_id for h in self.hosted.values()],
                   "batchers": batchers, "loop_lag": self.lag.summary(), "step_ms": [round(s * 1e3, 3) for s in steps]}
         if mark:
