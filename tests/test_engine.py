@@ -175,6 +175,22 @@ def test_a_bad_request_gets_an_error_reply_and_the_engine_keeps_serving(engine):
     assert asyncio.run(freed()) < 10
 
 
+def test_a_session_over_tcp_with_curve_hands_the_engine_its_keys(engine):
+    endpoint, _ = engine
+    config = PipelineConfig(placement="engine", engine_endpoint=endpoint)
+    config.transport.cross_process, config.transport.curve = "tcp", True  # every cross-process edge CURVE-keyed
+
+    async def main():
+        session = LiveSession(config, "s-tcp", peer=False)
+        session.start()
+        frames = await asyncio.wait_for(frames_released(session, 12), 60)
+        return frames, await session.stop()
+
+    frames, result = asyncio.run(main())
+    assert len(frames) == 12 and result.ok, result.error
+    assert result.edges["decode->playout"]["receiver"]["received"] >= 3  # over tcp, through the engine's CURVE server
+
+
 FRONT_END = """
 import asyncio, sys
 from charstream.pipeline.config import PipelineConfig
