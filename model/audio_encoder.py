@@ -26,7 +26,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from charstream.model.config import ModelConfig
-from charstream.model.threads import intra_op_threads
 from torch import Tensor, nn
 
 from charstream.timeline import SAMPLES_PER_CHUNK, SAMPLES_PER_FRAME, TIMELINE_RATE
@@ -211,13 +210,10 @@ class AudioEncoder(nn.Module):
         return start, start + self.window_samples
 
 
-def make_encode_fn(encoder: AudioEncoder, threads: int | None = 1) -> Callable[[np.ndarray], np.ndarray]:
-    """The conditioning stage's callable: int16 window -> float32 (n_audio_tokens, audio_dim).
-
-    One intra-op thread by default: a chunk's encode is ~5 ms of small ops that threads do not speed up.
-    """
+def make_encode_fn(encoder: AudioEncoder) -> Callable[[np.ndarray], np.ndarray]:
+    """The conditioning stage's callable: int16 window -> float32 (n_audio_tokens, audio_dim)."""
     def encode(window: np.ndarray) -> np.ndarray:
-        with intra_op_threads(threads), torch.inference_mode():
+        with torch.inference_mode():
             return encoder.encode_window(window).float().cpu().numpy()
 
     return encode

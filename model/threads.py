@@ -1,29 +1,21 @@
-"""Intra-op thread count for one piece of work, on the calling thread only.
+"""Intra-op threads of the calling thread, set once for the thread's life.
 
-With torch's OpenMP backend ``torch.set_num_threads`` is per thread, and stages run their torch
-work on pooled worker threads (``anyio.to_thread``): setting it once at load time only affects
-whichever worker ran the load. So the count is set around each call and restored afterwards.
-Small workloads (audio tokens for one chunk) want one thread: on a busy 2-core machine two
+With torch's OpenMP backend the intra-op thread count is per thread, so a thread that runs torch
+work (a stage's worker, a batcher's) sets its own. torch also initialises each thread's count
+lazily, at its first parallel op, from the count any thread set last: a ``set_num_threads`` before
+that first op is overwritten as soon as another thread sets a different one (measured, torch
+2.13). Small workloads (audio tokens for one chunk) want one thread: on a busy 2-core machine two
 OpenMP workers spin against each other and a 5 ms call takes hundreds of ms (measured).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import torch
 
 
-@contextmanager
-def intra_op_threads(n: int | None) -> Iterator[None]:
-    """Run the body with ``n`` intra-op threads on this thread (None: leave torch's setting)."""
-    if not n:
-        yield
-        return
-    previous = torch.get_num_threads()
+def set_intra_op_threads(n: int) -> None:
+    """This thread's torch intra-op threads, from now on (``n`` >= 1)."""
+    if n < 1:
+        raise ValueError(f"intra-op threads must be >= 1, got {n}")
+    torch.get_num_threads()  # the thread's lazy initialisation, done now so it cannot undo ``n`` later
     torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)

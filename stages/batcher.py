@@ -105,9 +105,9 @@ class SessionBatcher(abc.ABC):
     def _serve(self) -> None:
         """Take what is due, one forward, hand each session its result; ends with the last session."""
         if self.threads:  # torch's intra-op setting is per thread
-            import torch
+            from charstream.model.threads import set_intra_op_threads
 
-            torch.set_num_threads(self.threads)
+            set_intra_op_threads(self.threads)
         while True:
             with self._wake:
                 while not self._pending and self._open > 0:

@@ -43,6 +43,7 @@ import anyio
 import numpy as np
 from charstream.stages.base import Stage, StageContext
 from charstream.stages.config import ConditioningConfig
+from charstream.stages.worker import StageWorker
 from charstream.transport.messages import (
     AgentAudio,
     Conditioning,
@@ -66,6 +67,7 @@ KEEP_TURN_STAMPS = 16  # stamps of turns whose speech has not arrived yet (bound
 # when the speech comes; one chunk still covers a step + decode if the agent is slow to send it.
 PENDING_LEAD_CHUNKS = 1
 ENCODE_HISTORY = 8  # recent encode durations: the estimate sent with a turn start is their max
+ENCODE_THREADS = 1  # a chunk's encode is ~5 ms of small ops that more intra-op threads do not speed up
 
 
 @dataclass
@@ -102,6 +104,7 @@ class ConditioningStage(Stage):
     def __init__(self, config: ConditioningConfig, encode: EncodeFn, lookahead_ms: float, context_ms: float = 0.0,
                  rollback_frames: int | None = None) -> None:
         self.encode = encode
+        self.worker = StageWorker("conditioning", ENCODE_THREADS)
         self.lookahead = int(round(lookahead_ms * TIMELINE_RATE / 1000))
         self.context = int(round(context_ms * TIMELINE_RATE / 1000))
         self.rollback_wait_s = config.rollback_wait_s  # placement without a ROLLBACK answer after this long
@@ -353,13 +356,16 @@ class ConditioningStage(Stage):
 
     async def _encode(self, window: np.ndarray) -> np.ndarray:
         started = time.perf_counter()
-        tokens = np.asarray(await anyio.to_thread.run_sync(self.encode, window), np.float32)
+        tokens = np.asarray(await self.worker.run(self.encode, window), np.float32)
         self._encode_s.append(time.perf_counter() - started)
         return tokens
 
     async def setup(self, ctx: StageContext) -> None:
         self._session = ctx.session_id
         self._changed = anyio.Event()
+
+    async def teardown(self) -> None:
+        self.worker.close()
 
 
 def _due(msg: Control) -> float:

@@ -17,10 +17,10 @@ On CUDA (``decode.graphed``, the default) a chunk is one replay of ``model.graph
 (bf16, channels-last): its history lives in static buffers, so each kept state is a copy of them
 (``snapshot``) and a rollback copies the wanted one back; on CPU the eager decoder runs.
 
-Decoding runs in a worker thread (torch releases the GIL), so the event loop keeps serving
-heartbeats and control while a chunk decodes; the stage runs in its own process group in the
+Decoding runs on the stage's own worker thread (stages/worker.py; torch releases the GIL), so the
+event loop keeps serving heartbeats and control while a chunk decodes; the stage runs in its own process group in the
 ``processes`` placement (``pipeline/session.py``) or beside the others ``inproc``. torch itself is
-imported in that worker thread too (in ``setup``): importing it takes seconds, and a stage process
+imported on that thread too (in ``setup``): importing it takes seconds, and a stage process
 whose channels are already open must keep answering heartbeats meanwhile.
 """
 
@@ -31,11 +31,11 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import anyio
 import numpy as np
 from charstream.model.config import get_preset
 from charstream.stages.base import Stage, StageContext
 from charstream.stages.config import DecodeConfig, cpu_threads
+from charstream.stages.worker import StageWorker
 from charstream.transport.messages import Control, ControlKind, Latents, Message, VideoChunk
 
 if TYPE_CHECKING:
@@ -72,23 +72,21 @@ class DecodeStage(Stage):
         self.device = config.device
         self.graphed = config.graphed and self.device.startswith("cuda")
         self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
-        self.threads = cpu_threads(config.threads) if self.device == "cpu" else None
+        self.worker = StageWorker("decode", cpu_threads(config.threads) if self.device == "cpu" else None)
         self.keep_states = keep_states  # more than playout can hold unplayed: a rollback target is always kept
         self.epoch = 0
         self.decoder: Decoder | GraphedDecoder | None = None
         self._states: OrderedDict[int, CausalState] = OrderedDict()  # chunk -> state after decoding it
-        self._limiter: anyio.CapacityLimiter | None = None
         self.stats = DecodeStats()
 
     async def setup(self, ctx: StageContext) -> None:
-        self._limiter = anyio.CapacityLimiter(1)
-        path = await anyio.to_thread.run_sync(self._resolve_weights, limiter=self._limiter)
+        path = await self.worker.run(self._resolve_weights)
         if self.batcher is not None:
-            await anyio.to_thread.run_sync(self.batcher.join, self)  # the first session's join builds the decoder
+            await self.worker.run(self.batcher.join, self)  # the first session's join builds the decoder
             self._joined = True
         else:
-            self.decoder = await anyio.to_thread.run_sync(self._load, path, limiter=self._limiter)
-            await anyio.to_thread.run_sync(self._decode, self._zero_latent(), None, limiter=self._limiter)  # warm-up
+            self.decoder = await self.worker.run(self._load, path)
+            await self.worker.run(self._decode, self._zero_latent(), None)  # warm-up
         log = ctx.log.info if path else ctx.log.warning
         log("decode_ready", preset=self.preset, device=self.device, dtype=self.dtype, weights=path or "random",
             graphed=self.batcher.graphed if self.batcher else self.graphed,
@@ -115,10 +113,9 @@ class DecodeStage(Stage):
 
     def _decode(self, latent: np.ndarray, state: CausalState | None) -> tuple[np.ndarray, CausalState]:
         import torch
-        from charstream.model.threads import intra_op_threads
         from charstream.model.vae import to_uint8_frames
 
-        with intra_op_threads(self.threads), torch.inference_mode():
+        with torch.inference_mode():
             z = torch.tensor(latent, device=self.device, dtype=getattr(torch, self.dtype))  # copies: inputs are read-only
             if self.graphed:  # uint8 frames already, in a buffer the next chunk overwrites
                 frames, state = self.decoder.decode_chunk(z, state)
@@ -160,7 +157,7 @@ class DecodeStage(Stage):
         started = time.perf_counter()
         state = self._state_before(msg.chunk, ctx)
         if self.batcher is None:
-            frames, state = await anyio.to_thread.run_sync(self._decode, msg.latents, state, limiter=self._limiter)
+            frames, state = await self.worker.run(self._decode, msg.latents, state)
         else:
             frames, state = await self.batcher.decode(self, msg.latents, state)
         self.stats.last_decode_s = time.perf_counter() - started
@@ -199,3 +196,4 @@ class DecodeStage(Stage):
             self._joined = False
         self._states.clear()
         self.decoder = None
+        self.worker.close()

@@ -9,8 +9,8 @@ Turn-start rollback (transport/messages.py): ``Control(ROLLBACK, chunk=c, epoch=
 ring's write pointer so that the next frame generated is chunk ``c + 1``, and data of older epochs
 is dropped -- also a chunk whose step was already running when the rollback arrived. A chunk of a
 newer epoch than any ROLLBACK seen (the control was overtaken) rolls back implicitly to itself.
-Steps and rollbacks run one at a time in a worker thread (torch releases the GIL), so the event
-loop keeps serving heartbeats and control meanwhile; with ``diffusion.tp > 1`` the generator is
+Steps and rollbacks run one at a time on the stage's own worker thread (stages/worker.py; torch
+releases the GIL), so the event loop keeps serving heartbeats and control meanwhile; with ``diffusion.tp > 1`` the generator is
 rank 0 of a TP group (stages/tp_group.py) whose other ranks are processes of their own.
 
 Every rank's step is ``model.step.DiffusionStep``: on CUDA with the bf16 model and an FP8 ring,
@@ -33,6 +33,7 @@ from charstream.model.config import get_preset
 from charstream.stages.base import Stage, StageContext
 from charstream.stages.config import DiffusionConfig, cpu_threads
 from charstream.stages.metrics import SessionMetrics
+from charstream.stages.worker import StageWorker
 from charstream.transport.messages import Conditioning, Control, ControlKind, Latents, Message
 
 if TYPE_CHECKING:
@@ -101,20 +102,19 @@ class DiffusionStage(Stage):
         self.fp8 = config.fp8_ring()
         self.graphed, self.gathered = config.graphed_step, config.gathered_attention
         self.devices = list(config.devices)  # per rank (pipeline/placement.py)
-        self.threads = cpu_threads(config.threads) if self.device == "cpu" else None
+        self.worker = StageWorker("diffusion", cpu_threads(config.threads) if self.device == "cpu" else None)
         self.epoch = 0
         self.first_chunk: int | None = None
         self.generator: Any = None  # model.generator.Generator or stages.tp_group.TPGenerator
-        self._limiter: anyio.CapacityLimiter | None = None
+        self._stepping = anyio.Lock()  # a batched step (not on the worker) and a rollback never overlap
         self._log = None
         self.stats = DiffusionStats()
 
     async def setup(self, ctx: StageContext) -> None:
         self._log = ctx.log
         self.cfg.validate(self.tp)  # a bad TP size fails here, with the config's message
-        self._limiter = anyio.CapacityLimiter(1)
         self.metrics = SessionMetrics(ctx.session_id)  # scraped with the serving process (stages/metrics.py)
-        path = await anyio.to_thread.run_sync(self._load, limiter=self._limiter)
+        path = await self.worker.run(self._load)
         log = ctx.log.info if path else ctx.log.warning
         step = self.diffusion_step
         log("diffusion_ready", preset=self.preset, device=self.device, dtype=self.dtype, tp=self.tp,
@@ -134,8 +134,6 @@ class DiffusionStage(Stage):
         import torch
         from charstream.model.weights import resolve_weights
 
-        if self.threads:
-            torch.set_num_threads(self.threads)
         path = resolve_weights(self.preset, self.weights)
         dtype = getattr(torch, self.dtype)
         if self.batcher is not None:
@@ -210,9 +208,9 @@ class DiffusionStage(Stage):
         started = time.perf_counter()
         seed = chunk_seed(self.seed, msg.chunk)
         if self.batcher is None:
-            latent = await anyio.to_thread.run_sync(self._step, tokens, frame, seed, rewind, limiter=self._limiter)
+            latent = await self.worker.run(self._step, tokens, frame, seed, rewind)
         else:
-            async with self._limiter:  # as the thread hop: never beside this session's rollback
+            async with self._stepping:  # never beside this session's rollback
                 if rewind:
                     self._rewind_to(frame)  # host bookkeeping only
                 latent = await self.batcher.step(self.generator, tokens, seed)
@@ -233,8 +231,9 @@ class DiffusionStage(Stage):
         self.stats.rollbacks += 1
         if self.first_chunk is None:
             return  # nothing generated yet
-        # Under the limiter: a step still running finishes first, then the pointer moves back past it.
-        await anyio.to_thread.run_sync(self._rewind_to, msg.chunk + 1 - self.first_chunk, limiter=self._limiter)
+        # After the step still running (the worker's or a batched one), the pointer moves back past it.
+        async with self._stepping:
+            await self.worker.run(self._rewind_to, msg.chunk + 1 - self.first_chunk)
         ctx.log.info("diffusion_rollback", last_committed=msg.chunk, epoch=msg.epoch,
                      next_frame=self.generator.next_frame, context_lost=self.stats.context_lost)
 
@@ -249,9 +248,12 @@ class DiffusionStage(Stage):
                            step_p99_ms=round(float(np.percentile(steps, 99)), 2), step_max_ms=round(float(steps.max()), 2),
                            generated=self.stats.generated, rollbacks=self.stats.rollbacks,
                            frames_rolled_back=self.stats.frames_rolled_back, context_lost=self.stats.context_lost)
-        if self.batcher is not None and self.generator is not None:
-            await anyio.to_thread.run_sync(self.batcher.leave, self.generator)
-        close = getattr(self.generator, "close", None)
-        if close is not None:
-            await anyio.to_thread.run_sync(close)
-        self.generator = None
+        try:
+            if self.batcher is not None and self.generator is not None:
+                await self.worker.run(self.batcher.leave, self.generator)
+            close = getattr(self.generator, "close", None)
+            if close is not None:
+                await self.worker.run(close)
+        finally:
+            self.generator = None
+            self.worker.close()

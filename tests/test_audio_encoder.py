@@ -7,16 +7,10 @@ import pytest
 import torch
 from charstream.model.audio_encoder import AudioEncoder, make_encode_fn, rms_envelope
 from charstream.model.config import CHARACTERS_57B, TINY
-from charstream.model.threads import intra_op_threads
 
 from charstream.timeline import SAMPLES_PER_CHUNK, SAMPLES_PER_FRAME, TIMELINE_RATE
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small tensors: one intra-op thread is as fast, and immune to a busy machine's core contention."""
-    with intra_op_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -129,19 +123,6 @@ def test_bf16_encoder_keeps_an_fp32_front_end(encoder: AudioEncoder) -> None:
         ref, tokens = encoder.encode_window(window), low.encode_window(window)
     assert tokens.dtype == torch.bfloat16
     assert ((tokens.float() - ref).norm() / ref.norm()).item() < 0.05
-
-
-def test_encode_fn_uses_one_thread_and_restores_the_setting(encoder: AudioEncoder, monkeypatch) -> None:
-    seen: list[int] = []
-    original = encoder.encode_window
-    monkeypatch.setattr(encoder, "encode_window", lambda w: (seen.append(torch.get_num_threads()), original(w))[1])
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        make_encode_fn(encoder)(np.zeros(encoder.window_samples, np.int16))
-        assert seen == [1] and torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_rms_envelope_per_video_frame() -> None:

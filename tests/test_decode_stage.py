@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 import structlog
 import torch
-from charstream.model.threads import intra_op_threads
 from charstream.model.vae import to_uint8_frames
 from charstream.model.weights import load_decoder
 from charstream.pipeline.config import PipelineConfig
@@ -22,11 +21,7 @@ from structlog.testing import LogCapture
 SEED = 7
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Reference decodes on one intra-op thread, as the stage's CPU default: immune to core contention."""
-    with intra_op_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def reference_frames(sequence: list[tuple[int, int]]) -> np.ndarray:

@@ -5,16 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from charstream.model.config import CHARACTERS_57B, TINY
-from charstream.model.threads import intra_op_threads
 from charstream.model.vae import Decoder, VideoVAE, to_uint8_frames
 from safetensors.torch import load_file, save_file
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small tensors: one intra-op thread is as fast, and immune to a busy machine's core contention."""
-    with intra_op_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 SMALL = TINY.with_(height=32, width=32)  # same architecture as tiny, 16x fewer pixels: fast CPU tests
