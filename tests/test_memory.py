@@ -67,4 +67,4 @@ def test_allocator_stats_accounts_for_a_mapped_block():
     during = allocator_stats()
     libc.free(block)
     assert set(before) == {"arenas", "heap_mb", "free_mb", "mapped_mb"} and before["arenas"] >= 1
-    assert during["mapped_mb"] - before["mapped_mb"] >= 64
+    assert during["mapped_mb"] - before["mapped_mb"] >= 64 - 0.01  # each figure is rounded to 0.01 MB
