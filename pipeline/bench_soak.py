@@ -16,6 +16,8 @@ repeated), so the character talks through the whole model path without a microph
 * ``--minutes M`` — one session for M minutes, sampled every ``--every`` s: the RSS slope in
   MB/min (fitted after the first ``WARMUP_FRACTION`` of the run), fps held (playout's fresh frames per second), underruns, and frames lost: frames the
   24 fps clock owed minus frames playout released, and released minus received by the client.
+  Also the process's CPU seconds per minute and page faults per second after the warm-up (what the
+  allocator's settings cost), and glibc's free pool and arenas at the first and last fitted sample.
 
     charstream bench soak --sessions 200 --seconds 1 --out bench-soak-sessions.json
     charstream bench soak --minutes 30 --out bench-soak-session.json
@@ -30,6 +32,7 @@ import gc
 import glob
 import math
 import platform
+import resource
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -52,8 +55,11 @@ WARMUP_FRACTION = 0.1  # sessions before the fit: caches, allocator arenas and l
 def sample() -> dict[str, float]:
     gc.collect()
     process = psutil.Process()
+    usage = resource.getrusage(resource.RUSAGE_SELF)  # every thread of the process
     return {
         "t": time.monotonic(),
+        "cpu_s": round(usage.ru_utime + usage.ru_stime, 3),
+        "page_faults": usage.ru_minflt + usage.ru_majflt,
         "rss_mb": round(process.memory_info().rss / 2**20, 2),
         "fds": process.num_fds(),
         "threads": process.num_threads(),
@@ -171,6 +177,12 @@ async def soak_session(source: str, config: PipelineConfig, minutes: float, ever
     fit = [s for s in samples if s["t"] - t0 >= WARMUP_FRACTION * minutes * 60]
     axis = [(s["t"] - t0) / 60 for s in fit]
     owed = round(playout["elapsed_s"] * VIDEO_FPS)
+    span_min = axis[-1] - axis[0] if len(fit) > 1 else 0.0
+
+    def per_min(key: str) -> float | None:  # the fitted stretch's increase of a counter, per minute
+        return (fit[-1][key] - fit[0][key]) / span_min if span_min > 0 else None
+
+    faults = per_min("page_faults")
     return {
         "mode": "session", "source": source, "minutes": minutes, "ended_early": result["ended_early"],
         "rss_slope_mb_per_min": round(slope(axis, [s["rss_mb"] for s in fit]), 3),
@@ -179,6 +191,9 @@ async def soak_session(source: str, config: PipelineConfig, minutes: float, ever
         "threads_slope_per_min": round(slope(axis, [s["threads"] for s in fit]), 3),
         "shm_segments_max": max((s["shm_segments"] for s in samples), default=0),
         "malloc_free_mb_first_last": [fit[0].get("malloc_free_mb"), fit[-1].get("malloc_free_mb")] if fit else None,
+        "malloc_arenas_first_last": [fit[0].get("malloc_arenas"), fit[-1].get("malloc_arenas")] if fit else None,
+        "cpu_s_per_min": None if span_min <= 0 else round(per_min("cpu_s"), 2),
+        "page_faults_per_s": None if faults is None else round(faults / 60),
         "rss_after_session_mb": last["rss_mb"], "rss_after_malloc_trim_mb": trimmed["rss_mb"],
         "fps_held": playout["achieved_fps"], "underruns": playout["underruns"],
         "underrun_frames": playout["underrun_frames"],
@@ -204,12 +219,14 @@ def table(report: dict[str, Any]) -> str:
     else:
         rows = [["minutes", "MB/min", "fds/min", "threads/min", "fps held",
                  "underruns (" + "/".join(UNDERRUN_CAUSES) + ")", "lost (clock)", "lost (network)", "released",
-                 "received"],
+                 "received", "CPU s/min", "faults/s", "free pool MB", "arenas"],
                 [str(r["minutes"]), str(r["rss_slope_mb_per_min"]), str(r["fds_slope_per_min"]),
                  str(r["threads_slope_per_min"]), str(r["fps_held"]),
                  f"{r['underruns']} (" + "/".join(str(r[f"{c}_underruns"]) for c in UNDERRUN_CAUSES) + ")",
                  str(r["frames_lost_clock"]), str(r["frames_lost_network"]), str(r["frames_released"]),
-                 str(r["frames_received"])]]
+                 str(r["frames_received"]), str(r["cpu_s_per_min"]), str(r["page_faults_per_s"]),
+                 " -> ".join(map(str, r["malloc_free_mb_first_last"] or [])),
+                 " -> ".join(map(str, r["malloc_arenas_first_last"] or []))]]
     return text_table(rows) + f"\nload avg 1/5/15 min at end: {report['load_avg_at_end']}"
 
 
