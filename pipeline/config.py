@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,10 +64,29 @@ class PipelineConfig:
         return _build(cls, data, "")
 
 
+def _fits(value: Any, hint: Any) -> bool:
+    """``value`` is of the field type ``hint`` (an int is a float; a bool is no number; a tuple is a list)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        return any(_fits(value, a) for a in args)
+    if origin is list:
+        return isinstance(value, list | tuple) and all(_fits(v, args[0]) for v in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(_fits(k, args[0]) and _fits(v, args[1]) for k, v in value.items())
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is type(None):
+        return value is None
+    return isinstance(value, hint) if isinstance(hint, type) else True
+
+
 def _build(kind: type, data: dict[str, Any], path: str):
     if not isinstance(data, dict):
         raise ValueError(f"config {path or '<root>'}: expected a table, got {type(data).__name__}")
     fields = {f.name: f for f in dataclasses.fields(kind)}
+    hints = typing.get_type_hints(kind)
     unknown = set(data) - set(fields)
     if unknown:
         raise ValueError(f"config {path or '<root>'}: unknown key(s) {sorted(unknown)}; known: {sorted(fields)}")
@@ -74,6 +95,10 @@ def _build(kind: type, data: dict[str, Any], path: str):
         default = fields[name].default_factory() if fields[name].default_factory is not dataclasses.MISSING else None
         if dataclasses.is_dataclass(default):
             values[name] = _build(type(default), value, f"{path}{name}.")
+        elif not _fits(value, hints[name]):
+            hint = hints[name]
+            raise ValueError(f"config {path}{name}: expected {hint.__name__ if isinstance(hint, type) else hint}, "
+                             f"got {type(value).__name__} {str(value)[:40]!r}")
         else:
             values[name] = value
     return kind(**values)

@@ -247,10 +247,11 @@ class Engine:
                     await self._send(identity, {"reply": "host", "ok": True, **self._host(identity, request)})
                 else:
                     raise RequestError(f"unknown command {cmd!r}; known: host, ping, release, status")
-            except RequestError as e:
-                self.log.warning("engine_request_refused", cmd=cmd if isinstance(cmd, str) else None, error=str(e))
+            except Exception as e:  # noqa: BLE001 -- a request's fault (or our bug on its data) fails that request only
+                error = str(e) if isinstance(e, RequestError) else f"{type(e).__name__}: {e}"
+                self.log.warning("engine_request_refused", cmd=cmd if isinstance(cmd, str) else None, error=error)
                 reply = cmd if cmd in ("host", "status") else "error"
-                await self._send(identity, {"reply": reply, "ok": False, "error": str(e)})
+                await self._send(identity, {"reply": reply, "ok": False, "error": error})
 
     async def _ping(self, identity: bytes) -> None:
         hosted = self.hosted.get(identity)

@@ -145,6 +145,7 @@ def test_a_bad_request_gets_an_error_reply_and_the_engine_keeps_serving(engine):
         pack({"cmd": "launch"}),
         pack({"cmd": "host", **good, "config": {"diffusion": {"nope": 1}}}),
         pack({"cmd": "host", **good, "config": {"preset": "characters-14b"}}),
+        pack({"cmd": "host", **good, "config": {"transport": {"dead_after_s": "soon"}}}),
         pack({"cmd": "host", **good, "nodes": ["playout"]}),
         pack({"cmd": "host", **good, "inputs": [{"src": "conditioning", "dst": "diffusion", "types": [],
                                                  "endpoint": "ipc:///tmp/x", "capacity": 1}],
@@ -155,7 +156,8 @@ def test_a_bad_request_gets_an_error_reply_and_the_engine_keeps_serving(engine):
     ]
     replies = asyncio.run(ask(bad))
     expected = ["not msgpack", "expected a map", "expected one frame", "unknown command 'launch'",
-                "unknown key(s) ['nope']", "serves preset 'tiny', not 'characters-14b'", "expected distinct names of",
+                "unknown key(s) ['nope']", "serves preset 'tiny', not 'characters-14b'",
+                "transport.dead_after_s: expected float, got str 'soon'", "expected distinct names of",
                 "must start with inproc://", "must start with ipc:// or tcp://", "keys: expected None or Z85"]
     for reply, words in zip(replies, expected, strict=True):
         assert reply["ok"] is False and words in reply["error"], (words, reply)
