@@ -50,10 +50,12 @@ import numpy as np
 from charstream.stages.base import Stage, StageContext
 from charstream.stages.config import PlayoutConfig
 from charstream.stages.metrics import SessionMetrics
+from charstream.stages.speech_estimate import Estimate, SpeechEstimator
 from charstream.stages.tracing import TurnTracer
 from charstream.transport.messages import Control, ControlKind, Message, TraceContext, VideoChunk
 
 from charstream.timeline import (
+    CHUNK_SECONDS,
     FRAMES_PER_CHUNK,
     SAMPLES_PER_CHUNK,
     SAMPLES_PER_FRAME,
@@ -63,8 +65,6 @@ from charstream.timeline import (
 
 FRAME_SECONDS = 1.0 / VIDEO_FPS
 UNDERRUN_CAUSES = ("onset", "speech", "listening")  # PlayoutStats' <cause>_underruns and <cause>_underrun_frames
-LATENCY_HISTORY = 24  # chunks (4 s) whose production latency a speech placement budgets for (their max)
-ERROR_HISTORY = 4  # turn starts whose first speech chunk came later than estimated: the next estimate adds the most
 
 
 class PlayoutClosed(Exception):
@@ -226,8 +226,20 @@ class Placement:
     kept: int
     chunk: int
     onset: int
-    ready_s: float  # the estimate it was placed by: seconds until the speech's first chunk arrives
-    allowance_s: float  # of which the allowance for what earlier turn starts took beyond their estimate
+    estimate: Estimate  # what it was placed by: when the speech's first chunk arrives
+
+
+@dataclass
+class _SpeechPlan:
+    """The placed speech's schedule: its chunk ``k`` is expected ``k`` chunks after the first (less the
+    onset frames), the first at ``expected_at`` (monotonic; the estimate without its allowance)."""
+
+    epoch: int
+    chunk: int
+    onset: int
+    expected_at: float
+    placed_at: float  # wall clock of the placement
+    started: bool = False  # a chunk of it arrived
 
 
 class PlayoutStage(Stage):
@@ -254,14 +266,11 @@ class PlayoutStage(Stage):
         self._resume_depth = self.config.target_depth_chunks + 1
         self._stamped_turns: set[int] = set()
         self._control_seq = 0
-        # Production latency of recent chunks, from their conditioning_ready stamp: to their arrival
-        # here, and to the end of their diffusion step.
-        self._to_arrival: deque[float] = deque(maxlen=LATENCY_HISTORY)
-        self._to_step_end: deque[float] = deque(maxlen=LATENCY_HISTORY)
+        # The parts of recent chunks' production, and what turn starts took beyond their estimate.
+        self._estimator = SpeechEstimator()
+        self._plan: _SpeechPlan | None = None
         self._onset: tuple[int, int, int] | None = None  # (epoch, chunk, frame) where placed speech starts
         self._speech_due: float | None = None  # monotonic deadline of the placed speech chunk's first frame
-        self._speech_expected: float | None = None  # monotonic time its arrival was estimated for (no allowance)
-        self._late_by: deque[float] = deque(maxlen=ERROR_HISTORY)  # arrivals after the estimate (>= 0 s)
         self._resumed = False  # the clock just started playing after waiting: tell conditioning (CLOCK)
         self._holding = False  # at the placed speech's onset frame, its chunk not there yet: holding
         self._speech_pending = False  # a turn start's speech has not begun playing yet
@@ -298,14 +307,7 @@ class PlayoutStage(Stage):
         if msg.epoch > self.epoch:
             ctx.log.warning("playout_epoch_ahead", chunk=msg.chunk, epoch=msg.epoch, playout_epoch=self.epoch)
             self.epoch = msg.epoch
-        if self._speech_due is not None and self._onset is not None and (msg.epoch, msg.chunk) == self._onset[:2]:
-            now = time.monotonic()
-            margin = self._speech_due - now
-            self.stats.late_speech += margin < 0
-            self._late_by.append(max(0.0, now - self._speech_expected))
-            ctx.log.info("playout_speech_arrived", chunk=msg.chunk, margin_ms=round(margin * 1e3, 1),
-                         after_estimate_ms=round((now - self._speech_expected) * 1e3, 1))
-            self._speech_due = None
+        self._follow_speech(msg, ctx)
         if self._starved and self.output.t0 is not None:
             self.stats.late_chunks += 1
         self._buffer.append(msg)
@@ -313,59 +315,84 @@ class PlayoutStage(Stage):
         self._notify_buffer()
 
     async def control(self, msg: Control, ctx: StageContext) -> None:
+        if msg.kind in (ControlKind.TURN_START, ControlKind.INTERRUPT):
+            self._end_turn(ctx)  # the speech before is over: its errors count before the next estimate
         if msg.kind == ControlKind.TURN_START:
             await self.rollback(ctx, ControlKind.TURN_START, self._place_speech(msg.detail))
         elif msg.kind == ControlKind.INTERRUPT:
             await self.rollback(ctx, ControlKind.INTERRUPT)
 
     def _measure(self, chunk: VideoChunk) -> None:
-        """Record the chunk's production latency (its conditioning_ready stamp to now)."""
-        stamps = chunk.trace.stamps
-        ready = stamps.get("conditioning_ready")
-        if ready is None:
+        """Record the parts of the chunk's production (its stamps, and its arrival now)."""
+        self._estimator.observe(chunk.trace.stamps, time.time())
+
+    def _follow_speech(self, chunk: VideoChunk, ctx: StageContext) -> None:
+        """Measure the placed speech's chunks against its schedule; its end ends the turn's errors."""
+        plan = self._plan
+        if plan is None or chunk.epoch != plan.epoch or chunk.chunk < plan.chunk:
             return
-        self._to_arrival.append(time.time() - ready)
-        if "diffusion_done" in stamps:
-            self._to_step_end.append(stamps["diffusion_done"] - ready)
+        if not chunk.speaking:
+            if plan.started:  # the turn's speech is over
+                self._end_turn(ctx)
+            return
+        now = time.monotonic()
+        k = chunk.chunk - plan.chunk
+        error = now - (plan.expected_at + (k * CHUNK_SECONDS - plan.onset * FRAME_SECONDS if k else 0.0))
+        self._estimator.speech_arrived(error)
+        plan.started = True
+        if k == 0 and self._speech_due is not None:
+            margin = self._speech_due - now
+            self.stats.late_speech += margin < 0
+            stamps = chunk.trace.stamps
+            ready, done = stamps.get("conditioning_ready"), stamps.get("diffusion_done")
+            ctx.log.info("playout_speech_arrived", chunk=chunk.chunk, margin_ms=round(margin * 1e3, 1),
+                         after_estimate_ms=round(error * 1e3, 1),
+                         # the parts it took, as the estimate has them
+                         ready_after_ms=None if ready is None else round((ready - plan.placed_at) * 1e3, 1),
+                         step_ms=None if ready is None or done is None else round((done - ready) * 1e3, 1),
+                         delivery_ms=None if done is None else round((time.time() - done) * 1e3, 1))
+            self._speech_due = None
+
+    def _end_turn(self, ctx: StageContext | None) -> None:
+        """The placed speech is over (or replaced): what it took beyond its estimate feeds the allowance."""
+        self._plan = None
+        turn = self._estimator.end_turn()
+        if turn is not None and ctx is not None:
+            ctx.log.info("playout_turn_speech", chunks=turn.chunks, first_error_ms=round(turn.first_s * 1e3, 1),
+                         p90_error_ms=round(turn.p90_s * 1e3, 1), max_error_ms=round(turn.max_s * 1e3, 1),
+                         allowance_ms=round(self._estimator.allowance_s * 1e3, 1))
 
     def _place_speech(self, detail: dict) -> Placement | None:
         """The first frame a turn's first speech chunk can reach in time (None: no estimate -- no clock,
         starved, or nothing measured yet -- so every unplayed chunk goes and the speech plays when it comes)."""
         t0 = self.output.t0
-        if t0 is None or self._starved or not self._to_arrival or not detail:  # (the test card sends no detail)
+        if t0 is None or self._starved or not self._estimator.measured or not detail:  # (the test card sends no detail)
             return None
-        now = time.time()
-        # The first speaking chunk leaves conditioning once encoded, and its step starts once the step
-        # busy with the last listening chunk (if any) is done.
-        leaves = now + float(detail.get("encode_s") or 0.0)
+        encode_s = float(detail.get("encode_s") or 0.0)
         last_emit = detail.get("last_emit_at")
-        if last_emit is not None and self._to_step_end:
-            leaves = max(leaves, float(last_emit) + max(self._to_step_end))
-        # A turn's first chunk costs a little more than a listening one (the rewinds, the control hops,
-        # an encode after a pause): what earlier turn starts took beyond their estimate, a frame until one has.
-        late = max(self._late_by) if self._late_by else FRAME_SECONDS
-        ready_s = leaves + max(self._to_arrival) + late - now
+        estimate = self._estimator.estimate(time.time(), encode_s, None if last_emit is None else float(last_emit))
+        ready_s = estimate.ready_s
         # Frames from the next one released to the first frame whose deadline the chunk can meet ...
         ahead = max(0, math.ceil((time.monotonic() + ready_s - t0) * VIDEO_FPS) - self.output.next_index)
         playing = self._playing
         left = self._frames_left_on_screen()
         # ... and whose next chunk, made one step (or encode) after it, is not due before it is there.
-        interval = max(max(self._to_step_end, default=0.0), float(detail.get("encode_s") or 0.0))
+        interval = max(estimate.step_s, encode_s)
         next_needed = time.monotonic() + ready_s + interval
         while t0 + (self.output.next_index + _next_boundary(ahead, left)) / VIDEO_FPS < next_needed:
             ahead += 1
         first = playing.chunk + 1 if playing is not None else self._buffer[0].chunk
         if ahead < left:  # within the chunk on screen
-            place = Placement(0, playing.chunk, self._position + ahead, ready_s, late)
+            place = Placement(0, playing.chunk, self._position + ahead, estimate)
         else:
             kept, onset = divmod(ahead - left, FRAMES_PER_CHUNK)
-            place = Placement(kept, first + kept, onset, ready_s, late)  # (buffered chunks are consecutive)
+            place = Placement(kept, first + kept, onset, estimate)  # (buffered chunks are consecutive)
         earliest = detail.get("earliest_chunk")
         if earliest is not None and place.chunk < int(earliest):  # a rewind that far would not be exact
-            place = Placement(int(earliest) - first, int(earliest), 0, ready_s, late)
+            place = Placement(int(earliest) - first, int(earliest), 0, estimate)
         if place.kept > len(self._buffer) or (place.kept == len(self._buffer) and place.onset):
             # not enough made ahead: the speech will be late whatever we do
-            place = Placement(len(self._buffer), first + len(self._buffer), 0, ready_s, late)
+            place = Placement(len(self._buffer), first + len(self._buffer), 0, estimate)
         return place
 
     async def rollback(self, ctx: StageContext, reason: str = ControlKind.TURN_START,
@@ -390,7 +417,7 @@ class PlayoutStage(Stage):
         self._control_seq += 1
         if place is None:
             last = self.last_committed if self.last_committed is not None else -1
-            self._onset, self._speech_due = (self.epoch, last + 1, 0), None
+            self._onset, self._speech_due, self._plan = (self.epoch, last + 1, 0), None, None
             detail: dict[str, str | int | float | None] = {"onset_frame": 0}
         else:
             last = place.chunk - 1
@@ -400,7 +427,8 @@ class PlayoutStage(Stage):
             start = self.output.next_index + (
                 -self._position if place.chunk == self._chunk_on_screen() else left + FRAMES_PER_CHUNK * place.kept)
             self._speech_due = self.output.t0 + (start + place.onset) / VIDEO_FPS
-            self._speech_expected = time.monotonic() + place.ready_s - place.allowance_s
+            self._plan = _SpeechPlan(self.epoch, place.chunk, place.onset, time.monotonic() + place.estimate.expected_s,
+                                     time.time())
             detail = {"onset_frame": place.onset,
                       "due_at": time.time() + self.output.t0 + start / VIDEO_FPS - time.monotonic()}
         detail.update(reason=str(reason), dropped=len(dropped), kept=len(kept))
@@ -408,8 +436,8 @@ class PlayoutStage(Stage):
                            detail=detail)
         ctx.log.info("playout_rollback", last_kept=last, epoch=self.epoch, kept=[c.chunk for c in kept],
                      dropped=dropped, onset_frame=detail["onset_frame"], reason=str(reason),
-                     ready_in_ms=None if place is None else round(place.ready_s * 1e3, 1),
-                     due_in_ms=None if self._speech_due is None else round((self._speech_due - time.monotonic()) * 1e3, 1))
+                     due_in_ms=None if self._speech_due is None else round((self._speech_due - time.monotonic()) * 1e3, 1),
+                     **({} if place is None else place.estimate.fields()))
         await ctx.send_control(rollback)
         return rollback
 
@@ -548,6 +576,7 @@ class PlayoutStage(Stage):
             self._metrics.set_depth(self.stats.depth)
 
     async def teardown(self) -> None:
+        self._end_turn(self._ctx)
         self.output.close()
         if self._metrics is not None:
             self._metrics.close(self.stats.achieved_fps if self.stats.frames_released else None)
