@@ -20,15 +20,16 @@ read by output index. The output timeline is what the WebRTC tracks stamp as pts
 video leave with one clock.
 
 Turn-start rollback (docs/ARCHITECTURE.md, Turn-start rollback): on ``Control(TURN_START)`` playout
-places the speech at the first frame that its first chunk can reach in time -- now + the
-conditioning encode (or the end of the step still busy with the last listening chunk) + the
-production latency of recent chunks (``conditioning_ready`` stamp -> arrival here, the largest
-of the last ``LATENCY_HISTORY``) + what recent turn starts' first chunks took beyond their estimate
-(a frame until one has been measured), with the chunk after it due no earlier than one step (or
-encode) after that -- and never before ``earliest_chunk``, the furthest rewind the
-diffusion ring undoes exactly. The buffered chunks before that frame's chunk are kept and play on
-(no hole); the rest are dropped, and ``Control(ROLLBACK, chunk=last_kept, epoch=e+1,
-detail={"onset_frame": k, "due_at": t})`` is sent: the speech starts at frame ``k`` of chunk
+places the speech at the first frame that its first chunk can reach in time -- the estimate of that
+chunk's own production (stages/speech_estimate.py: its step starts once it is encoded and the step
+busy with the last listening chunk is done, then a step and a delivery, each the 90th percentile of
+recent chunks' measured parts, plus an allowance learned from what recent turns' speech took beyond
+its estimate), with the chunk after it due no earlier than one step (or encode) after that -- and
+never before ``earliest_chunk``, the furthest rewind the diffusion ring undoes exactly. The speech's
+chunks are measured against the schedule placed (logged: ``playout_speech_arrived``,
+``playout_turn_speech``). The buffered chunks before that frame's chunk are kept and play on (no
+hole); the rest are dropped, and ``Control(ROLLBACK, chunk=last_kept, epoch=e+1, detail={"onset_frame":
+k, "due_at": t})`` is sent: the speech starts at frame ``k`` of chunk
 ``last_kept + 1`` (its leading frames silent), which is due at wall clock ``t``. That frame gets the
 turn's ``playout_first_speaking_frame`` stamp. On ``INTERRUPT`` (a barge-in) every unplayed chunk
 is dropped. Chunks of older epochs arriving afterwards are discarded; if the first new chunk comes
@@ -348,7 +349,7 @@ class PlayoutStage(Stage):
             ctx.log.info("playout_speech_arrived", chunk=chunk.chunk, margin_ms=round(margin * 1e3, 1),
                          after_estimate_ms=round(error * 1e3, 1),
                          # the parts it took, as the estimate has them
-                         ready_after_ms=None if ready is None else round((ready - plan.placed_at) * 1e3, 1),
+                         encoded_after_ms=None if ready is None else round((ready - plan.placed_at) * 1e3, 1),
                          step_ms=None if ready is None or done is None else round((done - ready) * 1e3, 1),
                          delivery_ms=None if done is None else round((time.time() - done) * 1e3, 1))
             self._speech_due = None

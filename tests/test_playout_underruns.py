@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import pytest
+import structlog.testing
 from charstream.stages.config import PlayoutConfig
 from charstream.stages.egress.testcard import card_chunk
 from charstream.stages.playout import UNDERRUN_CAUSES, PlayoutStage
@@ -79,3 +80,53 @@ def test_speech_late_at_its_turn_start_is_an_onset_underrun(placed):
     assert counts["speech"] == (0, 0) and counts["listening"] == (0, 0), counts
     assert stats.late_speech == (1 if placed else 0)  # a placed speech chunk after its frame is late speech too
     assert [f.speaking for f in after if f.chunk is not None][-4:] == [True] * 4  # then the speech plays on
+
+
+def test_a_turn_later_than_its_estimate_raises_the_next_turns_allowance_which_then_decays():
+    """Three turn starts: the first turn's speech chunks come 0.3 s after its estimate, the next
+    ones as measured. The second placement adds what the first took beyond its estimate (~0.3 s),
+    the third half of that at most (the second turn was on time)."""
+    delays = [0.3, 0.0, 0.0]
+
+    async def upstream(session):
+        playout, ctx = session.playout, session.ctx
+        start, n, epoch, seen = time.monotonic(), 0, 0, 0
+        while seen < len(delays):
+            rollbacks = [c for c in session.controls if c.kind == ControlKind.ROLLBACK]
+            if len(rollbacks) > seen:
+                rollback = rollbacks[seen]
+                await asyncio.sleep(delays[seen])
+                epoch, n = rollback.epoch, rollback.chunk + 1
+                for _ in range(4):  # the turn's speech, then listening again
+                    await playout.process(stamped(card_chunk(ctx.session_id, n, SIZE, SIZE, speaking=True, epoch=epoch,
+                                                             turn_id=10 + seen), 0.05, 0.02), ctx)
+                    n += 1
+                seen += 1
+                start = time.monotonic() - (n - 2) * CHUNK_SECONDS
+            if time.monotonic() >= start + (n - 2) * CHUNK_SECONDS:  # listening, 3 chunks ahead
+                await playout.process(stamped(card_chunk(ctx.session_id, n, SIZE, SIZE, epoch=epoch), 0.05, 0.02), ctx)
+                n += 1
+            await asyncio.sleep(0.001)
+
+    async def main():
+        with structlog.testing.capture_logs() as logs:
+            session = await start_playout("allow", PlayoutStage(PlayoutConfig(target_depth_chunks=2)), upstream)
+            playout = session.playout
+            index = (await collect(playout.output, 4 * 6))[-1].index + 1
+            for turn in range(len(delays)):
+                frontier = playout._buffer[-1].chunk + 1
+                await playout.control(Control("allow", turn, ControlKind.TURN_START, chunk=frontier, epoch=playout.epoch,
+                                              trace=TraceContext(10 + turn),
+                                              detail={"earliest_chunk": frontier - 3, "last_emit_at": None,
+                                                      "encode_s": 0.0}), session.ctx)
+                index = (await collect_from(playout.output, index, 4 * 12))[-1].index + 1
+            await session.close()
+        return logs
+
+    logs = asyncio.run(main())
+    allowance = [e["allowance_ms"] for e in logs if e["event"] == "playout_rollback"]
+    turns = [e for e in logs if e["event"] == "playout_turn_speech"]
+    assert len(allowance) == 3 and len(turns) == 3, (allowance, turns)
+    assert allowance[0] == pytest.approx(1e3 / 24, abs=0.1)  # a frame before any turn was measured
+    assert turns[0]["first_error_ms"] >= 250 and allowance[1] == pytest.approx(turns[0]["p90_error_ms"], abs=0.1)
+    assert turns[1]["first_error_ms"] < 50 and allowance[2] == pytest.approx(allowance[1] / 2, abs=0.1)
