@@ -40,8 +40,16 @@ def _gelu_tanh(x):
 
 
 @triton.jit
-def _load_row(x, stride_xm, prefix, stride_pm, n_prefix, row, c, n_cols, PREFIX: tl.constexpr):
-    if PREFIX:  # columns [0, n_prefix) from prefix, the rest from x: each element read from one of them
+def _load_row(x, stride_xm, prefix, stride_pm, n_prefix, row, c, n_cols, PREFIX: tl.constexpr,
+              PREFIX_SELECT: tl.constexpr):
+    # PREFIX: columns [0, n_prefix) from prefix, the rest from x, each element read from one of them
+    # through one load of per-element pointers (n_prefix a multiple of 16 keeps it 16-byte vectors, as
+    # x's own load); PREFIX_SELECT instead: both loaded, the values selected (more instructions: the
+    # variant timed against it)
+    if PREFIX and not PREFIX_SELECT:
+        ptr = tl.where(c < n_prefix, prefix + row * stride_pm + c, x + row * stride_xm + c)
+        v = tl.load(ptr, mask=c < n_cols, other=0.0).to(tl.float32)
+    elif PREFIX:
         v = tl.load(x + row * stride_xm + c, mask=(c >= n_prefix) & (c < n_cols), other=0.0).to(tl.float32)
         lead = tl.load(prefix + row * stride_pm + c, mask=c < n_prefix, other=0.0).to(tl.float32)
         v = tl.where(c < n_prefix, lead, v)
@@ -54,14 +62,14 @@ def _load_row(x, stride_xm, prefix, stride_pm, n_prefix, row, c, n_cols, PREFIX:
 def _quantize_rows_kernel(
     x, stride_xm, prefix, stride_pm, n_prefix, xq, stride_qm, scale_out, n_cols, act_from,
     BLOCK: tl.constexpr, ONE_SWEEP: tl.constexpr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
-    PREFIX: tl.constexpr,
+    PREFIX: tl.constexpr, PREFIX_SELECT: tl.constexpr,
 ):
     # One program per row. ONE_SWEEP (the row fits in BLOCK): the row stays in registers between the
     # amax and the store, so x is read once; otherwise two sweeps (the second reads from L2).
     row = tl.program_id(0)
     if ONE_SWEEP:
         c = tl.arange(0, BLOCK)
-        v = _load_row(x, stride_xm, prefix, stride_pm, n_prefix, row, c, n_cols, PREFIX)
+        v = _load_row(x, stride_xm, prefix, stride_pm, n_prefix, row, c, n_cols, PREFIX, PREFIX_SELECT)
         v = tl.where(c >= act_from, _gelu_tanh(v), v)
         scale = tl.maximum(tl.max(tl.abs(v), 0), MIN_AMAX) / FP8_MAX
         tl.store(scale_out + row, scale)
@@ -71,14 +79,14 @@ def _quantize_rows_kernel(
         amax = tl.zeros((BLOCK,), tl.float32)
         for start in range(0, n_cols, BLOCK):
             c = start + tl.arange(0, BLOCK)
-            v = _load_row(x, stride_xm, prefix, stride_pm, n_prefix, row, c, n_cols, PREFIX)
+            v = _load_row(x, stride_xm, prefix, stride_pm, n_prefix, row, c, n_cols, PREFIX, PREFIX_SELECT)
             v = tl.where(c >= act_from, _gelu_tanh(v), v)
             amax = tl.maximum(amax, tl.abs(v))
         scale = tl.maximum(tl.max(amax, 0), MIN_AMAX) / FP8_MAX
         tl.store(scale_out + row, scale)
         for start in range(0, n_cols, BLOCK):
             c = start + tl.arange(0, BLOCK)
-            v = _load_row(x, stride_xm, prefix, stride_pm, n_prefix, row, c, n_cols, PREFIX)
+            v = _load_row(x, stride_xm, prefix, stride_pm, n_prefix, row, c, n_cols, PREFIX, PREFIX_SELECT)
             v = tl.where(c >= act_from, _gelu_tanh(v), v)
             q = tl.clamp(v / scale, -FP8_MAX, FP8_MAX)
             tl.store(xq + row * stride_qm + c, q.to(xq.dtype.element_ty), mask=c < n_cols)
@@ -93,13 +101,18 @@ def quantize_rows_triton(
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     num_warps: int = 8,
     prefix: torch.Tensor | None = None,
+    prefix_select: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One launch. ``out`` = preallocated (xq, scale), so a CUDA graph reuses the same buffers."""
+    """One launch. ``out`` = preallocated (xq, scale), so a CUDA graph reuses the same buffers.
+    ``prefix_select``: load x's and the prefix's columns both and select the values (the variant the
+    per-element pointers replace), so kernels_check times one against the other."""
     m, k = x.shape
     if x.stride(1) != 1:
         raise ValueError("x needs contiguous rows")
     if prefix is not None and (prefix.dim() != 2 or prefix.shape[0] != m or prefix.shape[1] > k or prefix.stride(1) != 1):
         raise ValueError(f"prefix must be ({m}, <= {k}) with contiguous rows, got {tuple(prefix.shape)}")
+    if prefix is not None and prefix.dtype != x.dtype:  # one load reads both through one pointer type
+        raise ValueError(f"prefix must have x's dtype {x.dtype}, got {prefix.dtype}")
     lead = x if prefix is None else prefix
     xq, scale = out if out is not None else (torch.empty(m, k, dtype=FP8_DTYPE, device=x.device),
                                              torch.empty(m, 1, dtype=torch.float32, device=x.device))
@@ -108,7 +121,7 @@ def quantize_rows_triton(
         x, x.stride(0), lead, lead.stride(0), 0 if prefix is None else prefix.shape[1], xq, xq.stride(0), scale, k,
         k if act_from is None else act_from,
         BLOCK=triton.next_power_of_2(k) if one_sweep else 2048, ONE_SWEEP=one_sweep, FP8_MAX=FP8_MAX,
-        MIN_AMAX=MIN_AMAX, PREFIX=prefix is not None, num_warps=num_warps,
+        MIN_AMAX=MIN_AMAX, PREFIX=prefix is not None, PREFIX_SELECT=prefix_select, num_warps=num_warps,
     )
     return xq, scale
 

@@ -387,7 +387,8 @@ def gelu_rows(gen: torch.Generator) -> dict[str, object]:
     """GELU + FP8 rows of [attn | cross | mlp]: the attention columns in the fused buffer (where the
     in-place ring attention writes them), or read from the attention's own (T, heads x D) buffer
     (``prefix``: cuDNN's output, as the full-window step serves, x's attention columns poisoned with NaN
-    so a read of them shows); beside it, the copy of that buffer into the fused columns it replaces."""
+    so a read of them shows), each column loaded through its own pointer (served) or both buffers loaded
+    and the values selected (``_select``); beside them, the copy of that buffer into the fused columns it replaces."""
     hd, ffn = H * D, 10240
     fused = torch.randn(T, 4 * hd + ffn, device="cuda", dtype=torch.bfloat16, generator=gen)
     fused *= torch.rand(T, 1, device="cuda", generator=gen).to(torch.bfloat16) * 10
@@ -397,15 +398,17 @@ def gelu_rows(gen: torch.Generator) -> dict[str, object]:
     poisoned = x.clone()
     poisoned[:, :hd] = float("nan")
     result: dict[str, object] = {"bytes_per_call": x.numel() * 3}
-    for name, rows, prefix in (("w8", x, None), ("w8_prefix", poisoned, attn)):
+    for name, rows, prefix, select in (("w8", x, None, False), ("w8_prefix", poisoned, attn, False),
+                                       ("w8_prefix_select", poisoned, attn, True)):
         entry: dict[str, object] = {}
         try:
             xq = torch.full_like(rq, 300.0)
             sc = torch.full_like(rscale, float("nan"))
-            quantize_rows_triton(rows, 2 * hd, (xq, sc), num_warps=8, prefix=prefix)
+            quantize_rows_triton(rows, 2 * hd, (xq, sc), num_warps=8, prefix=prefix, prefix_select=select)
             entry["check"] = _fp8_mismatch(xq, rq)
             entry["scale_rel"] = _rel(sc, rscale)
-            call = functools.partial(quantize_rows_triton, rows, 2 * hd, (xq, sc), num_warps=8, prefix=prefix)
+            call = functools.partial(quantize_rows_triton, rows, 2 * hd, (xq, sc), num_warps=8, prefix=prefix,
+                                     prefix_select=select)
             entry["ms"] = _graph_ms([call] * 240)
         except Exception as exc:
             traceback.print_exc()

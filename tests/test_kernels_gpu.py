@@ -206,8 +206,9 @@ def test_quantize_rows(act_from, cols):
     _assert_fp8_close(xq, rq)
 
 
+@pytest.mark.parametrize("prefix_select", [False, True])  # per-element pointers (served); values selected
 @pytest.mark.parametrize("cols", [15360, 20000])  # the TP=3 [attn | cross | mlp] row (one sweep); two sweeps
-def test_quantize_rows_reads_the_leading_columns_from_the_prefix(cols):
+def test_quantize_rows_reads_the_leading_columns_from_the_prefix(cols, prefix_select):
     """The full-window step's GELU rows: the attention columns from cuDNN's own output buffer. x's
     columns there are NaN, so reading them would show."""
     hd = 2560
@@ -216,7 +217,7 @@ def test_quantize_rows_reads_the_leading_columns_from_the_prefix(cols):
     poisoned = x.clone()
     poisoned[:, :hd] = float("nan")
     out = (_poisoned((T, cols), FP8_DTYPE), torch.full((T, 1), float("nan"), device="cuda"))
-    xq, scale = quantize_rows_triton(poisoned, 2 * hd, out, prefix=attn.flatten(1))
+    xq, scale = quantize_rows_triton(poisoned, 2 * hd, out, prefix=attn.flatten(1), prefix_select=prefix_select)
     rq, rscale = quantize_rows_reference(torch.cat([attn.flatten(1), x[:, hd:]], dim=1), 2 * hd)
     assert torch.allclose(scale, rscale, rtol=1e-5)
     _assert_fp8_close(xq, rq)

@@ -145,20 +145,27 @@ def _run_checks() -> dict[str, dict[str, float]]:
     }
     # GELU + FP8 rows with the leading columns read from a buffer of their own (x's there poisoned):
     # the same codes as with those columns in x (the interpreter's FP8 rounding is not the GPU's, so
-    # the kernel is compared with itself here and with the reference on the GPU)
-    x = torch.randn(T, 40, generator=g) * 3
-    lead = x[:, :16].clone()
-    poisoned = x.clone()
-    poisoned[:, :16] = float("nan")
-    want_q, want_s = quantize_rows_triton(x, 24)
-    got_q, got_s = quantize_rows_triton(poisoned, 24, prefix=lead)
-    ref_q, ref_s = quantize_rows_reference(poisoned, 24, prefix=lead)
-    report["quantize_rows_prefix"] = {
-        "codes_differ": float((got_q.view(torch.uint8) != want_q.view(torch.uint8)).sum()),
-        "scale_rel": _rel(got_s, want_s),
-        "reference_scale_rel": _rel(ref_s, quantize_rows_reference(x, 24)[1]),
-        "nan": float(torch.isnan(got_q.float()).sum() + torch.isnan(ref_q.float()).sum()),
-    }
+    # the kernel is compared with itself here and with the reference on the GPU); each column through its
+    # own pointer (served) and both loaded with the values selected, in one sweep (40 columns) and two
+    # (16,400: more than one row's registers)
+    for cols, width in ((40, 16), (16400, 2560)):
+        x = torch.randn(T, cols, generator=g) * 3
+        lead = x[:, :width].clone()
+        poisoned = x.clone()
+        poisoned[:, :width] = float("nan")
+        act_from = width + 8
+        want_q, want_s = quantize_rows_triton(x, act_from)
+        ref_q, ref_s = quantize_rows_reference(poisoned, act_from, prefix=lead)
+        for select in (False, True):
+            out = (torch.full_like(want_q, 300.0), torch.full_like(want_s, float("nan")))
+            got_q, got_s = quantize_rows_triton(poisoned, act_from, out, prefix=lead, prefix_select=select)
+            report[f"quantize_rows_prefix_{cols}_{'select' if select else 'pointer'}"] = {
+                "codes_differ": float((got_q.view(torch.uint8) != want_q.view(torch.uint8)).sum()),
+                "scale_rel": _rel(got_s, want_s),
+                "scale_rel_vs_reference": _rel(got_s, ref_s),
+                "reference_scale_rel": _rel(ref_s, quantize_rows_reference(x, act_from)[1]),
+                "nan": float(torch.isnan(got_q.float()).sum() + torch.isnan(ref_q.float()).sum()),
+            }
 
     order = torch.tensor([2, 0], dtype=torch.int32)
     window = tuple(torch.full((H, SINK + 2 * T, D), POISON) for _ in range(2))
@@ -209,9 +216,19 @@ def test_ring_write_prep_without_the_ring_write_does_the_rest(report):
     assert report["write_prep_no_ring_write"] == {"ring_changed": 0.0, "rest_differs": 0.0}
 
 
-def test_quantize_rows_reads_the_leading_columns_from_the_prefix(report):
-    r = report["quantize_rows_prefix"]
+@pytest.mark.parametrize("case", [f"{cols}_{load}" for cols in (40, 16400) for load in ("pointer", "select")])
+def test_quantize_rows_reads_the_leading_columns_from_the_prefix(report, case):
+    r = report[f"quantize_rows_prefix_{case}"]
     assert r["codes_differ"] == 0 and r["scale_rel"] == 0 and r["reference_scale_rel"] == 0 and r["nan"] == 0
+    assert r["scale_rel_vs_reference"] < 1e-6  # fp32 rows: the GELU's exp is numpy's here, torch's there
+
+
+def test_quantize_rows_refuses_a_prefix_of_another_dtype():
+    from charstream.kernels.quantize_rows import quantize_rows_triton
+
+    x = torch.randn(4, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="dtype"):  # before any launch: one load reads both buffers
+        quantize_rows_triton(x, 16, prefix=torch.randn(4, 16))
 
 
 def test_gather_window_lists_sink_then_frames_in_order(report):
