@@ -293,38 +293,51 @@ def kernel_breakdown(cfg: ModelConfig, tp: int, model, cache, step) -> dict[str,
 def graph_profile(step, path: str | None = None) -> dict[str, object]:
     """One replay of the step's graph under torch.profiler (CUPTI): every kernel's start and duration,
     so the time between kernels (the graph's launch gaps) is measured, not inferred from a sum of
-    isolated timings (``trace_summary``); then the replay timed by events at the same moment.
-    ``path``: also write the Chrome trace there."""
-    import tempfile
-
-    from torch.profiler import ProfilerActivity, profile
+    isolated timings (``trace_summary``); then the replay timed by events at the same moment; then one
+    eager run of the same body with the host's operators recorded, which names the call that asks for
+    each memset node the graph holds (``memset_sources``: a library's own, or one of ours).
+    ``path``: also write the replay's Chrome trace there."""
+    from torch.profiler import ProfilerActivity
 
     step.run(graphed=True)
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step.run(graphed=True)
+    summary = trace_summary(_profiled_events(lambda: step.run(graphed=True), [ProfilerActivity.CUDA], path))
+    if "error" not in summary:
+        summary["replay_events_ms_same_moment"] = cuda_median_ms(lambda: step.run(graphed=True), 10)
+        eager = _profiled_events(lambda: step.run(graphed=False), [ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        summary["eager_memset_sources"] = memset_sources(eager)
+    return summary
+
+
+def _profiled_events(run: Callable[[], object], activities: list, path: str | None = None) -> list[dict]:
+    """The Chrome trace events of one ``run()`` under torch.profiler (written to ``path`` if given)."""
+    import tempfile
+
+    from torch.profiler import profile
+
+    with profile(activities=activities) as prof:
+        run()
         torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as tmp:
         trace = path or str(Path(tmp) / "trace.json")
         prof.export_chrome_trace(trace)
-        events = json.loads(Path(trace).read_text()).get("traceEvents", [])
-    summary = trace_summary(events)
-    if "error" not in summary:
-        summary["replay_events_ms_same_moment"] = cuda_median_ms(lambda: step.run(graphed=True), 10)
-    return summary
+        return json.loads(Path(trace).read_text()).get("traceEvents", [])
 
 
 def trace_summary(events: list[dict]) -> dict[str, object]:
     """A Chrome trace of one replay: kernels by name, the gaps between consecutive kernels by boundary,
     and what the kernel span leaves out of the replay -- the graph's memcpy / memset nodes (each placed
-    at the boundary of the kernels around it, so a gap they fill shows), the runtime calls, and the
-    launch call's start before the first kernel."""
+    at the boundary of the kernels around it, with its bytes and the idle time before and after it
+    there, so a gap it sits in shows), the runtime calls, and the launch call's start before the first
+    kernel."""
     kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
     if not kernels:
         return {"error": "no kernel events in the trace"}
     short = lambda e: e["name"].split("(")[0][:60]  # noqa: E731
     table = lambda: defaultdict(lambda: [0.0, 0])  # noqa: E731
-    by_name, gaps, others, nodes = table(), table(), table(), table()
+    by_name, gaps, others = table(), table(), table()
+    nodes: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys(("ms", "count", "bytes", "idle_before_us",
+                                                                            "idle_after_us"), 0.0))
     busy = gap_total = 0.0
     end = kernels[0]["ts"]
     for prev, e in zip([None, *kernels[:-1]], kernels, strict=True):
@@ -349,13 +362,23 @@ def trace_summary(events: list[dict]) -> dict[str, object]:
             i = bisect.bisect_right(starts, e["ts"])
             before = short(kernels[i - 1]) if i else "(start)"
             after = short(kernels[i]) if i < len(kernels) else "(end)"
-            nodes[f"{e['cat']}: {before} -> {after}"][0] += e.get("dur", 0) / 1e3
-            nodes[f"{e['cat']}: {before} -> {after}"][1] += 1
+            node = nodes[f"{e['cat']}: {before} -> {after}"]
+            node["ms"] += e.get("dur", 0) / 1e3
+            node["count"] += 1
+            node["bytes"] += e.get("args", {}).get("bytes", 0)
+            if i:
+                node["idle_before_us"] += max(0.0, e["ts"] - kernels[i - 1]["ts"] - kernels[i - 1]["dur"])
+            if i < len(kernels):
+                node["idle_after_us"] += max(0.0, kernels[i]["ts"] - e["ts"] - e.get("dur", 0))
     launches = [e for e in events if e.get("ph") == "X" and "GraphLaunch" in e.get("name", "")]
     launch = {"graph_launch_call_us": launches[0]["dur"],
               "graph_launch_start_to_first_kernel_us": kernels[0]["ts"] - launches[0]["ts"],
               "graph_launch_start_to_last_kernel_end_ms": (end - launches[0]["ts"]) / 1e3} if launches else {}
     top = lambda d: {k: {"ms": round(v[0], 4), "count": v[1]} for k, v in sorted(d.items(), key=lambda kv: -kv[1][0])[:15]}  # noqa: E731
+    per_node = {k: {"ms": round(v["ms"], 4), "count": int(v["count"]), "bytes_each": v["bytes"] / v["count"],
+                    "idle_before_us_each": round(v["idle_before_us"] / v["count"], 3),
+                    "idle_after_us_each": round(v["idle_after_us"] / v["count"], 3)}
+                for k, v in sorted(nodes.items(), key=lambda kv: -kv[1]["ms"])}
     return {
         "kernels": len(kernels),
         "span_ms": (end - kernels[0]["ts"]) / 1e3,
@@ -365,9 +388,35 @@ def trace_summary(events: list[dict]) -> dict[str, object]:
         "kernel_ms_by_name": top(by_name),
         "gap_ms_by_boundary": top(gaps),
         "other_events_ms": top(others),
-        "copy_nodes_by_boundary": top(nodes),
+        "copy_nodes_by_boundary": per_node,
         **launch,
     }
+
+
+def memset_sources(events: list[dict]) -> dict[str, dict[str, float]]:
+    """An eager run's trace (host operators + CUDA): each memset the host asked for (a runtime or driver
+    memset call), by the chain of operators open around the call on its thread (outermost first, the
+    last three), with the bytes of the GPU memset it made -- e.g. ``aten::_scaled_mm`` alone: cuBLASLt
+    asked inside the GEMM's call; a ``zero_`` / ``fill_`` of ours would be a kernel, not a memset."""
+    spans = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"]
+    calls = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver")
+             and "memset" in e.get("name", "").lower()]
+    moved = {e["args"]["correlation"]: e["args"].get("bytes", 0) for e in events
+             if e.get("cat") == "gpu_memset" and "correlation" in e.get("args", {})}
+    sources: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0, "bytes": 0})
+    open_ops: dict[object, list[dict]] = defaultdict(list)  # per thread: the operators around the moment swept to
+    # by start; at one moment an operator before the calls inside it, the outer (longer) before the inner
+    for e in sorted(spans + calls, key=lambda e: (e["ts"], e.get("cat") != "cpu_op", -e.get("dur", 0))):
+        stack = open_ops[e.get("tid")]
+        while stack and stack[-1]["ts"] + stack[-1]["dur"] < e["ts"]:
+            stack.pop()
+        if e.get("cat") == "cpu_op":
+            stack.append(e)
+            continue
+        chain = " > ".join(op["name"] for op in stack[-3:]) or "(no operator)"
+        sources[chain]["count"] += 1
+        sources[chain]["bytes"] += moved.get(e.get("args", {}).get("correlation"), 0)
+    return dict(sorted(sources.items(), key=lambda kv: -kv[1]["count"]))
 
 
 def attention_sweep(cfg: ModelConfig, tp: int, cache) -> dict[str, float]:
@@ -631,8 +680,14 @@ def _table(results: dict) -> str:
         if "span_ms" in prof:
             rows.append((f"  one replay TP={tp} profiled: {prof['kernels']} kernels, span / busy / gaps (ms)",
                          f"{prof['span_ms']:.1f} / {prof['busy_ms']:.1f} / {prof['gaps_ms']:.1f}", "", ""))
-            for where, v in list(prof.get("copy_nodes_by_boundary", {}).items())[:3]:
-                rows.append((f"  {where[:80]} (count, ms)", f"{v['count']}, {v['ms']:.2f}", "", ""))
+            for where, v in prof.get("copy_nodes_by_boundary", {}).items():  # each boundary a memset sits at
+                rows.append((f"  {where}: count, ms, bytes each, idle us before / after",
+                             f"{v['count']}, {v['ms']:.2f}, {v.get('bytes_each', float('nan')):.0f}, "
+                             f"{v.get('idle_before_us_each', float('nan')):.2f} / {v.get('idle_after_us_each', float('nan')):.2f}",
+                             "", ""))
+            for chain, v in prof.get("eager_memset_sources", {}).items():  # who asks for them
+                rows.append((f"  memsets of one eager run asked inside {chain}: count, bytes",
+                             f"{v['count']}, {v['bytes']}", "", ""))
             if "replay_events_ms_same_moment" in prof:
                 rows.append(("  replay by events, same moment / launch start -> last kernel end (ms)",
                              f"{prof['replay_events_ms_same_moment']:.1f} / "

@@ -398,7 +398,7 @@ def gelu_rows(gen: torch.Generator) -> dict[str, object]:
     poisoned = x.clone()
     poisoned[:, :hd] = float("nan")
     result: dict[str, object] = {"bytes_per_call": x.numel() * 3}
-    for name, rows, prefix, select in (("w8", x, None, False), ("w8_prefix", poisoned, attn, False),
+    for name, rows, prefix, select in (("w8", x, None, False), ("w8_prefix_pointers", poisoned, attn, False),
                                        ("w8_prefix_select", poisoned, attn, True)):
         entry: dict[str, object] = {}
         try:
