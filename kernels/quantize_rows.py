@@ -65,7 +65,10 @@ def _quantize_rows_kernel(
     PREFIX: tl.constexpr, PREFIX_SELECT: tl.constexpr,
 ):
     # One program per row. ONE_SWEEP (the row fits in BLOCK): the row stays in registers between the
-    # amax and the store, so x is read once; otherwise two sweeps (the second reads from L2).
+    # amax and the store, so x is read once; otherwise two sweeps (the second reads from L2). The codes:
+    # times the reciprocal scale (one multiply, not a division per element), no clamp: |v| <= amax,
+    # so |v| / scale <= 448 up to rounding, which the saturating FP8 conversion absorbs (the kernel's
+    # time follows its instruction count: docs/PERF.md, issue 14).
     row = tl.program_id(0)
     if ONE_SWEEP:
         c = tl.arange(0, BLOCK)
@@ -73,8 +76,7 @@ def _quantize_rows_kernel(
         v = tl.where(c >= act_from, _gelu_tanh(v), v)
         scale = tl.maximum(tl.max(tl.abs(v), 0), MIN_AMAX) / FP8_MAX
         tl.store(scale_out + row, scale)
-        tl.store(xq + row * stride_qm + c, tl.clamp(v / scale, -FP8_MAX, FP8_MAX).to(xq.dtype.element_ty),
-                 mask=c < n_cols)
+        tl.store(xq + row * stride_qm + c, (v * (1.0 / scale)).to(xq.dtype.element_ty), mask=c < n_cols)
     else:
         amax = tl.zeros((BLOCK,), tl.float32)
         for start in range(0, n_cols, BLOCK):
@@ -88,8 +90,7 @@ def _quantize_rows_kernel(
             c = start + tl.arange(0, BLOCK)
             v = _load_row(x, stride_xm, prefix, stride_pm, n_prefix, row, c, n_cols, PREFIX, PREFIX_SELECT)
             v = tl.where(c >= act_from, _gelu_tanh(v), v)
-            q = tl.clamp(v / scale, -FP8_MAX, FP8_MAX)
-            tl.store(xq + row * stride_qm + c, q.to(xq.dtype.element_ty), mask=c < n_cols)
+            tl.store(xq + row * stride_qm + c, (v * (1.0 / scale)).to(xq.dtype.element_ty), mask=c < n_cols)
 
 
 ONE_SWEEP_MAX_COLS = 16384  # a whole row in registers: 64 fp32 per thread at 8 warps
