@@ -685,6 +685,11 @@ def _table(results: dict) -> str:
                              f"{v['count']}, {v['ms']:.2f}, {v.get('bytes_each', float('nan')):.0f}, "
                              f"{v.get('idle_before_us_each', float('nan')):.2f} / {v.get('idle_after_us_each', float('nan')):.2f}",
                              "", ""))
+            if "eager_memset_sources" in prof:  # none in eager while the replay holds some: asked under capture only
+                nodes = sum(v["count"] for k, v in prof.get("copy_nodes_by_boundary", {}).items() if "memset" in k)
+                calls = sum(v["count"] for v in prof["eager_memset_sources"].values())
+                rows.append(("  memset calls of one eager run of the same body / memset nodes in the replay",
+                             f"{calls} / {nodes}", "", ""))
             for chain, v in prof.get("eager_memset_sources", {}).items():  # who asks for them
                 rows.append((f"  memsets of one eager run asked inside {chain}: count, bytes",
                              f"{v['count']}, {v['bytes']}", "", ""))
