@@ -65,6 +65,7 @@ from charstream.pipeline.capacity_worker import run_clients, run_worker
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.engine import check_engine_config, run_engine
 from charstream.pipeline.engine_link import EngineError, engine_call
+from charstream.stages.config import AGENT_PACES, IngestConfig
 from charstream.stages.playout import UNDERRUN_CAUSES
 from charstream.transport.supervisor import Supervisor, describe_exit
 from tqdm import tqdm
@@ -109,6 +110,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget-s", type=float, default=None,
                         help="wall-time budget of one ladder: a count that would not fit is not started")
     parser.add_argument("--threads", type=int, default=1, help="CPU sessions: intra-op threads of diffusion and decode")
+    parser.add_argument("--agent-pace", choices=AGENT_PACES, default=IngestConfig().agent_pace,
+                        help="how the scripted agent streams its reply: in real time, or as synthesised (ahead of "
+                             "real time, as TTS services push audio); default: ingest's")
     parser.add_argument("--recognizer", action="store_true",
                         help="the scripted user's speech also goes through the built-in recogniser (pocketsphinx)")
     parser.add_argument("--out", default="bench-capacity.json", help="write the JSON report here")
@@ -158,6 +162,7 @@ def session_config(args: argparse.Namespace, batch_sessions: int) -> PipelineCon
     repeats = max(1, math.ceil(run_s / (len(DEFAULT_SCRIPT) * MIN_TURN_S)))  # every text is synthesised once
     config.ingest.adapter = "scripted"
     config.ingest.scripted_recognizer = args.recognizer
+    config.ingest.agent_pace = args.agent_pace
     config.ingest.script = [{"user": line.user, "agent": line.agent} for line in DEFAULT_SCRIPT] * repeats
     config.egress.port = 0
     config.egress.max_sessions = longest
@@ -720,7 +725,8 @@ def table(report: dict[str, Any]) -> str:
     where = f"--gpus {report['gpus']}" if report["gpus"] else "CPU"
     engines = f"{report['engines']} engine / " if report.get("engines") else ""
     lines = [f"capacity: {report['preset']} sessions, {where}, placement {report['placement']}, "
-             f"{engines}{report['workers']} server / {report['clients']} client processes, {report['hold_s']:g} s windows, "
+             f"{engines}{report['workers']} server / {report['clients']} client processes, agent pace {report['agent_pace']}, "
+             f"{report['hold_s']:g} s windows, "
              f"held = both fps >= {report['min_fps']:g} less one frame per window", text_table(rows)]
     for result in report["ladders"]:
         for lv in result["levels"]:
@@ -777,7 +783,7 @@ def run(args: argparse.Namespace) -> int:
         "bench": "capacity", "preset": args.preset, "weights": args.weights, "gpus": args.gpus,
         "placement": placement(args), "engines": args.engines, "workers": args.workers, "clients": args.clients, "sessions": args.sessions,
         "hold_s": args.hold, "warmup_s": args.warmup, "min_fps": args.min_fps, "budget_s": args.budget_s,
-        "recognizer": args.recognizer, "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "recognizer": args.recognizer, "agent_pace": args.agent_pace, "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {psutil.cpu_count()} CPUs, {platform.platform()}", "commit": commit_id(),
         "load_avg_at_start": [round(x, 2) for x in psutil.getloadavg()], "ladders": [],
     }

@@ -40,22 +40,24 @@ def test_bench_capacity_measures_frames_the_clients_received(tmp_path):
     # Clean shutdown: every worker and client exited by itself, none is left.
     assert all(e["exit"] == "exited with status 0" for e in ladder["process_exits"].values()), ladder["process_exits"]
     assert not any(psutil.pid_exists(pid) for pid in ladder["pids"].values())
-    assert "capacity: tiny sessions, CPU" in done.stdout
+    assert "capacity: tiny sessions, CPU" in done.stdout and report["agent_pace"] == "realtime"
 
 
 def test_batch_sessions_sets_both_batchers_and_the_scripted_agent_needs_no_recogniser():
     args = argparse.Namespace(preset="tiny", gpus=None, placement="inproc", threads=1, sessions=[1], start_timeout=10,
-                              warmup=1, hold=1, recognizer=False)
+                              warmup=1, hold=1, recognizer=False, agent_pace="synthesized")
     config = bench_capacity.session_config(args, 4)
     assert config.diffusion.batch_sessions == config.decode.batch_sessions == 4
     assert config.ingest.adapter == "scripted" and not config.ingest.scripted_recognizer
+    assert config.ingest.agent_pace == "synthesized"
     with pytest.raises(ValueError, match="must be >= 1"):
         bench_capacity.session_config(args, 0)
 
 
 def test_engines_place_every_session_in_an_engine_and_size_each_engine():
     args = argparse.Namespace(preset="tiny", gpus=None, placement=None, engines=2, threads=1, sessions=[8, 16],
-                              workers=4, start_timeout=10, warmup=1, hold=1, recognizer=False)
+                              workers=4, start_timeout=10, warmup=1, hold=1, recognizer=False,
+                              agent_pace="realtime")
     assert bench_capacity.session_config(args, 8).placement == "engine"
     assert bench_capacity.per_process(args) == 8  # 16 sessions over 2 engines
     assert [bench_capacity.engine_of(w, 2) for w in range(4)] == ["engine-0", "engine-1", "engine-0", "engine-1"]
