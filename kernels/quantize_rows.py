@@ -12,6 +12,8 @@ copy into x first.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -32,11 +34,16 @@ def quantize_rows_reference(x: torch.Tensor, act_from: int | None = None,
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
+# 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3): x / (1 + 2^(x (K1 + K2 x^2)))
+# with the constants folded, one exp2 and no range fix-up of exp's (the GELU was 2/3 of the kernel's
+# instructions: docs/PERF.md, issue 14)
+_GELU_K1 = tl.constexpr(-2.0 * math.sqrt(2.0 / math.pi) * math.log2(math.e))
+_GELU_K2 = tl.constexpr(0.044715 * _GELU_K1.value)
+
+
 @triton.jit
 def _gelu_tanh(x):
-    # 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3)
-    u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-    return x / (1.0 + tl.exp(-2.0 * u))
+    return x / (1.0 + tl.exp2(x * (_GELU_K1 + _GELU_K2 * (x * x))))
 
 
 @triton.jit

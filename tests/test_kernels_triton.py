@@ -26,7 +26,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _run_checks() -> dict[str, dict[str, float]]:
     from charstream.kernels.delta_rotate import delta_rotate_reference, delta_rotate_triton
-    from charstream.kernels.quantize_rows import quantize_rows_reference, quantize_rows_triton
+    from charstream.kernels.fp8 import FP8_MAX
+    from charstream.kernels.quantize_rows import MIN_AMAX, quantize_rows_reference, quantize_rows_triton
     from charstream.kernels.ring_attention import (
         gather_window,
         ring_attention_reference,
@@ -167,6 +168,16 @@ def _run_checks() -> dict[str, dict[str, float]]:
                 "nan": float(torch.isnan(got_q.float()).sum() + torch.isnan(ref_q.float()).sum()),
             }
 
+    # the GELU itself, read through the scale: each row's only non-zero column is a GELU column, so
+    # scale x 448 = |gelu(x)| (or the floor), over the range the kernel's folded exp2 must cover
+    xs = torch.cat([torch.linspace(-9, 9, 361), torch.tensor([-1e4, -60.0, 60.0, 1e4, 1e-6, -1e-6, 0.0])])
+    rows = torch.zeros(len(xs), 32)
+    rows[:, 20] = xs
+    _, scale = quantize_rows_triton(rows, 16)
+    want = torch.nn.functional.gelu(xs.double(), approximate="tanh").abs().clamp_min(MIN_AMAX)
+    rel = (scale[:, 0].double() * FP8_MAX - want).abs() / want
+    report["quantize_rows_gelu"] = {"rel": rel[want > 1e-9].max().item(), "rel_tail": rel.max().item()}
+
     order = torch.tensor([2, 0], dtype=torch.int32)
     window = tuple(torch.full((H, SINK + 2 * T, D), POISON) for _ in range(2))
     gather_window(k_cache, v_cache, scale, scale, order, SINK, T, window)
@@ -221,6 +232,11 @@ def test_quantize_rows_reads_the_leading_columns_from_the_prefix(report, case):
     r = report[f"quantize_rows_prefix_{case}"]
     assert r["codes_differ"] == 0 and r["scale_rel"] == 0 and r["reference_scale_rel"] == 0 and r["nan"] == 0
     assert r["scale_rel_vs_reference"] < 1e-6  # fp32 rows: the GELU's exp is numpy's here, torch's there
+
+
+def test_quantize_rows_gelu_matches_torch(report):
+    r = report["quantize_rows_gelu"]  # fp32 through the interpreter against torch's in float64
+    assert r["rel"] < 1e-5 and r["rel_tail"] < 1e-3  # the tail (|gelu| <= 1e-9): fp32's exponent, x (K1 + K2 x^2)
 
 
 def test_quantize_rows_refuses_a_prefix_of_another_dtype():
