@@ -2,7 +2,7 @@
 
     charstream bench capacity --gpus 1 --sessions 8 16 32 48 --workers 16 --clients 4 --out capacity.json
     charstream bench capacity --sessions 1 2 --workers 2 --clients 1 --hold 10     (CPU)
-    charstream bench capacity --gpus 1 --engines 1 --batch-sessions 32 --sessions 32 48 --workers 16 --clients 4
+    charstream bench capacity --gpus 1 --engines 1 --batch-sessions 1 48 --sessions 32 48 --workers 16 --clients 4
 
 Every session is the whole stage graph (``pipeline.session``): the built-in scripted agent
 (espeak-ng voices, silero-vad on its simulated user's microphone; its recogniser off unless
@@ -26,8 +26,9 @@ clock ticks, frames the video track skipped (a slow encoder) and the pipeline la
 whose first speaking frame fell in the window (agent's first audio → first speaking frame); and
 where the host stands: GPU busy (``nvidia-smi`` utilization, sampled each second), CPU of every
 process (cores used, and its main thread, which runs the event loop) and the machine, and each
-event loop's lag; per engine also the sessions it hosts and the sessions per batched forward. A session holds the rate when both of its fps are at least ``--min-fps`` less one
-frame over the window (the window's ends fall between frames). The ladder stops at the first count
+event loop's lag; per engine also the sessions it hosts and the sessions per batched forward, and
+which processes hold a CUDA context. A session holds the rate when both of its fps are at least
+``--min-fps`` less one frame over the window (the window's ends fall between frames). The ladder stops at the first count
 where a session does not, and says which resources were saturated there (≥ 90%, or an event loop
 lagging more than a frame). ``--batch-sessions 1 8`` runs the whole ladder once per value, on fresh
 processes (``diffusion.batch_sessions`` and ``decode.batch_sessions``, as ``serve --batch-sessions``:
