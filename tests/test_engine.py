@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import os
 import signal
 import subprocess
@@ -20,6 +21,7 @@ from batch_support import assert_same_frames, released_frames, seeded_configs
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.engine_link import EngineError, check_engine_endpoint, engine_call, pack, unpack
 from charstream.pipeline.session import LiveSession
+from charstream.transport.supervisor import PR_SET_PDEATHSIG
 from test_faults import mapped_segments
 
 DETECT_S = 2.0
@@ -29,7 +31,7 @@ def start_engine(endpoint: str, log_path, *args: str) -> subprocess.Popen:
     """``charstream engine`` on ``endpoint``, answering status (its torch imported, its socket bound)."""
     log = open(log_path, "w")  # noqa: SIM115 -- the process writes it until the test ends
     proc = subprocess.Popen([sys.executable, "-m", "charstream", "engine", "--bind", endpoint, *args],
-                            stdout=log, stderr=log)
+                            stdout=log, stderr=log, preexec_fn=die_with_the_test)
 
     async def answered() -> None:
         deadline = time.monotonic() + 60
@@ -41,14 +43,29 @@ def start_engine(endpoint: str, log_path, *args: str) -> subprocess.Popen:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"engine did not start: {open(log_path).read()[-2000:]}") from None
 
-    asyncio.run(answered())
+    try:
+        asyncio.run(answered())
+    except BaseException:
+        proc.kill()  # never left behind
+        proc.wait()
+        raise
     return proc
 
 
 def stop_engine(proc: subprocess.Popen) -> int:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
-    return proc.wait(timeout=30)
+    try:
+        return proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+
+
+def die_with_the_test() -> None:
+    """(in the engine's process, before exec) SIGKILL when the test process dies: a killed run leaves no engine."""
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def engine_session(endpoint: str, seed: int) -> LiveSession:
@@ -78,8 +95,11 @@ def engine(tmp_path_factory):
     folder = tmp_path_factory.mktemp("engine")
     endpoint = f"ipc://{folder}/engine.sock"
     proc = start_engine(endpoint, folder / "engine.log", "--batch-sessions", "2")
-    yield endpoint, proc
-    assert stop_engine(proc) == 0, (folder / "engine.log").read_text()[-3000:]
+    try:
+        yield endpoint, proc
+    finally:
+        code = stop_engine(proc)
+    assert code == 0, (folder / "engine.log").read_text()[-3000:]
 
 
 def test_two_sessions_through_one_engine_stream_then_free_their_groups(engine):
@@ -197,6 +217,7 @@ FRONT_END = """
 import asyncio, sys
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.session import LiveSession
+from charstream.transport.supervisor import PR_SET_PDEATHSIG
 
 async def main():
     session = LiveSession(PipelineConfig(placement="engine", engine_endpoint=sys.argv[1]), "front", peer=False)
