@@ -41,7 +41,15 @@ import anyio.abc
 import zmq
 import zmq.asyncio
 from charstream.pipeline.config import PipelineConfig
-from charstream.pipeline.engine_link import KEY_FIELDS, MAX_WIRE_BYTES, check_engine_endpoint, pack, unpack
+from charstream.pipeline.engine_link import (
+    KEY_FIELDS,
+    MAX_WIRE_BYTES,
+    EngineError,
+    check_engine_endpoint,
+    engine_call,
+    pack,
+    unpack,
+)
 from charstream.pipeline.loop_lag import LoopLag
 from charstream.pipeline.runner import ENGINE_GROUP, Edge, GroupRun, GroupSpec
 from charstream.pipeline.session import model_nodes
@@ -55,6 +63,7 @@ from charstream.logs import configure_logging, get_logger
 
 MAX_EDGE_CAPACITY = 1024  # credits of one edge: far more than any session graph's
 STOP_TIMEOUT_S = 15.0  # on SIGTERM, hosted groups get this long to tear down
+PROBE_TIMEOUT_S = 0.5  # at start: an engine already serving our ipc path answers within this
 # What the model stages import lazily (in their threads): imported once when the engine starts.
 MODEL_MODULES = tuple(f"charstream.model.{m}" for m in ("audio_encoder", "batched_decoder", "character", "generator",
                                                          "graphed_decoder", "step", "threads", "vae", "weights"))
@@ -196,6 +205,7 @@ class Engine:
         self._sock.router_mandatory = 1  # a reply to a front-end that is gone raises (and is dropped)
         self._sock.maxmsgsize = MAX_WIRE_BYTES
         try:
+            await self._check_free()
             self._sock.bind(self.endpoint)
             self.lag.start()
             self.log.info("engine_ready", endpoint=self.endpoint, pid=os.getpid(), preset=self.config.preset,
@@ -217,6 +227,16 @@ class Engine:
             await self.lag.stop()
             self._sock.close(linger=0)
             ctx.term()
+
+    async def _check_free(self) -> None:
+        """An ipc bind takes the path over from an engine still serving there (ZeroMQ unlinks it): refuse."""
+        if not self.endpoint.startswith("ipc://"):
+            return  # a tcp port in use fails the bind itself
+        try:
+            status = await engine_call(self.endpoint, {"cmd": "status"}, timeout=PROBE_TIMEOUT_S)
+        except EngineError:
+            return
+        raise RuntimeError(f"an engine (pid {status.get('pid')}) already serves {self.endpoint}")
 
     async def _send(self, identity: bytes, message: dict[str, Any]) -> None:
         try:
@@ -378,10 +398,13 @@ def run_engine(config: PipelineConfig, weights: str | None, endpoint: str, max_s
 
     for module in MODEL_MODULES:
         importlib.import_module(module)
-    if config.diffusion.device.startswith("cuda"):
-        torch.cuda.init()
-        torch.zeros(1, device=config.diffusion.device)  # the context, before any session's heartbeats run
-    engine = Engine(config, weights, endpoint, max_sessions)
+    try:
+        if config.diffusion.device.startswith("cuda"):
+            torch.cuda.init()
+            torch.zeros(1, device=config.diffusion.device)  # the context, before any session's heartbeats run
+        engine = Engine(config, weights, endpoint, max_sessions)
+    except (RuntimeError, ValueError, AssertionError) as e:  # no such device, a bad config
+        return {"error": f"engine at {endpoint}: {type(e).__name__}: {e}", "served": 0}
 
     async def main() -> None:
         stop = anyio.Event()
@@ -399,6 +422,8 @@ def run_engine(config: PipelineConfig, weights: str | None, endpoint: str, max_s
     try:
         anyio.run(main)
     except Exception as e:
+        while isinstance(e, ExceptionGroup) and len(e.exceptions) == 1:  # the task group's wrapping
+            e = e.exceptions[0]
         return {"error": f"engine at {endpoint}: {type(e).__name__}: {e}", "served": engine.served}
     return {"served": engine.served}
 

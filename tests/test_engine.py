@@ -183,6 +183,11 @@ def test_a_bad_request_gets_an_error_reply_and_the_engine_keeps_serving(engine):
         assert reply["ok"] is False and words in reply["error"], (words, reply)
     status = asyncio.run(engine_call(endpoint, {"cmd": "status"}))
     assert status["ok"] and status["hosted"] == 0
+    # A second engine on the same ipc path would take it over (ZeroMQ unlinks it): it refuses instead.
+    second = subprocess.run([sys.executable, "-m", "charstream", "engine", "--bind", endpoint], capture_output=True,
+                            text=True, timeout=60, preexec_fn=die_with_the_test)
+    assert second.returncode == 1 and f"(pid {status['pid']}) already serves {endpoint}" in second.stderr, second.stderr
+    assert asyncio.run(engine_call(endpoint, {"cmd": "status"}))["pid"] == status["pid"]
     # A valid request from a front-end that then says nothing more (it died): hosted, then freed.
     [accepted] = asyncio.run(ask([pack({"cmd": "host", **good})]))
     assert accepted["ok"] and accepted["hosted"] == 1, accepted
