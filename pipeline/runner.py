@@ -484,7 +484,7 @@ class Session:
                 await link.host(request)
                 self.engine_pid = link.pid
                 report = await link.serve(self._ended, STOP_GRACE_S)
-            if report is not None:
+            if report is not None and "edges" in report:  # a group's report (not a restarted engine's "not here")
                 reports[ENGINE_GROUP] = report
             if not self._ended.is_set():
                 self._end_by_report(report, stages, f"ended by the engine: {(report or {}).get('ended_by')}")
