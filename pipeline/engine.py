@@ -54,7 +54,6 @@ from charstream.pipeline.loop_lag import LoopLag
 from charstream.pipeline.runner import ENGINE_GROUP, Edge, GroupRun, GroupSpec
 from charstream.pipeline.session import model_nodes
 from charstream.stages.decode_batcher import DecodeBatcher
-from charstream.stages.memory import bound_allocator_pools
 from charstream.stages.step_batcher import StepBatcher
 from charstream.transport.channel import Transport
 from charstream.transport.security import CurveKeys
@@ -390,7 +389,6 @@ def run_engine(config: PipelineConfig, weights: str | None, endpoint: str, max_s
     """The engine's process (``charstream engine``, or a ``Supervisor`` target): serves until SIGTERM
     or SIGINT; returns its report."""
     configure_logging(log_level)
-    bound_allocator_pools()  # hours of model work in worker threads: see stages/memory.py
     config.apply_gil_switch_interval()  # the hosted stages' model threads share the GIL with the loop
     # Before the loop serves: an import inside it (or one a stage's thread holds the import lock of while
     # the loop wants the module) stalls every hosted session's heartbeats for seconds.

@@ -36,7 +36,6 @@ import anyio
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.engine_link import EngineError, EngineLink, host_request
 from charstream.stages.base import Stage, StageContext
-from charstream.stages.memory import bound_allocator_pools
 from charstream.transport.channel import (
     ControlClient,
     ControlHub,
@@ -333,7 +332,6 @@ class GroupRun:
 def _group_process(spec: GroupSpec) -> dict[str, Any]:
     """Entry point of a spawned stage process: run the group until SHUTDOWN/SIGTERM, return its report."""
     configure_logging()
-    bound_allocator_pools()  # this process decodes or diffuses for hours: see stages/memory.py
     spec.config.apply_gil_switch_interval()  # its stage's model thread and its event loop share the GIL
     # Import the stages' modules (torch and all) before any channel or heartbeat starts: a long
     # import inside the event loop would read as a dead peer. (Class factories were imported when

@@ -52,7 +52,7 @@ from charstream.stages.egress.mic import CaptureClock, UserAudioQueue, pump_micr
 from charstream.stages.egress.stage import PeerLink
 from charstream.stages.egress.timing import BadReport, ClientTiming, _number
 from charstream.stages.egress.tracks import PlayoutAudioTrack, PlayoutVideoTrack, TrackStart
-from charstream.stages.memory import bound_allocator_pools, trim_forever
+from charstream.stages.memory import trim_forever
 from charstream.stages.playout import PlayoutOutput
 from charstream.stages.tracing import SEGMENTS, intervals
 from charstream.transport.messages import TraceContext
@@ -348,7 +348,6 @@ class EgressServer:
         await site.start()
         port = site._server.sockets[0].getsockname()[1]  # the real port when config.port is 0
         self.url = f"http://{self.config.host}:{port}"
-        bound_allocator_pools()  # before sessions allocate: their freed tensors go back, not into pools
         if self.config.memory_trim_s > 0:
             self._trimmer = asyncio.create_task(trim_forever(self.config.memory_trim_s), name="memory-trim")
         log.info("egress_listening", url=self.url, codec=self.config.codec)
