@@ -212,7 +212,8 @@ def test_quantize_rows_reads_the_leading_columns_from_the_prefix(cols, prefix_se
     """The full-window step's GELU rows: the attention columns from cuDNN's own output buffer. x's
     columns there are NaN, so reading them would show."""
     hd = 2560
-    x = torch.randn(T, cols, device="cuda", dtype=torch.bfloat16) * torch.rand(T, 1, device="cuda") * 10
+    # bf16 as served (a float32 factor would promote x, and the kernel refuses a prefix of another dtype)
+    x = torch.randn(T, cols, device="cuda", dtype=torch.bfloat16) * torch.rand(T, 1, device="cuda").bfloat16() * 10
     attn = torch.randn(T, 20, 128, device="cuda", dtype=torch.bfloat16) * 4  # (tokens, heads, D) as cuDNN leaves it
     poisoned = x.clone()
     poisoned[:, :hd] = float("nan")
