@@ -238,6 +238,9 @@ def test_adaln_quant(rows, num_warps, with_residual):
     adaln_quant_triton(x_got, shift, scale, *res, out=out, rows=rows, num_warps=num_warps)
     # the residual update: the same fp32 sum rounded to bf16 (a fused multiply-add may round once less)
     assert _rel(x_got, x_ref) < 1e-3 and (x_got != x_ref).float().mean() < 1e-3
+    if with_residual:  # the codes of the stream as the kernel stored it: one bf16 step of an element near
+        # its row's mean moves its small code by several FP8 steps (the test failed 3-5 runs in 8 that way)
+        rq, rscale = adaln_quant_reference(x_got.clone(), shift, scale)
     assert torch.allclose(out[1], rscale, rtol=1e-4)
     _assert_fp8_close(out[0], rq)
 
