@@ -171,11 +171,7 @@ def ring_write(gen: torch.Generator) -> dict[str, object]:
             entry["ms"] = _graph_ms([functools.partial(
                 ring_write_triton, k_cache[i % LAYERS], v_cache[i % LAYERS], ks[i % LAYERS], vs[i % LAYERS], kn, vn, slot,
                 positions, freqs, rotation, **launch) for i in range(240)])
-            buf = fused.clone()
-            gq, gk, gv, gcq = (buf[:, i * H * D : (i + 1) * H * D].unflatten(-1, (H, D)) for i in range(4))
-            got = [torch.full((H, N_SLOTS, D), 300.0, device="cuda").to(FP8_DTYPE) for _ in range(2)]
-            win = [torch.full((H, n_win, D), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-            sat = torch.zeros((), dtype=torch.int64, device="cuda")
+            (gq, gk, gv, gcq), got, win, sat = _prep_buffers(fused, n_win)
             ring_write_prep_triton(gq, gk, gv, gcq, *got, ks[0], vs[0], slot, positions, freqs, norms, sat,
                                    rotation=rotation, window=(*win, win_slot), **launch)
             written = slice(SINK + 3 * T, SINK + 4 * T)
@@ -201,6 +197,17 @@ def ring_write(gen: torch.Generator) -> dict[str, object]:
     return result
 
 
+def _prep_buffers(fused: torch.Tensor, n_win: int) -> tuple[tuple[torch.Tensor, ...], list[torch.Tensor],
+                                                             list[torch.Tensor], torch.Tensor]:
+    """A copy of the fused q/k/v/cq buffer as its four (tokens, H, D) views, a poisoned FP8 K/V ring, a NaN
+    bf16 window pair and a zeroed saturation counter: what one checked prep call writes into."""
+    buf = fused.clone()
+    views = tuple(buf[:, i * H * D : (i + 1) * H * D].unflatten(-1, (H, D)) for i in range(4))
+    ring = [torch.full((H, N_SLOTS, D), 300.0, device="cuda").to(FP8_DTYPE) for _ in range(2)]
+    window = [torch.full((H, n_win, D), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    return views, ring, window, torch.zeros((), dtype=torch.int64, device="cuda")
+
+
 def _prep_parts(fused, k_cache, v_cache, ks, vs, slot, positions, freqs, rotation, norms, windows, win_slot,
                 rope_table_us) -> dict[str, object]:
     """The serving prep (its default launch) without its FP8 ring stores, without its window copy, and
@@ -212,11 +219,7 @@ def _prep_parts(fused, k_cache, v_cache, ks, vs, slot, positions, freqs, rotatio
         n_win, slot_at = windows[0].shape[2], int(slot)
         runs = []
         for write_ring in (True, False):
-            buf = fused.clone()
-            gq, gk, gv, gcq = (buf[:, i * H * D : (i + 1) * H * D].unflatten(-1, (H, D)) for i in range(4))
-            ring = [torch.full((H, N_SLOTS, D), 300.0, device="cuda").to(FP8_DTYPE) for _ in range(2)]
-            win = [torch.full((H, n_win, D), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-            sat = torch.zeros((), dtype=torch.int64, device="cuda")
+            (gq, gk, gv, gcq), ring, win, sat = _prep_buffers(fused, n_win)
             ring_write_prep_triton(gq, gk, gv, gcq, *ring, ks[0], vs[0], slot, positions, freqs, norms, sat,
                                    rotation=rotation, window=(*win, win_slot), write_ring=write_ring)
             runs.append((gq, gcq, *win, sat, ring))
