@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from charstream.timeline import FRAMES_PER_CHUNK, VIDEO_FPS
+
 AGENT_PACES = ("realtime", "synthesized")  # IngestConfig.agent_pace
 
 
@@ -84,6 +86,9 @@ class PlayoutConfig:
     target_depth_chunks: int = 2  # chunks queued behind the playing one: absorbs a stall of this many chunks
     max_depth_chunks: int = 8  # a full buffer withholds credit from decode (backpressure)
     history_frames: int = 48  # released frames (pixels + audio) kept for egress readers that start late
+    # What the speech placement allows beyond its estimate until a turn has been measured (then it is
+    # learned): one chunk -- a session's first turn ran a chunk 58-155 ms behind its schedule (docs/PERF.md)
+    first_turn_allowance_s: float = FRAMES_PER_CHUNK / VIDEO_FPS
 
 
 @dataclass

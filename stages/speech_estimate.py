@@ -24,8 +24,9 @@ against the schedule the placement set (chunk ``k`` due ``k`` chunks after the f
 frames): at a real-time agent pace every chunk of a turn leaves conditioning a chunk after the one
 before, so each must fit the same budget. A turn's error is the larger of its first chunk's and the
 90th percentile over all its chunks; the allowance is the last turn's error (>= 0) or ``DECAY`` times
-the allowance before, whichever is larger: one slow turn taxes the next turns less and less. One
-frame until a turn has been measured.
+the allowance before, whichever is larger: one slow turn taxes the next turns less and less. Until a
+turn has been measured it is ``PlayoutConfig.first_turn_allowance_s`` (one chunk: a session's first
+turn ran a chunk 58-155 ms behind its schedule in quiet CPU runs and on the H200, docs/PERF.md).
 """
 
 from __future__ import annotations
@@ -34,12 +35,9 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from charstream.timeline import VIDEO_FPS
-
 QUANTILE = 0.9  # of the recent chunks' step and delivery times
 HISTORY = 48  # chunks (8 s) the quantiles are taken over
 DECAY = 0.5  # per turn: what an earlier turn's error still adds to the allowance
-INITIAL_ALLOWANCE_S = 1.0 / VIDEO_FPS  # until a turn start has been measured
 MAX_TURN_CHUNKS = 256  # errors kept per turn (bounded; a turn of ~43 s)
 
 
@@ -95,10 +93,12 @@ class SpeechEstimator:
     """The measured parts of recent chunks' production, and the allowance learned from turn starts."""
 
     def __init__(self, quantile: float = QUANTILE, history: int = HISTORY, decay: float = DECAY,
-                 initial_allowance_s: float = INITIAL_ALLOWANCE_S) -> None:
-        if not 0 < quantile <= 1 or history < 1 or not 0 <= decay < 1:
-            raise ValueError(f"speech estimate: need 0 < quantile <= 1, history >= 1, 0 <= decay < 1; got "
-                             f"{quantile}, {history}, {decay}")
+                 *, initial_allowance_s: float) -> None:
+        """``initial_allowance_s``: the allowance until a turn has been measured
+        (``PlayoutConfig.first_turn_allowance_s``)."""
+        if not 0 < quantile <= 1 or history < 1 or not 0 <= decay < 1 or initial_allowance_s < 0:
+            raise ValueError(f"speech estimate: need 0 < quantile <= 1, history >= 1, 0 <= decay < 1, an initial "
+                             f"allowance >= 0; got {quantile}, {history}, {decay}, {initial_allowance_s}")
         self.quantile, self.decay = quantile, decay
         self._step: deque[float] = deque(maxlen=history)
         self._delivery: deque[float] = deque(maxlen=history)

@@ -236,7 +236,10 @@ def test_turn_start_keeps_what_plays_before_the_speech_and_places_it_at_a_frame_
             await playout.process(stamped(speech_chunk(n, onset if n == rollback.chunk + 1 else 0), latency_s, step_s), ctx)
 
     async def main():
-        session = await start_playout("turn", PlayoutStage(PlayoutConfig(target_depth_chunks=2)), upstream)
+        # a frame of allowance before any turn is measured (the default's chunk is for a live session's first
+        # turn): the placement's tightness is what this checks
+        config = PlayoutConfig(target_depth_chunks=2, first_turn_allowance_s=1 / 24)
+        session = await start_playout("turn", PlayoutStage(config), upstream)
         playout = session.playout
         frames = await collect(playout.output, 4 * 6 + 1)  # six chunks and a frame
         frontier = playout._buffer[-1].chunk + 1 + deeper
@@ -300,3 +303,10 @@ def test_dry_in_the_middle_of_speech_resumes_with_the_next_chunk(speaking):
     # Chunk 7 lands 0.6 s late; one chunk was buffered: ~10 frames held. Waiting for depth 2 holds
     # a chunk (4 frames) longer.
     assert (len(held) <= 12) if speaking else (len(held) >= 13), len(held)
+
+
+def test_a_first_turn_is_placed_with_the_configured_allowance_and_a_negative_one_is_refused():
+    assert PlayoutStage(PlayoutConfig())._estimator.allowance_s == pytest.approx(4 / 24)  # one chunk by default
+    assert PlayoutStage(PlayoutConfig(first_turn_allowance_s=0.05))._estimator.allowance_s == pytest.approx(0.05)
+    with pytest.raises(ValueError, match="initial allowance"):
+        PlayoutStage(PlayoutConfig(first_turn_allowance_s=-0.01))

@@ -110,7 +110,9 @@ def test_a_turn_later_than_its_estimate_raises_the_next_turns_allowance_which_th
 
     async def main():
         with structlog.testing.capture_logs() as logs:
-            session = await start_playout("allow", PlayoutStage(PlayoutConfig(target_depth_chunks=2)), upstream)
+            # a frame before any turn is measured: what the turns' errors then do to it is what this checks
+            config = PlayoutConfig(target_depth_chunks=2, first_turn_allowance_s=1 / 24)
+            session = await start_playout("allow", PlayoutStage(config), upstream)
             playout = session.playout
             index = (await collect(playout.output, 4 * 6))[-1].index + 1
             for turn in range(len(delays)):

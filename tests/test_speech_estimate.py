@@ -4,12 +4,14 @@ the allowance learned from turn errors (which decays)."""
 from __future__ import annotations
 
 import pytest
-from charstream.stages.speech_estimate import INITIAL_ALLOWANCE_S, SpeechEstimator, nearest_rank
+from charstream.stages.speech_estimate import SpeechEstimator, nearest_rank
+
+INITIAL_ALLOWANCE_S = 1 / 24  # these tests' first-turn allowance (PlayoutConfig's default is a chunk)
 
 
 def observed(parts: list[tuple[float, float]]) -> SpeechEstimator:
     """An estimator that saw chunks with these (step, delivery) parts."""
-    est = SpeechEstimator()
+    est = SpeechEstimator(initial_allowance_s=INITIAL_ALLOWANCE_S)
     for i, (step, delivery) in enumerate(parts):
         ready = 1000.0 + i
         est.observe({"conditioning_ready": ready, "diffusion_done": ready + step}, ready + step + delivery)
@@ -74,6 +76,8 @@ def test_a_turn_error_is_its_first_chunk_or_the_90th_percentile_of_its_chunks():
 
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="quantile"):
-        SpeechEstimator(quantile=0.0)
+        SpeechEstimator(quantile=0.0, initial_allowance_s=0.0)
     with pytest.raises(ValueError, match="decay"):
-        SpeechEstimator(decay=1.0)
+        SpeechEstimator(decay=1.0, initial_allowance_s=0.0)
+    with pytest.raises(ValueError, match="initial allowance"):
+        SpeechEstimator(initial_allowance_s=-0.1)
