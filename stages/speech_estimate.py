@@ -26,7 +26,8 @@ before, so each must fit the same budget. A turn's error is the larger of its fi
 90th percentile over all its chunks; the allowance is the last turn's error (>= 0) or ``DECAY`` times
 the allowance before, whichever is larger: one slow turn taxes the next turns less and less. Until a
 turn has been measured it is ``PlayoutConfig.first_turn_allowance_s`` (one chunk: a session's first
-turn ran a chunk 58-155 ms behind its schedule in quiet CPU runs and on the H200, docs/PERF.md).
+turn ran a chunk 58-155 ms behind its schedule in quiet CPU runs and on the H200, docs/PERF.md), a
+guess that the first measured turn replaces (it is not decayed into later turns).
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ class SpeechEstimator:
         self._delivery: deque[float] = deque(maxlen=history)
         self.allowance_s = initial_allowance_s
         self._turn: list[float] = []  # errors of the current turn's chunks, its first chunk's first
+        self._learned = False  # a turn has been measured (the initial allowance is a guess, not decayed)
 
     @property
     def measured(self) -> bool:
@@ -137,5 +139,6 @@ class SpeechEstimator:
         if not errors:
             return None
         turn = TurnError(len(errors), errors[0], nearest_rank(errors, self.quantile), max(errors))
-        self.allowance_s = max(turn.error_s, self.decay * self.allowance_s)
+        self.allowance_s = max(turn.error_s, self.decay * self.allowance_s if self._learned else 0.0)
+        self._learned = True
         return turn

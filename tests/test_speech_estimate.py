@@ -67,7 +67,8 @@ def test_a_turn_error_is_its_first_chunk_or_the_90th_percentile_of_its_chunks():
     for _ in range(19):
         est.speech_arrived(-0.010)
     est.speech_arrived(0.500)  # one slow chunk mid-speech in 21
-    assert est.end_turn().error_s == 0.0 and est.allowance_s == pytest.approx(INITIAL_ALLOWANCE_S / 2)
+    # the first measured turn replaces the initial guess (not halved into the next turns)
+    assert est.end_turn().error_s == 0.0 and est.allowance_s == 0.0
     est.speech_arrived(-0.020)
     for _ in range(5):  # a short turn whose chunks after the first came 70 ms behind its schedule
         est.speech_arrived(0.070)
