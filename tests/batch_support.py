@@ -7,7 +7,10 @@ depend on the session's seed only: the same sessions batched and alone must rele
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
 
+import anyio
 import numpy as np
 import structlog
 from charstream.pipeline.config import PipelineConfig
@@ -71,3 +74,35 @@ def recording_context(stage: str, session: str, out: list) -> StageContext:
         pass
 
     return StageContext(stage, session, emit, send_control, structlog.get_logger())
+
+
+async def alone_then_together(play: Callable[[str, Any, Any], Awaitable[list]], plans: dict, batcher: Any,
+                              config: Any, batched: Any) -> tuple[dict[str, list], dict[str, list]]:
+    """Each plan's ``play(name, None, config)`` one after another, then with ``batcher`` (``batched``
+    config): a, b and c at once, d joining once c has left (a pool of 3 reuses c's lane). Returns
+    what each emitted alone and together, by plan name."""
+    alone = {name: await play(name, None, config) for name in plans}
+    together: dict[str, list] = {}
+
+    async def run(name: str, wait: anyio.Event | None = None, done: anyio.Event | None = None) -> None:
+        if wait is not None:
+            await wait.wait()
+        together[name] = await play(name, batcher, batched)
+        if done is not None:
+            done.set()
+
+    c_done = anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run, "a")
+        tg.start_soon(run, "b")
+        tg.start_soon(run, "c", None, c_done)
+        tg.start_soon(run, "d", c_done)
+    return alone, together
+
+
+def assert_emitted_alike(alone: dict[str, list], together: dict[str, list]) -> None:
+    """Every plan emitted the same (chunk, epoch) sequence and equal arrays together as alone."""
+    for name in alone:
+        assert [(c, e) for c, e, _ in together[name]] == [(c, e) for c, e, _ in alone[name]], name
+        for (_, _, got), (_, _, want) in zip(together[name], alone[name], strict=True):
+            np.testing.assert_array_equal(got, want)

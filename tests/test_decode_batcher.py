@@ -13,7 +13,14 @@ import asyncio
 import anyio
 import numpy as np
 import pytest
-from batch_support import assert_same_frames, recording_context, released_frames, seeded_configs
+from batch_support import (
+    alone_then_together,
+    assert_emitted_alike,
+    assert_same_frames,
+    recording_context,
+    released_frames,
+    seeded_configs,
+)
 from charstream.model.config import TINY
 from charstream.pipeline.config import PipelineConfig
 from charstream.stages.batcher import SessionBatcher
@@ -175,30 +182,8 @@ def test_decode_stages_sharing_a_batcher_emit_their_unbatched_frames():
     batched = DecodeConfig(batch_sessions=3, batch_window_s=0.5)
     batcher = DecodeBatcher(batched, "tiny")
 
-    async def main():
-        alone = {name: await _decode_plan(name, None, config) for name in PLANS}
-        together: dict[str, list] = {}
-
-        async def run(name: str, wait: anyio.Event | None = None, done: anyio.Event | None = None):
-            if wait is not None:
-                await wait.wait()
-            together[name] = await _decode_plan(name, batcher, batched)
-            if done is not None:
-                done.set()
-
-        c_done = anyio.Event()
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(run, "a")
-            tg.start_soon(run, "b")
-            tg.start_soon(run, "c", None, c_done)
-            tg.start_soon(run, "d", c_done)  # joins once c has left
-        return alone, together
-
-    alone, together = anyio.run(main)
-    for name in PLANS:
-        assert [(c, e) for c, e, _ in together[name]] == [(c, e) for c, e, _ in alone[name]], name
-        for (_, _, got), (_, _, want) in zip(together[name], alone[name], strict=True):
-            np.testing.assert_array_equal(got, want)
+    alone, together = anyio.run(alone_then_together, _decode_plan, PLANS, batcher, config, batched)
+    assert_emitted_alike(alone, together)
     assert [(c, e) for c, e, _ in alone["b"]][-2:] == [(3, 1), (4, 1)]
     assert not np.array_equal(alone["b"][3][2], alone["b"][5][2])  # chunk 3 again, from other latents
     assert batcher.stats.largest == 3 and batcher.stats.steps == sum(len(v) for v in together.values())

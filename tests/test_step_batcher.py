@@ -11,7 +11,14 @@ import dataclasses
 import anyio
 import numpy as np
 import pytest
-from batch_support import assert_same_frames, recording_context, released_frames, seeded_configs
+from batch_support import (
+    alone_then_together,
+    assert_emitted_alike,
+    assert_same_frames,
+    recording_context,
+    released_frames,
+    seeded_configs,
+)
 from charstream.model.config import TINY
 from charstream.stages.config import DiffusionConfig
 from charstream.stages.diffusion import DiffusionStage
@@ -59,30 +66,8 @@ def test_stages_sharing_a_batcher_emit_their_unbatched_latents():
     batched = DiffusionConfig(fp8_cache=False, batch_sessions=3, batch_window_s=0.5)
     batcher = StepBatcher(batched, "tiny")
 
-    async def main():
-        alone = {name: await _play(name, None, config) for name in PLANS}
-        together: dict[str, list] = {}
-
-        async def run(name: str, after: str | None = None, wait: anyio.Event | None = None, done: anyio.Event | None = None):
-            if wait is not None:
-                await wait.wait()
-            together[name] = await _play(name, batcher, batched)
-            if done is not None:
-                done.set()
-
-        c_done = anyio.Event()
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(run, "a")
-            tg.start_soon(run, "b")
-            tg.start_soon(run, "c", None, None, c_done)
-            tg.start_soon(run, "d", None, c_done)  # joins once c has left: the pool holds 3
-        return alone, together
-
-    alone, together = anyio.run(main)
-    for name in PLANS:
-        assert [(c, e) for c, e, _ in together[name]] == [(c, e) for c, e, _ in alone[name]], name
-        for (_, _, got), (_, _, want) in zip(together[name], alone[name], strict=True):
-            np.testing.assert_array_equal(got, want)
+    alone, together = anyio.run(alone_then_together, _play, PLANS, batcher, config, batched)
+    assert_emitted_alike(alone, together)
     assert [(c, e) for c, e, _ in alone["b"]][-3:] == [(3, 1), (4, 1), (5, 1)]
     assert not np.allclose(alone["a"][0][2], alone["b"][0][2])  # sessions differ: seeds, identities, audio
     assert batcher.stats.largest == 3 and batcher.stats.steps == sum(len(v) for v in together.values())
