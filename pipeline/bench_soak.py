@@ -52,8 +52,12 @@ MIN_TURN_S = 6.0  # a scripted turn (user line, think, reply, gap) takes longer 
 WARMUP_FRACTION = 0.1  # sessions before the fit: caches, allocator arenas and lazy imports settle
 
 
-def sample() -> dict[str, float]:
-    gc.collect()
+def sample(collect: bool = True) -> dict[str, float]:
+    """The process's resources now; ``collect``: after a full garbage collection (between sessions only:
+    on a large heap it holds the GIL for ~0.15 s, which a live session's playout clock feels)."""
+    started = time.perf_counter()
+    if collect:
+        gc.collect()
     process = psutil.Process()
     usage = resource.getrusage(resource.RUSAGE_SELF)  # every thread of the process
     return {
@@ -66,7 +70,35 @@ def sample() -> dict[str, float]:
         "shm_segments": len(glob.glob("/dev/shm/charstream-*")),
         "children": len(process.children(recursive=True)),
         **{f"malloc_{k}": v for k, v in allocator_stats().items()},  # glibc's heaps, its free pool, mapped blocks
+        "sample_ms": round((time.perf_counter() - started) * 1e3, 2),
     }
+
+
+class GcPauses:
+    """Python's own garbage collections while installed (``gc.callbacks``): how many of each generation
+    and how long the longest held the GIL -- the pauses a serving process has without anyone sampling."""
+
+    def __init__(self) -> None:
+        self.durations: dict[int, list[float]] = {0: [], 1: [], 2: []}
+        self._started = 0.0
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.durations[info["generation"]].append(time.perf_counter() - self._started)
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        return {f"gen{g}": {"collections": len(d), "max_ms": round(max(d, default=0.0) * 1e3, 2),
+                            "p99_ms": round(float(np.percentile(d, 99)) * 1e3, 2) if d else 0.0}
+                for g, d in self.durations.items()}
 
 
 def slope(xs: list[float], ys: list[float]) -> float:
@@ -105,7 +137,7 @@ class Harness:
         while time.monotonic() - started < seconds and not live.output.closed:
             await asyncio.sleep(min(every or seconds, seconds - (time.monotonic() - started)))
             if on_sample is not None:
-                on_sample(live, client.client)
+                await on_sample(live, client.client)
         stats = live.stages["playout"].stats.summary()
         received, ended_early = client.client.video_frames, live.output.closed
         await client.close()
@@ -157,16 +189,19 @@ async def soak_session(source: str, config: PipelineConfig, minutes: float, ever
     await harness.start()
     samples = []
 
-    def on_sample(live, client) -> None:
+    async def on_sample(live, client) -> None:
+        # Off the event loop and without a forced collection: the sampler must not stall the session it measures.
         stats = live.stages["playout"].stats
-        samples.append({**sample(), "frames_released": stats.frames_released, "fresh_frames": stats.fresh_frames,
-                        "underruns": stats.underruns, "received": client.video_frames})
+        counters = {"frames_released": stats.frames_released, "fresh_frames": stats.fresh_frames,
+                    "underruns": stats.underruns, "received": client.video_frames}
+        samples.append({**await asyncio.to_thread(sample, False), **counters})
         if trim:  # what the process holds live, without what glibc keeps free for later
-            release_free_memory()
-            samples[-1]["rss_trimmed_mb"] = sample()["rss_mb"]
+            await asyncio.to_thread(release_free_memory)
+            samples[-1]["rss_trimmed_mb"] = (await asyncio.to_thread(sample, False))["rss_mb"]
 
     try:
-        result = await harness.session(minutes * 60, every, on_sample)
+        with GcPauses() as pauses:
+            result = await harness.session(minutes * 60, every, on_sample)
         last = sample()  # the session over, the server still up
         release_free_memory()
         trimmed = sample()
@@ -200,6 +235,7 @@ async def soak_session(source: str, config: PipelineConfig, minutes: float, ever
         **{f"{cause}_{what}": playout[f"{cause}_{what}"] for cause in UNDERRUN_CAUSES
            for what in ("underruns", "underrun_frames")},
         "late_chunks": playout["late_chunks"], "frames_owed_by_clock": owed,
+        "gc_pauses": pauses.summary(), "sample_ms_max": max((s["sample_ms"] for s in samples), default=0.0),
         "frames_released": playout["frames_released"], "frames_received": result["received"],
         "frames_lost_clock": owed - playout["frames_released"],
         "frames_lost_network": playout["frames_released"] - result["received"],
@@ -219,14 +255,15 @@ def table(report: dict[str, Any]) -> str:
     else:
         rows = [["minutes", "MB/min", "fds/min", "threads/min", "fps held",
                  "underruns (" + "/".join(UNDERRUN_CAUSES) + ")", "lost (clock)", "lost (network)", "released",
-                 "received", "CPU s/min", "faults/s", "free pool MB", "arenas"],
+                 "received", "CPU s/min", "faults/s", "free pool MB", "arenas", "gc gen2 (max ms)", "sample max ms"],
                 [str(r["minutes"]), str(r["rss_slope_mb_per_min"]), str(r["fds_slope_per_min"]),
                  str(r["threads_slope_per_min"]), str(r["fps_held"]),
                  f"{r['underruns']} (" + "/".join(str(r[f"{c}_underruns"]) for c in UNDERRUN_CAUSES) + ")",
                  str(r["frames_lost_clock"]), str(r["frames_lost_network"]), str(r["frames_released"]),
                  str(r["frames_received"]), str(r["cpu_s_per_min"]), str(r["page_faults_per_s"]),
                  " -> ".join(map(str, r["malloc_free_mb_first_last"] or [])),
-                 " -> ".join(map(str, r["malloc_arenas_first_last"] or []))]]
+                 " -> ".join(map(str, r["malloc_arenas_first_last"] or [])),
+                 f"{r['gc_pauses']['gen2']['collections']} ({r['gc_pauses']['gen2']['max_ms']})", str(r["sample_ms_max"])]]
     return text_table(rows) + f"\nload avg 1/5/15 min at end: {report['load_avg_at_end']}"
 
 
@@ -241,6 +278,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trim", action="store_true",
                         help="--minutes: malloc_trim after each sample and record that RSS too (live memory vs glibc's free pool)")
     parser.add_argument("--memory-trim-s", type=float, help="the server's egress.memory_trim_s (0: never)")
+    parser.add_argument("--log-level", default="error",
+                        help="the session's log lines (JSON on stderr) at this level; info names each turn's speech and underrun")
     parser.add_argument("--json", action="store_true", help="print the report as JSON (the table goes to stderr)")
     parser.add_argument("--out", default="bench-soak.json", help="also write the JSON report here")
 
@@ -251,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from charstream.stages.ingest.scripted import DEFAULT_SCRIPT
 
-    configure_logging("error")
+    configure_logging(args.log_level)
     config = PipelineConfig(placement=args.placement)
     config.egress = EgressConfig(port=0, max_sessions=2)
     if args.memory_trim_s is not None:
