@@ -38,6 +38,10 @@ class PipelineConfig:
     # set by the process that serves sessions: a model thread retakes the GIL after each CUDA call of
     # its step (~15), and at Python's 5 ms each retake waits for the event loop's thread to be forced off.
     gil_switch_interval_ms: float = 0.5
+    # Every serving process (the server, each stage process, an engine) imports what its sessions run,
+    # then freezes its heap out of Python's full collections (pipeline/heap.py): one walked ~285,000
+    # objects holding the GIL 110-156 ms.
+    freeze_heap: bool = True
     transport: TransportConfig = field(default_factory=TransportConfig)
     ingest: IngestConfig = field(default_factory=IngestConfig)
     conditioning: ConditioningConfig = field(default_factory=ConditioningConfig)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import os
 import signal
 import sys
@@ -50,6 +49,7 @@ from charstream.pipeline.engine_link import (
     pack,
     unpack,
 )
+from charstream.pipeline.heap import load_and_freeze
 from charstream.pipeline.loop_lag import LoopLag
 from charstream.pipeline.runner import ENGINE_GROUP, Edge, GroupRun, GroupSpec
 from charstream.pipeline.session import model_nodes
@@ -64,10 +64,6 @@ MAX_EDGE_CAPACITY = 1024  # credits of one edge: far more than any session graph
 STOP_TIMEOUT_S = 15.0  # on SIGTERM, hosted groups get this long to tear down
 PROBE_TIMEOUT_S = 0.5  # at start: an engine already serving our ipc path answers within this
 # What the model stages import lazily (in their threads): imported once when the engine starts.
-MODEL_MODULES = tuple(f"charstream.model.{m}" for m in ("audio_encoder", "batched_decoder", "character", "generator",
-                                                         "graphed_decoder", "step", "threads", "vae", "weights"))
-
-
 class RequestError(ValueError):
     """A request the engine refuses (answered with its message; the engine goes on)."""
 
@@ -394,8 +390,7 @@ def run_engine(config: PipelineConfig, weights: str | None, endpoint: str, max_s
     # the loop wants the module) stalls every hosted session's heartbeats for seconds.
     import torch
 
-    for module in MODEL_MODULES:
-        importlib.import_module(module)
+    load_and_freeze(front_end=False, model_stages=True, freeze=config.freeze_heap)
     try:
         if config.diffusion.device.startswith("cuda"):
             torch.cuda.init()

@@ -35,6 +35,7 @@ from typing import Any
 import anyio
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.engine_link import EngineError, EngineLink, host_request
+from charstream.pipeline.heap import load_and_freeze
 from charstream.stages.base import Stage, StageContext
 from charstream.transport.channel import (
     ControlClient,
@@ -338,6 +339,9 @@ def _group_process(spec: GroupSpec) -> dict[str, Any]:
     # the spec was unpickled.)
     for node in spec.nodes:
         resolve_factory(node.factory)
+    names = {node.name for node in spec.nodes}
+    load_and_freeze(front_end="ingest" in names, model_stages=bool(names & {"conditioning", "diffusion", "decode"}),
+                    freeze=spec.config.freeze_heap)
 
     async def main() -> dict[str, Any]:
         transport = Transport(spec.config.transport, spec.keys)

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from charstream.pipeline.config import PipelineConfig
+from charstream.pipeline.heap import load_and_freeze
 from charstream.pipeline.runner import ENGINE_GROUP, Edge, Graph, Node, Session, SessionResult
 from charstream.stages.base import Stage
 from charstream.stages.conditioning import build as build_conditioning
@@ -212,8 +213,10 @@ def session_factory(config: PipelineConfig, weights: str | None = "packaged",
     ``factory.sessions`` holds the running ones by session id. With ``diffusion.batch_sessions`` > 1
     its sessions share one model and batch their diffusion steps (``factory.batcher``); with
     ``decode.batch_sessions`` > 1 one decoder and their chunks (``factory.decode_batcher``). Sets the
-    process's GIL switch interval (``config.gil_switch_interval_ms``): its sessions' threads share it."""
+    process's GIL switch interval (``config.gil_switch_interval_ms``): its sessions' threads share it;
+    imports what its sessions run and freezes the heap (``config.freeze_heap``, ``pipeline/heap.py``)."""
     config.apply_gil_switch_interval()
+    load_and_freeze(front_end=True, model_stages=not testcard and config.placement != "engine", freeze=config.freeze_heap)
     started = 0
     sessions: dict[str, LiveSession] = {}
     for section in ("diffusion", "decode"):

@@ -5,6 +5,7 @@ thread runs Python."""
 
 from __future__ import annotations
 
+import json
 import sys
 
 import anyio
@@ -34,8 +35,8 @@ def test_session_factory_sets_the_configured_switch_interval_and_rejects_a_bad_o
 
 def test_a_stage_process_sets_the_configured_switch_interval(tmp_path):
     note = tmp_path / "interval.txt"
-    graph = Graph([Node("probe", "test_runner_stages:NoteSwitchInterval", {"note_file": str(note)}, "probe")])
+    graph = Graph([Node("probe", "test_runner_stages:NoteProcessSettings", {"note_file": str(note)}, "probe")])
     config = PipelineConfig.from_dict({"placement": "processes", "gil_switch_interval_ms": 1.5})
     result = anyio.run(run_session, graph, config, "s-switch")
     assert result.ok, result.error
-    assert float(note.read_text()) == pytest.approx(0.0015)  # the child's own, not Python's 5 ms default
+    assert json.loads(note.read_text())["switch_interval"] == pytest.approx(0.0015)  # the child's own, not Python's 5 ms default

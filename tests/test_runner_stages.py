@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import json
 import os
 import sys
 
@@ -86,15 +88,17 @@ class Idle(Stage):
                 f.write(text)
 
 
-class NoteSwitchInterval(Stage):
-    """Writes its process's GIL switch interval (seconds) to ``note_file`` at setup, then ends the session."""
+class NoteProcessSettings(Stage):
+    """Writes its process's settings to ``note_file`` (JSON) at setup -- GIL switch interval (seconds),
+    objects frozen out of the garbage collector, whether the model is imported -- then ends the session."""
 
     def __init__(self, note_file: str) -> None:
         self.note_file = note_file
 
     async def setup(self, ctx: StageContext) -> None:
         with open(self.note_file, "w") as f:
-            f.write(repr(sys.getswitchinterval()))
+            json.dump({"switch_interval": sys.getswitchinterval(), "frozen": gc.get_freeze_count(),
+                       "model_imported": "charstream.model.generator" in sys.modules}, f)
 
     async def run(self, ctx: StageContext) -> None:
         await ctx.send_control(Control(ctx.session_id, 1, ControlKind.SHUTDOWN))

@@ -1,0 +1,42 @@
+"""The serving process's long-lived heap, frozen out of Python's full garbage collections.
+
+A full (generation 2) collection walks every tracked object while holding the GIL. A serving process
+holds ~285,000 of them once a session has loaded -- modules, mostly torch's lazily imported sympy --
+and each full collection held the GIL 110-156 ms on a 2-core VM, every few minutes: a speaking chunk
+late by that much is a held frame (docs/PERF.md, "Hours of use"). So the process imports what its
+sessions will run before it serves, then ``gc.freeze()``: what is alive then lives as long as the
+process, and later full collections walk only what sessions create.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import importlib
+
+# What a session's stages import lazily, at their load (off the event loop): the agent's VAD, recogniser
+# and TTS in the front-end; the model, its weights and torch's symbolic shapes where model stages run.
+FRONT_END_MODULES = ("silero_vad", "pocketsphinx", "espeakng_loader", "anyio.to_thread")
+MODEL_MODULES = tuple(f"charstream.model.{m}" for m in ("audio_encoder", "batched_decoder", "character", "generator",
+                                                         "graphed_decoder", "step", "threads", "vae", "weights"))
+
+
+def load_and_freeze(front_end: bool, model_stages: bool, freeze: bool = True) -> int:
+    """Import the modules a session runs in this process (``front_end``: ingest's agent parts;
+    ``model_stages``: the model's), then, with ``freeze``, collect and freeze every object alive.
+    Returns the objects frozen (0 without ``freeze``)."""
+    for name in (FRONT_END_MODULES if front_end else ()) + (MODEL_MODULES if model_stages else ()):
+        importlib.import_module(name)
+    if model_stages:
+        import torch
+
+        # torch imports sympy (~13,000 functions) at a module's first to_empty, which loading a model does
+        torch.nn.Linear(1, 1, device="meta").to_empty(device="cpu")
+    if not freeze:
+        return 0
+    gc.collect()
+    gc.freeze()
+    # Unfrozen at exit, so the interpreter's shutdown collects them (triton's bindings report leaks otherwise).
+    atexit.unregister(gc.unfreeze)  # once, however many servers this process builds
+    atexit.register(gc.unfreeze)
+    return gc.get_freeze_count()
