@@ -22,9 +22,12 @@ The allowance is learned from what the speech of recent turns took beyond its es
 chunk's error (arrival - the estimate without allowance) and, for the chunks after it, their arrival
 against the schedule the placement set (chunk ``k`` due ``k`` chunks after the first, less its onset
 frames): at a real-time agent pace every chunk of a turn leaves conditioning a chunk after the one
-before, so each must fit the same budget. A turn's error is the larger of its first chunk's and the
-90th percentile over all its chunks; the allowance is the last turn's error (>= 0) or ``DECAY`` times
-the allowance before, whichever is larger: one slow turn taxes the next turns less and less. Until a
+before, so each must fit the same budget. A turn's error is the largest of its chunks' (the first
+included): a chunk later than its schedule by more than the slack of its frame is a held frame, and
+on a quiet 2-core VM the chunks beyond the 90th percentile ran 2-19 ms behind it turn after turn
+(docs/PERF.md, "Hours of use"), so an allowance from the 90th percentile left those frames held.
+The allowance is the last turn's error (>= 0) or ``DECAY`` times the allowance before, whichever is
+larger: one slow chunk taxes the next turns less and less. Until a
 turn has been measured it is ``PlayoutConfig.first_turn_allowance_s`` (one chunk: a session's first
 turn ran a chunk 58-155 ms behind its schedule in quiet CPU runs and on the H200, docs/PERF.md), a
 guess that the first measured turn replaces (it is not decayed into later turns).
@@ -87,7 +90,7 @@ class TurnError:
 
     @property
     def error_s(self) -> float:
-        return max(0.0, self.first_s, self.p90_s)
+        return max(0.0, self.max_s)
 
 
 class SpeechEstimator:
