@@ -233,6 +233,10 @@ class DiffusionStep:
         self._session = True
         if self.graphed and not self.graphs:
             self.capture()
+        if self.fused and self.prefer_gathered and self._window_mirrors is None:
+            # The window gather's kernel compiles at its first call, which is otherwise the step that first
+            # finds the window full: that step stalled ~0.9 s on the H200 (a held frame in every session).
+            self._gather_window([0] * self.cfg.window_frames)  # what it writes is rebuilt at that step
 
     @torch.inference_mode()
     def step(self, audio_tokens: torch.Tensor, seed: int) -> torch.Tensor:

@@ -6,7 +6,10 @@ its diffusion step starts once the step still busy with the last listening chunk
 decoded and delivered. Every chunk carries ``conditioning_ready`` and ``diffusion_done`` stamps, so
 playout measures the two parts of each chunk's production after conditioning:
 
-- step: ``conditioning_ready`` -> ``diffusion_done`` (the hop to diffusion and the step itself);
+- step: ``conditioning_ready`` -> ``diffusion_done`` (the hop to diffusion and the step itself), from
+  the chunk before's ``diffusion_done`` where that is later: a chunk queued behind another's step (a
+  session's first chunks go in a burst) measures its own step, not the queue -- the queue a speech
+  chunk meets is ``last_emit_at``'s part of the estimate;
 - delivery: ``diffusion_done`` -> its arrival at playout (the hop to decode, decode, the hop here).
 
 The estimate, in seconds from now::
@@ -22,15 +25,16 @@ The allowance is learned from what the speech of recent turns took beyond its es
 chunk's error (arrival - the estimate without allowance) and, for the chunks after it, their arrival
 against the schedule the placement set (chunk ``k`` due ``k`` chunks after the first, less its onset
 frames): at a real-time agent pace every chunk of a turn leaves conditioning a chunk after the one
-before, so each must fit the same budget. A turn's error is the largest of its chunks' (the first
-included): a chunk later than its schedule by more than the slack of its frame is a held frame, and
-on a quiet 2-core VM the chunks beyond the 90th percentile ran 2-19 ms behind it turn after turn
-(docs/PERF.md, "Hours of use"), so an allowance from the 90th percentile left those frames held.
-The allowance is the last turn's error (>= 0) or ``DECAY`` times the allowance before, whichever is
-larger: one slow chunk taxes the next turns less and less. Until a
-turn has been measured it is ``PlayoutConfig.first_turn_allowance_s`` (one chunk: a session's first
-turn ran a chunk 58-155 ms behind its schedule in quiet CPU runs and on the H200, docs/PERF.md), a
-guess that the first measured turn replaces (it is not decayed into later turns).
+before, so each must fit the same budget. The allowance is the second latest of the last
+``ERROR_HISTORY`` speech chunks' errors (256: the 99.6th percentile once full), >= 0 -- a jitter buffer's rule: a chunk later than its schedule by more than its frame's slack is a held frame,
+and on a quiet 2-core VM one chunk in ~30 ran 5-25 ms behind it, turn after turn, in no turn the same
+(docs/PERF.md, "Hours of use"): an allowance from the last turn alone, decaying, was ~0 in the turns
+that held a frame. One isolated stall in 256 chunks sets nothing; the errors are against the schedule
+without allowance, so the allowance does not feed itself. Until a turn has been measured it is
+``PlayoutConfig.first_turn_allowance_s`` (one chunk: a session's first turn ran a chunk 58-155 ms behind
+its schedule in quiet CPU runs and on the H200), a guess the first measured turn replaces; that turn's
+errors set the second turn's allowance and are then forgotten (it ran beside the session's warm-up:
+kept, they would tax the next eight turns).
 """
 
 from __future__ import annotations
@@ -41,8 +45,8 @@ from dataclasses import dataclass
 
 QUANTILE = 0.9  # of the recent chunks' step and delivery times
 HISTORY = 48  # chunks (8 s) the quantiles are taken over
-DECAY = 0.5  # per turn: what an earlier turn's error still adds to the allowance
-MAX_TURN_CHUNKS = 256  # errors kept per turn (bounded; a turn of ~43 s)
+ERROR_HISTORY = 256  # speech chunks (~8 turns) whose second latest error against its schedule is the allowance
+MAX_TURN_CHUNKS = 256  # errors kept per turn for its log line (bounded; a turn of ~43 s)
 
 
 def nearest_rank(values: list[float] | deque[float], q: float) -> float:
@@ -88,27 +92,25 @@ class TurnError:
     p90_s: float
     max_s: float
 
-    @property
-    def error_s(self) -> float:
-        return max(0.0, self.max_s)
-
 
 class SpeechEstimator:
     """The measured parts of recent chunks' production, and the allowance learned from turn starts."""
 
-    def __init__(self, quantile: float = QUANTILE, history: int = HISTORY, decay: float = DECAY,
+    def __init__(self, quantile: float = QUANTILE, history: int = HISTORY, error_history: int = ERROR_HISTORY,
                  *, initial_allowance_s: float) -> None:
         """``initial_allowance_s``: the allowance until a turn has been measured
         (``PlayoutConfig.first_turn_allowance_s``)."""
-        if not 0 < quantile <= 1 or history < 1 or not 0 <= decay < 1 or initial_allowance_s < 0:
-            raise ValueError(f"speech estimate: need 0 < quantile <= 1, history >= 1, 0 <= decay < 1, an initial "
-                             f"allowance >= 0; got {quantile}, {history}, {decay}, {initial_allowance_s}")
-        self.quantile, self.decay = quantile, decay
+        if not 0 < quantile <= 1 or history < 1 or error_history < 2 or initial_allowance_s < 0:
+            raise ValueError(f"speech estimate: need 0 < quantile <= 1, history >= 1, error history >= 2, an "
+                             f"initial allowance >= 0; got {quantile}, {history}, {error_history}, {initial_allowance_s}")
+        self.quantile = quantile
         self._step: deque[float] = deque(maxlen=history)
         self._delivery: deque[float] = deque(maxlen=history)
+        self._last_done: float | None = None  # the last observed chunk's diffusion_done
         self.allowance_s = initial_allowance_s
+        self._errors: deque[float] = deque(maxlen=error_history)  # recent speech chunks', across turns
         self._turn: list[float] = []  # errors of the current turn's chunks, its first chunk's first
-        self._learned = False  # a turn has been measured (the initial allowance is a guess, not decayed)
+        self._learned = False  # a turn has been measured
 
     @property
     def measured(self) -> bool:
@@ -119,8 +121,9 @@ class SpeechEstimator:
         ready, done = stamps.get("conditioning_ready"), stamps.get("diffusion_done")
         if ready is None or done is None:
             return
-        self._step.append(done - ready)
+        self._step.append(done - (ready if self._last_done is None else max(ready, self._last_done)))
         self._delivery.append(arrived_at - done)
+        self._last_done = done
 
     def step_s(self) -> float:
         return nearest_rank(self._step, self.quantile)
@@ -133,15 +136,19 @@ class SpeechEstimator:
 
     def speech_arrived(self, error_s: float) -> None:
         """A chunk of the current turn's speech arrived ``error_s`` after its estimated schedule."""
+        self._errors.append(error_s)
         if len(self._turn) < MAX_TURN_CHUNKS:
             self._turn.append(error_s)
 
     def end_turn(self) -> TurnError | None:
-        """Fold the current turn's errors into the allowance (None: none of its speech arrived)."""
+        """The current turn's errors (None: none of its speech arrived); the allowance from the recent
+        chunks' errors, this turn's included."""
         errors, self._turn = self._turn, []
         if not errors:
             return None
-        turn = TurnError(len(errors), errors[0], nearest_rank(errors, self.quantile), max(errors))
-        self.allowance_s = max(turn.error_s, self.decay * self.allowance_s if self._learned else 0.0)
-        self._learned = True
-        return turn
+        latest = sorted(self._errors)[-2:]  # one stall sets nothing
+        self.allowance_s = max(0.0, latest[0])
+        if not self._learned:  # the session's first measured turn (its warm-up): for the next turn only
+            self._errors.clear()
+            self._learned = True
+        return TurnError(len(errors), errors[0], nearest_rank(errors, QUANTILE), max(errors))

@@ -82,10 +82,10 @@ def test_speech_late_at_its_turn_start_is_an_onset_underrun(placed):
     assert [f.speaking for f in after if f.chunk is not None][-4:] == [True] * 4  # then the speech plays on
 
 
-def test_a_turn_later_than_its_estimate_raises_the_next_turns_allowance_which_then_decays():
+def test_a_first_turn_later_than_its_estimate_raises_the_next_turns_allowance_only():
     """Three turn starts: the first turn's speech chunks come 0.3 s after its estimate, the next
-    ones as measured. The second placement adds what the first took beyond its estimate (~0.3 s),
-    the third half of that at most (the second turn was on time)."""
+    ones as measured. The second placement adds what the first took beyond its estimate;
+    the third only what the second took (on time): the first turn's errors are not kept."""
     delays = [0.3, 0.0, 0.0]
 
     async def upstream(session):
@@ -130,5 +130,6 @@ def test_a_turn_later_than_its_estimate_raises_the_next_turns_allowance_which_th
     turns = [e for e in logs if e["event"] == "playout_turn_speech"]
     assert len(allowance) == 3 and len(turns) == 3, (allowance, turns)
     assert allowance[0] == pytest.approx(1e3 / 24, abs=0.1)  # a frame before any turn was measured
-    assert turns[0]["first_error_ms"] >= 250 and allowance[1] == pytest.approx(turns[0]["p90_error_ms"], abs=0.1)
-    assert turns[1]["first_error_ms"] < 50 and allowance[2] == pytest.approx(allowance[1] / 2, abs=0.1)
+    # its second latest chunk's error (the ones after its first came in a burst, less and less late)
+    assert turns[0]["first_error_ms"] >= 250 and 100 < allowance[1] <= turns[0]["max_error_ms"] + 0.1
+    assert turns[1]["max_error_ms"] < 50 and allowance[2] <= max(0.0, turns[1]["max_error_ms"]) + 0.1

@@ -1,5 +1,5 @@
 """The turn-start estimate from the speech chunk's own production: its parts, their quantile, and
-the allowance learned from turn errors (which decays)."""
+the allowance learned from recent speech chunks' errors."""
 
 from __future__ import annotations
 
@@ -46,43 +46,53 @@ def test_one_slow_chunk_does_not_set_the_estimate_but_a_tenth_of_them_does():
     assert observed(parts).estimate(2000.0, 0.0, None).expected_s == pytest.approx(0.260)
 
 
-def test_allowance_learns_a_late_turn_and_decays():
+def test_chunks_queued_behind_each_other_measure_their_own_step():
+    est = SpeechEstimator(initial_allowance_s=0.0)
+    for i in range(8):  # a session's first chunks, all ready at once: each step 100 ms, one after another
+        done = 1000.0 + 0.100 * (i + 1)
+        est.observe({"conditioning_ready": 1000.0, "diffusion_done": done}, done + 0.030)
+    # from ready, the eighth waited 700 ms in the queue; its step (and the 90th percentile's) is 100 ms
+    assert est.estimate(2000.0, 0.0, None).expected_s == pytest.approx(0.100 + 0.030)
+
+
+def test_the_allowance_is_the_recent_speech_chunks_second_latest_error():
     est = observed([(0.110, 0.040)] * 30)
     assert est.end_turn() is None and est.allowance_s == INITIAL_ALLOWANCE_S  # nothing arrived: unchanged
     for error in (0.060, 0.010, 0.000):  # its first chunk 60 ms late, the next ones about on time
         est.speech_arrived(error)
     turn = est.end_turn()
     assert (turn.chunks, turn.first_s, turn.max_s) == (3, 0.060, 0.060)
-    assert est.allowance_s == pytest.approx(0.060)
-    assert est.estimate(2000.0, 0.0, None).ready_s == pytest.approx(0.150 + 0.060)
-    for expected in (0.030, 0.015, 0.0075):  # then turns on time (early, even): halved each turn
-        est.speech_arrived(-0.050)
-        est.end_turn()
-        assert est.allowance_s == pytest.approx(expected)
+    assert est.allowance_s == pytest.approx(0.010)  # the guess replaced by the second latest error
+    assert est.estimate(2000.0, 0.0, None).ready_s == pytest.approx(0.150 + 0.010)
 
 
-def test_a_turn_error_is_its_latest_chunk_and_an_outlier_decays():
+def test_one_stall_sets_nothing_a_recurring_lateness_does_and_it_spans_turns():
     est = observed([(0.110, 0.040)] * 30)
-    est.speech_arrived(-0.020)
-    for _ in range(19):
-        est.speech_arrived(-0.010)
-    est.speech_arrived(0.015)  # one chunk mid-speech 15 ms behind its schedule in 21: a held frame
-    # the first measured turn replaces the initial guess (not halved into the next turns)
-    turn = est.end_turn()
-    assert (turn.first_s, turn.max_s, turn.error_s) == (-0.020, 0.015, 0.015) and est.allowance_s == 0.015
-    est.speech_arrived(-0.020)
-    est.speech_arrived(0.400)  # a stall of 400 ms mid-speech
-    assert est.end_turn().error_s == pytest.approx(0.400) and est.allowance_s == pytest.approx(0.400)
-    for expected in (0.200, 0.100, 0.050):  # then on time: the stall taxes the next turns less and less
-        est.speech_arrived(-0.030)
+    for _ in range(32):  # the first turn, beside the warm-up: late, then forgotten
+        est.speech_arrived(0.100)
+    est.end_turn()
+    assert est.allowance_s == pytest.approx(0.100)
+    for turn in range(8):  # 8 turns of 32 chunks: about on time, one stall of 400 ms in all of them
+        for k in range(32):
+            est.speech_arrived(0.400 if (turn, k) == (3, 10) else -0.010)
         est.end_turn()
-        assert est.allowance_s == pytest.approx(expected)
+        assert est.allowance_s == 0.0  # the stall is the latest of the 256 (the first turn's are gone)
+    for _ in range(2):  # two turns, each with one chunk 20 ms behind its schedule (a frame held)
+        for k in range(32):
+            est.speech_arrived(0.020 if k == 5 else -0.010)
+        est.end_turn()
+    assert est.allowance_s == pytest.approx(0.020)  # the second latest of the last 256
+    for _ in range(8):  # 256 chunks on time later, the late ones have left the history
+        for _k in range(32):
+            est.speech_arrived(-0.010)
+        est.end_turn()
+    assert est.allowance_s == 0.0
 
 
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="quantile"):
         SpeechEstimator(quantile=0.0, initial_allowance_s=0.0)
-    with pytest.raises(ValueError, match="decay"):
-        SpeechEstimator(decay=1.0, initial_allowance_s=0.0)
+    with pytest.raises(ValueError, match="error history"):
+        SpeechEstimator(error_history=1, initial_allowance_s=0.0)
     with pytest.raises(ValueError, match="initial allowance"):
         SpeechEstimator(initial_allowance_s=-0.1)
