@@ -155,6 +155,7 @@ class KVCache:
         # Bumped whenever cached history is rewritten (a new session, a rollback, a delta rotation), so
         # a copy of the ring's window (the step's bf16 attention window) knows it must be rebuilt.
         self.version = 0
+        self._rotation_compiled = False  # the position reset's kernel has run once (CUDA: compiled)
 
     @property
     def fp8(self) -> bool:
@@ -164,6 +165,9 @@ class KVCache:
         """A new session: forget every frame (storage is reused, not reallocated)."""
         self.slot_frame = [None] * self.ring_frames
         self._set_valid([False] * self.ring_frames)
+        if self.k.is_cuda and not self._rotation_compiled:
+            self._compile_rotation()
+            self._rotation_compiled = True
         self.saturated.zero_()
         self.offset = 0
         self.next_frame = 0
@@ -183,9 +187,7 @@ class KVCache:
         """
         frame = self.next_frame
         ring_pos = frame % self.ring_frames
-        # The frame this one replaces is never read again: the rotation leaves its slots alone.
-        overwritten = (self.sink_slots + ring_pos * self.tokens_per_frame, self.tokens_per_frame)
-        self._shift_to(position_offset(frame, self.cfg.window_frames, self.cfg.reset_every), overwritten)
+        self._shift_to(position_offset(frame, self.cfg.window_frames, self.cfg.reset_every), self._overwritten(frame))
         self.slot_frame[ring_pos] = frame
         oldest = frame - self.cfg.window_frames + 1
         valid = [f is not None and oldest <= f <= frame for f in self.slot_frame]
@@ -215,6 +217,19 @@ class KVCache:
         self.slot_frame = [f if f is not None and f < self.next_frame else None for f in self.slot_frame]
         wanted = range(max(0, self.next_frame - self.cfg.window_frames + 1), self.next_frame)
         return sum(f not in self.slot_frame for f in wanted)
+
+    def _overwritten(self, frame: int) -> tuple[int, int]:
+        """The slots frame ``frame`` replaces, never read again: the rotation leaves them alone."""
+        return self.sink_slots + frame % self.ring_frames * self.tokens_per_frame, self.tokens_per_frame
+
+    def _compile_rotation(self) -> None:
+        """Run the rotation's kernel once with the arguments of a session's first position reset (Triton
+        compiles it per specialisation of its integer arguments): compiled at that reset, frame window +
+        reset_every into the session, the step stalled ~1 s on the H200 (a held frame in every session).
+        Called on a ring no frame is in yet, so what it rotates is never read."""
+        frame = self.cfg.window_frames + self.cfg.reset_every
+        delta_rotate(self.k, self.k_scale, position_offset(frame, self.cfg.window_frames, self.cfg.reset_every),
+                     self.freqs.t, self.sink_slots, self._overwritten(frame))
 
     def _shift_to(self, offset: int, skip: tuple[int, int]) -> None:
         if offset != self.offset:
