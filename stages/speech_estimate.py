@@ -26,7 +26,8 @@ chunk's error (arrival - the estimate without allowance) and, for the chunks aft
 against the schedule the placement set (chunk ``k`` due ``k`` chunks after the first, less its onset
 frames): at a real-time agent pace every chunk of a turn leaves conditioning a chunk after the one
 before, so each must fit the same budget. The allowance is the second latest of the last
-``ERROR_HISTORY`` speech chunks' errors (256: the 99.6th percentile once full), >= 0 -- a jitter buffer's rule: a chunk later than its schedule by more than its frame's slack is a held frame,
+``ERROR_HISTORY`` speech chunks' errors (256: the 99.6th percentile once full; the latest while they
+span one turn), >= 0 -- a jitter buffer's rule: a chunk later than its schedule by more than its frame's slack is a held frame,
 and on a quiet 2-core VM one chunk in ~30 ran 5-25 ms behind it, turn after turn, in no turn the same
 (docs/PERF.md, "Hours of use"): an allowance from the last turn alone, decaying, was ~0 in the turns
 that held a frame. One isolated stall in 256 chunks sets nothing; the errors are against the schedule
@@ -111,6 +112,7 @@ class SpeechEstimator:
         self._errors: deque[float] = deque(maxlen=error_history)  # recent speech chunks', across turns
         self._turn: list[float] = []  # errors of the current turn's chunks, its first chunk's first
         self._learned = False  # a turn has been measured
+        self._turns_kept = 0  # turns whose errors are in the history
 
     @property
     def measured(self) -> bool:
@@ -146,9 +148,14 @@ class SpeechEstimator:
         errors, self._turn = self._turn, []
         if not errors:
             return None
-        latest = sorted(self._errors)[-2:]  # one stall sets nothing
+        # One stall sets nothing -- once the history spans two turns: before, the latest error counts (at
+        # an agent pace ahead of real time a turn's later chunks come early, and the second latest of one
+        # turn's errors would pass over its first chunk's, the one the placement is for).
+        self._turns_kept += 1
+        latest = sorted(self._errors)[-2:] if self._turns_kept > 1 else sorted(self._errors)[-1:]
         self.allowance_s = max(0.0, latest[0])
         if not self._learned:  # the session's first measured turn (its warm-up): for the next turn only
             self._errors.clear()
+            self._turns_kept = 0
             self._learned = True
         return TurnError(len(errors), errors[0], nearest_rank(errors, QUANTILE), max(errors))

@@ -62,8 +62,16 @@ def test_the_allowance_is_the_recent_speech_chunks_second_latest_error():
         est.speech_arrived(error)
     turn = est.end_turn()
     assert (turn.chunks, turn.first_s, turn.max_s) == (3, 0.060, 0.060)
-    assert est.allowance_s == pytest.approx(0.010)  # the guess replaced by the second latest error
-    assert est.estimate(2000.0, 0.0, None).ready_s == pytest.approx(0.150 + 0.010)
+    assert est.allowance_s == pytest.approx(0.060)  # the guess replaced by the turn's latest error
+    assert est.estimate(2000.0, 0.0, None).ready_s == pytest.approx(0.150 + 0.060)
+    for error in (0.030, -0.050, -0.050):  # a turn at a pace ahead of real time: only its first chunk late
+        est.speech_arrived(error)
+    est.end_turn()
+    assert est.allowance_s == pytest.approx(0.030)  # one turn in the history (the first's forgotten): its latest
+    for error in (0.020, -0.050, -0.050):
+        est.speech_arrived(error)
+    est.end_turn()
+    assert est.allowance_s == pytest.approx(0.020)  # two turns: the second latest
 
 
 def test_one_stall_sets_nothing_a_recurring_lateness_does_and_it_spans_turns():
