@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import gc
 import importlib
+import importlib.util
 
 # What a session's stages import lazily, at their load (off the event loop): the agent's VAD, recogniser
 # and TTS in the front-end; the model, its weights and torch's symbolic shapes where model stages run.
@@ -25,7 +26,10 @@ def load_and_freeze(front_end: bool, model_stages: bool, freeze: bool = True) ->
     """Import the modules a session runs in this process (``front_end``: ingest's agent parts;
     ``model_stages``: the model's), then, with ``freeze``, collect and freeze every object alive.
     Returns the objects frozen (0 without ``freeze``)."""
-    for name in (FRONT_END_MODULES if front_end else ()) + (MODEL_MODULES if model_stages else ()):
+    # A front-end module the environment lacks is a part its sessions cannot run (the recogniser is
+    # needed by the built-in agent only): its stage raises then, as it does without this import.
+    front = [name for name in FRONT_END_MODULES if importlib.util.find_spec(name) is not None] if front_end else []
+    for name in front + list(MODEL_MODULES if model_stages else ()):
         importlib.import_module(name)
     if model_stages:
         import torch
