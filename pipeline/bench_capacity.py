@@ -111,6 +111,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget-s", type=float, default=None,
                         help="wall-time budget of one ladder: a count that would not fit is not started")
     parser.add_argument("--threads", type=int, default=1, help="CPU sessions: intra-op threads of diffusion and decode")
+    parser.add_argument("--log-level", default="error",
+                        help="the server workers' log lines (JSON on stderr) at this level; info names each "
+                             "turn's speech placement and every underrun")
     parser.add_argument("--agent-pace", choices=AGENT_PACES, default=IngestConfig().agent_pace,
                         help="how the scripted agent streams its reply: in real time, or as synthesised (ahead of "
                              "real time, as TTS services push audio); default: ingest's")
@@ -643,7 +646,8 @@ async def ladder(args: argparse.Namespace, batch_sessions: int, budget_s: float 
             worker_config = config
             if engines is not None:  # its sessions' model stages in its engine
                 worker_config = dataclasses.replace(config, engine_endpoint=engines.endpoints[engine_of(i, args.engines)])
-            procs.launch(f"worker-{i}", run_worker, procs.endpoint, f"worker-{i}", worker_config, weights)
+            procs.launch(f"worker-{i}", run_worker, procs.endpoint, f"worker-{i}", worker_config, weights,
+                         args.log_level)
         for i in range(args.clients):
             procs.launch(f"client-{i}", run_clients, procs.endpoint, f"client-{i}", args.start_timeout)
         await procs.wait_hello(args.start_timeout)

@@ -100,11 +100,12 @@ def _stop_on_sigterm(stop: asyncio.Event) -> None:
 # -- the server worker ---------------------------------------------------------------------------------
 
 
-def run_worker(endpoint: str, name: str, config: PipelineConfig, weights: str | None) -> dict[str, Any]:
+def run_worker(endpoint: str, name: str, config: PipelineConfig, weights: str | None,
+               log_level: str = "error") -> dict[str, Any]:
     """A server worker's process (a ``Supervisor`` target): returns its report."""
     from charstream.logs import configure_logging
 
-    configure_logging("error")
+    configure_logging(log_level)
     try:
         asyncio.run(_worker(endpoint, name, config, weights))
     except Exception as e:

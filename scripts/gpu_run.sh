@@ -33,6 +33,7 @@
 #                                                   CAPACITY_ENGINES=K: K model engines host every session's model
 #                                                   stages (placement engine; a batch value must cover 48 / K sessions)
 #                                                   CAPACITY_PACE=synthesized: the scripted agent streams ahead of real time
+#                                                   CAPACITY_LOG=info: the server workers' turn and underrun lines in capacity.log
 #
 # The tree (17 MB) with all parts exceeds a call's 64 MiB: carry one part per call, back to back while
 # the machine is warm (it goes back 30 s after a call) -- every device command installs the parts it
@@ -177,7 +178,7 @@ elif [ "$cmd" = capacity ]; then
   # shellcheck disable=SC2086
   section "capacity tiny --gpus 1, batch_sessions $*${CAPACITY_ENGINES:+, $CAPACITY_ENGINES engines}" 360 capacity.log python3 -m charstream.pipeline.cli bench capacity \
     --gpus 1 --sessions $sessions --workers "${CAPACITY_WORKERS:-16}" --clients "${CAPACITY_CLIENTS:-4}" \
-    --batch-sessions "$@" ${CAPACITY_ENGINES:+--engines "$CAPACITY_ENGINES"} ${CAPACITY_PACE:+--agent-pace "$CAPACITY_PACE"} --hold 30 --budget-s $((300 / $#)) \
+    --batch-sessions "$@" ${CAPACITY_ENGINES:+--engines "$CAPACITY_ENGINES"} ${CAPACITY_PACE:+--agent-pace "$CAPACITY_PACE"} ${CAPACITY_LOG:+--log-level "$CAPACITY_LOG"} --hold 30 --budget-s $((300 / $#)) \
     --out "$OUT/capacity.json"
 else
   echo "unknown command $cmd" >&2
