@@ -112,7 +112,7 @@ class SpeechEstimator:
         self._errors: deque[float] = deque(maxlen=error_history)  # recent speech chunks', across turns
         self._turn: list[float] = []  # errors of the current turn's chunks, its first chunk's first
         self._learned = False  # a turn has been measured
-        self._turns_kept = 0  # turns whose errors are in the history
+        self._turns_kept = 0  # turns measured since the history began (only "more than one" matters)
 
     @property
     def measured(self) -> bool:
