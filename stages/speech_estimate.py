@@ -112,7 +112,6 @@ class SpeechEstimator:
         self._errors: deque[float] = deque(maxlen=error_history)  # recent speech chunks', across turns
         self._turn: list[float] = []  # errors of the current turn's chunks, its first chunk's first
         self._learned = False  # a turn has been measured
-        self._turns_kept = 0  # turns measured since the history began (only "more than one" matters)
 
     @property
     def measured(self) -> bool:
@@ -151,11 +150,9 @@ class SpeechEstimator:
         # One stall sets nothing -- once the history spans two turns: before, the latest error counts (at
         # an agent pace ahead of real time a turn's later chunks come early, and the second latest of one
         # turn's errors would pass over its first chunk's, the one the placement is for).
-        self._turns_kept += 1
-        latest = sorted(self._errors)[-2:] if self._turns_kept > 1 else sorted(self._errors)[-1:]
-        self.allowance_s = max(0.0, latest[0])
+        spans_turns = len(self._errors) > len(errors)
+        self.allowance_s = max(0.0, sorted(self._errors)[-2 if spans_turns else -1])
         if not self._learned:  # the session's first measured turn (its warm-up): for the next turn only
             self._errors.clear()
-            self._turns_kept = 0
             self._learned = True
         return TurnError(len(errors), errors[0], nearest_rank(errors, QUANTILE), max(errors))
