@@ -19,6 +19,7 @@ import bisect
 import faulthandler
 import json
 import os
+import statistics
 import time
 import traceback
 from collections import defaultdict
@@ -31,6 +32,8 @@ import torch.nn.functional as F
 from charstream.model.config import ModelConfig, get_preset
 from charstream.pipeline.bench_output import commit_id, cuda_median_ms, free_port, text_table
 from charstream.stages.tp_group import NO_MULTICAST
+
+from charstream.timeline import SAMPLES_PER_CHUNK
 
 REFERENCE = {  # docs/ARCHITECTURE.md, "Reference numbers" (4xH100 session) and the issue's targets (one H200)
     "step_ms": {3: 147.4, 4: None},
@@ -54,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="time the shard's step without its all-reduces (default: in a one-rank NCCL group, "
                              "as the step serves: the collectives replay inside its graph)")
     parser.add_argument("--skip", nargs="*", default=[],
-                        choices=["ceilings", "sweep", "kernels", "profile", "step", "decoder", "pipeline"])
+                        choices=["ceilings", "sweep", "kernels", "profile", "step", "decoder", "pipeline", "encoder"])
     parser.add_argument("--trace", action="store_true", help="with --json: also write each shard's Chrome trace of one replay")
     parser.add_argument("--section-timeout", type=float, default=0.0,
                         help="seconds a section may run before every thread's stack is printed and the process "
@@ -562,6 +565,35 @@ def bench_decoder(cfg: ModelConfig, reps: int) -> tuple[dict[str, float], object
     return result, graphed
 
 
+def bench_encoder(cfg: ModelConfig, reps: int) -> dict[str, float]:
+    """One chunk's audio encode as conditioning serves it (``stages.conditioning.build``'s callable:
+    int16 window in, float32 tokens on the host out), eager and graphed: wall ms and host CPU ms per
+    chunk (the host's share is what an engine's sessions contend for)."""
+    import numpy as np
+    from charstream.stages.conditioning import build
+    from charstream.stages.config import ConditioningConfig
+
+    weights = "packaged" if cfg.name == "tiny" else None
+    rng = np.random.default_rng(0)
+    result: dict[str, float] = {}
+    for mode, graphed in (("eager", False), ("graphed", True)):
+        _progress(f"encoder: {mode}")
+        stage = build(ConditioningConfig(device="cuda:0", graphed=graphed), cfg.name, weights)
+        n = stage.context + SAMPLES_PER_CHUNK + stage.lookahead
+        windows = [(rng.standard_normal(n) * 3000).astype(np.int16) for _ in range(4)]
+        for w in windows:
+            stage.encode(w)
+        wall, cpu = [], []
+        for i in range(max(20, reps)):
+            t0, c0 = time.perf_counter(), time.process_time()
+            stage.encode(windows[i % len(windows)])  # ends with the tokens' copy to the host: synchronised
+            wall.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+        result[f"{mode}_ms"] = statistics.median(wall) * 1e3
+        result[f"{mode}_host_cpu_ms"] = statistics.median(cpu) * 1e3
+    return result
+
+
 def bench_pipeline(step, decoder, steps: int) -> dict[str, float]:
     """Step n+1 on the main stream while chunk n decodes on a second stream of the same GPU.
 
@@ -707,6 +739,10 @@ def _table(results: dict) -> str:
             for name, value in att.items():
                 if not name.startswith("triton") and isinstance(value, float):
                     rows.append((f"attention TP={tp} {name}", f"{value:.4f}", "", ""))
+    enc = results.get("encoder", {})
+    if "graphed_ms" in enc:
+        rows.append(("audio encode per chunk, graphed / eager: wall (ms)", f"{enc['graphed_ms']:.2f} / {enc['eager_ms']:.2f}", "", ""))
+        rows.append(("  host CPU (ms)", f"{enc['graphed_host_cpu_ms']:.2f} / {enc['eager_host_cpu_ms']:.2f}", "", ""))
     dec = results.get("decoder", {})
     if "graphed_bf16_ms" in dec:
         rows.append(("decoder 704x1088 chunk, graphed bf16 (ms)", f"{dec['graphed_bf16_ms']:.2f}", "<= 40", str(REFERENCE["decoder_ms"])))
@@ -787,6 +823,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({tp: shard}, default=str)[:3000], flush=True)
         _save(results, args.json)
         model = cache = None
+    if "encoder" not in args.skip:
+        results["encoder"] = _section(results, "encoder", bench_encoder, cfg, args.steps) or results.get("encoder")
+        _save(results, args.json)
     if "decoder" not in args.skip:
         built = _section(results, "decoder", bench_decoder, cfg, args.steps)
         if built is not None:

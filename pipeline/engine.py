@@ -84,7 +84,8 @@ def engine_session_config(engine: PipelineConfig, session: PipelineConfig, weigh
     ed, dd = engine.diffusion, engine.decode
     return dataclasses.replace(
         session, placement="engine",
-        conditioning=dataclasses.replace(session.conditioning, device=engine.conditioning.device),
+        conditioning=dataclasses.replace(session.conditioning, device=engine.conditioning.device,
+                                         graphed=engine.conditioning.graphed),
         diffusion=dataclasses.replace(session.diffusion, tp=ed.tp, device=ed.device, devices=list(ed.devices),
                                       fp8_cache=ed.fp8_cache, threads=ed.threads, graphed_step=ed.graphed_step,
                                       batch_sessions=ed.batch_sessions, batch_window_s=ed.batch_window_s),

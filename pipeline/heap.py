@@ -18,8 +18,9 @@ import importlib.util
 # What a session's stages import lazily, at their load (off the event loop): the agent's VAD, recogniser
 # and TTS in the front-end; the model, its weights and torch's symbolic shapes where model stages run.
 FRONT_END_MODULES = ("silero_vad", "pocketsphinx", "espeakng_loader", "anyio.to_thread")
-MODEL_MODULES = tuple(f"charstream.model.{m}" for m in ("audio_encoder", "batched_decoder", "character", "generator",
-                                                         "graphed_decoder", "step", "threads", "vae", "weights"))
+MODEL_MODULES = tuple(f"charstream.model.{m}" for m in (
+    "audio_encoder", "batched_decoder", "character", "generator", "graphed_audio_encoder", "graphed_decoder", "step",
+    "threads", "vae", "weights"))
 
 
 def load_and_freeze(front_end: bool, model_stages: bool, freeze: bool = True) -> int:

@@ -34,6 +34,7 @@
 #                                                   stages (placement engine; a batch value must cover 48 / K sessions)
 #                                                   CAPACITY_PACE=synthesized: the scripted agent streams ahead of real time
 #                                                   CAPACITY_LOG=info: the server workers' turn and underrun lines in capacity.log
+#                                                   (first: the capture and graphed-encoder GPU tests, bench gpu of tiny's encode)
 #
 # The tree (17 MB) with all parts exceeds a call's 64 MiB: carry one part per call, back to back while
 # the machine is warm (it goes back 30 s after a call) -- every device command installs the parts it
@@ -109,7 +110,7 @@ elif [ "$cmd" = check ]; then
   section "gpu tests" 150 gpu-tests.log python3 -m pytest -q -m gpu -p no:cacheprovider --timeout=120 \
     tests/test_graphed_gpu.py tests/test_diffusion_stage.py tests/test_capture_gpu.py
   section "bench characters-57b TP=3, TP=4 shards" 200 bench-57b.log python3 -m charstream.pipeline.bench_gpu \
-    --tp-shard 3 4 --skip sweep decoder pipeline --section-timeout 90 --json "$OUT/bench_57b.json"
+    --tp-shard 3 4 --skip sweep decoder pipeline encoder --section-timeout 90 --json "$OUT/bench_57b.json"
   section "bench characters-14b, decoder, period" 200 bench-14b.log python3 -m charstream.pipeline.bench_gpu \
     --preset characters-14b --tp-shard 1 --skip sweep ceilings --section-timeout 90 --json "$OUT/bench_14b.json"
 elif [ "$cmd" = batch ]; then  # needs no wheels: the model layer and the bench only
@@ -168,8 +169,10 @@ elif [ "$cmd" = live ]; then
 elif [ "$cmd" = capacity ]; then
   [ $# -gt 0 ] || set -- 1 8  # without and with cross-session batching (diffusion and decode)
   # The premise of sessions sharing a process on the GPU (model/capture.py): captures beside running sessions.
-  section "capture beside running sessions" 90 capacity.log python3 -m pytest -q -m gpu -p no:cacheprovider \
-    --timeout=80 tests/test_capture_gpu.py
+  section "capture beside running sessions, the graphed encoder" 120 capacity.log python3 -m pytest -q -m gpu \
+    -p no:cacheprovider --timeout=80 tests/test_capture_gpu.py tests/test_conditioning_gpu.py
+  section "bench gpu: tiny's audio encode, eager and graphed" 60 capacity.log python3 -m charstream.pipeline.bench_gpu \
+    --preset tiny --no-group --skip ceilings step decoder --json "$OUT/bench_encoder.json"
   # ~5 minutes of ladders: each gets its share (the bench starts no count that would not fit); with two
   # ladders each holds 32 then 48 (the target is 32). 16 server processes (2 sessions each at 32, 3 at 48)
   # and 4 client processes on the 16 cores: a process's sessions share its GIL (at 8 x 4 each process

@@ -379,7 +379,7 @@ def _due(msg: Control) -> float:
 def build(config: ConditioningConfig, preset: str, weights: str | None = "packaged", seed: int = 0) -> ConditioningStage:
     """The session graph's factory for this stage: the preset's audio encoder, trained
     weights when ``weights`` names a file or is ``"packaged"`` and the package ships them, else
-    seeded random weights."""
+    seeded random weights; on CUDA with ``config.graphed``, replayed as one CUDA graph per chunk."""
     import torch
     from charstream.model.audio_encoder import AudioEncoder, make_encode_fn
     from charstream.model.config import get_preset
@@ -394,5 +394,10 @@ def build(config: ConditioningConfig, preset: str, weights: str | None = "packag
             torch.manual_seed(seed)
             encoder = AudioEncoder(cfg).eval().requires_grad_(False)
     encoder = encoder.to(config.device)
-    return ConditioningStage(config, make_encode_fn(encoder), cfg.audio_lookahead_ms, cfg.audio_context_ms,
-                             cfg.rollback_frames)
+    if config.graphed and config.device.startswith("cuda"):
+        from charstream.model.graphed_audio_encoder import GraphedAudioEncoder
+
+        encode = GraphedAudioEncoder(encoder).encode
+    else:
+        encode = make_encode_fn(encoder)
+    return ConditioningStage(config, encode, cfg.audio_lookahead_ms, cfg.audio_context_ms, cfg.rollback_frames)

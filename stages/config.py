@@ -44,6 +44,7 @@ class IngestConfig:
 @dataclass
 class ConditioningConfig:
     device: str = "cpu"  # the audio encoder's (pipeline/placement.py: the decoder's GPU, beside the edge's CPU work)
+    graphed: bool = True  # on CUDA: a chunk's encode as one CUDA graph replay (model/graphed_audio_encoder.py)
     idle_lead_chunks: int | None = 4  # listening chunks are emitted at most this far ahead of real time
     rollback_wait_s: float = 0.5  # no ROLLBACK answer to a TURN_START this long: place the speech anyway
     stall_s: float = 1.0  # a speaking turn whose agent sends nothing this long is ended

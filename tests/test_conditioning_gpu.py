@@ -25,3 +25,27 @@ def test_encoder_on_the_gpu_gives_the_cpus_tokens(preset, weights):
         assert got.shape == want.shape and np.isfinite(got).all()
         rel = np.linalg.norm(got - want) / np.linalg.norm(want)
         assert rel < 2e-3, rel  # TF32 / cuDNN against fp32 CPU math
+
+
+@pytest.mark.parametrize("preset, weights", [("tiny", "packaged"), ("characters-14b", None)])
+def test_graphed_encode_equals_the_eager_encode_on_the_gpu(preset, weights):
+    """Replayed (``conditioning.graphed``, the default) = eager on the same GPU, for fresh windows in
+    turn: the static buffers carry nothing from one window to the next."""
+    eager = build(ConditioningConfig(device="cuda:0", graphed=False), preset, weights)
+    graphed = build(ConditioningConfig(device="cuda:0"), preset, weights)
+    rng = np.random.default_rng()
+    n = eager.context + SAMPLES_PER_CHUNK + eager.lookahead
+    outputs = []
+    for _ in range(4):
+        window = (rng.standard_normal(n) * rng.uniform(300, 9000)).astype(np.int16)
+        want, got = eager.encode(window), graphed.encode(window)
+        assert got.shape == want.shape and np.isfinite(got).all()
+        rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+        assert rel < 1e-3, rel  # the same kernels, replayed
+        outputs.append(got)
+    assert not np.shares_memory(outputs[0], outputs[1])  # each call's tokens are its own
+    assert np.linalg.norm(outputs[0] - outputs[1]) > 0.01 * np.linalg.norm(outputs[0])
+    with pytest.raises(ValueError, match="int16"):
+        graphed.encode(np.zeros(n, np.float32))
+    with pytest.raises(ValueError, match="int16"):
+        graphed.encode(np.zeros(n - 1, np.int16))
