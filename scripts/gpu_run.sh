@@ -169,8 +169,8 @@ elif [ "$cmd" = live ]; then
 elif [ "$cmd" = capacity ]; then
   [ $# -gt 0 ] || set -- 1 8  # without and with cross-session batching (diffusion and decode)
   # The premise of sessions sharing a process on the GPU (model/capture.py): captures beside running sessions.
-  section "capture beside running sessions, the graphed encoder" 120 capacity.log python3 -m pytest -q -m gpu \
-    -p no:cacheprovider --timeout=80 tests/test_capture_gpu.py tests/test_conditioning_gpu.py
+  section "capture beside running sessions, the graphed encoder, a stream per stage thread" 120 capacity.log python3 -m pytest -q -m gpu \
+    -p no:cacheprovider --timeout=80 tests/test_capture_gpu.py tests/test_conditioning_gpu.py tests/test_stage_worker.py
   section "bench gpu: tiny's audio encode, eager and graphed" 60 capacity.log python3 -m charstream.pipeline.bench_gpu \
     --preset tiny --no-group --skip ceilings step decoder --json "$OUT/bench_encoder.json"
   # ~5 minutes of ladders: each gets its share (the bench starts no count that would not fit); with two

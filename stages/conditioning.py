@@ -67,7 +67,7 @@ KEEP_TURN_STAMPS = 16  # stamps of turns whose speech has not arrived yet (bound
 # when the speech comes; one chunk still covers a step + decode if the agent is slow to send it.
 PENDING_LEAD_CHUNKS = 1
 ENCODE_HISTORY = 8  # recent encode durations: the estimate sent with a turn start is their max
-ENCODE_THREADS = 1  # a chunk's encode is ~5 ms of small ops that more intra-op threads do not speed up
+ENCODE_THREADS = 1  # a chunk's encode is small ops that more intra-op threads do not speed up
 
 
 @dataclass
@@ -104,7 +104,8 @@ class ConditioningStage(Stage):
     def __init__(self, config: ConditioningConfig, encode: EncodeFn, lookahead_ms: float, context_ms: float = 0.0,
                  rollback_frames: int | None = None) -> None:
         self.encode = encode
-        self.worker = StageWorker("conditioning", ENCODE_THREADS)
+        cuda = config.device if config.device.startswith("cuda") else None
+        self.worker = StageWorker("conditioning", ENCODE_THREADS, cuda_stream=cuda)
         self.lookahead = int(round(lookahead_ms * TIMELINE_RATE / 1000))
         self.context = int(round(context_ms * TIMELINE_RATE / 1000))
         self.rollback_wait_s = config.rollback_wait_s  # placement without a ROLLBACK answer after this long

@@ -72,7 +72,9 @@ class DecodeStage(Stage):
         self.device = config.device
         self.graphed = config.graphed and self.device.startswith("cuda")
         self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
-        self.worker = StageWorker("decode", cpu_threads(config.threads) if self.device == "cpu" else None)
+        own_stream = self.device.startswith("cuda") and batcher is None  # a batched decode is the batcher's
+        self.worker = StageWorker("decode", cpu_threads(config.threads) if self.device == "cpu" else None,
+                                  cuda_stream=self.device if own_stream else None)
         self.keep_states = keep_states  # more than playout can hold unplayed: a rollback target is always kept
         self.epoch = 0
         self.decoder: Decoder | GraphedDecoder | None = None

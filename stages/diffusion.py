@@ -102,7 +102,11 @@ class DiffusionStage(Stage):
         self.fp8 = config.fp8_ring()
         self.graphed, self.gathered = config.graphed_step, config.gathered_attention
         self.devices = list(config.devices)  # per rank (pipeline/placement.py)
-        self.worker = StageWorker("diffusion", cpu_threads(config.threads) if self.device == "cpu" else None)
+        # A stream of its own where the session's step is its own (a batched step is the batcher's; TP ranks
+        # are one session's, in processes of their own)
+        own_stream = self.device.startswith("cuda") and batcher is None and self.tp == 1
+        self.worker = StageWorker("diffusion", cpu_threads(config.threads) if self.device == "cpu" else None,
+                                  cuda_stream=self.device if own_stream else None)
         self.epoch = 0
         self.first_chunk: int | None = None
         self.generator: Any = None  # model.generator.Generator or stages.tp_group.TPGenerator

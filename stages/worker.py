@@ -7,6 +7,11 @@ session: glibc serves each thread from one arena, so a stage's freed tensors ret
 pool instead of one pool per worker it happened to land on (stages/memory.py); torch's intra-op
 thread count and OpenMP team are per thread, so they are set and built once.
 
+On a CUDA device (``cuda_stream``) the thread queues its GPU work on a stream of its own: the sessions
+that share a process (an engine's) then queue their kernels side by side instead of in one queue, and
+each stage's copy of its result to the host waits for its own kernels only -- on the one default
+stream an encode's copy waited for the steps and decodes other sessions had queued before it.
+
     worker = StageWorker("decode", threads=1)     # the thread starts with the first call
     frames = await worker.run(decode, latent)     # exceptions reach the caller
     worker.close()                                # teardown: the thread ends
@@ -30,12 +35,15 @@ T = TypeVar("T")
 
 
 class StageWorker:
-    def __init__(self, name: str, threads: int | None = None) -> None:
+    def __init__(self, name: str, threads: int | None = None, cuda_stream: str | None = None) -> None:
         """``threads``: the thread's torch intra-op threads (CPU work; None leaves torch's setting and
-        imports no torch)."""
+        imports no torch). ``cuda_stream``: a CUDA device, whose work from this thread goes on a stream
+        of the thread's own (only for work no other thread touches: a batcher's lanes are the batcher's)."""
         if threads is not None and threads < 1:
             raise ValueError(f"{name} worker: intra-op threads must be >= 1, got {threads}")
-        self.name, self.threads = name, threads
+        if cuda_stream is not None and not cuda_stream.startswith("cuda"):
+            raise ValueError(f"{name} worker: a stream needs a CUDA device, not {cuda_stream!r}")
+        self.name, self.threads, self.cuda_stream = name, threads, cuda_stream
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=name, initializer=self._started)
         self._turn = anyio.Lock()
         self._closed = False
@@ -45,6 +53,13 @@ class StageWorker:
             from charstream.model.threads import set_intra_op_threads
 
             set_intra_op_threads(self.threads)
+        if self.cuda_stream is not None:
+            import torch
+
+            # What other threads queued before the first call (the stage's build) is done before this
+            # thread's stream runs anything that reads it.
+            torch.cuda.synchronize(self.cuda_stream)
+            torch.cuda.set_stream(torch.cuda.Stream(self.cuda_stream))  # the calling thread's current stream
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on the worker's thread; its result, or its exception raised here."""

@@ -114,9 +114,35 @@ def test_callers_take_turns_and_a_cancelled_caller_waits_for_its_work():
     anyio.run(main)
 
 
-def test_a_worker_refuses_a_bad_thread_count():
+def test_a_worker_refuses_a_bad_thread_count_or_a_stream_off_cuda():
     with pytest.raises(ValueError, match="intra-op threads must be >= 1, got 0"):
         StageWorker("decode", threads=0)
+    with pytest.raises(ValueError, match="a stream needs a CUDA device, not 'cpu'"):
+        StageWorker("decode", cuda_stream="cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cuda_worker_queues_its_work_on_a_stream_of_its_own_after_what_was_queued_before():
+    """Two workers of one process (two sessions' stages in an engine): each thread's current stream is
+    its own, not the default one, and the first call sees what the default stream wrote before it."""
+    def on_stream(x: torch.Tensor) -> tuple[int, float]:
+        stream = torch.cuda.current_stream()
+        return stream.cuda_stream, float((x @ x).sum().cpu())
+
+    async def main():
+        x = torch.randn(4096, 4096, device="cuda")  # queued on the default stream, maybe still running
+        x.mul_(0).add_(1.0)
+        first, second = StageWorker("a", cuda_stream="cuda:0"), StageWorker("b", cuda_stream="cuda:0")
+        (a, got_a), (b, got_b) = await first.run(on_stream, x), await second.run(on_stream, x)
+        assert torch.cuda.current_stream().cuda_stream == torch.cuda.default_stream().cuda_stream
+        assert len({a, b, torch.cuda.default_stream().cuda_stream}) == 3
+        assert got_a == got_b == 4096.0 ** 3  # all ones: exact in float32
+        assert (await first.run(on_stream, x))[0] == a  # the thread keeps its stream
+        first.close()
+        second.close()
+
+    anyio.run(main)
 
 
 def test_each_model_stage_keeps_its_work_on_one_thread_of_its_own_and_teardown_ends_it():
