@@ -56,10 +56,12 @@ class StageWorker:
         if self.cuda_stream is not None:
             import torch
 
-            # What other threads queued before the first call (the stage's build) is done before this
-            # thread's stream runs anything that reads it.
-            torch.cuda.synchronize(self.cuda_stream)
-            torch.cuda.set_stream(torch.cuda.Stream(self.cuda_stream))  # the calling thread's current stream
+            # What the default stream holds when the first call comes (the stage's build: its uploads and
+            # captures end on it) runs before this stream's work. Ordered by an event: a device-wide
+            # synchronize would wait on, and so invalidate, another session's graph capture in progress.
+            stream = torch.cuda.Stream(self.cuda_stream)
+            stream.wait_stream(torch.cuda.default_stream(self.cuda_stream))
+            torch.cuda.set_stream(stream)  # the calling thread's current stream
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on the worker's thread; its result, or its exception raised here."""

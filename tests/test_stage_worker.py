@@ -145,6 +145,51 @@ def test_a_cuda_worker_queues_its_work_on_a_stream_of_its_own_after_what_was_que
     anyio.run(main)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_workers_start_while_another_thread_captures_a_graph():
+    """An engine builds a session's stages while another session captures its graphs: a worker's start
+    (its stream ordered after the default stream) must not touch the capture (model/capture.py's
+    thread-local mode; a device-wide synchronize here invalidated it)."""
+    from charstream.model.capture import CAPTURE_MODE
+
+    x = torch.randn(256, 256, device="cuda")
+    capturing, started, errors = threading.Event(), threading.Event(), []
+
+    def capture() -> None:
+        try:
+            graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                y = x @ x
+            torch.cuda.current_stream().wait_stream(stream)
+            with torch.cuda.graph(graph, stream=stream, capture_error_mode=CAPTURE_MODE):
+                capturing.set()
+                for _ in range(20_000):  # until the workers have started (bounded)
+                    y = y @ x * 1e-3
+                    if started.is_set():
+                        break
+            graph.replay()
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 -- reported by the assertion below
+            errors.append(e)
+            capturing.set()
+
+    async def main():
+        thread = threading.Thread(target=capture)
+        thread.start()
+        assert capturing.wait(30)
+        workers = [StageWorker(f"w{i}", cuda_stream="cuda:0") for i in range(3)]
+        sums = [await w.run(lambda: float((x @ x).sum().cpu())) for w in workers]
+        started.set()
+        thread.join(30)
+        assert not errors, errors
+        assert len(set(sums)) == 1
+        for w in workers:
+            w.close()
+
+    anyio.run(main)
+
+
 def test_each_model_stage_keeps_its_work_on_one_thread_of_its_own_and_teardown_ends_it():
     """Diffusion, decode and conditioning side by side, as in a session: each stage's calls on one
     thread, three different threads, each with its intra-op count, each ended by its teardown."""
