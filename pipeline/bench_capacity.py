@@ -77,6 +77,7 @@ from charstream.timeline import VIDEO_FPS
 CAUSE_KEYS = tuple(f"{cause}_underruns" for cause in UNDERRUN_CAUSES)  # per session and level, beside the total
 
 SATURATED = 0.9  # a resource this busy (of its whole) counts as saturated
+STEAL_NOTED = 0.05  # a VM whose hypervisor takes this share of its cores: named beside what saturated
 FRAME_S = 1 / VIDEO_FPS
 MIN_TURN_S = 6.0  # a scripted turn (user line, think, reply, gap) takes longer than this
 GPU_SAMPLE_S = 1.0
@@ -327,12 +328,14 @@ def process_cpu(pid: int) -> dict[str, float]:
         return {"process": 0.0, "main_thread": 0.0, "children": 0.0}
 
 
-def host_cpu() -> tuple[float, float]:
-    """(busy, total) CPU seconds of the whole machine, every core."""
+def host_cpu() -> tuple[float, float, float]:
+    """(busy, steal, total) CPU seconds of the whole machine, every core. Steal (Linux, in a VM) is
+    time the hypervisor ran something else while this machine's cores wanted to run: counted busy
+    here, it is what our processes did not get."""
     times = psutil.cpu_times()
     idle = times.idle + getattr(times, "iowait", 0.0)
     total = sum(times)
-    return total - idle, total
+    return total - idle, getattr(times, "steal", 0.0), total
 
 
 class GpuSampler:
@@ -497,7 +500,7 @@ class Ladder:
             await asyncio.sleep(min(1.0, self.args.hold - elapsed))
             progress.n = min(round(time.monotonic() - first["now"]), progress.total)
             busy = host_cpu()
-            share = (busy[0] - first["host"][0]) / max(1e-9, busy[1] - first["host"][1])
+            share = (busy[0] - first["host"][0]) / max(1e-9, busy[2] - first["host"][2])
             gpu = f" · GPU {sampler.samples[-1][0]:.0f}%" if sampler is not None and sampler.samples else ""
             progress.set_postfix_str(f"host CPU {100 * share:.0f}%{gpu}", refresh=True)
         last = await self.snapshot("stats")
@@ -571,8 +574,9 @@ def summarise_level(count: int, start_s: float, first: dict, last: dict, placed:
             forwards, served = now["forwards"] - before["forwards"], now["served"] - before["served"]
             entry.setdefault("batched", {})[kind] = {"forwards": forwards, "served": served}
         processes.append(entry)
-    busy = _delta(dict(zip(("busy", "total"), first["host"], strict=True)), dict(zip(("busy", "total"), last["host"], strict=True)))
-    host_busy = busy["busy"] / max(1e-9, busy["total"])
+    busy = _delta(dict(zip(("busy", "steal", "total"), first["host"], strict=True)),
+                  dict(zip(("busy", "steal", "total"), last["host"], strict=True)))
+    host_busy, host_steal = busy["busy"] / max(1e-9, busy["total"]), busy["steal"] / max(1e-9, busy["total"])
     playout = [s["playout_fps"] for s in sessions]
     received = [s["received_fps"] for s in sessions]
     level = {
@@ -589,7 +593,8 @@ def summarise_level(count: int, start_s: float, first: dict, last: dict, placed:
                      if total else {"turns": 0}),
         "step_ms": ({"steps": len(steps), **{k: round(v, 2) for k, v in percentiles(steps, (50, 99)).items()}}
                     if steps else None),
-        "gpu": gpu, "host_cpu_busy": round(host_busy, 3), "host_cores": psutil.cpu_count(),
+        "gpu": gpu, "host_cpu_busy": round(host_busy, 3), "host_cpu_steal": round(host_steal, 3),
+        "host_cores": psutil.cpu_count(),
         "bench_process_cores": round(_delta(first["bench_cpu"], last["bench_cpu"])["process"] / window, 3),
         "processes": processes, "process_errors": {**first["errors"], **last["errors"]}, "per_session": sessions,
     }
@@ -613,6 +618,9 @@ def saturated(level: dict[str, Any]) -> list[str]:
         found.append(f"GPU busy {gpu['util_mean']:.0f}% (nvidia-smi, mean)")
     if level["host_cpu_busy"] >= SATURATED:
         found.append(f"host CPU {100 * level['host_cpu_busy']:.0f}% of {level['host_cores']} cores")
+    if level["host_cpu_steal"] >= STEAL_NOTED:
+        found.append(f"the VM's cores ran something else {100 * level['host_cpu_steal']:.0f}% of the time (steal): "
+                     "what every process here did not get")
     for p in level["processes"]:
         lag = p["loop_lag"].get("p99_ms", 0.0)
         what = {"worker": "the event loop of server", "engine": "the event loop of engine"}.get(
@@ -712,7 +720,7 @@ def level_line(level: dict[str, Any], min_fps: float) -> str:
 def table(report: dict[str, Any]) -> str:
     rows = [["batch", "sessions", "held", "playout fps min/med", "received fps min/med",
              "underruns (" + "/".join(UNDERRUN_CAUSES) + ")",
-             "pipeline p50/p90 ms", "step p50/p99 ms", "batched step/decode", "GPU busy", "host CPU", "worst loop lag p99", "saturated"]]
+             "pipeline p50/p90 ms", "step p50/p99 ms", "batched step/decode", "GPU busy", "host CPU (steal)", "worst loop lag p99", "saturated"]]
     for result in report["ladders"]:
         for lv in result["levels"]:
             p, s, g, per = lv["pipeline_ms"], lv["step_ms"], lv["gpu"], lv["sessions_per_forward"]
@@ -726,7 +734,8 @@ def table(report: dict[str, Any]) -> str:
                          f"{s['p50']:.2f} / {s['p99']:.2f}" if s else "-",
                          " / ".join(f"{per.get(k, 0):.1f}" for k in ("diffusion", "decode")) if per else "-",
                          f"{g['util_mean']:.0f}%" if g and g.get("samples") else "-",
-                         f"{100 * lv['host_cpu_busy']:.0f}%", f"{worker_lag:.0f} ms", "; ".join(lv["saturated"]) or "-"])
+                         f"{100 * lv['host_cpu_busy']:.0f}% ({100 * lv['host_cpu_steal']:.0f}%)", f"{worker_lag:.0f} ms",
+                         "; ".join(lv["saturated"]) or "-"])
     where = f"--gpus {report['gpus']}" if report["gpus"] else "CPU"
     engines = f"{report['engines']} engine / " if report.get("engines") else ""
     lines = [f"capacity: {report['preset']} sessions, {where}, placement {report['placement']}, "

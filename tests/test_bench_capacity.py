@@ -36,6 +36,7 @@ def test_bench_capacity_measures_frames_the_clients_received(tmp_path):
     assert level["below"] == sum(not s["held"] for s in sessions)
     assert all(level[k] == sum(s[k] for s in sessions) for k in bench_capacity.CAUSE_KEYS)
     assert {p["name"] for p in level["processes"]} == {"worker-0", "worker-1", "client-0"}
+    assert 0 <= level["host_cpu_steal"] <= level["host_cpu_busy"] <= 1  # steal counts busy: the VM's cores taken
     assert all(p["cores"] > 0 and p["loop_lag"]["samples"] > 0 for p in level["processes"] if p["sessions"])
     # Clean shutdown: every worker and client exited by itself, none is left.
     assert all(e["exit"] == "exited with status 0" for e in ladder["process_exits"].values()), ladder["process_exits"]
@@ -64,3 +65,10 @@ def test_engines_place_every_session_in_an_engine_and_size_each_engine():
     args.placement = "inproc"
     with pytest.raises(ValueError, match="placement engine and --engines"):
         bench_capacity.session_config(args, 1)
+
+
+def test_a_window_whose_cores_the_hypervisor_took_says_so():
+    level = {"gpu": None, "host_cpu_busy": 0.7, "host_cpu_steal": 0.12, "host_cores": 16, "processes": []}
+    assert bench_capacity.saturated(level) == [
+        "the VM's cores ran something else 12% of the time (steal): what every process here did not get"]
+    assert bench_capacity.saturated({**level, "host_cpu_steal": 0.01}) == []
