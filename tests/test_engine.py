@@ -299,3 +299,21 @@ def test_serve_engine_places_sessions_in_the_engine_and_makes_no_batchers_of_its
         serve.load_config(parser.parse_args(["--engine", "ipc:///tmp/e.sock", "--batch-sessions", "8"]))
     with pytest.raises(ValueError, match="loopback only"):
         check_engine_endpoint("tcp://0.0.0.0:5000")
+
+
+def test_the_engine_decides_the_devices_and_graphs_of_what_it_hosts():
+    """A hosted session's model stages run on the engine's devices, graphed as the engine says, whatever
+    the session's own config asked for; its other settings stay its own."""
+    from charstream.pipeline.engine import RequestError, engine_session_config
+
+    engine = PipelineConfig(preset="tiny")
+    engine.conditioning.device = engine.diffusion.device = engine.decode.device = "cuda:0"
+    engine.conditioning.graphed = engine.decode.graphed = engine.diffusion.graphed_step = False
+    session = PipelineConfig(preset="tiny")
+    session.conditioning.idle_lead_chunks = 2
+    hosted = engine_session_config(engine, session, "packaged", "packaged")
+    assert hosted.placement == "engine" and hosted.conditioning.idle_lead_chunks == 2
+    assert {hosted.conditioning.device, hosted.diffusion.device, hosted.decode.device} == {"cuda:0"}
+    assert not (hosted.conditioning.graphed or hosted.decode.graphed or hosted.diffusion.graphed_step)
+    with pytest.raises(RequestError, match="serves preset 'tiny'"):
+        engine_session_config(engine, PipelineConfig(preset="characters-14b"), None, "packaged")
