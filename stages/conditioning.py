@@ -152,8 +152,10 @@ class ConditioningStage(Stage):
             if turn is not None and turn.turn_start_sent_at is not None and (
                     turn.placed_at is None or turn.placed_at >= start):
                 turn.placed_at = start + int(msg.detail.get("onset_frame") or 0) * SAMPLES_PER_FRAME
-            ctx.log.debug("rollback", chunk=msg.chunk, epoch=msg.epoch, onset_frame=msg.detail.get("onset_frame"),
-                          turn_id=turn.turn_id if turn else None)
+            placed_at = msg.detail.get("placed_at")  # a speech placement's: how long its control took to get here
+            ctx.log.info("conditioning_rollback", chunk=msg.chunk, epoch=msg.epoch, onset_frame=msg.detail.get("onset_frame"),
+                         turn_id=turn.turn_id if turn else None,
+                         hop_ms=None if placed_at is None else round((time.time() - float(placed_at)) * 1e3, 1))
         elif msg.kind == ControlKind.CLOCK and msg.chunk is not None:
             self._anchor = (msg.chunk, _due(msg))
         elif msg.kind == ControlKind.INTERRUPT:

@@ -428,10 +428,11 @@ class PlayoutStage(Stage):
             start = self.output.next_index + (
                 -self._position if place.chunk == self._chunk_on_screen() else left + FRAMES_PER_CHUNK * place.kept)
             self._speech_due = self.output.t0 + (start + place.onset) / VIDEO_FPS
+            placed_at = time.time()
             self._plan = _SpeechPlan(self.epoch, place.chunk, place.onset, time.monotonic() + place.estimate.expected_s,
-                                     time.time())
-            detail = {"onset_frame": place.onset,
-                      "due_at": time.time() + self.output.t0 + start / VIDEO_FPS - time.monotonic()}
+                                     placed_at)
+            detail = {"onset_frame": place.onset, "placed_at": placed_at,  # conditioning logs the control's hop
+                      "due_at": placed_at + self.output.t0 + start / VIDEO_FPS - time.monotonic()}
         detail.update(reason=str(reason), dropped=len(dropped), kept=len(kept))
         rollback = Control(ctx.session_id, self._control_seq, ControlKind.ROLLBACK, chunk=last, epoch=self.epoch,
                            detail=detail)

@@ -6,6 +6,7 @@ import anyio
 import numpy as np
 import pytest
 import structlog
+import structlog.testing
 from charstream.stages.base import StageContext
 from charstream.stages.conditioning import ConditioningStage, build
 from charstream.stages.config import ConditioningConfig
@@ -193,8 +194,11 @@ async def test_speech_starts_at_the_onset_frame_playout_chose_and_the_rewind_sta
         assert turn_start.detail["earliest_chunk"] == turn_start.chunk - 4
         assert 0 < turn_start.detail["encode_s"] < 0.5 and turn_start.detail["last_emit_at"] <= time.time()
         due_at = time.time() + 0.5
-        await h.stage.control(Control("sess", 1, ControlKind.ROLLBACK, chunk=1, epoch=1,
-                                      detail={"onset_frame": onset, "due_at": due_at}), h.ctx)
+        with structlog.testing.capture_logs() as logs:
+            await h.stage.control(Control("sess", 1, ControlKind.ROLLBACK, chunk=1, epoch=1, detail={
+                "onset_frame": onset, "due_at": due_at, "placed_at": time.time() - 0.02}), h.ctx)
+        [heard] = [e for e in logs if e["event"] == "conditioning_rollback"]
+        assert heard["onset_frame"] == onset and 20 <= heard["hop_ms"] < 500  # the placement's control, in transit
         await h.stage.process(TurnEvent("sess", 1, TurnKind.AGENT_TURN_END, 2, at=time.time()), h.ctx)
         chunks = []
         while len(chunks) < 5:

@@ -279,6 +279,7 @@ def test_turn_start_keeps_what_plays_before_the_speech_and_places_it_at_a_frame_
     assert latency_s + 1 / 24 <= first.released_at - r["sent"]
     # The chunk after the onset's is made a step later: it is not due before then.
     assert rollback.detail["due_at"] + 4 / 24 - r["sent"] >= latency_s + 1 / 24 + step_s
+    assert r["sent"] <= rollback.detail["placed_at"] <= first.released_at  # the placement's wall clock, for the hop
     if not deeper:  # nor later than needed: the onset frame or the next chunk is at most a frame late
         assert min(first.released_at - r["sent"] - latency_s - 1 / 24,
                    rollback.detail["due_at"] + 4 / 24 - r["sent"] - latency_s - 1 / 24 - step_s) < 1 / 24 + 0.03
