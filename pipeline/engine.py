@@ -1,6 +1,6 @@
 """The model engine: one long-lived process that hosts the model stages of many sessions.
 
-    charstream engine --bind ipc:///tmp/charstream-engine.sock --preset tiny --gpus 1 --batch-sessions 16
+    charstream engine --bind ipc:///tmp/charstream-engine.sock --preset tiny --gpus 1 --batch-sessions 16 [--metrics-port 9465]
 
 A session in ``placement = "engine"`` keeps its event loop work (ingest, playout, WebRTC egress) in
 its front-end process and asks the engine to host its model group -- conditioning (the audio
@@ -53,7 +53,9 @@ from charstream.pipeline.heap import load_and_freeze
 from charstream.pipeline.loop_lag import LoopLag
 from charstream.pipeline.runner import ENGINE_GROUP, Edge, GroupRun, GroupSpec
 from charstream.pipeline.session import model_nodes
+from charstream.stages.config import TracingConfig
 from charstream.stages.decode_batcher import DecodeBatcher
+from charstream.stages.metrics import forget_session, serve_metrics
 from charstream.stages.step_batcher import StepBatcher
 from charstream.transport.channel import Transport
 from charstream.transport.security import CurveKeys
@@ -327,6 +329,7 @@ class Engine:
         finally:
             with anyio.CancelScope(shield=True):
                 hosted.transport.close()
+                forget_session(hosted.session_id)  # its step series (its playout, elsewhere, drops the rest)
                 del self.hosted[hosted.identity]
                 self.served += 1
                 self.log.info("engine_session_ended", session_id=hosted.session_id, ended_by=group.ended_by,
@@ -384,8 +387,11 @@ def engine_config(preset: str, gpus: str | None, batch_sessions: int) -> Pipelin
 def run_engine(config: PipelineConfig, weights: str | None, endpoint: str, max_sessions: int,
                log_level: str | None = None) -> dict[str, Any]:
     """The engine's process (``charstream engine``, or a ``Supervisor`` target): serves until SIGTERM
-    or SIGINT; returns its report."""
+    or SIGINT; returns its report. With ``config.tracing.prometheus_port``, its hosted sessions' step
+    times and its process metrics are served for Prometheus (``tracing.prometheus_host``)."""
     configure_logging(log_level)
+    if config.tracing.prometheus_port is not None:
+        serve_metrics(config.tracing.prometheus_port, config.tracing.prometheus_host)
     config.apply_gil_switch_interval()  # the hosted stages' model threads share the GIL with the loop
     # Before the loop serves: an import inside it (or one a stage's thread holds the import lock of while
     # the loop wants the module) stalls every hosted session's heartbeats for seconds.
@@ -433,6 +439,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="diffusion steps and decodes of up to N sessions in one forward (1: off)")
     parser.add_argument("--max-sessions", type=int, default=None,
                         help="sessions hosted at once, more are refused (default: --batch-sessions, or 16 without batching)")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus metrics (the hosted sessions' step times, the process's) on this port")
+    parser.add_argument("--metrics-host", default=TracingConfig().prometheus_host,
+                        help="the metrics listener's address (default: %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -440,6 +450,7 @@ def run(args: argparse.Namespace) -> int:
     max_sessions = args.max_sessions or (args.batch_sessions if args.batch_sessions > 1 else 16)
     try:
         config = engine_config(args.preset, args.gpus, args.batch_sessions)
+        config.tracing.prometheus_port, config.tracing.prometheus_host = args.metrics_port, args.metrics_host
         check_engine_endpoint(args.bind)
         check_engine_config(config, max_sessions)  # a bad layout, preset or count fails here, before torch
     except ValueError as e:

@@ -10,7 +10,9 @@ child is spawned, children inherit it and record through prometheus_client's mul
 go away, as they do in-process).
 
 ``serve_metrics(port, host)`` exposes it over HTTP (loopback unless configured), with the serving
-process's process metrics (``process_*``: CPU, memory, open fds). A host that already serves
+process's process metrics (``process_*``: CPU, memory, open fds); a model engine serves its own
+(``charstream engine --metrics-port``: its hosted sessions' step times) and forgets a session's series
+when it stops hosting it (``forget_session``), since that session's playout closes elsewhere. A host that already serves
 Prometheus registers ``collector()`` in its own registry instead.
 """
 
@@ -148,12 +150,18 @@ class SessionMetrics:
     def close(self, average_fps: float | None) -> None:
         if average_fps is not None:
             SESSION_FPS.observe(average_fps)
-        if recording_to_files():  # a stage process: its files go with it (forget_processes)
-            return
-        with warnings.catch_warnings():  # "not implemented in multi-process mode": this process's own series
-            warnings.simplefilter("ignore", UserWarning)
-            for metric in (STEP_SECONDS, PLAYOUT_DEPTH, UNDERRUNS, FPS):
-                try:
-                    metric.remove(self.session_id)
-                except KeyError:  # the session never touched this series
-                    pass
+        forget_session(self.session_id)
+
+
+def forget_session(session_id: str) -> None:
+    """Drop a session's series from this process (its playout's close; an engine, whose hosted stages
+    record a session whose playout closes elsewhere, when it tears the session's group down)."""
+    if recording_to_files():  # a stage process: its files go with it (forget_processes)
+        return
+    with warnings.catch_warnings():  # "not implemented in multi-process mode": this process's own series
+        warnings.simplefilter("ignore", UserWarning)
+        for metric in (STEP_SECONDS, PLAYOUT_DEPTH, UNDERRUNS, FPS):
+            try:
+                metric.remove(session_id)
+            except KeyError:  # the session never touched this series
+                pass

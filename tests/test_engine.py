@@ -317,3 +317,46 @@ def test_the_engine_decides_the_devices_and_graphs_of_what_it_hosts():
     assert not (hosted.conditioning.graphed or hosted.decode.graphed or hosted.diffusion.graphed_step)
     with pytest.raises(RequestError, match="serves preset 'tiny'"):
         engine_session_config(engine, PipelineConfig(preset="characters-14b"), None, "packaged")
+
+
+def test_an_engine_serves_its_hosted_sessions_step_times_for_prometheus_and_forgets_an_ended_one(tmp_path):
+    """``charstream engine --metrics-port``: the step times its hosted stages record (their playout, in
+    the front-end, records the rest), its process metrics; a session it no longer hosts has no series."""
+    import urllib.request
+
+    from charstream.pipeline.bench_output import free_port
+
+    port = free_port()
+    endpoint = f"ipc://{tmp_path}/engine.sock"
+    proc = start_engine(endpoint, tmp_path / "engine.log", "--metrics-port", str(port))
+
+    def scrape() -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+            return reply.read().decode()
+
+    def steps_of(text: str, session: str) -> float | None:
+        for line in text.splitlines():
+            if line.startswith(f'charstream_step_seconds_count{{session="{session}"}}'):
+                return float(line.split()[-1])
+        return None
+
+    async def main():
+        session = engine_session(endpoint, 5)
+        session.start()
+        await asyncio.wait_for(frames_released(session, 12), 90)
+        during = scrape()
+        result = await session.stop()
+        deadline = time.monotonic() + 10
+        while (await engine_call(endpoint, {"cmd": "status"}))["hosted"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        return during, scrape(), result
+
+    try:
+        during, after, result = asyncio.run(main())
+    finally:
+        code = stop_engine(proc)
+    assert result is not None and result.ok, result and result.error
+    assert (steps_of(during, "s5") or 0) >= 3, during[-2000:]
+    assert "process_cpu_seconds_total" in during
+    assert steps_of(after, "s5") is None and 'session="s5"' not in after
+    assert code == 0, (tmp_path / "engine.log").read_text()[-3000:]
