@@ -27,14 +27,17 @@ from test_faults import mapped_segments
 DETECT_S = 2.0
 
 
-def start_engine(endpoint: str, log_path, *args: str) -> subprocess.Popen:
-    """``charstream engine`` on ``endpoint``, answering status (its torch imported, its socket bound)."""
+def launch_engine(endpoint: str, log_path, *args: str) -> subprocess.Popen:
+    """``charstream engine`` on ``endpoint``, started; it dies with the calling thread (PR_SET_PDEATHSIG)."""
     log = open(log_path, "w")  # noqa: SIM115 -- the process writes it until the test ends
-    proc = subprocess.Popen([sys.executable, "-m", "charstream", "engine", "--bind", endpoint, *args],
+    return subprocess.Popen([sys.executable, "-m", "charstream", "engine", "--bind", endpoint, *args],
                             stdout=log, stderr=log, preexec_fn=die_with_the_test)
 
-    async def answered() -> None:
-        deadline = time.monotonic() + 60
+
+async def answering(endpoint: str, proc: subprocess.Popen, log_path) -> None:
+    """Until the engine answers status (its torch imported, its socket bound); killed if it never does."""
+    deadline = time.monotonic() + 60
+    try:
         while True:
             try:
                 await engine_call(endpoint, {"cmd": "status"}, timeout=1.0)
@@ -42,13 +45,16 @@ def start_engine(endpoint: str, log_path, *args: str) -> subprocess.Popen:
             except EngineError:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"engine did not start: {open(log_path).read()[-2000:]}") from None
-
-    try:
-        asyncio.run(answered())
     except BaseException:
         proc.kill()  # never left behind
         proc.wait()
         raise
+
+
+def start_engine(endpoint: str, log_path, *args: str) -> subprocess.Popen:
+    """``charstream engine`` on ``endpoint``, answering status."""
+    proc = launch_engine(endpoint, log_path, *args)
+    asyncio.run(answering(endpoint, proc, log_path))
     return proc
 
 
@@ -360,3 +366,42 @@ def test_an_engine_serves_its_hosted_sessions_step_times_for_prometheus_and_forg
     assert "process_cpu_seconds_total" in during
     assert steps_of(after, "s5") is None and 'session="s5"' not in after
     assert code == 0, (tmp_path / "engine.log").read_text()[-3000:]
+
+
+def test_a_session_of_an_engine_restarted_at_its_endpoint_ends_and_a_new_session_runs_there(tmp_path):
+    """An engine killed and started again at the same endpoint before the session's liveness rule
+    fires (a long ``dead_after_s``): its link reaches the new engine, which does not adopt the old
+    session -- the session ends saying so -- and the new engine hosts a new session."""
+    endpoint = f"ipc://{tmp_path}/engine.sock"
+    first = start_engine(endpoint, tmp_path / "engine-1.log")
+    second = None
+
+    def long_lived(seed: int) -> LiveSession:
+        session = engine_session(endpoint, seed)
+        session.config.transport.dead_after_s = 60.0  # the restart must be what ends it
+        return session
+
+    try:
+        async def main():
+            nonlocal second
+            old = long_lived(6)
+            old.start()
+            await asyncio.wait_for(frames_released(old, 12), 90)
+            os.kill(first.pid, signal.SIGKILL)
+            first.wait()
+            second = launch_engine(endpoint, tmp_path / "engine-2.log")  # from the main thread, which outlives it
+            await answering(endpoint, second, tmp_path / "engine-2.log")
+            result = await asyncio.wait_for(old.runner.wait_ending(), 20)
+            await asyncio.wait_for(old.done.wait(), 10)
+            new = engine_session(endpoint, 7)
+            new.start()
+            await asyncio.wait_for(frames_released(new, 12), 90)
+            return result, await new.stop()
+
+        result, fresh = asyncio.run(main())
+    finally:
+        codes = [stop_engine(p) for p in (first, second) if p is not None]
+    assert not result.ok and "hosts no session for this link" in result.error, result.error
+    assert str(second.pid) in result.error, result.error
+    assert fresh is not None and fresh.ok, fresh and fresh.error
+    assert codes[-1] == 0, (tmp_path / "engine-2.log").read_text()[-3000:]
