@@ -87,9 +87,10 @@ class PlayoutConfig:
     target_depth_chunks: int = 2  # chunks queued behind the playing one: absorbs a stall of this many chunks
     max_depth_chunks: int = 8  # a full buffer withholds credit from decode (backpressure)
     history_frames: int = 48  # released frames (pixels + audio) kept for egress readers that start late
-    # What the speech placement allows beyond its estimate until a turn has been measured (then it is
-    # learned): one chunk -- a session's first turn ran a chunk 58-155 ms behind its schedule (docs/PERF.md)
-    first_turn_allowance_s: float = FRAMES_PER_CHUNK / VIDEO_FPS
+    # What the speech placement allows beyond its estimate until a turn has been measured, then halved with
+    # each measured turn while the allowance learned from the turns' errors takes over (stages/speech_estimate.py):
+    # one chunk -- a session's first turn ran a chunk 58-155 ms behind its schedule (docs/PERF.md)
+    initial_allowance_s: float = FRAMES_PER_CHUNK / VIDEO_FPS
 
 
 @dataclass

@@ -268,7 +268,7 @@ class PlayoutStage(Stage):
         self._stamped_turns: set[int] = set()
         self._control_seq = 0
         # The parts of recent chunks' production, and what turn starts took beyond their estimate.
-        self._estimator = SpeechEstimator(initial_allowance_s=config.first_turn_allowance_s)
+        self._estimator = SpeechEstimator(initial_allowance_s=config.initial_allowance_s)
         self._plan: _SpeechPlan | None = None
         self._onset: tuple[int, int, int] | None = None  # (epoch, chunk, frame) where placed speech starts
         self._speech_due: float | None = None  # monotonic deadline of the placed speech chunk's first frame

@@ -31,11 +31,18 @@ span one turn), >= 0 -- a jitter buffer's rule: a chunk later than its schedule 
 and on a quiet 2-core VM one chunk in ~30 ran 5-25 ms behind it, turn after turn, in no turn the same
 (docs/PERF.md, "Hours of use"): an allowance from the last turn alone, decaying, was ~0 in the turns
 that held a frame. One isolated stall in 256 chunks sets nothing; the errors are against the schedule
-without allowance, so the allowance does not feed itself. Until a turn has been measured it is
-``PlayoutConfig.first_turn_allowance_s`` (one chunk: a session's first turn ran a chunk 58-155 ms behind
-its schedule in quiet CPU runs and on the H200), a guess the first measured turn replaces; that turn's
-errors set the second turn's allowance and are then forgotten (it ran beside the session's warm-up:
-kept, they would tax the next eight turns).
+without allowance, so the allowance does not feed itself. The first measured turn's errors set the
+second turn's allowance and are then forgotten (it ran beside the session's warm-up: kept, they would
+tax the next eight turns).
+
+A few turns' errors do not yet speak for the tail: each turn start is one sample of it per session.
+So beside the learned allowance stands a prior, ``PlayoutConfig.initial_allowance_s`` (one chunk: a
+session's first turn ran a chunk 58-155 ms behind its schedule in quiet CPU runs and on the H200),
+halved with each measured turn and gone after ``PRIOR_TURNS``; the allowance is the larger of the two.
+On the H200's 32-session capacity runs the holds left were one-frame onset holds in turns 2-4, where
+the learned allowance was 0 in most sessions (errors +12 to +46 ms); replayed offline through this
+rule, 27 of 32 late onsets in five runs were in time (docs/PERF.md, session 7), for 18-28 ms more
+latency on average over a session's first four turns (36-72 ms at its second).
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from dataclasses import dataclass
 QUANTILE = 0.9  # of the recent chunks' step and delivery times
 HISTORY = 48  # chunks (8 s) the quantiles are taken over
 ERROR_HISTORY = 256  # speech chunks (~8 turns) whose second latest error against its schedule is the allowance
+PRIOR_TURNS = 6  # measured turns after which the errors alone set the allowance (the prior halves each turn)
 MAX_TURN_CHUNKS = 256  # errors kept per turn for its log line (bounded; a turn of ~43 s)
 
 
@@ -65,7 +73,7 @@ class Estimate:
     starts_s: float  # its step can start (encoded, the busy step done)
     step_s: float  # the step part (quantile)
     delivery_s: float  # the delivery part (quantile)
-    allowance_s: float  # learned from recent turns' errors
+    allowance_s: float  # learned from recent turns' errors, or the prior while it is larger
 
     @property
     def expected_s(self) -> float:
@@ -99,8 +107,8 @@ class SpeechEstimator:
 
     def __init__(self, quantile: float = QUANTILE, history: int = HISTORY, error_history: int = ERROR_HISTORY,
                  *, initial_allowance_s: float) -> None:
-        """``initial_allowance_s``: the allowance until a turn has been measured
-        (``PlayoutConfig.first_turn_allowance_s``)."""
+        """``initial_allowance_s``: the prior, the whole allowance until a turn has been measured
+        (``PlayoutConfig.initial_allowance_s``)."""
         if not 0 < quantile <= 1 or history < 1 or error_history < 2 or initial_allowance_s < 0:
             raise ValueError(f"speech estimate: need 0 < quantile <= 1, history >= 1, error history >= 2, an "
                              f"initial allowance >= 0; got {quantile}, {history}, {error_history}, {initial_allowance_s}")
@@ -108,10 +116,21 @@ class SpeechEstimator:
         self._step: deque[float] = deque(maxlen=history)
         self._delivery: deque[float] = deque(maxlen=history)
         self._last_done: float | None = None  # the last observed chunk's diffusion_done
-        self.allowance_s = initial_allowance_s
+        self.initial_allowance_s = initial_allowance_s
+        self.turns_measured = 0
+        self._learned_s = 0.0  # from the errors
         self._errors: deque[float] = deque(maxlen=error_history)  # recent speech chunks', across turns
         self._turn: list[float] = []  # errors of the current turn's chunks, its first chunk's first
-        self._learned = False  # a turn has been measured
+
+    @property
+    def prior_s(self) -> float:
+        """The prior's share now: halved with each measured turn, none after ``PRIOR_TURNS``."""
+        n = self.turns_measured
+        return self.initial_allowance_s / 2 ** n if n < PRIOR_TURNS else 0.0
+
+    @property
+    def allowance_s(self) -> float:
+        return max(self._learned_s, self.prior_s)
 
     @property
     def measured(self) -> bool:
@@ -151,8 +170,8 @@ class SpeechEstimator:
         # an agent pace ahead of real time a turn's later chunks come early, and the second latest of one
         # turn's errors would pass over its first chunk's, the one the placement is for).
         spans_turns = len(self._errors) > len(errors)
-        self.allowance_s = max(0.0, sorted(self._errors)[-2 if spans_turns else -1])
-        if not self._learned:  # the session's first measured turn (its warm-up): for the next turn only
+        self._learned_s = max(0.0, sorted(self._errors)[-2 if spans_turns else -1])
+        if not self.turns_measured:  # the session's first measured turn (its warm-up): for the next turn only
             self._errors.clear()
-            self._learned = True
+        self.turns_measured += 1
         return TurnError(len(errors), errors[0], nearest_rank(errors, QUANTILE), max(errors))

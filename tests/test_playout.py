@@ -238,7 +238,7 @@ def test_turn_start_keeps_what_plays_before_the_speech_and_places_it_at_a_frame_
     async def main():
         # a frame of allowance before any turn is measured (the default's chunk is for a live session's first
         # turn): the placement's tightness is what this checks
-        config = PlayoutConfig(target_depth_chunks=2, first_turn_allowance_s=1 / 24)
+        config = PlayoutConfig(target_depth_chunks=2, initial_allowance_s=1 / 24)
         session = await start_playout("turn", PlayoutStage(config), upstream)
         playout = session.playout
         frames = await collect(playout.output, 4 * 6 + 1)  # six chunks and a frame
@@ -308,6 +308,6 @@ def test_dry_in_the_middle_of_speech_resumes_with_the_next_chunk(speaking):
 
 def test_a_first_turn_is_placed_with_the_configured_allowance_and_a_negative_one_is_refused():
     assert PlayoutStage(PlayoutConfig())._estimator.allowance_s == pytest.approx(4 / 24)  # one chunk by default
-    assert PlayoutStage(PlayoutConfig(first_turn_allowance_s=0.05))._estimator.allowance_s == pytest.approx(0.05)
+    assert PlayoutStage(PlayoutConfig(initial_allowance_s=0.05))._estimator.allowance_s == pytest.approx(0.05)
     with pytest.raises(ValueError, match="initial allowance"):
-        PlayoutStage(PlayoutConfig(first_turn_allowance_s=-0.01))
+        PlayoutStage(PlayoutConfig(initial_allowance_s=-0.01))

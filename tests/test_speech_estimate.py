@@ -4,9 +4,9 @@ the allowance learned from recent speech chunks' errors."""
 from __future__ import annotations
 
 import pytest
-from charstream.stages.speech_estimate import SpeechEstimator, nearest_rank
+from charstream.stages.speech_estimate import PRIOR_TURNS, SpeechEstimator, nearest_rank
 
-INITIAL_ALLOWANCE_S = 1 / 24  # these tests' first-turn allowance (PlayoutConfig's default is a chunk)
+INITIAL_ALLOWANCE_S = 1 / 24  # these tests' prior (PlayoutConfig's default is a chunk)
 
 
 def observed(parts: list[tuple[float, float]]) -> SpeechEstimator:
@@ -62,7 +62,7 @@ def test_the_allowance_is_the_recent_speech_chunks_second_latest_error():
         est.speech_arrived(error)
     turn = est.end_turn()
     assert (turn.chunks, turn.first_s, turn.max_s) == (3, 0.060, 0.060)
-    assert est.allowance_s == pytest.approx(0.060)  # the guess replaced by the turn's latest error
+    assert est.allowance_s == pytest.approx(0.060)  # the turn's latest error, above the halved prior
     assert est.estimate(2000.0, 0.0, None).ready_s == pytest.approx(0.150 + 0.060)
     for error in (0.030, -0.050, -0.050):  # a turn at a pace ahead of real time: only its first chunk late
         est.speech_arrived(error)
@@ -74,8 +74,23 @@ def test_the_allowance_is_the_recent_speech_chunks_second_latest_error():
     assert est.allowance_s == pytest.approx(0.020)  # two turns: the second latest
 
 
-def test_one_stall_sets_nothing_a_recurring_lateness_does_and_it_spans_turns():
+def test_the_prior_halves_with_each_measured_turn_and_holds_while_the_errors_say_less():
     est = observed([(0.110, 0.040)] * 30)
+    assert est.allowance_s == INITIAL_ALLOWANCE_S
+    for n in range(1, PRIOR_TURNS + 2):
+        for error in (0.001, -0.050, -0.050):  # every turn about on time: the errors alone would allow 1 ms
+            est.speech_arrived(error)
+        est.end_turn()
+        prior = INITIAL_ALLOWANCE_S / 2 ** n if n < PRIOR_TURNS else 0.0
+        assert est.prior_s == pytest.approx(prior)
+        assert est.allowance_s == pytest.approx(max(prior, 0.001)), n  # the larger of the two
+    assert est.allowance_s == pytest.approx(0.001)  # after the prior's turns: the errors alone
+    est.end_turn()  # a turn whose speech never arrived measures nothing
+    assert est.turns_measured == PRIOR_TURNS + 1
+
+
+def test_one_stall_sets_nothing_a_recurring_lateness_does_and_it_spans_turns():
+    est = SpeechEstimator(initial_allowance_s=0.0)  # the errors alone
     for _ in range(32):  # the first turn, beside the warm-up: late, then forgotten
         est.speech_arrived(0.100)
     est.end_turn()
