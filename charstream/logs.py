@@ -14,11 +14,13 @@ or for a block with ``structlog.contextvars.bound_contextvars(turn_id=...)``.
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import queue
 import sys
 import threading
+from pathlib import Path
 
 import structlog
 
@@ -101,3 +103,20 @@ def get_logger(**bound: object) -> structlog.typing.FilteringBoundLogger:
     """A logger with ``bound`` context (e.g. ``session_id``, ``stage``, ``channel``)."""
     configure_logging()
     return structlog.get_logger().bind(**bound)
+
+
+def read_events(log: Path) -> list[dict]:
+    """Every JSON object in a log file, in file order: the lines of several processes sharing one
+    stderr may interleave, so objects are found wherever they start on a line."""
+    decoder, found = json.JSONDecoder(), []
+    for line in log.read_text(encoding="utf-8").splitlines():
+        at = 0
+        while (start := line.find('{"', at)) >= 0:
+            try:
+                obj, end = decoder.raw_decode(line[start:])
+            except json.JSONDecodeError:
+                at = start + 1
+                continue
+            found.append(obj)
+            at = start + end
+    return found

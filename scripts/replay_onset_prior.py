@@ -22,29 +22,15 @@ from pathlib import Path
 from charstream.stages.config import PlayoutConfig
 from charstream.stages.speech_estimate import SpeechEstimator
 
+from charstream.logs import read_events
+
 FRAME_MS = 1000 / 24
-
-
-def events(log: Path) -> list[dict]:
-    """Every JSON object in the log (lines of several processes may interleave)."""
-    decoder, found = json.JSONDecoder(), []
-    for line in log.read_text(encoding="utf-8").splitlines():
-        at = 0
-        while (start := line.find('{"', at)) >= 0:
-            try:
-                obj, end = decoder.raw_decode(line[start:])
-            except json.JSONDecodeError:
-                at = start + 1
-                continue
-            found.append(obj)
-            at = start + end
-    return found
 
 
 def onsets(log: Path) -> list[tuple[dict, dict]]:
     """(placement, first chunk's arrival) of every turn start, in time order per session."""
     placed, pairs = {}, []
-    for e in sorted(events(log), key=lambda e: e.get("timestamp", "")):
+    for e in sorted(read_events(log), key=lambda e: e.get("timestamp", "")):
         session = e.get("session_id")
         if e.get("event") == "playout_rollback" and e.get("reason") == "turn_start":
             placed[session] = e

@@ -21,25 +21,13 @@ import math
 import statistics
 from pathlib import Path
 
+from charstream.stages.config import PlayoutConfig
 from charstream.stages.speech_estimate import SpeechEstimator
+
+from charstream.logs import read_events
 
 FRAME = 1 / 24
 CHUNK = 4 * FRAME
-
-
-def events(log: Path) -> list[dict]:
-    decoder, found = json.JSONDecoder(), []
-    for line in log.read_text(encoding="utf-8").splitlines():
-        at = 0
-        while (start := line.find('{"', at)) >= 0:
-            try:
-                obj, end = decoder.raw_decode(line[start:])
-            except json.JSONDecodeError:
-                at = start + 1
-                continue
-            found.append(obj)
-            at = start + end
-    return found
 
 
 def wall(iso: str) -> float:
@@ -72,14 +60,14 @@ def place(rollback_at: float, ready: float, interval: float, grid_due: float, gr
 
 
 def replay(log: Path, report: Path, idle_ms: float) -> list[dict]:
-    ev = events(log)
+    ev = read_events(log)
     starts = [e for e in ev if e.get("event") == "turn start"]
     rollbacks = [e for e in ev if e.get("event") == "playout_rollback"]
     arrivals = [e for e in ev if e.get("event") == "playout_speech_arrived"]
     clients = {e["turn_id"]: e for e in ev if e.get("event") == "client_first_speaking_frame"}
     speech_end = {e["turn_id"]: e["at"] for e in ev if e.get("event") == "user_speech_end"}
     stamps = report_stamps(report)
-    est, rows = SpeechEstimator(), []
+    est, rows = SpeechEstimator(initial_allowance_s=PlayoutConfig().initial_allowance_s), []
     for ts, rb, arr in zip(starts, rollbacks, arrivals, strict=True):
         turn = ts["turn_id"]
         at_ts, at_rb, at_arr = wall(ts["timestamp"]), wall(rb["timestamp"]), wall(arr["timestamp"])
