@@ -20,7 +20,7 @@ import statistics
 from pathlib import Path
 
 from charstream.stages.config import PlayoutConfig
-from charstream.stages.speech_estimate import SpeechEstimator
+from charstream.stages.speech_estimate import prior_allowance
 
 from charstream.logs import read_events
 
@@ -44,14 +44,13 @@ def replay(log: Path, initial_allowance_s: float) -> dict:
     rows = []
     for placement, arrival in onsets(log):
         session = placement["session_id"]
-        prior = SpeechEstimator(initial_allowance_s=initial_allowance_s)
-        prior.turns_measured = turns.get(session, 0)  # this session's turns placed before this one
-        turns[session] = prior.turns_measured + 1
+        before = turns.get(session, 0)  # this session's turns placed before this one
+        turns[session] = before + 1
         learned, slack = placement["allowance_ms"], placement["due_in_ms"] - placement["ready_in_ms"]
-        if prior.turns_measured == 0:  # the first turn ran with the prior alone, as now
+        if before == 0:  # the first turn ran with the prior alone, as now
             extra = 0.0
         else:
-            extra = max(learned, prior.prior_s * 1e3) - learned
+            extra = max(learned, prior_allowance(initial_allowance_s, before) * 1e3) - learned
         frames = math.ceil((extra - slack) / FRAME_MS) if extra > slack else 0
         rows.append({"session": session, "turn": turns[session], "margin_ms": arrival["margin_ms"],
                      "replayed_margin_ms": round(arrival["margin_ms"] + frames * FRAME_MS, 1),

@@ -66,6 +66,12 @@ def nearest_rank(values: list[float] | deque[float], q: float) -> float:
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
+def prior_allowance(initial_s: float, turns_measured: int) -> float:
+    """The prior's share of the allowance after ``turns_measured`` measured turns: halved with each,
+    none after ``PRIOR_TURNS``."""
+    return initial_s / 2 ** turns_measured if turns_measured < PRIOR_TURNS else 0.0
+
+
 @dataclass(frozen=True)
 class Estimate:
     """When the first speech chunk is expected, in seconds from when it was estimated."""
@@ -124,9 +130,7 @@ class SpeechEstimator:
 
     @property
     def prior_s(self) -> float:
-        """The prior's share now: halved with each measured turn, none after ``PRIOR_TURNS``."""
-        n = self.turns_measured
-        return self.initial_allowance_s / 2 ** n if n < PRIOR_TURNS else 0.0
+        return prior_allowance(self.initial_allowance_s, self.turns_measured)
 
     @property
     def allowance_s(self) -> float:
