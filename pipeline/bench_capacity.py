@@ -107,6 +107,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hold", type=float, default=30.0, help="measured seconds at each count (default 30)")
     parser.add_argument("--warmup", type=float, default=5.0, help="seconds between a count's start and its window")
     parser.add_argument("--min-fps", type=float, default=24.0, help="the rate every session must hold (default 24)")
+    parser.add_argument("--spread-s", type=float, default=0.0,
+                        help="start a count's new sessions evenly over this many seconds, so that their scripted "
+                             "turns are out of phase as real users' are (default 0: all at once, every session's "
+                             "turn starting within about a second: the turn-start path's worst case)")
     parser.add_argument("--start-timeout", type=float, default=120.0,
                         help="seconds for processes to start and for new sessions' first frames (default 120)")
     parser.add_argument("--budget-s", type=float, default=None,
@@ -411,24 +415,29 @@ class Ladder:
         self.failed: dict[str, str] = {}  # session -> why it did not start
         self.gpu = bool(args.gpus) and shutil.which("nvidia-smi") is not None
 
-    async def _start(self, per_worker: dict[str, int], placed: list[Placed], failed: dict[str, str]) -> None:
+    async def _start(self, per_worker: dict[str, int], placed: list[Placed], failed: dict[str, str],
+                     spread_s: float = 0.0) -> None:
         """Open ``per_worker`` sessions on each worker, connect a client to each (the least loaded client
-        process) and wait for every one's first video frame; appends to ``placed``, and to ``failed`` why not."""
+        process; the k-th of n after ``k * spread_s / n`` s) and wait for every one's first video frame;
+        appends to ``placed``, and to ``failed`` why not."""
         opened = await asyncio.gather(*(self.procs.call(w, "open", count=k) for w, k in per_worker.items()))
-        new: dict[str, list[list[str]]] = {}
+        new: dict[str, list[list[Any]]] = {}
         clients = {c: sum(p.client == c for p in placed) for c in self.clients}
-        for worker, reply in zip(per_worker, opened, strict=True):
-            for session_id, token in reply["sessions"]:
-                client = min(self.clients, key=lambda c: clients[c])
-                clients[client] += 1
-                placed.append(Placed(session_id, worker, client, self.engine_of[worker]))
-                new.setdefault(client, []).append([reply["url"], session_id, token])
-        timeout, started = self.args.start_timeout, time.monotonic()
+        # Round-robin over the workers, so that sessions starting one after the other are on different ones.
+        by_worker = [[(worker, reply["url"], *session) for session in reply["sessions"]]
+                     for worker, reply in zip(per_worker, opened, strict=True)]
+        order = [s for batch in itertools.zip_longest(*by_worker) for s in batch if s is not None]
+        for index, (worker, url, session_id, token) in enumerate(order):
+            client = min(self.clients, key=lambda c: clients[c])
+            clients[client] += 1
+            placed.append(Placed(session_id, worker, client, self.engine_of[worker]))
+            new.setdefault(client, []).append([url, session_id, token, spread_s * index / len(order)])
+        timeout, started = self.args.start_timeout + spread_s, time.monotonic()
         replies = await asyncio.gather(*(self.procs.call(c, "connect", timeout + CALL_TIMEOUT_S, sessions=s)
                                          for c, s in new.items()))
         for reply in replies:
             failed.update(reply["failed"])
-        waiting = {s for sessions in new.values() for _, s, _ in sessions} - set(failed)
+        waiting = {entry[1] for sessions in new.values() for entry in sessions} - set(failed)
         while waiting and time.monotonic() - started < timeout:
             await asyncio.sleep(0.5)
             for client in new:
@@ -469,7 +478,7 @@ class Ladder:
             worker = min(self.workers, key=lambda w: loads[w])
             loads[worker] += 1
             per_worker[worker] = per_worker.get(worker, 0) + 1
-        await self._start(per_worker, self.placed, self.failed)
+        await self._start(per_worker, self.placed, self.failed, self.args.spread_s)
         return time.monotonic() - started
 
     async def snapshot(self, cmd: str) -> dict[str, Any]:
@@ -546,7 +555,7 @@ def summarise_level(count: int, start_s: float, first: dict, last: dict, placed:
                                   if w1["skipped_video_frames"] is not None and w0["skipped_video_frames"] is not None
                                   else None),
             frames_released_total=w1["frames_released"], frames_received_total=c1["video_frames"],
-            turns=len(turns),
+            connected_at=c1["connected_at"], turns=len(turns),
             pipeline_median_ms=round(1e3 * statistics.median(t[1] for t in turns), 1) if turns else None,
             ended=w1["ended"] or c1["ended"])
         row["held"] = (row["playout_fps"] >= args.min_fps - slack and row["received_fps"] >= args.min_fps - slack
@@ -581,6 +590,9 @@ def summarise_level(count: int, start_s: float, first: dict, last: dict, placed:
     received = [s["received_fps"] for s in sessions]
     level = {
         "sessions": count, "start_s": round(start_s, 1), "window_s": round(window, 2),
+        # How far apart the sessions' connections came up (--spread-s sets it; 0 starts them within ~1 s).
+        "connects_span_s": round(max(up) - min(up), 2) if (up := [s["connected_at"] for s in sessions
+                                                                    if s.get("connected_at") is not None]) else None,
         "held": sum(s["held"] for s in sessions), "below": sum(not s["held"] for s in sessions),
         "playout_fps_min": min(playout), "playout_fps_median": statistics.median(playout),
         "received_fps_min": min(received), "received_fps_median": statistics.median(received),
@@ -740,6 +752,7 @@ def table(report: dict[str, Any]) -> str:
     engines = f"{report['engines']} engine / " if report.get("engines") else ""
     lines = [f"capacity: {report['preset']} sessions, {where}, placement {report['placement']}, "
              f"{engines}{report['workers']} server / {report['clients']} client processes, agent pace {report['agent_pace']}, "
+             f"sessions started {f'over {spread:g} s' if (spread := report.get('spread_s')) else 'at once'}, "
              f"{report['hold_s']:g} s windows, "
              f"held = both fps >= {report['min_fps']:g} less one frame per window", text_table(rows)]
     for result in report["ladders"]:
@@ -797,7 +810,7 @@ def run(args: argparse.Namespace) -> int:
         "bench": "capacity", "preset": args.preset, "weights": args.weights, "gpus": args.gpus,
         "placement": placement(args), "engines": args.engines, "workers": args.workers, "clients": args.clients, "sessions": args.sessions,
         "hold_s": args.hold, "warmup_s": args.warmup, "min_fps": args.min_fps, "budget_s": args.budget_s,
-        "recognizer": args.recognizer, "agent_pace": args.agent_pace, "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "recognizer": args.recognizer, "agent_pace": args.agent_pace, "spread_s": args.spread_s, "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {psutil.cpu_count()} CPUs, {platform.platform()}", "commit": commit_id(),
         "load_avg_at_start": [round(x, 2) for x in psutil.getloadavg()], "ladders": [],
     }

@@ -8,7 +8,7 @@ decode the media and report presented frames, as a page does. Both are spawned b
 DEALER named after the process, connected to the bench's ROUTER on loopback), JSON both ways:
 
     worker:  open {count} -> {sessions: [[id, token]], url} · mark -> snapshot · stats -> snapshot + window
-    client:  connect {sessions: [[url, id, token]]} -> {failed} · mark / stats -> counts · hangup {sessions}
+    client:  connect {sessions: [[url, id, token, delay_s]]} -> {failed} · mark / stats -> counts · hangup {sessions}
     both:    quit -> {} and the process ends
 
 A snapshot holds cumulative counters per session with the process's own monotonic clock (the same
@@ -253,19 +253,22 @@ class Clients:
     def __init__(self, connect_timeout_s: float) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.clients: dict[str, Any] = {}
+        self.connected_at: dict[str, float] = {}  # session -> when its connection was up (monotonic, host-wide)
         self.lag = LoopLag()
         self._slots = asyncio.Semaphore(CONNECTS_AT_ONCE)
 
-    async def _connect(self, url: str, session_id: str, token: str) -> str | None:
+    async def _connect(self, url: str, session_id: str, token: str, delay_s: float) -> str | None:
         from charstream.stages.egress.client import EgressClient
 
         client = self.clients[session_id] = EgressClient()
+        await asyncio.sleep(delay_s)  # the bench's --spread-s: this session's start within the count's
         async with self._slots:
             try:
                 await asyncio.wait_for(client.connect(url, token, timeout=self.connect_timeout_s),
                                        self.connect_timeout_s + 5)
             except Exception as e:
                 return f"{type(e).__name__}: {e}"
+        self.connected_at[session_id] = time.monotonic()
         return None
 
     async def connect(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -279,7 +282,8 @@ class Clients:
 
     async def stats(self, request: dict[str, Any]) -> dict[str, Any]:
         return {"now": time.monotonic(), "loop_lag": self.lag.summary(),
-                "sessions": {sid: {"video_frames": len(c.video), "audio_samples": c.audio_samples, "ended": c.ended}
+                "sessions": {sid: {"video_frames": len(c.video), "audio_samples": c.audio_samples, "ended": c.ended,
+                                   "connected_at": self.connected_at.get(sid)}
                              for sid, c in self.clients.items()}}
 
     async def hangup(self, request: dict[str, Any]) -> dict[str, Any]:

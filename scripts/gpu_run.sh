@@ -33,6 +33,8 @@
 #                                                   CAPACITY_ENGINES=K: K model engines host every session's model
 #                                                   stages (placement engine; a batch value must cover 48 / K sessions)
 #                                                   CAPACITY_PACE=synthesized: the scripted agent streams ahead of real time
+#                                                   CAPACITY_SPREAD=S: a count's sessions start over S s (their turns out of phase)
+#                                                   CAPACITY_CHECKS=0: without the GPU tests and the encode bench first
 #                                                   CAPACITY_LOG=info: the server workers' turn and underrun lines in capacity.log
 #                                                   (first: the capture and graphed-encoder GPU tests, bench gpu of tiny's encode)
 #
@@ -169,10 +171,12 @@ elif [ "$cmd" = live ]; then
 elif [ "$cmd" = capacity ]; then
   [ $# -gt 0 ] || set -- 1 8  # without and with cross-session batching (diffusion and decode)
   # The premise of sessions sharing a process on the GPU (model/capture.py): captures beside running sessions.
-  section "capture beside running sessions, the graphed encoder, a stream per stage thread" 120 capacity.log python3 -m pytest -q -m gpu \
-    -p no:cacheprovider --timeout=80 tests/test_capture_gpu.py tests/test_conditioning_gpu.py tests/test_stage_worker.py
-  section "bench gpu: tiny's audio encode, eager and graphed" 60 capacity.log python3 -m charstream.pipeline.bench_gpu \
-    --preset tiny --no-group --skip ceilings step decoder --json "$OUT/bench_encoder.json"
+  if [ "${CAPACITY_CHECKS:-1}" != 0 ]; then
+    section "capture beside running sessions, the graphed encoder, a stream per stage thread" 120 capacity.log python3 -m pytest -q -m gpu \
+      -p no:cacheprovider --timeout=80 tests/test_capture_gpu.py tests/test_conditioning_gpu.py tests/test_stage_worker.py
+    section "bench gpu: tiny's audio encode, eager and graphed" 60 capacity.log python3 -m charstream.pipeline.bench_gpu \
+      --preset tiny --no-group --skip ceilings step decoder --json "$OUT/bench_encoder.json"
+  fi
   # ~5 minutes of ladders: each gets its share (the bench starts no count that would not fit); with two
   # ladders each holds 32 then 48 (the target is 32). 16 server processes (2 sessions each at 32, 3 at 48)
   # and 4 client processes on the 16 cores: a process's sessions share its GIL (at 8 x 4 each process
@@ -181,7 +185,7 @@ elif [ "$cmd" = capacity ]; then
   # shellcheck disable=SC2086
   section "capacity tiny --gpus 1, batch_sessions $*${CAPACITY_ENGINES:+, $CAPACITY_ENGINES engines}" 360 capacity.log python3 -m charstream.pipeline.cli bench capacity \
     --gpus 1 --sessions $sessions --workers "${CAPACITY_WORKERS:-16}" --clients "${CAPACITY_CLIENTS:-4}" \
-    --batch-sessions "$@" ${CAPACITY_ENGINES:+--engines "$CAPACITY_ENGINES"} ${CAPACITY_PACE:+--agent-pace "$CAPACITY_PACE"} ${CAPACITY_LOG:+--log-level "$CAPACITY_LOG"} --hold 30 --budget-s $((300 / $#)) \
+    --batch-sessions "$@" ${CAPACITY_ENGINES:+--engines "$CAPACITY_ENGINES"} ${CAPACITY_PACE:+--agent-pace "$CAPACITY_PACE"} ${CAPACITY_LOG:+--log-level "$CAPACITY_LOG"} ${CAPACITY_SPREAD:+--spread-s "$CAPACITY_SPREAD"} --hold 30 --budget-s $((300 / $#)) \
     --out "$OUT/capacity.json"
 else
   echo "unknown command $cmd" >&2

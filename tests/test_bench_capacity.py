@@ -16,7 +16,7 @@ from charstream.pipeline import bench_capacity
 def test_bench_capacity_measures_frames_the_clients_received(tmp_path):
     out = tmp_path / "capacity.json"
     done = subprocess.run([sys.executable, "-m", "charstream", "bench", "capacity", "--sessions", "2", "--workers", "2",
-                           "--clients", "1", "--warmup", "1", "--hold", "4", "--start-timeout", "60",
+                           "--clients", "1", "--warmup", "1", "--hold", "4", "--start-timeout", "60", "--spread-s", "3",
                            "--out", str(out)], capture_output=True, text=True, timeout=150)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -34,6 +34,8 @@ def test_bench_capacity_measures_frames_the_clients_received(tmp_path):
         assert s["held"] == (min(s["playout_fps"], s["received_fps"]) >= 24 - 1 / window and s["ended"] is None)
         assert sum(s[k] for k in bench_capacity.CAUSE_KEYS) == s["underruns"], s  # every underrun has its cause
     assert level["below"] == sum(not s["held"] for s in sessions)
+    # --spread-s 3: the second of two sessions connected 1.5 s after the first (connecting takes ~0.1-0.5 s).
+    assert 1.0 <= level["connects_span_s"] <= 3.0 and report["spread_s"] == 3, level["connects_span_s"]
     assert all(level[k] == sum(s[k] for s in sessions) for k in bench_capacity.CAUSE_KEYS)
     assert {p["name"] for p in level["processes"]} == {"worker-0", "worker-1", "client-0"}
     assert 0 <= level["host_cpu_steal"] <= level["host_cpu_busy"] <= 1  # steal counts busy: the VM's cores taken
@@ -41,7 +43,7 @@ def test_bench_capacity_measures_frames_the_clients_received(tmp_path):
     # Clean shutdown: every worker and client exited by itself, none is left.
     assert all(e["exit"] == "exited with status 0" for e in ladder["process_exits"].values()), ladder["process_exits"]
     assert not any(psutil.pid_exists(pid) for pid in ladder["pids"].values())
-    assert "capacity: tiny sessions, CPU" in done.stdout and report["agent_pace"] == "realtime"
+    assert "capacity: tiny sessions, CPU" in done.stdout and "sessions started over 3 s" in done.stdout and report["agent_pace"] == "realtime"
 
 
 def test_batch_sessions_sets_both_batchers_and_the_scripted_agent_needs_no_recogniser():
