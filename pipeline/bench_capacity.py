@@ -19,7 +19,8 @@ turn, fill the engines in turn; one CUDA context per engine, ``--batch-sessions`
 inside each engine). Everything binds loopback.
 
 The ladder: for each count of ``--sessions``, it adds sessions up to that count (the earlier ones
-keep playing), waits until every new client has video, warms up ``--warmup`` s, then holds
+keep playing; all at once, or evenly over ``--spread-s`` seconds so that their scripted turns do not
+start together), waits until every new client has video, warms up ``--warmup`` s, then holds
 ``--hold`` s and measures over that window, per session: playout fps (fresh frames playout released
 per second: 24 when nothing stalled), the frames the client received per second, underruns, late
 clock ticks, frames the video track skipped (a slow encoder) and the pipeline latency of the turns
