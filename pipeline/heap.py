@@ -5,7 +5,9 @@ holds ~285,000 of them once a session has loaded -- modules, mostly torch's lazi
 and each full collection held the GIL 110-156 ms on a 2-core VM, every few minutes: a speaking chunk
 late by that much is a held frame (docs/PERF.md, "Hours of use"). So the process imports what its
 sessions will run before it serves, then ``gc.freeze()``: what is alive then lives as long as the
-process, and later full collections walk only what sessions create.
+process, and later full collections walk only what sessions create. What they still cost is logged:
+every collection of at least ``LONG_COLLECTION_S`` is a ``gc_pause`` line (generation, ms, objects
+collected), so a late chunk in a log can be matched with the pause that held its process.
 """
 
 from __future__ import annotations
@@ -14,6 +16,12 @@ import atexit
 import gc
 import importlib
 import importlib.util
+import time
+from typing import Any
+
+from charstream.logs import get_logger
+
+LONG_COLLECTION_S = 0.01  # a quarter of a frame: a pass this long can hold a frame's release
 
 # What a session's stages import lazily, at their load (off the event loop): the agent's VAD, recogniser
 # and TTS in the front-end; the model, its weights and torch's symbolic shapes where model stages run.
@@ -37,6 +45,7 @@ def load_and_freeze(front_end: bool, model_stages: bool, freeze: bool = True) ->
 
         # torch imports sympy (~13,000 functions) at a module's first to_empty, which loading a model does
         torch.nn.Linear(1, 1, device="meta").to_empty(device="cpu")
+    log_long_collections()
     if not freeze:
         return 0
     gc.collect()
@@ -45,3 +54,30 @@ def load_and_freeze(front_end: bool, model_stages: bool, freeze: bool = True) ->
     atexit.unregister(gc.unfreeze)  # once, however many servers this process builds
     atexit.register(gc.unfreeze)
     return gc.get_freeze_count()
+
+
+class _CollectionTimer:
+    """A ``gc.callbacks`` entry: times each collection, logs those of at least ``min_s``."""
+
+    def __init__(self, min_s: float) -> None:
+        self.min_s = min_s
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        took = time.perf_counter() - self._started
+        if took >= self.min_s:
+            get_logger(component="gc").info("gc_pause", generation=info["generation"], ms=round(took * 1e3, 1),
+                                             collected=info["collected"], uncollectable=info["uncollectable"])
+
+
+def log_long_collections(min_s: float = LONG_COLLECTION_S) -> None:
+    """Log this process's garbage collections of at least ``min_s`` (one timer per process, however
+    often this is called; a later call sets its threshold)."""
+    timer = next((cb for cb in gc.callbacks if isinstance(cb, _CollectionTimer)), None)
+    if timer is None:
+        gc.callbacks.append(_CollectionTimer(min_s))
+    else:
+        timer.min_s = min_s

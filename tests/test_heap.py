@@ -4,11 +4,14 @@ server's heap held the GIL 110-156 ms, long enough to hold a speaking frame."""
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
 
 import anyio
+import structlog
+from charstream.pipeline import heap
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.runner import Graph, Node, run_session
 
@@ -54,3 +57,23 @@ def test_a_stage_process_freezes_after_importing_its_stages_modules(tmp_path):
     assert notes["diffusion"]["model_imported"] and notes["diffusion"]["frozen"] > 0
     assert not notes["probe"]["model_imported"] and notes["probe"]["frozen"] > 0  # no model stage: no model imports
     assert notes["decode"]["model_imported"] and notes["decode"]["frozen"] == 0  # freeze_heap off: imports only
+
+
+def test_collections_past_the_threshold_are_logged_once_per_process():
+    heap.log_long_collections(0.0)  # every collection, for this test
+    heap.log_long_collections(0.0)
+    try:
+        assert sum(isinstance(cb, heap._CollectionTimer) for cb in gc.callbacks) == 1
+        for _ in range(200):  # cycles only a collection frees
+            a: list = []
+            a.append(a)
+        with structlog.testing.capture_logs() as logs:
+            gc.collect()
+        [pause] = [e for e in logs if e["event"] == "gc_pause" and e["generation"] == 2]
+        assert pause["collected"] >= 200 and pause["ms"] >= 0 and pause["component"] == "gc", pause
+        heap.log_long_collections(60.0)  # a threshold no collection here reaches: nothing logged
+        with structlog.testing.capture_logs() as logs:
+            gc.collect()
+        assert not [e for e in logs if e["event"] == "gc_pause"]
+    finally:
+        heap.log_long_collections()
