@@ -73,11 +73,18 @@ class _CollectionTimer:
                                              collected=info["collected"], uncollectable=info["uncollectable"])
 
 
+def _stop_timing(timer: _CollectionTimer) -> None:
+    if timer in gc.callbacks:
+        gc.callbacks.remove(timer)
+
+
 def log_long_collections(min_s: float = LONG_COLLECTION_S) -> None:
     """Log this process's garbage collections of at least ``min_s`` (one timer per process, however
     often this is called; a later call sets its threshold)."""
     timer = next((cb for cb in gc.callbacks if isinstance(cb, _CollectionTimer)), None)
     if timer is None:
-        gc.callbacks.append(_CollectionTimer(min_s))
+        timer = _CollectionTimer(min_s)
+        gc.callbacks.append(timer)
+        atexit.register(_stop_timing, timer)  # the interpreter's shutdown collections are no serving pause
     else:
         timer.min_s = min_s
