@@ -235,7 +235,7 @@ async def watch_conversation(session, turns: int, progress: Progress) -> None:
             if len(spoken) >= turns and quiet >= QUIET_FRAMES:
                 # The last reply has played out; the client's reports of it may still be on their way.
                 quiet_since = quiet_since or time.monotonic()
-                if len(session.tracer.records) >= turns or time.monotonic() - quiet_since > CLIENT_GRACE_S:
+                if session.tracer.exported >= turns or time.monotonic() - quiet_since > CLIENT_GRACE_S:
                     return
     except PlayoutClosed:
         return

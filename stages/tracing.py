@@ -31,6 +31,7 @@ import json
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,6 +75,9 @@ OTEL_EXPORTERS = ("none", "console", "otlp", "memory")
 # dated at the user's microphone (the browser's capture clock, mapped); the VAD's end on the
 # server's arrival clock and the moment the VAD decided are kept as stamps of their own.
 VAD_POINTS = ("vad_speech_end", "vad_decided")
+# The latest exported turns a session keeps in memory (reports, benches read them); the trace file and
+# the spans have every turn. A session of hours must not grow with its turns.
+RECORDS_KEPT = 1024
 OTLP_ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 
 
@@ -174,7 +178,7 @@ class TurnTracer:
 
     def __init__(self, session_id: str, config: TracingConfig | None = None, jsonl: IO[str] | None = None,
                  exporter: SpanExporter | None = None, conversation_id: str | None = None,
-                 on_turn: Callable[[TurnRecord], None] | None = None) -> None:
+                 on_turn: Callable[[TurnRecord], None] | None = None, records_kept: int = RECORDS_KEPT) -> None:
         config = config or TracingConfig()
         self.session_id = session_id
         self.conversation_id = conversation_id or session_id
@@ -206,8 +210,13 @@ class TurnTracer:
             # no explicit context: the host's current span, if any, becomes the parent
             self._conversation = self._otel.start_span("conversation", attributes=self._ids)
         self._turns: dict[int, TurnRecord] = {}
+        # Exported turns take no more stamps: the latest ``records_kept`` ids, and every id up to
+        # ``_written_through`` (older ones, forgotten).
         self._written: set[int] = set()
-        self.records: list[TurnRecord] = []  # every exported turn, in export order
+        self._written_through = -1
+        self._records_kept = records_kept
+        self.records: deque[TurnRecord] = deque(maxlen=records_kept)  # the latest exported turns, in export order
+        self.exported = 0  # turns exported in all
         self._lock = threading.Lock()  # stamps may arrive from a stage thread (e.g. a decoder worker)
 
     def merge(self, trace: TraceContext) -> None:
@@ -215,7 +224,7 @@ class TurnTracer:
         if trace.turn_id is None:
             return
         with self._lock:
-            if trace.turn_id in self._written:
+            if self._was_written(trace.turn_id):
                 return
             record = self._turns.setdefault(trace.turn_id, TurnRecord(self.session_id, trace.turn_id))
             for point, at in trace.stamps.items():
@@ -231,7 +240,7 @@ class TurnTracer:
     def annotate(self, turn_id: int, heard: str | None = None, answer: str | None = None) -> None:
         """What the agent heard and answered in this turn (written with the turn's record)."""
         with self._lock:
-            if turn_id in self._written:
+            if self._was_written(turn_id):
                 return
             record = self._turns.setdefault(turn_id, TurnRecord(self.session_id, turn_id))
             record.heard, record.answer = heard, answer
@@ -242,7 +251,7 @@ class TurnTracer:
     def fail(self, turn_id: int, error: str) -> None:
         """The turn failed (``error`` says why): it is exported now, its spans with status ERROR."""
         with self._lock:
-            if turn_id in self._written:
+            if self._was_written(turn_id):
                 return
             record = self._turns.pop(turn_id, None) or TurnRecord(self.session_id, turn_id)
             record.error = error
@@ -274,9 +283,17 @@ class TurnTracer:
             self._owned_file.close()
             self._owned_file = None
 
+    def _was_written(self, turn_id: int) -> bool:
+        return turn_id <= self._written_through or turn_id in self._written
+
     def _export(self, record: TurnRecord) -> None:
         self._written.add(record.turn_id)
+        if len(self._written) > self._records_kept:
+            oldest = min(self._written)
+            self._written.remove(oldest)
+            self._written_through = max(self._written_through, oldest)
         self.records.append(record)
+        self.exported += 1
         data = record.to_json()
         for name, seconds in data["segments"].items():
             TURN_SEGMENT_SECONDS.labels(name).observe(seconds)

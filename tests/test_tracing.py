@@ -268,3 +268,20 @@ def test_trace_lines_are_plain_json_whatever_the_console_log_level(tmp_path):
         structlog.configure(**saved)
     (raw,) = path.read_text().splitlines()
     assert json.loads(raw)["stamps"]["user_speech_end"] == 10.0
+
+
+def test_a_long_session_keeps_its_latest_turns_and_every_exported_turn_stays_closed(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    tracer = TurnTracer("s-long", TracingConfig(jsonl_path=str(path)), records_kept=4)
+    for turn in range(10):
+        tracer.merge(TraceContext(turn, stamps_for(1000.0 + 10 * turn)))
+    assert tracer.exported == 10 and [r.turn_id for r in tracer.records] == [6, 7, 8, 9]  # bounded in memory
+    assert len(tracer._written) == 4
+    # A late stamp for a turn long exported (forgotten from memory) or recently exported is not a new turn.
+    for turn in (0, 5, 9):
+        tracer.merge(TraceContext(turn, stamps_for(2000.0)))
+        tracer.stamp(turn, "user_speech_end")
+        tracer.fail(turn, "late")
+    tracer.close()
+    assert tracer.exported == 10
+    assert [line["turn_id"] for line in read_jsonl(path)] == list(range(10))  # the file has every turn, once
