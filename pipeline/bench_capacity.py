@@ -515,7 +515,7 @@ class Ladder:
             progress.set_postfix_str(f"host CPU {100 * share:.0f}%{gpu}", refresh=True)
         last = await self.snapshot("stats")
         gpu = sampler.stop() if sampler is not None else None
-        return {"added_from": added_from, **summarise_level(count, start_s, first, last, self.placed, self.failed, gpu,
+        return {"added_from": added_from, **summarise_level(count, added_from, start_s, first, last, self.placed, self.failed, gpu,
                                                             self.args)}
 
 
@@ -523,7 +523,7 @@ def _delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     return {k: b[k] - a[k] for k in a}
 
 
-def summarise_level(count: int, start_s: float, first: dict, last: dict, placed: list[Placed],
+def summarise_level(count: int, added_from: int, start_s: float, first: dict, last: dict, placed: list[Placed],
                     failed: dict[str, str], gpu: dict | None, args: argparse.Namespace) -> dict[str, Any]:
     """One count's figures from the window's two snapshots."""
     window = last["now"] - first["now"]
@@ -591,8 +591,8 @@ def summarise_level(count: int, start_s: float, first: dict, last: dict, placed:
     received = [s["received_fps"] for s in sessions]
     level = {
         "sessions": count, "start_s": round(start_s, 1), "window_s": round(window, 2),
-        # How far apart the sessions' connections came up (--spread-s sets it; 0 starts them within ~1 s).
-        "connects_span_s": round(max(up) - min(up), 2) if (up := [s["connected_at"] for s in sessions
+        # How far apart this count's new sessions' connections came up (--spread-s sets it; 0: within ~1 s).
+        "connects_span_s": round(max(up) - min(up), 2) if (up := [s["connected_at"] for s in sessions[added_from:]
                                                                     if s.get("connected_at") is not None]) else None,
         "held": sum(s["held"] for s in sessions), "below": sum(not s["held"] for s in sessions),
         "playout_fps_min": min(playout), "playout_fps_median": statistics.median(playout),

@@ -23,8 +23,9 @@ from charstream.stages.config import PlayoutConfig
 from charstream.stages.speech_estimate import prior_allowance
 
 from charstream.logs import read_events
+from charstream.timeline import VIDEO_FPS
 
-FRAME_MS = 1000 / 24
+FRAME_MS = 1000 / VIDEO_FPS
 
 
 def onsets(log: Path) -> list[tuple[dict, dict]]:

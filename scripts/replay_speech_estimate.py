@@ -25,9 +25,10 @@ from charstream.stages.config import PlayoutConfig
 from charstream.stages.speech_estimate import SpeechEstimator
 
 from charstream.logs import read_events
+from charstream.timeline import FRAMES_PER_CHUNK, VIDEO_FPS
 
-FRAME = 1 / 24
-CHUNK = 4 * FRAME
+FRAME = 1 / VIDEO_FPS
+CHUNK = FRAMES_PER_CHUNK * FRAME
 
 
 def wall(iso: str) -> float:
@@ -53,7 +54,7 @@ def place(rollback_at: float, ready: float, interval: float, grid_due: float, gr
     The grid: frame ``grid_onset`` of chunk ``grid_chunk`` is due at ``grid_due``."""
     chunk0_start = grid_due - grid_onset * FRAME - grid_chunk * CHUNK  # where chunk 0 would start
     frame = math.ceil((rollback_at + ready - chunk0_start) / FRAME - 1e-9)
-    while chunk0_start + (frame // 4 + 1) * CHUNK < rollback_at + ready + interval:
+    while chunk0_start + (frame // FRAMES_PER_CHUNK + 1) * CHUNK < rollback_at + ready + interval:
         frame += 1
     frame = max(frame, 4 * earliest)
     return chunk0_start + frame * FRAME

@@ -214,7 +214,6 @@ class TurnTracer:
         # ``_written_through`` (older ones, forgotten).
         self._written: set[int] = set()
         self._written_through = -1
-        self._records_kept = records_kept
         self.records: deque[TurnRecord] = deque(maxlen=records_kept)  # the latest exported turns, in export order
         self.exported = 0  # turns exported in all
         self._lock = threading.Lock()  # stamps may arrive from a stage thread (e.g. a decoder worker)
@@ -288,7 +287,7 @@ class TurnTracer:
 
     def _export(self, record: TurnRecord) -> None:
         self._written.add(record.turn_id)
-        if len(self._written) > self._records_kept:
+        if len(self._written) > self.records.maxlen:
             oldest = min(self._written)
             self._written.remove(oldest)
             self._written_through = max(self._written_through, oldest)
