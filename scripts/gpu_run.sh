@@ -56,12 +56,14 @@ WHEELS_B="silero-vad==6.2.3 espeakng-loader==0.2.4 protobuf==6.33.6 googleapis-c
   opentelemetry-exporter-http-transport==0.66b2 opentelemetry-exporter-otlp-common==0.66b2"
 # The built-in agent's recogniser (29 MB): 5.0.4 is the newest release with a cp312 wheel (the device's Python).
 WHEELS_C="pocketsphinx==5.0.4"
+# cuDNN's Python frontend (2 MB, no dependencies; 1.18+ need nvidia-cutlass-dsl): the FP8 window attention.
+WHEELS_D="nvidia-cudnn-frontend==1.17.0"
 
 if [ "$cmd" = bundle ]; then
   # In this order: pip takes the first tag a wheel has (the 2_28 builds are the ones run on the device).
   platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
              --platform manylinux2014_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_34_x86_64)
-  for part in a b c; do
+  for part in a b c d; do
     names=WHEELS_${part^^}
     # shellcheck disable=SC2086
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -92,7 +94,7 @@ section() {  # section NAME LIMIT_S LOG COMMAND...: COMMAND under a time limit, 
   results+=("$name rc=$rc")
 }
 
-for part in a b c; do
+for part in a b c d; do
   if compgen -G "$dir/whl-$part/*.whl" >/dev/null && [ ! -e "/tmp/site/.whl-$part" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       "$dir/whl-$part"/*.whl && touch "/tmp/site/.whl-$part" || exit
@@ -146,6 +148,10 @@ elif [ "$cmd" = kernels ]; then
       CHARSTREAM_COMMIT="${BASE_COMMIT:-base}" python3 -m charstream.pipeline.bench_gpu --tp-shard 3 \
       --skip sweep kernels decoder pipeline ceilings --section-timeout 45 --json "$OUT/bench-base.json"
   fi
+elif [ "$cmd" = kernels-check ]; then  # only scripts/kernels_check.py's sections (KERNELS)
+  # shellcheck disable=SC2086
+  section "kernels check" 120 kernels.log python3 scripts/kernels_check.py \
+    --only ${KERNELS:-ring_write gelu_rows adaln window_attn cross_attn rotation} --json "$OUT/kernels.json"
 elif [ "$cmd" = tp ]; then  # multi-GPU kinds: the TP group with NCCL, one process per GPU, per size given
   [ $# -gt 0 ] || set -- 3 4
   for tp in "$@"; do

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from charstream.kernels.adaln_quant import adaln_quant_reference, adaln_quant_triton
 from charstream.kernels.delta_rotate import delta_rotate_reference, delta_rotate_triton
-from charstream.kernels.fp8 import FP8_DTYPE
+from charstream.kernels.fp8 import FP8_DTYPE, FP8_MAX
 from charstream.kernels.quantize_rows import quantize_rows_reference, quantize_rows_triton
 from charstream.kernels.ring_attention import (
     ring_attention_gathered,
@@ -283,7 +283,61 @@ def window_attn(gen: torch.Generator) -> dict[str, object]:
             entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         result[name] = entry
         print(f"[check] window_attn {name}: {entry}", flush=True)
+    result["fp8_cudnn"] = _window_attn_fp8(q, k_win, v_win, ref)
     return result
+
+
+def _window_attn_fp8(q: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, ref: torch.Tensor) -> dict[str, object]:
+    """cuDNN's FP8 SDPA over the same windows stored as the cache stores them (e4m3 codes, per-head
+    scales): the K scales folded into the queries before their e4m3 quantisation (one scalar scale
+    per layer), the output in V's code units (<= 448, so scale 1) times V's per-head scales after.
+    Errors: against fp32 math over the same codes (the kernel), and end to end against the fp32
+    reference over the bf16 window (what ``strided_q`` is compared with). Timed: the cuDNN call alone,
+    and with the two elementwise passes a step would add around it if the prep and the GELU rows
+    did not do them (q's quantisation, the output's per-head rescale)."""
+    from charstream.kernels.fp8_window_attention import Fp8WindowAttention, fp8_window_attention_reference
+
+    entry: dict[str, object] = {}
+    try:
+        k_scale = k_win.float().abs().amax(dim=(2, 3)) / FP8_MAX  # (layers, heads)
+        v_scale = v_win.float().abs().amax(dim=(2, 3)) / FP8_MAX
+        k8 = (k_win.float() / k_scale[..., None, None]).to(FP8_DTYPE)
+        v8 = (v_win.float() / v_scale[..., None, None]).to(FP8_DTYPE)
+        folded = q.float() * k_scale[0][None, :, None]
+        descale_q = (folded.abs().amax() / FP8_MAX).reshape(1)
+        q8 = (folded / descale_q).to(FP8_DTYPE)
+        one = torch.ones(1, device="cuda")
+        t0 = time.perf_counter()
+        attn = Fp8WindowAttention(H, T, k_win.shape[2], D, q8.stride(), 1.0 / D**0.5)
+        entry["build_s"] = time.perf_counter() - t0
+        entry["workspace_bytes"] = attn.workspace.numel()
+        out8 = torch.full((T, H, D), float("nan"), device="cuda").to(FP8_DTYPE)
+        attn(q8, k8[0], v8[0], descale_q, one, one, one, out8)
+        got = out8.float()
+        entry["nan"] = int(torch.isnan(got).sum())
+        kernel_ref = fp8_window_attention_reference(q8, k8[0], v8[0], descale_q, one, one, 1.0 / D**0.5)
+        entry["rel_vs_fp32_over_codes"] = _rel(got, kernel_ref)
+        entry["rel_vs_fp32"] = _rel(got * v_scale[0][None, :, None], ref)
+        out = torch.empty(T, H, D, device="cuda").to(FP8_DTYPE)
+        real = torch.empty(T, H, D, device="cuda", dtype=torch.bfloat16)
+
+        def call(i: int) -> None:
+            attn(q8, k8[i], v8[i], descale_q, one, one, one, out)
+
+        def with_passes(i: int) -> None:
+            q8.copy_(q.float().mul(k_scale[i][None, :, None]).div(descale_q))
+            attn(q8, k8[i], v8[i], descale_q, one, one, one, out)
+            torch.mul(out.float(), v_scale[i][None, :, None], out=real)
+
+        ms = _graphs_ms({"alone": [functools.partial(call, i % LAYERS) for i in range(4 * LAYERS)],
+                         "with_q_and_out_passes": [functools.partial(with_passes, i % LAYERS) for i in range(4 * LAYERS)]})
+        entry["ms"] = ms["alone"]
+        entry["ms_with_q_and_out_passes"] = ms["with_q_and_out_passes"]
+    except Exception as exc:
+        traceback.print_exc()
+        entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    print(f"[check] window_attn fp8_cudnn: {entry}", flush=True)
+    return entry
 
 
 CROSS_VARIANTS = ((128, 8), (64, 4), (32, 4), (16, 2))  # (block_m, warps); 9 audio keys in one 16-key block

@@ -1,0 +1,97 @@
+"""Full-window attention over FP8 codes through cuDNN's FP8 SDPA (Hopper and newer).
+
+Contract: ``q8`` (T, n_heads, head_dim) e4m3 codes (any strides with head_dim contiguous), ``k8`` and
+``v8`` one layer's window (n_heads, S, head_dim) of e4m3 codes, contiguous; the real values are the
+codes times the 1-element float32 descales ``descale_q``, ``descale_k``, ``descale_v`` (device
+tensors, read when the call runs: a session's scales change without a rebuild). Softmax scale
+``softmax_scale`` (fixed when built). The output is written into ``out8`` (T, n_heads, head_dim)
+e4m3, contiguous, as the real output times ``scale_o`` (1 element): on Hopper cuDNN's FP8 SDPA gives
+FP8 output only (bf16 output from FP8 inputs is Blackwell's). Inside, cuDNN stores the softmax
+probabilities in e4m3 too (scaled by 448, their largest code), which is where most of its error
+against fp32 math over the same codes comes from.
+
+cuDNN is reached through NVIDIA's Python frontend (``nvidia-cudnn-frontend``, a device-only
+dependency: carried to the device by ``scripts/gpu_run.sh``); the frontend loads the cuDNN library
+that torch loaded. One object per shape: building its plan takes ~1 s.
+"""
+
+from __future__ import annotations
+
+import torch
+from charstream.kernels.fp8 import FP8_MAX
+
+
+def fp8_window_attention_reference(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, descale_q: torch.Tensor,
+                                   descale_k: torch.Tensor, descale_v: torch.Tensor,
+                                   softmax_scale: float) -> torch.Tensor:
+    """The real output (T, n_heads, head_dim) float32: fp32 math over the codes' real values, the
+    probabilities unquantised."""
+    q = q8.float() * descale_q.float()
+    k = k8.float() * descale_k.float()
+    v = v8.float() * descale_v.float()
+    p = (torch.einsum("thd,hsd->hts", q, k) * softmax_scale).softmax(-1)
+    return torch.einsum("hts,hsd->thd", p, v)
+
+
+class Fp8WindowAttention:
+    """cuDNN's FP8 SDPA built once for one shape and q layout; ``__call__`` runs it on the current
+    stream (capturable in a CUDA graph: the handle follows the stream at every call)."""
+
+    def __init__(self, n_heads: int, n_queries: int, n_keys: int, head_dim: int, q_strides: tuple[int, int, int],
+                 softmax_scale: float, device: torch.device | str = "cuda") -> None:
+        try:
+            import cudnn
+        except ImportError as exc:
+            raise RuntimeError("Fp8WindowAttention needs NVIDIA's cuDNN frontend (pip install "
+                               "nvidia-cudnn-frontend; scripts/gpu_run.sh carries it to the device)") from exc
+        torch.backends.cudnn.version()  # torch's cuDNN loaded first, so the frontend binds to that one
+        self._cudnn = cudnn
+        self.shape = (n_heads, n_queries, n_keys, head_dim)
+        fp8, f32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
+        self.handle = cudnn.create_handle()
+        graph = cudnn.pygraph(io_data_type=fp8, intermediate_data_type=f32, compute_data_type=f32,
+                              handle=self.handle)
+        st, sh, sd = q_strides
+        q = graph.tensor(name="q", dim=[1, n_heads, n_queries, head_dim],
+                         stride=[n_queries * st, sh, st, sd], data_type=fp8)
+        kv_stride = [n_heads * n_keys * head_dim, n_keys * head_dim, head_dim, 1]
+        k = graph.tensor(name="k", dim=[1, n_heads, n_keys, head_dim], stride=kv_stride, data_type=fp8)
+        v = graph.tensor(name="v", dim=[1, n_heads, n_keys, head_dim], stride=kv_stride, data_type=fp8)
+        scalars = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
+        self._scalars = {name: graph.tensor(name=name, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=f32)
+                         for name in scalars}
+        o, _, amax_s, amax_o = graph.sdpa_fp8(q=q, k=k, v=v, **self._scalars, attn_scale=softmax_scale,
+                                               generate_stats=False, use_causal_mask=False, name="window")
+        o.set_output(True).set_dim([1, n_heads, n_queries, head_dim]).set_data_type(fp8).set_stride(
+            [n_queries * n_heads * head_dim, head_dim, n_heads * head_dim, 1])
+        for amax in (amax_s, amax_o):
+            amax.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(f32)
+        graph.validate()
+        graph.build_operation_graph()
+        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        graph.check_support()
+        graph.build_plans()
+        self.graph, self._q, self._k, self._v, self._o = graph, q, k, v, o
+        self._amax = (amax_s, amax_o)
+        dev = torch.device(device)
+        self.workspace = torch.empty(max(graph.get_workspace_size(), 1), dtype=torch.uint8, device=dev)
+        # the probabilities' scale: p in [0, 1] stored as p x 448 (e4m3's largest code)
+        self.scale_s = torch.full((1,), FP8_MAX, dtype=torch.float32, device=dev)
+        self.descale_s = torch.full((1,), 1.0 / FP8_MAX, dtype=torch.float32, device=dev)
+        self.amax_out = torch.empty(2, dtype=torch.float32, device=dev)
+
+    def __call__(self, q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, descale_q: torch.Tensor,
+                 descale_k: torch.Tensor, descale_v: torch.Tensor, scale_o: torch.Tensor,
+                 out8: torch.Tensor) -> torch.Tensor:
+        h, n_q, n_k, d = self.shape
+        if q8.shape != (n_q, h, d) or k8.shape != (h, n_k, d) or v8.shape != (h, n_k, d) or out8.shape != (n_q, h, d):
+            raise ValueError(f"shapes q {tuple(q8.shape)} k {tuple(k8.shape)} v {tuple(v8.shape)} out "
+                             f"{tuple(out8.shape)} do not match the plan's (heads, queries, keys, dim) {self.shape}")
+        self._cudnn.set_stream(handle=self.handle, stream=torch.cuda.current_stream().cuda_stream)
+        s = self._scalars
+        self.graph.execute({self._q: q8, self._k: k8, self._v: v8, self._o: out8,
+                            s["descale_q"]: descale_q, s["descale_k"]: descale_k, s["descale_v"]: descale_v,
+                            s["descale_s"]: self.descale_s, s["scale_s"]: self.scale_s, s["scale_o"]: scale_o,
+                            self._amax[0]: self.amax_out[0:1], self._amax[1]: self.amax_out[1:2]},
+                           self.workspace, handle=self.handle)
+        return out8
