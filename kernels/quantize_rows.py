@@ -7,7 +7,8 @@ with ``x' = x`` on columns ``[0, act_from)`` and ``gelu_tanh(x)`` on ``[act_from
 no activation), ``scale = max(amax(|x'|), tiny) / 448`` and ``xq = x' / scale``. Dequantised = xq x scale.
 ``prefix`` (M, P), optional: the rows' first P columns, read from there instead of from x (whose
 columns [0, P) are then not read) -- a producer's own output buffer (cuDNN's attention output) needs no
-copy into x first.
+copy into x first. ``prefix_scale`` (G,) float32, optional: the prefix's values are its entries times
+the scale of their group of P / G columns (an FP8 prefix: e4m3 codes with a scale per head).
 """
 
 from __future__ import annotations
@@ -23,11 +24,17 @@ from charstream.kernels.fp8 import FP8_DTYPE, FP8_MAX
 MIN_AMAX = 1e-12  # an all-zero row gets a tiny scale instead of a division by zero
 
 
-def quantize_rows_reference(x: torch.Tensor, act_from: int | None = None,
-                            prefix: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_reference(x: torch.Tensor, act_from: int | None = None, prefix: torch.Tensor | None = None,
+                            prefix_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     k = x.shape[-1]
     act_from = k if act_from is None else act_from
-    xf = x.float() if prefix is None else torch.cat([prefix.float(), x[:, prefix.shape[1] :].float()], dim=1)
+    if prefix is None:
+        xf = x.float()
+    else:
+        lead = prefix.float()
+        if prefix_scale is not None:
+            lead = lead * prefix_scale.repeat_interleave(prefix.shape[1] // prefix_scale.numel())
+        xf = torch.cat([lead, x[:, prefix.shape[1] :].float()], dim=1)
     if act_from < k:
         xf = torch.cat([xf[:, :act_from], F.gelu(xf[:, act_from:], approximate="tanh")], dim=1)
     scale = xf.abs().amax(dim=1, keepdim=True).clamp_min(MIN_AMAX) / FP8_MAX
@@ -47,18 +54,21 @@ def _gelu_tanh(x):
 
 
 @triton.jit
-def _load_row(x, stride_xm, prefix, stride_pm, n_prefix, row, c, n_cols, PREFIX: tl.constexpr,
-              PREFIX_SELECT: tl.constexpr):
+def _load_row(x, stride_xm, prefix, stride_pm, n_prefix, prefix_scale, group, row, c, n_cols, PREFIX: tl.constexpr,
+              PREFIX_SELECT: tl.constexpr, PREFIX_SCALED: tl.constexpr):
     # PREFIX: columns [0, n_prefix) from prefix, the rest from x, each element read from one of them
     # through one load of per-element pointers (n_prefix a multiple of 16 keeps it 16-byte vectors, as
     # x's own load); PREFIX_SELECT instead: both loaded, the values selected (more instructions: the
-    # variant timed against it)
+    # variant timed against it; the one load of another dtype, an FP8 prefix, needs). PREFIX_SCALED:
+    # the prefix's values times their column group's scale
     if PREFIX and not PREFIX_SELECT:
         ptr = tl.where(c < n_prefix, prefix + row * stride_pm + c, x + row * stride_xm + c)
         v = tl.load(ptr, mask=c < n_cols, other=0.0).to(tl.float32)
     elif PREFIX:
         v = tl.load(x + row * stride_xm + c, mask=(c >= n_prefix) & (c < n_cols), other=0.0).to(tl.float32)
         lead = tl.load(prefix + row * stride_pm + c, mask=c < n_prefix, other=0.0).to(tl.float32)
+        if PREFIX_SCALED:
+            lead = lead * tl.load(prefix_scale + c // group, mask=c < n_prefix, other=1.0)
         v = tl.where(c < n_prefix, lead, v)
     else:
         v = tl.load(x + row * stride_xm + c, mask=c < n_cols, other=0.0).to(tl.float32)
@@ -67,9 +77,9 @@ def _load_row(x, stride_xm, prefix, stride_pm, n_prefix, row, c, n_cols, PREFIX:
 
 @triton.jit
 def _quantize_rows_kernel(
-    x, stride_xm, prefix, stride_pm, n_prefix, xq, stride_qm, scale_out, n_cols, act_from,
+    x, stride_xm, prefix, stride_pm, n_prefix, prefix_scale, group, xq, stride_qm, scale_out, n_cols, act_from,
     BLOCK: tl.constexpr, ONE_SWEEP: tl.constexpr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
-    PREFIX: tl.constexpr, PREFIX_SELECT: tl.constexpr,
+    PREFIX: tl.constexpr, PREFIX_SELECT: tl.constexpr, PREFIX_SCALED: tl.constexpr,
 ):
     # One program per row. ONE_SWEEP (the row fits in BLOCK): the row stays in registers between the
     # amax and the store, so x is read once; otherwise two sweeps (the second reads from L2). The codes:
@@ -79,7 +89,8 @@ def _quantize_rows_kernel(
     row = tl.program_id(0)
     if ONE_SWEEP:
         c = tl.arange(0, BLOCK)
-        v = _load_row(x, stride_xm, prefix, stride_pm, n_prefix, row, c, n_cols, PREFIX, PREFIX_SELECT)
+        v = _load_row(x, stride_xm, prefix, stride_pm, n_prefix, prefix_scale, group, row, c, n_cols, PREFIX,
+                          PREFIX_SELECT, PREFIX_SCALED)
         v = tl.where(c >= act_from, _gelu_tanh(v), v)
         scale = tl.maximum(tl.max(tl.abs(v), 0), MIN_AMAX) / FP8_MAX
         tl.store(scale_out + row, scale)
@@ -88,14 +99,16 @@ def _quantize_rows_kernel(
         amax = tl.zeros((BLOCK,), tl.float32)
         for start in range(0, n_cols, BLOCK):
             c = start + tl.arange(0, BLOCK)
-            v = _load_row(x, stride_xm, prefix, stride_pm, n_prefix, row, c, n_cols, PREFIX, PREFIX_SELECT)
+            v = _load_row(x, stride_xm, prefix, stride_pm, n_prefix, prefix_scale, group, row, c, n_cols, PREFIX,
+                          PREFIX_SELECT, PREFIX_SCALED)
             v = tl.where(c >= act_from, _gelu_tanh(v), v)
             amax = tl.maximum(amax, tl.abs(v))
         scale = tl.maximum(tl.max(amax, 0), MIN_AMAX) / FP8_MAX
         tl.store(scale_out + row, scale)
         for start in range(0, n_cols, BLOCK):
             c = start + tl.arange(0, BLOCK)
-            v = _load_row(x, stride_xm, prefix, stride_pm, n_prefix, row, c, n_cols, PREFIX, PREFIX_SELECT)
+            v = _load_row(x, stride_xm, prefix, stride_pm, n_prefix, prefix_scale, group, row, c, n_cols, PREFIX,
+                          PREFIX_SELECT, PREFIX_SCALED)
             v = tl.where(c >= act_from, _gelu_tanh(v), v)
             tl.store(xq + row * stride_qm + c, (v * (1.0 / scale)).to(xq.dtype.element_ty), mask=c < n_cols)
 
@@ -110,33 +123,43 @@ def quantize_rows_triton(
     num_warps: int = 8,
     prefix: torch.Tensor | None = None,
     prefix_select: bool = False,
+    prefix_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch. ``out`` = preallocated (xq, scale), so a CUDA graph reuses the same buffers.
     ``prefix_select``: load x's and the prefix's columns both and select the values (the variant the
-    per-element pointers replace), so kernels_check times one against the other."""
+    per-element pointers replace), so kernels_check times one against the other; a prefix of another
+    dtype than x's (FP8, with its ``prefix_scale``) is always loaded so."""
     m, k = x.shape
     if x.stride(1) != 1:
         raise ValueError("x needs contiguous rows")
     if prefix is not None and (prefix.dim() != 2 or prefix.shape[0] != m or prefix.shape[1] > k or prefix.stride(1) != 1):
         raise ValueError(f"prefix must be ({m}, <= {k}) with contiguous rows, got {tuple(prefix.shape)}")
+    if prefix_scale is not None and (prefix is None or prefix.shape[1] % prefix_scale.numel()
+                                     or prefix_scale.dtype != torch.float32):
+        raise ValueError("prefix_scale needs a prefix whose columns split into its float32 entries' groups")
     if prefix is not None and prefix.dtype != x.dtype:  # one load reads both through one pointer type
-        raise ValueError(f"prefix must have x's dtype {x.dtype}, got {prefix.dtype}")
+        if prefix.dtype != FP8_DTYPE or prefix_scale is None:
+            raise ValueError(f"prefix must have x's dtype {x.dtype} (or be FP8 with a prefix_scale), got {prefix.dtype}")
+        prefix_select = True
     lead = x if prefix is None else prefix
     xq, scale = out if out is not None else (torch.empty(m, k, dtype=FP8_DTYPE, device=x.device),
                                              torch.empty(m, 1, dtype=torch.float32, device=x.device))
     one_sweep = k <= ONE_SWEEP_MAX_COLS
     _quantize_rows_kernel[(m,)](
-        x, x.stride(0), lead, lead.stride(0), 0 if prefix is None else prefix.shape[1], xq, xq.stride(0), scale, k,
+        x, x.stride(0), lead, lead.stride(0), 0 if prefix is None else prefix.shape[1],
+        scale if prefix_scale is None else prefix_scale,
+        1 if prefix_scale is None else prefix.shape[1] // prefix_scale.numel(), xq, xq.stride(0), scale, k,
         k if act_from is None else act_from,
         BLOCK=triton.next_power_of_2(k) if one_sweep else 2048, ONE_SWEEP=one_sweep, FP8_MAX=FP8_MAX,
-        MIN_AMAX=MIN_AMAX, PREFIX=prefix is not None, PREFIX_SELECT=prefix_select, num_warps=num_warps,
+        MIN_AMAX=MIN_AMAX, PREFIX=prefix is not None, PREFIX_SELECT=prefix_select,
+        PREFIX_SCALED=prefix_scale is not None, num_warps=num_warps,
     )
     return xq, scale
 
 
-def quantize_rows(x: torch.Tensor, act_from: int | None = None,
-                  prefix: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, act_from: int | None = None, prefix: torch.Tensor | None = None,
+                  prefix_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatcher: the Triton kernel on CUDA, the PyTorch reference otherwise."""
     if x.is_cuda:
-        return quantize_rows_triton(x, act_from, prefix=prefix)
-    return quantize_rows_reference(x, act_from, prefix)
+        return quantize_rows_triton(x, act_from, prefix=prefix, prefix_scale=prefix_scale)
+    return quantize_rows_reference(x, act_from, prefix, prefix_scale)

@@ -305,7 +305,8 @@ def _gather_window_kernel(
     D: tl.constexpr, BLOCK_S: tl.constexpr, QUANT: tl.constexpr,
 ):
     # Output slot j: the sink for j < sink_slots, else token (j - sink) % T of the ring frame at
-    # position frame_order[(j - sink) // T]; dequantised to the output dtype (bf16).
+    # position frame_order[(j - sink) // T]; dequantised to the output dtype (bf16), or (QUANT off
+    # over an FP8 ring: an FP8 window) the codes copied.
     head = tl.program_id(1)
     j = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     jmask = j < n_out
@@ -336,8 +337,11 @@ def gather_window(
     out: tuple[torch.Tensor, torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dequantise the sink + the ring frames at positions ``frame_order`` (int32 device tensor) into
-    contiguous (n_heads, sink + len(order) * T, head_dim) K and V buffers ``out``: one launch."""
+    contiguous (n_heads, sink + len(order) * T, head_dim) K and V buffers ``out``: one launch. FP8
+    ``out`` buffers get the ring's codes as they are (the FP8 window attention applies the scales)."""
     k_out, v_out = out
+    if is_fp8(k_out) and not is_fp8(k_cache):
+        raise ValueError("an FP8 window holds an FP8 ring's codes; this ring is not FP8")
     n_heads, n_out, head_dim = k_out.shape
     if n_out != sink_slots + frame_order.numel() * tokens_per_frame or v_out.stride() != k_out.stride():
         raise ValueError("out buffers must hold sink + len(frame_order) frames with the same strides")
@@ -345,7 +349,7 @@ def gather_window(
     _gather_window_kernel[(triton.cdiv(n_out, block_s), n_heads)](
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_scale, v_scale, frame_order,
         k_out, v_out, k_out.stride(0), k_out.stride(1), n_out, sink_slots, tokens_per_frame,
-        D=head_dim, BLOCK_S=block_s, QUANT=is_fp8(k_cache), num_warps=4,
+        D=head_dim, BLOCK_S=block_s, QUANT=is_fp8(k_cache) and not is_fp8(k_out), num_warps=4,
     )
     return k_out, v_out
 

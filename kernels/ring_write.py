@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from charstream.kernels.fp8 import FP8_MAX, dequantise, is_fp8, quantise
+from charstream.kernels.fp8 import FP8_DTYPE, FP8_MAX, dequantise, is_fp8, quantise
 from charstream.kernels.rope import RopeFreqs, apply_rope, complex_rotation, rope_rotation, rotate_complex
 
 RMS_EPS = 1e-6  # model/dit.py's RMSNorm
@@ -91,10 +91,10 @@ def _ring_write_kernel(
     k_cache, v_cache, stride_ch, stride_cs,
     k_scale, v_scale, slot, rot, stride_rt, n_tokens, n_heads,
     q, cq, q_norm, k_norm, cq_norm, saturated,
-    k_win, v_win, stride_wh, stride_ws, win_slot,
+    k_win, v_win, stride_wh, stride_ws, win_slot, q8, stride_q8t, stride_q8h, q8_mult,
     D: tl.constexpr, BLOCK_T: tl.constexpr, HEADS: tl.constexpr, SLOT_IN_TENSOR: tl.constexpr,
     QUANT: tl.constexpr, FP8_MAX: tl.constexpr, PREP: tl.constexpr, WINDOW: tl.constexpr, EPS: tl.constexpr,
-    PREFETCH: tl.constexpr, RING: tl.constexpr,
+    PREFETCH: tl.constexpr, RING: tl.constexpr, WINDOW_CODES: tl.constexpr, Q8: tl.constexpr,
 ):
     # One program: BLOCK_T tokens x HEADS heads (one head at a time; PREFETCH: the next head's loads
     # issued before this head's stores, two heads' reads in flight for more registers: 4.11 against
@@ -102,7 +102,9 @@ def _ring_write_kernel(
     # cos/sin come from the step's table (computed once per step, not per program and layer). With
     # PREP, the block's other per-head work rides along: QK-norms, RoPE on Q (in place), the
     # cross-attention query's norm (in place) and the FP8 saturation count. With WINDOW, the keys and
-    # values as stored are also written dequantised into the attention window's slots at ``win_slot``.
+    # values as stored are also written dequantised into the attention window's slots at ``win_slot``
+    # (WINDOW_CODES: an FP8 window, the codes themselves). Q8: the rotated queries go to ``q8`` as e4m3
+    # codes of q x q8_mult[head] (bf16-rounded first, as q would be stored), q itself left unwritten.
     # RING off: everything but the ring's stores (a measurement of what the write adds to the prep).
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < n_tokens
@@ -138,8 +140,13 @@ def _ring_write_kernel(
         v = v.to(tl.float32)
         if PREP:
             k = _rms_norm(k, k_norm, D, EPS)
-            qv = _rms_norm(qv.to(tl.float32), q_norm, D, EPS)
-            tl.store(q + src, _rope(qv, cos, sin, BLOCK_T, D).to(q.dtype.element_ty), mask=mask)
+            qv = _rope(_rms_norm(qv.to(tl.float32), q_norm, D, EPS), cos, sin, BLOCK_T, D).to(q.dtype.element_ty)
+            if Q8:
+                mult = tl.load(q8_mult + tl.minimum(head, n_heads - 1))
+                q8dst = t[:, None] * stride_q8t + head * stride_q8h + ch[None, :]
+                tl.store(q8 + q8dst, (qv.to(tl.float32) * mult).to(q8.dtype.element_ty), mask=mask)
+            else:
+                tl.store(q + src, qv, mask=mask)
             tl.store(cq + src, _rms_norm(cqv.to(tl.float32), cq_norm, D, EPS).to(cq.dtype.element_ty), mask=mask)
         k = _rope(k, cos, sin, BLOCK_T, D)
         if QUANT:
@@ -158,7 +165,11 @@ def _ring_write_kernel(
             dst = head * stride_ch + (start + t)[:, None] * stride_cs + ch[None, :]
             tl.store(k_cache + dst, k_stored, mask=mask)
             tl.store(v_cache + dst, v_stored, mask=mask)
-        if WINDOW:  # as gather_window dequantises: stored value x per-head scale, in the window's dtype
+        if WINDOW_CODES:  # an FP8 window holds the ring's codes
+            wdst = head * stride_wh + (win_start + t)[:, None] * stride_ws + ch[None, :]
+            tl.store(k_win + wdst, k_stored, mask=mask)
+            tl.store(v_win + wdst, v_stored, mask=mask)
+        elif WINDOW:  # as gather_window dequantises: stored value x per-head scale, in the window's dtype
             k_w = k_stored.to(tl.float32)
             v_w = v_stored.to(tl.float32)
             if QUANT:
@@ -172,7 +183,7 @@ def _ring_write_kernel(
 
 
 def _launch(k_cache, v_cache, k_scale, v_scale, k_new, v_new, slot_start, rotation, prep, window,
-            block_t, heads, num_warps, prefetch, write_ring=True):
+            block_t, heads, num_warps, prefetch, write_ring=True, q8=None):
     n_tokens, n_heads, head_dim = k_new.shape
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError("k_cache and v_cache must share strides with a contiguous head_dim")
@@ -189,15 +200,21 @@ def _launch(k_cache, v_cache, k_scale, v_scale, k_new, v_new, slot_start, rotati
     k_win, v_win, win_slot = window if window is not None else (k_cache, v_cache, slot_start)
     if window is not None and (k_win.stride() != v_win.stride() or k_win.stride(-1) != 1):
         raise ValueError("the window's K and V must share strides with a contiguous head_dim")
+    window_codes = window is not None and is_fp8(k_win)
+    if window_codes and not is_fp8(k_cache):
+        raise ValueError("an FP8 window mirrors an FP8 ring's codes; this ring is not FP8")
+    q8_out, q8_mult = q8 if q8 is not None else (k_new, k_scale)
+    if q8 is not None and (prep is None or q8_out.shape != k_new.shape or q8_out.stride(-1) != 1 or not is_fp8(q8_out)):
+        raise ValueError("q8 needs the prep and an FP8 (tokens, heads, head_dim) buffer with a contiguous head_dim")
     _ring_write_kernel[(triton.cdiv(n_tokens, block_t), triton.cdiv(n_heads, heads))](
         k_new, v_new, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
         k_scale, v_scale, slot_start, table, table.stride(0), n_tokens, n_heads,
         q, cq, q_norm, k_norm, cq_norm, saturated,
-        k_win, v_win, k_win.stride(0), k_win.stride(1), win_slot,
+        k_win, v_win, k_win.stride(0), k_win.stride(1), win_slot, q8_out, q8_out.stride(0), q8_out.stride(1), q8_mult,
         D=head_dim, BLOCK_T=block_t, HEADS=heads, SLOT_IN_TENSOR=isinstance(slot_start, torch.Tensor),
         QUANT=is_fp8(k_cache), FP8_MAX=FP8_MAX, PREP=prep is not None, WINDOW=window is not None, EPS=RMS_EPS,
-        PREFETCH=prefetch, RING=write_ring, num_warps=num_warps,
+        PREFETCH=prefetch, RING=write_ring, WINDOW_CODES=window_codes, Q8=q8 is not None, num_warps=num_warps,
     )
 
 
@@ -241,15 +258,22 @@ def ring_write_prep_reference(
     saturated: torch.Tensor,
     rotation: torch.Tensor | None = None,
     window: tuple[torch.Tensor, torch.Tensor, int | torch.Tensor] | None = None,
+    q8: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """The parallel block's per-head work between its input projection and its attentions, as
     model/dit.py + model/cache.py do it: q <- RoPE(q_norm(q)) and cq <- cross_q_norm(cq) in place;
     k_norm(k) and v written to the ring (``ring_write``); ``saturated`` += values out of FP8 range.
     ``window`` = (k_win, v_win, win_slot): the written K/V also go, dequantised as ``gather_window``
-    does, into the attention window's slots from ``win_slot`` on."""
+    does, into the attention window's slots from ``win_slot`` on (an FP8 window: the codes as stored).
+    ``q8`` = (q8_out, mult (n_heads,) float32): the rotated queries go to q8_out as e4m3 codes of
+    q x mult[head] instead of over q (the FP8 window attention's queries)."""
     q_norm, k_norm, cq_norm = norms
     k = _rms_norm_reference(k_new, k_norm)
-    q.copy_(apply_rope(_rms_norm_reference(q, q_norm), positions, freqs))
+    rotated = apply_rope(_rms_norm_reference(q, q_norm), positions, freqs).to(q.dtype)
+    if q8 is None:
+        q.copy_(rotated)
+    else:
+        q8[0].copy_((rotated.float() * q8[1][None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE))
     cq.copy_(_rms_norm_reference(cq, cq_norm))
     if is_fp8(k_cache):
         limit_k, limit_v = (k_scale * FP8_MAX)[None, :, None], (v_scale * FP8_MAX)[None, :, None]
@@ -264,7 +288,10 @@ def ring_write_prep_reference(
         as_bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[k_cache.element_size()]
         for cache, scale, win in ((k_cache, k_scale, k_win), (v_cache, v_scale, v_win)):
             stored = cache.view(as_bits).index_select(1, src).view(cache.dtype)
-            win.index_copy_(1, dst, dequantise(stored, scale[:, None, None], win.dtype))
+            if is_fp8(win):
+                win.view(torch.uint8).index_copy_(1, dst, stored.view(torch.uint8))
+            else:
+                win.index_copy_(1, dst, dequantise(stored, scale[:, None, None], win.dtype))
 
 
 def ring_write_prep_triton(
@@ -288,6 +315,7 @@ def ring_write_prep_triton(
     num_warps: int = 4,
     prefetch: bool = True,
     write_ring: bool = True,
+    q8: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """``ring_write_prep_reference`` in one launch (the ring write kernel with its PREP extras on;
     ``window``'s slot a device tensor). ``write_ring=False`` leaves the ring's K/V unwritten and does
@@ -296,7 +324,7 @@ def ring_write_prep_triton(
     q_norm, k_norm, cq_norm = norms
     rotation = rope_table(positions, freqs) if rotation is None else rotation
     _launch(k_cache, v_cache, k_scale, v_scale, k_new, v_new, slot_start, rotation,
-            (q, cq, q_norm, k_norm, cq_norm, saturated), window, block_t, heads, num_warps, prefetch, write_ring)
+            (q, cq, q_norm, k_norm, cq_norm, saturated), window, block_t, heads, num_warps, prefetch, write_ring, q8)
 
 
 def _rms_norm_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,9 @@ position reset, the TP group) is shared:
                     fills, written over the spent v columns, then cuDNN SDPA over the
                     layer's bf16 window, which the ring write above keeps current
                     (``gathered``, faster on an H200), into cuDNN's own buffer            2 / 1 launches
+                    (``fp8_window``: the window holds the ring's codes, the prep writes q's
+                    e4m3 codes, cuDNN's FP8 SDPA writes e4m3 output whose per-head scales
+                    quantize_rows applies as it reads it)
     cross attention cross-q over the step's audio K/V, written over the cross-q columns    1 launch
     quantize_rows   GELU on the mlp columns + FP8 rows of [attn | cross | mlp], the attn
                     columns read from cuDNN's buffer when gathered (no copy into v)        1 launch
@@ -49,9 +52,13 @@ every per-session value in device tensors, so one CUDA graph per batch size serv
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from charstream.kernels.adaln_quant import adaln_quant
+from charstream.kernels.fp8 import FP8_DTYPE, FP8_MAX
+from charstream.kernels.fp8_window_attention import Fp8WindowAttention
 from charstream.kernels.quantize_rows import quantize_rows
 from charstream.kernels.ring_attention import (
     gather_window,
@@ -79,6 +86,10 @@ CROSS_ATTENTION_OPTIONS = {"block_m": 64, "block_n": 16, "num_warps": 4}
 # The gathered (cuDNN) attention once the window is full: faster on the H200 in run 3 (132.5 vs
 # 149.9 ms per TP=3 step) with its GPU tests passing (docs/gpu-runs/2026-11-29-run3-*).
 GATHERED_BY_DEFAULT = True
+# The FP8 window attention's output scale (its codes = output in V's code units x this): the output is a
+# convex combination of V's codes (<= 448), and e4m3's rounding of the probabilities may lift it a few
+# percent past that, so half of e4m3's range keeps it finite.
+FP8_OUTPUT_SCALE = 0.5
 
 
 class RingSelfAttention:
@@ -162,6 +173,7 @@ class DiffusionStep:
         graphed: bool = False,
         attention_options: dict | None = None,
         prefer_gathered: bool = GATHERED_BY_DEFAULT,
+        fp8_window: bool = False,
     ) -> None:
         cfg = model.cfg
         dev = cache.k.device
@@ -203,7 +215,29 @@ class DiffusionStep:
         self.window_slot = torch.zeros((), dtype=torch.int64, device=dev)
         self._window_mirrors: tuple[int, int] | None = None  # (cache.version, next frame) it holds up to
         win = (cfg.n_blocks, self.n_heads, cache.sink_slots + cfg.window_frames * t, self.head_dim)
-        self.window = tuple(torch.empty(win, dtype=dtype, device=dev) for _ in range(2)) if self.prefer_gathered else None
+        # fp8_window: the window holds the ring's FP8 codes and cuDNN's FP8 SDPA reads them (half the
+        # window's bytes; its queries, probabilities and output in e4m3 too: kernels/fp8_window_attention.py)
+        self.fp8_window = fp8_window and self.prefer_gathered and cache.fp8
+        if fp8_window and not self.fp8_window:
+            raise ValueError("fp8_window needs the gathered attention on CUDA over an FP8 cache")
+        win_dtype = FP8_DTYPE if self.fp8_window else dtype
+        self.window = tuple(torch.empty(win, dtype=win_dtype, device=dev) for _ in range(2)) if self.prefer_gathered else None
+        if self.fp8_window:
+            self.q8 = torch.empty(t, self.n_heads, self.head_dim, dtype=FP8_DTYPE, device=dev)
+            self.attn8 = torch.empty_like(self.q8)
+            self.fp8_attention = Fp8WindowAttention(self.n_heads, t, win[2], self.head_dim, self.q8.stride(),
+                                                    1.0 / math.sqrt(self.head_dim), dev)
+            # per layer: q's descale and its codes' multipliers per head, the output's scales per head
+            # (set from the cache's scales whenever the window is gathered: a new session's sink sets them)
+            self.q_descale = torch.ones(cfg.n_blocks, 1, device=dev)
+            self.q_mult = torch.ones(cfg.n_blocks, self.n_heads, device=dev)
+            self.out_scale = torch.ones(cfg.n_blocks, self.n_heads, device=dev)
+            self.unit = torch.ones(1, device=dev)
+            self.scale_o = torch.full((1,), FP8_OUTPUT_SCALE, device=dev)
+            # |RoPE(q_norm(q))| <= sqrt(head_dim) x max |q_norm weight| per element (an RMS-normalised row
+            # has squared norm head_dim; RoPE keeps each pair's norm), plus bf16's rounding
+            self.q_bound = torch.stack([b.q_norm.weight.detach().float().abs().amax() for b in model.blocks]) * (
+                math.sqrt(self.head_dim) * (1 + 2.0**-7))
 
     @property
     def next_frame(self) -> int:
@@ -292,6 +326,10 @@ class DiffusionStep:
         for layer in range(self.cfg.n_blocks):
             gather_window(cache.k[layer], cache.v[layer], cache.k_scale[layer], cache.v_scale[layer], self.frame_order,
                           cache.sink_slots, cache.tokens_per_frame, (self.window[0][layer], self.window[1][layer]))
+        if self.fp8_window:  # K's scales fold into q's codes (under e4m3's largest), V's apply to the output
+            self.q_descale.copy_(self.q_bound[:, None] * cache.k_scale.amax(dim=1, keepdim=True) / FP8_MAX)
+            self.q_mult.copy_(cache.k_scale / self.q_descale)
+            self.out_scale.copy_(cache.v_scale / FP8_OUTPUT_SCALE)
 
     @torch.inference_mode()
     def run(self, graphed: bool | None = None) -> torch.Tensor:
@@ -380,10 +418,15 @@ class DiffusionStep:
         layer_cache = (cache.k[layer], cache.v[layer], cache.k_scale[layer], cache.v_scale[layer])
         window = (self.window[0][layer], self.window[1][layer], self.window_slot) if self.gathered else None
         prep = ring_write_prep_triton if q.is_cuda else ring_write_prep_reference
+        fp8 = self.gathered and self.fp8_window
+        q8 = (self.q8, self.q_mult[layer]) if fp8 else None
         prep(q, k, v, cq, *layer_cache, self.slot, self.positions, cache.freqs, self.norms[layer], cache.saturated,
-             rotation=rotation, window=window)
-        attn = None  # the attention output when it is not in the v columns: cuDNN writes a buffer of its own
-        if self.gathered:
+             rotation=rotation, window=window, q8=q8)
+        attn = attn_scale = None  # the attention output when it is not in the v columns: cuDNN writes a buffer of its own
+        if fp8:
+            self.fp8_attention(self.q8, *window[:2], self.q_descale[layer], self.unit, self.unit, self.scale_o, self.attn8)
+            attn, attn_scale = self.attn8.flatten(1), self.out_scale[layer]
+        elif self.gathered:
             attn = window_attention(q, *window[:2]).flatten(1)  # read there by quantize_rows, not copied over v
         elif q.is_cuda:
             ring_attention_triton(q, *layer_cache, cache.ring_valid, cache.sink_slots, cache.tokens_per_frame, out=v,
@@ -396,7 +439,7 @@ class DiffusionStep:
                                   **CROSS_ATTENTION_OPTIONS)
         else:
             cq.copy_(ring_attention(cq, ck, cv, self.ones, self.ones, self.no_ring, ck.shape[1], 1))
-        oq = quantize_rows(fused[:, 2 * hd :], act_from=2 * hd, prefix=attn)
+        oq = quantize_rows(fused[:, 2 * hd :], act_from=2 * hd, prefix=attn, prefix_scale=attn_scale)
         result = self.w_out[layer].forward_quantized(*oq, out_dtype=self.x.dtype)
         if self.tp_group is not None:
             dist.all_reduce(result, group=self.tp_group)  # the block's one collective

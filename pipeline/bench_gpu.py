@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="time the shard's step without its all-reduces (default: in a one-rank NCCL group, "
                              "as the step serves: the collectives replay inside its graph)")
     parser.add_argument("--skip", nargs="*", default=[],
-                        choices=["ceilings", "sweep", "kernels", "profile", "step", "decoder", "pipeline", "encoder"])
+                        choices=["ceilings", "sweep", "kernels", "profile", "step", "fp8-window", "decoder", "pipeline", "encoder"])
     parser.add_argument("--trace", action="store_true", help="with --json: also write each shard's Chrome trace of one replay")
     parser.add_argument("--section-timeout", type=float, default=0.0,
                         help="seconds a section may run before every thread's stack is printed and the process "
@@ -530,6 +530,38 @@ def bench_step(cfg: ModelConfig, tp: int, reps: int, sweep: bool, group=None):
     return result, attention, model, cache, step
 
 
+def bench_fp8_window(step, reps: int):
+    """The serving step with the FP8 window attention (``DiffusionStep(fp8_window=True)``: cuDNN's FP8
+    SDPA over the ring's codes) beside ``step`` (the bf16 window, cuDNN) on the same model, cache and
+    inputs: graph replays timed in turns (bf16, FP8, bf16, FP8), and how far one FP8 run's latent is
+    from the bf16 run's (both from the same state: each run writes the frame it reads)."""
+    from charstream.model.step import DiffusionStep
+
+    fp8 = DiffusionStep(step.model, step.cache, step.tp_group, fused=True, graphed=True,
+                        attention_options=step.attention_options, prefer_gathered=True, fp8_window=True)
+    fp8.set_inputs(step.audio[0, 0], step.noise, int(step.positions[0, 0]))
+    if not (fp8.gathered and step.gathered):
+        raise RuntimeError("both steps should attend through a full window")
+    _progress("fp8 window: capture")
+    fp8.capture()
+    times: dict[str, list[float]] = {"bf16": [], "fp8": []}
+    for _ in range(2):
+        times["bf16"].append(cuda_median_ms(lambda: step.run(graphed=True), reps))
+        times["fp8"].append(cuda_median_ms(lambda: fp8.run(graphed=True), reps))
+    base = step.run(graphed=True).clone()
+    got = fp8.run(graphed=True).clone()
+    eager = fp8.run(graphed=False).clone()
+    return {
+        "step_graphed_bf16_window_ms": times["bf16"],
+        "step_graphed_fp8_window_ms": times["fp8"],
+        "fp8_minus_bf16_ms": statistics.median(times["fp8"]) - statistics.median(times["bf16"]),
+        "latent_rel_diff_fp8_vs_bf16_window": ((got - base).norm() / base.norm()).item(),
+        "latent_rel_diff_graphed_vs_eager": ((got - eager).norm() / eager.norm()).item(),
+        "latent_finite": bool(torch.isfinite(got).all()),
+        "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9,
+    }, fp8
+
+
 def bench_decoder(cfg: ModelConfig, reps: int) -> tuple[dict[str, float], object]:
     from charstream.model.graphed_decoder import GraphedDecoder
     from charstream.model.vae import Decoder, to_uint8_frames
@@ -685,6 +717,14 @@ def _table(results: dict) -> str:
                     rows.append((f"step TP={tp} {key.removeprefix('step_graphed_').removesuffix('_ms')} attention (ms)",
                                  f"{step[key]:.1f}", "", ""))
             rows.append(("  achieved TFLOP/s (GEMM+attn)", f"{step['achieved_tflops']:.0f}", "", ""))
+        f8 = r.get("fp8_window", {})
+        if "step_graphed_fp8_window_ms" in f8:
+            rows.append((f"step TP={tp}, FP8 window attention / bf16 window, in turns (ms)",
+                         " / ".join(f"{a:.1f}-{b:.1f}" for a, b in zip(f8["step_graphed_fp8_window_ms"],
+                                                                   f8["step_graphed_bf16_window_ms"], strict=True)),
+                         f"<= {REFERENCE['target_step_ms'].get(int(tp), '-')}", ""))
+            rows.append(("  latent rel. diff FP8 vs bf16 window / graphed vs eager",
+                         f"{f8['latent_rel_diff_fp8_vs_bf16_window']:.2e} / {f8['latent_rel_diff_graphed_vs_eager']:.2e}", "", ""))
             rows.append(("  peak memory (GB)", f"{step['peak_memory_gb']:.1f}", "", ""))
         for name, ms in k.get("per_step_ms", {}).items():
             rows.append((f"  {name} x{4 * 60} (ms)", f"{ms:.2f}", "", ""))
@@ -820,6 +860,15 @@ def run(args: argparse.Namespace) -> int:
         if "profile" not in args.skip:
             trace = str(Path(args.json).with_name(f"trace_tp{tp}.json")) if args.json and args.trace else None
             shard["graph_profile"] = _section(shard, f"profile TP={tp}", graph_profile, step, trace) or shard.get("graph_profile")
+        if "fp8-window" not in args.skip:
+            _save(results, args.json)
+            built = _section(shard, f"fp8 window TP={tp}", bench_fp8_window, step, args.steps)
+            if built is not None:
+                shard["fp8_window"], fp8_step = built
+                if "profile" not in args.skip:
+                    shard["graph_profile_fp8_window"] = _section(shard, f"profile fp8 window TP={tp}", graph_profile,
+                                                                 fp8_step, None) or shard.get("graph_profile_fp8_window")
+                fp8_step = built = None
         print(json.dumps({tp: shard}, default=str)[:3000], flush=True)
         _save(results, args.json)
         model = cache = None

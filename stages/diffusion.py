@@ -101,6 +101,7 @@ class DiffusionStage(Stage):
         self.seed, self.tp = config.seed, config.tp
         self.fp8 = config.fp8_ring()
         self.graphed, self.gathered = config.graphed_step, config.gathered_attention
+        self.fp8_window = config.fp8_window_attention
         self.devices = list(config.devices)  # per rank (pipeline/placement.py)
         # A stream of its own where the session's step is its own (a batched step is the batcher's; TP ranks
         # are one session's, in processes of their own)
@@ -147,6 +148,8 @@ class DiffusionStage(Stage):
         step = {"graphed": None if self.graphed else False}  # None: graphed wherever the fused body runs on CUDA
         if self.gathered is not None:
             step["prefer_gathered"] = self.gathered
+        if self.fp8_window:
+            step["fp8_window"] = True
         if self.tp > 1:
             from charstream.stages.tp_group import TPGenerator
 

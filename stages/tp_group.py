@@ -48,6 +48,7 @@ class RankSpec:
     fused: bool  # the step's fused FP8 body
     graphed: bool | None  # the fused body as CUDA graphs (None: whenever fused on CUDA)
     prefer_gathered: bool
+    fp8_window: bool
 
 
 def _backend(device: str) -> str:
@@ -62,7 +63,7 @@ def _join(spec: RankSpec, rank: int) -> Generator:
     dist.init_process_group(_backend(device), init_method=spec.init_method, rank=rank, world_size=spec.world,
                             timeout=timedelta(seconds=60))
     gen = Generator(spec.cfg, spec.weights, device, dist.group.WORLD, spec.dtype, spec.fp8_cache, seed=spec.seed,
-                    fused=spec.fused, graphed=spec.graphed, prefer_gathered=spec.prefer_gathered)
+                    fused=spec.fused, graphed=spec.graphed, prefer_gathered=spec.prefer_gathered, fp8_window=spec.fp8_window)
     return gen
 
 
@@ -114,8 +115,9 @@ class TPGenerator:
         fused: bool | None = None,
         graphed: bool | None = None,
         prefer_gathered: bool = GATHERED_BY_DEFAULT,
+        fp8_window: bool = False,
     ) -> None:
-        """``fused``, ``graphed``, ``prefer_gathered``: as ``Generator`` takes them, for every rank."""
+        """``fused``, ``graphed``, ``prefer_gathered``, ``fp8_window``: as ``Generator`` takes them, for every rank."""
         cfg.validate(world)
         devices = devices or ["cpu"] * world
         if len(devices) != world:
@@ -124,7 +126,7 @@ class TPGenerator:
         fused = fused_by_default(devices[0], dtype, fp8_cache) if fused is None else fused
         self.spec = RankSpec(cfg, world, tuple(devices), f"tcp://127.0.0.1:{_free_port()}",
                              str(weights) if weights else None, fp8_cache, dtype, seed, fused, graphed,
-                             prefer_gathered)
+                             prefer_gathered, fp8_window)
         ctx = mp.get_context("spawn")
         self.workers = [ctx.Process(target=_worker, args=(r, self.spec, os.getpid()), daemon=True,
                                     name=f"diffusion-tp{r}") for r in range(1, world)]

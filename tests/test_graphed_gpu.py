@@ -107,6 +107,24 @@ def test_gathered_window_mirrors_the_ring_through_rollback_and_position_reset():
     assert checked >= 10 and cache.offset > 0
 
 
+def test_fp8_window_step_graph_matches_eager_and_stays_near_the_bf16_window():
+    """The FP8 window attention (cuDNN's FP8 SDPA over the ring's codes, head_dim 128 as cuDNN's FP8
+    kernels take it): graph replays equal its eager fused step through a rollback and position resets
+    (which regather the window and its scales), and its latents stay near the bf16 window's."""
+    cfg = TINY.with_(dim=256, n_heads=2, head_dim=128, reset_every=2)
+    audio = [torch.randn(cfg.n_audio_tokens, cfg.audio_dim) for _ in range(14)]
+    graphed = _session(_generator(cfg, fused=True, graphed=True, fp8_window=True), audio)
+    eager = _session(_generator(cfg, fused=True, graphed=False, fp8_window=True), audio)
+    bf16 = _session(_generator(cfg, fused=True, graphed=False), audio)
+    for got, want in zip(graphed, eager, strict=True):
+        assert torch.equal(got, want)
+    # e4m3 queries, probabilities and output against bf16 ones, on what the model adds to the noise
+    # (random weights: near-uniform attention, the FP8 path's worst case)
+    for i, (got, want) in enumerate(zip(eager, bf16, strict=True)):
+        noise = seeded_noise(got.shape, i if i < 10 else 100 + i - 3).to(got.device)
+        assert _rel(got - noise, want - noise) < 0.1
+
+
 def test_graphed_step_under_tp_keeps_its_all_reduces_inside_the_graph(monkeypatch):
     """NCCL at world size 1 on the one GPU: the TP step's graph replays equal its eager runs and the
     step without a group, through a rollback and position resets; the eager step calls one
