@@ -4,7 +4,8 @@
 #   here:       scripts/gpu_run.sh bundle [DIR]     the wheels the device image lacks, pinned, in parts that each fit
 #                                                   a call beside the tree: DIR/whl-a (~43 MB: av, aiortc + its
 #                                                   stack, pyzmq, structlog), DIR/whl-b (~22 MB: silero-vad,
-#                                                   espeak-ng, OpenTelemetry), DIR/whl-c (~29 MB: pocketsphinx).
+#                                                   espeak-ng, OpenTelemetry), DIR/whl-c (~29 MB: pocketsphinx),
+#                                                   DIR/whl-d (2 MB: cuDNN's Python frontend, the FP8 window attention).
 #                                                   DIR defaults to .gpu-bundle (ignore it in .git/info/exclude).
 #   on device:  scripts/gpu_run.sh install DIR      the carried wheels and the package only
 #               scripts/gpu_run.sh check DIR        GPU tests (the step graphed = eager, under TP at world size 1
@@ -16,6 +17,7 @@
 #                                                   (KERNELS: its sections), bench gpu of the 57b shards (TP_SHARDS,
 #                                                   default 3 4) with one replay profiled; BASE: a second tree
 #                                                   (main's checkout) whose TP=3 step is timed after, A/B
+#               scripts/gpu_run.sh kernels-check DIR   only scripts/kernels_check.py (KERNELS: its sections)
 #               scripts/gpu_run.sh tp DIR [N...]    multi-GPU kinds: `bench gpu --tp N` (NCCL, one process per
 #                                                   GPU, the serving step graphed with its all-reduces), N = 3 4
 #               scripts/gpu_run.sh batch DIR        cross-session batching: its GPU tests (batched = alone, graphed =
