@@ -20,6 +20,10 @@ from __future__ import annotations
 import torch
 from charstream.kernels.fp8 import FP8_MAX
 
+# cuDNN's amax results written out: none is read (the scales are fixed per session), and each one
+# written costs a memset node per call in the step's graph
+AMAX_OUTPUTS: tuple[str, ...] = ("s", "o")
+
 
 def fp8_window_attention_reference(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, descale_q: torch.Tensor,
                                    descale_k: torch.Tensor, descale_v: torch.Tensor,
@@ -38,7 +42,10 @@ class Fp8WindowAttention:
     stream (capturable in a CUDA graph: the handle follows the stream at every call)."""
 
     def __init__(self, n_heads: int, n_queries: int, n_keys: int, head_dim: int, q_strides: tuple[int, int, int],
-                 softmax_scale: float, device: torch.device | str = "cuda") -> None:
+                 softmax_scale: float, device: torch.device | str = "cuda",
+                 amax_outputs: tuple[str, ...] = AMAX_OUTPUTS) -> None:
+        """``amax_outputs``: which of cuDNN's amax results (``"s"``: the scores', ``"o"``: the output's)
+        are written out; the others stay virtual (each written one is a memset and an atomic per call)."""
         try:
             import cudnn
         except ImportError as exc:
@@ -64,7 +71,8 @@ class Fp8WindowAttention:
                                                generate_stats=False, use_causal_mask=False, name="window")
         o.set_output(True).set_dim([1, n_heads, n_queries, head_dim]).set_data_type(fp8).set_stride(
             [n_queries * n_heads * head_dim, head_dim, n_heads * head_dim, 1])
-        for amax in (amax_s, amax_o):
+        self._amax = {name: amax for name, amax in (("s", amax_s), ("o", amax_o)) if name in amax_outputs}
+        for amax in self._amax.values():
             amax.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(f32)
         graph.validate()
         graph.build_operation_graph()
@@ -72,7 +80,6 @@ class Fp8WindowAttention:
         graph.check_support()
         graph.build_plans()
         self.graph, self._q, self._k, self._v, self._o = graph, q, k, v, o
-        self._amax = (amax_s, amax_o)
         dev = torch.device(device)
         self.workspace = torch.empty(max(graph.get_workspace_size(), 1), dtype=torch.uint8, device=dev)
         # the probabilities' scale: p in [0, 1] stored as p x 448 (e4m3's largest code)
@@ -92,6 +99,6 @@ class Fp8WindowAttention:
         self.graph.execute({self._q: q8, self._k: k8, self._v: v8, self._o: out8,
                             s["descale_q"]: descale_q, s["descale_k"]: descale_k, s["descale_v"]: descale_v,
                             s["descale_s"]: self.descale_s, s["scale_s"]: self.scale_s, s["scale_o"]: scale_o,
-                            self._amax[0]: self.amax_out[0:1], self._amax[1]: self.amax_out[1:2]},
+                            **{amax: self.amax_out[i : i + 1] for i, amax in enumerate(self._amax.values())}},
                            self.workspace, handle=self.handle)
         return out8

@@ -54,13 +54,14 @@ def _gelu_tanh(x):
 
 
 @triton.jit
-def _load_row(x, stride_xm, prefix, stride_pm, n_prefix, prefix_scale, group, row, c, n_cols, PREFIX: tl.constexpr,
-              PREFIX_SELECT: tl.constexpr, PREFIX_SCALED: tl.constexpr):
+def _load_row(x, stride_xm, prefix, stride_pm, n_prefix, prefix_scale, row, c, n_cols, PREFIX: tl.constexpr,
+              PREFIX_SELECT: tl.constexpr, PREFIX_SCALED: tl.constexpr, GROUP: tl.constexpr):
     # PREFIX: columns [0, n_prefix) from prefix, the rest from x, each element read from one of them
     # through one load of per-element pointers (n_prefix a multiple of 16 keeps it 16-byte vectors, as
     # x's own load); PREFIX_SELECT instead: both loaded, the values selected (more instructions: the
     # variant timed against it; the one load of another dtype, an FP8 prefix, needs). PREFIX_SCALED:
-    # the prefix's values times their column group's scale
+    # the prefix's values times their column group's scale (GROUP columns each, a compile-time power of
+    # two: the group index is a shift, not an integer division per element)
     if PREFIX and not PREFIX_SELECT:
         ptr = tl.where(c < n_prefix, prefix + row * stride_pm + c, x + row * stride_xm + c)
         v = tl.load(ptr, mask=c < n_cols, other=0.0).to(tl.float32)
@@ -68,7 +69,7 @@ def _load_row(x, stride_xm, prefix, stride_pm, n_prefix, prefix_scale, group, ro
         v = tl.load(x + row * stride_xm + c, mask=(c >= n_prefix) & (c < n_cols), other=0.0).to(tl.float32)
         lead = tl.load(prefix + row * stride_pm + c, mask=c < n_prefix, other=0.0).to(tl.float32)
         if PREFIX_SCALED:
-            lead = lead * tl.load(prefix_scale + c // group, mask=c < n_prefix, other=1.0)
+            lead = lead * tl.load(prefix_scale + c // GROUP, mask=c < n_prefix, other=1.0)
         v = tl.where(c < n_prefix, lead, v)
     else:
         v = tl.load(x + row * stride_xm + c, mask=c < n_cols, other=0.0).to(tl.float32)
@@ -77,9 +78,9 @@ def _load_row(x, stride_xm, prefix, stride_pm, n_prefix, prefix_scale, group, ro
 
 @triton.jit
 def _quantize_rows_kernel(
-    x, stride_xm, prefix, stride_pm, n_prefix, prefix_scale, group, xq, stride_qm, scale_out, n_cols, act_from,
+    x, stride_xm, prefix, stride_pm, n_prefix, prefix_scale, xq, stride_qm, scale_out, n_cols, act_from,
     BLOCK: tl.constexpr, ONE_SWEEP: tl.constexpr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
-    PREFIX: tl.constexpr, PREFIX_SELECT: tl.constexpr, PREFIX_SCALED: tl.constexpr,
+    PREFIX: tl.constexpr, PREFIX_SELECT: tl.constexpr, PREFIX_SCALED: tl.constexpr, GROUP: tl.constexpr,
 ):
     # One program per row. ONE_SWEEP (the row fits in BLOCK): the row stays in registers between the
     # amax and the store, so x is read once; otherwise two sweeps (the second reads from L2). The codes:
@@ -89,8 +90,8 @@ def _quantize_rows_kernel(
     row = tl.program_id(0)
     if ONE_SWEEP:
         c = tl.arange(0, BLOCK)
-        v = _load_row(x, stride_xm, prefix, stride_pm, n_prefix, prefix_scale, group, row, c, n_cols, PREFIX,
-                          PREFIX_SELECT, PREFIX_SCALED)
+        v = _load_row(x, stride_xm, prefix, stride_pm, n_prefix, prefix_scale, row, c, n_cols, PREFIX,
+                          PREFIX_SELECT, PREFIX_SCALED, GROUP)
         v = tl.where(c >= act_from, _gelu_tanh(v), v)
         scale = tl.maximum(tl.max(tl.abs(v), 0), MIN_AMAX) / FP8_MAX
         tl.store(scale_out + row, scale)
@@ -99,16 +100,16 @@ def _quantize_rows_kernel(
         amax = tl.zeros((BLOCK,), tl.float32)
         for start in range(0, n_cols, BLOCK):
             c = start + tl.arange(0, BLOCK)
-            v = _load_row(x, stride_xm, prefix, stride_pm, n_prefix, prefix_scale, group, row, c, n_cols, PREFIX,
-                          PREFIX_SELECT, PREFIX_SCALED)
+            v = _load_row(x, stride_xm, prefix, stride_pm, n_prefix, prefix_scale, row, c, n_cols, PREFIX,
+                          PREFIX_SELECT, PREFIX_SCALED, GROUP)
             v = tl.where(c >= act_from, _gelu_tanh(v), v)
             amax = tl.maximum(amax, tl.abs(v))
         scale = tl.maximum(tl.max(amax, 0), MIN_AMAX) / FP8_MAX
         tl.store(scale_out + row, scale)
         for start in range(0, n_cols, BLOCK):
             c = start + tl.arange(0, BLOCK)
-            v = _load_row(x, stride_xm, prefix, stride_pm, n_prefix, prefix_scale, group, row, c, n_cols, PREFIX,
-                          PREFIX_SELECT, PREFIX_SCALED)
+            v = _load_row(x, stride_xm, prefix, stride_pm, n_prefix, prefix_scale, row, c, n_cols, PREFIX,
+                          PREFIX_SELECT, PREFIX_SCALED, GROUP)
             v = tl.where(c >= act_from, _gelu_tanh(v), v)
             tl.store(xq + row * stride_qm + c, (v * (1.0 / scale)).to(xq.dtype.element_ty), mask=c < n_cols)
 
@@ -137,6 +138,9 @@ def quantize_rows_triton(
     if prefix_scale is not None and (prefix is None or prefix.shape[1] % prefix_scale.numel()
                                      or prefix_scale.dtype != torch.float32):
         raise ValueError("prefix_scale needs a prefix whose columns split into its float32 entries' groups")
+    group = 1 if prefix_scale is None else prefix.shape[1] // prefix_scale.numel()
+    if group & (group - 1):
+        raise ValueError(f"prefix_scale's column groups must be a power of two wide, got {group}")
     if prefix is not None and prefix.dtype != x.dtype:  # one load reads both through one pointer type
         if prefix.dtype != FP8_DTYPE or prefix_scale is None:
             raise ValueError(f"prefix must have x's dtype {x.dtype} (or be FP8 with a prefix_scale), got {prefix.dtype}")
@@ -147,12 +151,11 @@ def quantize_rows_triton(
     one_sweep = k <= ONE_SWEEP_MAX_COLS
     _quantize_rows_kernel[(m,)](
         x, x.stride(0), lead, lead.stride(0), 0 if prefix is None else prefix.shape[1],
-        scale if prefix_scale is None else prefix_scale,
-        1 if prefix_scale is None else prefix.shape[1] // prefix_scale.numel(), xq, xq.stride(0), scale, k,
+        scale if prefix_scale is None else prefix_scale, xq, xq.stride(0), scale, k,
         k if act_from is None else act_from,
         BLOCK=triton.next_power_of_2(k) if one_sweep else 2048, ONE_SWEEP=one_sweep, FP8_MAX=FP8_MAX,
         MIN_AMAX=MIN_AMAX, PREFIX=prefix is not None, PREFIX_SELECT=prefix_select,
-        PREFIX_SCALED=prefix_scale is not None, num_warps=num_warps,
+        PREFIX_SCALED=prefix_scale is not None, GROUP=group, num_warps=num_warps,
     )
     return xq, scale
 

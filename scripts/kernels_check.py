@@ -333,6 +333,20 @@ def _window_attn_fp8(q: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, 
                          "with_q_and_out_passes": [functools.partial(with_passes, i % LAYERS) for i in range(4 * LAYERS)]})
         entry["ms"] = ms["alone"]
         entry["ms_with_q_and_out_passes"] = ms["with_q_and_out_passes"]
+        # cuDNN's amax results: each written one is a memset node per call in a graph (the step's profile)
+        plans = {}
+        for amax in (("s", "o"), ("o",), ()):
+            name = "amax_" + ("".join(amax) or "none")
+            try:
+                plans[name] = Fp8WindowAttention(H, T, k_win.shape[2], D, q8.stride(), 1.0 / D**0.5, amax_outputs=amax)
+                probe = torch.full((T, H, D), float("nan"), device="cuda").to(FP8_DTYPE)
+                plans[name](q8, k8[0], v8[0], descale_q, one, one, one, probe)
+                entry[f"{name}_equal_to_default"] = torch.equal(probe.view(torch.uint8), out8.view(torch.uint8))
+            except Exception as exc:
+                entry[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        timed = _graphs_ms({name: [functools.partial(plan, q8, k8[i % LAYERS], v8[i % LAYERS], descale_q, one, one, one, out)
+                                   for i in range(4 * LAYERS)] for name, plan in plans.items()})
+        entry.update({f"{name}_ms": v for name, v in timed.items()})
     except Exception as exc:
         traceback.print_exc()
         entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"

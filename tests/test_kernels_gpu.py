@@ -267,7 +267,11 @@ def test_ring_write_prep_writes_q_codes_and_an_fp8_window():
         runs.append((q, q8, caches, window))
     (rq, rq8, _, _), (gq, gq8, gcaches, gwindow) = runs
     assert torch.equal(gq, fused[:, : H * D].unflatten(-1, (H, D))) and torch.equal(rq, gq)  # q not written
-    _assert_fp8_close(gq8, rq8)
+    # as for K in test_ring_write_prep: the reference rounds the normed queries to bf16 before RoPE, the
+    # kernel after, so a rotated pair's small component can land a step or two away
+    g, r = gq8.float() / mult[None, :, None], rq8.float() / mult[None, :, None]
+    assert not torch.isnan(g).any() and _rel(g, r) < 4e-2
+    assert ((g - r).abs() > 0.125 * torch.maximum(g.abs(), r.abs()) + 2.0**-9 / 5).float().mean() < 0.03
     for w, c in zip(gwindow, gcaches, strict=True):  # the codes as the ring stores them, nothing else written
         assert torch.equal(w[:, 2 * T : 3 * T].view(torch.uint8), c[:, slot : slot + T].view(torch.uint8))
         poison = _poisoned((1,), FP8_DTYPE).float()
@@ -279,7 +283,8 @@ def test_fp8_window_attention_matches_its_reference():
     tolerance: cuDNN stores the probabilities and the output in e4m3 (3 mantissa bits), so over
     near-uniform attention (random keys, 6,056 of them) the relative error is a few percent (3.7e-2
     measured on the H200 at TP=3 shapes, and the same from an emulation of those two roundings on the
-    CPU); with peaked attention it is smaller. The output is poisoned first."""
+    CPU); with peaked attention it is smaller. The output is poisoned first. (A real output far below
+    e4m3's normal range, 2^-6, would be subnormal codes: the step keeps it in V's code units.)"""
     from charstream.kernels.fp8_window_attention import Fp8WindowAttention, fp8_window_attention_reference
 
     n_keys = SINK + 7 * T
@@ -287,7 +292,9 @@ def test_fp8_window_attention_matches_its_reference():
     k8, v8 = ((torch.randn(H, n_keys, D, device="cuda") * 80).clamp(-448, 448).to(FP8_DTYPE) for _ in range(2))
     # one key per query block made to dominate: attention from uniform to peaked within one call
     k8[:, :T] = (q8.float().transpose(0, 1) * 3).clamp(-448, 448).to(FP8_DTYPE)
-    descale_q, descale_k, descale_v = (torch.rand(1, device="cuda") * 0.01 + 0.002 for _ in range(3))
+    # as the step calls it: K's scales folded into q's codes, V and the output in V's code units
+    descale_q = torch.rand(1, device="cuda") * 0.01 + 0.002
+    descale_k = descale_v = torch.ones(1, device="cuda")
     scale_o = torch.full((1,), 0.5, device="cuda")
     attn = Fp8WindowAttention(H, T, n_keys, D, q8.stride(), D**-0.5)
     out8 = torch.full((T, H, D), float("nan"), device="cuda").to(FP8_DTYPE)
