@@ -149,7 +149,7 @@ elif [ "$cmd" = kernels ]; then
     for ws in "" 0; do
       section "bench TP=3 steps, CUBLASLT_WORKSPACE_SIZE=${ws:-default}" 90 bench-cublaslt.log \
         env ${ws:+CUBLASLT_WORKSPACE_SIZE=$ws} python3 -m charstream.pipeline.bench_gpu --tp-shard 3 \
-        --skip sweep kernels profile decoder pipeline ceilings --section-timeout 80 --json "$OUT/bench-cublaslt-${ws:-default}.json"
+        --skip sweep kernels profile decoder pipeline ceilings --section-timeout 80
     done
   fi
   if [ -n "${1:-}" ]; then  # the base tree's serving step, same machine, right after: like with like
