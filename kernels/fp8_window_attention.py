@@ -50,7 +50,7 @@ class Fp8WindowAttention:
             import cudnn
         except ImportError as exc:
             raise RuntimeError("Fp8WindowAttention needs NVIDIA's cuDNN frontend (pip install "
-                               "nvidia-cudnn-frontend; scripts/gpu_run.sh carries it to the device)") from exc
+                               "'charstream[fp8-attention]'; scripts/gpu_run.sh carries it to the device)") from exc
         torch.backends.cudnn.version()  # torch's cuDNN loaded first, so the frontend binds to that one
         self._cudnn = cudnn
         self.shape = (n_heads, n_queries, n_keys, head_dim)
