@@ -72,8 +72,10 @@ class Fp8WindowAttention:
         o.set_output(True).set_dim([1, n_heads, n_queries, head_dim]).set_data_type(fp8).set_stride(
             [n_queries * n_heads * head_dim, head_dim, n_heads * head_dim, 1])
         self._amax = {name: amax for name, amax in (("s", amax_s), ("o", amax_o)) if name in amax_outputs}
+        for amax in (amax_s, amax_o):  # a virtual one needs its dims too (the frontend refuses it otherwise)
+            amax.set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(f32)
         for amax in self._amax.values():
-            amax.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(f32)
+            amax.set_output(True)
         graph.validate()
         graph.build_operation_graph()
         graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
