@@ -324,9 +324,11 @@ def _window_attn_fp8(q: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, 
         def call(i: int) -> None:
             attn(q8, k8[i], v8[i], descale_q, one, one, one, out)
 
+        q8_passes = torch.empty_like(q8)  # its own buffer: q8 stays the codes the checks below ran on
+
         def with_passes(i: int) -> None:
-            q8.copy_(q.float().mul(k_scale[i][None, :, None]).div(descale_q))
-            attn(q8, k8[i], v8[i], descale_q, one, one, one, out)
+            q8_passes.copy_(q.float().mul(k_scale[i][None, :, None]).div(descale_q))
+            attn(q8_passes, k8[i], v8[i], descale_q, one, one, one, out)
             torch.mul(out.float(), v_scale[i][None, :, None], out=real)
 
         ms = _graphs_ms({"alone": [functools.partial(call, i % LAYERS) for i in range(4 * LAYERS)],
