@@ -2,8 +2,8 @@
 # The device bundle and what runs on it, in one script (docs/gpu-notes.md, "Device calls").
 #
 #   here:       scripts/gpu_run.sh bundle [DIR]     the wheels the device image lacks, pinned, in parts that each fit
-#                                                   a call beside the tree: DIR/whl-a (~43 MB: av, aiortc + its
-#                                                   stack, pyzmq, structlog), DIR/whl-b (~22 MB: silero-vad,
+#                                                   a call beside the tree (23 MB): DIR/whl-a (~38 MB: av, pyzmq,
+#                                                   structlog), DIR/whl-b (~30 MB: aiortc + its stack, silero-vad,
 #                                                   espeak-ng, OpenTelemetry), DIR/whl-c (~29 MB: pocketsphinx),
 #                                                   DIR/whl-d (2 MB: cuDNN's Python frontend, the FP8 window attention).
 #                                                   DIR defaults to .gpu-bundle (ignore it in .git/info/exclude).
@@ -41,7 +41,7 @@
 #                                                   CAPACITY_LOG=info: the server workers' turn and underrun lines in capacity.log
 #                                                   (first: the capture and graphed-encoder GPU tests, bench gpu of tiny's encode)
 #
-# The tree (17 MB) with all parts exceeds a call's 64 MiB: carry one part per call, back to back while
+# The tree (23 MB) with all parts exceeds a call's 64 MiB: carry one part per call, back to back while
 # the machine is warm (it goes back 30 s after a call) -- every device command installs the parts it
 # finds under DIR into /tmp/site, which a warm machine keeps (check needs whl-a; live all three).
 # Each section runs under `timeout` with a line at its start and end; logs and JSON go to $OUT (at
@@ -51,9 +51,10 @@ cmd=${1:?usage: gpu_run.sh bundle [DIR] | install DIR | check DIR | batch DIR | 
 dir=${2:-.gpu-bundle}
 shift $(($# < 2 ? $# : 2))
 
-WHEELS_A="av==18.1.0 pyzmq==27.3.0 structlog==26.1.0 aiortc==1.16.0 aioice==0.13.0 pyee==13.0.1 pylibsrtp==1.0.0
-  pyOpenSSL==26.4.0 cryptography==50.0.2 google-crc32c==1.9.0 dnspython==2.9.2 ifaddr==0.2.0 cffi==2.1.1 pycparser==3.12"
-WHEELS_B="silero-vad==6.2.3 espeakng-loader==0.2.4 protobuf==6.33.6 googleapis-common-protos==1.76.0
+WHEELS_A="av==18.1.0 pyzmq==27.3.0 structlog==26.1.0"
+WHEELS_B="aiortc==1.16.0 aioice==0.13.0 pyee==13.0.1 pylibsrtp==1.0.0
+  pyOpenSSL==26.4.0 cryptography==50.0.2 google-crc32c==1.9.0 dnspython==2.9.2 ifaddr==0.2.0 cffi==2.1.1 pycparser==3.12
+  silero-vad==6.2.3 espeakng-loader==0.2.4 protobuf==6.33.6 googleapis-common-protos==1.76.0
   opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-semantic-conventions==0.66b2
   opentelemetry-proto==1.45.2 opentelemetry-exporter-otlp-proto-common==1.45.2 opentelemetry-exporter-otlp-proto-http==1.45.2
   opentelemetry-exporter-http-transport==0.66b2 opentelemetry-exporter-otlp-common==0.66b2"
