@@ -1,6 +1,6 @@
 """Full-window attention over FP8 codes through cuDNN's FP8 SDPA (Hopper and newer).
 
-Contract: ``q8`` (T, n_heads, head_dim) e4m3 codes (any strides with head_dim contiguous), ``k8`` and
+Contract: ``q8`` (T, n_heads, head_dim) e4m3 codes with the strides the plan was built for, ``k8`` and
 ``v8`` one layer's window (n_heads, S, head_dim) of e4m3 codes, contiguous; the real values are the
 codes times the 1-element float32 descales ``descale_q``, ``descale_k``, ``descale_v`` (device
 tensors, read when the call runs: a session's scales change without a rebuild). Softmax scale
@@ -18,7 +18,7 @@ that torch loaded. One object per shape: building its plan takes ~1 s.
 from __future__ import annotations
 
 import torch
-from charstream.kernels.fp8 import FP8_MAX
+from charstream.kernels.fp8 import FP8_DTYPE, FP8_MAX
 
 # cuDNN's amax results written out: none is read (the scales are fixed per session), and each one
 # written costs a memset node per call in the step's graph
@@ -46,6 +46,8 @@ class Fp8WindowAttention:
                  amax_outputs: tuple[str, ...] = AMAX_OUTPUTS) -> None:
         """``amax_outputs``: which of cuDNN's amax results (``"s"``: the scores', ``"o"``: the output's)
         are written out; the others stay virtual (each written one is a memset and an atomic per call)."""
+        if not set(amax_outputs) <= {"s", "o"}:
+            raise ValueError(f"amax_outputs names 's' and 'o' only, got {amax_outputs}")
         try:
             import cudnn
         except ImportError as exc:
@@ -53,7 +55,7 @@ class Fp8WindowAttention:
                                "'charstream[fp8-attention]'; scripts/gpu_run.sh carries it to the device)") from exc
         torch.backends.cudnn.version()  # torch's cuDNN loaded first, so the frontend binds to that one
         self._cudnn = cudnn
-        self.shape = (n_heads, n_queries, n_keys, head_dim)
+        self.shape, self.q_strides = (n_heads, n_queries, n_keys, head_dim), tuple(q_strides)
         fp8, f32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
         self.handle = cudnn.create_handle()
         graph = cudnn.pygraph(io_data_type=fp8, intermediate_data_type=f32, compute_data_type=f32,
@@ -96,6 +98,10 @@ class Fp8WindowAttention:
         if q8.shape != (n_q, h, d) or k8.shape != (h, n_k, d) or v8.shape != (h, n_k, d) or out8.shape != (n_q, h, d):
             raise ValueError(f"shapes q {tuple(q8.shape)} k {tuple(k8.shape)} v {tuple(v8.shape)} out "
                              f"{tuple(out8.shape)} do not match the plan's (heads, queries, keys, dim) {self.shape}")
+        if q8.stride() != self.q_strides or not (k8.is_contiguous() and v8.is_contiguous() and out8.is_contiguous()):
+            raise ValueError(f"q strides {q8.stride()} (the plan's {self.q_strides}) or a non-contiguous k, v or out")
+        if any(t.dtype != FP8_DTYPE for t in (q8, k8, v8, out8)):
+            raise ValueError("q, k, v and out must be float8_e4m3fn codes")
         self._cudnn.set_stream(handle=self.handle, stream=torch.cuda.current_stream().cuda_stream)
         s = self._scalars
         self.graph.execute({self._q: q8, self._k: k8, self._v: v8, self._o: out8,

@@ -61,7 +61,7 @@ def _load_row(x, stride_xm, prefix, stride_pm, n_prefix, prefix_scale, row, c, n
     # x's own load); PREFIX_SELECT instead: both loaded, the values selected (more instructions: the
     # variant timed against it; the one load of another dtype, an FP8 prefix, needs). PREFIX_SCALED:
     # the prefix's values times their column group's scale (GROUP columns each, a compile-time power of
-    # two: the group index is a shift, not an integer division per element)
+    # two: the group index is a shift and a sign fix-up, not an integer division per element)
     if PREFIX and not PREFIX_SELECT:
         ptr = tl.where(c < n_prefix, prefix + row * stride_pm + c, x + row * stride_xm + c)
         v = tl.load(ptr, mask=c < n_cols, other=0.0).to(tl.float32)
@@ -91,7 +91,7 @@ def _quantize_rows_kernel(
     if ONE_SWEEP:
         c = tl.arange(0, BLOCK)
         v = _load_row(x, stride_xm, prefix, stride_pm, n_prefix, prefix_scale, row, c, n_cols, PREFIX,
-                          PREFIX_SELECT, PREFIX_SCALED, GROUP)
+                      PREFIX_SELECT, PREFIX_SCALED, GROUP)
         v = tl.where(c >= act_from, _gelu_tanh(v), v)
         scale = tl.maximum(tl.max(tl.abs(v), 0), MIN_AMAX) / FP8_MAX
         tl.store(scale_out + row, scale)
@@ -144,6 +144,7 @@ def quantize_rows_triton(
     if prefix is not None and prefix.dtype != x.dtype:  # one load reads both through one pointer type
         if prefix.dtype != FP8_DTYPE or prefix_scale is None:
             raise ValueError(f"prefix must have x's dtype {x.dtype} (or be FP8 with a prefix_scale), got {prefix.dtype}")
+    if prefix_scale is not None:  # the scales apply in the select load
         prefix_select = True
     lead = x if prefix is None else prefix
     xq, scale = out if out is not None else (torch.empty(m, k, dtype=FP8_DTYPE, device=x.device),

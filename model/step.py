@@ -88,7 +88,7 @@ CROSS_ATTENTION_OPTIONS = {"block_m": 64, "block_n": 16, "num_warps": 4}
 GATHERED_BY_DEFAULT = True
 # The FP8 window attention's output scale (its codes = output in V's code units x this): the output is a
 # convex combination of V's codes (<= 448), and e4m3's rounding of the probabilities may lift it a few
-# percent past that, so half of e4m3's range keeps it finite.
+# percent past that, so half of e4m3's range keeps it in range (e4m3fn has no infinity: past 448 is NaN).
 FP8_OUTPUT_SCALE = 0.5
 
 
@@ -191,6 +191,9 @@ class DiffusionStep:
         self.graphs: dict[bool, torch.cuda.CUDAGraph] = {}
         self.gathered = False  # the attention mode of the next run (fused body), set by set_inputs
         self._session = False
+        self.fp8_window = fp8_window
+        if fp8_window and not (fused and prefer_gathered and dev.type == "cuda" and cache.fp8):
+            raise ValueError("fp8_window needs the fused step's gathered attention on CUDA over an FP8 cache")
         if not fused:
             return
         block = model.blocks[0]
@@ -217,9 +220,6 @@ class DiffusionStep:
         win = (cfg.n_blocks, self.n_heads, cache.sink_slots + cfg.window_frames * t, self.head_dim)
         # fp8_window: the window holds the ring's FP8 codes and cuDNN's FP8 SDPA reads them (half the
         # window's bytes; its queries, probabilities and output in e4m3 too: kernels/fp8_window_attention.py)
-        self.fp8_window = fp8_window and self.prefer_gathered and cache.fp8
-        if fp8_window and not self.fp8_window:
-            raise ValueError("fp8_window needs the gathered attention on CUDA over an FP8 cache")
         win_dtype = FP8_DTYPE if self.fp8_window else dtype
         self.window = tuple(torch.empty(win, dtype=win_dtype, device=dev) for _ in range(2)) if self.prefer_gathered else None
         if self.fp8_window:

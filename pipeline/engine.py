@@ -90,6 +90,7 @@ def engine_session_config(engine: PipelineConfig, session: PipelineConfig, weigh
                                          graphed=engine.conditioning.graphed),
         diffusion=dataclasses.replace(session.diffusion, tp=ed.tp, device=ed.device, devices=list(ed.devices),
                                       fp8_cache=ed.fp8_cache, threads=ed.threads, graphed_step=ed.graphed_step,
+                                      fp8_window_attention=ed.fp8_window_attention,
                                       batch_sessions=ed.batch_sessions, batch_window_s=ed.batch_window_s),
         decode=dataclasses.replace(session.decode, device=dd.device, graphed=dd.graphed, threads=dd.threads,
                                    batch_sessions=dd.batch_sessions, batch_window_s=dd.batch_window_s))

@@ -2,7 +2,7 @@
 # The device bundle and what runs on it, in one script (docs/gpu-notes.md, "Device calls").
 #
 #   here:       scripts/gpu_run.sh bundle [DIR]     the wheels the device image lacks, pinned, in parts that each fit
-#                                                   a call beside the tree (23 MB): DIR/whl-a (~38 MB: av, pyzmq,
+#                                                   a call beside the tree (23 MB): DIR/whl-a (~36 MB: av, pyzmq,
 #                                                   structlog), DIR/whl-b (~30 MB: aiortc + its stack, silero-vad,
 #                                                   espeak-ng, OpenTelemetry), DIR/whl-c (~29 MB: pocketsphinx),
 #                                                   DIR/whl-d (2 MB: cuDNN's Python frontend, the FP8 window attention).
@@ -43,7 +43,8 @@
 #
 # The tree (23 MB) with all parts exceeds a call's 64 MiB: carry one part per call, back to back while
 # the machine is warm (it goes back 30 s after a call) -- every device command installs the parts it
-# finds under DIR into /tmp/site, which a warm machine keeps (check needs whl-a; live all three).
+# finds under DIR into /tmp/site, which a warm machine keeps (check needs whl-a; capacity a and b; live a, b, c;
+# kernels d).
 # Each section runs under `timeout` with a line at its start and end; logs and JSON go to $OUT (at
 # most 8 files come back).
 set -o pipefail

@@ -41,6 +41,8 @@ class StepBatcher(SessionBatcher):
         self.config, self.preset, self.weights = config, preset, weights
         self.fp8 = config.fp8_ring()
         self.graphed = config.graphed_step and self.device.startswith("cuda")
+        if config.fp8_window_attention:  # the batched body attends per lane over the ring, never a window
+            raise ValueError("diffusion.fp8_window_attention is a single session's step: not with batch_sessions > 1")
         self.batch: BatchedStep | None = None  # built by the first join
 
     # -- sessions (blocking: call from a worker thread) ------------------------------------------------

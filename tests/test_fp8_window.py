@@ -65,6 +65,7 @@ def test_prep_reference_writes_q_codes_and_the_ring_codes_into_an_fp8_window():
         assert (w[:, :T].float() == 7).all() and (w[:, 2 * T :].float() == 7).all()
 
 
-def test_the_fp8_window_is_refused_where_it_cannot_run():
-    with pytest.raises(ValueError, match="fp8_window needs the gathered attention on CUDA"):
-        Generator(TINY, None, "cpu", fused=True, fp8_window=True)
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_fp8_window_is_refused_where_it_cannot_run(fused):
+    with pytest.raises(ValueError, match="fp8_window needs the fused step's gathered attention on CUDA"):
+        Generator(TINY, None, "cpu", fused=fused, fp8_window=True)
