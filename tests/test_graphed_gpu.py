@@ -125,6 +125,31 @@ def test_fp8_window_step_graph_matches_eager_and_stays_near_the_bf16_window():
         assert _rel(got - noise, want - noise) < 0.1
 
 
+def test_fp8_window_scales_follow_a_new_session():
+    """A generator's second session (another reference, so other FP8 scales) steps exactly as a fresh
+    generator's first: q's descale and multipliers and V's output scales are taken from the cache again
+    when the new session's window is gathered, not kept from the first session."""
+    cfg = TINY.with_(dim=256, n_heads=2, head_dim=128)
+    shape = (cfg.latent_channels, cfg.latent_height, cfg.latent_width)
+    g = torch.Generator().manual_seed(5)
+    references = [torch.randn(shape, generator=g) * scale for scale in (1.0, 4.0)]
+    audio = [torch.randn(cfg.n_audio_tokens, cfg.audio_dim, generator=g) for _ in range(cfg.window_frames + 3)]
+    reused = _generator(cfg, fused=True, graphed=True, fp8_window=True)
+    reused.reset_session(references[0])
+    for i, a in enumerate(audio):
+        reused.step(a, i)
+    first_scales = reused.cache.k_scale.clone()
+    reused.reset_session(references[1])
+    second = [reused.step(a, i) for i, a in enumerate(audio)]
+    assert not torch.equal(reused.cache.k_scale, first_scales)  # the second session's scales differ
+    fresh = _generator(cfg, fused=True, graphed=True, fp8_window=True)
+    fresh.reset_session(references[1])
+    assert fresh.diffusion.gathered is False
+    for got, want in zip(second, [fresh.step(a, i) for i, a in enumerate(audio)], strict=True):
+        assert torch.equal(got, want)
+    assert fresh.diffusion.gathered  # the last steps attended through the FP8 window
+
+
 def test_graphed_step_under_tp_keeps_its_all_reduces_inside_the_graph(monkeypatch):
     """NCCL at world size 1 on the one GPU: the TP step's graph replays equal its eager runs and the
     step without a group, through a rollback and position resets; the eager step calls one
