@@ -232,7 +232,6 @@ class DiffusionStep:
             self.q_descale = torch.ones(cfg.n_blocks, 1, device=dev)
             self.q_mult = torch.ones(cfg.n_blocks, self.n_heads, device=dev)
             self.out_scale = torch.ones(cfg.n_blocks, self.n_heads, device=dev)
-            self.unit = torch.ones(1, device=dev)
             self.scale_o = torch.full((1,), FP8_OUTPUT_SCALE, device=dev)
             # |RoPE(q_norm(q))| <= sqrt(head_dim) x max |q_norm weight| per element (an RMS-normalised row
             # has squared norm head_dim; RoPE keeps each pair's norm), plus bf16's rounding
@@ -424,7 +423,8 @@ class DiffusionStep:
              rotation=rotation, window=window, q8=q8)
         attn = attn_scale = None  # the attention output when it is not in the v columns: cuDNN writes a buffer of its own
         if fp8:
-            self.fp8_attention(self.q8, *window[:2], self.q_descale[layer], self.unit, self.unit, self.scale_o, self.attn8)
+            unit = self.ones[:1]  # K's and V's descales: their scales are folded into q's codes and the rows' read
+            self.fp8_attention(self.q8, *window[:2], self.q_descale[layer], unit, unit, self.scale_o, self.attn8)
             attn, attn_scale = self.attn8.flatten(1), self.out_scale[layer]
         elif self.gathered:
             attn = window_attention(q, *window[:2]).flatten(1)  # read there by quantize_rows, not copied over v
