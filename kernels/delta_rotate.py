@@ -36,7 +36,10 @@ def delta_rotate_reference(
     ring_t.copy_(rotated)
 
 
-@triton.jit
+# Not specialised on the skipped frame's slot bounds: they move with the frame a reset falls on, and
+# Triton keys a compiled variant on whether an integer is 1 or a multiple of 16, so a later reset would
+# compile a variant of its own mid-session (every serving process of a machine at the same frame).
+@triton.jit(do_not_specialize=["skip_lo", "skip_hi"])
 def _delta_rotate_kernel(
     k, stride_kl, stride_kh, stride_ks, k_scale, stride_sl, freqs_t, delta, n_heads, n_slots, sink_slots, skip_lo,
     skip_hi, NT: tl.constexpr, PAIRS: tl.constexpr, BLOCK_S: tl.constexpr,

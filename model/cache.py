@@ -223,9 +223,10 @@ class KVCache:
         return self.sink_slots + frame % self.ring_frames * self.tokens_per_frame, self.tokens_per_frame
 
     def _compile_rotation(self) -> None:
-        """Run the rotation's kernel once with the arguments of a session's first position reset (Triton
-        compiles it per specialisation of its integer arguments): compiled at that reset, frame window +
-        reset_every into the session, the step stalled ~1 s on the H200 (a held frame in every session).
+        """Run the rotation's kernel once with the arguments of a session's first position reset: compiled
+        at a reset instead, frame window + reset_every into the session, the step stalled ~1 s on the H200
+        (a held frame in every session). One compile serves every reset: the arguments that move between
+        resets (the skipped frame's slots, the delta) are not specialised (``kernels/delta_rotate.py``).
         Called on a ring no frame is in yet, so what it rotates is never read."""
         frame = self.cfg.window_frames + self.cfg.reset_every
         delta_rotate(self.k, self.k_scale, position_offset(frame, self.cfg.window_frames, self.cfg.reset_every),

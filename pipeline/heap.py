@@ -7,7 +7,8 @@ late by that much is a held frame (docs/PERF.md, "Hours of use"). So the process
 sessions will run before it serves, then ``gc.freeze()``: what is alive then lives as long as the
 process, and later full collections walk only what sessions create. What they still cost is logged:
 every collection of at least ``LONG_COLLECTION_S`` is a ``gc_pause`` line (generation, ms, objects
-collected), so a late chunk in a log can be matched with the pause that held its process.
+collected), so a late chunk in a log can be matched with the pause that held its process; where model
+stages run, so is every Triton compile (``kernel_compile``, ``pipeline/kernel_compiles.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import importlib
 import importlib.util
 import time
 from typing import Any
+
+from charstream.pipeline.kernel_compiles import log_kernel_compiles
 
 from charstream.logs import get_logger
 
@@ -45,6 +48,7 @@ def load_and_freeze(front_end: bool, model_stages: bool, freeze: bool = True) ->
 
         # torch imports sympy (~13,000 functions) at a module's first to_empty, which loading a model does
         torch.nn.Linear(1, 1, device="meta").to_empty(device="cpu")
+        log_kernel_compiles()
     log_long_collections()
     if not freeze:
         return 0

@@ -39,6 +39,8 @@
 #                                                   CAPACITY_SPREAD=S: a count's sessions start over S s (their turns out of phase)
 #                                                   CAPACITY_CHECKS=0: without the GPU tests and the encode bench first
 #                                                   CAPACITY_LOG=info: the server workers' turn and underrun lines in capacity.log
+#                                                   CAPACITY_FRESH_TRITON=1: Triton's on-disk cache empty (a new TRITON_CACHE_DIR),
+#                                                   as on a machine's first run: every kernel compiled in every process
 #                                                   (first: the capture and graphed-encoder GPU tests, bench gpu of tiny's encode)
 #
 # The tree (23 MB) with all parts exceeds a call's 64 MiB: carry one part per call, back to back while
@@ -201,6 +203,7 @@ elif [ "$cmd" = capacity ]; then
   # and 4 client processes on the 16 cores: a process's sessions share its GIL (at 8 x 4 each process
   # used 1.13 cores and its loop lagged 50 ms), and a client process holds 8-12 sessions at < 0.5 core.
   sessions=${CAPACITY_SESSIONS:-$([ $# -gt 1 ] && echo 32 48 || echo 8 16 32 48)}
+  [ "${CAPACITY_FRESH_TRITON:-0}" = 1 ] && export TRITON_CACHE_DIR=$(mktemp -d /tmp/triton-cache.XXXX)
   # shellcheck disable=SC2086
   section "capacity tiny --gpus 1, batch_sessions $*${CAPACITY_ENGINES:+, $CAPACITY_ENGINES engines}" 360 capacity.log python3 -m charstream.pipeline.cli bench capacity \
     --gpus 1 --sessions $sessions --workers "${CAPACITY_WORKERS:-16}" --clients "${CAPACITY_CLIENTS:-4}" \

@@ -1,0 +1,108 @@
+"""Triton compiles are logged (``kernel_compile``), and a session's position resets compile the rotation
+kernel once: on CPU, the hooks as Triton calls them; on the GPU (``-m gpu``, through the device tool),
+real compiles and a cache stepped through every reset a long session makes."""
+
+from __future__ import annotations
+
+import pytest
+import structlog
+import torch
+
+triton = pytest.importorskip("triton")
+
+from charstream.pipeline.kernel_compiles import log_kernel_compiles  # noqa: E402
+
+from charstream.logs import configure_logging  # noqa: E402
+
+
+class _Fn:  # what Triton passes as ``fn``: a JitFunctionInfo with the kernel's name
+    name = "_some_kernel"
+
+
+@pytest.fixture
+def clean_hooks():
+    runtime = triton.knobs.runtime
+    before = runtime.jit_cache_hook, runtime.jit_post_compile_hook
+    runtime.jit_cache_hook = runtime.jit_post_compile_hook = None
+    configure_logging()  # before any capture: a first configuration inside one would replace it
+    yield runtime
+    runtime.jit_cache_hook, runtime.jit_post_compile_hook = before
+
+
+def test_a_compile_is_logged_once_with_its_time_and_the_hooks_before_still_run(clean_hooks):
+    runtime = clean_hooks
+    seen = []
+    runtime.jit_cache_hook = lambda **kw: seen.append(("before", kw["fn"].name))
+    runtime.jit_post_compile_hook = lambda **kw: seen.append(("after", kw["fn"].name))
+    assert log_kernel_compiles() and log_kernel_compiles()  # a second call installs nothing more
+    kwargs = {"key": "k", "repr": "r", "fn": _Fn(), "compile": {}, "is_manual_warmup": False,
+              "already_compiled": False}
+    with structlog.testing.capture_logs() as logs:
+        skip = runtime.jit_cache_hook(**kwargs)
+        runtime.jit_post_compile_hook(**kwargs)
+    assert not skip  # a truthy answer would make Triton skip the compile
+    [line] = [e for e in logs if e["event"] == "kernel_compile"]
+    assert line["kernel"] == "_some_kernel" and line["ms"] >= 0 and line["component"] == "triton", line
+    assert seen == [("before", "_some_kernel"), ("after", "_some_kernel")]
+
+
+def test_a_chained_hook_that_skips_the_compile_is_obeyed(clean_hooks):
+    runtime = clean_hooks
+    runtime.jit_cache_hook = lambda **kw: True
+    log_kernel_compiles()
+    assert runtime.jit_cache_hook(key="k", repr="r", fn=_Fn(), compile={}, is_manual_warmup=False,
+                                  already_compiled=False) is True
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_real_compile_is_logged_and_a_cached_launch_is_not(clean_hooks):
+    import triton.language as tl
+
+    @triton.jit
+    def _add_one(x, N: tl.constexpr):  # a new function each run: never in this process's kernel cache
+        i = tl.arange(0, N)
+        tl.store(x + i, tl.load(x + i) + 1)
+
+    x = torch.zeros(64, device="cuda")
+    log_kernel_compiles()
+    for launch in range(2):
+        with structlog.testing.capture_logs() as logs:
+            _add_one[(1,)](x, N=64)
+            torch.cuda.synchronize()
+        assert [e["kernel"] for e in logs if e["event"] == "kernel_compile"] == (["_add_one"] if launch == 0 else [])
+    assert (x == 2).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_position_resets_at_every_ring_position_compile_the_rotation_once(clean_hooks):
+    """tiny's resets fall on frames 50, 92, 134, ...: the frame each skips sits at ring slots whose
+    bounds are a multiple of 16 at some resets and not at others, which Triton specialised on -- the
+    second reset compiled a variant of its own, mid-session (a held frame in every session of a fresh
+    machine). Every reset of a long session, and a rollback across one, must reuse the first compile."""
+    from charstream.kernels.delta_rotate import _delta_rotate_kernel
+    from charstream.kernels.fp8 import FP8_DTYPE
+    from charstream.kernels.rope import rope_freqs
+    from charstream.model.cache import KVCache
+    from charstream.model.config import TINY
+
+    _delta_rotate_kernel.device_caches.clear()  # whatever other tests compiled: this test counts its own
+    log_kernel_compiles()
+    cache = KVCache(TINY, TINY.n_heads, FP8_DTYPE, "cuda", rope_freqs(TINY.head_dim, "cuda"))
+    with structlog.testing.capture_logs() as logs:
+        cache.reset()  # a session's start: the rotation compiled here, before any frame is due
+    assert [e["kernel"] for e in logs if e["event"] == "kernel_compile"] == ["_delta_rotate_kernel"]
+    frames = TINY.window_frames + cache.ring_frames * TINY.reset_every + 1  # a reset at every ring position
+    resets = 0
+    with structlog.testing.capture_logs() as logs:
+        for frame in range(frames):
+            offset = cache.offset
+            cache.begin_frame()
+            resets += cache.offset != offset
+            cache.end_frame()
+            if frame == TINY.window_frames + 2 * TINY.reset_every:  # a reset's frame: back across it
+                cache.rollback(2)
+        torch.cuda.synchronize()
+    assert resets >= cache.ring_frames
+    assert not [e for e in logs if e["event"] == "kernel_compile"], "a reset compiled the rotation again"
