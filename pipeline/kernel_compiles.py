@@ -1,4 +1,4 @@
-"""Every Triton kernel a serving process compiles, logged: ``kernel_compile`` (kernel, ms).
+"""Every Triton kernel a serving process compiles, logged: ``kernel_compile`` (kernel's qualified name, ms).
 
 Triton compiles a kernel at its first launch with each new specialisation of its arguments. Mid-session
 that stalls the step that launched it: hundreds of ms on the H200 when Triton's on-disk cache is empty
