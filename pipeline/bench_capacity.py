@@ -755,7 +755,8 @@ def table(report: dict[str, Any]) -> str:
              f"{engines}{report['workers']} server / {report['clients']} client processes, agent pace {report['agent_pace']}, "
              f"sessions started {f'over {spread:g} s' if (spread := report.get('spread_s')) else 'at once'}, "
              f"{report['hold_s']:g} s windows, "
-             f"held = both fps >= {report['min_fps']:g} less one frame per window", text_table(rows)]
+             f"held = both fps >= {report['min_fps']:g} less one frame per window, "
+             f"host: a core's Python loop {report['host_loop_ms']:g} ms at start", text_table(rows)]
     for result in report["ladders"]:
         for lv in result["levels"]:
             workers = [p for p in lv["processes"] if "cuda_context" in p]
@@ -787,6 +788,18 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def host_loop_ms(repeats: int = 5) -> float:
+    """One core's pace for pure Python, in ms: the median of ``repeats`` timings of a fixed loop (10^6
+    squares summed). Lent hosts of one kind differ in pace, and so does what they hold (docs/PERF.md,
+    Capacity); taken before any bench process starts, this tells them apart in a report."""
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        sum(i * i for i in range(1_000_000))
+        times.append(time.perf_counter() - started)
+    return round(1e3 * statistics.median(times), 1)
+
+
 def run(args: argparse.Namespace) -> int:
     if sorted(set(args.sessions)) != args.sessions or args.sessions[0] < 1:
         raise SystemExit("charstream bench capacity: --sessions must be increasing positive counts")
@@ -813,7 +826,7 @@ def run(args: argparse.Namespace) -> int:
         "hold_s": args.hold, "warmup_s": args.warmup, "min_fps": args.min_fps, "budget_s": args.budget_s,
         "recognizer": args.recognizer, "agent_pace": args.agent_pace, "spread_s": args.spread_s, "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {psutil.cpu_count()} CPUs, {platform.platform()}", "commit": commit_id(),
-        "load_avg_at_start": [round(x, 2) for x in psutil.getloadavg()], "ladders": [],
+        "load_avg_at_start": [round(x, 2) for x in psutil.getloadavg()], "host_loop_ms": host_loop_ms(), "ladders": [],
     }
 
     def write(result: dict[str, Any] | None = None) -> None:

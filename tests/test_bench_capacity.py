@@ -44,6 +44,7 @@ def test_bench_capacity_measures_frames_the_clients_received(tmp_path):
     assert all(e["exit"] == "exited with status 0" for e in ladder["process_exits"].values()), ladder["process_exits"]
     assert not any(psutil.pid_exists(pid) for pid in ladder["pids"].values())
     assert "capacity: tiny sessions, CPU" in done.stdout and "sessions started over 3 s" in done.stdout and report["agent_pace"] == "realtime"
+    assert report["host_loop_ms"] > 0 and f"a core's Python loop {report['host_loop_ms']:g} ms" in done.stdout
 
 
 def test_batch_sessions_sets_both_batchers_and_the_scripted_agent_needs_no_recogniser():
