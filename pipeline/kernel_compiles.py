@@ -32,7 +32,7 @@ class _CompileLog:
         return skip
 
     def after(self, **kwargs: Any) -> Any:
-        started = getattr(self._started, "at", None)
+        started = self._started.__dict__.pop("at", None)  # this thread's compile, read once
         ms = round((time.perf_counter() - started) * 1e3, 1) if started is not None else None
         get_logger(component="triton").info("kernel_compile", kernel=kwargs["fn"].name, ms=ms,
                                             warmup=bool(kwargs.get("is_manual_warmup")))

@@ -39,8 +39,9 @@
 #                                                   CAPACITY_SPREAD=S: a count's sessions start over S s (their turns out of phase)
 #                                                   CAPACITY_CHECKS=0: without the GPU tests and the encode bench first
 #                                                   CAPACITY_LOG=info: the server workers' turn and underrun lines in capacity.log
-#                                                   CAPACITY_FRESH_TRITON=1: Triton's on-disk cache empty (a new TRITON_CACHE_DIR),
-#                                                   as on a machine's first run: every kernel compiled in every process
+#                                                   CAPACITY_FRESH_TRITON=1: Triton's on-disk cache empty at the bench's start (a new
+#                                                   TRITON_CACHE_DIR): as on a machine's first run, its first count compiles
+#                                                   every kernel in every process (a later ladder finds them cached)
 #                                                   (first: the capture and graphed-encoder GPU tests, bench gpu of tiny's encode)
 #
 # The tree (23 MB) with all parts exceeds a call's 64 MiB: carry one part per call, back to back while

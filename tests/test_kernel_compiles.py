@@ -77,11 +77,11 @@ def test_a_real_compile_is_logged_and_a_cached_launch_is_not(clean_hooks):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_position_resets_at_every_ring_position_compile_the_rotation_once(clean_hooks):
-    """tiny's resets fall on frames 50, 92, 134, ...: the frame each skips sits at ring slots whose
-    bounds are a multiple of 16 at some resets and not at others, which Triton specialised on -- the
-    second reset compiled a variant of its own, mid-session (a held frame in every session of a fresh
-    machine). Every reset of a long session, and a rollback across one, must reuse the first compile."""
+def test_position_resets_compile_the_rotation_once(clean_hooks):
+    """tiny's resets fall on frames 50, 92, 134, ... (ring positions 2 and 8): the frame each skips has
+    slot bounds 60/80 at one and 180/200 at the other -- a multiple of 16 and not, which Triton
+    specialised on, so the second reset compiled a variant of its own mid-session (a held frame in every
+    session of a fresh machine). Every later reset, and a rollback across one, must reuse the first compile."""
     from charstream.kernels.delta_rotate import _delta_rotate_kernel
     from charstream.kernels.fp8 import FP8_DTYPE
     from charstream.kernels.rope import rope_freqs
@@ -94,16 +94,21 @@ def test_position_resets_at_every_ring_position_compile_the_rotation_once(clean_
     with structlog.testing.capture_logs() as logs:
         cache.reset()  # a session's start: the rotation compiled here, before any frame is due
     assert [e["kernel"] for e in logs if e["event"] == "kernel_compile"] == ["_delta_rotate_kernel"]
-    frames = TINY.window_frames + cache.ring_frames * TINY.reset_every + 1  # a reset at every ring position
-    resets = 0
+    second_reset = TINY.window_frames + 2 * TINY.reset_every
+    bounds, deltas, rolled_back = set(), set(), False  # the skipped slots' bounds and the deltas of every rotation
     with structlog.testing.capture_logs() as logs:
-        for frame in range(frames):
-            offset = cache.offset
+        for _ in range(TINY.window_frames + 4 * TINY.reset_every + 1):
+            frame, offset = cache.next_frame, cache.offset
             cache.begin_frame()
-            resets += cache.offset != offset
+            if cache.offset != offset:
+                first, count = cache._overwritten(frame)
+                bounds |= {first, first + count}
+                deltas.add(cache.offset - offset)
             cache.end_frame()
-            if frame == TINY.window_frames + 2 * TINY.reset_every:  # a reset's frame: back across it
+            if frame == second_reset and not rolled_back:  # back across it once: a rotation by a negative delta
                 cache.rollback(2)
+                rolled_back = True
         torch.cuda.synchronize()
-    assert resets >= cache.ring_frames
+    assert any(b % 16 == 0 for b in bounds) and any(b % 16 for b in bounds), bounds
+    assert deltas == {TINY.reset_every, -TINY.reset_every} and cache.next_frame > 3 * TINY.reset_every, deltas
     assert not [e for e in logs if e["event"] == "kernel_compile"], "a reset compiled the rotation again"
