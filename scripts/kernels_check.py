@@ -357,6 +357,47 @@ def _window_attn_fp8(q: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, 
     return entry
 
 
+def window_attn_split(gen: torch.Generator) -> dict[str, object]:
+    """cuDNN's FP8 SDPA with the window's keys split K ways, as K x heads attention heads over 1/K of
+    the keys each: a (heads, S, D) window is a (K x heads, S / K, D) one by a reshape, and head h x K + j
+    takes q's head h (q repeated K times) over key block j. At 15 heads (the TP=4 shard) cuDNN's query
+    tiles fill 90 of the 132 SMs; split 4 ways, 360 tiles are ~2.7 waves of a quarter of the work each.
+    Timed per call (heads 20 and 15, K = 1, 2, 4, 8) without the merge a serving split would need (the
+    partial outputs weighted by cuDNN's softmax stats: ~6 MB more for the GELU rows to read at K = 4);
+    each partial checked against fp32 math over its own keys' codes."""
+    from charstream.kernels.fp8_window_attention import Fp8WindowAttention, fp8_window_attention_reference
+
+    n_win = SINK + VALID * T
+    windows = [(torch.randn(LAYERS, H, n_win, D, device="cuda", generator=gen) * 64).clamp(-448, 448).to(FP8_DTYPE)
+               for _ in range(2)]
+    q8 = (torch.randn(T, H, D, device="cuda", generator=gen) * 64).clamp(-448, 448).to(FP8_DTYPE)
+    descale = torch.full((1,), 1.0 / 64, device="cuda")
+    one = torch.ones(1, device="cuda")
+    result: dict[str, object] = {}
+    for heads in (H, 15):
+        for k in (1, 2, 4, 8):
+            name, entry = f"h{heads}_k{k}", {}
+            try:
+                q_rep = q8[:, :heads].repeat_interleave(k, dim=1)  # (T, heads x K, D): head h x K + j is q's h
+                k8, v8 = (w[:, :heads].reshape(LAYERS, heads * k, n_win // k, D) for w in windows)
+                attn = Fp8WindowAttention(heads * k, T, n_win // k, D, q_rep.stride(), 1.0 / D**0.5)
+                out = torch.empty(T, heads * k, D, device="cuda").to(FP8_DTYPE)
+                probe = torch.full((T, heads * k, D), float("nan"), device="cuda").to(FP8_DTYPE)
+                attn(q_rep, k8[0], v8[0], descale, descale, one, one, probe)
+                ref = fp8_window_attention_reference(q_rep, k8[0], v8[0], descale, descale, one, 1.0 / D**0.5)
+                entry["rel_vs_fp32_over_codes"] = _rel(probe.float(), ref)
+                entry["nan"] = int(torch.isnan(probe.float()).sum())
+                entry["ms"] = _graph_ms([functools.partial(attn, q_rep, k8[i % LAYERS], v8[i % LAYERS], descale,
+                                                           descale, one, one, out) for i in range(4 * LAYERS)])
+                entry["ms_per_step_x240"] = 240 * entry["ms"]
+            except Exception as exc:
+                traceback.print_exc()
+                entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            result[name] = entry
+            print(f"[check] window_attn_split {name}: {entry}", flush=True)
+    return result
+
+
 CROSS_VARIANTS = ((128, 8), (64, 4), (32, 4), (16, 2))  # (block_m, warps); 9 audio keys in one 16-key block
 
 
@@ -567,7 +608,7 @@ def _table(results: dict) -> str:
                      f"x240 + RoPE table: {served['ring_writes_as_served_plus_rope_table_ms_per_step']:.3f} / "
                      f"{(240 * contract + results['ring_write']['rope_table_us']) / 1e3:.3f} ms per step"))
         rows.append(("  window copy: marginal in the prep (us per call)", f"{served['window_copy_marginal_us']:.2f}", ""))
-    for section in ("ring_write", "adaln", "window_attn", "cross_attn", "rotation", "gelu_rows"):
+    for section in ("ring_write", "adaln", "window_attn", "window_attn_split", "cross_attn", "rotation", "gelu_rows"):
         for name, e in results.get(section, {}).items():
             if isinstance(e, dict) and name != "as_served":
                 ms = f"{e['ms'] * 1e3:.2f} us" if "ms" in e else e.get("error", "")[:40]
