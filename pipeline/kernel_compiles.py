@@ -34,16 +34,15 @@ class _CompileLog:
     def after(self, **kwargs: Any) -> Any:
         started = self._started.__dict__.pop("at", None)  # this thread's compile, read once
         ms = round((time.perf_counter() - started) * 1e3, 1) if started is not None else None
-        get_logger(component="triton").info("kernel_compile", kernel=kwargs["fn"].name, ms=ms,
-                                            warmup=bool(kwargs.get("is_manual_warmup")))
+        get_logger(component="triton").info("kernel_compile", kernel=kwargs["fn"].name, ms=ms)
         return self.previous_after(**kwargs) if self.previous_after is not None else None
 
 
-def log_kernel_compiles() -> bool:
-    """Log this process's Triton compiles (once per process, however often this is called). Returns
-    whether Triton is there to log (it is not on a machine without it: nothing compiles there)."""
+def log_kernel_compiles() -> None:
+    """Log this process's Triton compiles (once per process, however often this is called); without
+    Triton (not on Linux) nothing compiles and nothing is installed."""
     if importlib.util.find_spec("triton") is None:
-        return False
+        return
     from triton import knobs
 
     runtime = knobs.runtime
@@ -51,4 +50,3 @@ def log_kernel_compiles() -> bool:
     if not isinstance(getattr(hook, "__self__", None), _CompileLog):
         log = _CompileLog(runtime.jit_cache_hook, hook)
         runtime.jit_cache_hook, runtime.jit_post_compile_hook = log.before, log.after
-    return True

@@ -124,7 +124,7 @@ class DiffusionStage(Stage):
         step = self.diffusion_step
         log("diffusion_ready", preset=self.preset, device=self.device, dtype=self.dtype, tp=self.tp,
             fp8_cache=self.fp8, weights=path or "random", fused_step=step.fused,
-            fp8_window_attention=getattr(step, "fp8_window", False),
+            fp8_window_attention=self.fp8_window,
             graphed_step=self.batcher.graphed if self.batcher else step.graphed,
             batched=self.batcher.max_sessions if self.batcher else 1)
 
