@@ -15,7 +15,7 @@ def test_bench_fleet_measures_sessions_and_reports_a_full_fleet(tmp_path):
     report = json.loads(out.read_text())
     ran, refused = report["steps"]
     # Two sessions, one per node (each holds one cpu layout), frames flowing at both ends.
-    assert ran["sessions"] == 2 and ran["nodes_used"] == 2
+    assert ran["sessions"] == 2 and ran.get("nodes_used") == 2, ran  # a refused step says why
     assert min(ran["node_fps"]) > 0 and min(ran["client_fps"]) > 0
     assert ran["slow"] == sum(f <= report["slow_fps"] for f in ran["node_fps"])
     assert refused["sessions"] == 3 and "503" in refused["refused"]

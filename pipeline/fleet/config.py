@@ -10,7 +10,10 @@ class FleetConfig:
     layout: str = "cpu"  # each session's layout (pipeline/placement.py): a bundle per TP rank + one for the decoder
     cpu_device_resource: str = "charstream_cpu"  # what CPU layouts reserve per device (GPU layouts reserve GPU)
     max_sessions_per_node: int = 2
-    reserve_timeout_s: float = 0.5  # a placement group not placed by then: answer "full" (the 503 stays < 1 s)
+    # A placement group on a node the accounting says is free, not placed by then: answer "full" (another
+    # workload took the resources). 0.5 s refused the first sessions of a cold local cluster on a busy
+    # 2-core host that had room for them; the accounting's own "full" needs no Ray call and stays immediate.
+    reserve_timeout_s: float = 5.0
     start_timeout_s: float = 60.0  # the session actor's start: a worker process, imports, the node's egress
     retry_after_s: int = 5  # Retry-After of a "full" answer
     # The reference counts sessions averaging <= 24 of its 25 fps; charstream plays 24 fps, so the
