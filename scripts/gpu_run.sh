@@ -137,15 +137,16 @@ elif [ "$cmd" = ab ]; then  # the TP=3 shard's serving step without, then with, 
   done
 elif [ "$cmd" = kernels ]; then
   k=tests/test_kernels_gpu.py
-  section "gpu tests (kernels, graphed step)" 150 gpu-tests.log python3 -m pytest -q -m gpu -p no:cacheprovider \
+  section "gpu tests (kernels, graphed step)" 200 gpu-tests.log python3 -m pytest -q -m gpu -p no:cacheprovider \
     --timeout=90 $k::test_ring_write $k::test_ring_write_prep $k::test_ring_write_prep_without_the_ring_write_does_the_rest \
     $k::test_quantize_rows $k::test_quantize_rows_reads_the_leading_columns_from_the_prefix \
     $k::test_ring_attention_gathered_over_listed_frames $k::test_delta_rotate $k::test_adaln_quant \
     $k::test_quantize_rows_reads_an_fp8_prefix_with_its_scales_per_head $k::test_ring_write_prep_writes_q_codes_and_an_fp8_window \
-    $k::test_fp8_window_attention_matches_its_reference tests/test_graphed_gpu.py tests/test_batched_step.py -k "not decoder"
+    $k::test_fp8_window_attention_matches_its_reference tests/test_graphed_gpu.py tests/test_batched_step.py \
+    tests/test_kernel_compiles.py -k "not decoder"
   # KERNELS: the kernels_check sections; TP_SHARDS: the shards bench gpu times (both: this default)
   # shellcheck disable=SC2086
-  section "kernels check" 80 kernels.log python3 scripts/kernels_check.py \
+  section "kernels check" 150 kernels.log python3 scripts/kernels_check.py \
     --only ${KERNELS:-ring_write gelu_rows adaln window_attn cross_attn rotation} --json "$OUT/kernels.json"
   # shellcheck disable=SC2086
   section "bench characters-57b shards ${TP_SHARDS:-3 4}" 300 bench.log python3 -m charstream.pipeline.bench_gpu \

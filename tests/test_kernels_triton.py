@@ -25,8 +25,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _run_checks() -> dict[str, dict[str, float]]:
+    from charstream.kernels.adaln_quant import adaln_quant_reference, adaln_quant_triton
     from charstream.kernels.delta_rotate import delta_rotate_reference, delta_rotate_triton
-    from charstream.kernels.fp8 import FP8_MAX
+    from charstream.kernels.fp8 import FP8_DTYPE, FP8_MAX
     from charstream.kernels.quantize_rows import MIN_AMAX, quantize_rows_reference, quantize_rows_triton
     from charstream.kernels.ring_attention import (
         gather_window,
@@ -168,6 +169,48 @@ def _run_checks() -> dict[str, dict[str, float]]:
                 "nan": float(torch.isnan(got_q.float()).sum() + torch.isnan(ref_q.float()).sum()),
             }
 
+    # an FP8 prefix with a scale per group of columns (the FP8 window's attention output, a scale per
+    # head): the row viewed as (groups, group) against the 1-D row's per-element gather, and the scales
+    # against the reference's (the interpreter's own e4m3 conversion is not torch's: codes are compared
+    # between the kernel's variants, as above)
+    heads, group = 4, 16
+    x = torch.randn(T, 3 * heads * group, generator=g).bfloat16() * 3
+    codes = (torch.randn(T, heads * group, generator=g) * 60).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    head_scale = torch.rand(heads, generator=g) * 0.1 + 0.01
+    poisoned = x.clone()
+    poisoned[:, : heads * group] = float("nan")
+    ref_s = quantize_rows_reference(poisoned, 2 * heads * group, codes, head_scale)[1]
+    got = {}
+    for grouped in (False, True):
+        out = (torch.full((T, x.shape[1]), 300.0).to(FP8_DTYPE), torch.full_like(ref_s, float("nan")))
+        got[grouped] = quantize_rows_triton(poisoned, 2 * heads * group, out, prefix=codes, prefix_scale=head_scale,
+                                            prefix_grouped=grouped)
+    report["quantize_rows_fp8_prefix"] = {
+        "codes_differ": float((got[True][0].view(torch.uint8) != got[False][0].view(torch.uint8)).sum()),
+        "scale_rel_grouped": _rel(got[True][1], ref_s),
+        "scale_rel_gathered": _rel(got[False][1], ref_s),
+        "nan": float(torch.isnan(got[True][0].float()).sum()),
+    }
+
+    # adaLN + FP8 rows, the residual update in place; rows whose mean is large against their spread
+    # (the one-pass statistics' shift) beside ordinary ones
+    x = torch.randn(T, 96, generator=g).bfloat16() * 3
+    x[::2] += 40
+    residual = torch.randn(T, 96, generator=g).bfloat16()
+    shift, mod_scale, gate = (torch.randn(96, generator=g).bfloat16() * 0.3 for _ in range(3))
+    stream = x.clone()
+    adaln_quant_reference(stream, shift, mod_scale, residual, gate)
+    got = {}
+    for one_pass in (False, True):
+        got_x = x.clone()
+        got[one_pass] = adaln_quant_triton(got_x, shift, mod_scale, residual, gate, rows=2, num_warps=4,
+                                           one_pass=one_pass)
+        ref_s = adaln_quant_reference(got_x.clone(), shift, mod_scale)[1]  # the stream as stored
+        report[f"adaln_{'one_pass' if one_pass else 'two_pass'}"] = {
+            "stream_rel": _rel(got_x, stream), "scale_rel": _rel(got[one_pass][1], ref_s)}
+    report["adaln_one_pass"]["codes_differ_from_two_pass"] = float(
+        (got[True][0].view(torch.uint8) != got[False][0].view(torch.uint8)).float().mean())
+
     # the GELU itself, read through the scale: each row's only non-zero column is a GELU column, so
     # scale x 448 = |gelu(x)| (or the floor), over the range the kernel's folded exp2 must cover
     xs = torch.cat([torch.linspace(-9, 9, 361), torch.tensor([-1e4, -60.0, 60.0, 1e4, 1e-6, -1e-6, 0.0])])
@@ -232,6 +275,21 @@ def test_quantize_rows_reads_the_leading_columns_from_the_prefix(report, case):
     r = report[f"quantize_rows_prefix_{case}"]
     assert r["codes_differ"] == 0 and r["scale_rel"] == 0 and r["reference_scale_rel"] == 0 and r["nan"] == 0
     assert r["scale_rel_vs_reference"] < 1e-6  # fp32 rows: the GELU's exp is numpy's here, torch's there
+
+
+def test_quantize_rows_reads_an_fp8_prefix_with_its_scales_per_group(report):
+    r = report["quantize_rows_fp8_prefix"]
+    assert r["codes_differ"] == 0 and r["nan"] == 0
+    assert r["scale_rel_grouped"] < 1e-6 and r["scale_rel_gathered"] < 1e-6
+
+
+@pytest.mark.parametrize("stats", ["two_pass", "one_pass"])
+def test_adaln_quant_matches_reference(report, stats):
+    r = report[f"adaln_{stats}"]
+    assert r["stream_rel"] < 1e-2  # bf16 stores of the same fp32 sum (the interpreter may round once more)
+    assert r["scale_rel"] < 1e-4
+    if stats == "one_pass":  # the same codes but where the statistics' last bits move one across a rounding tie
+        assert r["codes_differ_from_two_pass"] < 1e-2
 
 
 def test_quantize_rows_gelu_matches_torch(report):
