@@ -33,15 +33,10 @@ def adaln_quant_reference(
 
 
 @triton.jit
-def _add_pair(a0, a1, b0, b1):
-    return a0 + b0, a1 + b1
-
-
-@triton.jit
 def _adaln_quant_kernel(
     x, stride_xm, residual, stride_rm, gate, shift, scale, hq, stride_qm, h_scale, n_rows, n_cols,
-    ROWS: tl.constexpr, BLOCK: tl.constexpr, RESIDUAL: tl.constexpr, ONE_PASS: tl.constexpr, EPS: tl.constexpr,
-    FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK: tl.constexpr, RESIDUAL: tl.constexpr, EPS: tl.constexpr, FP8_MAX: tl.constexpr,
+    MIN_AMAX: tl.constexpr,
 ):
     # One program holds ROWS whole rows (dim <= BLOCK) in registers: one read, two writes per row. The
     # rows' reductions run side by side, so an SM has ROWS rows' loads in flight where register use
@@ -57,21 +52,9 @@ def _adaln_quant_kernel(
         stored = (v + g[None, :] * r).to(x.dtype.element_ty)
         tl.store(x + row[:, None] * stride_xm + c[None, :], stored, mask=mask)
         v = stored.to(tl.float32)  # normalise the stream as stored, as the next block will see it
-    if ONE_PASS:
-        # Sum and sum of squares in one reduction (one barrier round fewer), about a shift: the row's
-        # first element as stored before the update, near the row's values, so that E[d^2] - E[d]^2
-        # does not cancel away a row whose mean is large against its spread.
-        shift_row = tl.load(x + row * stride_xm, mask=row < n_rows, other=0.0).to(tl.float32)
-        d = tl.where(mask, v - shift_row[:, None], 0.0)
-        s1, s2 = tl.reduce((d, d * d), 1, _add_pair)
-        mean_d = s1 / n_cols
-        mean = shift_row + mean_d
-        centred = tl.where(mask, v - mean[:, None], 0.0)
-        rstd = 1.0 / tl.sqrt(tl.maximum(s2 / n_cols - mean_d * mean_d, 0.0) + EPS)
-    else:
-        mean = tl.sum(v, 1) / n_cols
-        centred = tl.where(mask, v - mean[:, None], 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, 1) / n_cols + EPS)
+    mean = tl.sum(v, 1) / n_cols
+    centred = tl.where(mask, v - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, 1) / n_cols + EPS)
     sh = tl.load(shift + c, mask=cmask, other=0.0).to(tl.float32)
     sc = tl.load(scale + c, mask=cmask, other=0.0).to(tl.float32)
     h = centred * rstd[:, None] * (1.0 + sc[None, :]) + sh[None, :]
@@ -91,12 +74,10 @@ def adaln_quant_triton(
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     rows: int = 1,
     num_warps: int | None = None,
-    one_pass: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch of ``rows`` rows per program; ``out`` = preallocated (hq, h_scale) for CUDA-graph
     replays. Default: one row per 32-warp program for rows past 4,096 columns (the H200's best at
-    757 x 7,680: 13.5 us against 15.6 at 16 warps, 13.9 for two rows at 16). ``one_pass``: the mean
-    and variance from one reduction of shifted sums instead of two (kernels_check times both)."""
+    757 x 7,680: 13.5 us against 15.6 at 16 warps, 13.9 for two rows at 16)."""
     m, n = x.shape
     if x.stride(1) != 1 or (residual is not None and residual.stride(1) != 1):
         raise ValueError("x and residual need contiguous rows")
@@ -108,8 +89,7 @@ def adaln_quant_triton(
     _adaln_quant_kernel[(triton.cdiv(m, rows),)](
         x, x.stride(0), residual if has_res else x, residual.stride(0) if has_res else 0, gate if has_res else shift,
         shift, scale, hq, hq.stride(0), h_scale, m, n,
-        ROWS=rows, BLOCK=triton.next_power_of_2(n), RESIDUAL=has_res, ONE_PASS=one_pass, EPS=EPS, FP8_MAX=FP8_MAX,
-        MIN_AMAX=MIN_AMAX,
+        ROWS=rows, BLOCK=triton.next_power_of_2(n), RESIDUAL=has_res, EPS=EPS, FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX,
         num_warps=num_warps or (32 if n > 4096 else 4),
     )
     return hq, h_scale

@@ -77,23 +77,10 @@ def _load_row(x, stride_xm, prefix, stride_pm, n_prefix, prefix_scale, row, c, n
 
 
 @triton.jit
-def _load_row_grouped(x, stride_xm, prefix, stride_pm, n_prefix, prefix_scale, row, c, n_cols,
-                      BLOCK: tl.constexpr, GROUP: tl.constexpr):
-    # The row as (BLOCK / GROUP, GROUP): a scaled prefix's scale is one value per row of that view,
-    # loaded once and broadcast, where the 1-D row gathers it for every element
-    g = tl.arange(0, BLOCK // GROUP)
-    v = tl.load(x + row * stride_xm + c, mask=(c >= n_prefix) & (c < n_cols), other=0.0).to(tl.float32)
-    lead = tl.load(prefix + row * stride_pm + c, mask=c < n_prefix, other=0.0).to(tl.float32)
-    lead = lead * tl.load(prefix_scale + g, mask=g * GROUP < n_prefix, other=1.0)[:, None]
-    return tl.where(c < n_prefix, lead, v)
-
-
-@triton.jit
 def _quantize_rows_kernel(
     x, stride_xm, prefix, stride_pm, n_prefix, prefix_scale, xq, stride_qm, scale_out, n_cols, act_from,
     BLOCK: tl.constexpr, ONE_SWEEP: tl.constexpr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
     PREFIX: tl.constexpr, PREFIX_SELECT: tl.constexpr, PREFIX_SCALED: tl.constexpr, GROUP: tl.constexpr,
-    GROUPED: tl.constexpr,
 ):
     # One program per row. ONE_SWEEP (the row fits in BLOCK): the row stays in registers between the
     # amax and the store, so x is read once; otherwise two sweeps (the second reads from L2). The codes:
@@ -101,14 +88,7 @@ def _quantize_rows_kernel(
     # so |v| / scale <= 448 up to rounding, which the saturating FP8 conversion absorbs (the kernel's
     # time follows its instruction count: docs/PERF.md, issue 14).
     row = tl.program_id(0)
-    if GROUPED:  # one sweep, a scaled prefix, the row viewed as (BLOCK / GROUP, GROUP)
-        c = tl.arange(0, BLOCK // GROUP)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-        v = _load_row_grouped(x, stride_xm, prefix, stride_pm, n_prefix, prefix_scale, row, c, n_cols, BLOCK, GROUP)
-        v = tl.where(c >= act_from, _gelu_tanh(v), v)
-        scale = tl.maximum(tl.max(tl.max(tl.abs(v), 1), 0), MIN_AMAX) / FP8_MAX
-        tl.store(scale_out + row, scale)
-        tl.store(xq + row * stride_qm + c, (v * (1.0 / scale)).to(xq.dtype.element_ty), mask=c < n_cols)
-    elif ONE_SWEEP:
+    if ONE_SWEEP:
         c = tl.arange(0, BLOCK)
         v = _load_row(x, stride_xm, prefix, stride_pm, n_prefix, prefix_scale, row, c, n_cols, PREFIX,
                       PREFIX_SELECT, PREFIX_SCALED, GROUP)
@@ -145,14 +125,11 @@ def quantize_rows_triton(
     prefix: torch.Tensor | None = None,
     prefix_select: bool = False,
     prefix_scale: torch.Tensor | None = None,
-    prefix_grouped: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch. ``out`` = preallocated (xq, scale), so a CUDA graph reuses the same buffers.
     ``prefix_select``: load x's and the prefix's columns both and select the values (the variant the
     per-element pointers replace), so kernels_check times one against the other; a prefix of another
-    dtype than x's (FP8, with its ``prefix_scale``) is always loaded so. ``prefix_grouped``: with a
-    ``prefix_scale`` and a row that fits one sweep, the row viewed as (columns / group, group), each
-    group's scale loaded once (kernels_check times it against the 1-D row's per-element gather)."""
+    dtype than x's (FP8, with its ``prefix_scale``) is always loaded so."""
     m, k = x.shape
     if x.stride(1) != 1:
         raise ValueError("x needs contiguous rows")
@@ -173,14 +150,13 @@ def quantize_rows_triton(
     xq, scale = out if out is not None else (torch.empty(m, k, dtype=FP8_DTYPE, device=x.device),
                                              torch.empty(m, 1, dtype=torch.float32, device=x.device))
     one_sweep = k <= ONE_SWEEP_MAX_COLS
-    grouped = prefix_grouped and prefix_scale is not None and one_sweep
     _quantize_rows_kernel[(m,)](
         x, x.stride(0), lead, lead.stride(0), 0 if prefix is None else prefix.shape[1],
         scale if prefix_scale is None else prefix_scale, xq, xq.stride(0), scale, k,
         k if act_from is None else act_from,
         BLOCK=triton.next_power_of_2(k) if one_sweep else 2048, ONE_SWEEP=one_sweep, FP8_MAX=FP8_MAX,
         MIN_AMAX=MIN_AMAX, PREFIX=prefix is not None, PREFIX_SELECT=prefix_select,
-        PREFIX_SCALED=prefix_scale is not None, GROUP=group, GROUPED=grouped, num_warps=num_warps,
+        PREFIX_SCALED=prefix_scale is not None, GROUP=group, num_warps=num_warps,
     )
     return xq, scale
 

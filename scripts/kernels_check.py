@@ -429,39 +429,39 @@ def cross_attn(gen: torch.Generator) -> dict[str, object]:
     return result
 
 
-ADALN_VARIANTS = ((1, 32, False), (1, 32, True), (1, 16, False), (1, 16, True), (2, 16, True), (2, 32, True))
-# (rows per program, warps, one-pass statistics); the first is the served default
+ADALN_VARIANTS = ((1, 32), (1, 16), (2, 16), (2, 32))  # (rows per program, warps); the first is served
 
 
 def adaln(gen: torch.Generator) -> dict[str, object]:
     """Residual update + LayerNorm + adaLN + FP8 rows at the block input's shape (757 x 7680), each
     call another layer's modulation (as in the step), the residual stream updated in place. Timed
-    over LAYERS streams and residuals in turn (8 x 23 MB, beyond L2, as the step's passes find them;
-    one stream and residual would stay in L2), and over the one pair as before (``ms_l2``)."""
+    over LAYERS streams and residuals in turn (``ms``: 8 x 23 MB, beyond L2, as the step's passes
+    find them) and over one pair (``ms_l2``: what stays in L2)."""
     dim = 7680
-    xs = [torch.randn(T, dim, device="cuda", dtype=torch.bfloat16, generator=gen) * 3 for _ in range(LAYERS)]
-    ress = [torch.randn(T, dim, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(LAYERS)]
-    x, res = xs[0], ress[0]
+    x = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16, generator=gen) * 3
+    res = torch.randn(T, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
     mods = torch.randn(60, 3, dim, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.2
     x_ref = x.clone()
     adaln_quant_reference(x_ref, mods[0, 0], mods[0, 1], res, mods[0, 2])
     rq, rscale = adaln_quant_reference(x_ref.clone(), mods[0, 0], mods[0, 1])  # codes of the stream as stored
+    streams = [torch.randn(T, dim, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(LAYERS)]
+    residuals = [torch.randn(T, dim, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(LAYERS)]
     hq = torch.empty(T, dim, device="cuda", dtype=FP8_DTYPE)
     hs = torch.empty(T, 1, device="cuda")
     result: dict[str, object] = {"bytes_per_call": T * dim * (2 + 2 + 2 + 1)}
-    for rows, w, one_pass in ADALN_VARIANTS:
-        name = f"rows{rows}_w{w}{'_one_pass' if one_pass else ''}"
+    for rows, w in ADALN_VARIANTS:
+        name = f"rows{rows}_w{w}"
         entry: dict[str, object] = {}
         try:
             xg = x.clone()
             out = (torch.full((T, dim), 300.0, device="cuda").to(FP8_DTYPE), torch.full((T, 1), float("nan"), device="cuda"))
-            adaln_quant_triton(xg, mods[0, 0], mods[0, 1], res, mods[0, 2], out, rows=rows, num_warps=w, one_pass=one_pass)
+            adaln_quant_triton(xg, mods[0, 0], mods[0, 1], res, mods[0, 2], out, rows=rows, num_warps=w)
             entry["check"] = _fp8_mismatch(out[0], rq)
             entry["scale_rel"] = _rel(out[1], rscale)
             entry["x_rel"] = _rel(xg, x_ref)
-            call = functools.partial(adaln_quant_triton, rows=rows, num_warps=w, one_pass=one_pass)
-            entry["ms"] = _graph_ms([functools.partial(call, xs[i % LAYERS], mods[i % 60, 0], mods[i % 60, 1],
-                                                       ress[i % LAYERS], mods[i % 60, 2], (hq, hs)) for i in range(240)])
+            call = functools.partial(adaln_quant_triton, rows=rows, num_warps=w)
+            entry["ms"] = _graph_ms([functools.partial(call, streams[i % LAYERS], mods[i % 60, 0], mods[i % 60, 1],
+                                                       residuals[i % LAYERS], mods[i % 60, 2], (hq, hs)) for i in range(240)])
             entry["ms_l2"] = _graph_ms([functools.partial(call, xg, mods[i % 60, 0], mods[i % 60, 1], res, mods[i % 60, 2],
                                                           (hq, hs)) for i in range(240)])
         except Exception as exc:
@@ -519,21 +519,18 @@ def gelu_rows(gen: torch.Generator) -> dict[str, object]:
     poisoned = x.clone()
     poisoned[:, :hd] = float("nan")
     result: dict[str, object] = {"bytes_per_call": x.numel() * 3}
-    # the FP8 window's attention output: e4m3 codes in V's units, a scale per head
+    # the FP8 window's attention output (served with it): e4m3 codes in V's units, a scale per head
     attn8 = (attn.float() * 40).clamp(-448, 448).to(FP8_DTYPE)
     head_scale = torch.rand(H, device="cuda", generator=gen) * 0.05 + 0.01
     rq8, rscale8 = quantize_rows_reference(x, 2 * hd, attn8, head_scale)
-    variants = (("w8", x, None, None, False, (rq, rscale)), ("w8_prefix_pointers", poisoned, attn, None, False, (rq, rscale)),
-                ("w8_prefix_select", poisoned, attn, None, True, (rq, rscale)),
-                ("w8_fp8_prefix_gathered", poisoned, attn8, head_scale, False, (rq8, rscale8)),
-                ("w8_fp8_prefix_grouped", poisoned, attn8, head_scale, True, (rq8, rscale8)))
-    for name, rows, prefix, prefix_scale, flag, (ref_q, ref_scale) in variants:
+    variants = (("w8", x, None, {}, (rq, rscale)), ("w8_prefix_pointers", poisoned, attn, {}, (rq, rscale)),
+                ("w8_prefix_select", poisoned, attn, {"prefix_select": True}, (rq, rscale)),
+                ("w8_fp8_prefix", poisoned, attn8, {"prefix_scale": head_scale}, (rq8, rscale8)))
+    for name, rows, prefix, opts, (ref_q, ref_scale) in variants:
         entry: dict[str, object] = {}
         try:
             xq = torch.full_like(ref_q, 300.0)
             sc = torch.full_like(ref_scale, float("nan"))
-            # flag: the bf16 prefix loaded by value select; the FP8 prefix's scales per group of columns
-            opts = ({"prefix_select": flag} if prefix_scale is None else {"prefix_scale": prefix_scale, "prefix_grouped": flag})
             quantize_rows_triton(rows, 2 * hd, (xq, sc), num_warps=8, prefix=prefix, **opts)
             entry["check"] = _fp8_mismatch(xq, ref_q)
             entry["scale_rel"] = _rel(sc, ref_scale)
