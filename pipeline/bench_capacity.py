@@ -103,6 +103,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "every session's model stages (default 0: none)")
     parser.add_argument("--workers", type=int, default=2, help="server processes, each one event loop (default 2)")
     parser.add_argument("--clients", type=int, default=1, help="client processes (default 1)")
+    parser.add_argument("--client-nice", type=int, default=10,
+                        help="the client processes' niceness (default 10; 0: the servers' own): they stand in for "
+                             "browsers on other machines, so the servers come first for this host's cores")
     parser.add_argument("--batch-sessions", type=int, nargs="+", default=[1],
                         help="one ladder per value: diffusion and decode batch_sessions (1: no cross-session batching)")
     parser.add_argument("--hold", type=float, default=30.0, help="measured seconds at each count (default 30)")
@@ -670,12 +673,13 @@ async def ladder(args: argparse.Namespace, batch_sessions: int, budget_s: float 
             procs.launch(f"worker-{i}", run_worker, procs.endpoint, f"worker-{i}", worker_config, weights,
                          args.log_level)
         for i in range(args.clients):
-            procs.launch(f"client-{i}", run_clients, procs.endpoint, f"client-{i}", args.start_timeout)
+            procs.launch(f"client-{i}", run_clients, procs.endpoint, f"client-{i}", args.start_timeout, args.client_nice)
         await procs.wait_hello(args.start_timeout)
         result["startup_s"] = round(time.monotonic() - began, 1)
         result["workers"] = {n: {k: v for k, v in h.items() if k not in ("id", "hello")}
                              for n, h in procs.hello.items() if n.startswith("worker")}
         result["pids"] = {n: h["pid"] for n, h in procs.hello.items()} | (engines.pids if engines else {})
+        result["clients_nice"] = {n: h["nice"] for n, h in procs.hello.items() if n.startswith("client")}
         run = Ladder(args, config, procs, engines)
         result["warmup_sessions_s"] = round(await run.warm_up(), 1)
         with tqdm(total=round(args.hold), unit="s", dynamic_ncols=True,
@@ -752,7 +756,8 @@ def table(report: dict[str, Any]) -> str:
     where = f"--gpus {report['gpus']}" if report["gpus"] else "CPU"
     engines = f"{report['engines']} engine / " if report.get("engines") else ""
     lines = [f"capacity: {report['preset']} sessions, {where}, placement {report['placement']}, "
-             f"{engines}{report['workers']} server / {report['clients']} client processes, agent pace {report['agent_pace']}, "
+             f"{engines}{report['workers']} server / {report['clients']} client processes (nice {report['client_nice']}), "
+             f"agent pace {report['agent_pace']}, "
              f"sessions started {f'over {spread:g} s' if (spread := report.get('spread_s')) else 'at once'}, "
              f"{report['hold_s']:g} s windows, "
              f"held = both fps >= {report['min_fps']:g} less one frame per window, "
@@ -805,6 +810,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("charstream bench capacity: --sessions must be increasing positive counts")
     if args.workers < 1 or args.clients < 1:
         raise SystemExit("charstream bench capacity: --workers and --clients must be at least 1")
+    if not 0 <= args.client_nice <= 19:  # raising a process's priority needs privileges the bench does not ask for
+        raise SystemExit(f"charstream bench capacity: --client-nice must be 0-19, got {args.client_nice}")
     if args.engines < 0 or args.engines > args.workers:
         raise SystemExit("charstream bench capacity: --engines must be 0..--workers (each worker's sessions use one engine)")
     per = per_process(args)
@@ -822,7 +829,8 @@ def run(args: argparse.Namespace) -> int:
     configure_logging("error")
     report: dict[str, Any] = {
         "bench": "capacity", "preset": args.preset, "weights": args.weights, "gpus": args.gpus,
-        "placement": placement(args), "engines": args.engines, "workers": args.workers, "clients": args.clients, "sessions": args.sessions,
+        "placement": placement(args), "engines": args.engines, "workers": args.workers, "clients": args.clients,
+        "client_nice": args.client_nice, "sessions": args.sessions,
         "hold_s": args.hold, "warmup_s": args.warmup, "min_fps": args.min_fps, "budget_s": args.budget_s,
         "recognizer": args.recognizer, "agent_pace": args.agent_pace, "spread_s": args.spread_s, "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {psutil.cpu_count()} CPUs, {platform.platform()}", "commit": commit_id(),

@@ -237,11 +237,12 @@ async def _answer_quit(link: Link, quit_id: int | None) -> None:
 # -- the client process --------------------------------------------------------------------------------
 
 
-def run_clients(endpoint: str, name: str, connect_timeout_s: float) -> dict[str, Any]:
-    """A client process (a ``Supervisor`` target): returns its report."""
+def run_clients(endpoint: str, name: str, connect_timeout_s: float, nice: int = 0) -> dict[str, Any]:
+    """A client process (a ``Supervisor`` target) at niceness ``nice``: returns its report."""
     from charstream.logs import configure_logging
 
     configure_logging("error")
+    os.nice(nice)
     try:
         asyncio.run(_clients(endpoint, name, connect_timeout_s))
     except Exception as e:
@@ -303,7 +304,7 @@ async def _clients(endpoint: str, name: str, connect_timeout_s: float) -> None:
     clients, quit_id = Clients(connect_timeout_s), None
     try:
         clients.lag.start()
-        await link.send({"id": None, "hello": name, "pid": os.getpid()})
+        await link.send({"id": None, "hello": name, "pid": os.getpid(), "nice": os.nice(0)})
         quit_id = await serve_requests(link, name, {"connect": clients.connect, "mark": clients.mark,
                                                     "stats": clients.stats, "hangup": clients.hangup}, stop)
     finally:

@@ -37,6 +37,7 @@
 #                                                   stages (placement engine; a batch value must cover 48 / K sessions)
 #                                                   CAPACITY_PACE=synthesized: the scripted agent streams ahead of real time
 #                                                   CAPACITY_SPREAD=S: a count's sessions start over S s (their turns out of phase)
+#                                                   CAPACITY_CLIENT_NICE=N: the client processes' niceness (the bench's default: 10)
 #                                                   CAPACITY_CHECKS=0: without the GPU tests and the encode bench first
 #                                                   CAPACITY_LOG=info: the server workers' turn and underrun lines in capacity.log
 #                                                   CAPACITY_FRESH_TRITON=1: Triton's on-disk cache empty at the bench's start (a new
@@ -209,7 +210,7 @@ elif [ "$cmd" = capacity ]; then
   # shellcheck disable=SC2086
   section "capacity tiny --gpus 1, batch_sessions $*${CAPACITY_ENGINES:+, $CAPACITY_ENGINES engines}" 360 capacity.log python3 -m charstream.pipeline.cli bench capacity \
     --gpus 1 --sessions $sessions --workers "${CAPACITY_WORKERS:-16}" --clients "${CAPACITY_CLIENTS:-4}" \
-    --batch-sessions "$@" ${CAPACITY_ENGINES:+--engines "$CAPACITY_ENGINES"} ${CAPACITY_PACE:+--agent-pace "$CAPACITY_PACE"} ${CAPACITY_LOG:+--log-level "$CAPACITY_LOG"} ${CAPACITY_SPREAD:+--spread-s "$CAPACITY_SPREAD"} --hold 30 --budget-s $((300 / $#)) \
+    --batch-sessions "$@" ${CAPACITY_ENGINES:+--engines "$CAPACITY_ENGINES"} ${CAPACITY_PACE:+--agent-pace "$CAPACITY_PACE"} ${CAPACITY_LOG:+--log-level "$CAPACITY_LOG"} ${CAPACITY_SPREAD:+--spread-s "$CAPACITY_SPREAD"} ${CAPACITY_CLIENT_NICE:+--client-nice "$CAPACITY_CLIENT_NICE"} --hold 30 --budget-s $((300 / $#)) \
     --out "$OUT/capacity.json"
 else
   echo "unknown command $cmd" >&2

@@ -17,7 +17,7 @@ def test_bench_capacity_measures_frames_the_clients_received(tmp_path):
     out = tmp_path / "capacity.json"
     done = subprocess.run([sys.executable, "-m", "charstream", "bench", "capacity", "--sessions", "2", "--workers", "2",
                            "--clients", "1", "--warmup", "1", "--hold", "4", "--start-timeout", "60", "--spread-s", "3",
-                           "--out", str(out)], capture_output=True, text=True, timeout=150)
+                           "--client-nice", "7", "--out", str(out)], capture_output=True, text=True, timeout=150)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
     [ladder] = report["ladders"]
@@ -38,11 +38,14 @@ def test_bench_capacity_measures_frames_the_clients_received(tmp_path):
     assert 1.0 <= level["connects_span_s"] <= 3.0 and report["spread_s"] == 3, level["connects_span_s"]
     assert all(level[k] == sum(s[k] for s in sessions) for k in bench_capacity.CAUSE_KEYS)
     assert {p["name"] for p in level["processes"]} == {"worker-0", "worker-1", "client-0"}
+    # the client process runs below the servers (their niceness is this test's own: 0 on CI)
+    assert ladder["clients_nice"] == {"client-0": psutil.Process().nice() + 7} and report["client_nice"] == 7
     assert 0 <= level["host_cpu_steal"] <= level["host_cpu_busy"] <= 1  # steal counts busy: the VM's cores taken
     assert all(p["cores"] > 0 and p["loop_lag"]["samples"] > 0 for p in level["processes"] if p["sessions"])
     # Clean shutdown: every worker and client exited by itself, none is left.
     assert all(e["exit"] == "exited with status 0" for e in ladder["process_exits"].values()), ladder["process_exits"]
     assert not any(psutil.pid_exists(pid) for pid in ladder["pids"].values())
+    assert "1 client processes (nice 7)" in done.stdout
     assert "capacity: tiny sessions, CPU" in done.stdout and "sessions started over 3 s" in done.stdout and report["agent_pace"] == "realtime"
     assert report["host_loop_ms"] > 0 and f"a core's Python loop {report['host_loop_ms']:g} ms" in done.stdout
 
@@ -75,3 +78,10 @@ def test_a_window_whose_cores_the_hypervisor_took_says_so():
     assert bench_capacity.saturated(level) == [
         "the VM's cores ran something else 12% of the time (steal): what every process here did not get"]
     assert bench_capacity.saturated({**level, "host_cpu_steal": 0.01}) == []
+
+
+@pytest.mark.parametrize("nice", ["-1", "20"])
+def test_a_client_niceness_out_of_range_is_refused_before_anything_starts(nice):
+    done = subprocess.run([sys.executable, "-m", "charstream", "bench", "capacity", "--client-nice", nice],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and f"--client-nice must be 0-19, got {nice}" in done.stderr

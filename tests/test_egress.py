@@ -16,10 +16,10 @@ from charstream.stages.base import Stage
 from charstream.stages.config import EgressConfig, PlayoutConfig
 from charstream.stages.egress.client import AudioSamplesTrack, EgressClient, SignalingError
 from charstream.stages.egress.server import EgressServer
-from charstream.stages.egress.testcard import CLICK_AMPLITUDE, CardSource, card_chunk
+from charstream.stages.egress.testcard import CLICK_AMPLITUDE, CardSource, card_chunk, frame_image
 from waiting import until
 
-from charstream.timeline import CHUNK_SECONDS, TIMELINE_RATE
+from charstream.timeline import CHUNK_SECONDS, FRAMES_PER_CHUNK, TIMELINE_RATE
 
 FLASH_EVERY = 12  # chunks: one flash + click every 2 s
 STALL_AFTER, STALL_S = 30, 0.263
@@ -79,7 +79,8 @@ def ten_seconds():
         result = dict(video=list(client.video), audio=list(client.audio), client=client, turns=list(client.turns),
                       stats=playout.stats.summary(), delivery_ms=peer.timing.median_delivery_ms(),
                       turn_segments=dict(peer.turn_segments), reports=peer.timing.frames_reported,
-                      unmatched=peer.timing.unmatched_reports)
+                      unmatched=peer.timing.unmatched_reports,
+                      indices=[peer.video.frame_index(v.rtp) for v in client.video])
         await client.close()
         await server.stop()
         result["left"] = (dict(server.sessions), dict(factory.sessions))
@@ -95,6 +96,17 @@ def test_client_receives_24_fps_over_10_s(ten_seconds):
     rtp = np.array([v.rtp for v in ten_seconds["video"]], np.int64)
     steps = np.diff(rtp) % 2**32  # consecutive frames (±1 tick of decoder rounding): none skipped or repeated
     assert steps.min() >= 3748 and steps.max() <= 3752
+
+
+def test_the_client_sees_the_colours_that_were_sent(ten_seconds):
+    """The track converts each RGB frame to the encoder's yuv420p itself: the decoded colour bars,
+    moving bar and digits match the card's own frame at the index the RTP timestamp names."""
+    errors = []
+    for received, index in zip(ten_seconds["video"], ten_seconds["indices"], strict=True):
+        chunk, i = divmod(index, FRAMES_PER_CHUNK)
+        sent = frame_image(index, 128, 128, flash=chunk % FLASH_EVERY == 0 and i == 0, speaking=chunk >= TURN_CHUNK)
+        errors.append(np.abs(received.image.astype(int) - sent.astype(int)).mean())
+    assert len(errors) > 200 and np.median(errors) < 6, np.percentile(errors, [50, 90, 99])
 
 
 def test_audio_video_offset_at_the_client_is_within_one_frame(ten_seconds):

@@ -24,6 +24,7 @@ import numpy as np
 from aiortc import RTCRtpSender
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from av import AudioFrame, VideoFrame
+from av.video.reformatter import VideoReformatter
 from charstream.stages.playout import PlayoutClosed, PlayoutOutput
 
 from charstream.timeline import SAMPLES_PER_FRAME, TIMELINE_RATE, VIDEO_FPS
@@ -73,6 +74,10 @@ class PlayoutVideoTrack(MediaStreamTrack):
         self._next: int | None = None
         self._last_index: int | None = None
         self._packets_seen = 0
+        # The encoders take yuv420p and would convert each RGB frame with a scaler context made for
+        # that frame alone (PyAV's VideoFrame.reformat); one kept here is made once: 0.12 against
+        # 0.36 ms a 128 x 128 frame (docs/PERF.md, issue 13).
+        self._to_yuv = VideoReformatter()
 
     async def recv(self) -> VideoFrame:
         if self._next is None:
@@ -86,7 +91,8 @@ class PlayoutVideoTrack(MediaStreamTrack):
         self.skipped_frames += frame.index - self._next
         self._next = frame.index + 1
         self._last_index = frame.index
-        video = VideoFrame.from_ndarray(np.ascontiguousarray(frame.image), format="rgb24")
+        rgb = VideoFrame.from_ndarray(np.ascontiguousarray(frame.image), format="rgb24")
+        video = self._to_yuv.reformat(rgb, format="yuv420p")
         video.pts = frame.index * VIDEO_PTS_PER_FRAME
         video.time_base = VIDEO_TIME_BASE
         return video
