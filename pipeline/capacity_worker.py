@@ -283,7 +283,7 @@ class Clients:
 
     async def stats(self, request: dict[str, Any]) -> dict[str, Any]:
         return {"now": time.monotonic(), "loop_lag": self.lag.summary(),
-                "sessions": {sid: {"video_frames": len(c.video), "audio_samples": c.audio_samples, "ended": c.ended,
+                "sessions": {sid: {"video_frames": c.video_frames, "audio_samples": c.audio_samples, "ended": c.ended,
                                    "connected_at": self.connected_at.get(sid)}
                              for sid, c in self.clients.items()}}
 

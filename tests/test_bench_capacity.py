@@ -4,6 +4,7 @@ aiortc clients in a process of their own, a measured window, and every process g
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import subprocess
 import sys
@@ -85,3 +86,21 @@ def test_a_client_niceness_out_of_range_is_refused_before_anything_starts(nice):
     done = subprocess.run([sys.executable, "-m", "charstream", "bench", "capacity", "--client-nice", nice],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and f"--client-nice must be 0-19, got {nice}" in done.stderr
+
+
+def test_a_clients_received_frames_are_counted_past_its_kept_window():
+    """A session older than the client's kept window (60 s of frames) still reports every frame it
+    received: a ladder's earlier sessions read 13.5 fps at its next count when the kept window was counted."""
+    from charstream.pipeline.capacity_worker import Clients
+    from charstream.stages.egress.client import EgressClient, ReceivedVideo
+
+    async def main():
+        clients = Clients(connect_timeout_s=5)
+        client = clients.clients["s"] = EgressClient(kept_s=1.0)
+        for i in range(100):
+            client.video.append(ReceivedVideo(float(i), i * 3750, None))
+            client.video_frames += 1
+        return len(client.video), (await clients.stats({}))["sessions"]["s"]["video_frames"]
+
+    kept, counted = asyncio.run(main())
+    assert kept == 24 and counted == 100
