@@ -237,7 +237,7 @@ async def _answer_quit(link: Link, quit_id: int | None) -> None:
 # -- the client process --------------------------------------------------------------------------------
 
 
-def run_clients(endpoint: str, name: str, connect_timeout_s: float, nice: int = 0) -> dict[str, Any]:
+def run_clients(endpoint: str, name: str, connect_timeout_s: float, nice: int) -> dict[str, Any]:
     """A client process (a ``Supervisor`` target) at niceness ``nice``: returns its report."""
     from charstream.logs import configure_logging
 
