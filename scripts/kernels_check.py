@@ -429,7 +429,7 @@ def cross_attn(gen: torch.Generator) -> dict[str, object]:
     return result
 
 
-ADALN_VARIANTS = ((1, 32), (1, 16), (2, 16), (2, 32))  # (rows per program, warps); the first is served
+ADALN_VARIANTS = ((1, 32), (1, 16), (1, 8), (1, 4), (2, 16), (2, 32))  # (rows per program, warps); the first is served
 
 
 def adaln(gen: torch.Generator) -> dict[str, object]:
