@@ -229,9 +229,11 @@ def test_bad_input_is_refused_and_other_sessions_keep_running():
         except SignalingError as e:
             out["replay"] = e.status
         a.channel.send("not json at all")
-        a.channel.send(json.dumps({"type": "frame", "rtp": "x"}))
+        a.channel.send(json.dumps({"type": "frames", "frames": [[1, 2], ["x", 3]]}))
         a.channel.send(json.dumps(["a", "list"]))
-        a.channel.send('{"type": "frame", "rtp": NaN, "presented_ms": 1}')
+        a.channel.send('{"type": "frames", "frames": [[NaN, 1]]}')
+        a.channel.send(json.dumps({"type": "frames", "frames": [[1, 2]] * 49}))  # more than a report holds
+        a.channel.send(json.dumps({"type": "frame", "rtp": 1, "presented_ms": 2}))  # one a message: not the protocol
         b.silent = True  # b vanishes without closing
         out["b_closed"] = await until(lambda: id_b not in server.sessions and id_b not in factory.sessions, 15, poll_s=0.05)
         frames_before = a.video_frames
@@ -266,7 +268,7 @@ def test_bad_input_is_refused_and_other_sessions_keep_running():
     assert out["replay"] == 409
     assert out["b_closed"]
     assert out["a_still_streaming"] >= 18
-    assert out["a_bad_messages"] == 4
+    assert out["a_bad_messages"] == 6
     assert out["mic_frames"] >= 50 and out["mic_rms"] > 1000  # the mic tone arrived at 48 kHz
     assert out["left"] == ({}, {})
 
@@ -358,3 +360,14 @@ def test_a_slow_session_setup_is_not_the_clients_silence():
     assert 0.5 <= elapsed < 2.0, elapsed
     assert reason == "client vanished (no data-channel reply)"
     assert [c.kind for c in controls] == [ControlKind.SHUTDOWN]
+
+
+def test_a_frames_report_is_checked_whole_before_any_frame_is_used():
+    from charstream.stages.egress.timing import MAX_FRAMES_PER_REPORT, BadReport, presented_frames
+
+    assert presented_frames({"type": "frames", "frames": [[3750, 1e12], [7500.0, 1.5e12]]}) == [(3750, 1e12),
+                                                                                                 (7500, 1.5e12)]
+    for bad in (None, [], [[1, 2]] * (MAX_FRAMES_PER_REPORT + 1), [[1, 2], [1]], [[1, True]], [[1, float("inf")]],
+                ["12"], [[1, 2, 3]], {"rtp": 1}):
+        with pytest.raises(BadReport):
+            presented_frames({"type": "frames", "frames": bad})

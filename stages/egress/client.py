@@ -2,7 +2,7 @@
 
 It does what the web page does: offers to receive video and audio (and send a microphone track
 if given one), opens the ``timing`` data channel, answers pings and reports every video frame it
-receives (``presented_ms`` = when the decoded frame came out of aiortc). It keeps what it got, in
+receives, ``FRAMES_PER_REPORT`` a message (``presented_ms`` = when the decoded frame came out of aiortc). It keeps what it got, in
 bounded windows (a client of an hour-long session must not grow): of the last ``kept_s`` seconds
 (60 by default), per video frame its arrival time and RTP timestamp (optionally the image;
 ``video_frames`` counts them all) and per audio frame the samples (``audio_samples`` counts them
@@ -37,6 +37,7 @@ import structlog
 from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from aiortc.rtp import RtcpSrPacket
+from charstream.stages.egress.timing import FRAMES_PER_REPORT
 
 from charstream.timeline import TIMELINE_RATE, VIDEO_FPS
 
@@ -87,6 +88,7 @@ class EgressClient:
         self.pings_answered = 0
         self.silent = False  # True: send nothing on the data channel (a client that vanished without closing)
         self._tasks: list[asyncio.Task] = []
+        self._presented: list[list[float]] = []  # [rtp, presented_ms] not reported yet
         self._origins: dict[str, Any] = {}
 
     async def connect(self, base_url: str, token: str, timeout: float = 30.0) -> None:
@@ -164,7 +166,10 @@ class EgressClient:
                 image = frame.to_ndarray(format="rgb24") if self.keep_images or self.recorder else None
                 self.video.append(ReceivedVideo(arrival, rtp, image if self.keep_images else None))
                 self.video_frames += 1
-                self._send({"type": "frame", "rtp": rtp, "presented_ms": arrival * 1e3})
+                self._presented.append([rtp, arrival * 1e3])
+                if len(self._presented) == FRAMES_PER_REPORT:
+                    self._send({"type": "frames", "frames": self._presented})
+                    self._presented = []
                 if self.recorder is not None:
                     self.recorder.video(image, frame.pts)
         except MediaStreamError:

@@ -50,7 +50,7 @@ from charstream.stages.config import EgressConfig
 from charstream.stages.egress.json_limits import loads
 from charstream.stages.egress.mic import CaptureClock, UserAudioQueue, pump_microphone, watch_sender_reports
 from charstream.stages.egress.stage import PeerLink
-from charstream.stages.egress.timing import BadReport, ClientTiming, _number
+from charstream.stages.egress.timing import BadReport, ClientTiming, _number, presented_frames
 from charstream.stages.egress.tracks import PlayoutAudioTrack, PlayoutVideoTrack, TrackStart
 from charstream.stages.memory import trim_forever
 from charstream.stages.playout import PlayoutOutput
@@ -188,8 +188,9 @@ class PeerSession:
             kind = msg.get("type")
             if kind == "pong":
                 self.timing.clock.add(_number(msg, "server_ms") / 1e3, _number(msg, "client_ms") / 1e3, time.time())
-            elif kind == "frame":
-                self.timing.on_frame(msg)
+            elif kind == "frames":
+                for rtp, presented_ms in presented_frames(msg):
+                    self.timing.on_frame(rtp, presented_ms)
             elif kind == "hello":
                 self.log.info("client_hello", agent=str(msg.get("agent", ""))[:200])
             else:

@@ -6,9 +6,11 @@ Protocol (JSON text messages on the ``timing`` data channel; times are wall-cloc
   ``{"type": "pong", "id": n, "server_ms": t, "client_ms": its clock}``. The offset
   (client − server) is taken from the pong with the smallest round trip among the recent ones,
   assuming symmetric paths: ``client_ms − (sent + received) / 2``.
-* client → server ``{"type": "frame", "rtp": RTP timestamp, "presented_ms": t}`` for each video
-  frame it presented (``requestVideoFrameCallback``: ``metadata.rtpTimestamp`` and
-  ``performance.timeOrigin + metadata.presentationTime``). The server maps the RTP timestamp to
+* client → server ``{"type": "frames", "frames": [[RTP timestamp, presented_ms], ...]}``: the video
+  frames it presented (``requestVideoFrameCallback``: ``metadata.rtpTimestamp`` and
+  ``performance.timeOrigin + metadata.presentationTime``), ``FRAMES_PER_REPORT`` a message (at most
+  ``MAX_FRAMES_PER_REPORT``): one message a frame was a tenth of a server's event loop in SCTP, DTLS and
+  JSON for each session (docs/PERF.md, issue 13). The server maps the RTP timestamp to
   the output frame and its playout release time, so delivery = presented (server clock) −
   released. Reports of a chunk's first frame are kept; the first speaking frame of a turn gets
   ``client_first_speaking_frame``.
@@ -32,16 +34,34 @@ from charstream.transport.messages import TraceContext
 
 from charstream.timeline import VIDEO_FPS
 
+FRAMES_PER_REPORT = 6  # a quarter of a second of presented frames a message; the page's app.js sends as many
+MAX_FRAMES_PER_REPORT = 48
+
 
 class BadReport(ValueError):
     """A data-channel message that is not the expected JSON."""
 
 
+def _finite(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
+
+
 def _number(msg: dict[str, Any], key: str) -> float:
     value = msg.get(key)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    if not _finite(value):
         raise BadReport(f"{msg.get('type')!r} message needs a finite number {key!r}, got {value!r}")
     return float(value)
+
+
+def presented_frames(msg: dict[str, Any]) -> list[tuple[int, float]]:
+    """A ``frames`` message's (RTP timestamp, presented_ms) pairs, all checked before any is used."""
+    frames = msg.get("frames")
+    if not isinstance(frames, list) or not 0 < len(frames) <= MAX_FRAMES_PER_REPORT:
+        raise BadReport(f"'frames' message needs a list of 1-{MAX_FRAMES_PER_REPORT} [rtp, presented_ms] pairs")
+    for entry in frames:
+        if not isinstance(entry, list) or len(entry) != 2 or not all(map(_finite, entry)):
+            raise BadReport(f"'frames' entry must be [rtp, presented_ms], two finite numbers, got {str(entry)[:60]}")
+    return [(int(rtp), float(presented)) for rtp, presented in frames]
 
 
 class ClockOffset:
@@ -98,11 +118,11 @@ class ClientTiming:
     unmatched_reports: int = 0  # frame no longer in history, or RTP origin unknown yet
     _scanned_to: int = 0  # output frames below this were checked for a turn's first speaking frame
 
-    def on_frame(self, msg: dict[str, Any]) -> Delivery | None:
-        rtp = _number(msg, "rtp")
-        presented_client = _number(msg, "presented_ms") / 1e3
+    def on_frame(self, rtp: int, presented_ms: float) -> Delivery | None:
+        """One presented frame: its RTP timestamp and when the client presented it (its clock, ms)."""
+        presented_client = presented_ms / 1e3
         self.frames_reported += 1
-        index = self.frame_index(int(rtp))
+        index = self.frame_index(rtp)
         frame = self.output.record(index) if index is not None else None
         if frame is None or not self.clock.known:
             self.unmatched_reports += 1

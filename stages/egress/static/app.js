@@ -1,6 +1,6 @@
 // charstream web client: WebRTC receive (video + audio), microphone send, timing reports.
 // Data channel "timing" (protocol in stages/egress/timing.py): answer pings, report each presented
-// video frame (requestVideoFrameCallback: RTP timestamp + presentation time), show turn latencies.
+// video frame (requestVideoFrameCallback: RTP timestamp + presentation time, a few a message), show turn latencies.
 // The page also times its own microphone (an AudioWorklet level meter on the page's clock): each
 // end of speech it hears is kept in state.micSpeechEnds, and each turn gets pageTotalMs, the
 // user-experienced latency as the page saw it (its own end of speech -> the first speaking frame).
@@ -69,6 +69,8 @@ async function postJSON(path, body, headers = {}) {
   return data;
 }
 
+const FRAMES_PER_REPORT = 6;  // stages/egress/timing.py: a quarter of a second of presented frames a message
+
 function send(msg) { if (channel && channel.readyState === "open") channel.send(JSON.stringify(msg)); }
 
 function onMessage(event) {
@@ -114,10 +116,15 @@ function watchFrames(video) {
     setStatus("connected (no requestVideoFrameCallback: no timing reports)");
     return;
   }
+  let presented = [];  // [rtp, presented_ms] not sent yet: FRAMES_PER_REPORT a message, as the server expects
   const onFrame = (now, meta) => {
     if (meta.rtpTimestamp !== undefined) {
-      send({ type: "frame", rtp: meta.rtpTimestamp, presented_ms: performance.timeOrigin + meta.presentationTime });
+      presented.push([meta.rtpTimestamp, performance.timeOrigin + meta.presentationTime]);
       state.framesReported += 1;
+      if (presented.length >= FRAMES_PER_REPORT) {
+        send({ type: "frames", frames: presented });
+        presented = [];
+      }
     }
     if (pc) video.requestVideoFrameCallback(onFrame);
   };
