@@ -2,8 +2,8 @@
 
 It does what the web page does: offers to receive video and audio (and send a microphone track
 if given one), opens the ``timing`` data channel, answers pings and reports every video frame it
-receives, ``FRAMES_PER_REPORT`` a message (``presented_ms`` = when the decoded frame came out of aiortc). It keeps what it got, in
-bounded windows (a client of an hour-long session must not grow): of the last ``kept_s`` seconds
+receives, ``FRAMES_PER_REPORT`` a message (``presented_ms`` = when the decoded frame came out of
+aiortc). It keeps what it got, in bounded windows (a client of an hour-long session must not grow): of the last ``kept_s`` seconds
 (60 by default), per video frame its arrival time and RTP timestamp (optionally the image;
 ``video_frames`` counts them all) and per audio frame the samples (``audio_samples`` counts them
 all); and the sender reports (RTCP SR, the last ``MAX_REPORTS``) of both streams, from which
