@@ -10,11 +10,13 @@ figure. Usage (device): ``python3 scripts/kernels_check.py --json $OUT/kernels.j
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
 import time
 import traceback
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +49,20 @@ LAYERS = 8  # rotated over: 8 x 43 MB of K/V, several times the 60 MB L2
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@contextlib.contextmanager
+def _variant(result: dict[str, object], section: str, name: str) -> Iterator[dict[str, object]]:
+    """One variant's entry, filled by the with-block: an exception there becomes its ``error`` (the
+    section's other variants still run); then it is stored as ``result[name]`` and printed."""
+    entry: dict[str, object] = {}
+    try:
+        yield entry
+    except Exception as exc:
+        traceback.print_exc()
+        entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    result[name] = entry
+    print(f"[check] {section} {name}: {entry}", flush=True)
 
 
 def _fp8_mismatch(got: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
@@ -103,8 +119,7 @@ def attention(gen: torch.Generator) -> dict[str, object]:
     sparse[[0, 2, 5]] = True
     ref_sparse = ring_attention_reference(q, k[1], v[1], ks[1], vs[1], sparse, SINK, T).float()
     for name, fn in variants.items():
-        entry: dict[str, object] = {}
-        try:
+        with _variant(result, "attention", name) as entry:
             buf = torch.full((T, H, D), float("nan"), device="cuda", dtype=torch.bfloat16)
             got = fn(0, buf).float()
             entry["rel_error_vs_fp32"] = _rel(got, ref)
@@ -121,11 +136,6 @@ def attention(gen: torch.Generator) -> dict[str, object]:
                 entry["rel_error_sparse_ring"] = _rel(got_sparse, ref_sparse)
             entry["ms"] = _graph_ms([functools.partial(fn, i % LAYERS, out) for i in range(4 * LAYERS)])
             entry["tflops"] = flops / entry["ms"] / 1e9
-        except Exception as exc:
-            traceback.print_exc()
-            entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        result[name] = entry
-        print(f"[check] attention {name}: {entry}", flush=True)
     return result
 
 
@@ -163,8 +173,7 @@ def ring_write(gen: torch.Generator) -> dict[str, object]:
     for bt, heads, w, prefetch in RING_WRITE_VARIANTS:
         name = f"t{bt}_h{heads}_w{w}{'_prefetch' if prefetch else ''}"
         launch = {"block_t": bt, "heads": heads, "num_warps": w, "prefetch": prefetch}
-        entry: dict[str, object] = {}
-        try:
+        with _variant(result, "ring_write", name) as entry:
             got = [torch.full((H, N_SLOTS, D), 300.0, device="cuda").to(FP8_DTYPE) for _ in range(2)]
             ring_write_triton(*got, ks[0], vs[0], kn, vn, slot, positions, freqs, rotation, **launch)
             entry["k"], entry["v"] = _fp8_mismatch(got[0], ref[0]), _fp8_mismatch(got[1], ref[1])
@@ -187,11 +196,6 @@ def ring_write(gen: torch.Generator) -> dict[str, object]:
                 ring_write_prep_triton, tq, tk, tv, tcq, k_cache[i % LAYERS], v_cache[i % LAYERS], ks[i % LAYERS],
                 vs[i % LAYERS], slot, positions, freqs, norms, saturated, rotation=rotation,
                 window=(windows[0][i % LAYERS], windows[1][i % LAYERS], win_slot), **launch) for i in range(240)])
-        except Exception as exc:
-            traceback.print_exc()
-            entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        result[name] = entry
-        print(f"[check] ring_write {name}: {entry}", flush=True)
     result["as_served"] = _prep_parts(fused, k_cache, v_cache, ks, vs, slot, positions, freqs, rotation, norms, windows,
                                       win_slot, result["rope_table_us"])
     return result
@@ -214,8 +218,7 @@ def _prep_parts(fused, k_cache, v_cache, ks, vs, slot, positions, freqs, rotatio
     without both, against itself, timed in turns: what the ring write adds to the prep is its cost as
     served. Checked first: without the ring stores the ring keeps its poison, q, cq and the window are
     bit-equal to the full prep's."""
-    entry: dict[str, object] = {}
-    try:
+    with _variant({}, "ring_write", "as_served") as entry:
         n_win, slot_at = windows[0].shape[2], int(slot)
         runs = []
         for write_ring in (True, False):
@@ -251,10 +254,6 @@ def _prep_parts(fused, k_cache, v_cache, ks, vs, slot, positions, freqs, rotatio
         entry["window_copy_marginal_us"] = (ms["served"] - ms["no_window_copy"]) * 1e3
         # the GPU part of cache upkeep per step as served (begin_frame's host time and the rotation: bench gpu)
         entry["ring_writes_as_served_plus_rope_table_ms_per_step"] = (240 * entry["ring_write_marginal_us"] + rope_table_us) / 1e3
-    except Exception as exc:
-        traceback.print_exc()
-        entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-    print(f"[check] ring_write as_served: {entry}", flush=True)
     return entry
 
 
@@ -273,16 +272,10 @@ def window_attn(gen: torch.Generator) -> dict[str, object]:
     variants = (("strided_q", lambda i, o: window_attention(q, k_win[i], v_win[i], o)),
                 ("copy_q", lambda i, o: window_attention(q.transpose(0, 1).contiguous().transpose(0, 1), k_win[i], v_win[i], o)))
     for name, fn in variants:
-        entry: dict[str, object] = {}
-        try:
+        with _variant(result, "window_attn", name) as entry:
             buf = torch.full((T, H, D), float("nan"), device="cuda", dtype=torch.bfloat16)
             entry["rel_vs_fp32"] = _rel(fn(0, buf), ref)
             entry["ms"] = _graph_ms([functools.partial(fn, i % LAYERS, out) for i in range(4 * LAYERS)])
-        except Exception as exc:
-            traceback.print_exc()
-            entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        result[name] = entry
-        print(f"[check] window_attn {name}: {entry}", flush=True)
     result["fp8_cudnn"] = _window_attn_fp8(q, k_win, v_win, ref)
     return result
 
@@ -298,8 +291,7 @@ def _window_attn_fp8(q: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, 
     did not do them (q's quantisation, the output's per-head rescale)."""
     from charstream.kernels.fp8_window_attention import Fp8WindowAttention, fp8_window_attention_reference
 
-    entry: dict[str, object] = {}
-    try:
+    with _variant({}, "window_attn", "fp8_cudnn") as entry:
         k_scale = k_win.float().abs().amax(dim=(2, 3)) / FP8_MAX  # (layers, heads)
         v_scale = v_win.float().abs().amax(dim=(2, 3)) / FP8_MAX
         k8 = (k_win.float() / k_scale[..., None, None]).to(FP8_DTYPE)
@@ -350,10 +342,6 @@ def _window_attn_fp8(q: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, 
         timed = _graphs_ms({name: [functools.partial(plan, q8, k8[i % LAYERS], v8[i % LAYERS], descale_q, one, one, one, out)
                                    for i in range(4 * LAYERS)] for name, plan in plans.items()})
         entry.update({f"{name}_ms": v for name, v in timed.items()})
-    except Exception as exc:
-        traceback.print_exc()
-        entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-    print(f"[check] window_attn fp8_cudnn: {entry}", flush=True)
     return entry
 
 
@@ -375,8 +363,8 @@ def window_attn_split(gen: torch.Generator) -> dict[str, object]:
     result: dict[str, object] = {}
     for heads in (H, 15):
         for k in (1, 2, 4, 8):
-            name, entry = f"h{heads}_k{k}", {}
-            try:
+            name = f"h{heads}_k{k}"
+            with _variant(result, "window_attn_split", name) as entry:
                 q_rep = q8[:, :heads].repeat_interleave(k, dim=1)  # (T, heads x K, D): head h x K + j is q's h
                 k8, v8 = (w[:, :heads].reshape(LAYERS, heads * k, n_win // k, D) for w in windows)
                 attn = Fp8WindowAttention(heads * k, T, n_win // k, D, q_rep.stride(), 1.0 / D**0.5)
@@ -388,11 +376,6 @@ def window_attn_split(gen: torch.Generator) -> dict[str, object]:
                 entry["nan"] = int(torch.isnan(probe.float()).sum())
                 entry["ms"] = _graph_ms([functools.partial(attn, q_rep, k8[i % LAYERS], v8[i % LAYERS], descale,
                                                            descale, one, one, out) for i in range(4 * LAYERS)])
-            except Exception as exc:
-                traceback.print_exc()
-                entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-            result[name] = entry
-            print(f"[check] window_attn_split {name}: {entry}", flush=True)
     return result
 
 
@@ -412,8 +395,7 @@ def cross_attn(gen: torch.Generator) -> dict[str, object]:
     result: dict[str, object] = {}
     for bm, w in CROSS_VARIANTS:
         name = f"m{bm}_w{w}"
-        entry: dict[str, object] = {}
-        try:
+        with _variant(result, "cross_attn", name) as entry:
             buf = torch.full((T, H, D), float("nan"), device="cuda", dtype=torch.bfloat16)
             got = ring_attention_triton(cq, ck, cv, ones, ones, no_ring, audio, 1, block_m=bm, block_n=16, num_warps=w,
                                         out=buf)
@@ -421,11 +403,6 @@ def cross_attn(gen: torch.Generator) -> dict[str, object]:
             scratch = fused.clone()[:, 3 * H * D :].unflatten(-1, (H, D))
             entry["ms"] = _graph_ms([functools.partial(ring_attention_triton, scratch, ck, cv, ones, ones, no_ring, audio, 1,
                                                        block_m=bm, block_n=16, num_warps=w, out=scratch)] * 240)
-        except Exception as exc:
-            traceback.print_exc()
-            entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        result[name] = entry
-        print(f"[check] cross_attn {name}: {entry}", flush=True)
     return result
 
 
@@ -451,8 +428,7 @@ def adaln(gen: torch.Generator) -> dict[str, object]:
     result: dict[str, object] = {"bytes_per_call": T * dim * (2 + 2 + 2 + 1)}
     for rows, w in ADALN_VARIANTS:
         name = f"rows{rows}_w{w}"
-        entry: dict[str, object] = {}
-        try:
+        with _variant(result, "adaln", name) as entry:
             xg = x.clone()
             out = (torch.full((T, dim), 300.0, device="cuda").to(FP8_DTYPE), torch.full((T, 1), float("nan"), device="cuda"))
             adaln_quant_triton(xg, mods[0, 0], mods[0, 1], res, mods[0, 2], out, rows=rows, num_warps=w)
@@ -464,11 +440,6 @@ def adaln(gen: torch.Generator) -> dict[str, object]:
                                                        residuals[i % LAYERS], mods[i % 60, 2], (hq, hs)) for i in range(240)])
             entry["ms_l2"] = _graph_ms([functools.partial(call, xg, mods[i % 60, 0], mods[i % 60, 1], res, mods[i % 60, 2],
                                                           (hq, hs)) for i in range(240)])
-        except Exception as exc:
-            traceback.print_exc()
-            entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        result[name] = entry
-        print(f"[check] adaln {name}: {entry}", flush=True)
     return result
 
 
@@ -484,8 +455,7 @@ def rotation(gen: torch.Generator) -> dict[str, object]:
     skip = (SINK + 6 * T, T)  # the frame about to be overwritten (as KVCache.begin_frame skips it)
     for bs, w, skipped in ((128, 4, None), (128, 4, skip), (256, 8, skip)):
         name = f"s{bs}_w{w}{'_skip' if skipped else ''}"
-        entry: dict[str, object] = {}
-        try:
+        with _variant(result, "rotation", name) as entry:
             got = small.clone()
             delta_rotate_triton(got, k_scale[:4], torch.tensor(42, device="cuda"), freqs.t, SINK, block_s=bs, num_warps=w)
             entry["check"] = _fp8_mismatch(got, ref)  # the check rotates everything; the timing skips as served
@@ -496,11 +466,6 @@ def rotation(gen: torch.Generator) -> dict[str, object]:
             entry["ms"] = float(triton.testing.do_bench(functools.partial(
                 delta_rotate_triton, full, k_scale, delta, freqs.t, SINK, skipped, block_s=bs, num_warps=w), warmup=25, rep=200,
                 return_mode="median"))
-        except Exception as exc:
-            traceback.print_exc()
-            entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        result[name] = entry
-        print(f"[check] rotation {name}: {entry}", flush=True)
     return result
 
 
@@ -527,8 +492,7 @@ def gelu_rows(gen: torch.Generator) -> dict[str, object]:
                 ("w8_prefix_select", poisoned, attn, {"prefix_select": True}, (rq, rscale)),
                 ("w8_fp8_prefix", poisoned, attn8, {"prefix_scale": head_scale}, (rq8, rscale8)))
     for name, rows, prefix, opts, (ref_q, ref_scale) in variants:
-        entry: dict[str, object] = {}
-        try:
+        with _variant(result, "gelu_rows", name) as entry:
             xq = torch.full_like(ref_q, 300.0)
             sc = torch.full_like(ref_scale, float("nan"))
             quantize_rows_triton(rows, 2 * hd, (xq, sc), num_warps=8, prefix=prefix, **opts)
@@ -536,11 +500,6 @@ def gelu_rows(gen: torch.Generator) -> dict[str, object]:
             entry["scale_rel"] = _rel(sc, ref_scale)
             call = functools.partial(quantize_rows_triton, rows, 2 * hd, (xq, sc), num_warps=8, prefix=prefix, **opts)
             entry["ms"] = _graph_ms([call] * 240)
-        except Exception as exc:
-            traceback.print_exc()
-            entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        result[name] = entry
-        print(f"[check] gelu_rows {name}: {entry}", flush=True)
     # what the prefix replaces: cuDNN's (T, heads, D) output copied over the fused buffer's v columns
     out = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     v_cols = fused[:, 2 * hd : 3 * hd].unflatten(-1, (H, D))
@@ -575,8 +534,7 @@ def gemm_allreduce(gen: torch.Generator) -> dict[str, object]:
         for wq, ws in weights * 8])
     for bm, bn, bk, w, st in ((128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (128, 128, 128, 4, 4), (64, 256, 128, 4, 3)):
         name = f"m{bm}_n{bn}_k{bk}_w{w}_s{st}"
-        entry: dict[str, object] = {}
-        try:
+        with _variant(result, "gemm_allreduce", name) as entry:
             fused = Fp8GemmAllReduce(m, n, None, "cuda", block=(bm, bn, bk), num_warps=w, num_stages=st)
             out.fill_(float("nan"))
             fused(xq, xs, *weights[0], out)
@@ -584,11 +542,6 @@ def gemm_allreduce(gen: torch.Generator) -> dict[str, object]:
             entry["nan"] = int(torch.isnan(out).sum())
             entry["ms"] = _graph_ms([functools.partial(fused, xq, xs, wq, ws, out) for wq, ws in weights * 8])
             entry["tflops"] = result["flops_per_call"] / entry["ms"] / 1e9
-        except Exception as exc:
-            traceback.print_exc()
-            entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        result[name] = entry
-        print(f"[check] gemm_allreduce {name}: {entry}", flush=True)
     dist.destroy_process_group()
     return result
 
