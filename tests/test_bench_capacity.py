@@ -40,7 +40,7 @@ def test_bench_capacity_measures_frames_the_clients_received(tmp_path):
     assert all(level[k] == sum(s[k] for s in sessions) for k in bench_capacity.CAUSE_KEYS)
     assert {p["name"] for p in level["processes"]} == {"worker-0", "worker-1", "client-0"}
     # the client process runs below the servers (their niceness is this test's own: 0 on CI)
-    assert ladder["clients_nice"] == {"client-0": psutil.Process().nice() + 7} and report["client_nice"] == 7
+    assert ladder["clients_nice"] == {"client-0": min(19, psutil.Process().nice() + 7)} and report["client_nice"] == 7
     assert 0 <= level["host_cpu_steal"] <= level["host_cpu_busy"] <= 1  # steal counts busy: the VM's cores taken
     assert all(p["cores"] > 0 and p["loop_lag"]["samples"] > 0 for p in level["processes"] if p["sessions"])
     # Clean shutdown: every worker and client exited by itself, none is left.
