@@ -32,7 +32,8 @@ position reset, the TP group) is shared:
                     columns read from cuDNN's buffer when gathered (no copy into v)        1 launch
     w_out           FP8 GEMM, then the block's one all-reduce under TP                     1-2 launches
 
-  so [attn | cross | mlp] is the fused buffer's tail and nothing is concatenated. On CUDA it runs
+  so [attn | cross | mlp] is the fused buffer's tail and nothing is concatenated. Once per step, before
+  the passes, every block's audio K/V come from one FP8 GEMM (``FusedCrossContext``). On CUDA it runs
   eagerly or (``graphed``) as one CUDA graph per attention mode, the all-reduces inside the graph
   (NCCL collectives are capturable); on CPU it runs eagerly on the kernels' PyTorch references,
   which is how the CPU tests check its collectives.
@@ -56,6 +57,7 @@ import math
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from charstream.kernels.adaln_quant import adaln_quant
 from charstream.kernels.fp8 import FP8_DTYPE, FP8_MAX
 from charstream.kernels.fp8_window_attention import Fp8WindowAttention
@@ -72,7 +74,7 @@ from charstream.model.cache import KVCache, KVPool
 from charstream.model.capture import CAPTURE_MODE, one_capture_at_a_time
 from charstream.model.config import ModelConfig
 from charstream.model.dit import DiT, Modulation, SelfAttention
-from charstream.model.fp8_linear import Fp8Linear
+from charstream.model.fp8_linear import Fp8Linear, quantize_weight
 from charstream.model.rope import frame_positions
 from charstream.model.sampler import sample, seeded_noise
 
@@ -163,6 +165,29 @@ def module_body(model: DiT, levels: LevelModulations, inputs: StepInputs, attn: 
     inputs.latent.copy_(sample(velocity, inputs.noise, model.cfg.noise_levels))
 
 
+class FusedCrossContext:
+    """Every block's cross-attention K/V of one step, from the audio context (A, dim), in one FP8 GEMM
+    over all blocks' ``w_cross_kv`` and one RMS norm of all their keys (``cross_k_norm``), as the module
+    body's ``ParallelBlock.cross_context`` computes them block by block: one block's K/V is a (heads, A,
+    head_dim) view of the one output, no copy (per block, a bf16 GEMM, the norm's passes and two copies
+    were ~7 small launches, 60 blocks' worth once per step)."""
+
+    def __init__(self, model: DiT) -> None:
+        blocks = model.blocks
+        weights, scales = zip(*(quantize_weight(b.w_cross_kv.weight) for b in blocks), strict=True)
+        self.kv = Fp8Linear(torch.cat(weights), torch.cat(scales))  # rows: block, [k | v], head, head_dim
+        self.k_norm = torch.stack([b.cross_k_norm.weight.detach() for b in blocks])[:, None]  # (blocks, 1, head_dim)
+        self.eps = blocks[0].cross_k_norm.eps
+        self.shape = (len(blocks), 2, blocks[0].n_heads, blocks[0].head_dim)
+
+    def __call__(self, context: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """context (A, dim) -> per block (k, v), each (heads, A, head_dim) with the strides of the one output."""
+        kv = self.kv(context).unflatten(-1, self.shape)  # (A, blocks, 2, heads, head_dim)
+        k = kv[:, :, 0]
+        k.copy_(F.rms_norm(k.float(), k.shape[-1:], eps=self.eps).to(k.dtype) * self.k_norm)
+        return [(kv[:, i, 0].transpose(0, 1), kv[:, i, 1].transpose(0, 1)) for i in range(self.shape[0])]
+
+
 class DiffusionStep:
     def __init__(
         self,
@@ -202,6 +227,7 @@ class DiffusionStep:
         self.attention_options = dict(ATTENTION_OPTIONS if attention_options is None else attention_options)
         self.w_in = [Fp8Linear.from_weight(b.w_in.weight) for b in model.blocks]
         self.w_out = [Fp8Linear.from_weight(b.w_out.weight) for b in model.blocks]
+        self.cross_context = FusedCrossContext(model)
         self.norms = [(b.q_norm.weight, b.k_norm.weight, b.cross_q_norm.weight) for b in model.blocks]
         with torch.inference_mode():  # per level: every block's (shift, scale, gate), the final (shift, scale)
             self.mods, self.final_mods = model.level_modulations(torch.tensor(cfg.noise_levels, device=dev))
@@ -384,8 +410,7 @@ class DiffusionStep:
         m = self.model
         audio = self.audio.to(self.x.dtype)
         audio_x = m.audio_embed(audio)[0, 0]
-        # (1, 1, heads, A, head_dim) -> (heads, A, head_dim): the cross "cache" of this step
-        cross_kv = [(k[0, 0].contiguous(), v[0, 0].contiguous()) for k, v in m.cross_context(audio)]
+        cross_kv = self.cross_context(m.audio_context(audio)[0, 0])  # per block (heads, A, head_dim): the cross "cache"
         rotation = rope_table(self.positions, self.cache.freqs)  # every layer's and pass's RoPE, once
 
         def velocity(latent: torch.Tensor, sigma: float) -> torch.Tensor:

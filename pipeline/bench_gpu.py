@@ -247,6 +247,14 @@ def kernel_breakdown(cfg: ModelConfig, tp: int, model, cache, step) -> dict[str,
                                          for _ in every]),
         "gemm_out": _graph_ms([lambda i=i: step.w_out[i].forward_quantized(*oq) for i in every]),
     }
+    # once per step: every block's cross K/V as served (one FP8 GEMM, one norm, views) against the module
+    # body's block by block (bf16 GEMM, norm, two copies each), and how far the served K/V are from it
+    context = model.audio_context(torch.randn(1, 1, cfg.n_audio_tokens, cfg.audio_dim, device="cuda",
+                                              dtype=torch.bfloat16))[0, 0]
+    cross_context_ms = _graphs_ms({"served": [lambda: step.cross_context(context)],
+                                   "per_block_bf16": [lambda: [b.cross_context(context) for b in model.blocks]]})
+    served = torch.stack([torch.stack(kv) for kv in step.cross_context(context)]).float()
+    per_block = torch.stack([torch.stack(b.cross_context(context)) for b in model.blocks]).float()
     ring_write_ms = _graph_ms([lambda i=i: ring_write_triton(
         cache.k[i], cache.v[i], cache.k_scale[i], cache.v_scale[i], k, v, slot, pos, cache.freqs, rotation) for i in every])
     rope_table_ms = _graph_ms([lambda: rope_table(pos, cache.freqs)])  # once per step
@@ -285,6 +293,8 @@ def kernel_breakdown(cfg: ModelConfig, tp: int, model, cache, step) -> dict[str,
         "cache_upkeep_as_served_ms_per_step": marginal_ms * passes + frame_ms,
         # the bf16 window the prep keeps beside the ring (for cuDNN) is upkeep too: with it
         "cache_upkeep_as_served_with_window_ms_per_step": (prep_ms["served"] - prep_ms["neither"]) * passes + frame_ms,
+        "cross_context_ms_per_step": cross_context_ms,
+        "cross_context_rel_error_fp8_vs_bf16": ((served - per_block).norm() / per_block.norm()).item(),
         "begin_frame_ms": begin_frame_ms,
         "delta_rotation_ms": rotate_ms,
         "delta_rotation_events_per_call_with_host_launch_ms": rotate_events_ms,
