@@ -16,8 +16,9 @@
 #               scripts/gpu_run.sh kernels DIR [BASE]  issue 14's kernels: their GPU tests, scripts/kernels_check.py
 #                                                   (KERNELS: its sections), bench gpu of the 57b shards (TP_SHARDS,
 #                                                   default 3 4) with one replay profiled; BASE: a second tree
-#                                                   (main's checkout) whose TP=3 step is timed after, A/B;
-#                                                   CUBLASLT_AB=1: the TP=3 steps again with and without cuBLASLt's workspace
+#                                                   (main's checkout) whose TP=3 steps are timed after, A/B;
+#                                                   CUBLASLT_AB=1: the TP=3 steps again with and without
+#                                                   cuBLASLt's workspace (without: profiled)
 #               scripts/gpu_run.sh kernels-check DIR   only scripts/kernels_check.py (KERNELS: its sections)
 #               scripts/gpu_run.sh tp DIR [N...]    multi-GPU kinds: `bench gpu --tp N` (NCCL, one process per
 #                                                   GPU, the serving step graphed with its all-reduces), N = 3 4
@@ -152,19 +153,21 @@ elif [ "$cmd" = kernels ]; then
   # shellcheck disable=SC2086
   section "bench characters-57b shards ${TP_SHARDS:-3 4}" 300 bench.log python3 -m charstream.pipeline.bench_gpu \
     --tp-shard ${TP_SHARDS:-3 4} --skip sweep decoder pipeline ceilings --section-timeout 100 --json "$OUT/bench.json"
-  if [ "${CUBLASLT_AB:-0}" = 1 ]; then  # the TP=3 steps (bf16 and FP8 windows) with cuBLASLt's workspace, then without
-    for ws in "" 0; do
-      section "bench TP=3 steps, CUBLASLT_WORKSPACE_SIZE=${ws:-default}" 90 bench-cublaslt.log \
-        env ${ws:+CUBLASLT_WORKSPACE_SIZE=$ws} python3 -m charstream.pipeline.bench_gpu --tp-shard 3 \
-        --skip sweep kernels profile decoder pipeline ceilings --section-timeout 80
-    done
+  # bench-more.log: the runs after (at most 8 files come back)
+  if [ "${CUBLASLT_AB:-0}" = 1 ]; then  # the TP=3 steps (bf16 and FP8 windows) with cuBLASLt's workspace, then
+    # without, that one profiled (which GEMM kernels cuBLASLt takes then, and whether its memsets go)
+    section "bench TP=3 steps, CUBLASLT_WORKSPACE_SIZE=default" 90 bench-more.log python3 -m charstream.pipeline.bench_gpu \
+      --tp-shard 3 --skip sweep kernels profile decoder pipeline ceilings --section-timeout 80
+    section "bench TP=3 steps, CUBLASLT_WORKSPACE_SIZE=0, profiled" 150 bench-more.log env CUBLASLT_WORKSPACE_SIZE=0 \
+      python3 -m charstream.pipeline.bench_gpu --tp-shard 3 --skip sweep kernels decoder pipeline ceilings \
+      --section-timeout 100 --json "$OUT/bench-ws0.json"
   fi
-  if [ -n "${1:-}" ]; then  # the base tree's serving step, same machine, right after: like with like
+  if [ -n "${1:-}" ]; then  # the base tree's serving steps (both windows), same machine, right after: like with like
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site-base \
       "$1" >/dev/null || exit
-    section "base bench TP=3 step" 50 bench-base.log env PYTHONPATH=/tmp/site-base:/tmp/site \
+    section "base bench TP=3 steps" 100 bench-more.log env PYTHONPATH=/tmp/site-base:/tmp/site \
       CHARSTREAM_COMMIT="${BASE_COMMIT:-base}" python3 -m charstream.pipeline.bench_gpu --tp-shard 3 \
-      --skip sweep kernels decoder pipeline ceilings --section-timeout 45 --json "$OUT/bench-base.json"
+      --skip sweep kernels profile decoder pipeline ceilings --section-timeout 90
   fi
 elif [ "$cmd" = kernels-check ]; then  # only scripts/kernels_check.py's sections (KERNELS)
   # shellcheck disable=SC2086
