@@ -134,6 +134,24 @@ def _run_checks() -> dict[str, dict[str, float]]:
         "poison_left": float(sum((w == POISON).sum() for w in runs[1][4:])),
         "others_changed": float(sum((w[:, : SINK + T] != POISON).sum() for w in window[:2])),
     }
+    # with the cross-attention (the served prep): cq becomes the attention of its normed self over 5 audio
+    # keys, given as (heads, keys, D) views of one (keys, blocks, [k | v], heads, D) buffer, as the step has them
+    kv = torch.randn(5, 2, 2, H, D, generator=g) * 2
+    cross = (kv[:, 1, 0].transpose(0, 1), kv[:, 1, 1].transpose(0, 1))
+    cross_runs = []
+    for prep in (ring_write_prep_reference, ring_write_prep_triton):
+        buf, kc, vc = fused.clone(), torch.zeros(H, n_slots, D), torch.zeros(H, n_slots, D)
+        q, k, v, cq = (buf[:, i * H * D : (i + 1) * H * D].unflatten(-1, (H, D)) for i in range(4))
+        prep(q, k, v, cq, kc, vc, scale, scale, torch.tensor(SINK), positions, freqs, norms,
+             torch.zeros((), dtype=torch.int64), cross=cross)
+        cross_runs.append((q, cq, kc, vc))
+    normed_cq = runs[0][1]  # the reference's cq without the cross-attention: its normed cross-query
+    report["write_prep_cross"] = {
+        **{name: _rel(got, ref) for name, got, ref in zip(("q", "cq", "k_cache", "v_cache"), cross_runs[1], cross_runs[0],
+                                                           strict=True)},
+        "cq_moved_from_normed": _rel(cross_runs[1][1], normed_cq),
+        "rest_as_without": float(sum((cross_runs[1][i] != runs[1][i]).sum() for i in (0, 2, 3))),  # q, the ring
+    }
     # without the ring write (what bench gpu measures it by): the ring untouched, the rest as with it
     buf, kc, vc = fused.clone(), torch.full((H, n_slots, D), POISON), torch.full((H, n_slots, D), POISON)
     q, k, v, cq = (buf[:, i * H * D : (i + 1) * H * D].unflatten(-1, (H, D)) for i in range(4))
@@ -252,6 +270,12 @@ def test_ring_attention_triton_matches_reference(report, case):
 def test_ring_write_prep_triton_matches_reference(report):
     assert all(rel < 1e-5 for rel in report["write_prep"].values()), report["write_prep"]
     assert report["write_prep_window"] == {"poison_left": 0.0, "others_changed": 0.0}
+
+
+def test_ring_write_prep_attends_the_cross_query_over_the_audio_keys(report):
+    r = report["write_prep_cross"]
+    assert all(r[name] < 1e-5 for name in ("q", "cq", "k_cache", "v_cache")), r
+    assert r["cq_moved_from_normed"] > 0.5 and r["rest_as_without"] == 0, r  # the attention's output, not the norm's
 
 
 def test_ring_write_prep_without_the_ring_write_does_the_rest(report):
