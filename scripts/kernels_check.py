@@ -434,7 +434,9 @@ def cross_attn(gen: torch.Generator) -> dict[str, object]:
     return result
 
 
-ADALN_VARIANTS = ((1, 32), (1, 16), (1, 8), (1, 4), (2, 16), (2, 32))  # (rows per program, warps); the first is served
+# (rows per tile, warps, programs per SM: 0 = one program per tile); the first is served. Programs per SM
+# > 0: each program loops over its tiles, loading the next while it reduces the current one.
+ADALN_VARIANTS = ((1, 32, 0), (1, 8, 0), (1, 32, 1), (1, 16, 2), (1, 16, 3), (1, 8, 4), (1, 8, 6), (2, 16, 2))
 
 
 def adaln(gen: torch.Generator) -> dict[str, object]:
@@ -454,16 +456,18 @@ def adaln(gen: torch.Generator) -> dict[str, object]:
     hq = torch.empty(T, dim, device="cuda", dtype=FP8_DTYPE)
     hs = torch.empty(T, 1, device="cuda")
     result: dict[str, object] = {"bytes_per_call": T * dim * (2 + 2 + 2 + 1)}
-    for rows, w in ADALN_VARIANTS:
-        name = f"rows{rows}_w{w}"
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for rows, w, per_sm in ADALN_VARIANTS:
+        name = f"rows{rows}_w{w}" + (f"_programs{per_sm}xSM" if per_sm else "")
+        programs = min(per_sm * sms, -(-T // rows)) if per_sm else None
         with _variant(result, "adaln", name) as entry:
             xg = x.clone()
             out = (torch.full((T, dim), 300.0, device="cuda").to(FP8_DTYPE), torch.full((T, 1), float("nan"), device="cuda"))
-            adaln_quant_triton(xg, mods[0, 0], mods[0, 1], res, mods[0, 2], out, rows=rows, num_warps=w)
+            adaln_quant_triton(xg, mods[0, 0], mods[0, 1], res, mods[0, 2], out, rows=rows, num_warps=w, programs=programs)
             entry["check"] = _fp8_mismatch(out[0], rq)
             entry["scale_rel"] = _rel(out[1], rscale)
             entry["x_rel"] = _rel(xg, x_ref)
-            call = functools.partial(adaln_quant_triton, rows=rows, num_warps=w)
+            call = functools.partial(adaln_quant_triton, rows=rows, num_warps=w, programs=programs)
             entry["ms"] = _graph_ms([functools.partial(call, streams[i % LAYERS], mods[i % 60, 0], mods[i % 60, 1],
                                                        residuals[i % LAYERS], mods[i % 60, 2], (hq, hs)) for i in range(240)])
             entry["ms_l2"] = _graph_ms([functools.partial(call, xg, mods[i % 60, 0], mods[i % 60, 1], res, mods[i % 60, 2],

@@ -216,6 +216,14 @@ def _run_checks() -> dict[str, dict[str, float]]:
     ref_s = adaln_quant_reference(got_x.clone(), shift, mod_scale)[1]  # the stream as the kernel stored it
     report["adaln"] = {"stream_rel": _rel(got_x, stream), "scale_rel": _rel(got_s, ref_s),
                        "nan": float(torch.isnan(got_q.float()).sum())}
+    # fewer programs than tiles, each looping over its tiles (and loading the next one early): the same
+    # stream, codes and scales as one program per tile
+    for programs in (1, 2, 5):
+        px = x.clone()
+        pq, ps = adaln_quant_triton(px, shift, mod_scale, residual, gate, rows=2, num_warps=4, programs=programs)
+        report[f"adaln_programs{programs}"] = {
+            "stream_differs": float((px != got_x).sum()), "scales_differ": float((ps != got_s).sum()),
+            "codes_differ": float((pq.view(torch.uint8) != got_q.view(torch.uint8)).sum())}
 
     # the GELU itself, read through the scale: each row's only non-zero column is a GELU column, so
     # scale x 448 = |gelu(x)| (or the floor), over the range the kernel's folded exp2 must cover
@@ -302,6 +310,11 @@ def test_adaln_quant_matches_reference(report):
     r = report["adaln"]
     assert r["stream_rel"] < 1e-2  # bf16 stores of the same fp32 sum (the interpreter may round once more)
     assert r["scale_rel"] < 1e-4 and r["nan"] == 0
+
+
+@pytest.mark.parametrize("programs", [1, 2, 5])
+def test_adaln_quant_with_fewer_programs_than_tiles_computes_the_same(report, programs):
+    assert report[f"adaln_programs{programs}"] == {"stream_differs": 0.0, "scales_differ": 0.0, "codes_differ": 0.0}
 
 
 def test_quantize_rows_gelu_matches_torch(report):
