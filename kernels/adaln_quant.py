@@ -38,45 +38,31 @@ def _adaln_quant_kernel(
     ROWS: tl.constexpr, BLOCK: tl.constexpr, RESIDUAL: tl.constexpr, EPS: tl.constexpr, FP8_MAX: tl.constexpr,
     MIN_AMAX: tl.constexpr,
 ):
-    # A tile is ROWS whole rows (dim <= BLOCK) in registers: one read, two writes per row; the rows'
-    # reductions run side by side. A program takes tiles program_id, + programs, ... (one each when the
-    # grid covers them all): the next tile's stream and residual are loaded before this tile's
-    # reductions and stores, so the SM has loads in flight while it reduces, and the modulation vectors
-    # are read once per program.
+    # One program holds ROWS whole rows (dim <= BLOCK) in registers: one read, two writes per row. The
+    # rows' reductions run side by side, so an SM has ROWS rows' loads in flight where register use
+    # allows it only one program, and the modulation vectors are read once per ROWS rows.
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     c = tl.arange(0, BLOCK)
     cmask = c < n_cols
+    mask = (row < n_rows)[:, None] & cmask[None, :]
+    v = tl.load(x + row[:, None] * stride_xm + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    if RESIDUAL:
+        r = tl.load(residual + row[:, None] * stride_rm + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(gate + c, mask=cmask, other=0.0).to(tl.float32)
+        stored = (v + g[None, :] * r).to(x.dtype.element_ty)
+        tl.store(x + row[:, None] * stride_xm + c[None, :], stored, mask=mask)
+        v = stored.to(tl.float32)  # normalise the stream as stored, as the next block will see it
+    mean = tl.sum(v, 1) / n_cols
+    centred = tl.where(mask, v - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, 1) / n_cols + EPS)
     sh = tl.load(shift + c, mask=cmask, other=0.0).to(tl.float32)
     sc = tl.load(scale + c, mask=cmask, other=0.0).to(tl.float32)
-    g = tl.load(gate + c, mask=cmask, other=0.0).to(tl.float32)
-    programs = tl.num_programs(0)
-    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    mask = (row < n_rows)[:, None] & cmask[None, :]
-    v_next = tl.load(x + row[:, None] * stride_xm + c[None, :], mask=mask, other=0.0)
-    r_next = v_next
-    if RESIDUAL:
-        r_next = tl.load(residual + row[:, None] * stride_rm + c[None, :], mask=mask, other=0.0)
-    for tile in range(tl.program_id(0), tl.cdiv(n_rows, ROWS), programs):
-        row = tile * ROWS + tl.arange(0, ROWS)
-        mask = (row < n_rows)[:, None] & cmask[None, :]
-        v = v_next.to(tl.float32)
-        r = r_next.to(tl.float32)
-        after = row + programs * ROWS
-        after_mask = (after < n_rows)[:, None] & cmask[None, :]
-        v_next = tl.load(x + after[:, None] * stride_xm + c[None, :], mask=after_mask, other=0.0)
-        if RESIDUAL:
-            r_next = tl.load(residual + after[:, None] * stride_rm + c[None, :], mask=after_mask, other=0.0)
-            stored = (v + g[None, :] * r).to(x.dtype.element_ty)
-            tl.store(x + row[:, None] * stride_xm + c[None, :], stored, mask=mask)
-            v = stored.to(tl.float32)  # normalise the stream as stored, as the next block will see it
-        mean = tl.sum(v, 1) / n_cols
-        centred = tl.where(mask, v - mean[:, None], 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, 1) / n_cols + EPS)
-        h = centred * rstd[:, None] * (1.0 + sc[None, :]) + sh[None, :]
-        q_scale = tl.maximum(tl.max(tl.abs(tl.where(mask, h, 0.0)), 1), MIN_AMAX) / FP8_MAX
-        tl.store(h_scale + row, q_scale, mask=row < n_rows)
-        # times the reciprocal scale, no clamp: as quantize_rows (|h| <= amax; the conversion saturates)
-        tl.store(hq + row[:, None] * stride_qm + c[None, :], (h * (1.0 / q_scale)[:, None]).to(hq.dtype.element_ty),
-                 mask=mask)
+    h = centred * rstd[:, None] * (1.0 + sc[None, :]) + sh[None, :]
+    q_scale = tl.maximum(tl.max(tl.abs(tl.where(mask, h, 0.0)), 1), MIN_AMAX) / FP8_MAX
+    tl.store(h_scale + row, q_scale, mask=row < n_rows)
+    # times the reciprocal scale, no clamp: as quantize_rows (|h| <= amax; the conversion saturates)
+    tl.store(hq + row[:, None] * stride_qm + c[None, :], (h * (1.0 / q_scale)[:, None]).to(hq.dtype.element_ty),
+             mask=mask)
 
 
 def adaln_quant_triton(
@@ -88,29 +74,23 @@ def adaln_quant_triton(
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     rows: int = 1,
     num_warps: int | None = None,
-    programs: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One launch of ``rows`` rows per tile; ``out`` = preallocated (hq, h_scale) for CUDA-graph
-    replays. ``programs``: the grid (default: one program per tile); fewer programs loop over the tiles,
-    each loading its next tile while it reduces the current one. Default: one row per 32-warp program
-    for rows past 4,096 columns (the H200's best at 757 x 7,680: 13.5 us against 15.6 at 16 warps,
-    13.9 for two rows at 16)."""
+    """One launch of ``rows`` rows per program; ``out`` = preallocated (hq, h_scale) for CUDA-graph
+    replays. Default: one row per 32-warp program for rows past 4,096 columns (the H200's best at
+    757 x 7,680: 13.5 us against 15.6 at 16 warps, 13.9 for two rows at 16)."""
     m, n = x.shape
     if x.stride(1) != 1 or (residual is not None and residual.stride(1) != 1):
         raise ValueError("x and residual need contiguous rows")
     if rows & (rows - 1):
         raise ValueError(f"rows must be a power of two, got {rows}")
-    tiles = triton.cdiv(m, rows)
-    if programs is not None and not 1 <= programs <= tiles:
-        raise ValueError(f"programs must be 1 to {tiles} (the tiles), got {programs}")
     hq, h_scale = out if out is not None else (torch.empty(m, n, dtype=FP8_DTYPE, device=x.device),
                                                torch.empty(m, 1, dtype=torch.float32, device=x.device))
     has_res = residual is not None
-    _adaln_quant_kernel[(programs or tiles,)](
+    _adaln_quant_kernel[(triton.cdiv(m, rows),)](
         x, x.stride(0), residual if has_res else x, residual.stride(0) if has_res else 0, gate if has_res else shift,
         shift, scale, hq, hq.stride(0), h_scale, m, n,
         ROWS=rows, BLOCK=triton.next_power_of_2(n), RESIDUAL=has_res, EPS=EPS, FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX,
-        num_warps=num_warps or (32 if n > 4096 else 4), num_stages=1,
+        num_warps=num_warps or (32 if n > 4096 else 4),
     )
     return hq, h_scale
 

@@ -10,8 +10,6 @@ which the Triton kernel reads instead of computing trig. V gets no RoPE.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -74,27 +72,6 @@ def _rms_norm(x, weight_ptr, D: tl.constexpr, EPS: tl.constexpr):
 
 
 @triton.jit
-def _cross_attention(x, ck, cv, stride_h, stride_a, head, qk_scale, D: tl.constexpr, N_KEYS: tl.constexpr):
-    # x (BLOCK_T, D) fp32: one head's queries over its N_KEYS audio keys (unrolled: a handful), an online
-    # softmax in base 2 (qk_scale = log2(e) / sqrt(D)); the keys' rows come from L2 (46 KB a layer)
-    ch = tl.arange(0, D)
-    m = tl.full((x.shape[0],), float("-inf"), tl.float32)
-    denom = tl.zeros((x.shape[0],), tl.float32)
-    acc = tl.zeros_like(x)
-    for j in tl.static_range(N_KEYS):
-        key = tl.load(ck + head * stride_h + j * stride_a + ch).to(tl.float32)
-        score = tl.sum(x * key[None, :], 1) * qk_scale
-        m_new = tl.maximum(m, score)
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(score - m_new)
-        value = tl.load(cv + head * stride_h + j * stride_a + ch).to(tl.float32)
-        acc = acc * alpha[:, None] + p[:, None] * value[None, :]
-        denom = denom * alpha + p
-        m = m_new
-    return acc / denom[:, None]
-
-
-@triton.jit
 def _load_head(k_new, v_new, q, cq, t, tmask, head, n_heads, stride_nt, stride_nh, stride_vt, stride_vh,
                D: tl.constexpr, PREP: tl.constexpr):
     """One head's inputs for the program's tokens: K, V and (PREP) Q and cross-Q, as stored."""
@@ -115,11 +92,9 @@ def _ring_write_kernel(
     k_scale, v_scale, slot, rot, stride_rt, n_tokens, n_heads,
     q, cq, q_norm, k_norm, cq_norm, saturated,
     k_win, v_win, stride_wh, stride_ws, win_slot, q8, stride_q8t, stride_q8h, q8_mult,
-    ck, cv, stride_ckh, stride_cka, cross_scale,
     D: tl.constexpr, BLOCK_T: tl.constexpr, HEADS: tl.constexpr, SLOT_IN_TENSOR: tl.constexpr,
     QUANT: tl.constexpr, FP8_MAX: tl.constexpr, PREP: tl.constexpr, WINDOW: tl.constexpr, EPS: tl.constexpr,
     PREFETCH: tl.constexpr, RING: tl.constexpr, WINDOW_CODES: tl.constexpr, Q8: tl.constexpr,
-    CROSS_KEYS: tl.constexpr,
 ):
     # One program: BLOCK_T tokens x HEADS heads (one head at a time; PREFETCH: the next head's loads
     # issued before this head's stores, two heads' reads in flight for more registers: 4.11 against
@@ -130,8 +105,6 @@ def _ring_write_kernel(
     # values as stored are also written dequantised into the attention window's slots at ``win_slot``
     # (WINDOW_CODES: an FP8 window, the codes themselves). Q8: the rotated queries go to ``q8`` as e4m3
     # codes of q x q8_mult[head] (bf16-rounded first, as q would be stored), q itself left unwritten.
-    # CROSS_KEYS > 0: the normed cross-query (bf16-rounded, as stored) attends over that many audio keys
-    # (ck, cv: (heads, keys, D)) and the attention's output goes over cq instead -- no launch of its own.
     # RING off: everything but the ring's stores (a measurement of what the write adds to the prep).
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < n_tokens
@@ -176,11 +149,7 @@ def _ring_write_kernel(
                 tl.store(q8 + q8dst, (qv.to(tl.float32) * mult).to(q8.dtype.element_ty), mask=mask)
             else:
                 tl.store(q + src, qv, mask=mask)
-            cqv = _rms_norm(cqv.to(tl.float32), cq_norm, D, EPS).to(cq.dtype.element_ty)
-            if CROSS_KEYS > 0:
-                cqv = _cross_attention(cqv.to(tl.float32), ck, cv, stride_ckh, stride_cka, tl.minimum(head, n_heads - 1),
-                                       cross_scale, D, CROSS_KEYS).to(cq.dtype.element_ty)
-            tl.store(cq + src, cqv, mask=mask)
+            tl.store(cq + src, _rms_norm(cqv.to(tl.float32), cq_norm, D, EPS).to(cq.dtype.element_ty), mask=mask)
         k = _rope(k, cos, sin, BLOCK_T, D)
         if QUANT:
             ks = tl.load(k_scale + tl.minimum(head, n_heads - 1))
@@ -216,7 +185,7 @@ def _ring_write_kernel(
 
 
 def _launch(k_cache, v_cache, k_scale, v_scale, k_new, v_new, slot_start, rotation, prep, window,
-            block_t, heads, num_warps, prefetch, write_ring=True, q8=None, cross=None):
+            block_t, heads, num_warps, prefetch, write_ring=True, q8=None):
     n_tokens, n_heads, head_dim = k_new.shape
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError("k_cache and v_cache must share strides with a contiguous head_dim")
@@ -239,21 +208,15 @@ def _launch(k_cache, v_cache, k_scale, v_scale, k_new, v_new, slot_start, rotati
     q8_out, q8_mult = q8 if q8 is not None else (k_new, k_scale)
     if q8 is not None and (prep is None or q8_out.shape != k_new.shape or q8_out.stride(-1) != 1 or not is_fp8(q8_out)):
         raise ValueError("q8 needs the prep and an FP8 (tokens, heads, head_dim) buffer with a contiguous head_dim")
-    ck, cv = cross if cross is not None else (k_new, v_new)
-    if cross is not None and (prep is None or ck.shape != cv.shape or ck.stride() != cv.stride() or ck.shape[0] != n_heads
-                              or ck.shape[2] != head_dim or ck.stride(-1) != 1):
-        raise ValueError("cross needs the prep and (heads, keys, head_dim) K and V of one layout, head_dim contiguous")
     _ring_write_kernel[(triton.cdiv(n_tokens, block_t), triton.cdiv(n_heads, heads))](
         k_new, v_new, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
         k_scale, v_scale, slot_start, table, table.stride(0), n_tokens, n_heads,
         q, cq, q_norm, k_norm, cq_norm, saturated,
         k_win, v_win, k_win.stride(0), k_win.stride(1), win_slot, q8_out, q8_out.stride(0), q8_out.stride(1), q8_mult,
-        ck, cv, ck.stride(0), ck.stride(1), math.log2(math.e) / math.sqrt(head_dim),
         D=head_dim, BLOCK_T=block_t, HEADS=heads, SLOT_IN_TENSOR=isinstance(slot_start, torch.Tensor),
         QUANT=is_fp8(k_cache), FP8_MAX=FP8_MAX, PREP=prep is not None, WINDOW=window is not None, EPS=RMS_EPS,
-        PREFETCH=prefetch, RING=write_ring, WINDOW_CODES=window_codes, Q8=q8 is not None,
-        CROSS_KEYS=0 if cross is None else ck.shape[1], num_warps=num_warps,
+        PREFETCH=prefetch, RING=write_ring, WINDOW_CODES=window_codes, Q8=q8 is not None, num_warps=num_warps,
     )
 
 
@@ -298,11 +261,9 @@ def ring_write_prep_reference(
     rotation: torch.Tensor | None = None,
     window: tuple[torch.Tensor, torch.Tensor, int | torch.Tensor] | None = None,
     q8: tuple[torch.Tensor, torch.Tensor] | None = None,
-    cross: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """The parallel block's per-head work between its input projection and its attentions, as
     model/dit.py + model/cache.py do it: q <- RoPE(q_norm(q)) and cq <- cross_q_norm(cq) in place;
-    ``cross`` = (ck, cv) (heads, keys, head_dim): cq <- the cross-attention of cross_q_norm(cq) over them;
     k_norm(k) and v written to the ring (``ring_write``); ``saturated`` += values out of FP8 range.
     ``window`` = (k_win, v_win, win_slot): the written K/V also go, dequantised as ``gather_window``
     does, into the attention window's slots from ``win_slot`` on (an FP8 window: the codes as stored).
@@ -316,8 +277,6 @@ def ring_write_prep_reference(
     else:
         q8[0].copy_((rotated.float() * q8[1][None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE))
     cq.copy_(_rms_norm_reference(cq, cq_norm))
-    if cross is not None:
-        cq.copy_(cross_attention_reference(cq, *cross))
     if is_fp8(k_cache):
         limit_k, limit_v = (k_scale * FP8_MAX)[None, :, None], (v_scale * FP8_MAX)[None, :, None]
         pair_norm = apply_rope(k, positions, freqs).unflatten(-1, (-1, 2)).norm(dim=-1)
@@ -359,7 +318,6 @@ def ring_write_prep_triton(
     prefetch: bool = True,
     write_ring: bool = True,
     q8: tuple[torch.Tensor, torch.Tensor] | None = None,
-    cross: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """``ring_write_prep_reference`` in one launch (the ring write kernel with its PREP extras on;
     ``window``'s slot a device tensor). ``write_ring=False`` leaves the ring's K/V unwritten and does
@@ -368,14 +326,7 @@ def ring_write_prep_triton(
     q_norm, k_norm, cq_norm = norms
     rotation = rope_table(positions, freqs) if rotation is None else rotation
     _launch(k_cache, v_cache, k_scale, v_scale, k_new, v_new, slot_start, rotation,
-            (q, cq, q_norm, k_norm, cq_norm, saturated), window, block_t, heads, num_warps, prefetch, write_ring, q8,
-            cross)
-
-
-def cross_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Attention of q (T, heads, head_dim) over a few keys k, v (heads, keys, head_dim), in fp32, in q's dtype."""
-    scores = torch.einsum("thd,hkd->htk", q.float(), k.float()) / math.sqrt(q.shape[-1])
-    return torch.einsum("htk,hkd->thd", scores.softmax(-1), v.float()).to(q.dtype)
+            (q, cq, q_norm, k_norm, cq_norm, saturated), window, block_t, heads, num_warps, prefetch, write_ring, q8)
 
 
 def _rms_norm_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -19,9 +19,7 @@ position reset, the TP group) is shared:
     w_in            FP8 GEMM -> fused [q | k | v | cross-q | mlp-up]                       1 launch
     ring_write_prep QK-norms, RoPE(q) in place, RoPE(k) + FP8 + ring write of K and V (and,
                     gathered, their dequantised copy into the layer's attention window),
-                    the cross-attention of the normed cross-q over the step's audio K/V,
-                    written over the cross-q columns, saturation count; RoPE from one
-                    table per step                                                         1 launch
+                    cross-q norm in place, saturation count; RoPE from one table per step 1 launch
     attention       q over sink + valid ring: in place over the FP8 ring while the window
                     fills, written over the spent v columns, then cuDNN SDPA over the
                     layer's bf16 window, which the ring write above keeps current
@@ -29,6 +27,7 @@ position reset, the TP group) is shared:
                     (``fp8_window``: the window holds the ring's codes, the prep writes q's
                     e4m3 codes, cuDNN's FP8 SDPA writes e4m3 output whose per-head scales
                     quantize_rows applies as it reads it)
+    cross attention cross-q over the step's audio K/V, written over the cross-q columns    1 launch
     quantize_rows   GELU on the mlp columns + FP8 rows of [attn | cross | mlp], the attn
                     columns read from cuDNN's buffer when gathered (no copy into v)        1 launch
     w_out           FP8 GEMM, then the block's one all-reduce under TP                     1-2 launches
@@ -83,6 +82,9 @@ from charstream.model.sampler import sample, seeded_noise
 # kernel's own defaults serve -- the H200 sweep's best (0.153 ms per TP=3 call against 0.170 with the
 # 64-row blocks this used to pin: docs/PERF.md, issue 14, run 4).
 ATTENTION_OPTIONS: dict = {}
+# The cross-attention's (the ring kernel over the step's audio keys only): one 16-key block, 64-query
+# tiles at 4 warps (5.4 against 6.0 us per call at 128 / 8 on the H200: docs/PERF.md, issue 14, run 5).
+CROSS_ATTENTION_OPTIONS = {"block_m": 64, "block_n": 16, "num_warps": 4}
 # The gathered (cuDNN) attention once the window is full: faster on the H200 in run 3 (132.5 vs
 # 149.9 ms per TP=3 step) with its GPU tests passing (docs/gpu-runs/2026-11-29-run3-*).
 GATHERED_BY_DEFAULT = True
@@ -231,7 +233,8 @@ class DiffusionStep:
             self.mods, self.final_mods = model.level_modulations(torch.tensor(cfg.noise_levels, device=dev))
         self.level_index = {sigma: i for i, sigma in enumerate(cfg.noise_levels)}
         self.x = torch.zeros(t, cfg.dim, dtype=dtype, device=dev)  # the residual stream
-        self.unit = torch.ones(1, device=dev)  # the FP8 attention's K and V descales (their scales are folded)
+        self.ones = torch.ones(self.n_heads, device=dev)  # unit scales: the cross K/V are plain bf16
+        self.no_ring = torch.zeros(0, dtype=torch.bool, device=dev)
         # The gathered attention (CUDA: cuDNN) once the window is full reads every layer's window
         # dequantised into contiguous bf16: the sink, then frame f at window position f % window_frames.
         # Each pass's ring write also writes its frame there, so the window is gathered from the ring
@@ -442,10 +445,11 @@ class DiffusionStep:
         fp8 = self.gathered and self.fp8_window
         q8 = (self.q8, self.q_mult[layer]) if fp8 else None
         prep(q, k, v, cq, *layer_cache, self.slot, self.positions, cache.freqs, self.norms[layer], cache.saturated,
-             rotation=rotation, window=window, q8=q8, cross=cross)
+             rotation=rotation, window=window, q8=q8)
         attn = attn_scale = None  # the attention output when it is not in the v columns: cuDNN writes a buffer of its own
         if fp8:
-            self.fp8_attention(self.q8, *window[:2], self.q_descale[layer], self.unit, self.unit, self.scale_o, self.attn8)
+            unit = self.ones[:1]  # K's and V's descales: their scales are folded into q's codes and the rows' read
+            self.fp8_attention(self.q8, *window[:2], self.q_descale[layer], unit, unit, self.scale_o, self.attn8)
             attn, attn_scale = self.attn8.flatten(1), self.out_scale[layer]
         elif self.gathered:
             attn = window_attention(q, *window[:2]).flatten(1)  # read there by quantize_rows, not copied over v
@@ -454,6 +458,12 @@ class DiffusionStep:
                                   **self.attention_options)
         else:
             v.copy_(ring_attention(q, *layer_cache, cache.ring_valid, cache.sink_slots, cache.tokens_per_frame))
+        ck, cv = cross  # the audio K/V as a sink-only "ring" of unit scales
+        if q.is_cuda:
+            ring_attention_triton(cq, ck, cv, self.ones, self.ones, self.no_ring, ck.shape[1], 1, out=cq,
+                                  **CROSS_ATTENTION_OPTIONS)
+        else:
+            cq.copy_(ring_attention(cq, ck, cv, self.ones, self.ones, self.no_ring, ck.shape[1], 1))
         oq = quantize_rows(fused[:, 2 * hd :], act_from=2 * hd, prefix=attn, prefix_scale=attn_scale)
         result = self.w_out[layer].forward_quantized(*oq, out_dtype=self.x.dtype)
         if self.tp_group is not None:

@@ -192,6 +192,7 @@ def kernel_breakdown(cfg: ModelConfig, tp: int, model, cache, step) -> dict[str,
         window_attention,
     )
     from charstream.kernels.ring_write import ring_write_prep_triton, ring_write_triton, rope_table
+    from charstream.model.step import CROSS_ATTENTION_OPTIONS
 
     s = shard_config(cfg, tp)
     t, hd, heads, d = cfg.tokens_per_step, s["hd"], s["heads"], cfg.head_dim
@@ -212,26 +213,23 @@ def kernel_breakdown(cfg: ModelConfig, tp: int, model, cache, step) -> dict[str,
     attn_args = lambda layer: (cache.k[layer], cache.v[layer], cache.k_scale[layer], cache.v_scale[layer],  # noqa: E731
                                cache.ring_valid, cache.sink_slots, cache.tokens_per_frame)
     out = torch.empty(t, heads, d, device="cuda", dtype=torch.bfloat16)
-    # the step's audio context and every block's cross K/V from it, as served
-    context = model.audio_context(torch.randn(1, 1, cfg.n_audio_tokens, cfg.audio_dim, device="cuda",
-                                              dtype=torch.bfloat16))[0, 0]
-    cross_kv = step.cross_context(context)
+    ck = torch.randn(heads, cfg.n_audio_tokens, d, device="cuda", dtype=torch.bfloat16)
+    ones = torch.ones(heads, device="cuda")
+    no_ring = torch.zeros(0, dtype=torch.bool, device="cuda")
     every = [i for _ in cfg.noise_levels for i in layers]  # the step's 240 block-passes, layer by layer
     attn = torch.randn(t, hd, device="cuda", dtype=torch.bfloat16)  # the attention output as cuDNN leaves it
 
-    def prep(i: int, write_ring: bool = True, window: bool = True, cross: bool = True) -> None:
-        # as the full-window step runs it: the RoPE table, the window copy of the written K/V, the cross-attention
+    def prep(i: int, write_ring: bool = True, window: bool = True) -> None:
+        # as the full-window step runs it: the RoPE table, and the window copy of the written K/V
         ring_write_prep_triton(q, k, v, cq, cache.k[i], cache.v[i], cache.k_scale[i], cache.v_scale[i], slot, pos,
                                cache.freqs, step.norms[i], cache.saturated, rotation=rotation,
-                               window=(win_k[i], win_v[i], step.window_slot) if window else None, write_ring=write_ring,
-                               cross=cross_kv[i] if cross else None)
+                               window=(win_k[i], win_v[i], step.window_slot) if window else None, write_ring=write_ring)
 
     # The serving prep with and without its parts (timed in turns): what the FP8 ring write adds to
-    # the prep is the write's cost as served -- no write has a launch of its own there; the same for the
-    # cross-attention, which rides in the prep too.
+    # the prep is the write's cost as served -- no write has a launch of its own there.
     prep_ms = _graphs_ms({name: [lambda i=i, kw=kw: prep(i, **kw) for i in every] for name, kw in (
         ("served", {}), ("no_ring_write", {"write_ring": False}), ("no_window_copy", {"window": False}),
-        ("neither", {"write_ring": False, "window": False}), ("no_cross_attention", {"cross": False}))})
+        ("neither", {"write_ring": False, "window": False}))})
     per_pass = {
         "adaln_quant": _graph_ms([lambda i=i: adaln_quant_triton(x, mods[i, 0], mods[i, 1], res, mods[i, 2], hq) for i in every]),
         "gemm_in": _graph_ms([lambda i=i: step.w_in[i].forward_quantized(*hq) for i in every]),
@@ -243,12 +241,16 @@ def kernel_breakdown(cfg: ModelConfig, tp: int, model, cache, step) -> dict[str,
         "attention_gather_then_cudnn": _graph_ms([lambda i=i: ring_attention_gathered(
             q, cache.k[i], cache.v[i], cache.k_scale[i], cache.v_scale[i], step.frame_order, cache.sink_slots,
             cache.tokens_per_frame, (win_k[0], win_v[0]), out=out) for i in every]),
+        "cross_attention": _graph_ms([lambda: ring_attention_triton(cq, ck, ck, ones, ones, no_ring, cfg.n_audio_tokens, 1,
+                                                                    out=out, **CROSS_ATTENTION_OPTIONS) for _ in every]),
         "quantize_rows_gelu": _graph_ms([lambda: quantize_rows_triton(fused[:, 2 * hd :], 2 * hd, oq, prefix=attn)
                                          for _ in every]),
         "gemm_out": _graph_ms([lambda i=i: step.w_out[i].forward_quantized(*oq) for i in every]),
     }
     # once per step: every block's cross K/V as served (one FP8 GEMM, one norm, views) against the module
     # body's block by block (bf16 GEMM, norm, two copies each), and how far the served K/V are from it
+    context = model.audio_context(torch.randn(1, 1, cfg.n_audio_tokens, cfg.audio_dim, device="cuda",
+                                              dtype=torch.bfloat16))[0, 0]
     cross_context_ms = _graphs_ms({"served": [lambda: step.cross_context(context)],
                                    "per_block_bf16": [lambda: [b.cross_context(context) for b in model.blocks]]})
     served = torch.stack([torch.stack(kv) for kv in step.cross_context(context)]).float()
@@ -286,7 +288,6 @@ def kernel_breakdown(cfg: ModelConfig, tp: int, model, cache, step) -> dict[str,
         # call), and the write as it serves, its marginal cost inside the prep
         "cache_upkeep_contract_writes_ms_per_step": ring_write_ms * passes + frame_ms,
         "prep_variants_ms_per_call": prep_ms,
-        "cross_attention_marginal_in_prep_ms_per_call": prep_ms["served"] - prep_ms["no_cross_attention"],
         "ring_write_marginal_in_prep_ms_per_call": marginal_ms,
         "window_copy_marginal_in_prep_ms_per_call": prep_ms["served"] - prep_ms["no_window_copy"],
         "cache_upkeep_as_served_ms_per_step": marginal_ms * passes + frame_ms,

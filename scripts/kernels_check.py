@@ -379,64 +379,34 @@ def window_attn_split(gen: torch.Generator) -> dict[str, object]:
     return result
 
 
+CROSS_VARIANTS = ((128, 8), (64, 4), (32, 4), (16, 2))  # (block_m, warps); 9 audio keys in one 16-key block
+
+
 def cross_attn(gen: torch.Generator) -> dict[str, object]:
-    """The cross-attention over the step's 9 audio keys as served -- inside the prep, the normed cross-query
-    attending before it is stored -- against the prep without it followed by the launch of its own it
-    replaced (the ring kernel's sink-only form in place over the cross-q columns, 64-query tiles at 4
-    warps), and the prep without it alone; timed in turns, 8 layers' rings, windows and audio K/V
-    rotated. The served cross-query is checked first against the reference prep (fp32 attention over
-    the normed, bf16-rounded cross-queries)."""
-    freqs = rope_freqs(D, "cuda")
-    k_cache, v_cache = _fp8_cache(LAYERS, gen), _fp8_cache(LAYERS, gen)
-    ks = torch.rand(LAYERS, H, device="cuda", generator=gen) * 0.02 + 0.01
-    vs = torch.rand(LAYERS, H, device="cuda", generator=gen) * 0.02 + 0.01
-    fused = torch.randn(T, 4 * H * D, device="cuda", dtype=torch.bfloat16, generator=gen) * 3
-    positions = frame_positions(17, GRID, AUDIO, "cuda")
-    rotation = rope_table(positions, freqs)
-    slot = torch.tensor(SINK + 6 * T, device="cuda")
-    n_win = SINK + VALID * T
-    windows = [torch.empty(LAYERS, H, n_win, D, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-    win_slot = torch.tensor(SINK + 3 * T, device="cuda")
-    norms = tuple(torch.rand(D, device="cuda", generator=gen) + 0.5 for _ in range(3))
-    # every layer's audio K/V as the step hands them out: (heads, keys, D) views of one buffer
-    kv = torch.randn(AUDIO, LAYERS, 2, H, D, device="cuda", dtype=torch.bfloat16, generator=gen) * 2
-    cross = [(kv[:, i, 0].transpose(0, 1), kv[:, i, 1].transpose(0, 1)) for i in range(LAYERS)]
+    """The cross-attention over the step's 9 audio keys (the sink-only form of the ring kernel, in place
+    over the cross-q columns), by query-block size."""
+    audio = 9
+    ck, cv = (torch.randn(H, audio, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
     ones = torch.ones(H, device="cuda")
     no_ring = torch.zeros(0, dtype=torch.bool, device="cuda")
+    fused = torch.randn(T, 4 * H * D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    cq = fused[:, 3 * H * D :].unflatten(-1, (H, D))
+    ref = ring_attention_reference(cq, ck, cv, ones, ones, no_ring, audio, 1).float()
     result: dict[str, object] = {}
-    with _variant(result, "cross_attn", "in_prep") as entry:
-        runs = []
-        for prep, at in ((ring_write_prep_reference, int(slot)), (ring_write_prep_triton, slot)):
-            (gq, gk, gv, gcq), ring, _, sat = _prep_buffers(fused, n_win)
-            prep(gq, gk, gv, gcq, *ring, ks[0], vs[0], at, positions, freqs, norms, sat, rotation=rotation, cross=cross[0])
-            runs.append(gcq)
-        entry["cq_rel_vs_reference"] = _rel(runs[1], runs[0])
-        scratch = fused.clone()  # the prep rewrites q and cq in place: time it on a copy
-        tq, tk, tv, tcq = (scratch[:, i * H * D : (i + 1) * H * D].unflatten(-1, (H, D)) for i in range(4))
-        saturated = torch.zeros((), dtype=torch.int64, device="cuda")
-
-        def call(i: int, in_prep: bool, after: bool) -> None:
-            layer = i % LAYERS
-            ring_write_prep_triton(tq, tk, tv, tcq, k_cache[layer], v_cache[layer], ks[layer], vs[layer], slot, positions,
-                                   freqs, norms, saturated, rotation=rotation,
-                                   window=(windows[0][layer], windows[1][layer], win_slot),
-                                   cross=cross[layer] if in_prep else None)
-            if after:
-                ring_attention_triton(tcq, *cross[layer], ones, ones, no_ring, AUDIO, 1, out=tcq, block_m=64, block_n=16,
-                                      num_warps=4)
-
-        ms = _graphs_ms({name: [functools.partial(call, i, *kw) for i in range(240)] for name, kw in (
-            ("served", (True, False)), ("prep_then_own_launch", (False, True)), ("prep_without", (False, False)))})
-        entry["ms"] = ms["served"]
-        entry["us"] = {name: v * 1e3 for name, v in ms.items()}
-        entry["in_prep_marginal_us"] = (ms["served"] - ms["prep_without"]) * 1e3
-        entry["own_launch_marginal_us"] = (ms["prep_then_own_launch"] - ms["prep_without"]) * 1e3
+    for bm, w in CROSS_VARIANTS:
+        name = f"m{bm}_w{w}"
+        with _variant(result, "cross_attn", name) as entry:
+            buf = torch.full((T, H, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+            got = ring_attention_triton(cq, ck, cv, ones, ones, no_ring, audio, 1, block_m=bm, block_n=16, num_warps=w,
+                                        out=buf)
+            entry["rel_vs_fp32"] = _rel(got, ref)
+            scratch = fused.clone()[:, 3 * H * D :].unflatten(-1, (H, D))
+            entry["ms"] = _graph_ms([functools.partial(ring_attention_triton, scratch, ck, cv, ones, ones, no_ring, audio, 1,
+                                                       block_m=bm, block_n=16, num_warps=w, out=scratch)] * 240)
     return result
 
 
-# (rows per tile, warps, programs per SM: 0 = one program per tile); the first is served. Programs per SM
-# > 0: each program loops over its tiles, loading the next while it reduces the current one.
-ADALN_VARIANTS = ((1, 32, 0), (1, 8, 0), (1, 32, 1), (1, 16, 2), (1, 16, 3), (1, 8, 4), (1, 8, 6), (2, 16, 2))
+ADALN_VARIANTS = ((1, 32), (1, 16), (1, 8), (1, 4), (2, 16), (2, 32))  # (rows per program, warps); the first is served
 
 
 def adaln(gen: torch.Generator) -> dict[str, object]:
@@ -456,18 +426,16 @@ def adaln(gen: torch.Generator) -> dict[str, object]:
     hq = torch.empty(T, dim, device="cuda", dtype=FP8_DTYPE)
     hs = torch.empty(T, 1, device="cuda")
     result: dict[str, object] = {"bytes_per_call": T * dim * (2 + 2 + 2 + 1)}
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for rows, w, per_sm in ADALN_VARIANTS:
-        name = f"rows{rows}_w{w}" + (f"_programs{per_sm}xSM" if per_sm else "")
-        programs = min(per_sm * sms, -(-T // rows)) if per_sm else None
+    for rows, w in ADALN_VARIANTS:
+        name = f"rows{rows}_w{w}"
         with _variant(result, "adaln", name) as entry:
             xg = x.clone()
             out = (torch.full((T, dim), 300.0, device="cuda").to(FP8_DTYPE), torch.full((T, 1), float("nan"), device="cuda"))
-            adaln_quant_triton(xg, mods[0, 0], mods[0, 1], res, mods[0, 2], out, rows=rows, num_warps=w, programs=programs)
+            adaln_quant_triton(xg, mods[0, 0], mods[0, 1], res, mods[0, 2], out, rows=rows, num_warps=w)
             entry["check"] = _fp8_mismatch(out[0], rq)
             entry["scale_rel"] = _rel(out[1], rscale)
             entry["x_rel"] = _rel(xg, x_ref)
-            call = functools.partial(adaln_quant_triton, rows=rows, num_warps=w, programs=programs)
+            call = functools.partial(adaln_quant_triton, rows=rows, num_warps=w)
             entry["ms"] = _graph_ms([functools.partial(call, streams[i % LAYERS], mods[i % 60, 0], mods[i % 60, 1],
                                                        residuals[i % LAYERS], mods[i % 60, 2], (hq, hs)) for i in range(240)])
             entry["ms_l2"] = _graph_ms([functools.partial(call, xg, mods[i % 60, 0], mods[i % 60, 1], res, mods[i % 60, 2],
