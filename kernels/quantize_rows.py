@@ -54,18 +54,14 @@ def _gelu_tanh(x):
 
 
 @triton.jit
-def _load_row(x, stride_xm, prefix, stride_pm, n_prefix, prefix_scale, row, start, n_cols, BLOCK: tl.constexpr,
-              PREFIX: tl.constexpr, PREFIX_SELECT: tl.constexpr, PREFIX_SCALED: tl.constexpr, GROUP: tl.constexpr):
-    # Columns [start, start + BLOCK). PREFIX: columns [0, n_prefix) from prefix, the rest from x, each
-    # element read from one of them through one load of per-element pointers (n_prefix a multiple of 16
-    # keeps it 16-byte vectors, as x's own load); PREFIX_SELECT instead: both loaded, the values selected
-    # (more instructions: the variant timed against it; the one load of another dtype, an FP8 prefix,
-    # needs). PREFIX_SCALED: the prefix's values times their column group's scale (GROUP columns each, a
-    # power of two dividing BLOCK and start): one scale loaded per group and broadcast over the group's
-    # columns through a (groups, GROUP) view -- a gathered scale per element (c // GROUP) compiled to a
-    # 4-byte load, a 1.0 preset and a live register per element: 94 registers against 80, two programs
-    # an SM instead of three (sm_90a, docs/PERF.md)
-    c = start + tl.arange(0, BLOCK)
+def _load_row(x, stride_xm, prefix, stride_pm, n_prefix, prefix_scale, row, c, n_cols, PREFIX: tl.constexpr,
+              PREFIX_SELECT: tl.constexpr, PREFIX_SCALED: tl.constexpr, GROUP: tl.constexpr):
+    # PREFIX: columns [0, n_prefix) from prefix, the rest from x, each element read from one of them
+    # through one load of per-element pointers (n_prefix a multiple of 16 keeps it 16-byte vectors, as
+    # x's own load); PREFIX_SELECT instead: both loaded, the values selected (more instructions: the
+    # variant timed against it; the one load of another dtype, an FP8 prefix, needs). PREFIX_SCALED:
+    # the prefix's values times their column group's scale (GROUP columns each, a compile-time power of
+    # two: the group index is a shift and a sign fix-up, not an integer division per element)
     if PREFIX and not PREFIX_SELECT:
         ptr = tl.where(c < n_prefix, prefix + row * stride_pm + c, x + row * stride_xm + c)
         v = tl.load(ptr, mask=c < n_cols, other=0.0).to(tl.float32)
@@ -73,9 +69,7 @@ def _load_row(x, stride_xm, prefix, stride_pm, n_prefix, prefix_scale, row, star
         v = tl.load(x + row * stride_xm + c, mask=(c >= n_prefix) & (c < n_cols), other=0.0).to(tl.float32)
         lead = tl.load(prefix + row * stride_pm + c, mask=c < n_prefix, other=0.0).to(tl.float32)
         if PREFIX_SCALED:
-            g = start // GROUP + tl.arange(0, BLOCK // GROUP)
-            s = tl.load(prefix_scale + g, mask=g < n_prefix // GROUP, other=1.0)
-            lead = tl.reshape(tl.reshape(lead, (BLOCK // GROUP, GROUP)) * s[:, None], (BLOCK,))
+            lead = lead * tl.load(prefix_scale + c // GROUP, mask=c < n_prefix, other=1.0)
         v = tl.where(c < n_prefix, lead, v)
     else:
         v = tl.load(x + row * stride_xm + c, mask=c < n_cols, other=0.0).to(tl.float32)
@@ -96,7 +90,7 @@ def _quantize_rows_kernel(
     row = tl.program_id(0)
     if ONE_SWEEP:
         c = tl.arange(0, BLOCK)
-        v = _load_row(x, stride_xm, prefix, stride_pm, n_prefix, prefix_scale, row, 0, n_cols, BLOCK, PREFIX,
+        v = _load_row(x, stride_xm, prefix, stride_pm, n_prefix, prefix_scale, row, c, n_cols, PREFIX,
                       PREFIX_SELECT, PREFIX_SCALED, GROUP)
         v = tl.where(c >= act_from, _gelu_tanh(v), v)
         scale = tl.maximum(tl.max(tl.abs(v), 0), MIN_AMAX) / FP8_MAX
@@ -106,7 +100,7 @@ def _quantize_rows_kernel(
         amax = tl.zeros((BLOCK,), tl.float32)
         for start in range(0, n_cols, BLOCK):
             c = start + tl.arange(0, BLOCK)
-            v = _load_row(x, stride_xm, prefix, stride_pm, n_prefix, prefix_scale, row, start, n_cols, BLOCK, PREFIX,
+            v = _load_row(x, stride_xm, prefix, stride_pm, n_prefix, prefix_scale, row, c, n_cols, PREFIX,
                           PREFIX_SELECT, PREFIX_SCALED, GROUP)
             v = tl.where(c >= act_from, _gelu_tanh(v), v)
             amax = tl.maximum(amax, tl.abs(v))
@@ -114,7 +108,7 @@ def _quantize_rows_kernel(
         tl.store(scale_out + row, scale)
         for start in range(0, n_cols, BLOCK):
             c = start + tl.arange(0, BLOCK)
-            v = _load_row(x, stride_xm, prefix, stride_pm, n_prefix, prefix_scale, row, start, n_cols, BLOCK, PREFIX,
+            v = _load_row(x, stride_xm, prefix, stride_pm, n_prefix, prefix_scale, row, c, n_cols, PREFIX,
                           PREFIX_SELECT, PREFIX_SCALED, GROUP)
             v = tl.where(c >= act_from, _gelu_tanh(v), v)
             tl.store(xq + row * stride_qm + c, (v * (1.0 / scale)).to(xq.dtype.element_ty), mask=c < n_cols)
@@ -145,10 +139,8 @@ def quantize_rows_triton(
                                      or prefix_scale.dtype != torch.float32):
         raise ValueError("prefix_scale needs a prefix whose columns split into its float32 entries' groups")
     group = 1 if prefix_scale is None else prefix.shape[1] // prefix_scale.numel()
-    one_sweep = k <= ONE_SWEEP_MAX_COLS
-    block = triton.next_power_of_2(k) if one_sweep else 2048
-    if group & (group - 1) or group > block:
-        raise ValueError(f"prefix_scale's column groups must be a power of two wide, at most {block}, got {group}")
+    if group & (group - 1):
+        raise ValueError(f"prefix_scale's column groups must be a power of two wide, got {group}")
     if prefix is not None and prefix.dtype != x.dtype:  # one load reads both through one pointer type
         if prefix.dtype != FP8_DTYPE or prefix_scale is None:
             raise ValueError(f"prefix must have x's dtype {x.dtype} (or be FP8 with a prefix_scale), got {prefix.dtype}")
@@ -157,11 +149,12 @@ def quantize_rows_triton(
     lead = x if prefix is None else prefix
     xq, scale = out if out is not None else (torch.empty(m, k, dtype=FP8_DTYPE, device=x.device),
                                              torch.empty(m, 1, dtype=torch.float32, device=x.device))
+    one_sweep = k <= ONE_SWEEP_MAX_COLS
     _quantize_rows_kernel[(m,)](
         x, x.stride(0), lead, lead.stride(0), 0 if prefix is None else prefix.shape[1],
         scale if prefix_scale is None else prefix_scale, xq, xq.stride(0), scale, k,
         k if act_from is None else act_from,
-        BLOCK=block, ONE_SWEEP=one_sweep, FP8_MAX=FP8_MAX,
+        BLOCK=triton.next_power_of_2(k) if one_sweep else 2048, ONE_SWEEP=one_sweep, FP8_MAX=FP8_MAX,
         MIN_AMAX=MIN_AMAX, PREFIX=prefix is not None, PREFIX_SELECT=prefix_select,
         PREFIX_SCALED=prefix_scale is not None, GROUP=group, num_warps=num_warps,
     )
