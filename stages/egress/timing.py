@@ -118,7 +118,7 @@ class ClientTiming:
     unmatched_reports: int = 0  # frame no longer in history, or RTP origin unknown yet
     _scanned_to: int = 0  # output frames below this were checked for a turn's first speaking frame
 
-    def on_frame(self, rtp: int, presented_ms: float) -> Delivery | None:
+    def on_frame(self, rtp: int, presented_ms: float) -> None:
         """One presented frame: its RTP timestamp and when the client presented it (its clock, ms)."""
         presented_client = presented_ms / 1e3
         self.frames_reported += 1
@@ -126,12 +126,11 @@ class ClientTiming:
         frame = self.output.record(index) if index is not None else None
         if frame is None or not self.clock.known:
             self.unmatched_reports += 1
-            return None
+            return
         delivery = Delivery(frame.index, frame.chunk, frame.released_at, self.clock.to_server(presented_client))
         if frame.chunk is not None and frame.frame_in_chunk == 0:
             self.chunk_deliveries.append(delivery)
         self._stamp_turn(frame, delivery)
-        return delivery
 
     def _stamp_turn(self, frame: FrameRecord, delivery: Delivery) -> None:
         # The client may skip the exact frame (requestVideoFrameCallback coalesces), so the first
