@@ -75,6 +75,7 @@ from charstream.model.capture import CAPTURE_MODE, one_capture_at_a_time
 from charstream.model.config import ModelConfig
 from charstream.model.dit import DiT, Modulation, SelfAttention
 from charstream.model.fp8_linear import Fp8Linear, quantize_weight
+from charstream.model.graph_memsets import hoist_counter_memsets
 from charstream.model.rope import frame_positions
 from charstream.model.sampler import sample, seeded_noise
 
@@ -88,6 +89,9 @@ CROSS_ATTENTION_OPTIONS = {"block_m": 64, "block_n": 16, "num_warps": 4}
 # The gathered (cuDNN) attention once the window is full: faster on the H200 in run 3 (132.5 vs
 # 149.9 ms per TP=3 step) with its GPU tests passing (docs/gpu-runs/2026-11-29-run3-*).
 GATHERED_BY_DEFAULT = True
+# The libraries' 4-byte counter memsets (cuBLASLt's FP8 GEMMs, cuDNN's SDPA) run beside the kernel before
+# them instead of after it (model/graph_memsets.py)
+HOIST_MEMSETS_BY_DEFAULT = True
 # The FP8 window attention's output scale (its codes = output in V's code units x this): the output is a
 # convex combination of V's codes (<= 448), and e4m3's rounding of the probabilities may lift it a few
 # percent past that, so half of e4m3's range keeps it in range (e4m3fn has no infinity: past 448 is NaN).
@@ -199,6 +203,7 @@ class DiffusionStep:
         attention_options: dict | None = None,
         prefer_gathered: bool = GATHERED_BY_DEFAULT,
         fp8_window: bool = False,
+        hoist_memsets: bool = HOIST_MEMSETS_BY_DEFAULT,
     ) -> None:
         cfg = model.cfg
         dev = cache.k.device
@@ -214,6 +219,9 @@ class DiffusionStep:
         self.noise, self.audio, self.latent = self.inputs.noise, self.inputs.audio, self.inputs.latent
         self.positions, self.slot = self.inputs.positions[0], self.inputs.slot[0]
         self.graphs: dict[bool, torch.cuda.CUDAGraph] = {}
+        # the libraries' counter memsets moved off the graphs' critical path (model/graph_memsets.py),
+        # and how many moved per graph
+        self.hoist_memsets, self.memsets_moved = hoist_memsets, {}
         self.gathered = False  # the attention mode of the next run (fused body), set by set_inputs
         self._session = False
         self.fp8_window = fp8_window
@@ -391,9 +399,13 @@ class DiffusionStep:
                 for _ in range(warmup):
                     self._body()
             torch.cuda.current_stream().wait_stream(self.capture_stream)
-            self.graphs[gathered] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graphs[gathered], stream=self.capture_stream, capture_error_mode=CAPTURE_MODE):
+            graph = torch.cuda.CUDAGraph(keep_graph=self.hoist_memsets)
+            with torch.cuda.graph(graph, stream=self.capture_stream, capture_error_mode=CAPTURE_MODE):
                 self._body()
+            if self.hoist_memsets:
+                self.memsets_moved[gathered] = hoist_counter_memsets(graph)
+                graph.instantiate()
+            self.graphs[gathered] = graph
         self.gathered = mode
         cache.k[:, :, span], cache.v[:, :, span] = saved[:2]
         cache.saturated.copy_(saved[2])

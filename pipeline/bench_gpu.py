@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import faulthandler
+import functools
 import json
 import os
 import statistics
@@ -57,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="time the shard's step without its all-reduces (default: in a one-rank NCCL group, "
                              "as the step serves: the collectives replay inside its graph)")
     parser.add_argument("--skip", nargs="*", default=[],
-                        choices=["ceilings", "sweep", "kernels", "profile", "step", "fp8-window", "decoder", "pipeline", "encoder"])
+                        choices=["ceilings", "sweep", "kernels", "profile", "step", "fp8-window", "memsets", "decoder", "pipeline",
+                                 "encoder"])
     parser.add_argument("--trace", action="store_true", help="with --json: also write each shard's Chrome trace of one replay")
     parser.add_argument("--section-timeout", type=float, default=0.0,
                         help="seconds a section may run before every thread's stack is printed and the process "
@@ -572,6 +574,30 @@ def bench_fp8_window(step, reps: int):
     }, fp8
 
 
+def bench_memset_hoist(steps: dict[str, object], reps: int) -> dict[str, object]:
+    """Each serving step (by window) with the libraries' counter memsets hoisted beside the kernel before
+    them (as served, ``model/graph_memsets.py``) and as captured, the same step re-captured: graph replays
+    timed in turns, and whether the two graphs' latents are equal (each run writes the frame it reads)."""
+    result: dict[str, object] = {}
+    for name, step in steps.items():
+        hoisted, moved = step.graphs, dict(step.memsets_moved)
+        step.hoist_memsets = False
+        step.capture()
+        captured = step.graphs
+        times: dict[str, list[float]] = {"hoisted": [], "as_captured": []}
+        latents = {}
+        for _ in range(2):
+            for label, graphs in (("hoisted", hoisted), ("as_captured", captured)):
+                step.graphs = graphs
+                times[label].append(cuda_median_ms(functools.partial(step.run, graphed=True), reps))
+                latents[label] = step.run(graphed=True).clone()
+        step.graphs, step.hoist_memsets = hoisted, True
+        result[name] = {"memsets_moved": moved, "step_ms": times,
+                        "hoisted_minus_captured_ms": statistics.median(times["hoisted"]) - statistics.median(times["as_captured"]),
+                        "latents_equal": bool(torch.equal(latents["hoisted"], latents["as_captured"]))}
+    return result
+
+
 def bench_decoder(cfg: ModelConfig, reps: int) -> tuple[dict[str, float], object]:
     from charstream.model.graphed_decoder import GraphedDecoder
     from charstream.model.vae import Decoder, to_uint8_frames
@@ -737,6 +763,12 @@ def _table(results: dict) -> str:
             rows.append(("  latent rel. diff FP8 vs bf16 window / graphed vs eager",
                          f"{f8['latent_rel_diff_fp8_vs_bf16_window']:.2e} / {f8['latent_rel_diff_graphed_vs_eager']:.2e}", "", ""))
             rows.append(("  peak memory with both steps built (GB)", f"{f8['peak_memory_gb']:.1f}", "", ""))
+        for window, m in r.get("memset_hoist", {}).items():
+            if isinstance(m, dict) and "step_ms" in m:
+                rows.append((f"  {window} window, counter memsets hoisted / as captured, in turns (ms); moved, latents equal",
+                             ", ".join(f"{v:.1f}" for v in m["step_ms"]["hoisted"]) + " / "
+                             + ", ".join(f"{v:.1f}" for v in m["step_ms"]["as_captured"])
+                             + f"; {sum(m['memsets_moved'].values())}, {m['latents_equal']}", "", ""))
         for name, ms in k.get("per_step_ms", {}).items():
             rows.append((f"  {name} x{4 * 60} (ms)", f"{ms:.2f}", "", ""))
         if "cache_upkeep_as_served_ms_per_step" in k:
@@ -879,6 +911,9 @@ def run(args: argparse.Namespace) -> int:
                 if "profile" not in args.skip:
                     shard["graph_profile_fp8_window"] = _section(shard, f"profile fp8 window TP={tp}", graph_profile,
                                                                  fp8_step, None) or shard.get("graph_profile_fp8_window")
+                if "memsets" not in args.skip:
+                    shard["memset_hoist"] = _section(shard, f"memsets hoisted TP={tp}", bench_memset_hoist,
+                                                     {"bf16": step, "fp8": fp8_step}, args.steps) or shard.get("memset_hoist")
                 fp8_step = built = None
         print(json.dumps({tp: shard}, default=str)[:3000], flush=True)
         _save(results, args.json)
