@@ -63,7 +63,9 @@ def _edges(node: int, name: str) -> list[int]:
     fn = getattr(_driver(), f"{name}_v2")
     count = ctypes.c_size_t(0)
     _check(fn(ctypes.c_void_p(node), None, None, ctypes.byref(count)), name)
-    found = (ctypes.c_void_p * max(count.value, 1))()
+    if count.value == 0:  # a root (or a leaf): the driver refuses an array for no edges
+        return []
+    found = (ctypes.c_void_p * count.value)()
     _check(fn(ctypes.c_void_p(node), found, None, ctypes.byref(count)), name)
     return [n for n in found[: count.value]]
 
