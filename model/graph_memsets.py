@@ -3,7 +3,8 @@
 cuBLASLt's FP8 GEMMs and cuDNN's SDPA each issue a 4-byte ``cudaMemsetAsync`` (a tile counter in
 their workspace) before their kernel, so a stream capture of the step records kernel -> memset ->
 library kernel at every such call: 720 memset nodes a TP=3 step, and each boundary idles ~4.4 us
-(GEMMs) or ~6 us (cuDNN) where a kernel -> kernel boundary idles ~0.5 (docs/PERF.md, issue 14). The
+(GEMMs) or ~6 us (cuDNN) where a kernel -> kernel boundary idles ~0.5. Hoisted, those boundaries idle
+~3-3.5 us (the library kernels' own start) and a TP=3 step's gaps fall ~1 ms (docs/PERF.md, issue 14). The
 memset does not depend on the kernel before it -- that kernel is ours and never touches a library's
 workspace -- only on the library call before it, which used the same counter. So each such memset is
 made to depend on its predecessor's predecessors instead, and its successor on both: the memset runs
