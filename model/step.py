@@ -384,7 +384,9 @@ class DiffusionStep:
 
         Every rank of a TP group captures at the same call (``reset_session``), so the collectives
         recorded match. The warm-up runs write ring slots at the current pointer; those slots and
-        the saturation count are restored afterwards, so capturing mid-session changes nothing."""
+        the saturation count are restored afterwards, so capturing mid-session changes nothing.
+        ``hoist_memsets``: each graph's library counter memsets are moved beside the kernel before them
+        before it is instantiated (model/graph_memsets.py)."""
         cache, span = self.cache, slice(int(self.slot), int(self.slot) + self.cfg.tokens_per_step)
         saved = (cache.k[:, :, span].clone(), cache.v[:, :, span].clone(), cache.saturated.clone())
         mode = self.gathered
