@@ -40,6 +40,14 @@ def _driver() -> ctypes.CDLL:
     return ctypes.CDLL("libcuda.so.1")
 
 
+def _entry(name: str):
+    try:
+        return getattr(_driver(), name)
+    except AttributeError:
+        raise RuntimeError(f"the CUDA driver has no {name} (graph edges with edge data: drivers for CUDA 12.3 and "
+                           "newer); capture with hoist_memsets=False") from None
+
+
 def _check(result: int, what: str) -> None:
     if result != 0:
         raise RuntimeError(f"CUDA driver {what} failed: CUresult {result}")
@@ -61,7 +69,7 @@ def _node_type(node: int) -> int:
 
 def _edges(node: int, name: str) -> list[int]:
     # the edge-data (_v2) forms, with no edge data: a captured graph's edges are all default ones
-    fn = getattr(_driver(), f"{name}_v2")
+    fn = _entry(f"{name}_v2")
     count = ctypes.c_size_t(0)
     _check(fn(ctypes.c_void_p(node), None, None, ctypes.byref(count)), name)
     if count.value == 0:  # a root (or a leaf): the driver refuses an array for no edges
@@ -83,8 +91,7 @@ def _set_edges(graph: int, name: str, pairs: list[tuple[int, int]]) -> None:
         return
     sources = (ctypes.c_void_p * len(pairs))(*(a for a, _ in pairs))
     targets = (ctypes.c_void_p * len(pairs))(*(b for _, b in pairs))
-    _check(getattr(_driver(), f"{name}_v2")(ctypes.c_void_p(graph), sources, targets, None, ctypes.c_size_t(len(pairs))),
-           name)
+    _check(_entry(f"{name}_v2")(ctypes.c_void_p(graph), sources, targets, None, ctypes.c_size_t(len(pairs))), name)
 
 
 def hoist_counter_memsets(graph: torch.cuda.CUDAGraph) -> int:
