@@ -1,10 +1,10 @@
 """The libraries' counter memsets of a captured CUDA graph taken off its critical path.
 
-cuBLASLt's FP8 GEMMs and cuDNN's SDPA each issue a 4-byte ``cudaMemsetAsync`` (a tile counter in
-their workspace) before their kernel, so a stream capture of the step records kernel -> memset ->
-library kernel at every such call: 720 memset nodes a TP=3 step, and each boundary idles ~4.4 us
-(GEMMs) or ~6 us (cuDNN) where a kernel -> kernel boundary idles ~0.5. Hoisted, those boundaries idle
-~3-3.5 us (the library kernels' own start) and a TP=3 step's gaps fall ~1 ms (docs/PERF.md, issue 14). The
+cuBLASLt's FP8 GEMMs and cuDNN's SDPA each issue a 4-byte ``cudaMemsetAsync`` before their kernel
+(not documented: by its size a counter in their workspace; ``bench gpu``'s profile attributes every
+memset of the step to those two calls), so a stream capture of the step records kernel -> memset ->
+library kernel at every such call (720 memset nodes a TP=3 step), and such a boundary idles several
+times as long as a kernel -> kernel one (docs/PERF.md, issue 14, with what hoisting gained). The
 memset does not depend on the kernel before it -- that kernel is ours and never touches a library's
 workspace -- only on the library call before it, which used the same counter. So each such memset is
 made to depend on its predecessor's predecessors instead, and its successor on both: the memset runs
@@ -26,7 +26,7 @@ import functools
 
 import torch
 
-MAX_COUNTER_BYTES = 16  # a library's counters; a memset of a real buffer is larger and stays in order
+MAX_COUNTER_BYTES = 16  # the libraries' counters are 4 bytes; a larger memset stays in order
 _KERNEL, _MEMSET = 0, 2  # CUgraphNodeType
 
 

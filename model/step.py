@@ -173,8 +173,8 @@ class FusedCrossContext:
     """Every block's cross-attention K/V of one step, from the audio context (A, dim), in one FP8 GEMM
     over all blocks' ``w_cross_kv`` and one RMS norm of all their keys (``cross_k_norm``), as the module
     body's ``ParallelBlock.cross_context`` computes them block by block: one block's K/V is a (heads, A,
-    head_dim) view of the one output, no copy (per block, a bf16 GEMM, the norm's passes and two copies
-    were ~7 small launches, 60 blocks' worth once per step)."""
+    head_dim) view of the one output, no copy. Block by block, each is a bf16 GEMM of 9 rows over its whole
+    weight, the norm's passes and two copies: a few launches a block (docs/PERF.md, issue 14)."""
 
     def __init__(self, model: DiT) -> None:
         blocks = model.blocks

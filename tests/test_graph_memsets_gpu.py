@@ -1,7 +1,6 @@
 """The libraries' counter memsets taken off a CUDA graph's critical path (model/graph_memsets.py): on a
 graph of kernel -> FP8 GEMM pairs as the step has them, each GEMM's memset moves beside the kernel
-before it, the replay computes what the graph as captured computes, and a memset after a library
-kernel stays where it was."""
+before it, and the replay computes what the graph as captured computes."""
 
 from __future__ import annotations
 

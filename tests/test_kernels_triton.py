@@ -269,7 +269,7 @@ def test_quantize_rows_reads_the_leading_columns_from_the_prefix(report, case):
 def test_quantize_rows_reads_an_fp8_prefix_with_its_scales_per_group(report, sweeps):
     r = report[f"quantize_rows_fp8_prefix_{sweeps}"]
     assert r["scale_rel"] < 1e-6 and r["nan"] == 0
-    # the interpreter's e4m3 conversion is not torch's (0.02-0.07 here): within its rounding, not
+    # the interpreter's e4m3 conversion is not torch's (0.05 and 0.07 here): within its rounding, not
     # bit-equal; a group read at another group's scale is off by up to 11x
     assert r["prefix_values_rel"] < 0.15, r
 

@@ -3,10 +3,10 @@
 It does what the web page does: offers to receive video and audio (and send a microphone track
 if given one), opens the ``timing`` data channel, answers pings and reports every video frame it
 receives, ``FRAMES_PER_REPORT`` a message (``presented_ms`` = when the decoded frame came out of
-aiortc). It keeps what it got, in bounded windows (a client of an hour-long session must not grow): of the last ``kept_s`` seconds
-(60 by default), per video frame its arrival time and RTP timestamp (optionally the image;
-``video_frames`` counts them all) and per audio frame the samples (``audio_samples`` counts them
-all); and the sender reports (RTCP SR, the last ``MAX_REPORTS``) of both streams, from which
+aiortc). It keeps what it got, in bounded windows (a client of an hour-long session must not grow):
+of the last ``kept_s`` seconds (60 by default), per video frame its arrival time and RTP timestamp
+(optionally the image; ``video_frames`` counts them all) and per audio frame the samples
+(``audio_samples`` counts them all); and the sender reports (RTCP SR, the last ``MAX_REPORTS``) of both streams, from which
 ``sender_time`` maps an RTP timestamp to the server's wall clock exactly as a browser's lip sync
 does. With ``record_path`` it writes what it received to an mp4 (H.264 + AAC, timed by RTP
 timestamps, so freezes and gaps stay where they happened).
