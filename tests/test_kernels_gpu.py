@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from charstream.kernels.adaln_quant import adaln_quant_reference, adaln_quant_triton
+from charstream.kernels.attention_merge import merge_partials_reference, merge_partials_triton
 from charstream.kernels.delta_rotate import delta_rotate_reference, delta_rotate_triton
 from charstream.kernels.fp8 import FP8_DTYPE
 from charstream.kernels.quantize_rows import quantize_rows_reference, quantize_rows_triton
@@ -326,6 +327,30 @@ def test_adaln_quant(rows, num_warps, with_residual):
         rq, rscale = adaln_quant_reference(x_got.clone(), shift, scale)
     assert torch.allclose(out[1], rscale, rtol=1e-4)
     _assert_fp8_close(out[0], rq)
+
+
+def test_attention_merge():
+    """The split window's merge of 4 partitions at the shard's shape into the third column block of a
+    NaN-poisoned (T, 5 H D) bf16 buffer: every finite e4m3 code (random bytes but NaN's), log-sum-exps
+    spread enough that some partitions' weights vanish and others dominate."""
+    s = 4
+    bits = torch.randint(0, 0x7F, (s, T, H, D), device="cuda", dtype=torch.uint8)  # 0x7F: e4m3's NaN
+    bits |= torch.randint(0, 2, bits.shape, device="cuda", dtype=torch.uint8) << 7
+    parts = bits.view(FP8_DTYPE)
+    lse = torch.randn(s, H, T, device="cuda") * 4 + 20
+    head_scale = torch.rand(H, device="cuda") * 0.01 + 0.001
+    inside = slice(2 * H * D, 3 * H * D)
+    merged = []
+    for merge in (merge_partials_reference, merge_partials_triton):
+        buf = torch.full((T, 5 * H * D), float("nan"), device="cuda", dtype=torch.bfloat16)
+        merge(parts, lse, head_scale, buf[:, inside].unflatten(-1, (H, D)))
+        merged.append(buf)
+    ref, got = merged
+    assert not torch.isnan(got[:, inside]).any()
+    assert _rel(got[:, inside], ref[:, inside]) < 1e-2  # the same fp32 math, each rounded to bf16
+    outside = torch.ones(5 * H * D, dtype=torch.bool, device="cuda")
+    outside[inside] = False
+    assert torch.isnan(got[:, outside]).all()
 
 
 def test_fp8_linear_matches_bf16_matmul():

@@ -26,6 +26,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _run_checks() -> dict[str, dict[str, float]]:
     from charstream.kernels.adaln_quant import adaln_quant_reference, adaln_quant_triton
+    from charstream.kernels.attention_merge import merge_partials_reference, merge_partials_triton
     from charstream.kernels.delta_rotate import delta_rotate_reference, delta_rotate_triton
     from charstream.kernels.fp8 import FP8_DTYPE, FP8_MAX
     from charstream.kernels.quantize_rows import MIN_AMAX, quantize_rows_reference, quantize_rows_triton
@@ -209,6 +210,29 @@ def _run_checks() -> dict[str, dict[str, float]]:
     rel = (scale[:, 0].double() * FP8_MAX - want).abs() / want
     report["quantize_rows_gelu"] = {"rel": rel[want > 1e-9].max().item(), "rel_tail": rel.max().item()}
 
+    # the split window's merge: 3 partitions' e4m3 outputs by their log-sum-exps into the third column
+    # block of a NaN-poisoned (T, 5 H D) bf16 buffer, H = 3 (one padded head in the kernel's block of 4).
+    # The codes are random bytes, every finite e4m3 code (subnormals, +-0, +-448) but NaN: the
+    # interpreter widens e4m3 by bit manipulation, exactly (its rounding *to* e4m3 is what is not the
+    # GPU's), so full-range codes are fair here; its bf16 store truncates: up to 2^-8 relative.
+    n_parts = 3
+    bits = torch.randint(0, 0x7F, (n_parts, T, H, D), generator=g, dtype=torch.uint8)  # 0x7F: NaN
+    bits |= torch.randint(0, 2, bits.shape, generator=g, dtype=torch.uint8) << 7
+    parts = bits.view(FP8_DTYPE)
+    lse = torch.randn(n_parts, H, T, generator=g) * 3
+    head_scale = torch.rand(H, generator=g) + 0.01
+    merged = []
+    for merge in (merge_partials_reference, merge_partials_triton):
+        buf = torch.full((T, 5 * H * D), float("nan"), dtype=torch.bfloat16)
+        merge(parts, lse, head_scale, buf[:, 2 * H * D : 3 * H * D].unflatten(-1, (H, D)))
+        merged.append(buf)
+    inside = slice(2 * H * D, 3 * H * D)
+    report["attention_merge"] = {
+        "rel": _rel(merged[1][:, inside], merged[0][:, inside]),
+        "nan_inside": float(torch.isnan(merged[1][:, inside]).sum()),
+        "outside_written": float((~torch.isnan(merged[1])).sum() - (~torch.isnan(merged[1][:, inside])).sum()),
+    }
+
     order = torch.tensor([2, 0], dtype=torch.int32)
     window = tuple(torch.full((H, SINK + 2 * T, D), POISON) for _ in range(2))
     gather_window(k_cache, v_cache, scale, scale, order, SINK, T, window)
@@ -291,6 +315,12 @@ def test_quantize_rows_refuses_a_prefix_of_another_dtype():
     x = torch.randn(4, 32, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="dtype"):  # before any launch: one load reads both buffers
         quantize_rows_triton(x, 16, prefix=torch.randn(4, 16))
+
+
+def test_attention_merge_triton_matches_reference(report):
+    r = report["attention_merge"]
+    assert r["rel"] < 1e-2, r  # the same fp32 math; the interpreter's bf16 store truncates (<= 2^-8)
+    assert r["nan_inside"] == 0 and r["outside_written"] == 0
 
 
 def test_gather_window_lists_sink_then_frames_in_order(report):
