@@ -8,7 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from charstream.kernels.fp8 import FP8_DTYPE
-from charstream.kernels.fp8_window_attention import fp8_window_attention_reference
+from charstream.kernels.fp8_window_attention import (
+    choose_window_splits,
+    fp8_window_attention_reference,
+    fp8_window_partials_reference,
+)
 from charstream.kernels.quantize_rows import quantize_rows_reference
 from charstream.kernels.ring_write import ring_write_prep_reference
 from charstream.kernels.rope import apply_rope, rope_freqs
@@ -29,6 +33,30 @@ def test_attention_reference_is_sdpa_over_the_codes_values():
     got = fp8_window_attention_reference(q8, k8, v8, dq, dk, dv, D**-0.5)
     want = F.scaled_dot_product_attention((q8.float() * dq).transpose(0, 1), k8.float() * dk, v8.float() * dv)
     assert torch.allclose(got, want.transpose(0, 1), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("splits", [2, 4])
+def test_partials_weighted_by_their_statistics_are_the_whole_window(splits):
+    q8, k8, v8 = _codes(T, H, D), _codes(H, 40, D), _codes(H, 40, D)
+    dq, dk, dv = torch.tensor([0.01]), torch.tensor([0.02]), torch.tensor([0.03])
+    parts, lse = fp8_window_partials_reference(q8, k8, v8, dq, dk, dv, D**-0.5, splits)
+    assert parts.shape == (splits, T, H, D) and lse.shape == (splits, H, T)
+    weights = (lse - lse.logsumexp(0, keepdim=True)).exp()  # (splits, H, T), summing to 1
+    merged = (parts * weights.transpose(1, 2)[..., None]).sum(0)
+    assert torch.allclose(merged, fp8_window_attention_reference(q8, k8, v8, dq, dk, dv, D**-0.5), rtol=1e-4, atol=1e-5)
+    scores = torch.einsum("thd,hsd->hts", q8.float() * dq, k8.float() * dk) * D**-0.5
+    assert torch.allclose(lse.logsumexp(0), scores.logsumexp(-1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("heads", "splits"), [(15, 4), (20, 1), (30, 2), (60, 1), (40, 1), (2, 4)])
+def test_the_window_is_split_where_the_query_tiles_leave_an_sm_wave_idle(heads, splits):
+    # 757 queries: 6 tiles a head; 15 heads fill 90 of 132 SMs (4 ways: 3 waves of a quarter), 20 heads
+    # 120 (no split under 11 gains), 30 heads 180 (2 ways: 3 waves of a half, not 2 full ones)
+    assert choose_window_splits(heads, 757 if heads > 2 else 20, 8 * 757 if heads > 2 else 180, 132) == splits
+
+
+def test_a_split_must_divide_the_keys():
+    assert choose_window_splits(15, 757, 6057, 132) == 1  # no candidate divides 6,057 keys
 
 
 def test_rows_reference_applies_the_prefix_scale_per_column_group():
