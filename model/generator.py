@@ -44,9 +44,11 @@ class Generator:
         graphed: bool | None = None,
         prefer_gathered: bool = GATHERED_BY_DEFAULT,
         fp8_window: bool = False,
+        window_splits: int | None = None,
     ) -> None:
         """``fused``/``graphed`` None: ``fused_by_default``, and graphed whenever fused on CUDA.
-        ``prefer_gathered``, ``fp8_window``: the full window's attention, as ``DiffusionStep`` takes them."""
+        ``prefer_gathered``, ``fp8_window``, ``window_splits``: the full window's attention, as
+        ``DiffusionStep`` takes them."""
         world = dist.get_world_size(tp_group) if tp_group is not None else 1
         self.cfg = cfg.validate(world)
         self.device = torch.device(device)
@@ -57,7 +59,8 @@ class Generator:
         fused = fused_by_default(self.device, dtype, fp8_cache) if fused is None else fused
         graphed = fused and self.device.type == "cuda" if graphed is None else graphed
         self.diffusion = DiffusionStep(self.model, self.cache, tp_group, fused=fused, graphed=graphed,
-                                       prefer_gathered=prefer_gathered, fp8_window=fp8_window)
+                                       prefer_gathered=prefer_gathered, fp8_window=fp8_window,
+                                       window_splits=window_splits)
 
     @property
     def next_frame(self) -> int:

@@ -26,8 +26,12 @@ position reset, the TP group) is shared:
                     (``gathered``, faster on an H200), into cuDNN's own buffer            2 / 1 launches
                     (``fp8_window``: the window holds the ring's codes, the prep writes q's
                     e4m3 codes, cuDNN's FP8 SDPA writes e4m3 output whose per-head scales
-                    quantize_rows applies as it reads it)
+                    quantize_rows applies as it reads it; with the window's keys split
+                    (``window_splits`` > 1, where cuDNN's query tiles would leave SMs idle)
+                    it writes each partition's output and statistics, and merge_partials
+                    writes their merge over the spent v columns                          +1 launch)
     cross attention cross-q over the step's audio K/V, written over the cross-q columns    1 launch
+                    (on CUDA on a stream of its own, beside the attention: ``cross_stream``)
     quantize_rows   GELU on the mlp columns + FP8 rows of [attn | cross | mlp], the attn
                     columns read from cuDNN's buffer when gathered (no copy into v)        1 launch
     w_out           FP8 GEMM, then the block's one all-reduce under TP                     1-2 launches
@@ -59,8 +63,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from charstream.kernels.adaln_quant import adaln_quant
+from charstream.kernels.attention_merge import merge_partials
 from charstream.kernels.fp8 import FP8_DTYPE, FP8_MAX
-from charstream.kernels.fp8_window_attention import Fp8WindowAttention
+from charstream.kernels.fp8_window_attention import Fp8WindowAttention, choose_window_splits
 from charstream.kernels.quantize_rows import quantize_rows
 from charstream.kernels.ring_attention import (
     gather_window,
@@ -89,6 +94,10 @@ CROSS_ATTENTION_OPTIONS = {"block_m": 64, "block_n": 16, "num_warps": 4}
 # The gathered (cuDNN) attention once the window is full: faster on the H200 in run 3 (132.5 vs
 # 149.9 ms per TP=3 step) with its GPU tests passing (docs/gpu-runs/2026-11-29-run3-*).
 GATHERED_BY_DEFAULT = True
+# The cross-attention on a stream of its own, beside the self-attention (both follow the prep; the GELU
+# rows wait for both): cuDNN's query tiles leave SMs idle (120 of 132 at TP=3, 90 at TP=4), where the
+# cross-attention's programs run instead of after it
+CROSS_BESIDE_ATTENTION_BY_DEFAULT = True
 # The libraries' 4-byte counter memsets (cuBLASLt's FP8 GEMMs, cuDNN's SDPA) run beside the kernel before
 # them instead of after it (model/graph_memsets.py)
 HOIST_MEMSETS_BY_DEFAULT = True
@@ -204,6 +213,8 @@ class DiffusionStep:
         prefer_gathered: bool = GATHERED_BY_DEFAULT,
         fp8_window: bool = False,
         hoist_memsets: bool = HOIST_MEMSETS_BY_DEFAULT,
+        cross_beside_attention: bool = CROSS_BESIDE_ATTENTION_BY_DEFAULT,
+        window_splits: int | None = None,
     ) -> None:
         cfg = model.cfg
         dev = cache.k.device
@@ -233,6 +244,7 @@ class DiffusionStep:
         self.n_heads, self.head_dim = block.n_heads, block.head_dim
         self.hd = self.n_heads * self.head_dim
         self.attention_options = dict(ATTENTION_OPTIONS if attention_options is None else attention_options)
+        self.cross_stream = torch.cuda.Stream(dev) if cross_beside_attention and dev.type == "cuda" else None
         self.w_in = [Fp8Linear.from_weight(b.w_in.weight) for b in model.blocks]
         self.w_out = [Fp8Linear.from_weight(b.w_out.weight) for b in model.blocks]
         self.cross_context = FusedCrossContext(model)
@@ -258,9 +270,16 @@ class DiffusionStep:
         self.window = tuple(torch.empty(win, dtype=win_dtype, device=dev) for _ in range(2)) if self.prefer_gathered else None
         if self.fp8_window:
             self.q8 = torch.empty(t, self.n_heads, self.head_dim, dtype=FP8_DTYPE, device=dev)
-            self.attn8 = torch.empty_like(self.q8)
+            # the window's key partitions (kernels/fp8_window_attention.py): with more than one, cuDNN writes
+            # each partition's output and statistics and merge_partials writes their merge over spent v
+            sms = torch.cuda.get_device_properties(dev).multi_processor_count
+            self.window_splits = choose_window_splits(self.n_heads, t, win[2], sms) if window_splits is None else window_splits
+            parts = (self.window_splits,) if self.window_splits > 1 else ()
+            self.attn8 = torch.empty(*parts, *self.q8.shape, dtype=FP8_DTYPE, device=dev)
+            self.attn_lse = (torch.empty(self.window_splits, self.n_heads, t, device=dev)
+                             if self.window_splits > 1 else None)
             self.fp8_attention = Fp8WindowAttention(self.n_heads, t, win[2], self.head_dim, self.q8.stride(),
-                                                    1.0 / math.sqrt(self.head_dim), dev)
+                                                    1.0 / math.sqrt(self.head_dim), dev, splits=self.window_splits)
             # per layer: q's descale and its codes' multipliers per head, the output's scales per head
             # (set from the cache's scales whenever the window is gathered: a new session's sink sets them)
             self.q_descale = torch.ones(cfg.n_blocks, 1, device=dev)
@@ -460,11 +479,18 @@ class DiffusionStep:
         q8 = (self.q8, self.q_mult[layer]) if fp8 else None
         prep(q, k, v, cq, *layer_cache, self.slot, self.positions, cache.freqs, self.norms[layer], cache.saturated,
              rotation=rotation, window=window, q8=q8)
+        side = self.cross_stream
+        if side is not None:  # the cross-attention's stream starts here, after the prep
+            side.wait_stream(torch.cuda.current_stream())
         attn = attn_scale = None  # the attention output when it is not in the v columns: cuDNN writes a buffer of its own
         if fp8:
             unit = self.ones[:1]  # K's and V's descales: their scales are folded into q's codes and the rows' read
-            self.fp8_attention(self.q8, *window[:2], self.q_descale[layer], unit, unit, self.scale_o, self.attn8)
-            attn, attn_scale = self.attn8.flatten(1), self.out_scale[layer]
+            self.fp8_attention(self.q8, *window[:2], self.q_descale[layer], unit, unit, self.scale_o, self.attn8,
+                               self.attn_lse)
+            if self.attn_lse is not None:
+                merge_partials(self.attn8, self.attn_lse, self.out_scale[layer], v)
+            else:
+                attn, attn_scale = self.attn8.flatten(1), self.out_scale[layer]
         elif self.gathered:
             attn = window_attention(q, *window[:2]).flatten(1)  # read there by quantize_rows, not copied over v
         elif q.is_cuda:
@@ -474,8 +500,11 @@ class DiffusionStep:
             v.copy_(ring_attention(q, *layer_cache, cache.ring_valid, cache.sink_slots, cache.tokens_per_frame))
         ck, cv = cross  # the audio K/V as a sink-only "ring" of unit scales
         if q.is_cuda:
-            ring_attention_triton(cq, ck, cv, self.ones, self.ones, self.no_ring, ck.shape[1], 1, out=cq,
-                                  **CROSS_ATTENTION_OPTIONS)
+            with torch.cuda.stream(side or torch.cuda.current_stream()):
+                ring_attention_triton(cq, ck, cv, self.ones, self.ones, self.no_ring, ck.shape[1], 1, out=cq,
+                                      **CROSS_ATTENTION_OPTIONS)
+            if side is not None:
+                torch.cuda.current_stream().wait_stream(side)
         else:
             cq.copy_(ring_attention(cq, ck, cv, self.ones, self.ones, self.no_ring, ck.shape[1], 1))
         oq = quantize_rows(fused[:, 2 * hd :], act_from=2 * hd, prefix=attn, prefix_scale=attn_scale)
