@@ -58,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="time the shard's step without its all-reduces (default: in a one-rank NCCL group, "
                              "as the step serves: the collectives replay inside its graph)")
     parser.add_argument("--skip", nargs="*", default=[],
-                        choices=["ceilings", "sweep", "kernels", "profile", "step", "fp8-window", "memsets", "decoder", "pipeline",
+                        choices=["ceilings", "sweep", "kernels", "profile", "step", "fp8-window", "memsets", "attention-layout", "carveout",
+                                 "decoder", "pipeline",
                                  "encoder"])
     parser.add_argument("--trace", action="store_true", help="with --json: also write each shard's Chrome trace of one replay")
     parser.add_argument("--section-timeout", type=float, default=0.0,
@@ -598,6 +599,109 @@ def bench_memset_hoist(steps: dict[str, object], reps: int) -> dict[str, object]
     return result
 
 
+def bench_attention_layout(step, reps: int) -> dict[str, object]:
+    """The FP8-window step as served (its cross-attention on a stream of its own beside the window's
+    attention; the window's keys in ``step.window_splits`` partitions) against the same step re-captured
+    with the cross-attention in line after the attention and, where it splits, a step with one partition:
+    graph replays timed in turns, and how far each one's latent is from the served one's."""
+    from charstream.model.step import DiffusionStep
+
+    served = step.graphs
+    step.cross_stream, side = None, step.cross_stream
+    _progress("attention layout: capture, cross-attention in line")
+    step.capture()
+    in_line = step.graphs
+    step.graphs, step.cross_stream = served, side
+    runs: dict[str, Callable[[], torch.Tensor]] = {}
+
+    def replay(graphs):
+        step.graphs = graphs
+        return step.run(graphed=True)
+
+    runs["served"] = functools.partial(replay, served)
+    runs["cross_in_line"] = functools.partial(replay, in_line)
+    result: dict[str, object] = {"window_splits": step.window_splits}
+    one = None
+    if step.window_splits > 1:
+        _progress("attention layout: capture, one partition")
+        one = DiffusionStep(step.model, step.cache, step.tp_group, fused=True, graphed=True,
+                            attention_options=step.attention_options, prefer_gathered=True, fp8_window=True,
+                            window_splits=1)
+        one.set_inputs(step.audio[0, 0], step.noise, int(step.positions[0, 0]))
+        one.capture()
+        runs["one_partition"] = functools.partial(one.run, graphed=True)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(2):
+        for name, run in runs.items():
+            times[name].append(cuda_median_ms(run, reps))
+    latents = {name: run().clone() for name, run in runs.items()}
+    step.graphs = served
+    base = latents["served"]
+    result["step_ms"] = times
+    result.update({f"{name}_minus_served_ms": statistics.median(t) - statistics.median(times["served"])
+                   for name, t in times.items() if name != "served"})
+    result.update({f"latent_rel_diff_{name}_vs_served": ((lat - base).norm() / base.norm()).item()
+                   for name, lat in latents.items() if name != "served"})
+    result["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    return result
+
+
+def _triton_functions() -> list[int]:
+    """The CUfunction of every Triton kernel of ``charstream.kernels`` compiled so far in this process."""
+    import importlib
+    import pkgutil
+
+    import charstream.kernels as package
+    from triton.runtime.jit import JITFunction
+
+    functions = []
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        for jit in (v for v in vars(module).values() if isinstance(v, JITFunction)):
+            for caches in jit.device_caches.values():
+                for compiled in caches[0].values():
+                    compiled._init_handles()
+                    functions.append(compiled.function)
+    return functions
+
+
+def _set_carveout(functions: list[int], percent: int) -> None:
+    import ctypes
+
+    driver = ctypes.CDLL("libcuda.so.1")
+    for fn in functions:  # CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9; -1: no preference
+        result = driver.cuFuncSetAttribute(ctypes.c_void_p(fn), ctypes.c_int(9), ctypes.c_int(percent))
+        if result != 0:
+            raise RuntimeError(f"cuFuncSetAttribute(carveout {percent}) failed: CUresult {result}")
+
+
+def bench_carveout(step, reps: int) -> dict[str, object]:
+    """Whether the idle time before each library kernel (cuBLASLt's GEMMs, cuDNN's attention: ~3.5 us
+    a boundary against ~1 between two of ours) is the SMs' L1 / shared-memory split changing between our
+    Triton kernels (little shared memory, no preference) and the libraries' (most of it): the step
+    re-captured with every Triton kernel preferring the largest shared-memory carveout, timed in turns
+    with the step as served (each run's carveout set before it), and whether the latents are equal."""
+    served = step.graphs
+    functions = _triton_functions()
+    _set_carveout(functions, 100)
+    _progress("carveout: capture, Triton kernels at the largest shared-memory carveout")
+    step.capture()
+    carved = step.graphs
+    times: dict[str, list[float]] = {"served": [], "carveout_100": []}
+    latents = {}
+    for _ in range(2):
+        for name, graphs, percent in (("served", served, -1), ("carveout_100", carved, 100)):
+            _set_carveout(functions, percent)
+            step.graphs = graphs
+            times[name].append(cuda_median_ms(functools.partial(step.run, graphed=True), reps))
+            latents[name] = step.run(graphed=True).clone()
+    _set_carveout(functions, -1)
+    step.graphs = served
+    return {"triton_functions": len(functions), "step_ms": times,
+            "carveout_minus_served_ms": statistics.median(times["carveout_100"]) - statistics.median(times["served"]),
+            "latents_equal": bool(torch.equal(latents["served"], latents["carveout_100"]))}
+
+
 def bench_decoder(cfg: ModelConfig, reps: int) -> tuple[dict[str, float], object]:
     from charstream.model.graphed_decoder import GraphedDecoder
     from charstream.model.vae import Decoder, to_uint8_frames
@@ -769,6 +873,16 @@ def _table(results: dict) -> str:
                              ", ".join(f"{v:.1f}" for v in m["step_ms"]["hoisted"]) + " / "
                              + ", ".join(f"{v:.1f}" for v in m["step_ms"]["as_captured"])
                              + f"; {sum(m['memsets_moved'].values())}, {m['latents_equal']}", "", ""))
+        car = r.get("carveout", {})
+        if isinstance(car, dict) and "step_ms" in car:
+            rows.append(("  FP8 window, served / Triton kernels at carveout 100, in turns (ms); latents equal",
+                         " / ".join(", ".join(f"{v:.1f}" for v in t) for t in car["step_ms"].values())
+                         + f"; {car['latents_equal']}", "", ""))
+        lay = r.get("attention_layout", {})
+        if isinstance(lay, dict) and "step_ms" in lay:
+            rows.append((f"  FP8 window, {lay['window_splits']} partition(s): " + " / ".join(lay["step_ms"])
+                         + ", in turns (ms)", " / ".join(", ".join(f"{v:.1f}" for v in t) for t in lay["step_ms"].values()),
+                         "", ""))
         for name, ms in k.get("per_step_ms", {}).items():
             rows.append((f"  {name} x{4 * 60} (ms)", f"{ms:.2f}", "", ""))
         if "cache_upkeep_as_served_ms_per_step" in k:
@@ -914,6 +1028,12 @@ def run(args: argparse.Namespace) -> int:
                 if "memsets" not in args.skip:
                     shard["memset_hoist"] = _section(shard, f"memsets hoisted TP={tp}", bench_memset_hoist,
                                                      {"bf16": step, "fp8": fp8_step}, args.steps) or shard.get("memset_hoist")
+                if "attention-layout" not in args.skip:
+                    shard["attention_layout"] = _section(shard, f"attention layout TP={tp}", bench_attention_layout,
+                                                         fp8_step, args.steps) or shard.get("attention_layout")
+                if "carveout" not in args.skip:
+                    shard["carveout"] = _section(shard, f"carveout TP={tp}", bench_carveout, fp8_step,
+                                                 args.steps) or shard.get("carveout")
                 fp8_step = built = None
         print(json.dumps({tp: shard}, default=str)[:3000], flush=True)
         _save(results, args.json)

@@ -346,37 +346,86 @@ def _window_attn_fp8(q: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, 
 
 
 def window_attn_split(gen: torch.Generator) -> dict[str, object]:
-    """cuDNN's FP8 SDPA with the window's keys split K ways, as K x heads attention heads over 1/K of
-    the keys each: a (heads, S, D) window is a (K x heads, S / K, D) one by a reshape, and head h x K + j
-    takes q's head h (q repeated K times) over key block j. At 15 heads (the TP=4 shard) cuDNN's query
-    tiles fill 90 of the 132 SMs; split 4 ways, 360 tiles are ~2.7 waves of a quarter of the work each.
-    Timed per call (heads 20 and 15, K = 1, 2, 4, 8) without the merge a serving split would need (the
-    partial outputs weighted by cuDNN's softmax stats: ~6 MB more for the GELU rows to read at K = 4);
-    each partial checked against fp32 math over its own keys' codes."""
-    from charstream.kernels.fp8_window_attention import Fp8WindowAttention, fp8_window_attention_reference
+    """cuDNN's FP8 SDPA over the window's keys in K partitions, as the step serves it
+    (``Fp8WindowAttention(splits=K)``: one call, the partitions a batch, q read through a batch stride
+    of 0), then ``merge_partials`` of the K outputs by their statistics into bf16 columns of a wider
+    buffer, at heads 20 (TP=3) and 15 (TP=4), K = 1, 2, 4, 8. Checked: each partition's output against
+    fp32 math over its keys' codes, its statistics against their log-sum-exp, and the merge against fp32
+    math over the whole window. Timed per call: the attention alone, and attention + merge. Also
+    every execution plan cuDNN offers for K = 1 (``plan_<i>_ms``), timed in turns with the default."""
+    from charstream.kernels.fp8_window_attention import choose_window_splits
 
     n_win = SINK + VALID * T
     windows = [_fp8_cache(LAYERS, gen, n_win) for _ in range(2)]
     q8 = (torch.randn(T, H, D, device="cuda", generator=gen) * 64).clamp(-448, 448).to(FP8_DTYPE)
-    descale = torch.full((1,), 1.0 / 64, device="cuda")
-    one = torch.ones(1, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     result: dict[str, object] = {}
     for heads in (H, 15):
+        q = q8[:, :heads]  # the step's q codes are (T, heads, D) rows of a contiguous buffer, so is this view
+        k8, v8 = (w[:, :heads].contiguous() for w in windows)
+        head_scale = torch.rand(heads, device="cuda", generator=gen) * 0.02 + 0.01
+        result[f"h{heads}_chosen_splits"] = choose_window_splits(heads, T, n_win, sms)
         for k in (1, 2, 4, 8):
-            name = f"h{heads}_k{k}"
-            with _variant(result, "window_attn_split", name) as entry:
-                q_rep = q8[:, :heads].repeat_interleave(k, dim=1)  # (T, heads x K, D): head h x K + j is q's h
-                k8, v8 = (w[:, :heads].reshape(LAYERS, heads * k, n_win // k, D) for w in windows)
-                attn = Fp8WindowAttention(heads * k, T, n_win // k, D, q_rep.stride(), 1.0 / D**0.5)
-                out = torch.empty(T, heads * k, D, device="cuda").to(FP8_DTYPE)
-                probe = torch.full((T, heads * k, D), float("nan"), device="cuda").to(FP8_DTYPE)
-                attn(q_rep, k8[0], v8[0], descale, descale, one, one, probe)
-                ref = fp8_window_attention_reference(q_rep, k8[0], v8[0], descale, descale, one, 1.0 / D**0.5)
-                entry["rel_vs_fp32_over_codes"] = _rel(probe.float(), ref)
-                entry["nan"] = int(torch.isnan(probe.float()).sum())
-                entry["ms"] = _graph_ms([functools.partial(attn, q_rep, k8[i % LAYERS], v8[i % LAYERS], descale,
-                                                           descale, one, one, out) for i in range(4 * LAYERS)])
+            with _variant(result, "window_attn_split", f"h{heads}_k{k}") as entry:
+                entry.update(_window_split(q, k8, v8, k, head_scale))
     return result
+
+
+def _window_split(q: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, k: int, head_scale: torch.Tensor) -> dict:
+    from charstream.kernels.attention_merge import merge_partials
+    from charstream.kernels.fp8_window_attention import (
+        Fp8WindowAttention,
+        fp8_window_attention_reference,
+        fp8_window_partials_reference,
+    )
+
+    entry: dict[str, object] = {}
+    heads, n_win, scale = q.shape[1], k8.shape[2], 1.0 / D**0.5
+    descale = torch.full((1,), 1.0 / 64, device="cuda")
+    one = torch.ones(1, device="cuda")
+    full = fp8_window_attention_reference(q, k8[0], v8[0], descale, descale, one, scale)
+    attn = Fp8WindowAttention(heads, T, n_win, D, q.stride(), scale, splits=k)
+    entry["plans"] = attn.plan_count
+    shape = (k, T, heads, D) if k > 1 else (T, heads, D)
+    out = torch.full(shape, float("nan"), device="cuda").to(FP8_DTYPE)
+    lse = torch.full((k, heads, T), float("nan"), device="cuda") if k > 1 else None
+    attn(q, k8[0], v8[0], descale, descale, one, one, out, lse)
+    entry["nan"] = int(torch.isnan(out.float()).sum())
+    wide = torch.full((T, 5 * heads * D), float("nan"), device="cuda", dtype=torch.bfloat16)
+    dest = wide[:, 2 * heads * D : 3 * heads * D].unflatten(-1, (heads, D))
+    if k == 1:
+        entry["rel_vs_fp32_over_codes"] = _rel(out.float(), full)
+    else:
+        parts, lses = fp8_window_partials_reference(q, k8[0], v8[0], descale, descale, one, scale, k)
+        entry["rel_vs_fp32_over_codes"] = _rel(out.float(), parts)
+        entry["lse_max_abs_error"] = (lse - lses).abs().max().item()
+        merge_partials(out, lse, head_scale, dest)
+        entry["merged_rel_vs_fp32"] = _rel(dest.float(), full * head_scale[None, :, None])
+        entry["merge_outside_untouched"] = bool(torch.isnan(wide[:, : 2 * heads * D]).all()
+                                                and torch.isnan(wide[:, 3 * heads * D :]).all())
+
+    def call(i: int, merge: bool) -> None:
+        attn(q, k8[i], v8[i], descale, descale, one, one, out, lse)
+        if merge:
+            merge_partials(out, lse, head_scale, dest)
+
+    variants = {"ms": [functools.partial(call, i % LAYERS, False) for i in range(4 * LAYERS)]}
+    if k > 1:
+        variants["ms_with_merge"] = [functools.partial(call, i % LAYERS, True) for i in range(4 * LAYERS)]
+    else:  # every plan cuDNN offers, in turns with the heuristics' choice
+        for index in range(attn.plan_count):
+            try:
+                plan = Fp8WindowAttention(heads, T, n_win, D, q.stride(), scale, plan=index)
+                probe = torch.full(shape, float("nan"), device="cuda").to(FP8_DTYPE)
+                plan(q, k8[0], v8[0], descale, descale, one, one, probe)
+            except Exception as exc:
+                entry[f"plan_{index}_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+                continue
+            entry[f"plan_{index}_rel_vs_fp32_over_codes"] = _rel(probe.float(), full)
+            variants[f"plan_{index}_ms"] = [functools.partial(plan, q, k8[i % LAYERS], v8[i % LAYERS], descale, descale,
+                                                              one, one, out) for i in range(4 * LAYERS)]
+    entry.update(_graphs_ms(variants))
+    return entry
 
 
 CROSS_VARIANTS = ((128, 8), (64, 4), (32, 4), (16, 2))  # (block_m, warps); 9 audio keys in one 16-key block
@@ -585,6 +634,8 @@ def _table(results: dict) -> str:
                 ms = f"{e['ms'] * 1e3:.2f} us" if "ms" in e else e.get("error", "")[:40]
                 if "prep_ms" in e:
                     ms += f" (prep {e['prep_ms'] * 1e3:.2f} us)"
+                if "ms_with_merge" in e:
+                    ms += f" (with merge {e['ms_with_merge'] * 1e3:.2f} us)"
                 check = {k: e[k] for k in ("k", "v", "check") if k in e}
                 rows.append((f"{section} {name}", ms, json.dumps(check)[:110]))
     width = [max(len(r[i]) for r in rows) for i in range(3)]
