@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="time the shard's step without its all-reduces (default: in a one-rank NCCL group, "
                              "as the step serves: the collectives replay inside its graph)")
     parser.add_argument("--skip", nargs="*", default=[],
-                        choices=["ceilings", "sweep", "kernels", "profile", "step", "fp8-window", "memsets", "attention-layout", "carveout",
+                        choices=["ceilings", "sweep", "kernels", "profile", "step", "fp8-window", "memsets", "attention-layout",
                                  "decoder", "pipeline",
                                  "encoder"])
     parser.add_argument("--trace", action="store_true", help="with --json: also write each shard's Chrome trace of one replay")
@@ -646,62 +646,6 @@ def bench_attention_layout(step, reps: int) -> dict[str, object]:
     return result
 
 
-def _triton_functions() -> list[int]:
-    """The CUfunction of every Triton kernel of ``charstream.kernels`` compiled so far in this process."""
-    import importlib
-    import pkgutil
-
-    import charstream.kernels as package
-    from triton.runtime.jit import JITFunction
-
-    functions = []
-    for info in pkgutil.iter_modules(package.__path__):
-        module = importlib.import_module(f"{package.__name__}.{info.name}")
-        for jit in (v for v in vars(module).values() if isinstance(v, JITFunction)):
-            for caches in jit.device_caches.values():
-                for compiled in caches[0].values():
-                    compiled._init_handles()
-                    functions.append(compiled.function)
-    return functions
-
-
-def _set_carveout(functions: list[int], percent: int) -> None:
-    import ctypes
-
-    driver = ctypes.CDLL("libcuda.so.1")
-    for fn in functions:  # CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9; -1: no preference
-        result = driver.cuFuncSetAttribute(ctypes.c_void_p(fn), ctypes.c_int(9), ctypes.c_int(percent))
-        if result != 0:
-            raise RuntimeError(f"cuFuncSetAttribute(carveout {percent}) failed: CUresult {result}")
-
-
-def bench_carveout(step, reps: int) -> dict[str, object]:
-    """Whether the idle time before each library kernel (cuBLASLt's GEMMs, cuDNN's attention: ~3.5 us
-    a boundary against ~1 between two of ours) is the SMs' L1 / shared-memory split changing between our
-    Triton kernels (little shared memory, no preference) and the libraries' (most of it): the step
-    re-captured with every Triton kernel preferring the largest shared-memory carveout, timed in turns
-    with the step as served (each run's carveout set before it), and whether the latents are equal."""
-    served = step.graphs
-    functions = _triton_functions()
-    _set_carveout(functions, 100)
-    _progress("carveout: capture, Triton kernels at the largest shared-memory carveout")
-    step.capture()
-    carved = step.graphs
-    times: dict[str, list[float]] = {"served": [], "carveout_100": []}
-    latents = {}
-    for _ in range(2):
-        for name, graphs, percent in (("served", served, -1), ("carveout_100", carved, 100)):
-            _set_carveout(functions, percent)
-            step.graphs = graphs
-            times[name].append(cuda_median_ms(functools.partial(step.run, graphed=True), reps))
-            latents[name] = step.run(graphed=True).clone()
-    _set_carveout(functions, -1)
-    step.graphs = served
-    return {"triton_functions": len(functions), "step_ms": times,
-            "carveout_minus_served_ms": statistics.median(times["carveout_100"]) - statistics.median(times["served"]),
-            "latents_equal": bool(torch.equal(latents["served"], latents["carveout_100"]))}
-
-
 def bench_decoder(cfg: ModelConfig, reps: int) -> tuple[dict[str, float], object]:
     from charstream.model.graphed_decoder import GraphedDecoder
     from charstream.model.vae import Decoder, to_uint8_frames
@@ -873,11 +817,6 @@ def _table(results: dict) -> str:
                              ", ".join(f"{v:.1f}" for v in m["step_ms"]["hoisted"]) + " / "
                              + ", ".join(f"{v:.1f}" for v in m["step_ms"]["as_captured"])
                              + f"; {sum(m['memsets_moved'].values())}, {m['latents_equal']}", "", ""))
-        car = r.get("carveout", {})
-        if isinstance(car, dict) and "step_ms" in car:
-            rows.append(("  FP8 window, served / Triton kernels at carveout 100, in turns (ms); latents equal",
-                         " / ".join(", ".join(f"{v:.1f}" for v in t) for t in car["step_ms"].values())
-                         + f"; {car['latents_equal']}", "", ""))
         lay = r.get("attention_layout", {})
         if isinstance(lay, dict) and "step_ms" in lay:
             rows.append((f"  FP8 window, {lay['window_splits']} partition(s): " + " / ".join(lay["step_ms"])
@@ -1031,9 +970,6 @@ def run(args: argparse.Namespace) -> int:
                 if "attention-layout" not in args.skip:
                     shard["attention_layout"] = _section(shard, f"attention layout TP={tp}", bench_attention_layout,
                                                          fp8_step, args.steps) or shard.get("attention_layout")
-                if "carveout" not in args.skip:
-                    shard["carveout"] = _section(shard, f"carveout TP={tp}", bench_carveout, fp8_step,
-                                                 args.steps) or shard.get("carveout")
                 fp8_step = built = None
         print(json.dumps({tp: shard}, default=str)[:3000], flush=True)
         _save(results, args.json)
