@@ -27,6 +27,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _run_checks() -> dict[str, dict[str, float]]:
     from charstream.kernels.adaln_quant import adaln_quant_reference, adaln_quant_triton
     from charstream.kernels.attention_merge import merge_partials_reference, merge_partials_triton
+    from charstream.kernels.cross_attention import cross_attention_reference, cross_attention_triton
     from charstream.kernels.delta_rotate import delta_rotate_reference, delta_rotate_triton
     from charstream.kernels.fp8 import FP8_DTYPE, FP8_MAX
     from charstream.kernels.quantize_rows import MIN_AMAX, quantize_rows_reference, quantize_rows_triton
@@ -233,6 +234,23 @@ def _run_checks() -> dict[str, dict[str, float]]:
         "outside_written": float((~torch.isnan(merged[1])).sum() - (~torch.isnan(merged[1][:, inside])).sum()),
     }
 
+    # the cross-attention in place over the cross-q columns of a wider buffer, 2 persistent programs taking
+    # T = 12 tokens' one query block per head (H = 3: 3 tiles), 9 keys in a block of 16; fp32 and fp16
+    # (the interpreter's bf16 dot is not faithful: the GPU test checks bf16)
+    for dtype in (torch.float32, torch.float16):
+        fused = torch.randn(T, 5 * H * D, generator=g).to(dtype)
+        before = fused.clone()
+        cq = fused[:, 3 * H * D : 4 * H * D].unflatten(-1, (H, D))
+        kv = torch.randn(9, 2, H, D, generator=g).to(dtype)
+        k, v = kv[:, 0].transpose(0, 1), kv[:, 1].transpose(0, 1)  # (H, 9, D) views, as the step's
+        want = cross_attention_reference(cq, k, v, torch.empty(T, H, D))
+        cross_attention_triton(cq, k, v, cq, programs=2)
+        report[f"cross_attention_{str(dtype).removeprefix('torch.')}"] = {
+            "rel": _rel(cq, want),
+            "outside_changed": float((fused[:, : 3 * H * D] != before[:, : 3 * H * D]).sum()
+                                     + (fused[:, 4 * H * D :] != before[:, 4 * H * D :]).sum()),
+        }
+
     order = torch.tensor([2, 0], dtype=torch.int32)
     window = tuple(torch.full((H, SINK + 2 * T, D), POISON) for _ in range(2))
     gather_window(k_cache, v_cache, scale, scale, order, SINK, T, window)
@@ -321,6 +339,13 @@ def test_attention_merge_triton_matches_reference(report):
     r = report["attention_merge"]
     assert r["rel"] < 1e-2, r  # the same fp32 math; the interpreter's bf16 store truncates (<= 2^-8)
     assert r["nan_inside"] == 0 and r["outside_written"] == 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_cross_attention_matches_reference_in_place(report, dtype):
+    r = report[f"cross_attention_{dtype}"]
+    assert r["rel"] < (1e-5 if dtype == "float32" else 2e-3), r  # fp16: the probabilities and output rounded
+    assert r["outside_changed"] == 0
 
 
 def test_gather_window_lists_sink_then_frames_in_order(report):
