@@ -64,8 +64,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from charstream.kernels.adaln_quant import adaln_quant
 from charstream.kernels.attention_merge import merge_partials
+from charstream.kernels.cross_attention import cross_attention, idle_sms
 from charstream.kernels.fp8 import FP8_DTYPE, FP8_MAX
-from charstream.kernels.fp8_window_attention import Fp8WindowAttention, choose_window_splits
+from charstream.kernels.fp8_window_attention import QUERY_TILE, Fp8WindowAttention, choose_window_splits
 from charstream.kernels.quantize_rows import quantize_rows
 from charstream.kernels.ring_attention import (
     gather_window,
@@ -88,15 +89,12 @@ from charstream.model.sampler import sample, seeded_noise
 # kernel's own defaults serve -- the H200 sweep's best (0.153 ms per TP=3 call against 0.170 with the
 # 64-row blocks this used to pin: docs/PERF.md, issue 14, run 4).
 ATTENTION_OPTIONS: dict = {}
-# The cross-attention's (the ring kernel over the step's audio keys only): one 16-key block, 64-query
-# tiles at 4 warps (5.4 against 6.0 us per call at 128 / 8 on the H200: docs/PERF.md, issue 14, run 5).
-CROSS_ATTENTION_OPTIONS = {"block_m": 64, "block_n": 16, "num_warps": 4}
 # The gathered (cuDNN) attention once the window is full: faster on the H200 in run 3 (132.5 vs
 # 149.9 ms per TP=3 step) with its GPU tests passing (docs/gpu-runs/2026-11-29-run3-*).
 GATHERED_BY_DEFAULT = True
 # The cross-attention on a stream of its own, beside the self-attention (both follow the prep; the GELU
-# rows wait for both): cuDNN's query tiles leave SMs idle (120 of 132 at TP=3, 90 at TP=4), where the
-# cross-attention's programs run instead of after it
+# rows wait for both), in as many persistent programs as the window attention's query tiles leave SMs
+# idle (12 of 132 at TP=3 and, split, at TP=4): it runs there instead of after it
 CROSS_BESIDE_ATTENTION_BY_DEFAULT = True
 # The libraries' 4-byte counter memsets (cuBLASLt's FP8 GEMMs, cuDNN's SDPA) run beside the kernel before
 # them instead of after it (model/graph_memsets.py)
@@ -254,7 +252,6 @@ class DiffusionStep:
         self.level_index = {sigma: i for i, sigma in enumerate(cfg.noise_levels)}
         self.x = torch.zeros(t, cfg.dim, dtype=dtype, device=dev)  # the residual stream
         self.ones = torch.ones(self.n_heads, device=dev)  # unit scales: the cross K/V are plain bf16
-        self.no_ring = torch.zeros(0, dtype=torch.bool, device=dev)
         # The gathered attention (CUDA: cuDNN) once the window is full reads every layer's window
         # dequantised into contiguous bf16: the sink, then frame f at window position f % window_frames.
         # Each pass's ring write also writes its frame there, so the window is gathered from the ring
@@ -290,6 +287,12 @@ class DiffusionStep:
             # has squared norm head_dim; RoPE keeps each pair's norm), plus bf16's rounding
             self.q_bound = torch.stack([b.q_norm.weight.detach().float().abs().amax() for b in model.blocks]) * (
                 math.sqrt(self.head_dim) * (1 + 2.0**-7))
+        # the cross-attention's persistent programs beside the window's attention: the SMs its query tiles
+        # (QUERY_TILE queries of a head, per key partition) leave idle; in line, one program a tile
+        self.cross_programs = None
+        if self.cross_stream is not None:
+            tiles = self.n_heads * math.ceil(t / QUERY_TILE) * (self.window_splits if self.fp8_window else 1)
+            self.cross_programs = idle_sms(tiles, torch.cuda.get_device_properties(dev).multi_processor_count)
 
     @property
     def next_frame(self) -> int:
@@ -499,14 +502,12 @@ class DiffusionStep:
         else:
             v.copy_(ring_attention(q, *layer_cache, cache.ring_valid, cache.sink_slots, cache.tokens_per_frame))
         ck, cv = cross  # the audio K/V as a sink-only "ring" of unit scales
-        if q.is_cuda:
-            with torch.cuda.stream(side or torch.cuda.current_stream()):
-                ring_attention_triton(cq, ck, cv, self.ones, self.ones, self.no_ring, ck.shape[1], 1, out=cq,
-                                      **CROSS_ATTENTION_OPTIONS)
-            if side is not None:
-                torch.cuda.current_stream().wait_stream(side)
+        if side is not None:
+            with torch.cuda.stream(side):
+                cross_attention(cq, ck, cv, cq, self.cross_programs)
+            torch.cuda.current_stream().wait_stream(side)
         else:
-            cq.copy_(ring_attention(cq, ck, cv, self.ones, self.ones, self.no_ring, ck.shape[1], 1))
+            cross_attention(cq, ck, cv, cq)
         oq = quantize_rows(fused[:, 2 * hd :], act_from=2 * hd, prefix=attn, prefix_scale=attn_scale)
         result = self.w_out[layer].forward_quantized(*oq, out_dtype=self.x.dtype)
         if self.tp_group is not None:

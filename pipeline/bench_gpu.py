@@ -187,6 +187,7 @@ def step_flops(cfg: ModelConfig, tp: int) -> dict[str, float]:
 def kernel_breakdown(cfg: ModelConfig, tp: int, model, cache, step) -> dict[str, object]:
     """Each kernel of a block-pass alone at the step's shapes (rotating over layers), x block-passes."""
     from charstream.kernels.adaln_quant import adaln_quant_triton
+    from charstream.kernels.cross_attention import cross_attention_triton
     from charstream.kernels.delta_rotate import delta_rotate_triton
     from charstream.kernels.quantize_rows import quantize_rows_triton
     from charstream.kernels.ring_attention import (
@@ -195,7 +196,6 @@ def kernel_breakdown(cfg: ModelConfig, tp: int, model, cache, step) -> dict[str,
         window_attention,
     )
     from charstream.kernels.ring_write import ring_write_prep_triton, ring_write_triton, rope_table
-    from charstream.model.step import CROSS_ATTENTION_OPTIONS
 
     s = shard_config(cfg, tp)
     t, hd, heads, d = cfg.tokens_per_step, s["hd"], s["heads"], cfg.head_dim
@@ -217,8 +217,6 @@ def kernel_breakdown(cfg: ModelConfig, tp: int, model, cache, step) -> dict[str,
                                cache.ring_valid, cache.sink_slots, cache.tokens_per_frame)
     out = torch.empty(t, heads, d, device="cuda", dtype=torch.bfloat16)
     ck = torch.randn(heads, cfg.n_audio_tokens, d, device="cuda", dtype=torch.bfloat16)
-    ones = torch.ones(heads, device="cuda")
-    no_ring = torch.zeros(0, dtype=torch.bool, device="cuda")
     every = [i for _ in cfg.noise_levels for i in layers]  # the step's 240 block-passes, layer by layer
     attn = torch.randn(t, hd, device="cuda", dtype=torch.bfloat16)  # the attention output as cuDNN leaves it
 
@@ -244,8 +242,7 @@ def kernel_breakdown(cfg: ModelConfig, tp: int, model, cache, step) -> dict[str,
         "attention_gather_then_cudnn": _graph_ms([lambda i=i: ring_attention_gathered(
             q, cache.k[i], cache.v[i], cache.k_scale[i], cache.v_scale[i], step.frame_order, cache.sink_slots,
             cache.tokens_per_frame, (win_k[0], win_v[0]), out=out) for i in every]),
-        "cross_attention": _graph_ms([lambda: ring_attention_triton(cq, ck, ck, ones, ones, no_ring, cfg.n_audio_tokens, 1,
-                                                                    out=out, **CROSS_ATTENTION_OPTIONS) for _ in every]),
+        "cross_attention": _graph_ms([lambda: cross_attention_triton(cq, ck, ck, out) for _ in every]),  # one program a tile
         "quantize_rows_gelu": _graph_ms([lambda: quantize_rows_triton(fused[:, 2 * hd :], 2 * hd, oq, prefix=attn)
                                          for _ in every]),
         "gemm_out": _graph_ms([lambda i=i: step.w_out[i].forward_quantized(*oq) for i in every]),
@@ -601,17 +598,22 @@ def bench_memset_hoist(steps: dict[str, object], reps: int) -> dict[str, object]
 
 def bench_attention_layout(step, reps: int) -> dict[str, object]:
     """The FP8-window step as served (its cross-attention on a stream of its own beside the window's
-    attention; the window's keys in ``step.window_splits`` partitions) against the same step re-captured
-    with the cross-attention in line after the attention and, where it splits, a step with one partition:
+    attention, in ``step.cross_programs`` persistent programs; the window's keys in ``step.window_splits``
+    partitions) against the same step re-captured with the cross-attention beside in one program a tile,
+    and in line after the attention, and, where it splits, a step with one partition:
     graph replays timed in turns, and how far each one's latent is from the served one's."""
     from charstream.model.step import DiffusionStep
 
     served = step.graphs
+    step.cross_programs, programs = None, step.cross_programs
+    _progress("attention layout: capture, cross-attention beside with one program a tile")
+    step.capture()
+    beside_every_tile = step.graphs
     step.cross_stream, side = None, step.cross_stream
     _progress("attention layout: capture, cross-attention in line")
     step.capture()
     in_line = step.graphs
-    step.graphs, step.cross_stream = served, side
+    step.graphs, step.cross_stream, step.cross_programs = served, side, programs
     runs: dict[str, Callable[[], torch.Tensor]] = {}
 
     def replay(graphs):
@@ -619,8 +621,9 @@ def bench_attention_layout(step, reps: int) -> dict[str, object]:
         return step.run(graphed=True)
 
     runs["served"] = functools.partial(replay, served)
+    runs["cross_beside_every_tile"] = functools.partial(replay, beside_every_tile)
     runs["cross_in_line"] = functools.partial(replay, in_line)
-    result: dict[str, object] = {"window_splits": step.window_splits}
+    result: dict[str, object] = {"window_splits": step.window_splits, "cross_programs": programs}
     one = None
     if step.window_splits > 1:
         _progress("attention layout: capture, one partition")

@@ -428,30 +428,38 @@ def _window_split(q: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, k: int, h
     return entry
 
 
-CROSS_VARIANTS = ((128, 8), (64, 4), (32, 4), (16, 2))  # (block_m, warps); 9 audio keys in one 16-key block
+CROSS_VARIANTS = (None, 12, 24)  # persistent programs (None: one a tile); 12: what the TP=3 step leaves idle
 
 
 def cross_attn(gen: torch.Generator) -> dict[str, object]:
-    """The cross-attention over the step's 9 audio keys (the sink-only form of the ring kernel, in place
-    over the cross-q columns), by query-block size."""
+    """The cross-attention over the step's 9 audio keys in place over the cross-q columns: the kernel the
+    step serves (``kernels/cross_attention.py``) by persistent program count, alone (beside the window's
+    attention, on the SMs its tiles leave idle, what matters is that it finishes within the attention's
+    time), and the ring kernel's sink-only form it replaced (64-query tiles, 4 warps)."""
+    from charstream.kernels.cross_attention import cross_attention_reference, cross_attention_triton
+
     audio = 9
     ck, cv = (torch.randn(H, audio, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
-    ones = torch.ones(H, device="cuda")
-    no_ring = torch.zeros(0, dtype=torch.bool, device="cuda")
     fused = torch.randn(T, 4 * H * D, device="cuda", dtype=torch.bfloat16, generator=gen)
     cq = fused[:, 3 * H * D :].unflatten(-1, (H, D))
-    ref = ring_attention_reference(cq, ck, cv, ones, ones, no_ring, audio, 1).float()
+    ref = cross_attention_reference(cq, ck, cv, torch.empty(T, H, D, device="cuda"))
     result: dict[str, object] = {}
-    for bm, w in CROSS_VARIANTS:
-        name = f"m{bm}_w{w}"
-        with _variant(result, "cross_attn", name) as entry:
+    for programs in CROSS_VARIANTS:
+        with _variant(result, "cross_attn", f"programs_{programs or 'every_tile'}") as entry:
             buf = torch.full((T, H, D), float("nan"), device="cuda", dtype=torch.bfloat16)
-            got = ring_attention_triton(cq, ck, cv, ones, ones, no_ring, audio, 1, block_m=bm, block_n=16, num_warps=w,
-                                        out=buf)
-            entry["rel_vs_fp32"] = _rel(got, ref)
+            entry["rel_vs_fp32"] = _rel(cross_attention_triton(cq, ck, cv, buf, programs), ref)
             scratch = fused.clone()[:, 3 * H * D :].unflatten(-1, (H, D))
-            entry["ms"] = _graph_ms([functools.partial(ring_attention_triton, scratch, ck, cv, ones, ones, no_ring, audio, 1,
-                                                       block_m=bm, block_n=16, num_warps=w, out=scratch)] * 240)
+            entry["ms"] = _graph_ms([functools.partial(cross_attention_triton, scratch, ck, cv, scratch, programs)] * 240)
+    with _variant(result, "cross_attn", "ring_kernel_m64_w4") as entry:
+        ones = torch.ones(H, device="cuda")
+        no_ring = torch.zeros(0, dtype=torch.bool, device="cuda")
+        buf = torch.full((T, H, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+        got = ring_attention_triton(cq, ck, cv, ones, ones, no_ring, audio, 1, block_m=64, block_n=16, num_warps=4,
+                                    out=buf)
+        entry["rel_vs_fp32"] = _rel(got, ref)
+        scratch = fused.clone()[:, 3 * H * D :].unflatten(-1, (H, D))
+        entry["ms"] = _graph_ms([functools.partial(ring_attention_triton, scratch, ck, cv, ones, ones, no_ring, audio, 1,
+                                                   block_m=64, block_n=16, num_warps=4, out=scratch)] * 240)
     return result
 
 
