@@ -251,7 +251,7 @@ def ring_attention_triton(
     (docs/gpu-notes.md); ``num_stages`` defaults to 4 over FP8 caches, 2 over 2-byte ones (four
     stages of 128 x 128 bf16 K and V tiles pass the shared memory). ``programs``: the persistent grid
     (default: 8 warps' worth per SM). With no ring
-    (``ring_valid`` empty: the cross-attention) every program takes one whole tile and no merge runs.
+    (``ring_valid`` empty: the sink alone) every program takes one whole tile and no merge runs.
 
     ``out`` (T, n_heads, head_dim), any strides with a contiguous head_dim, lets the caller have the
     result land straight in a larger buffer (e.g. the output projection's input) with no copy; it

@@ -31,7 +31,8 @@ position reset, the TP group) is shared:
                     it writes each partition's output and statistics, and merge_partials
                     writes their merge over the spent v columns                          +1 launch)
     cross attention cross-q over the step's audio K/V, written over the cross-q columns    1 launch
-                    (on CUDA on a stream of its own, beside the attention: ``cross_stream``)
+                    (on CUDA on a stream of its own, beside the attention, ``cross_stream``,
+                    in the persistent programs its tiles leave SMs for, ``cross_programs``)
     quantize_rows   GELU on the mlp columns + FP8 rows of [attn | cross | mlp], the attn
                     columns read from cuDNN's buffer when gathered (no copy into v)        1 launch
     w_out           FP8 GEMM, then the block's one all-reduce under TP                     1-2 launches
