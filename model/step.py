@@ -252,7 +252,7 @@ class DiffusionStep:
             self.mods, self.final_mods = model.level_modulations(torch.tensor(cfg.noise_levels, device=dev))
         self.level_index = {sigma: i for i, sigma in enumerate(cfg.noise_levels)}
         self.x = torch.zeros(t, cfg.dim, dtype=dtype, device=dev)  # the residual stream
-        self.ones = torch.ones(self.n_heads, device=dev)  # unit scales: the cross K/V are plain bf16
+        self.ones = torch.ones(self.n_heads, device=dev)  # unit descales (the FP8 window's K and V)
         # The gathered attention (CUDA: cuDNN) once the window is full reads every layer's window
         # dequantised into contiguous bf16: the sink, then frame f at window position f % window_frames.
         # Each pass's ring write also writes its frame there, so the window is gathered from the ring
@@ -502,7 +502,7 @@ class DiffusionStep:
                                   **self.attention_options)
         else:
             v.copy_(ring_attention(q, *layer_cache, cache.ring_valid, cache.sink_slots, cache.tokens_per_frame))
-        ck, cv = cross  # the audio K/V as a sink-only "ring" of unit scales
+        ck, cv = cross  # the step's audio K/V of this block, each (heads, audio tokens, head_dim)
         if side is not None:
             with torch.cuda.stream(side):
                 cross_attention(cq, ck, cv, cq, self.cross_programs)
