@@ -597,11 +597,11 @@ def bench_memset_hoist(steps: dict[str, object], reps: int) -> dict[str, object]
 
 
 def bench_attention_layout(step, reps: int) -> dict[str, object]:
-    """The FP8-window step as served (its cross-attention on a stream of its own beside the window's
-    attention, in ``step.cross_programs`` persistent programs; the window's keys in ``step.window_splits``
-    partitions) against the same step re-captured with the cross-attention beside in one program a tile,
-    and in line after the attention, and, where it splits, a step with one partition:
-    graph replays timed in turns, and how far each one's latent is from the served one's."""
+    """A full-window step as served (its cross-attention on a stream of its own beside the window's
+    attention, in ``step.cross_programs`` persistent programs; with the FP8 window, its keys in
+    ``step.window_splits`` partitions) against the same step re-captured with the cross-attention beside in
+    one program a tile, and in line after the attention, and, where it splits, an FP8-window step with one
+    partition: graph replays timed in turns, and how far each one's latent is from the served one's."""
     from charstream.model.step import DiffusionStep
 
     served = step.graphs
@@ -623,9 +623,11 @@ def bench_attention_layout(step, reps: int) -> dict[str, object]:
     runs["served"] = functools.partial(replay, served)
     runs["cross_beside_every_tile"] = functools.partial(replay, beside_every_tile)
     runs["cross_in_line"] = functools.partial(replay, in_line)
-    result: dict[str, object] = {"window_splits": step.window_splits, "cross_programs": programs}
+    splits = step.window_splits if step.fp8_window else 1
+    result: dict[str, object] = {"window": "fp8" if step.fp8_window else "bf16", "window_splits": splits,
+                                 "cross_programs": programs}
     one = None
-    if step.window_splits > 1:
+    if splits > 1:
         _progress("attention layout: capture, one partition")
         one = DiffusionStep(step.model, step.cache, step.tp_group, fused=True, graphed=True,
                             attention_options=step.attention_options, prefer_gathered=True, fp8_window=True,
@@ -820,11 +822,11 @@ def _table(results: dict) -> str:
                              ", ".join(f"{v:.1f}" for v in m["step_ms"]["hoisted"]) + " / "
                              + ", ".join(f"{v:.1f}" for v in m["step_ms"]["as_captured"])
                              + f"; {sum(m['memsets_moved'].values())}, {m['latents_equal']}", "", ""))
-        lay = r.get("attention_layout", {})
-        if isinstance(lay, dict) and "step_ms" in lay:
-            rows.append((f"  FP8 window, {lay['window_splits']} partition(s): " + " / ".join(lay["step_ms"])
-                         + ", in turns (ms)", " / ".join(", ".join(f"{v:.1f}" for v in t) for t in lay["step_ms"].values()),
-                         "", ""))
+        for lay in r.get("attention_layout", {}).values():
+            if isinstance(lay, dict) and "step_ms" in lay:
+                rows.append((f"  {lay['window']} window, {lay['window_splits']} partition(s): " + " / ".join(lay["step_ms"])
+                             + ", in turns (ms)", " / ".join(", ".join(f"{v:.1f}" for v in t) for t in lay["step_ms"].values()),
+                             "", ""))
         for name, ms in k.get("per_step_ms", {}).items():
             rows.append((f"  {name} x{4 * 60} (ms)", f"{ms:.2f}", "", ""))
         if "cache_upkeep_as_served_ms_per_step" in k:
@@ -970,9 +972,10 @@ def run(args: argparse.Namespace) -> int:
                 if "memsets" not in args.skip:
                     shard["memset_hoist"] = _section(shard, f"memsets hoisted TP={tp}", bench_memset_hoist,
                                                      {"bf16": step, "fp8": fp8_step}, args.steps) or shard.get("memset_hoist")
-                if "attention-layout" not in args.skip:
-                    shard["attention_layout"] = _section(shard, f"attention layout TP={tp}", bench_attention_layout,
-                                                         fp8_step, args.steps) or shard.get("attention_layout")
+                if "attention-layout" not in args.skip:  # both windows' steps
+                    shard["attention_layout"] = {
+                        name: _section(shard, f"attention layout, {name} window, TP={tp}", bench_attention_layout, s,
+                                       args.steps) for name, s in (("fp8", fp8_step), ("bf16", step))}
                 fp8_step = built = None
         print(json.dumps({tp: shard}, default=str)[:3000], flush=True)
         _save(results, args.json)
