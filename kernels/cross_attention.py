@@ -1,16 +1,14 @@
 """A block's cross-attention: every token's cross-query over the step's few audio keys, one launch.
 
-``cross_attention(q, k, v, out, programs)``: q (T, H, D) -- the (tokens, heads) columns of the fused
+``cross_attention(q, k, v, out)``: q (T, H, D) -- the (tokens, heads) columns of the fused
 projection, any token and head strides, D contiguous -- attends per head over k, v (H, A, D) (any head and
 key strides, D contiguous; A a handful of audio keys, at most ``MAX_KEYS``) with softmax scale
 1/sqrt(D); the result is written into ``out`` (T, H, D), which may be q itself (a tile's queries are read
 before its output is written, by the one program that owns the tile). fp32 scores and softmax, the
 probabilities rounded to q's dtype for their product with v, fp32 accumulation.
 
-The Triton kernel is persistent: ``programs`` programs take the (128-query block, head) tiles in turn.
-The step runs it beside the window's attention, whose query tiles leave some SMs idle (120 of 132 at the
-TP=3 shard): with that many programs it stays on the idle SMs however the two launches are ordered,
-instead of taking SMs from the attention's tiles (``idle_sms``).
+The Triton kernel: one program per (128-query block, head) tile, the keys and values one block in
+registers; it replaced the ring kernel's sink-only form (timed against it: docs/PERF.md, issue 14).
 """
 
 from __future__ import annotations
@@ -23,13 +21,6 @@ import triton.language as tl
 
 MAX_KEYS = 64  # the keys are one block in registers
 BLOCK_M = 128
-
-
-def idle_sms(tiles: int, n_sms: int) -> int:
-    """SMs an attention of ``tiles`` equal one-SM tiles leaves idle through all its waves: run over
-    ``n_sms - idle`` SMs it takes the same number of waves (at least 1 is returned)."""
-    waves = math.ceil(tiles / n_sms)
-    return max(1, n_sms - math.ceil(tiles / waves))
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
@@ -53,46 +44,42 @@ def cross_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 @triton.jit
 def _cross_attention_kernel(
     q, stride_qt, stride_qh, k, stride_kh, stride_ka, v, stride_vh, stride_va, out, stride_ot, stride_oh,
-    n_tokens, n_heads, n_keys, qk_scale, n_tiles,
+    n_tokens, n_keys, qk_scale,
     BLOCK_M: tl.constexpr, KEYS: tl.constexpr, D: tl.constexpr,
 ):
-    # qk_scale = log2(e) / sqrt(D): the softmax in exp2. Tiles head-fastest, so programs that run at
-    # once read different heads' keys and values (each 2 x KEYS x D, from L2 after the first).
+    # qk_scale = log2(e) / sqrt(D): the softmax in exp2. Heads on the grid's fast axis, so programs that
+    # run at once read different heads' keys and values (each 2 x KEYS x D, from L2 after the first).
+    head = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     d = tl.arange(0, D)
     a = tl.arange(0, KEYS)
-    for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=2):
-        head = tile % n_heads
-        rows = (tile // n_heads) * BLOCK_M + tl.arange(0, BLOCK_M)
-        rmask = (rows < n_tokens)[:, None]
-        qt = tl.load(q + rows[:, None] * stride_qt + head * stride_qh + d[None, :], mask=rmask, other=0.0)
-        kmask = (a < n_keys)[:, None]
-        kt = tl.load(k + head * stride_kh + a[:, None] * stride_ka + d[None, :], mask=kmask, other=0.0)
-        vt = tl.load(v + head * stride_vh + a[:, None] * stride_va + d[None, :], mask=kmask, other=0.0)
-        s = tl.dot(qt, tl.trans(kt)) * qk_scale
-        s = tl.where((a < n_keys)[None, :], s, float("-inf"))
-        p = tl.exp2(s - tl.max(s, 1)[:, None])
-        o = tl.dot(p.to(vt.dtype), vt) * (1.0 / tl.sum(p, 1))[:, None]
-        tl.store(out + rows[:, None] * stride_ot + head * stride_oh + d[None, :], o.to(out.dtype.element_ty),
-                 mask=rmask)
+    rmask = (rows < n_tokens)[:, None]
+    kmask = (a < n_keys)[:, None]
+    qt = tl.load(q + rows[:, None] * stride_qt + head * stride_qh + d[None, :], mask=rmask, other=0.0)
+    kt = tl.load(k + head * stride_kh + a[:, None] * stride_ka + d[None, :], mask=kmask, other=0.0)
+    vt = tl.load(v + head * stride_vh + a[:, None] * stride_va + d[None, :], mask=kmask, other=0.0)
+    s = tl.dot(qt, tl.trans(kt)) * qk_scale
+    s = tl.where((a < n_keys)[None, :], s, float("-inf"))
+    p = tl.exp2(s - tl.max(s, 1)[:, None])
+    o = tl.dot(p.to(vt.dtype), vt) * (1.0 / tl.sum(p, 1))[:, None]
+    tl.store(out + rows[:, None] * stride_ot + head * stride_oh + d[None, :], o.to(out.dtype.element_ty), mask=rmask)
 
 
 def cross_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                           programs: int | None = None, num_warps: int = 8) -> torch.Tensor:
-    """One launch of ``programs`` persistent programs (default: one per tile)."""
+                           num_warps: int = 8) -> torch.Tensor:
+    """One launch, one program per (query block, head) tile."""
     _check(q, k, v, out)
     t, h, d = q.shape
-    n_tiles = triton.cdiv(t, BLOCK_M) * h
-    _cross_attention_kernel[(min(programs or n_tiles, n_tiles),)](
+    _cross_attention_kernel[(h, triton.cdiv(t, BLOCK_M))](
         q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
-        out, out.stride(0), out.stride(1), t, h, k.shape[1], math.log2(math.e) / math.sqrt(d), n_tiles,
+        out, out.stride(0), out.stride(1), t, k.shape[1], math.log2(math.e) / math.sqrt(d),
         BLOCK_M=BLOCK_M, KEYS=max(16, triton.next_power_of_2(k.shape[1])), D=d, num_warps=num_warps,
     )
     return out
 
 
-def cross_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                    programs: int | None = None) -> torch.Tensor:
+def cross_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Dispatcher: the Triton kernel on CUDA, the PyTorch reference otherwise."""
     if q.is_cuda:
-        return cross_attention_triton(q, k, v, out, programs)
+        return cross_attention_triton(q, k, v, out)
     return cross_attention_reference(q, k, v, out)

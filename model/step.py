@@ -31,8 +31,6 @@ position reset, the TP group) is shared:
                     it writes each partition's output and statistics, and merge_partials
                     writes their merge over the spent v columns                          +1 launch)
     cross attention cross-q over the step's audio K/V, written over the cross-q columns    1 launch
-                    (on CUDA on a stream of its own, beside the attention, ``cross_stream``,
-                    in the persistent programs its tiles leave SMs for, ``cross_programs``)
     quantize_rows   GELU on the mlp columns + FP8 rows of [attn | cross | mlp], the attn
                     columns read from cuDNN's buffer when gathered (no copy into v)        1 launch
     w_out           FP8 GEMM, then the block's one all-reduce under TP                     1-2 launches
@@ -65,9 +63,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from charstream.kernels.adaln_quant import adaln_quant
 from charstream.kernels.attention_merge import merge_partials
-from charstream.kernels.cross_attention import cross_attention, idle_sms
+from charstream.kernels.cross_attention import cross_attention
 from charstream.kernels.fp8 import FP8_DTYPE, FP8_MAX
-from charstream.kernels.fp8_window_attention import QUERY_TILE, Fp8WindowAttention, choose_window_splits
+from charstream.kernels.fp8_window_attention import Fp8WindowAttention, choose_window_splits
 from charstream.kernels.quantize_rows import quantize_rows
 from charstream.kernels.ring_attention import (
     gather_window,
@@ -93,10 +91,6 @@ ATTENTION_OPTIONS: dict = {}
 # The gathered (cuDNN) attention once the window is full: faster on the H200 in run 3 (132.5 vs
 # 149.9 ms per TP=3 step) with its GPU tests passing (docs/gpu-runs/2026-11-29-run3-*).
 GATHERED_BY_DEFAULT = True
-# The cross-attention on a stream of its own, beside the self-attention (both follow the prep; the GELU
-# rows wait for both), in as many persistent programs as the window attention's query tiles leave SMs
-# idle (12 of 132 at TP=3 and, split, at TP=4): it runs there instead of after it
-CROSS_BESIDE_ATTENTION_BY_DEFAULT = True
 # The libraries' 4-byte counter memsets (cuBLASLt's FP8 GEMMs, cuDNN's SDPA) run beside the kernel before
 # them instead of after it (model/graph_memsets.py)
 HOIST_MEMSETS_BY_DEFAULT = True
@@ -212,7 +206,6 @@ class DiffusionStep:
         prefer_gathered: bool = GATHERED_BY_DEFAULT,
         fp8_window: bool = False,
         hoist_memsets: bool = HOIST_MEMSETS_BY_DEFAULT,
-        cross_beside_attention: bool = CROSS_BESIDE_ATTENTION_BY_DEFAULT,
         window_splits: int | None = None,
     ) -> None:
         cfg = model.cfg
@@ -243,7 +236,6 @@ class DiffusionStep:
         self.n_heads, self.head_dim = block.n_heads, block.head_dim
         self.hd = self.n_heads * self.head_dim
         self.attention_options = dict(ATTENTION_OPTIONS if attention_options is None else attention_options)
-        self.cross_stream = torch.cuda.Stream(dev) if cross_beside_attention and dev.type == "cuda" else None
         self.w_in = [Fp8Linear.from_weight(b.w_in.weight) for b in model.blocks]
         self.w_out = [Fp8Linear.from_weight(b.w_out.weight) for b in model.blocks]
         self.cross_context = FusedCrossContext(model)
@@ -288,12 +280,6 @@ class DiffusionStep:
             # has squared norm head_dim; RoPE keeps each pair's norm), plus bf16's rounding
             self.q_bound = torch.stack([b.q_norm.weight.detach().float().abs().amax() for b in model.blocks]) * (
                 math.sqrt(self.head_dim) * (1 + 2.0**-7))
-        # the cross-attention's persistent programs beside the window's attention: the SMs its query tiles
-        # (QUERY_TILE queries of a head, per key partition) leave idle; in line, one program a tile
-        self.cross_programs = None
-        if self.cross_stream is not None:
-            tiles = self.n_heads * math.ceil(t / QUERY_TILE) * (self.window_splits if self.fp8_window else 1)
-            self.cross_programs = idle_sms(tiles, torch.cuda.get_device_properties(dev).multi_processor_count)
 
     @property
     def next_frame(self) -> int:
@@ -483,9 +469,6 @@ class DiffusionStep:
         q8 = (self.q8, self.q_mult[layer]) if fp8 else None
         prep(q, k, v, cq, *layer_cache, self.slot, self.positions, cache.freqs, self.norms[layer], cache.saturated,
              rotation=rotation, window=window, q8=q8)
-        side = self.cross_stream
-        if side is not None:  # the cross-attention's stream starts here, after the prep
-            side.wait_stream(torch.cuda.current_stream())
         attn = attn_scale = None  # the attention output when it is not in the v columns: cuDNN writes a buffer of its own
         if fp8:
             unit = self.ones[:1]  # K's and V's descales: their scales are folded into q's codes and the rows' read
@@ -503,12 +486,7 @@ class DiffusionStep:
         else:
             v.copy_(ring_attention(q, *layer_cache, cache.ring_valid, cache.sink_slots, cache.tokens_per_frame))
         ck, cv = cross  # the step's audio K/V of this block, each (heads, audio tokens, head_dim)
-        if side is not None:
-            with torch.cuda.stream(side):
-                cross_attention(cq, ck, cv, cq, self.cross_programs)
-            torch.cuda.current_stream().wait_stream(side)
-        else:
-            cross_attention(cq, ck, cv, cq)
+        cross_attention(cq, ck, cv, cq)
         oq = quantize_rows(fused[:, 2 * hd :], act_from=2 * hd, prefix=attn, prefix_scale=attn_scale)
         result = self.w_out[layer].forward_quantized(*oq, out_dtype=self.x.dtype)
         if self.tp_group is not None:

@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="time the shard's step without its all-reduces (default: in a one-rank NCCL group, "
                              "as the step serves: the collectives replay inside its graph)")
     parser.add_argument("--skip", nargs="*", default=[],
-                        choices=["ceilings", "sweep", "kernels", "profile", "step", "fp8-window", "memsets", "attention-layout",
+                        choices=["ceilings", "sweep", "kernels", "profile", "step", "fp8-window", "memsets", "window-split",
                                  "decoder", "pipeline",
                                  "encoder"])
     parser.add_argument("--trace", action="store_true", help="with --json: also write each shard's Chrome trace of one replay")
@@ -572,6 +572,23 @@ def bench_fp8_window(step, reps: int):
     }, fp8
 
 
+def _in_turns(runs: dict[str, Callable[[], object]], reps: int, rounds: int = 4) -> dict[str, list[float]]:
+    """Each run's graph replays timed ``rounds`` times in turns, every other round in reverse order: the
+    first timing after a capture runs on a GPU that idled (session 13: up to 2 ms a step faster), so no
+    variant is always first."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for round_ in range(rounds):
+        for name in list(runs)[:: 1 if round_ % 2 == 0 else -1]:
+            times[name].append(cuda_median_ms(runs[name], reps))
+    return times
+
+
+def _replay(step, graphs: dict[bool, torch.cuda.CUDAGraph]) -> torch.Tensor:
+    """One replay of ``step`` through ``graphs`` (a capture of it other than its own)."""
+    step.graphs = graphs
+    return step.run(graphed=True)
+
+
 def bench_memset_hoist(steps: dict[str, object], reps: int) -> dict[str, object]:
     """Each serving step (by window) with the libraries' counter memsets hoisted beside the kernel before
     them (as served, ``model/graph_memsets.py``) and as captured, the same step re-captured: graph replays
@@ -582,13 +599,9 @@ def bench_memset_hoist(steps: dict[str, object], reps: int) -> dict[str, object]
         step.hoist_memsets = False
         step.capture()
         captured = step.graphs
-        times: dict[str, list[float]] = {"hoisted": [], "as_captured": []}
-        latents = {}
-        for _ in range(2):
-            for label, graphs in (("hoisted", hoisted), ("as_captured", captured)):
-                step.graphs = graphs
-                times[label].append(cuda_median_ms(functools.partial(step.run, graphed=True), reps))
-                latents[label] = step.run(graphed=True).clone()
+        runs = {"hoisted": functools.partial(_replay, step, hoisted), "as_captured": functools.partial(_replay, step, captured)}
+        times = _in_turns(runs, reps)
+        latents = {label: run().clone() for label, run in runs.items()}
         step.graphs, step.hoist_memsets = hoisted, True
         result[name] = {"memsets_moved": moved, "step_ms": times,
                         "hoisted_minus_captured_ms": statistics.median(times["hoisted"]) - statistics.median(times["as_captured"]),
@@ -596,61 +609,25 @@ def bench_memset_hoist(steps: dict[str, object], reps: int) -> dict[str, object]
     return result
 
 
-def bench_attention_layout(step, reps: int) -> dict[str, object]:
-    """A full-window step as served (its cross-attention on a stream of its own beside the window's
-    attention, in ``step.cross_programs`` persistent programs; with the FP8 window, its keys in
-    ``step.window_splits`` partitions) against the same step re-captured with the cross-attention beside in
-    one program a tile, and in line after the attention, and, where it splits, an FP8-window step with one
-    partition: graph replays timed in turns, and how far each one's latent is from the served one's."""
+def bench_window_split(step, reps: int) -> dict[str, object]:
+    """The FP8-window step as served, its window's keys in ``step.window_splits`` partitions merged by
+    their statistics, against the same model, cache and inputs in a step of one partition: graph replays
+    timed in turns, and how far the one partition's latent is from the split one's."""
     from charstream.model.step import DiffusionStep
 
-    served = step.graphs
-    step.cross_programs, programs = None, step.cross_programs
-    _progress("attention layout: capture, cross-attention beside with one program a tile")
-    step.capture()
-    beside_every_tile = step.graphs
-    step.cross_stream, side = None, step.cross_stream
-    _progress("attention layout: capture, cross-attention in line")
-    step.capture()
-    in_line = step.graphs
-    step.graphs, step.cross_stream, step.cross_programs = served, side, programs
-    runs: dict[str, Callable[[], torch.Tensor]] = {}
-
-    def replay(graphs):
-        step.graphs = graphs
-        return step.run(graphed=True)
-
-    runs["served"] = functools.partial(replay, served)
-    runs["cross_beside_every_tile"] = functools.partial(replay, beside_every_tile)
-    runs["cross_in_line"] = functools.partial(replay, in_line)
-    splits = step.window_splits if step.fp8_window else 1
-    result: dict[str, object] = {"window": "fp8" if step.fp8_window else "bf16", "window_splits": splits,
-                                 "cross_programs": programs}
-    one = None
-    if splits > 1:
-        _progress("attention layout: capture, one partition")
-        one = DiffusionStep(step.model, step.cache, step.tp_group, fused=True, graphed=True,
-                            attention_options=step.attention_options, prefer_gathered=True, fp8_window=True,
-                            window_splits=1)
-        one.set_inputs(step.audio[0, 0], step.noise, int(step.positions[0, 0]))
-        one.capture()
-        runs["one_partition"] = functools.partial(one.run, graphed=True)
-    # 4 rounds, every other one in reverse order: the first replays after the captures run on a GPU
-    # that idled (run 3 of session 13: the served step first in both rounds read up to 2 ms faster in the first)
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for round_ in range(4):
-        for name in list(runs)[:: 1 if round_ % 2 == 0 else -1]:
-            times[name].append(cuda_median_ms(runs[name], reps))
-    latents = {name: run().clone() for name, run in runs.items()}
-    step.graphs = served
-    base = latents["served"]
-    result["step_ms"] = times
-    result.update({f"{name}_minus_served_ms": statistics.median(t) - statistics.median(times["served"])
-                   for name, t in times.items() if name != "served"})
-    result.update({f"latent_rel_diff_{name}_vs_served": ((lat - base).norm() / base.norm()).item()
-                   for name, lat in latents.items() if name != "served"})
-    result["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
-    return result
+    one = DiffusionStep(step.model, step.cache, step.tp_group, fused=True, graphed=True,
+                        attention_options=step.attention_options, prefer_gathered=True, fp8_window=True,
+                        window_splits=1)
+    one.set_inputs(step.audio[0, 0], step.noise, int(step.positions[0, 0]))
+    _progress("window split: capture, one partition")
+    one.capture()
+    times = _in_turns({"split": functools.partial(step.run, graphed=True),
+                       "one_partition": functools.partial(one.run, graphed=True)}, reps)
+    split, whole = step.run(graphed=True).clone(), one.run(graphed=True).clone()
+    return {"window_splits": step.window_splits, "step_ms": times,
+            "split_minus_one_partition_ms": statistics.median(times["split"]) - statistics.median(times["one_partition"]),
+            "latent_rel_diff": ((split - whole).norm() / whole.norm()).item(),
+            "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9}
 
 
 def bench_decoder(cfg: ModelConfig, reps: int) -> tuple[dict[str, float], object]:
@@ -824,11 +801,11 @@ def _table(results: dict) -> str:
                              ", ".join(f"{v:.1f}" for v in m["step_ms"]["hoisted"]) + " / "
                              + ", ".join(f"{v:.1f}" for v in m["step_ms"]["as_captured"])
                              + f"; {sum(m['memsets_moved'].values())}, {m['latents_equal']}", "", ""))
-        for lay in r.get("attention_layout", {}).values():
-            if isinstance(lay, dict) and "step_ms" in lay:
-                rows.append((f"  {lay['window']} window, {lay['window_splits']} partition(s): " + " / ".join(lay["step_ms"])
-                             + ", in turns (ms)", " / ".join(", ".join(f"{v:.1f}" for v in t) for t in lay["step_ms"].values()),
-                             "", ""))
+        split = r.get("window_split", {})
+        if isinstance(split, dict) and "step_ms" in split:
+            rows.append((f"  FP8 window in {split['window_splits']} key partitions / in one, in turns (ms); latent diff",
+                         " / ".join(", ".join(f"{v:.1f}" for v in t) for t in split["step_ms"].values())
+                         + f"; {split['latent_rel_diff']:.1e}", "", ""))
         for name, ms in k.get("per_step_ms", {}).items():
             rows.append((f"  {name} x{4 * 60} (ms)", f"{ms:.2f}", "", ""))
         if "cache_upkeep_as_served_ms_per_step" in k:
@@ -974,10 +951,9 @@ def run(args: argparse.Namespace) -> int:
                 if "memsets" not in args.skip:
                     shard["memset_hoist"] = _section(shard, f"memsets hoisted TP={tp}", bench_memset_hoist,
                                                      {"bf16": step, "fp8": fp8_step}, args.steps) or shard.get("memset_hoist")
-                if "attention-layout" not in args.skip:  # both windows' steps
-                    shard["attention_layout"] = {
-                        name: _section(shard, f"attention layout, {name} window, TP={tp}", bench_attention_layout, s,
-                                       args.steps) for name, s in (("fp8", fp8_step), ("bf16", step))}
+                if "window-split" not in args.skip and fp8_step.window_splits > 1:
+                    shard["window_split"] = _section(shard, f"window split TP={tp}", bench_window_split, fp8_step,
+                                                     args.steps) or shard.get("window_split")
                 fp8_step = built = None
         print(json.dumps({tp: shard}, default=str)[:3000], flush=True)
         _save(results, args.json)

@@ -428,14 +428,10 @@ def _window_split(q: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, k: int, h
     return entry
 
 
-CROSS_VARIANTS = (None, 12, 24)  # persistent programs (None: one a tile); 12: what the TP=3 step leaves idle
-
-
 def cross_attn(gen: torch.Generator) -> dict[str, object]:
     """The cross-attention over the step's 9 audio keys in place over the cross-q columns: the kernel the
-    step serves (``kernels/cross_attention.py``) by persistent program count, alone (beside the window's
-    attention, on the SMs its tiles leave idle, what matters is that it finishes within the attention's
-    time), and the ring kernel's sink-only form it replaced (64-query tiles, 4 warps)."""
+    step serves (``kernels/cross_attention.py``) and the ring kernel's sink-only form it replaced
+    (64-query tiles, 4 warps)."""
     from charstream.kernels.cross_attention import cross_attention_reference, cross_attention_triton
 
     audio = 9
@@ -444,12 +440,11 @@ def cross_attn(gen: torch.Generator) -> dict[str, object]:
     cq = fused[:, 3 * H * D :].unflatten(-1, (H, D))
     ref = cross_attention_reference(cq, ck, cv, torch.empty(T, H, D, device="cuda"))
     result: dict[str, object] = {}
-    for programs in CROSS_VARIANTS:
-        with _variant(result, "cross_attn", f"programs_{programs or 'every_tile'}") as entry:
-            buf = torch.full((T, H, D), float("nan"), device="cuda", dtype=torch.bfloat16)
-            entry["rel_vs_fp32"] = _rel(cross_attention_triton(cq, ck, cv, buf, programs), ref)
-            scratch = fused.clone()[:, 3 * H * D :].unflatten(-1, (H, D))
-            entry["ms"] = _graph_ms([functools.partial(cross_attention_triton, scratch, ck, cv, scratch, programs)] * 240)
+    with _variant(result, "cross_attn", "served") as entry:
+        buf = torch.full((T, H, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+        entry["rel_vs_fp32"] = _rel(cross_attention_triton(cq, ck, cv, buf), ref)
+        scratch = fused.clone()[:, 3 * H * D :].unflatten(-1, (H, D))
+        entry["ms"] = _graph_ms([functools.partial(cross_attention_triton, scratch, ck, cv, scratch)] * 240)
     with _variant(result, "cross_attn", "ring_kernel_m64_w4") as entry:
         ones = torch.ones(H, device="cuda")
         no_ring = torch.zeros(0, dtype=torch.bool, device="cuda")

@@ -1,11 +1,11 @@
-"""The cross-attention kernel's reference and launch arithmetic on the CPU (the Triton kernel against the
+"""The cross-attention kernel's reference and its refusals on the CPU (the Triton kernel against the
 reference: tests/test_kernels_triton.py through the interpreter, tests/test_kernels_gpu.py on the GPU)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from charstream.kernels.cross_attention import MAX_KEYS, cross_attention, idle_sms
+from charstream.kernels.cross_attention import MAX_KEYS, cross_attention
 from charstream.model.dit import _cross_attention
 
 
@@ -17,13 +17,6 @@ def test_reference_is_the_models_cross_attention_per_head_in_place():
     want = _cross_attention(cq.transpose(0, 1).clone(), k, v).transpose(0, 1)
     got = cross_attention(cq, k, v, cq)  # the CPU dispatch: the reference, in place
     assert got.data_ptr() == cq.data_ptr() and torch.allclose(cq, want, atol=1e-6)
-
-
-@pytest.mark.parametrize(("tiles", "sms", "idle"), [(120, 132, 12), (360, 132, 12), (90, 132, 42), (240, 132, 12),
-                                                    (132, 132, 1), (264, 132, 1), (500, 132, 7)])
-def test_idle_sms_keep_the_attentions_wave_count(tiles, sms, idle):
-    # 120 tiles: one wave on 132 SMs or on 120; 360: 3 waves either way; 500: 4 waves of 125
-    assert idle_sms(tiles, sms) == idle
 
 
 def test_bad_shapes_are_refused():

@@ -110,14 +110,13 @@ def test_gathered_window_mirrors_the_ring_through_rollback_and_position_reset():
 @pytest.mark.parametrize("splits", [1, 4])
 def test_fp8_window_step_graph_matches_eager_and_stays_near_the_bf16_window(splits):
     """The FP8 window attention (cuDNN's FP8 SDPA over the ring's codes, head_dim 128 as cuDNN's FP8
-    kernels take it), its keys in one partition or split 4 ways and merged (180 keys: 45 a partition),
-    the cross-attention on its own stream: graph replays equal its eager fused step through a rollback
-    and position resets (which regather the window and its scales), and its latents stay near the bf16
-    window's."""
+    kernels take it), its keys in one partition or split 4 ways and merged (180 keys: 45 a partition):
+    graph replays equal its eager fused step through a rollback and position resets (which regather the
+    window and its scales), and its latents stay near the bf16 window's."""
     cfg = TINY.with_(dim=256, n_heads=2, head_dim=128, reset_every=2)
     audio = [torch.randn(cfg.n_audio_tokens, cfg.audio_dim) for _ in range(14)]
     graphed_gen = _generator(cfg, fused=True, graphed=True, fp8_window=True, window_splits=splits)
-    assert graphed_gen.diffusion.window_splits == splits and graphed_gen.diffusion.cross_stream is not None
+    assert graphed_gen.diffusion.window_splits == splits
     graphed = _session(graphed_gen, audio)
     eager = _session(_generator(cfg, fused=True, graphed=False, fp8_window=True, window_splits=splits), audio)
     bf16 = _session(_generator(cfg, fused=True, graphed=False), audio)
@@ -128,19 +127,6 @@ def test_fp8_window_step_graph_matches_eager_and_stays_near_the_bf16_window(spli
     for i, (got, want) in enumerate(zip(eager, bf16, strict=True)):
         noise = seeded_noise(got.shape, i if i < 10 else 100 + i - 3).to(got.device)
         assert _rel(got - noise, want - noise) < 0.1
-
-
-def test_the_cross_attention_beside_the_window_attention_gives_the_same_latents():
-    """The cross-attention on a stream of its own (served) against in line after the window's attention
-    (the step with no cross stream): the same kernels on the same inputs, so the graphed latents are
-    equal, in the ring's in-place attention and in the window's."""
-    cfg = TINY.with_(dim=256, n_heads=2, head_dim=128, reset_every=2)
-    audio = [torch.randn(cfg.n_audio_tokens, cfg.audio_dim) for _ in range(14)]
-    beside = _session(_generator(cfg, fused=True, graphed=True, fp8_window=True), audio)
-    in_line = _generator(cfg, fused=True, graphed=True, fp8_window=True)
-    in_line.diffusion.cross_stream = None  # before its graphs are captured (at the session's start)
-    for got, want in zip(beside, _session(in_line, audio), strict=True):
-        assert torch.equal(got, want)
 
 
 def test_fp8_window_scales_follow_a_new_session():
