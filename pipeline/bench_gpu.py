@@ -540,10 +540,21 @@ def bench_step(cfg: ModelConfig, tp: int, reps: int, sweep: bool, group=None):
     return result, attention, model, cache, step
 
 
+def _in_turns(runs: dict[str, Callable[[], object]], reps: int, rounds: int = 4) -> dict[str, list[float]]:
+    """Each run's graph replays timed ``rounds`` times in turns, every other round in reverse order: the
+    first timing after a capture runs on a GPU that idled (session 13: up to 2 ms a step faster), so no
+    variant is always first."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for round_ in range(rounds):
+        for name in list(runs)[:: 1 if round_ % 2 == 0 else -1]:
+            times[name].append(cuda_median_ms(runs[name], reps))
+    return times
+
+
 def bench_fp8_window(step, reps: int):
     """The serving step with the FP8 window attention (``DiffusionStep(fp8_window=True)``: cuDNN's FP8
     SDPA over the ring's codes) beside ``step`` (the bf16 window, cuDNN) on the same model, cache and
-    inputs: graph replays timed in turns (bf16, FP8, bf16, FP8), and how far one FP8 run's latent is
+    inputs: graph replays timed in turns (``_in_turns``), and how far one FP8 run's latent is
     from the bf16 run's (both from the same state: each run writes the frame it reads)."""
     from charstream.model.step import DiffusionStep
 
@@ -554,10 +565,8 @@ def bench_fp8_window(step, reps: int):
         raise RuntimeError("both steps should attend through a full window")
     _progress("fp8 window: capture")
     fp8.capture()
-    times: dict[str, list[float]] = {"bf16": [], "fp8": []}
-    for _ in range(2):
-        times["bf16"].append(cuda_median_ms(lambda: step.run(graphed=True), reps))
-        times["fp8"].append(cuda_median_ms(lambda: fp8.run(graphed=True), reps))
+    times = _in_turns({"bf16": functools.partial(step.run, graphed=True), "fp8": functools.partial(fp8.run, graphed=True)},
+                      reps)
     base = step.run(graphed=True).clone()
     got = fp8.run(graphed=True).clone()
     eager = fp8.run(graphed=False).clone()
@@ -570,17 +579,6 @@ def bench_fp8_window(step, reps: int):
         "latent_finite": bool(torch.isfinite(got).all()),
         "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9,
     }, fp8
-
-
-def _in_turns(runs: dict[str, Callable[[], object]], reps: int, rounds: int = 4) -> dict[str, list[float]]:
-    """Each run's graph replays timed ``rounds`` times in turns, every other round in reverse order: the
-    first timing after a capture runs on a GPU that idled (session 13: up to 2 ms a step faster), so no
-    variant is always first."""
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for round_ in range(rounds):
-        for name in list(runs)[:: 1 if round_ % 2 == 0 else -1]:
-            times[name].append(cuda_median_ms(runs[name], reps))
-    return times
 
 
 def _replay(step, graphs: dict[bool, torch.cuda.CUDAGraph]) -> torch.Tensor:
