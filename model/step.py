@@ -230,6 +230,8 @@ class DiffusionStep:
         self.fp8_window = fp8_window
         if fp8_window and not (fused and prefer_gathered and dev.type == "cuda" and cache.fp8):
             raise ValueError("fp8_window needs the fused step's gathered attention on CUDA over an FP8 cache")
+        if window_splits is not None and not fp8_window:
+            raise ValueError("window_splits splits the FP8 window's keys: it needs fp8_window")
         if not fused:
             return
         block = model.blocks[0]
@@ -244,7 +246,6 @@ class DiffusionStep:
             self.mods, self.final_mods = model.level_modulations(torch.tensor(cfg.noise_levels, device=dev))
         self.level_index = {sigma: i for i, sigma in enumerate(cfg.noise_levels)}
         self.x = torch.zeros(t, cfg.dim, dtype=dtype, device=dev)  # the residual stream
-        self.ones = torch.ones(self.n_heads, device=dev)  # unit descales (the FP8 window's K and V)
         # The gathered attention (CUDA: cuDNN) once the window is full reads every layer's window
         # dequantised into contiguous bf16: the sink, then frame f at window position f % window_frames.
         # Each pass's ring write also writes its frame there, so the window is gathered from the ring
@@ -262,14 +263,15 @@ class DiffusionStep:
             self.q8 = torch.empty(t, self.n_heads, self.head_dim, dtype=FP8_DTYPE, device=dev)
             # the window's key partitions (kernels/fp8_window_attention.py): with more than one, cuDNN writes
             # each partition's output and statistics and merge_partials writes their merge over spent v
-            sms = torch.cuda.get_device_properties(dev).multi_processor_count
-            self.window_splits = choose_window_splits(self.n_heads, t, win[2], sms) if window_splits is None else window_splits
-            parts = (self.window_splits,) if self.window_splits > 1 else ()
+            if window_splits is None:
+                sms = torch.cuda.get_device_properties(dev).multi_processor_count
+                window_splits = choose_window_splits(self.n_heads, t, win[2], sms)
+            parts = (window_splits,) if window_splits > 1 else ()
             self.attn8 = torch.empty(*parts, *self.q8.shape, dtype=FP8_DTYPE, device=dev)
-            self.attn_lse = (torch.empty(self.window_splits, self.n_heads, t, device=dev)
-                             if self.window_splits > 1 else None)
+            self.attn_lse = torch.empty(window_splits, self.n_heads, t, device=dev) if window_splits > 1 else None
             self.fp8_attention = Fp8WindowAttention(self.n_heads, t, win[2], self.head_dim, self.q8.stride(),
-                                                    1.0 / math.sqrt(self.head_dim), dev, splits=self.window_splits)
+                                                    1.0 / math.sqrt(self.head_dim), dev, splits=window_splits)
+            self.unit = torch.ones(1, device=dev)  # K's and V's descales: their scales fold into q's codes and the rows' read
             # per layer: q's descale and its codes' multipliers per head, the output's scales per head
             # (set from the cache's scales whenever the window is gathered: a new session's sink sets them)
             self.q_descale = torch.ones(cfg.n_blocks, 1, device=dev)
@@ -280,6 +282,11 @@ class DiffusionStep:
             # has squared norm head_dim; RoPE keeps each pair's norm), plus bf16's rounding
             self.q_bound = torch.stack([b.q_norm.weight.detach().float().abs().amax() for b in model.blocks]) * (
                 math.sqrt(self.head_dim) * (1 + 2.0**-7))
+
+    @property
+    def window_splits(self) -> int:
+        """The full window's key partitions: the FP8 window's (``Fp8WindowAttention.splits``), else 1."""
+        return self.fp8_attention.splits if self.fp8_window else 1
 
     @property
     def next_frame(self) -> int:
@@ -471,9 +478,8 @@ class DiffusionStep:
              rotation=rotation, window=window, q8=q8)
         attn = attn_scale = None  # the attention output when it is not in the v columns: cuDNN writes a buffer of its own
         if fp8:
-            unit = self.ones[:1]  # K's and V's descales: their scales are folded into q's codes and the rows' read
-            self.fp8_attention(self.q8, *window[:2], self.q_descale[layer], unit, unit, self.scale_o, self.attn8,
-                               self.attn_lse)
+            self.fp8_attention(self.q8, *window[:2], self.q_descale[layer], self.unit, self.unit, self.scale_o,
+                               self.attn8, self.attn_lse)
             if self.attn_lse is not None:
                 merge_partials(self.attn8, self.attn_lse, self.out_scale[layer], v)
             else:

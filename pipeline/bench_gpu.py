@@ -59,8 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "as the step serves: the collectives replay inside its graph)")
     parser.add_argument("--skip", nargs="*", default=[],
                         choices=["ceilings", "sweep", "kernels", "profile", "step", "fp8-window", "memsets", "window-split",
-                                 "decoder", "pipeline",
-                                 "encoder"])
+                                 "decoder", "pipeline", "encoder"])
     parser.add_argument("--trace", action="store_true", help="with --json: also write each shard's Chrome trace of one replay")
     parser.add_argument("--section-timeout", type=float, default=0.0,
                         help="seconds a section may run before every thread's stack is printed and the process "
@@ -242,7 +241,7 @@ def kernel_breakdown(cfg: ModelConfig, tp: int, model, cache, step) -> dict[str,
         "attention_gather_then_cudnn": _graph_ms([lambda i=i: ring_attention_gathered(
             q, cache.k[i], cache.v[i], cache.k_scale[i], cache.v_scale[i], step.frame_order, cache.sink_slots,
             cache.tokens_per_frame, (win_k[0], win_v[0]), out=out) for i in every]),
-        "cross_attention": _graph_ms([lambda: cross_attention_triton(cq, ck, ck, out) for _ in every]),  # one program a tile
+        "cross_attention": _graph_ms([lambda: cross_attention_triton(cq, ck, ck, out) for _ in every]),
         "quantize_rows_gelu": _graph_ms([lambda: quantize_rows_triton(fused[:, 2 * hd :], 2 * hd, oq, prefix=attn)
                                          for _ in every]),
         "gemm_out": _graph_ms([lambda i=i: step.w_out[i].forward_quantized(*oq) for i in every]),
@@ -542,8 +541,8 @@ def bench_step(cfg: ModelConfig, tp: int, reps: int, sweep: bool, group=None):
 
 def _in_turns(runs: dict[str, Callable[[], object]], reps: int, rounds: int = 4) -> dict[str, list[float]]:
     """Each run's graph replays timed ``rounds`` times in turns, every other round in reverse order: the
-    first timing after a capture runs on a GPU that idled (session 13: up to 2 ms a step faster), so no
-    variant is always first."""
+    first timing after a capture or any pause runs on a GPU that idled, faster (docs/PERF.md, issue 14,
+    session 13), so no variant is always first."""
     times: dict[str, list[float]] = {name: [] for name in runs}
     for round_ in range(rounds):
         for name in list(runs)[:: 1 if round_ % 2 == 0 else -1]:

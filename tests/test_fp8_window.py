@@ -48,11 +48,14 @@ def test_partials_weighted_by_their_statistics_are_the_whole_window(splits):
     assert torch.allclose(lse.logsumexp(0), scores.logsumexp(-1), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(("heads", "splits"), [(15, 4), (20, 1), (30, 2), (60, 1), (40, 1), (2, 4)])
-def test_the_window_is_split_where_the_query_tiles_leave_an_sm_wave_idle(heads, splits):
+@pytest.mark.parametrize(("heads", "queries", "keys", "splits"), [
+    (15, 757, 8 * 757, 4), (20, 757, 8 * 757, 1), (30, 757, 8 * 757, 2), (60, 757, 8 * 757, 1), (40, 757, 8 * 757, 1),
+    (2, 20, 180, 4),  # the tiny GPU tests' window: 2 heads, 20 tokens, 180 keys (8 does not divide them)
+])
+def test_the_window_is_split_where_the_query_tiles_leave_an_sm_wave_idle(heads, queries, keys, splits):
     # 757 queries: 6 tiles a head; 15 heads fill 90 of 132 SMs (4 ways: 3 waves of a quarter), 20 heads
     # 120 (no split under 11 gains), 30 heads 180 (2 ways: 3 waves of a half, not 2 full ones)
-    assert choose_window_splits(heads, 757 if heads > 2 else 20, 8 * 757 if heads > 2 else 180, 132) == splits
+    assert choose_window_splits(heads, queries, keys, 132) == splits
 
 
 def test_a_split_must_divide_the_keys():
@@ -91,6 +94,11 @@ def test_prep_reference_writes_q_codes_and_the_ring_codes_into_an_fp8_window():
     for w, r in zip(window, ring, strict=True):
         assert torch.equal(w[:, T : 2 * T].view(torch.uint8), r[:, 2 * T : 3 * T].view(torch.uint8))
         assert (w[:, :T].float() == 7).all() and (w[:, 2 * T :].float() == 7).all()
+
+
+def test_window_splits_without_the_fp8_window_are_refused():
+    with pytest.raises(ValueError, match="window_splits splits the FP8 window's keys: it needs fp8_window"):
+        Generator(TINY, None, "cpu", fused=True, window_splits=4)
 
 
 @pytest.mark.parametrize("fused", [True, False])
