@@ -32,7 +32,9 @@ demo: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/charstream serve
 
-test: $(STAMP) browser
+# The venv and Debian's chromium install side by side.
+test:
+	@$(MAKE) -j2 --no-print-directory venv browser
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: $(STAMP)

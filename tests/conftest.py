@@ -1,5 +1,7 @@
 """Shared pytest fixtures."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from charstream.model.threads import set_intra_op_threads
@@ -12,3 +14,16 @@ def one_torch_thread():
     set_intra_op_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def user_folder(tmp_path_factory) -> Path:
+    """A folder holding a user's own ``model.py``, ``pipeline.py`` and ``transport/``, each raising when
+    imported: a command run there (``python -m`` puts it first on ``sys.path``) fails if any import
+    reaches them instead of ``charstream.*``."""
+    folder = tmp_path_factory.mktemp("user-project")
+    for relative in ("model.py", "pipeline.py", "transport/__init__.py"):
+        path = folder / relative
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(f"raise ImportError('the user\\'s own {relative} was imported')\n")
+    return folder

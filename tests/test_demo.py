@@ -1,4 +1,6 @@
-"""``charstream demo --turns 3`` end to end: every stage, real WebRTC, files checked independently."""
+"""``charstream demo --turns 3`` end to end: every stage, real WebRTC, files checked independently. It runs
+from a user's folder whose own ``model.py``, ``pipeline.py`` and ``transport/`` raise when imported
+(``conftest.user_folder``): no import of the demo's reaches them."""
 
 import json
 import re
@@ -20,12 +22,12 @@ SCRIPT = [  # short lines keep the run well under a minute on two cores
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
+def demo(tmp_path_factory, user_folder):
     out = tmp_path_factory.mktemp("demo-out")
     script = out.parent / "script.json"
     script.write_text(json.dumps(SCRIPT))
     proc = subprocess.run([sys.executable, "-m", "charstream", "demo", "--turns", "3", "--out", str(out),
-                           "--script", str(script)], capture_output=True, text=True, timeout=150)
+                           "--script", str(script)], cwd=user_folder, capture_output=True, text=True, timeout=150)
     return proc, out
 
 
