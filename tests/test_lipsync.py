@@ -61,18 +61,29 @@ def _write_mp4(path, frames: np.ndarray, audio: np.ndarray, pts: list[int] | Non
         out.mux(sound.encode())
 
 
-def test_cli_scores_an_mp4_and_a_session_dir(clips, tmp_path):
+def test_cli_scores_an_mp4_and_a_session_dir(clips, tmp_path, capsys):
+    from charstream.pipeline.cli import main
+
     clip = clips[1]
     _write_mp4(tmp_path / "session.mp4", clip.frames.numpy(), clip.audio)
-    for target in (tmp_path / "session.mp4", tmp_path):
-        out = subprocess.run([sys.executable, "-m", "pipeline.cli", "lipsync", str(target), "--json"],
-                             capture_output=True, text=True, check=True)
-        score = json.loads(out.stdout)
+    out = subprocess.run([sys.executable, "-m", "charstream", "lipsync", str(tmp_path / "session.mp4"), "--json"],
+                         capture_output=True, text=True, check=True)
+    capsys.readouterr()
+    assert main(["lipsync", str(tmp_path), "--json"]) == 0  # the session directory holding it, in process
+    for score in (json.loads(out.stdout), json.loads(capsys.readouterr().out)):
         # AAC's encoder delay may shift the audio by under a frame; H.264 blurs the mouth slightly
         assert score["confidence"] > 0.8 and abs(score["offset_frames"]) <= 1, score
-    missing = subprocess.run([sys.executable, "-m", "pipeline.cli", "lipsync", str(tmp_path / "nope.mp4")],
-                             capture_output=True, text=True)
-    assert missing.returncode != 0 and "no such file" in missing.stderr
+
+
+def test_cli_says_why_it_cannot_score_without_a_traceback(tmp_path):
+    from charstream.pipeline.cli import main
+
+    (tmp_path / "garbage.mp4").write_bytes(b"\x00not an mp4" * 100)
+    (tmp_path / "empty").mkdir()
+    for target, why in ((tmp_path / "nope.mp4", "no such file"), (tmp_path / "empty", "no .mp4 in this session"),
+                        (tmp_path / "garbage.mp4", "Invalid data")):
+        with pytest.raises(SystemExit, match=f"charstream lipsync: .*{why}"):
+            main(["lipsync", str(target)])
 
 
 def test_a_stall_in_the_recording_is_held_on_the_frame_grid(clips, tmp_path):

@@ -143,8 +143,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    video = find_video(args.path)
-    frames, audio = read_mp4(video)
+    import av
+
+    try:
+        video = find_video(args.path)
+        frames, audio = read_mp4(video)
+    except (OSError, ValueError, av.FFmpegError) as e:  # a missing, unreadable or unscorable file: say which
+        raise SystemExit(f"charstream lipsync: {e}") from None
     if args.shuffled:
         audio = audio[::-1].copy()
     score = score_av(frames, audio, args.max_offset)
