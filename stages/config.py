@@ -96,6 +96,12 @@ class PlayoutConfig:
     initial_allowance_s: float = FRAMES_PER_CHUNK / VIDEO_FPS
 
 
+def check_port(port: int | None, name: str = "") -> None:
+    """A TCP port a listener binds (None: none): 0-65535, 0 picking a free one."""
+    if port is not None and not 0 <= port <= 65535:
+        raise ValueError(f"{name + ': ' if name else ''}{port} is not a TCP port (0-65535; 0 picks a free one)")
+
+
 @dataclass
 class EgressConfig:
     host: str = "127.0.0.1"
@@ -118,6 +124,9 @@ class EgressConfig:
     reservations_per_minute: int = 20  # new reservations per client address and minute (renewals count)
     memory_trim_s: float = 30.0  # the serving process returns glibc's free memory to the OS this often (0: never)
 
+    def __post_init__(self) -> None:
+        check_port(self.port, "egress.port")
+
 
 @dataclass
 class TracingConfig:
@@ -127,6 +136,9 @@ class TracingConfig:
     otlp_endpoint: str | None = None  # None: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / _ENDPOINT (default localhost:4318)
     prometheus_port: int | None = None  # serve Prometheus metrics on this port (None: not served)
     prometheus_host: str = "127.0.0.1"  # the metrics listener's address (loopback unless configured)
+
+    def __post_init__(self) -> None:
+        check_port(self.prometheus_port, "tracing.prometheus_port")
 
 
 def cpu_threads(configured: int | None) -> int:

@@ -1,7 +1,9 @@
 import subprocess
 import sys
 
-from charstream.pipeline.cli import COMMANDS, build_parser
+import pytest
+from charstream.pipeline.cli import COMMANDS, build_parser, main
+from charstream.pipeline.config import PipelineConfig
 
 
 def test_help_lists_every_command():
@@ -13,3 +15,21 @@ def test_help_lists_every_command():
 def test_every_command_has_a_parser():
     _, leaves = build_parser()
     assert set(leaves) == {words for words, _, _ in COMMANDS}
+
+
+@pytest.mark.parametrize("argv", [["serve", "--port", "99999"], ["serve", "--metrics-port", "-1"],
+                                  ["demo", "--port", "65536"], ["engine", "--metrics-port", "70000"]])
+def test_a_port_out_of_range_is_a_usage_error_naming_it(argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert f"argument {argv[1]}: {argv[2]} is not a TCP port (0-65535" in capsys.readouterr().err
+
+
+def test_a_config_file_port_out_of_range_is_refused_with_its_key(tmp_path, capsys):
+    (tmp_path / "bad.toml").write_text("[egress]\nport = 70000\n")
+    assert main(["serve", "--config", str(tmp_path / "bad.toml")]) == 2
+    assert "charstream serve: egress.port: 70000 is not a TCP port" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="tracing.prometheus_port: 65536 is not a TCP port"):
+        PipelineConfig.from_dict({"tracing": {"prometheus_port": 65536}})
+    assert PipelineConfig.from_dict({"egress": {"port": 0}}).egress.port == 0  # 0 picks a free one
