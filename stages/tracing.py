@@ -328,13 +328,16 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """The ``turn`` records of a trace file; a line that is not JSON is an error naming the line."""
     turns = []
     with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                data = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{number}: not a JSON line ({e.msg})") from None
-            if data.get("event") == "turn":
-                turns.append(data)
+        try:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    data = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{number}: not a JSON line ({e.msg})") from None
+                if isinstance(data, dict) and data.get("event") == "turn":
+                    turns.append(data)
+        except UnicodeDecodeError:
+            raise ValueError(f"{path}: not a trace (not UTF-8 text)") from None
     return turns

@@ -90,3 +90,8 @@ def test_report_defaults_to_the_trace_directory_and_rejects_garbage(trace_file, 
     assert main(["trace", "report", str(bad)]) == 2
     assert main(["trace", "report", str(tmp_path / "missing.jsonl")]) == 2
     assert "bad.jsonl:1" in capsys.readouterr().out
+    (tmp_path / "binary.jsonl").write_bytes(b"\x00\xe4\xff" * 50)  # e.g. a video passed for its trace
+    assert main(["trace", "report", str(tmp_path / "binary.jsonl")]) == 2
+    assert "binary.jsonl: not a trace (not UTF-8 text)" in capsys.readouterr().out
+    (tmp_path / "lists.jsonl").write_text("[1, 2]\n\"turn\"\n")  # JSON lines that are not records: no turns
+    assert main(["trace", "report", str(tmp_path / "lists.jsonl")]) == 1
