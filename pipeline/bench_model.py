@@ -119,7 +119,7 @@ def table(r: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.warmup < 0:
-        raise ValueError("--steps must be >= 1 and --warmup >= 0")
+        raise SystemExit("charstream bench model: --steps must be >= 1 and --warmup >= 0")
     if args.threads:
         import torch
 

@@ -122,7 +122,10 @@ def plan(args: argparse.Namespace) -> DemoPlan:
 
     get_preset(args.preset)  # an unknown preset fails here, before anything starts
     if args.script:
-        script = json.loads(Path(args.script).read_text(encoding="utf-8"))
+        try:
+            script = json.loads(Path(args.script).read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{args.script}: not JSON ({e})") from None
         if not isinstance(script, list) or not script or not all(
                 isinstance(line, dict) and {"user", "agent"} <= set(line) for line in script):
             raise ValueError(f"{args.script}: expected a non-empty JSON list of {{'user', 'agent'}} objects")

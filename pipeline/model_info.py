@@ -73,7 +73,10 @@ def _human(n: float, unit: str = "") -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    report = model_report(get_preset(args.preset), args.tp)
+    try:
+        report = model_report(get_preset(args.preset), args.tp)
+    except ValueError as e:  # a TP size the preset's heads or FFN do not divide
+        raise SystemExit(f"charstream model info: {e}") from None
     if args.json:
         print(json.dumps(report, indent=2))
         return 0

@@ -10,7 +10,8 @@ each Connect reserves a session and streams it. Logs are JSON lines on stderr. `
 pipeline`` (the default) runs the full session graph per connection
 (``pipeline.session.session_factory``: the character model and an agent of its own): by default
 the built-in agent (``listening``), which hears the browser's microphone, recognises it offline
-and answers; ``--adapter zmq|pipecat|livekit`` swaps in a real agent. ``--out DIR`` writes each
+and answers; ``--adapter zmq`` swaps in a real agent over a socket (Pipecat and LiveKit host charstream
+inside their own pipelines instead: ``pipeline/integrations/``). ``--out DIR`` writes each
 session's ``trace.jsonl``, ``report.md``/``report.json`` and ``waterfall.png`` into
 ``DIR/<session id>/`` (the report when the session ends). ``--source testcard`` needs no model: a test card whose "character" answers each end of
 your speech (heard by silero-vad on your microphone) at once, which exercises rollback, the
@@ -30,6 +31,7 @@ from pathlib import Path
 import structlog
 from charstream.pipeline.config import PipelineConfig, port_argument
 from charstream.stages.egress.server import CODECS, EgressServer, SessionFactory
+from charstream.stages.ingest.adapters import ADAPTERS
 from charstream.stages.ingest.external import AgentHub
 from charstream.stages.metrics import serve_metrics
 
@@ -44,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, help="PipelineConfig as TOML or JSON")
     parser.add_argument("--preset", help="model preset (overrides the config)")
     parser.add_argument("--adapter", help="agent adapter: listening (the built-in agent, default) | zmq | scripted "
-                                          "| pipecat | livekit (overrides the config)")
+                                          "(overrides the config; Pipecat and LiveKit run charstream inside their "
+                                          "own pipelines: docs/AGENTS.md)")
     parser.add_argument("--out", type=Path, help="write each session's trace, report and waterfall into OUT/<session>/")
     parser.add_argument("--host", help="listen address (default from config: 127.0.0.1)")
     parser.add_argument("--port", type=port_argument, help="listen port (default from config: 8080; 0 picks a free one)")
@@ -79,6 +82,9 @@ def load_config(args: argparse.Namespace) -> PipelineConfig:
         config.preset = args.preset
     if args.adapter:
         config.ingest.adapter = args.adapter
+    if config.ingest.adapter not in ADAPTERS:  # pipecat / livekit sessions are made inside their frameworks
+        raise ValueError(f"ingest adapter {config.ingest.adapter!r}: serve's sessions make their agent from one of "
+                         f"{sorted(ADAPTERS)}")
     for name in ("host", "port", "codec"):
         if getattr(args, name) is not None:
             setattr(config.egress, name, getattr(args, name))

@@ -33,3 +33,26 @@ def test_a_config_file_port_out_of_range_is_refused_with_its_key(tmp_path, capsy
     with pytest.raises(ValueError, match="tracing.prometheus_port: 65536 is not a TCP port"):
         PipelineConfig.from_dict({"tracing": {"prometheus_port": 65536}})
     assert PipelineConfig.from_dict({"egress": {"port": 0}}).egress.port == 0  # 0 picks a free one
+
+
+REFUSALS = [  # (argv, the one line that says why; {bad}: a file that is not JSON)
+    (["quality", "--baseline", "nope", "--candidate", "fp8-ring"], "charstream quality: no config file 'nope'"),
+    (["quality", "--baseline", "{bad}", "--candidate", "fp8-ring"], "charstream quality: {bad}: not JSON"),
+    (["model", "info", "--tp", "7"], "charstream model info: model config 'tiny': n_heads 12 is not divisible"),
+    (["bench", "model", "--steps", "0"], "charstream bench model: --steps must be >= 1"),
+    (["demo", "--script", "{bad}", "--turns", "1"], "charstream demo: {bad}: not JSON"),
+    (["serve", "--adapter", "pipecat"], "charstream serve: ingest adapter 'pipecat': serve's sessions make"),
+]
+
+
+@pytest.mark.parametrize("argv, said", REFUSALS, ids=[" ".join(a[:2]) for a, _ in REFUSALS])
+def test_bad_input_to_a_command_is_one_line_naming_it_before_anything_starts(argv, said, tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{oops")
+    argv, said = [a.replace("{bad}", str(bad)) for a in argv], said.replace("{bad}", str(bad))
+    try:
+        status = main(argv)
+    except SystemExit as e:  # SystemExit(message): the message on stderr, status 1
+        status = e.code
+    text = status if isinstance(status, str) else capsys.readouterr().out
+    assert status not in (0, None) and text.startswith(said), text

@@ -38,7 +38,7 @@ def test_characters_14b_fits_one_gpu(capsys):
 
 
 def test_info_rejects_an_indivisible_tp(capsys):
-    with pytest.raises(ValueError, match="not divisible by the tensor-parallel size 7"):
+    with pytest.raises(SystemExit, match="charstream model info: .*not divisible by the tensor-parallel size 7"):
         main(["model", "info", "--preset", "characters-57b", "--tp", "7"])
 
 

@@ -153,7 +153,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    base_cfg, cand_cfg = load_config(args.baseline), load_config(args.candidate)
+    try:
+        base_cfg, cand_cfg = load_config(args.baseline), load_config(args.candidate)
+    except (OSError, ValueError) as e:  # no such config, or one that does not validate
+        raise SystemExit(f"charstream quality: {e}") from None
     if args.from_result is not None:
         saved = json.loads(args.from_result.read_text())
         base, cand = np.array(saved["baseline_scores"]), np.array(saved["candidate_scores"])

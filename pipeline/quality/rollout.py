@@ -76,7 +76,12 @@ def load_config(spec: str | Path) -> GateConfig:
         if not path.exists():
             known = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.json")))
             raise FileNotFoundError(f"no config file {spec!r} and no built-in config of that name ({known})")
-    data = json.loads(path.read_text())
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object of GateConfig's keys")
     allowed = {f.name for f in fields(GateConfig)}
     unknown = sorted(set(data) - allowed)
     if unknown:
