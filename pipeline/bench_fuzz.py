@@ -49,6 +49,7 @@ import msgpack
 import numpy as np
 import psutil
 import zmq
+from charstream.pipeline import arguments
 from charstream.pipeline.bench_output import commit_id, emit_report, text_table
 from charstream.transport.channel import BEAT, BYE, CREDIT, DATA, HELLO, SLOT, Receiver, Sender, Transport
 from charstream.transport.codec import INT_MAX, INT_MIN, WIRE_VERSION, encode
@@ -668,7 +669,7 @@ def table(report: dict[str, Any]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--inputs", type=int, default=100_000, help="generated inputs per target")
-    parser.add_argument("--targets", default="ipc,tcp,http,agent")
+    parser.add_argument("--targets", type=arguments.names(TARGETS), default="ipc,tcp,http,agent")
     parser.add_argument("--seed", type=int, default=18)
     parser.add_argument("--probe-every", type=int, default=10, help="a valid message after every N inputs")
     parser.add_argument("--json", action="store_true", help="print the report as JSON (the table goes to stderr)")
@@ -678,7 +679,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     configure_logging("error")  # each refusal logs a warning: 100,000 of them are not the report
     results = {}
-    for name in args.targets.split(","):
+    for name in args.targets:
         target = TARGETS[name]()
         try:
             results[name] = fuzz(target, args.inputs, args.seed, args.probe_every)

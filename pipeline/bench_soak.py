@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 import psutil
+from charstream.pipeline import arguments
 from charstream.pipeline.bench_output import commit_id, emit_report, text_table
 from charstream.pipeline.config import PipelineConfig
 from charstream.stages.config import EgressConfig
@@ -271,7 +272,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--source", choices=["pipeline", "testcard"], default="pipeline")
     parser.add_argument("--placement", choices=["inproc", "processes"], default="inproc",
                         help="processes: diffusion and decode in processes of their own (ipc, shared-memory slots)")
-    parser.add_argument("--sessions", type=int, help="sequential sessions (the per-session memory run)")
+    parser.add_argument("--sessions", type=arguments.positive_int, help="sequential sessions (the per-session memory run)")
     parser.add_argument("--seconds", type=float, default=1.0, help="length of each of --sessions")
     parser.add_argument("--minutes", type=float, help="one session this long (the long-session run)")
     parser.add_argument("--every", type=float, default=10.0, help="seconds between samples of --minutes")

@@ -38,6 +38,7 @@ import anyio
 import numpy as np
 import psutil
 import zmq
+from charstream.pipeline import arguments
 from charstream.pipeline.bench_output import commit_id, emit_report, percentiles
 from charstream.transport.channel import Receiver, Sender, Transport, free_tcp_port
 from charstream.transport.codec import encode
@@ -282,7 +283,7 @@ def table(report: dict) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON (the table goes to stderr)")
     parser.add_argument("--out", default="bench-transport.json", help="also write the JSON report here")
-    parser.add_argument("--transports", default="inproc,ipc,tcp")
+    parser.add_argument("--transports", type=arguments.names(("inproc", "ipc", "tcp")), default="inproc,ipc,tcp")
     parser.add_argument("--capacity", type=int, default=4)
     parser.add_argument("--small", type=int, default=1000, help="Conditioning messages per phase")
     parser.add_argument("--large", type=int, default=100, help="VideoChunk messages per phase")
@@ -292,7 +293,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     counts = {"conditioning": args.small, "video_chunk": args.large}
     transports = {}
-    for kind in args.transports.split(","):
+    for kind in args.transports:
         transports[kind] = anyio.run(bench_transport, kind, counts, args.capacity, args.backpressure)
     report = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),

@@ -6,7 +6,6 @@ plain data (JSON/TOML) and rejects unknown keys with the path of the offending k
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 import types
@@ -24,7 +23,6 @@ from charstream.stages.config import (
     IngestConfig,
     PlayoutConfig,
     TracingConfig,
-    check_port,
 )
 from charstream.transport.config import TransportConfig
 
@@ -110,15 +108,3 @@ def _build(kind: type, data: dict[str, Any], path: str):
     return kind(**values)
 
 
-
-def port_argument(text: str) -> int:
-    """argparse ``type`` of a port option: an out-of-range port is a usage error, not a failed bind."""
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a port: {text!r}") from None
-    try:
-        check_port(port)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return port

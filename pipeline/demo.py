@@ -23,7 +23,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from charstream.pipeline.config import PipelineConfig, port_argument
+from charstream.pipeline import arguments
+from charstream.pipeline.config import PipelineConfig
 from charstream.stages.config import AGENT_PACES
 from charstream.stages.metrics import REGISTRY, serve_metrics
 from charstream.stages.tracing import SEGMENTS, TurnRecord, intervals
@@ -45,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="demo-out", help="output directory (default: ./demo-out)")
     parser.add_argument("--serve", action="store_true",
                         help="serve the web page and wait for a browser instead of the in-process client")
-    parser.add_argument("--port", type=port_argument, default=8080, help="HTTP port with --serve (default: 8080)")
+    parser.add_argument("--port", type=arguments.port, default=8080, help="HTTP port with --serve (default: 8080)")
     parser.add_argument("--placement", default="inproc", choices=("inproc", "processes"),
                         help="inproc: every stage in this process (default); processes: diffusion and decode "
                              "in processes of their own")
@@ -64,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(OTEL_TRACES_EXPORTER, OTEL_EXPORTER_OTLP_ENDPOINT), else none")
     parser.add_argument("--otlp-endpoint", default=None,
                         help="OTLP/HTTP traces endpoint for --otel otlp (default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)")
-    parser.add_argument("--metrics-port", type=port_argument, default=None,
+    parser.add_argument("--metrics-port", type=arguments.port, default=None,
                         help="serve Prometheus metrics (step time, playout depth, underruns, fps) on this port")
     parser.add_argument("--metrics-host", default="127.0.0.1", help="the metrics listener's address")
     parser.add_argument("--agent-pace", choices=AGENT_PACES, default="realtime",

@@ -39,7 +39,8 @@ import anyio
 import anyio.abc
 import zmq
 import zmq.asyncio
-from charstream.pipeline.config import PipelineConfig, port_argument
+from charstream.pipeline import arguments
+from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.engine_link import (
     KEY_FIELDS,
     MAX_WIRE_BYTES,
@@ -440,7 +441,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="diffusion steps and decodes of up to N sessions in one forward (1: off)")
     parser.add_argument("--max-sessions", type=int, default=None,
                         help="sessions hosted at once, more are refused (default: --batch-sessions, or 16 without batching)")
-    parser.add_argument("--metrics-port", type=port_argument, default=None,
+    parser.add_argument("--metrics-port", type=arguments.port, default=None,
                         help="serve Prometheus metrics (the hosted sessions' step times, the process's) on this port")
     parser.add_argument("--metrics-host", default=TracingConfig().prometheus_host,
                         help="the metrics listener's address (default: %(default)s)")

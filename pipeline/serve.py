@@ -29,7 +29,8 @@ import tomllib
 from pathlib import Path
 
 import structlog
-from charstream.pipeline.config import PipelineConfig, port_argument
+from charstream.pipeline import arguments
+from charstream.pipeline.config import PipelineConfig
 from charstream.stages.egress.server import CODECS, EgressServer, SessionFactory
 from charstream.stages.ingest.adapters import ADAPTERS
 from charstream.stages.ingest.external import AgentHub
@@ -50,10 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                           "own pipelines: docs/AGENTS.md)")
     parser.add_argument("--out", type=Path, help="write each session's trace, report and waterfall into OUT/<session>/")
     parser.add_argument("--host", help="listen address (default from config: 127.0.0.1)")
-    parser.add_argument("--port", type=port_argument, help="listen port (default from config: 8080; 0 picks a free one)")
+    parser.add_argument("--port", type=arguments.port, help="listen port (default from config: 8080; 0 picks a free one)")
     parser.add_argument("--codec", choices=sorted(CODECS), help="video codec (default from config: VP8)")
     parser.add_argument("--key", help="server key the page must present (default: random, printed)")
-    parser.add_argument("--metrics-port", type=port_argument,
+    parser.add_argument("--metrics-port", type=arguments.port,
                         help="serve Prometheus metrics on this port (default from config: tracing.prometheus_port)")
     parser.add_argument("--metrics-host", help="the metrics listener's address (default from config: 127.0.0.1)")
     parser.add_argument("--gpus", metavar="LAYOUT",

@@ -17,13 +17,25 @@ def test_every_command_has_a_parser():
     assert set(leaves) == {words for words, _, _ in COMMANDS}
 
 
-@pytest.mark.parametrize("argv", [["serve", "--port", "99999"], ["serve", "--metrics-port", "-1"],
-                                  ["demo", "--port", "65536"], ["engine", "--metrics-port", "70000"]])
-def test_a_port_out_of_range_is_a_usage_error_naming_it(argv, capsys):
+USAGE_ERRORS = [  # (argv, what argparse says after "argument OPTION: ")
+    (["serve", "--port", "99999"], "99999 is not a TCP port (0-65535"),
+    (["serve", "--metrics-port", "-1"], "must be >= 0, got -1"),
+    (["demo", "--port", "65536"], "65536 is not a TCP port (0-65535"),
+    (["engine", "--metrics-port", "x"], "not a whole number: 'x'"),
+    (["bench", "transport", "--transports", "ipc,nope"], "unknown ['nope']; known: inproc, ipc, tcp"),
+    (["bench", "fuzz", "--targets", "tcp,udp"], "unknown ['udp']; known: agent, http, ipc, tcp"),
+    (["bench", "soak", "--sessions", "-1"], "must be >= 1, got -1"),
+    (["bench", "fleet", "--nodes", "2,x"], "not a whole number: 'x'"),
+    (["bench", "fleet", "--sessions", "1,0"], "must be >= 1, got 0"),
+]
+
+
+@pytest.mark.parametrize("argv, said", USAGE_ERRORS, ids=[" ".join(a) for a, _ in USAGE_ERRORS])
+def test_a_bad_option_value_is_a_usage_error_naming_it(argv, said, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(argv)
     assert exit_.value.code == 2
-    assert f"argument {argv[1]}: {argv[2]} is not a TCP port (0-65535" in capsys.readouterr().err
+    assert f"argument {argv[-2]}: {said}" in capsys.readouterr().err
 
 
 def test_a_config_file_port_out_of_range_is_refused_with_its_key(tmp_path, capsys):

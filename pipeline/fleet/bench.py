@@ -26,6 +26,7 @@ import platform
 import statistics
 import time
 
+from charstream.pipeline import arguments
 from charstream.pipeline.bench_output import commit_id, emit_report, text_table
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.fleet.client import FleetClient, FullError
@@ -37,9 +38,10 @@ KEY = "bench"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster", metavar="ADDRESS",
                         help="run on this Ray cluster (a GPU fleet) instead of starting a local one")
-    parser.add_argument("--nodes", default="4,4,4",
+    parser.add_argument("--nodes", type=arguments.counts, default="4,4,4",
                         help="devices per node, comma-separated (a cpu-layout session takes 2)")
-    parser.add_argument("--sessions", default="1,2,4,6", help="concurrent session counts to run, comma-separated")
+    parser.add_argument("--sessions", type=arguments.counts, default="1,2,4,6",
+                        help="concurrent session counts to run, comma-separated")
     parser.add_argument("--seconds", type=float, default=20.0, help="measured window per count")
     parser.add_argument("--max-sessions-per-node", type=int, default=2)
     parser.add_argument("--layout", default="cpu", help="each session's layout (pipeline/placement.py)")
@@ -105,12 +107,12 @@ async def bench(args: argparse.Namespace) -> dict:
     from charstream.pipeline.fleet.cluster import local_cluster
     from charstream.pipeline.fleet.frontdoor import FrontDoor, join_cluster
 
-    counts = [int(n) for n in args.sessions.split(",")]
+    counts = args.sessions
     config = PipelineConfig.from_dict({
         "preset": args.preset,
         "egress": {"port": 0, "reservations_per_client": max(counts), "reservations_per_minute": 10 * sum(counts)},
         "fleet": {"max_sessions_per_node": args.max_sessions_per_node, "layout": args.layout}})
-    devices = [int(n) for n in args.nodes.split(",")]
+    devices = args.nodes
     cluster = None
     if args.cluster is None:
         gpus = placement(config.fleet).gpus > 0
