@@ -26,6 +26,8 @@ from charstream.stages.config import (
 )
 from charstream.transport.config import TransportConfig
 
+PROCESS_PLACEMENTS = ("inproc", "processes", "engine")  # PipelineConfig.placement
+
 
 @dataclass
 class PipelineConfig:
@@ -51,6 +53,11 @@ class PipelineConfig:
     egress: EgressConfig = field(default_factory=EgressConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
     fleet: FleetConfig = field(default_factory=FleetConfig)  # charstream serve --cluster
+
+    def __post_init__(self) -> None:
+        if self.placement not in PROCESS_PLACEMENTS:  # anything else would run as "processes"
+            raise ValueError(f"placement must be one of {', '.join(PROCESS_PLACEMENTS)}, got {self.placement!r}")
+        get_preset(self.preset)  # an unknown preset is refused now, not at a session's start
 
     @property
     def model(self) -> ModelConfig:

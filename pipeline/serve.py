@@ -29,6 +29,7 @@ import tomllib
 from pathlib import Path
 
 import structlog
+from charstream.model.config import get_preset
 from charstream.pipeline import arguments
 from charstream.pipeline.config import PipelineConfig
 from charstream.stages.egress.server import CODECS, EgressServer, SessionFactory
@@ -80,6 +81,7 @@ def load_config(args: argparse.Namespace) -> PipelineConfig:
         data = json.loads(text) if args.config.suffix == ".json" else tomllib.loads(text)
     config = PipelineConfig.from_dict(data)
     if args.preset:
+        get_preset(args.preset)  # an unknown preset refused now, as in a config file
         config.preset = args.preset
     if args.adapter:
         config.ingest.adapter = args.adapter

@@ -40,6 +40,14 @@ class IngestConfig:
     # turn says what was heard; off, turns carry no "heard" (a capacity run: a real agent's STT runs elsewhere)
     scripted_recognizer: bool = True
 
+    def __post_init__(self) -> None:
+        # a threshold silero's probability never passes makes the character deaf, without an error
+        if not 0 < self.vad_threshold < 1:
+            raise ValueError(f"ingest.vad_threshold: a speech probability in (0, 1), got {self.vad_threshold}")
+        if self.vad_silence_ms <= 0 or self.vad_start_ms <= 0:
+            raise ValueError(f"ingest.vad_silence_ms and vad_start_ms must be > 0, got {self.vad_silence_ms}, "
+                             f"{self.vad_start_ms}")
+
 
 @dataclass
 class ConditioningConfig:
@@ -126,6 +134,8 @@ class EgressConfig:
 
     def __post_init__(self) -> None:
         check_port(self.port, "egress.port")
+        if self.max_sessions < 1:  # would refuse every connection
+            raise ValueError(f"egress.max_sessions must be >= 1, got {self.max_sessions}")
 
 
 @dataclass

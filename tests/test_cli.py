@@ -38,13 +38,26 @@ def test_a_bad_option_value_is_a_usage_error_naming_it(argv, said, capsys):
     assert f"argument {argv[-2]}: {said}" in capsys.readouterr().err
 
 
-def test_a_config_file_port_out_of_range_is_refused_with_its_key(tmp_path, capsys):
+def test_a_config_file_value_out_of_range_is_refused_with_its_key(tmp_path, capsys):
     (tmp_path / "bad.toml").write_text("[egress]\nport = 70000\n")
     assert main(["serve", "--config", str(tmp_path / "bad.toml")]) == 2
     assert "charstream serve: egress.port: 70000 is not a TCP port" in capsys.readouterr().out
-    with pytest.raises(ValueError, match="tracing.prometheus_port: 65536 is not a TCP port"):
-        PipelineConfig.from_dict({"tracing": {"prometheus_port": 65536}})
+    assert main(["serve", "--preset", "nope"]) == 2
+    assert "charstream serve: unknown model preset 'nope'" in capsys.readouterr().out
     assert PipelineConfig.from_dict({"egress": {"port": 0}}).egress.port == 0  # 0 picks a free one
+
+
+@pytest.mark.parametrize("data, said", [
+    ({"tracing": {"prometheus_port": 65536}}, "tracing.prometheus_port: 65536 is not a TCP port"),
+    ({"egress": {"max_sessions": 0}}, "egress.max_sessions must be >= 1, got 0"),
+    ({"ingest": {"vad_threshold": 5.0}}, r"ingest.vad_threshold: a speech probability in \(0, 1\), got 5.0"),
+    ({"ingest": {"vad_silence_ms": 0}}, "ingest.vad_silence_ms and vad_start_ms must be > 0"),
+    ({"placement": "weird"}, "placement must be one of inproc, processes, engine, got 'weird'"),
+    ({"preset": "nope"}, "unknown model preset 'nope'"),
+], ids=["prometheus_port", "max_sessions", "vad_threshold", "vad_silence_ms", "placement", "preset"])
+def test_a_config_that_would_fail_late_or_silently_is_refused_when_built(data, said):
+    with pytest.raises(ValueError, match=said):
+        PipelineConfig.from_dict(data)
 
 
 REFUSALS = [  # (argv, the one line that says why; {bad}: a file that is not JSON)
