@@ -8,9 +8,16 @@ from collections.abc import Callable, Iterable
 from charstream.stages.config import check_port
 
 
+def _whole_number(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+
+
 def port(text: str) -> int:
     """A listener's TCP port (0 picks a free one)."""
-    value = positive_int(text, minimum=0)
+    value = _whole_number(text)
     try:
         check_port(value)
     except ValueError as e:
@@ -18,13 +25,10 @@ def port(text: str) -> int:
     return value
 
 
-def positive_int(text: str, minimum: int = 1) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < minimum:
-        raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+def positive_int(text: str) -> int:
+    value = _whole_number(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
 
 

@@ -113,5 +113,3 @@ def _build(kind: type, data: dict[str, Any], path: str):
         else:
             values[name] = value
     return kind(**values)
-
-

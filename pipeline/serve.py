@@ -29,7 +29,6 @@ import tomllib
 from pathlib import Path
 
 import structlog
-from charstream.model.config import get_preset
 from charstream.pipeline import arguments
 from charstream.pipeline.config import PipelineConfig
 from charstream.stages.egress.server import CODECS, EgressServer, SessionFactory
@@ -74,33 +73,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "('auto': the cluster this host belongs to); needs charstream[fleet]")
 
 
+def _override(data: dict, key: str, value: object) -> None:
+    """``data``'s dotted ``key`` (e.g. ``egress.port``) set to ``value``, its sections made as needed."""
+    *sections, name = key.split(".")
+    for section in sections:
+        data = data.setdefault(section, {})
+        if not isinstance(data, dict):
+            raise ValueError(f"config {section}: expected a table, got {type(data).__name__}")
+    data[name] = value
+
+
 def load_config(args: argparse.Namespace) -> PipelineConfig:
+    """The config file, with the options given on the command line over its keys, built and checked as one."""
     data = {}
     if args.config is not None:
         text = args.config.read_text()
         data = json.loads(text) if args.config.suffix == ".json" else tomllib.loads(text)
+    if args.engine is not None and (args.gpus or args.batch_sessions is not None):
+        raise ValueError("--engine: the engine's own --gpus and --batch-sessions apply, not serve's")
+    overrides = {"preset": args.preset, "ingest.adapter": args.adapter, "egress.host": args.host,
+                 "egress.port": args.port, "egress.codec": args.codec, "diffusion.batch_sessions": args.batch_sessions,
+                 "decode.batch_sessions": args.batch_sessions, "tracing.prometheus_port": args.metrics_port,
+                 "tracing.prometheus_host": args.metrics_host, "engine_endpoint": args.engine,
+                 "placement": None if args.engine is None else "engine"}
+    for key, value in overrides.items():
+        if value is not None:
+            _override(data, key, value)
     config = PipelineConfig.from_dict(data)
-    if args.preset:
-        get_preset(args.preset)  # an unknown preset refused now, as in a config file
-        config.preset = args.preset
-    if args.adapter:
-        config.ingest.adapter = args.adapter
     if config.ingest.adapter not in ADAPTERS:  # pipecat / livekit sessions are made inside their frameworks
         raise ValueError(f"ingest adapter {config.ingest.adapter!r}: serve's sessions make their agent from one of "
                          f"{sorted(ADAPTERS)}")
-    for name in ("host", "port", "codec"):
-        if getattr(args, name) is not None:
-            setattr(config.egress, name, getattr(args, name))
-    if args.batch_sessions is not None:
-        config.diffusion.batch_sessions = config.decode.batch_sessions = args.batch_sessions
-    if args.metrics_port is not None:
-        config.tracing.prometheus_port = args.metrics_port
-    if args.metrics_host is not None:
-        config.tracing.prometheus_host = args.metrics_host
-    if args.engine is not None:
-        if args.gpus or args.batch_sessions is not None:
-            raise ValueError("--engine: the engine's own --gpus and --batch-sessions apply, not serve's")
-        config.placement, config.engine_endpoint = "engine", args.engine
     if args.gpus and args.cluster:
         config.fleet.layout = args.gpus  # placed on a node, not here
     elif args.gpus:

@@ -19,7 +19,7 @@ def test_every_command_has_a_parser():
 
 USAGE_ERRORS = [  # (argv, what argparse says after "argument OPTION: ")
     (["serve", "--port", "99999"], "99999 is not a TCP port (0-65535"),
-    (["serve", "--metrics-port", "-1"], "must be >= 0, got -1"),
+    (["serve", "--metrics-port", "-1"], "-1 is not a TCP port (0-65535"),
     (["demo", "--port", "65536"], "65536 is not a TCP port (0-65535"),
     (["engine", "--metrics-port", "x"], "not a whole number: 'x'"),
     (["bench", "transport", "--transports", "ipc,nope"], "unknown ['nope']; known: inproc, ipc, tcp"),
@@ -42,8 +42,11 @@ def test_a_config_file_value_out_of_range_is_refused_with_its_key(tmp_path, caps
     (tmp_path / "bad.toml").write_text("[egress]\nport = 70000\n")
     assert main(["serve", "--config", str(tmp_path / "bad.toml")]) == 2
     assert "charstream serve: egress.port: 70000 is not a TCP port" in capsys.readouterr().out
-    assert main(["serve", "--preset", "nope"]) == 2
+    assert main(["serve", "--preset", "nope"]) == 2  # an option is checked as its config key is
     assert "charstream serve: unknown model preset 'nope'" in capsys.readouterr().out
+    (tmp_path / "flat.toml").write_text("egress = 3\n")  # a section that is not a table, with an option into it
+    assert main(["serve", "--config", str(tmp_path / "flat.toml"), "--port", "0"]) == 2
+    assert "charstream serve: config egress: expected a table, got int" in capsys.readouterr().out
     assert PipelineConfig.from_dict({"egress": {"port": 0}}).egress.port == 0  # 0 picks a free one
 
 
