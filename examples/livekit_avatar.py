@@ -22,10 +22,11 @@ import asyncio
 import os
 import sys
 
-from charstream.pipeline.config import PipelineConfig
-from charstream.pipeline.integrations.livekit import serve_avatar
 from livekit import rtc
 from livekit.agents.voice.avatar import DataStreamAudioReceiver
+
+from charstream.pipeline.config import PipelineConfig
+from charstream.pipeline.integrations.livekit import serve_avatar
 
 
 async def run(url: str, token: str, room_name: str, preset: str, agent_identity: str | None) -> None:

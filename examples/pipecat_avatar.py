@@ -22,10 +22,6 @@ from fractions import Fraction
 
 import av
 import numpy as np
-from charstream.pipeline.config import PipelineConfig
-from charstream.pipeline.integrations.embedded import EmbeddedSession
-from charstream.pipeline.integrations.pipecat import CharstreamVideoService
-from charstream.stages.ingest.tts import synthesize
 from pipecat.frames.frames import (
     EndFrame,
     Frame,
@@ -41,6 +37,10 @@ from pipecat.pipeline.worker import PipelineParams, PipelineWorker
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
 from pipecat.workers.runner import WorkerRunner
 
+from charstream.pipeline.config import PipelineConfig
+from charstream.pipeline.integrations.embedded import EmbeddedSession
+from charstream.pipeline.integrations.pipecat import CharstreamVideoService
+from charstream.stages.ingest.tts import synthesize
 from charstream.timeline import TIMELINE_RATE, VIDEO_FPS
 
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
 from charstream.kernels.fp8 import FP8_DTYPE, FP8_MAX
 from charstream.kernels.quantize_rows import MIN_AMAX, quantize_rows_reference
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from charstream.kernels.fp8 import FP8_DTYPE
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from charstream.kernels.fp8 import FP8_MAX, dequantise, is_fp8, quantise
 from charstream.kernels.rope import rotate_pairs
 

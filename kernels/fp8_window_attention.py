@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from charstream.kernels.fp8 import FP8_DTYPE, FP8_MAX
 
 # cuDNN's amax results written out: none is read (the scales are fixed per session), and each one

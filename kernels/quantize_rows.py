@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
 from charstream.kernels.fp8 import FP8_DTYPE, FP8_MAX
 
 MIN_AMAX = 1e-12  # an all-zero row gets a tiny scale instead of a division by zero

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
 from charstream.kernels.fp8 import FP8_MAX, dequantise, is_fp8
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from charstream.kernels.fp8 import FP8_DTYPE, FP8_MAX, dequantise, is_fp8, quantise
 from charstream.kernels.rope import RopeFreqs, apply_rope, complex_rotation, rope_rotation, rotate_complex
 

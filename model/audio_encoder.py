@@ -25,9 +25,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 import torch.nn.functional as F
-from charstream.model.config import ModelConfig
 from torch import Tensor, nn
 
+from charstream.model.config import ModelConfig
 from charstream.timeline import SAMPLES_PER_CHUNK, SAMPLES_PER_FRAME, TIMELINE_RATE
 
 N_MELS = 80

@@ -18,6 +18,7 @@ computing whatever the buffers hold, read by no one.
 from __future__ import annotations
 
 import torch
+
 from charstream.model.capture import CAPTURE_MODE, one_capture_at_a_time
 from charstream.model.step import BUCKETS
 from charstream.model.vae import CausalState, Decoder, to_uint8_frames

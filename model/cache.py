@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from charstream.kernels.delta_rotate import delta_rotate
 from charstream.kernels.fp8 import FP8_MAX, is_fp8, quantise
 from charstream.kernels.ring_attention import ring_attention, ring_slot_bias

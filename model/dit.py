@@ -21,8 +21,9 @@ from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
-from charstream.model.config import ModelConfig
 from torch import nn
+
+from charstream.model.config import ModelConfig
 
 NOISE_FEATURES = 256  # sinusoidal features of the noise level
 

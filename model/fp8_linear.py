@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from charstream.kernels.fp8 import FP8_DTYPE, FP8_MAX
 from charstream.kernels.quantize_rows import quantize_rows
-from torch import nn
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

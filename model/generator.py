@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
 from charstream.kernels.fp8 import FP8_DTYPE
 from charstream.kernels.rope import rope_freqs
 from charstream.model.cache import KVCache

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
 from charstream.model.audio_encoder import AudioEncoder
 from charstream.model.capture import CAPTURE_MODE, one_capture_at_a_time
 

@@ -10,6 +10,7 @@ for a rollback (the eager decoder's immutable ``CausalState`` does the same by r
 from __future__ import annotations
 
 import torch
+
 from charstream.model.capture import CAPTURE_MODE, one_capture_at_a_time
 from charstream.model.vae import CausalState, Decoder, to_uint8_frames
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from charstream.kernels.rope import apply_rope, rope_freqs
 from charstream.model.cache import position_offset
 from charstream.model.dit import DiT

@@ -61,6 +61,7 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
 from charstream.kernels.adaln_quant import adaln_quant
 from charstream.kernels.attention_merge import merge_partials
 from charstream.kernels.cross_attention import cross_attention

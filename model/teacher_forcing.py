@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from charstream.kernels.rope import RopeFreqs, rope_freqs, rope_rotation, rotate
 from charstream.model.config import ModelConfig
 from charstream.model.dit import DiT

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
 from charstream.model.config import ModelConfig
 from charstream.model.dit import DiT
-from torch import nn
 
 
 def _segments(sizes: list[int], rank: int, world: int) -> list[tuple[int, int]]:

@@ -30,8 +30,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from charstream.model.config import ModelConfig
 from torch import Tensor, nn
+
+from charstream.model.config import ModelConfig
 
 TEMPORAL_KERNEL = 3  # causal temporal kernel: each frame sees itself and the 2 frames before
 

@@ -17,13 +17,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
 from charstream.model.audio_encoder import AudioEncoder
 from charstream.model.config import ModelConfig, get_preset
 from charstream.model.dit import DiT
 from charstream.model.tp import apply_tp, shard_ranges
 from charstream.model.vae import Decoder, VideoVAE
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 VAE_PREFIX = "vae."
 DECODER_PREFIX = VAE_PREFIX + "decoder."  # the decoder alone, as the decode stage loads it

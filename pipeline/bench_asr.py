@@ -24,6 +24,7 @@ import time
 
 import anyio
 import numpy as np
+
 from charstream.pipeline.bench_ingest import LINES, VOICES
 from charstream.stages.ingest.asr import LANGUAGE_MODELS, SpeechRecognizer, TurnRecognizer
 from charstream.stages.ingest.domain_lm import corpus_lines, words

@@ -30,6 +30,7 @@ import statistics
 import time
 
 import torch
+
 from charstream.kernels.fp8 import FP8_DTYPE
 from charstream.model.batched_decoder import BatchedDecoder
 from charstream.model.config import get_preset

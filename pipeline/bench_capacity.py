@@ -62,6 +62,9 @@ from typing import Any
 import psutil
 import zmq
 import zmq.asyncio
+from tqdm import tqdm
+
+from charstream.logs import configure_logging
 from charstream.pipeline.bench_output import commit_id, emit_report, percentiles, text_table
 from charstream.pipeline.capacity_worker import run_clients, run_worker
 from charstream.pipeline.config import PipelineConfig
@@ -69,11 +72,8 @@ from charstream.pipeline.engine import check_engine_config, run_engine
 from charstream.pipeline.engine_link import EngineError, engine_call
 from charstream.stages.config import AGENT_PACES, IngestConfig
 from charstream.stages.playout import UNDERRUN_CAUSES
-from charstream.transport.supervisor import Supervisor, describe_exit
-from tqdm import tqdm
-
-from charstream.logs import configure_logging
 from charstream.timeline import VIDEO_FPS
+from charstream.transport.supervisor import Supervisor, describe_exit
 
 CAUSE_KEYS = tuple(f"{cause}_underruns" for cause in UNDERRUN_CAUSES)  # per session and level, beside the total
 

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import av
 import numpy as np
+
 from charstream.pipeline.bench_output import commit_id, percentiles
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.runner import Node

@@ -49,6 +49,8 @@ import msgpack
 import numpy as np
 import psutil
 import zmq
+
+from charstream.logs import configure_logging
 from charstream.pipeline import arguments
 from charstream.pipeline.bench_output import commit_id, emit_report, text_table
 from charstream.transport.channel import BEAT, BYE, CREDIT, DATA, HELLO, SLOT, Receiver, Sender, Transport
@@ -67,8 +69,6 @@ from charstream.transport.messages import (
     VideoChunk,
 )
 from charstream.transport.slots import SlotBlock
-
-from charstream.logs import configure_logging
 
 HANG_S = 5.0
 HTTP_WORKERS = 16  # concurrent fuzz connections

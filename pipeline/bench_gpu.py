@@ -30,10 +30,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
 from charstream.model.config import ModelConfig, get_preset
 from charstream.pipeline.bench_output import commit_id, cuda_median_ms, free_port, text_table
 from charstream.stages.tp_group import NO_MULTICAST
-
 from charstream.timeline import SAMPLES_PER_CHUNK
 
 REFERENCE = {  # docs/ARCHITECTURE.md, "Reference numbers" (4xH100 session) and the issue's targets (one H200)
@@ -667,6 +667,7 @@ def bench_encoder(cfg: ModelConfig, reps: int) -> dict[str, float]:
     int16 window in, float32 tokens on the host out), eager and graphed: wall ms and host CPU ms per
     chunk (the host's share is what an engine's sessions contend for)."""
     import numpy as np
+
     from charstream.stages.conditioning import build
     from charstream.stages.config import ConditioningConfig
 

@@ -20,6 +20,7 @@ import json
 import time
 
 import numpy as np
+
 from charstream.stages.ingest.resample import resample, to_int16
 from charstream.stages.ingest.tts import synthesize
 from charstream.stages.ingest.vad import UserAudioVAD

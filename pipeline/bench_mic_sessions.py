@@ -84,10 +84,11 @@ async def run_sessions(count: int, workdir: Path, timeout_s: float = 45.0, prese
                        out: Path | None = None, concurrent: int = 1) -> list[SessionResult]:
     """``count`` sessions, ``concurrent`` at a time, against ``serve``'s own session factory
     (``out``: its ``--out DIR``)."""
+    from playwright.async_api import async_playwright
+
     from charstream.pipeline.config import PipelineConfig
     from charstream.pipeline.serve import make_factory
     from charstream.stages.egress.server import EgressServer
-    from playwright.async_api import async_playwright
 
     wav = workdir / "speech.wav"
     write_speech_wav(wav)

@@ -17,7 +17,6 @@ import time
 
 from charstream.model.config import PRESETS, get_preset
 from charstream.pipeline.bench_output import commit_id, emit_report
-
 from charstream.timeline import CHUNK_SECONDS
 
 BUDGET_MS = CHUNK_SECONDS * 1000.0
@@ -47,6 +46,7 @@ def _quantiles(seconds: list[float], cpu_seconds: list[float] | None = None) -> 
 def time_steps(preset: str, steps: int, warmup: int, device: str, fp8_cache: bool) -> tuple[list[float], list[float]]:
     """Wall and process-CPU seconds per ``Generator.step`` in steady state."""
     import torch
+
     from charstream.model.generator import Generator
     from charstream.model.weights import packaged_weights
 
@@ -74,6 +74,7 @@ def time_steps(preset: str, steps: int, warmup: int, device: str, fp8_cache: boo
 
 def bench_model(preset: str, steps: int, warmup: int, device: str, fp8_cache: bool) -> dict:
     import torch
+
     from charstream.model.vae import time_decode
 
     cfg = get_preset(preset)

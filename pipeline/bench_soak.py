@@ -39,14 +39,14 @@ from typing import Any
 
 import numpy as np
 import psutil
+
+from charstream.logs import configure_logging
 from charstream.pipeline import arguments
 from charstream.pipeline.bench_output import commit_id, emit_report, text_table
 from charstream.pipeline.config import PipelineConfig
 from charstream.stages.config import EgressConfig
 from charstream.stages.memory import allocator_stats, release_free_memory
 from charstream.stages.playout import UNDERRUN_CAUSES
-
-from charstream.logs import configure_logging
 from charstream.timeline import VIDEO_FPS
 
 MIN_TURN_S = 6.0  # a scripted turn (user line, think, reply, gap) takes longer than this
@@ -289,6 +289,7 @@ def run(args: argparse.Namespace) -> int:
     if (args.sessions is None) == (args.minutes is None):
         raise SystemExit("charstream bench soak: give exactly one of --sessions N or --minutes M")
     import torch
+
     from charstream.stages.ingest.scripted import DEFAULT_SCRIPT
 
     configure_logging(args.log_level)

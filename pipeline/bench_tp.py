@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
 from charstream.kernels.gemm_allreduce import gemm_all_reduce_reference
 from charstream.model.config import ModelConfig, get_preset
 from charstream.pipeline.bench_output import commit_id, cuda_median_ms, free_port

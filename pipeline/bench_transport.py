@@ -38,14 +38,14 @@ import anyio
 import numpy as np
 import psutil
 import zmq
+
 from charstream.pipeline import arguments
 from charstream.pipeline.bench_output import commit_id, emit_report, percentiles
+from charstream.timeline import SAMPLES_PER_CHUNK
 from charstream.transport.channel import Receiver, Sender, Transport, free_tcp_port
 from charstream.transport.codec import encode
 from charstream.transport.config import TransportConfig
 from charstream.transport.messages import Conditioning, TraceContext, VideoChunk
-
-from charstream.timeline import SAMPLES_PER_CHUNK
 
 STAMP = "bench_sent"
 WARMUP = 5

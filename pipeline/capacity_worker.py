@@ -29,6 +29,7 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.loop_lag import LoopLag
 from charstream.stages.playout import UNDERRUN_CAUSES
@@ -118,6 +119,7 @@ def device_info(config: PipelineConfig, weights: str | None) -> dict[str, Any]:
     if config.placement == "engine":  # the model stages, and CUDA, are the engine's
         return {"device": f"engine at {config.engine_endpoint}"}
     import torch
+
     from charstream.model.weights import resolve_weights
 
     device = config.diffusion.device

@@ -23,14 +23,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tqdm import tqdm
+
+from charstream.logs import configure_logging
 from charstream.pipeline import arguments
 from charstream.pipeline.config import PipelineConfig
 from charstream.stages.config import AGENT_PACES
 from charstream.stages.metrics import REGISTRY, serve_metrics
 from charstream.stages.tracing import SEGMENTS, TurnRecord, intervals
-from tqdm import tqdm
-
-from charstream.logs import configure_logging
 from charstream.timeline import SAMPLES_PER_FRAME, VIDEO_FPS
 
 QUIET_FRAMES = VIDEO_FPS // 2  # listening frames after the last reply before the demo ends
@@ -154,6 +154,7 @@ def plan(args: argparse.Namespace) -> DemoPlan:
     config = PipelineConfig(preset=args.preset, placement=args.placement)
     if args.gpus:
         import torch
+
         from charstream.pipeline.placement import apply_placement
 
         config = apply_placement(config, args.gpus, gpus_available=torch.cuda.device_count())

@@ -39,6 +39,8 @@ import anyio
 import anyio.abc
 import zmq
 import zmq.asyncio
+
+from charstream.logs import configure_logging, get_logger
 from charstream.pipeline import arguments
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.engine_link import (
@@ -60,8 +62,6 @@ from charstream.stages.metrics import forget_session, serve_metrics
 from charstream.stages.step_batcher import StepBatcher
 from charstream.transport.channel import Transport
 from charstream.transport.security import CurveKeys
-
-from charstream.logs import configure_logging, get_logger
 
 MAX_EDGE_CAPACITY = 1024  # credits of one edge: far more than any session graph's
 STOP_TIMEOUT_S = 15.0  # on SIGTERM, hosted groups get this long to tear down

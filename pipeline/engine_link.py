@@ -31,6 +31,7 @@ import anyio
 import msgpack
 import zmq
 import zmq.asyncio
+
 from charstream.pipeline.config import PipelineConfig
 from charstream.transport.config import TransportConfig
 from charstream.transport.security import CurveKeys, is_loopback

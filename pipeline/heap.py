@@ -20,9 +20,8 @@ import importlib.util
 import time
 from typing import Any
 
-from charstream.pipeline.kernel_compiles import log_kernel_compiles
-
 from charstream.logs import get_logger
+from charstream.pipeline.kernel_compiles import log_kernel_compiles
 
 LONG_COLLECTION_S = 0.01  # a quarter of a frame: a pass this long can hold a frame's release
 

@@ -11,6 +11,7 @@ import argparse
 import json
 
 import torch
+
 from charstream.model.config import PRESETS, ModelConfig, get_preset
 from charstream.model.dit import DiT
 from charstream.model.tp import apply_tp

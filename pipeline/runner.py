@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+
+from charstream.logs import configure_logging, get_logger
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.engine_link import EngineError, EngineLink, host_request
 from charstream.pipeline.heap import load_and_freeze
@@ -50,8 +52,6 @@ from charstream.transport.channel import (
 from charstream.transport.messages import Control, ControlKind, Message
 from charstream.transport.security import CurveKeys, curve_required
 from charstream.transport.supervisor import Child, Supervisor, describe_exit
-
-from charstream.logs import configure_logging, get_logger
 
 LOCAL_GROUP = "main"  # in "processes" placement, this group runs in the caller's process
 ENGINE_GROUP = "engine"  # in "engine" placement, the model engine process hosts this group (pipeline/engine.py)

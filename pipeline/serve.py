@@ -29,14 +29,14 @@ import tomllib
 from pathlib import Path
 
 import structlog
+
+from charstream.logs import configure_logging
 from charstream.pipeline import arguments
 from charstream.pipeline.config import PipelineConfig
 from charstream.stages.egress.server import CODECS, EgressServer, SessionFactory
 from charstream.stages.ingest.adapters import ADAPTERS
 from charstream.stages.ingest.external import AgentHub
 from charstream.stages.metrics import serve_metrics
-
-from charstream.logs import configure_logging
 
 log = structlog.get_logger("serve")
 
@@ -107,6 +107,7 @@ def load_config(args: argparse.Namespace) -> PipelineConfig:
         config.fleet.layout = args.gpus  # placed on a node, not here
     elif args.gpus:
         import torch
+
         from charstream.pipeline.placement import apply_placement
 
         config = apply_placement(config, args.gpus, gpus_available=torch.cuda.device_count())

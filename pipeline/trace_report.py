@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from charstream.stages.tracing import SEGMENTS, STAGES, intervals, read_jsonl
 
+from charstream.stages.tracing import SEGMENTS, STAGES, intervals, read_jsonl
 from charstream.timeline import TRACE_POINTS
 
 # Reference medians (docs/ARCHITECTURE.md, Reference numbers) for comparison, seconds.

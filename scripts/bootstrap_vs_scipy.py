@@ -13,8 +13,9 @@ import time
 import warnings
 
 import numpy as np
-from charstream.pipeline.quality.stats import bootstrap_mean_ci
 from scipy import stats
+
+from charstream.pipeline.quality.stats import bootstrap_mean_ci
 
 
 def main() -> int:

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
+
 from charstream.kernels.adaln_quant import adaln_quant_reference, adaln_quant_triton
 from charstream.kernels.delta_rotate import delta_rotate_reference, delta_rotate_triton
 from charstream.kernels.fp8 import FP8_DTYPE, FP8_MAX
@@ -574,6 +575,7 @@ def gemm_allreduce(gen: torch.Generator) -> dict[str, object]:
     import socket
 
     import torch.distributed as dist
+
     from charstream.kernels.gemm_allreduce import Fp8GemmAllReduce
     from charstream.kernels.quantize_rows import quantize_rows_triton
     from charstream.model.fp8_linear import quantize_weight

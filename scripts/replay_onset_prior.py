@@ -19,10 +19,9 @@ import math
 import statistics
 from pathlib import Path
 
+from charstream.logs import read_events
 from charstream.stages.config import PlayoutConfig
 from charstream.stages.speech_estimate import prior_allowance
-
-from charstream.logs import read_events
 from charstream.timeline import VIDEO_FPS
 
 FRAME_MS = 1000 / VIDEO_FPS

@@ -21,10 +21,9 @@ import math
 import statistics
 from pathlib import Path
 
+from charstream.logs import read_events
 from charstream.stages.config import PlayoutConfig
 from charstream.stages.speech_estimate import SpeechEstimator
-
-from charstream.logs import read_events
 from charstream.timeline import FRAMES_PER_CHUNK, VIDEO_FPS
 
 FRAME = 1 / VIDEO_FPS

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import structlog
+
 from charstream.transport.messages import Control, Message
 
 Emit = Callable[[Message], Awaitable[None]]

@@ -41,9 +41,11 @@ from pathlib import Path
 
 import anyio
 import numpy as np
+
 from charstream.stages.base import Stage, StageContext
 from charstream.stages.config import ConditioningConfig
 from charstream.stages.worker import StageWorker
+from charstream.timeline import CHUNK_SECONDS, SAMPLES_PER_CHUNK, SAMPLES_PER_FRAME, TIMELINE_RATE
 from charstream.transport.messages import (
     AgentAudio,
     Conditioning,
@@ -54,8 +56,6 @@ from charstream.transport.messages import (
     TurnEvent,
     TurnKind,
 )
-
-from charstream.timeline import CHUNK_SECONDS, SAMPLES_PER_CHUNK, SAMPLES_PER_FRAME, TIMELINE_RATE
 
 # int16 48 kHz window [chunk start - context, chunk end + look-ahead) -> (n_audio_tokens, audio_dim) float32
 EncodeFn = Callable[[np.ndarray], np.ndarray]
@@ -384,6 +384,7 @@ def build(config: ConditioningConfig, preset: str, weights: str | None = "packag
     weights when ``weights`` names a file or is ``"packaged"`` and the package ships them, else
     seeded random weights; on CUDA with ``config.graphed``, replayed as one CUDA graph per chunk."""
     import torch
+
     from charstream.model.audio_encoder import AudioEncoder, make_encode_fn
     from charstream.model.config import get_preset
     from charstream.model.weights import load_audio_encoder, resolve_weights

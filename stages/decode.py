@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+
 from charstream.model.config import get_preset
 from charstream.stages.base import Stage, StageContext
 from charstream.stages.config import DecodeConfig, cpu_threads
@@ -106,6 +107,7 @@ class DecodeStage(Stage):
         if not self.graphed:
             return decoder
         import torch
+
         from charstream.model.graphed_decoder import GraphedDecoder
 
         return GraphedDecoder(decoder, getattr(torch, self.dtype))
@@ -115,6 +117,7 @@ class DecodeStage(Stage):
 
     def _decode(self, latent: np.ndarray, state: CausalState | None) -> tuple[np.ndarray, CausalState]:
         import torch
+
         from charstream.model.vae import to_uint8_frames
 
         with torch.inference_mode():

@@ -20,6 +20,7 @@ from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
 from charstream.model.config import get_preset
 from charstream.stages.batcher import SessionBatcher
 from charstream.stages.config import DecodeConfig, cpu_threads
@@ -56,6 +57,7 @@ class DecodeBatcher(SessionBatcher):
 
     def _build(self) -> BatchedDecoder:
         import torch
+
         from charstream.model.batched_decoder import BatchedDecoder
         from charstream.model.weights import load_decoder, resolve_weights
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import numpy as np
+
 from charstream.model.config import get_preset
 from charstream.stages.base import Stage, StageContext
 from charstream.stages.config import DiffusionConfig, cpu_threads
@@ -38,6 +39,7 @@ from charstream.transport.messages import Conditioning, Control, ControlKind, La
 
 if TYPE_CHECKING:
     import torch
+
     from charstream.stages.step_batcher import StepBatcher
 
 
@@ -64,6 +66,7 @@ def chunk_seed(seed: int, chunk: int) -> int:
 def reference_latent(preset: str, weights: str | None, identity: int, device: str) -> torch.Tensor:
     """The character's reference image (its rest frame) encoded by the preset's VAE encoder."""
     import torch
+
     from charstream.model.character import reference_frame
     from charstream.model.vae import to_video
     from charstream.model.weights import load_vae
@@ -138,6 +141,7 @@ class DiffusionStage(Stage):
 
     def _load(self) -> str | None:
         import torch
+
         from charstream.model.weights import resolve_weights
 
         path = resolve_weights(self.preset, self.weights)

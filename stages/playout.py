@@ -48,13 +48,12 @@ from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
+
 from charstream.stages.base import Stage, StageContext
 from charstream.stages.config import PlayoutConfig
 from charstream.stages.metrics import SessionMetrics
 from charstream.stages.speech_estimate import Estimate, SpeechEstimator
 from charstream.stages.tracing import TurnTracer
-from charstream.transport.messages import Control, ControlKind, Message, TraceContext, VideoChunk
-
 from charstream.timeline import (
     CHUNK_SECONDS,
     FRAMES_PER_CHUNK,
@@ -63,6 +62,7 @@ from charstream.timeline import (
     TIMELINE_RATE,
     VIDEO_FPS,
 )
+from charstream.transport.messages import Control, ControlKind, Message, TraceContext, VideoChunk
 
 FRAME_SECONDS = 1.0 / VIDEO_FPS
 UNDERRUN_CAUSES = ("onset", "speech", "listening")  # PlayoutStats' <cause>_underruns and <cause>_underrun_frames

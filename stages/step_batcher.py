@@ -22,12 +22,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
+
 from charstream.model.config import get_preset
 from charstream.stages.batcher import SessionBatcher
 from charstream.stages.config import DiffusionConfig, cpu_threads
 
 if TYPE_CHECKING:
     import torch
+
     from charstream.model.step import BatchedStep, DiffusionStep
 
 
@@ -69,6 +71,7 @@ class StepBatcher(SessionBatcher):
 
     def _build(self) -> BatchedStep:
         import torch
+
         from charstream.kernels.fp8 import FP8_DTYPE
         from charstream.model.step import BatchedStep
         from charstream.model.weights import build_model, resolve_weights

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
 from charstream.model.config import ModelConfig
 from charstream.model.generator import Generator, fused_by_default
 from charstream.model.step import GATHERED_BY_DEFAULT

@@ -38,9 +38,6 @@ from pathlib import Path
 from typing import IO, Any
 
 import structlog
-from charstream.stages.config import TracingConfig
-from charstream.stages.metrics import TURN_SEGMENT_SECONDS
-from charstream.transport.messages import TraceContext
 from opentelemetry import trace as otel_trace
 from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -53,7 +50,10 @@ from opentelemetry.sdk.trace.export import (
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import Status, StatusCode
 
+from charstream.stages.config import TracingConfig
+from charstream.stages.metrics import TURN_SEGMENT_SECONDS
 from charstream.timeline import TRACE_POINTS
+from charstream.transport.messages import TraceContext
 
 # Segments of a turn (docs/ARCHITECTURE.md, Tracing): the reference's 2.13 s = agent + pipeline + delivery.
 SEGMENTS: dict[str, tuple[str, str]] = {

@@ -13,6 +13,7 @@ from typing import Any
 import anyio
 import numpy as np
 import structlog
+
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.session import LiveSession
 from charstream.stages.base import StageContext

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from charstream.model.threads import set_intra_op_threads
 
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import anyio
 import numpy as np
+
 from charstream.model.config import get_preset
 from charstream.stages.base import Stage, StageContext
-from charstream.transport.messages import Control, ControlKind, Latents, Message, TraceContext, VideoChunk
-
 from charstream.timeline import SAMPLES_PER_CHUNK
+from charstream.transport.messages import Control, ControlKind, Latents, Message, TraceContext, VideoChunk
 
 
 def latents_for(chunk: int, epoch: int, preset: str = "tiny") -> np.ndarray:

@@ -6,9 +6,10 @@ import time
 from dataclasses import dataclass, field
 
 import structlog
+from structlog.testing import LogCapture
+
 from charstream.stages.base import StageContext
 from charstream.transport.messages import AgentAudio, Control, Message, TurnEvent
-from structlog.testing import LogCapture
 
 
 @dataclass

@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import structlog
+
 from charstream.stages.base import StageContext
 from charstream.stages.playout import PlayoutStage
 from charstream.transport.messages import Control, Message

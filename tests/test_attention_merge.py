@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from charstream.kernels.attention_merge import merge_partials, merge_partials_reference
 from charstream.kernels.fp8 import FP8_DTYPE, FP8_MAX
 from charstream.kernels.fp8_window_attention import (

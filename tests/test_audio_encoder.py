@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from charstream.model.audio_encoder import AudioEncoder, make_encode_fn, rms_envelope
 from charstream.model.config import CHARACTERS_57B, TINY
-
 from charstream.timeline import SAMPLES_PER_CHUNK, SAMPLES_PER_FRAME, TIMELINE_RATE
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

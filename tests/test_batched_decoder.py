@@ -11,6 +11,7 @@ import asyncio
 
 import pytest
 import torch
+
 from charstream.model.batched_decoder import BatchedDecoder
 from charstream.model.config import TINY
 from charstream.model.vae import CausalState, Decoder, to_uint8_frames

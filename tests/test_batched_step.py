@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from charstream.kernels.fp8 import FP8_DTYPE
 from charstream.kernels.rope import rope_freqs
 from charstream.model.cache import KVCache

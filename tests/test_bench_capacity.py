@@ -11,6 +11,7 @@ import sys
 
 import psutil
 import pytest
+
 from charstream.pipeline import bench_capacity
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from charstream.pipeline.bench_gpu import _table, memset_sources, trace_summary
 from charstream.pipeline.cli import main
 

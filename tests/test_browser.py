@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.session import session_factory
 from charstream.stages.config import EgressConfig

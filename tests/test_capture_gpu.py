@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+
 from charstream.model.config import TINY
 from charstream.model.generator import Generator
 from charstream.model.graphed_decoder import GraphedDecoder

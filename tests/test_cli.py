@@ -2,6 +2,7 @@ import subprocess
 import sys
 
 import pytest
+
 from charstream.pipeline.cli import COMMANDS, build_parser, main
 from charstream.pipeline.config import PipelineConfig
 

@@ -7,9 +7,12 @@ import numpy as np
 import pytest
 import structlog
 import structlog.testing
+from structlog.testing import capture_logs
+
 from charstream.stages.base import StageContext
 from charstream.stages.conditioning import ConditioningStage, build
 from charstream.stages.config import ConditioningConfig
+from charstream.timeline import SAMPLES_PER_CHUNK, SAMPLES_PER_FRAME
 from charstream.transport.messages import (
     AgentAudio,
     Conditioning,
@@ -19,9 +22,6 @@ from charstream.transport.messages import (
     TurnEvent,
     TurnKind,
 )
-from structlog.testing import capture_logs
-
-from charstream.timeline import SAMPLES_PER_CHUNK, SAMPLES_PER_FRAME
 
 LOOKAHEAD = 1920  # the tiny preset's 40 ms at 48 kHz
 CONTEXT = 3840  # its 80 ms of left context

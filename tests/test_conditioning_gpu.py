@@ -4,9 +4,9 @@ decoder) gives the CPU's tokens. Skipped without CUDA; run through the device to
 import numpy as np
 import pytest
 import torch
+
 from charstream.stages.conditioning import build
 from charstream.stages.config import ConditioningConfig
-
 from charstream.timeline import SAMPLES_PER_CHUNK
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from charstream.kernels.cross_attention import MAX_KEYS, cross_attention
 from charstream.model.dit import _cross_attention
 

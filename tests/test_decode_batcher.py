@@ -21,6 +21,7 @@ from batch_support import (
     released_frames,
     seeded_configs,
 )
+
 from charstream.model.config import TINY
 from charstream.pipeline.config import PipelineConfig
 from charstream.stages.batcher import SessionBatcher
@@ -28,9 +29,8 @@ from charstream.stages.config import DecodeConfig
 from charstream.stages.decode import DecodeStage
 from charstream.stages.decode_batcher import DecodeBatcher
 from charstream.stages.step_batcher import StepBatcher
-from charstream.transport.messages import Control, ControlKind, Latents
-
 from charstream.timeline import SAMPLES_PER_CHUNK
+from charstream.transport.messages import Control, ControlKind, Latents
 
 # -- the scheduler ------------------------------------------------------------------------------------
 

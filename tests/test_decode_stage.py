@@ -7,6 +7,9 @@ import numpy as np
 import pytest
 import structlog
 import torch
+from decode_support import audio_for, latents_for, latents_message
+from structlog.testing import LogCapture
+
 from charstream.model.vae import to_uint8_frames
 from charstream.model.weights import load_decoder
 from charstream.pipeline.config import PipelineConfig
@@ -15,8 +18,6 @@ from charstream.stages.base import StageContext
 from charstream.stages.config import DecodeConfig
 from charstream.stages.decode import DecodeStage
 from charstream.transport.messages import Conditioning, Control, ControlKind, Latents, Message, VideoChunk
-from decode_support import audio_for, latents_for, latents_message
-from structlog.testing import LogCapture
 
 SEED = 7
 

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import structlog
 import torch
+
 from charstream.model.config import TINY
 from charstream.stages.base import StageContext
 from charstream.stages.config import DiffusionConfig
 from charstream.stages.diffusion import DiffusionStage
-from charstream.transport.messages import Conditioning, Control, ControlKind, Latents
-
 from charstream.timeline import SAMPLES_PER_CHUNK
+from charstream.transport.messages import Conditioning, Control, ControlKind, Latents
 
 
 def _context(out: list) -> StageContext:

@@ -9,6 +9,8 @@ import time
 import aiohttp
 import numpy as np
 import pytest
+from waiting import until
+
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.runner import Node
 from charstream.pipeline.session import session_factory
@@ -17,8 +19,6 @@ from charstream.stages.config import EgressConfig, PlayoutConfig
 from charstream.stages.egress.client import AudioSamplesTrack, EgressClient, SignalingError
 from charstream.stages.egress.server import EgressServer
 from charstream.stages.egress.testcard import CLICK_AMPLITUDE, CardSource, card_chunk, frame_image
-from waiting import until
-
 from charstream.timeline import CHUNK_SECONDS, FRAMES_PER_CHUNK, TIMELINE_RATE
 
 FLASH_EVERY = 12  # chunks: one flash + click every 2 s
@@ -333,6 +333,7 @@ def test_a_slow_session_setup_is_not_the_clients_silence():
     answers nothing is still found gone after ``client_timeout_s``."""
     import anyio
     import structlog
+
     from charstream.stages.base import StageContext
     from charstream.stages.egress.stage import EgressStage, PeerLink
     from charstream.transport.messages import ControlKind

@@ -7,6 +7,7 @@ import json
 import time
 
 import pytest
+
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.session import session_factory
 from charstream.stages.config import EgressConfig

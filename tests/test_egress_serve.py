@@ -12,6 +12,7 @@ import time
 
 import aiohttp
 import anyio
+
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.runner import Node
 from charstream.pipeline.session import session_factory

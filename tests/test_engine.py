@@ -18,11 +18,12 @@ import pytest
 import zmq
 import zmq.asyncio
 from batch_support import assert_same_frames, released_frames, seeded_configs
+from test_faults import mapped_segments
+
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.engine_link import EngineError, check_engine_endpoint, engine_call, pack, unpack
 from charstream.pipeline.session import LiveSession
 from charstream.transport.supervisor import PR_SET_PDEATHSIG
-from test_faults import mapped_segments
 
 DETECT_S = 2.0
 

@@ -18,15 +18,16 @@ import time
 import anyio
 import psutil
 import pytest
+from ingest_support import Recorder
+from test_ingest_external import _ended, _run_until, _spawn
+from test_ingest_external import _stage as _agent_stage
+from waiting import until
+
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.session import session_factory
 from charstream.stages.config import EgressConfig
 from charstream.stages.egress.client import EgressClient
 from charstream.stages.egress.server import EgressServer
-from ingest_support import Recorder
-from test_ingest_external import _ended, _run_until, _spawn
-from test_ingest_external import _stage as _agent_stage
-from waiting import until
 
 DETECT_S = 2.0
 

@@ -20,11 +20,12 @@ import time
 import urllib.request
 
 import pytest
+from waiting import until
+
 from charstream.pipeline.bench_egress import CHROMIUM, CHROMIUM_ARGS
 from charstream.pipeline.fleet.client import FleetClient, FullError
 from charstream.pipeline.fleet.cluster import local_cluster
 from charstream.pipeline.fleet.commands import request
-from waiting import until
 
 KEY = "fleet-key"
 FLEET_TOML = """

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.fleet.commands import format_status
 from charstream.pipeline.fleet.config import FleetConfig

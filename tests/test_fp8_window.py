@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from charstream.kernels.fp8 import FP8_DTYPE
 from charstream.kernels.fp8_window_attention import (
     choose_window_splits,

@@ -9,9 +9,10 @@ from __future__ import annotations
 import random
 
 import pytest
-from charstream.pipeline.bench_fuzz import AgentTarget, ChannelTarget, HttpTarget, fuzz
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from charstream.pipeline.bench_fuzz import AgentTarget, ChannelTarget, HttpTarget, fuzz
 
 EXAMPLES = 300
 FUZZ = settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None,

@@ -9,6 +9,7 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
+
 from charstream.kernels.fp8 import FP8_DTYPE
 from charstream.model.config import TINY
 from charstream.model.generator import Generator

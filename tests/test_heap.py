@@ -11,6 +11,7 @@ import sys
 
 import anyio
 import structlog
+
 from charstream.pipeline import heap
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.runner import Graph, Node, run_session

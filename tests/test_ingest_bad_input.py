@@ -4,14 +4,14 @@ and the next good audio still flows. Driven through a PushAdapter (no real-time 
 import anyio
 import numpy as np
 import pytest
+from ingest_support import Recorder
+
 from charstream.stages.config import IngestConfig
 from charstream.stages.ingest.adapters import AgentAudioFrame, AgentDisconnected, AgentTurnEnd, AgentTurnStart
 from charstream.stages.ingest.push import PushAdapter
 from charstream.stages.ingest.stage import IngestStage
-from charstream.transport.messages import TurnKind
-from ingest_support import Recorder
-
 from charstream.timeline import TIMELINE_RATE
+from charstream.transport.messages import TurnKind
 
 
 def _run(events, max_ahead_s: float = 30.0):

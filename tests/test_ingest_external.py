@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
+from ingest_support import Recorder
+
 from charstream.stages.config import IngestConfig
 from charstream.stages.ingest.external import ExternalAgent
 from charstream.stages.ingest.resample import resample, to_int16
 from charstream.stages.ingest.stage import IngestStage
 from charstream.stages.ingest.tts import synthesize
-from charstream.transport.messages import TurnKind
-from ingest_support import Recorder
-
 from charstream.timeline import TIMELINE_RATE
+from charstream.transport.messages import TurnKind
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIENT = ROOT / "examples" / "external_agent.py"
@@ -194,6 +194,7 @@ def test_oversized_message_drops_the_sender_and_the_socket_keeps_serving():
     """A 256 MiB frame (issue 18's probe: +524 MB) is cut off by ZeroMQ at MAX_MESSAGE_BYTES before
     it is buffered; the process barely grows and a well-behaved agent is served after it."""
     import psutil
+
     from charstream.stages.ingest.external import MAX_MESSAGE_BYTES
 
     stage, rec = _stage(), Recorder()

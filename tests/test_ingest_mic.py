@@ -5,6 +5,8 @@ import time
 
 import anyio
 import numpy as np
+from ingest_support import Recorder
+
 from charstream.stages.config import IngestConfig
 from charstream.stages.egress.mic import UserAudioFrame, UserAudioQueue
 from charstream.stages.ingest.push import PushAdapter
@@ -12,7 +14,6 @@ from charstream.stages.ingest.resample import resample, to_int16
 from charstream.stages.ingest.stage import IngestStage
 from charstream.stages.ingest.tts import synthesize
 from charstream.transport.messages import TurnKind
-from ingest_support import Recorder
 
 
 def test_microphone_queue_drives_turn_detection():

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+
 from charstream.stages.ingest.resample import StreamingResampler, resample, to_int16
 
 

@@ -8,14 +8,14 @@ detected (not assumed) and back-dated, the think delay, the reply streamed at re
 import anyio
 import numpy as np
 import pytest
+from ingest_support import Recorder
+
 from charstream.stages.config import IngestConfig
 from charstream.stages.ingest.adapters import create_adapter
 from charstream.stages.ingest.scripted import ScriptedAgent, ScriptLine
 from charstream.stages.ingest.stage import IngestStage
-from charstream.transport.messages import ControlKind, TurnKind
-from ingest_support import Recorder
-
 from charstream.timeline import SAMPLES_PER_CHUNK, TIMELINE_RATE
+from charstream.transport.messages import ControlKind, TurnKind
 
 THINK_S = 0.25
 SCRIPT = [

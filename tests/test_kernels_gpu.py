@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from charstream.kernels.adaln_quant import adaln_quant_reference, adaln_quant_triton
 from charstream.kernels.attention_merge import merge_partials_reference, merge_partials_triton
 from charstream.kernels.cross_attention import cross_attention_reference, cross_attention_triton

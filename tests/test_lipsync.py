@@ -5,6 +5,7 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
+
 from charstream.pipeline.quality.lipsync import mouth_openness, score_av, speech_envelope, sync_score
 from charstream.pipeline.training.data import make_clip
 

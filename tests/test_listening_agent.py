@@ -10,6 +10,7 @@ from collections import defaultdict
 import anyio
 import numpy as np
 import pytest
+
 from charstream.stages.config import IngestConfig
 from charstream.stages.ingest.adapters import AgentAudioFrame, AgentTurnEnd, AgentTurnStart, UserAudioFrame
 from charstream.stages.ingest.asr import SpeechRecognizer

@@ -15,12 +15,6 @@ import pytest
 
 pytest.importorskip("livekit.agents", reason="extra 'livekit' not installed (make test installs it)")
 
-from charstream.model.config import get_preset  # noqa: E402
-from charstream.pipeline.config import PipelineConfig  # noqa: E402
-from charstream.pipeline.integrations.embedded import EmbeddedSession  # noqa: E402
-from charstream.pipeline.integrations.livekit import CharstreamVideoGenerator, serve_avatar  # noqa: E402
-from charstream.stages.ingest.resample import resample, to_int16  # noqa: E402
-from charstream.stages.ingest.tts import synthesize  # noqa: E402
 from livekit import rtc  # noqa: E402
 from livekit.agents.voice.avatar import (  # noqa: E402
     AudioSegmentEnd,
@@ -30,6 +24,12 @@ from livekit.agents.voice.avatar import (  # noqa: E402
 )
 from waiting import until  # noqa: E402
 
+from charstream.model.config import get_preset  # noqa: E402
+from charstream.pipeline.config import PipelineConfig  # noqa: E402
+from charstream.pipeline.integrations.embedded import EmbeddedSession  # noqa: E402
+from charstream.pipeline.integrations.livekit import CharstreamVideoGenerator, serve_avatar  # noqa: E402
+from charstream.stages.ingest.resample import resample, to_int16  # noqa: E402
+from charstream.stages.ingest.tts import synthesize  # noqa: E402
 from charstream.timeline import VIDEO_FPS  # noqa: E402
 
 RATE = 24_000  # what LiveKit TTS plugins commonly produce
@@ -217,10 +217,11 @@ def test_the_avatar_worker_exits_when_the_room_goes():
 
 
 def test_the_agent_side_plugin_mints_the_avatar_token_and_says_why_it_cannot_join(monkeypatch):
-    from charstream.pipeline.integrations.livekit_plugin import AvatarSession
     from livekit import api
     from livekit.agents import AgentSession
     from livekit.agents.types import ATTRIBUTE_PUBLISH_ON_BEHALF
+
+    from charstream.pipeline.integrations.livekit_plugin import AvatarSession
 
     for name in ("LIVEKIT_URL", "LIVEKIT_API_KEY", "LIVEKIT_API_SECRET"):
         monkeypatch.delenv(name, raising=False)

@@ -6,6 +6,7 @@ import ctypes.util
 import sys
 
 import pytest
+
 from charstream.stages.memory import allocator_stats
 
 pytestmark = pytest.mark.skipif(ctypes.util.find_library("c") is None or sys.platform != "linux",

@@ -12,9 +12,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-from charstream.stages.metrics import collector
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+
+from charstream.stages.metrics import collector
 
 EMBEDDED = """
 import asyncio, sys

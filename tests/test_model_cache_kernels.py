@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+
 from charstream.kernels.delta_rotate import delta_rotate
 from charstream.kernels.fp8 import FP8_DTYPE, dequantise
 from charstream.kernels.ring_attention import (

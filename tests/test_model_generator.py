@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from charstream.kernels.fp8 import dequantise
 from charstream.model.cache import KVCache
 from charstream.model.config import TINY

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+
 from charstream.model.config import TINY
 from charstream.model.dit import DiT
 from charstream.model.weights import build_model, save_weights

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
 from charstream.model.config import TINY
 from charstream.model.dit import DiT
 from charstream.model.generator import Generator

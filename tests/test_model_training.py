@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from charstream.model.config import TINY
 from charstream.model.generator import Generator
 from charstream.model.teacher_forcing import flow_matching_loss, teacher_forced_velocity

@@ -6,6 +6,7 @@ and the seam is no bigger than a few ordinary frame-to-frame changes."""
 import numpy as np
 import pytest
 import torch
+
 from charstream.model.config import get_preset
 from charstream.model.generator import Generator
 from charstream.model.weights import resolve_weights
@@ -16,7 +17,6 @@ from charstream.stages.decode import DecodeStage
 from charstream.stages.diffusion import chunk_seed, reference_latent
 from charstream.stages.ingest.resample import resample, to_int16
 from charstream.stages.ingest.tts import synthesize
-
 from charstream.timeline import SAMPLES_PER_CHUNK, SAMPLES_PER_FRAME, TIMELINE_RATE
 
 SPEECH_AT, SPEECH_CHUNKS = 4, 12  # listening chunks, then the speech's

@@ -17,11 +17,6 @@ import pytest
 pytest.importorskip("pipecat", reason="extra 'pipecat' not installed (make test installs it)")
 
 from aiortc import RTCPeerConnection, RTCSessionDescription  # noqa: E402
-from charstream.model.config import get_preset  # noqa: E402
-from charstream.pipeline.config import PipelineConfig  # noqa: E402
-from charstream.pipeline.integrations.embedded import EmbeddedSession  # noqa: E402
-from charstream.pipeline.integrations.pipecat import CharstreamVideoService  # noqa: E402
-from charstream.stages.ingest.tts import synthesize  # noqa: E402
 from pipecat.audio.utils import is_silence  # noqa: E402
 from pipecat.frames.frames import (  # noqa: E402
     BotStartedSpeakingFrame,
@@ -47,6 +42,12 @@ from pipecat.transports.smallwebrtc.connection import SmallWebRTCConnection  # n
 from pipecat.transports.smallwebrtc.transport import SmallWebRTCTransport  # noqa: E402
 from pipecat.workers.runner import WorkerRunner  # noqa: E402
 from waiting import until  # noqa: E402
+
+from charstream.model.config import get_preset  # noqa: E402
+from charstream.pipeline.config import PipelineConfig  # noqa: E402
+from charstream.pipeline.integrations.embedded import EmbeddedSession  # noqa: E402
+from charstream.pipeline.integrations.pipecat import CharstreamVideoService  # noqa: E402
+from charstream.stages.ingest.tts import synthesize  # noqa: E402
 
 FIRST = "Hello, I am speaking through Pipecat."
 SECOND = "This second sentence is long, and it will be interrupted before it can finish at all."

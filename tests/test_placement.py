@@ -1,4 +1,5 @@
 import pytest
+
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.placement import PLACEMENTS, apply_placement
 

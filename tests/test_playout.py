@@ -7,13 +7,13 @@ import time
 
 import numpy as np
 import pytest
+from playout_support import start_playout
+
 from charstream.stages.config import PlayoutConfig
 from charstream.stages.egress.testcard import card_chunk
 from charstream.stages.playout import PlayoutOutput, PlayoutStage
-from charstream.transport.messages import Control, ControlKind, TraceContext, VideoChunk
-from playout_support import start_playout
-
 from charstream.timeline import CHUNK_SECONDS, SAMPLES_PER_FRAME
+from charstream.transport.messages import Control, ControlKind, TraceContext, VideoChunk
 
 SIZE = 32
 

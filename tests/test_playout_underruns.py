@@ -7,14 +7,14 @@ import time
 
 import pytest
 import structlog.testing
-from charstream.stages.config import PlayoutConfig
-from charstream.stages.egress.testcard import card_chunk
-from charstream.stages.playout import UNDERRUN_CAUSES, PlayoutStage
-from charstream.transport.messages import Control, ControlKind, TraceContext
 from playout_support import start_playout
 from test_playout import SIZE, collect, collect_from, realtime_source, stamped
 
+from charstream.stages.config import PlayoutConfig
+from charstream.stages.egress.testcard import card_chunk
+from charstream.stages.playout import UNDERRUN_CAUSES, PlayoutStage
 from charstream.timeline import CHUNK_SECONDS
+from charstream.transport.messages import Control, ControlKind, TraceContext
 
 
 def by_cause(stats) -> dict[str, tuple[int, int]]:

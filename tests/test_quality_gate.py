@@ -3,6 +3,7 @@ import json
 import numpy as np
 import pytest
 import torch
+
 from charstream.model.weights import packaged_weights
 from charstream.pipeline.quality.gate import report, score_matrix
 from charstream.pipeline.quality.rollout import GateConfig, Rollout, load_config

@@ -1,5 +1,6 @@
 import numpy as np
 import torch
+
 from charstream.model.character import MOUTH_BOX, Motion, idle_motion, make_identity, reference_frame, render
 from charstream.pipeline.quality.lipsync import mouth_openness
 from charstream.pipeline.training.data import babble_motion, make_clip

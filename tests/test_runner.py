@@ -13,6 +13,7 @@ from pathlib import Path
 import anyio
 import psutil
 import pytest
+
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.runner import Edge, Graph, Node, Session, plan_groups, run_session
 from charstream.transport.config import TransportConfig

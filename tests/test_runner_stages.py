@@ -9,6 +9,7 @@ import sys
 
 import anyio
 import numpy as np
+
 from charstream.stages.base import Stage, StageContext
 from charstream.transport.messages import Conditioning, Control, ControlKind, Message
 

@@ -4,6 +4,7 @@ the allowance learned from recent speech chunks' errors."""
 from __future__ import annotations
 
 import pytest
+
 from charstream.stages.speech_estimate import PRIOR_TURNS, SpeechEstimator, nearest_rank
 
 INITIAL_ALLOWANCE_S = 1 / 24  # these tests' prior (PlayoutConfig's default is a chunk)

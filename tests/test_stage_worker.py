@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import structlog
 import torch
+from decode_support import latents_message
+
 from charstream.model.config import TINY
 from charstream.stages.base import StageContext
 from charstream.stages.conditioning import ConditioningStage
@@ -17,10 +19,8 @@ from charstream.stages.config import ConditioningConfig, DecodeConfig, Diffusion
 from charstream.stages.decode import DecodeStage
 from charstream.stages.diffusion import DiffusionStage
 from charstream.stages.worker import StageWorker
-from charstream.transport.messages import Conditioning, Control, ControlKind
-from decode_support import latents_message
-
 from charstream.timeline import SAMPLES_PER_CHUNK
+from charstream.transport.messages import Conditioning, Control, ControlKind
 
 
 def _context(stage: str) -> StageContext:

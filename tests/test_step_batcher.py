@@ -19,13 +19,13 @@ from batch_support import (
     released_frames,
     seeded_configs,
 )
+
 from charstream.model.config import TINY
 from charstream.stages.config import DiffusionConfig
 from charstream.stages.diffusion import DiffusionStage
 from charstream.stages.step_batcher import StepBatcher
-from charstream.transport.messages import Conditioning, Control, ControlKind
-
 from charstream.timeline import SAMPLES_PER_CHUNK
+from charstream.transport.messages import Conditioning, Control, ControlKind
 
 
 def _conditioning(name: str, chunk: int, epoch: int) -> Conditioning:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from charstream.model.config import TINY
 from charstream.model.dit import DiT
 from charstream.model.step import FusedCrossContext

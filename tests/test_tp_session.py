@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from charstream.model.config import TINY
 from charstream.model.dit import DiT
 from charstream.model.generator import Generator

@@ -3,12 +3,12 @@ import random
 import struct
 
 import pytest
+
 from charstream.pipeline.cli import main
 from charstream.stages.config import TracingConfig
 from charstream.stages.tracing import TurnTracer
-from charstream.transport.messages import TraceContext
-
 from charstream.timeline import TRACE_POINTS
+from charstream.transport.messages import TraceContext
 
 NAMES = {  # (first point, last point) per name, written out here rather than imported
     ("segment", "agent"): ("user_speech_end", "agent_first_audio"),

@@ -7,14 +7,14 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 import structlog
-from charstream.stages.config import TracingConfig
-from charstream.stages.metrics import REGISTRY, SessionMetrics
-from charstream.stages.tracing import STAGES, TurnTracer, read_jsonl
-from charstream.transport.messages import TraceContext
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
+from charstream.stages.config import TracingConfig
+from charstream.stages.metrics import REGISTRY, SessionMetrics
+from charstream.stages.tracing import STAGES, TurnTracer, read_jsonl
 from charstream.timeline import TRACE_POINTS
+from charstream.transport.messages import TraceContext
 
 
 def stamps_for(t0: float, gaps=(1.2, 0.21, 0.08, 0.05, 0.1, 0.09)) -> dict[str, float]:

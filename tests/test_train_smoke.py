@@ -3,12 +3,13 @@ import json
 
 import pytest
 import torch
+from safetensors import safe_open
+
 from charstream.model.config import get_preset
 from charstream.model.dit import DiT
 from charstream.model.weights import build_model, load_audio_encoder, load_vae, merge
 from charstream.pipeline.training import train
 from charstream.pipeline.training.curves import LossLog
-from safetensors import safe_open
 
 TINY_RUN = [
     "--device", "cpu", "--budget-s", "60", "--workers", "0", "--seed", "3",

@@ -15,6 +15,8 @@ import psutil
 import pytest
 import zmq
 import zmq.asyncio
+from test_transport_peers import idle_sender, slow_consumer
+
 from charstream.transport.channel import (
     BEAT,
     CREDIT,
@@ -31,7 +33,6 @@ from charstream.transport.codec import WIRE_VERSION, MessageError, encode
 from charstream.transport.config import TransportConfig
 from charstream.transport.messages import Conditioning, Control, ControlKind
 from charstream.transport.security import CurveKeys, curve_required, is_loopback
-from test_transport_peers import idle_sender, slow_consumer
 
 SPAWN = multiprocessing.get_context("spawn")
 

@@ -7,6 +7,9 @@ import random
 import msgpack
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from charstream.pipeline.bench_fuzz import codec_frames, well_typed
 from charstream.transport.codec import WIRE_VERSION, MessageError, decode, encode
 from charstream.transport.messages import (
@@ -20,8 +23,6 @@ from charstream.transport.messages import (
     TurnKind,
     VideoChunk,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 LIMIT = 1 << 20
 

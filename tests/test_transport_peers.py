@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import anyio
 import numpy as np
+
 from charstream.transport.channel import Receiver, Sender, Transport
 from charstream.transport.config import TransportConfig
 from charstream.transport.messages import Conditioning

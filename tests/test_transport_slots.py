@@ -12,12 +12,13 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
+from test_transport_peers import slot_sender
+
 from charstream.transport.channel import CREDIT, DATA, HELLO, SLOT, PeerDeadError, Receiver, Sender, Transport
 from charstream.transport.codec import encode
 from charstream.transport.config import TransportConfig
 from charstream.transport.messages import Conditioning
 from charstream.transport.slots import SlotBlock
-from test_transport_peers import slot_sender
 
 SPAWN = multiprocessing.get_context("spawn")
 MB = 1 << 20

@@ -1,4 +1,5 @@
 import numpy as np
+
 from charstream.stages.ingest.tts import synthesize
 
 

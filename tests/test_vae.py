@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+
 from charstream.model.config import CHARACTERS_57B, TINY
 from charstream.model.vae import Decoder, VideoVAE, to_uint8_frames
-from safetensors.torch import load_file, save_file
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -34,13 +34,13 @@ import anyio
 import anyio.abc
 import zmq
 import zmq.asyncio
+
+from charstream.logs import get_logger
 from charstream.transport.codec import MessageError, decode, encode
 from charstream.transport.config import TransportConfig
 from charstream.transport.messages import Control, Message
 from charstream.transport.security import CurveKeys, Security
 from charstream.transport.slots import SlotBlock, SlotError, SlotView
-
-from charstream.logs import get_logger
 
 HELLO, CREDIT, BEAT, BYE, DATA, SLOT, CTRL, GO = b"H", b"C", b"B", b"X", b"D", b"S", b"K", b"G"
 SEND_LINGER_MS = 200  # lets a closing sender flush what it already sent, without hanging on a dead peer

@@ -23,6 +23,7 @@ from typing import Any
 
 import msgpack
 import numpy as np
+
 from charstream.transport.messages import MESSAGE_TYPES, Message, TraceContext
 
 WIRE_VERSION = 1

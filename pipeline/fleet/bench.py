@@ -104,6 +104,7 @@ async def run_step(url: str, door, count: int, seconds: float) -> dict:
 
 async def bench(args: argparse.Namespace) -> dict:
     import ray
+
     from charstream.pipeline.fleet.cluster import local_cluster
     from charstream.pipeline.fleet.frontdoor import FrontDoor, join_cluster
 

@@ -12,6 +12,7 @@ import asyncio
 import json
 
 import aiohttp
+
 from charstream.stages.egress.client import EgressClient, SignalingError
 
 

@@ -34,16 +34,17 @@ import aiohttp
 import ray
 import structlog
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from ray.exceptions import RayActorError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.fleet.health import FleetHealth
 from charstream.pipeline.fleet.host import SessionHost
 from charstream.pipeline.fleet.layout import layouts_that_fit, placement, session_bundles, session_demand
 from charstream.pipeline.fleet.metrics import FleetCollector
 from charstream.stages.egress.server import EgressServer, OfferError
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from ray.exceptions import RayActorError
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 log = structlog.get_logger("fleet")
 NODE_LABEL = "ray.io/node-id"  # every Ray node carries its id as this label

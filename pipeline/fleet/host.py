@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 import ray
+
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.placement import apply_placement
 from charstream.pipeline.serve import make_factory

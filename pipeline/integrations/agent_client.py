@@ -17,6 +17,7 @@ import msgpack
 import numpy as np
 import zmq
 import zmq.asyncio
+
 from charstream.stages.ingest.resample import resample
 from charstream.stages.ingest.tts import synthesize
 

@@ -43,12 +43,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import numpy as np
-from charstream.model.config import get_preset
-from charstream.pipeline.config import PipelineConfig
-from charstream.pipeline.integrations.embedded import EmbeddedSession
-from charstream.stages.ingest.adapters import AgentAudioFrame, AgentTurnEnd, AgentTurnStart
-from charstream.stages.playout import ReleasedFrame
-from charstream.transport.messages import TurnKind
 from livekit import rtc
 from livekit.agents.voice.avatar import (
     AudioReceiver,
@@ -58,7 +52,13 @@ from livekit.agents.voice.avatar import (
     VideoGenerator,
 )
 
+from charstream.model.config import get_preset
+from charstream.pipeline.config import PipelineConfig
+from charstream.pipeline.integrations.embedded import EmbeddedSession
+from charstream.stages.ingest.adapters import AgentAudioFrame, AgentTurnEnd, AgentTurnStart
+from charstream.stages.playout import ReleasedFrame
 from charstream.timeline import TIMELINE_RATE, VIDEO_FPS
+from charstream.transport.messages import TurnKind
 
 CLEAR_WAIT_S = 1.0  # at most this long for the runner to count a frame in flight (it pushes at 24 fps)
 

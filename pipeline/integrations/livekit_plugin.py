@@ -19,12 +19,13 @@ import asyncio
 import os
 from typing import TYPE_CHECKING
 
-from charstream.pipeline.config import PipelineConfig
-from charstream.pipeline.integrations.livekit import serve_avatar
 from livekit import api, rtc
 from livekit.agents.types import ATTRIBUTE_PUBLISH_ON_BEHALF
 from livekit.agents.voice.avatar import AvatarSession as LiveKitAvatarSession
 from livekit.agents.voice.avatar import DataStreamAudioOutput, DataStreamAudioReceiver
+
+from charstream.pipeline.config import PipelineConfig
+from charstream.pipeline.integrations.livekit import serve_avatar
 
 if TYPE_CHECKING:
     from livekit.agents import AgentSession

@@ -29,9 +29,6 @@ import asyncio
 import time
 
 import numpy as np
-from charstream.pipeline.integrations.embedded import EmbeddedSession
-from charstream.stages.ingest.adapters import AgentAudioFrame, AgentTurnEnd, AgentTurnStart
-from charstream.transport.messages import TurnKind
 from pipecat.frames.frames import (
     BotStartedSpeakingFrame,
     CancelFrame,
@@ -53,7 +50,10 @@ from pipecat.processors.frame_processor import FrameDirection
 from pipecat.services.ai_service import AIService
 from pipecat.services.settings import ServiceSettings
 
+from charstream.pipeline.integrations.embedded import EmbeddedSession
+from charstream.stages.ingest.adapters import AgentAudioFrame, AgentTurnEnd, AgentTurnStart
 from charstream.timeline import TIMELINE_RATE, VIDEO_FPS
+from charstream.transport.messages import TurnKind
 
 
 class CharstreamVideoService(AIService):

@@ -19,6 +19,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
+
 from charstream.pipeline.quality.rollout import GateConfig, Rollout, load_config
 from charstream.pipeline.quality.stats import FIXED_MARGIN, Comparison, Drift, compare, drift, rerun_sd
 

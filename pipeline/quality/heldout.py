@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
 from charstream.model.character import make_identity, render
 from charstream.pipeline.quality.gate import _plot_drift
 from charstream.pipeline.quality.lipsync import mouth_openness, speech_envelope, sync_score

@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-from charstream.model.character import MOUTH_BOX
 
+from charstream.model.character import MOUTH_BOX
 from charstream.timeline import SAMPLES_PER_FRAME, TIMELINE_RATE, VIDEO_FPS
 
 ENVELOPE_FLOOR_DB = -50.0  # silence and breath: mouth closed

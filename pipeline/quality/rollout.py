@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
 from charstream.model.character import MOUTH_BOX, Motion, make_identity, reference_frame, render
 from charstream.model.config import get_preset
 from charstream.model.generator import Generator
@@ -34,7 +35,6 @@ from charstream.pipeline.quality.lipsync import (
     sync_score,
 )
 from charstream.pipeline.training.data import make_script
-
 from charstream.timeline import SAMPLES_PER_CHUNK, VIDEO_FPS
 
 CONFIG_DIR = Path(__file__).parent / "configs"

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from charstream.model.character import Motion, idle_motion, make_identity, render
 from charstream.pipeline.quality.lipsync import speech_envelope
 from charstream.stages.ingest.resample import resample, to_int16
 from charstream.stages.ingest.tts import synthesize
-
 from charstream.timeline import SAMPLES_PER_FRAME, TIMELINE_RATE, VIDEO_FPS
 
 VOICES = (

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
+
 from charstream.model.audio_encoder import AudioEncoder
 from charstream.model.character import MOUTH_BOX, make_identity, reference_frame, render
 from charstream.model.config import ModelConfig, get_preset
@@ -35,7 +37,6 @@ from charstream.model.vae import VideoVAE, to_video
 from charstream.model.weights import save_parts
 from charstream.pipeline.training.curves import LossLog
 from charstream.pipeline.training.data import N_IDENTITIES, ClipScript, babble_motion, make_script
-from tqdm import tqdm
 
 MOUTH_WEIGHT = 6.0  # the mouth box counts this much more in the VAE's reconstruction loss
 LATENT_MOUTH_WEIGHT = 4.0  # and in the DiT's loss, on the latent cells under the mouth box

@@ -37,8 +37,8 @@ import structlog
 from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from aiortc.rtp import RtcpSrPacket
-from charstream.stages.egress.timing import FRAMES_PER_REPORT
 
+from charstream.stages.egress.timing import FRAMES_PER_REPORT
 from charstream.timeline import TIMELINE_RATE, VIDEO_FPS
 
 log = structlog.get_logger("egress.client")

@@ -46,6 +46,7 @@ import structlog
 from aiohttp import web
 from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCRtpSender, RTCSessionDescription, sdp
 from aiortc.mediastreams import MediaStreamTrack
+
 from charstream.stages.config import EgressConfig
 from charstream.stages.egress.json_limits import loads
 from charstream.stages.egress.mic import CaptureClock, UserAudioQueue, pump_microphone, watch_sender_reports

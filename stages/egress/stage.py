@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
+
 from charstream.stages.base import Stage, StageContext
 from charstream.stages.config import EgressConfig
 from charstream.transport.messages import Control, ControlKind, Message

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 
 import anyio
 import numpy as np
-from charstream.stages.base import Stage, StageContext
-from charstream.transport.messages import Control, ControlKind, TraceContext, TurnKind, VideoChunk
 
+from charstream.stages.base import Stage, StageContext
 from charstream.timeline import FRAMES_PER_CHUNK, SAMPLES_PER_CHUNK, TIMELINE_RATE
+from charstream.transport.messages import Control, ControlKind, TraceContext, TurnKind, VideoChunk
 
 if TYPE_CHECKING:
     from charstream.stages.egress.mic import UserAudioQueue

@@ -30,9 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from charstream.stages.playout import FrameRecord, PlayoutOutput
-from charstream.transport.messages import TraceContext
-
 from charstream.timeline import VIDEO_FPS
+from charstream.transport.messages import TraceContext
 
 FRAMES_PER_REPORT = 6  # a quarter of a second of presented frames a message; the page's app.js sends as many
 MAX_FRAMES_PER_REPORT = 48

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
+
 from charstream.transport.messages import TurnEvent, TurnKind
 
 if TYPE_CHECKING:

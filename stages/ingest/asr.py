@@ -31,6 +31,7 @@ from pathlib import Path
 
 import anyio
 import numpy as np
+
 from charstream.stages.ingest.audio_input import to_float_mono
 from charstream.stages.ingest.domain_lm import arpa_text, corpus_lines
 from charstream.stages.ingest.resample import StreamingResampler, to_int16

@@ -39,6 +39,8 @@ import msgpack
 import numpy as np
 import zmq
 import zmq.asyncio
+from zmq.auth.asyncio import AsyncioAuthenticator
+
 from charstream.stages.config import IngestConfig
 from charstream.stages.ingest.adapters import (
     AgentAudioFrame,
@@ -51,11 +53,9 @@ from charstream.stages.ingest.adapters import (
     UserAudioFrame,
 )
 from charstream.stages.ingest.audio_input import MAX_CHANNELS, SUPPORTED_RATES, AudioFormatError, check_format
+from charstream.timeline import TIMELINE_RATE
 from charstream.transport.messages import TurnEvent, TurnKind
 from charstream.transport.security import curve_required
-from zmq.auth.asyncio import AsyncioAuthenticator
-
-from charstream.timeline import TIMELINE_RATE
 
 PROTOCOL_VERSION = 1
 FORMATS = {"s16le": np.dtype("<i2"), "f32le": np.dtype("<f4")}

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import anyio
+
 from charstream.stages.config import IngestConfig
 from charstream.stages.ingest.adapters import (
     AgentAudioFrame,

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import anyio
+
 from charstream.stages.ingest.adapters import (
     AgentAudioFrame,
     AgentEvent,

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import anyio
 import numpy as np
+
 from charstream.stages.config import AGENT_PACES, IngestConfig
 from charstream.stages.ingest.adapters import (
     AgentAudioFrame,

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import numpy as np
+
 from charstream.stages.base import Stage, StageContext
 from charstream.stages.config import IngestConfig
 from charstream.stages.ingest.adapters import (
@@ -52,6 +53,7 @@ from charstream.stages.ingest.adapters import (
 from charstream.stages.ingest.audio_input import AudioFormatError, Repairs, to_float_mono
 from charstream.stages.ingest.resample import StreamingResampler, to_int16
 from charstream.stages.ingest.vad import UserAudioVAD, VadEvent
+from charstream.timeline import SAMPLES_PER_CHUNK, TIMELINE_RATE
 from charstream.transport.messages import (
     AgentAudio,
     Control,
@@ -61,8 +63,6 @@ from charstream.transport.messages import (
     TurnEvent,
     TurnKind,
 )
-
-from charstream.timeline import SAMPLES_PER_CHUNK, TIMELINE_RATE
 
 if TYPE_CHECKING:
     from charstream.stages.egress.mic import UserAudioQueue

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from charstream.stages.ingest.audio_input import to_float_mono
 from charstream.stages.ingest.resample import StreamingResampler
 from charstream.transport.messages import TurnKind
