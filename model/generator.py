@@ -7,7 +7,7 @@
 
 The step is ``model.step.DiffusionStep``; by default it takes the fused FP8 body, CUDA-graphed, on a
 CUDA device with a bf16 model and an FP8 ring, and the module body elsewhere. Under TP every rank
-runs the same calls with the same inputs (rank 0 does the I/O and broadcasts: stages/tp_group.py).
+runs the same calls with the same inputs (rank 0 does the I/O and broadcasts: stages/diffusion/tp_group.py).
 """
 
 from __future__ import annotations

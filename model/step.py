@@ -6,7 +6,7 @@
     step.rollback(k)                       # turn-start rollback: forget the last k frames
 
 Every rank of every deployment runs this object: ``model/generator.py`` builds it for one rank,
-``stages/tp_group.py`` on every rank of a TP group, ``charstream bench gpu`` times it. Two bodies
+``stages/diffusion/tp_group.py`` on every rank of a TP group, ``charstream bench gpu`` times it. Two bodies
 compute the velocity of one pass; everything else (inputs, sampler, cache bookkeeping, rollback,
 position reset, the TP group) is shared:
 

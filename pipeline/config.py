@@ -33,7 +33,7 @@ PROCESS_PLACEMENTS = ("inproc", "processes", "engine")  # PipelineConfig.placeme
 class PipelineConfig:
     preset: str = "tiny"
     # inproc (one process) | processes (edge, diffusion ranks, decoder) | engine (the model stages in a
-    # running engine process shared by many sessions: pipeline/engine.py, `charstream engine`)
+    # running engine process shared by many sessions: pipeline/runtime/engine.py, `charstream engine`)
     placement: str = "inproc"
     engine_endpoint: str = "ipc:///tmp/charstream-engine.sock"  # placement engine: the engine's socket (ipc or loopback tcp)
     # How long a thread running Python keeps the GIL from one that asks for it (sys.setswitchinterval),
@@ -41,7 +41,7 @@ class PipelineConfig:
     # its step (~15), and at Python's 5 ms each retake waits for the event loop's thread to be forced off.
     gil_switch_interval_ms: float = 0.5
     # Every serving process (the server, each stage process, an engine) imports what its sessions run,
-    # then freezes its heap out of Python's full collections (pipeline/heap.py): one walked ~285,000
+    # then freezes its heap out of Python's full collections (pipeline/runtime/heap.py): one walked ~285,000
     # objects holding the GIL 110-156 ms.
     freeze_heap: bool = True
     transport: TransportConfig = field(default_factory=TransportConfig)

@@ -29,8 +29,8 @@ from charstream.logs import configure_logging
 from charstream.pipeline import arguments
 from charstream.pipeline.config import PipelineConfig
 from charstream.stages.config import AGENT_PACES
-from charstream.stages.metrics import REGISTRY, serve_metrics
-from charstream.stages.tracing import SEGMENTS, TurnRecord, intervals
+from charstream.stages.shared.metrics import REGISTRY, serve_metrics
+from charstream.stages.shared.tracing import SEGMENTS, TurnRecord, intervals
 from charstream.timeline import SAMPLES_PER_FRAME, VIDEO_FPS
 
 QUIET_FRAMES = VIDEO_FPS // 2  # listening frames after the last reply before the demo ends
@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "in processes of their own")
     parser.add_argument("--gpus", metavar="LAYOUT", default=None,
                         help="GPU layout: diffusion TP ranks + decoder, e.g. 1 (one GPU for both), 3+1 "
-                             "(pipeline/placement.py); stages in processes of their own")
+                             "(pipeline/runtime/layouts.py); stages in processes of their own")
     parser.add_argument("--script", default=None,
                         help='JSON file: [{"user": "...", "agent": "...", "barge_in_after_s": null}, ...]')
     parser.add_argument("--weights", default="packaged",
@@ -93,7 +93,7 @@ class ClientThread:
     """
 
     def __init__(self, record_path: Path) -> None:
-        from charstream.stages.egress.client import EgressClient
+        from charstream.pipeline.web.client import EgressClient
 
         self.client = EgressClient(record_path=record_path)
         self.loop = asyncio.new_event_loop()
@@ -119,7 +119,7 @@ class ClientThread:
 def plan(args: argparse.Namespace) -> DemoPlan:
     from charstream.model.config import get_preset
     from charstream.model.weights import packaged_weights
-    from charstream.stages.ingest.scripted import DEFAULT_SCRIPT
+    from charstream.stages.agents.scripted import DEFAULT_SCRIPT
 
     get_preset(args.preset)  # an unknown preset fails here, before anything starts
     if args.script:
@@ -155,9 +155,9 @@ def plan(args: argparse.Namespace) -> DemoPlan:
     if args.gpus:
         import torch
 
-        from charstream.pipeline.placement import apply_placement
+        from charstream.pipeline.runtime.layouts import apply_layout
 
-        config = apply_placement(config, args.gpus, gpus_available=torch.cuda.device_count())
+        config = apply_layout(config, args.gpus, gpus_available=torch.cuda.device_count())
     config.tracing.jsonl_path = str(out / "trace.jsonl")
     config.tracing.otel_exporter = args.otel
     config.tracing.otlp_endpoint = args.otlp_endpoint
@@ -221,7 +221,7 @@ def _short(text: str, n: int = 48) -> str:
 
 async def watch_conversation(session, turns: int, progress: Progress) -> None:
     """Until the last turn's reply has played out and every turn has its trace (or the session ends)."""
-    from charstream.stages.playout import PlayoutClosed
+    from charstream.stages.playout.stage import PlayoutClosed
 
     output = session.output
     spoken: set[int] = set()
@@ -269,8 +269,8 @@ async def wait_for_client(client, peer, end_index: int, timeout: float = CLIENT_
 async def run_demo(args: argparse.Namespace) -> int:
     from charstream.pipeline.session import LiveSession, session_factory
     from charstream.pipeline.trace_report import render_table, write_report
-    from charstream.stages.egress.server import EgressServer
-    from charstream.stages.playout import UNDERRUN_CAUSES
+    from charstream.pipeline.web.server import EgressServer
+    from charstream.stages.playout.stage import UNDERRUN_CAUSES
 
     demo = plan(args)
     out = demo.out

@@ -33,10 +33,10 @@ import structlog
 from charstream.logs import configure_logging
 from charstream.pipeline import arguments
 from charstream.pipeline.config import PipelineConfig
-from charstream.stages.egress.server import CODECS, EgressServer, SessionFactory
+from charstream.pipeline.web.server import CODECS, EgressServer, SessionFactory
 from charstream.stages.ingest.adapters import ADAPTERS
 from charstream.stages.ingest.external import AgentHub
-from charstream.stages.metrics import serve_metrics
+from charstream.stages.shared.metrics import serve_metrics
 
 log = structlog.get_logger("serve")
 
@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-host", help="the metrics listener's address (default from config: 127.0.0.1)")
     parser.add_argument("--gpus", metavar="LAYOUT",
                         help="GPU layout of each session: diffusion TP ranks + decoder, e.g. 3+1, 4+1, 6+1 "
-                             "(pipeline/placement.py); sets devices and spawns one process per rank; "
+                             "(pipeline/runtime/layouts.py); sets devices and spawns one process per rank; "
                              "with --cluster, the layout each session reserves on a node")
     parser.add_argument("--batch-sessions", type=int, metavar="N",
                         help="batch the diffusion steps, and the decoding, of up to N sessions of this process "
@@ -108,9 +108,9 @@ def load_config(args: argparse.Namespace) -> PipelineConfig:
     elif args.gpus:
         import torch
 
-        from charstream.pipeline.placement import apply_placement
+        from charstream.pipeline.runtime.layouts import apply_layout
 
-        config = apply_placement(config, args.gpus, gpus_available=torch.cuda.device_count())
+        config = apply_layout(config, args.gpus, gpus_available=torch.cuda.device_count())
     return config
 
 

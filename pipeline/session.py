@@ -10,7 +10,7 @@ egress); diffusion and decode get process groups of their own, which ``placement
 spawns and ``"inproc"`` (the CPU demo, tests) keeps in one process -- except a stage whose sessions
 share a batcher (``diffusion/decode.batch_sessions`` > 1), which runs in the caller's process with
 it. ``"engine"``: conditioning, diffusion and decode are hosted by a running model engine
-(``pipeline/engine.py``) with its batchers, so this process makes no CUDA context. The session owns the live objects its nodes share — playout's ``PlayoutOutput`` (what egress
+(``pipeline/runtime/engine.py``) with its batchers, so this process makes no CUDA context. The session owns the live objects its nodes share — playout's ``PlayoutOutput`` (what egress
 serves to the peer connection), the microphone queue, the tracer, a pushed agent adapter, the peer
 link, the batchers — and hands each to its nodes explicitly; ``session_factory`` is what the egress server calls for each new peer.
 
@@ -29,25 +29,25 @@ from pathlib import Path
 from typing import Any
 
 from charstream.pipeline.config import PipelineConfig
-from charstream.pipeline.heap import load_and_freeze
-from charstream.pipeline.runner import ENGINE_GROUP, Edge, Graph, Node, Session, SessionResult
+from charstream.pipeline.runtime.heap import load_and_freeze
+from charstream.pipeline.runtime.runner import ENGINE_GROUP, Edge, Graph, Node, Session, SessionResult
+from charstream.pipeline.web.server import SessionFactory, SessionMedia
 from charstream.stages.base import Stage
-from charstream.stages.conditioning import build as build_conditioning
-from charstream.stages.decode import DecodeStage
-from charstream.stages.decode_batcher import DecodeBatcher
-from charstream.stages.diffusion import DiffusionStage
+from charstream.stages.conditioning.stage import build as build_conditioning
+from charstream.stages.decode.batcher import DecodeBatcher
+from charstream.stages.decode.stage import DecodeStage
+from charstream.stages.diffusion.batcher import StepBatcher
+from charstream.stages.diffusion.stage import DiffusionStage
 from charstream.stages.egress.mic import UserAudioQueue
-from charstream.stages.egress.server import SessionFactory, SessionMedia
 from charstream.stages.egress.stage import EgressStage, PeerLink
 from charstream.stages.egress.testcard import CardSource
 from charstream.stages.ingest.adapters import PUSH_ADAPTERS, AgentAdapter
 from charstream.stages.ingest.external import AgentHub, ExternalAgent
 from charstream.stages.ingest.push import PushAdapter
 from charstream.stages.ingest.stage import IngestStage
-from charstream.stages.metrics import forget_processes
-from charstream.stages.playout import PlayoutOutput, PlayoutStage
-from charstream.stages.step_batcher import StepBatcher
-from charstream.stages.tracing import TurnRecord, TurnTracer
+from charstream.stages.playout.stage import PlayoutOutput, PlayoutStage
+from charstream.stages.shared.metrics import forget_processes
+from charstream.stages.shared.tracing import TurnRecord, TurnTracer
 
 
 def model_nodes(config: PipelineConfig, weights: str | None = "packaged", batcher: StepBatcher | None = None,
@@ -214,7 +214,7 @@ def session_factory(config: PipelineConfig, weights: str | None = "packaged",
     its sessions share one model and batch their diffusion steps (``factory.batcher``); with
     ``decode.batch_sessions`` > 1 one decoder and their chunks (``factory.decode_batcher``). Sets the
     process's GIL switch interval (``config.gil_switch_interval_ms``): its sessions' threads share it;
-    imports what its sessions run and freezes the heap (``config.freeze_heap``, ``pipeline/heap.py``)."""
+    imports what its sessions run and freezes the heap (``config.freeze_heap``, ``pipeline/runtime/heap.py``)."""
     config.apply_gil_switch_interval()
     load_and_freeze(front_end=True, model_stages=not testcard and config.placement != "engine", freeze=config.freeze_heap)
     started = 0

@@ -123,18 +123,18 @@ if [ "$cmd" = install ]; then  # only the above: the first of two calls on a fre
 elif [ "$cmd" = check ]; then
   section "gpu tests" 150 gpu-tests.log python3 -m pytest -q -m gpu -p no:cacheprovider --timeout=120 \
     tests/test_graphed_gpu.py tests/test_diffusion_stage.py tests/test_capture_gpu.py
-  section "bench characters-57b TP=3, TP=4 shards" 200 bench-57b.log python3 -m charstream.pipeline.bench_gpu \
+  section "bench characters-57b TP=3, TP=4 shards" 200 bench-57b.log python3 -m charstream.pipeline.bench.gpu \
     --tp-shard 3 4 --skip sweep decoder pipeline encoder --section-timeout 90 --json "$OUT/bench_57b.json"
-  section "bench characters-14b, decoder, period" 200 bench-14b.log python3 -m charstream.pipeline.bench_gpu \
+  section "bench characters-14b, decoder, period" 200 bench-14b.log python3 -m charstream.pipeline.bench.gpu \
     --preset characters-14b --tp-shard 1 --skip sweep ceilings --section-timeout 90 --json "$OUT/bench_14b.json"
 elif [ "$cmd" = batch ]; then  # needs no wheels: the model layer and the bench only
   section "gpu tests" 100 gpu-tests.log python3 -m pytest -q -s -m gpu -p no:cacheprovider --timeout=70 \
     tests/test_batched_step.py tests/test_batched_decoder.py tests/test_graphed_gpu.py
-  section "bench batch" 70 bench-batch.log python3 -m charstream.pipeline.bench_batch --out "$OUT/bench_batch.json"
+  section "bench batch" 70 bench-batch.log python3 -m charstream.pipeline.bench.batch --out "$OUT/bench_batch.json"
 elif [ "$cmd" = ab ]; then  # the TP=3 shard's serving step without, then with, its one-rank NCCL group
   for group in --no-group ""; do
     # shellcheck disable=SC2086
-    section "bench TP=3 step ${group:-with group}" 100 bench-ab.log python3 -m charstream.pipeline.bench_gpu \
+    section "bench TP=3 step ${group:-with group}" 100 bench-ab.log python3 -m charstream.pipeline.bench.gpu \
       --tp-shard 3 --skip sweep kernels decoder pipeline ceilings $group --section-timeout 80
   done
 elif [ "$cmd" = kernels ]; then
@@ -152,22 +152,22 @@ elif [ "$cmd" = kernels ]; then
   section "kernels check" 150 kernels.log python3 scripts/kernels_check.py \
     --only ${KERNELS:-ring_write gelu_rows adaln window_attn cross_attn rotation} --json "$OUT/kernels.json"
   # shellcheck disable=SC2086
-  section "bench characters-57b shards ${TP_SHARDS:-3 4}" 300 bench.log python3 -m charstream.pipeline.bench_gpu \
+  section "bench characters-57b shards ${TP_SHARDS:-3 4}" 300 bench.log python3 -m charstream.pipeline.bench.gpu \
     --tp-shard ${TP_SHARDS:-3 4} --skip sweep decoder pipeline ceilings --section-timeout 100 --json "$OUT/bench.json"
   # bench-more.log: the runs after (at most 8 files come back)
   if [ "${CUBLASLT_AB:-0}" = 1 ]; then  # the TP=3 steps (bf16 and FP8 windows) with cuBLASLt's workspace, then
     # without, that one profiled (which GEMM kernels cuBLASLt takes then, and whether its memsets go)
-    section "bench TP=3 steps, CUBLASLT_WORKSPACE_SIZE=default" 90 bench-more.log python3 -m charstream.pipeline.bench_gpu \
+    section "bench TP=3 steps, CUBLASLT_WORKSPACE_SIZE=default" 90 bench-more.log python3 -m charstream.pipeline.bench.gpu \
       --tp-shard 3 --skip sweep kernels profile decoder pipeline ceilings --section-timeout 80
     section "bench TP=3 steps, CUBLASLT_WORKSPACE_SIZE=0, profiled" 150 bench-more.log env CUBLASLT_WORKSPACE_SIZE=0 \
-      python3 -m charstream.pipeline.bench_gpu --tp-shard 3 --skip sweep kernels decoder pipeline ceilings \
+      python3 -m charstream.pipeline.bench.gpu --tp-shard 3 --skip sweep kernels decoder pipeline ceilings \
       --section-timeout 100 --json "$OUT/bench-ws0.json"
   fi
   if [ -n "${1:-}" ]; then  # the base tree's serving steps (both windows), same machine, right after: like with like
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site-base \
       "$1" >/dev/null || exit
     section "base bench TP=3 steps" 100 bench-more.log env PYTHONPATH=/tmp/site-base:/tmp/site \
-      CHARSTREAM_COMMIT="${BASE_COMMIT:-base}" python3 -m charstream.pipeline.bench_gpu --tp-shard 3 \
+      CHARSTREAM_COMMIT="${BASE_COMMIT:-base}" python3 -m charstream.pipeline.bench.gpu --tp-shard 3 \
       --skip sweep kernels profile decoder pipeline ceilings --section-timeout 90
   fi
 elif [ "$cmd" = kernels-check ]; then  # only scripts/kernels_check.py's sections (KERNELS)
@@ -177,12 +177,12 @@ elif [ "$cmd" = kernels-check ]; then  # only scripts/kernels_check.py's section
 elif [ "$cmd" = tp ]; then  # multi-GPU kinds: the TP group with NCCL, one process per GPU, per size given
   [ $# -gt 0 ] || set -- 3 4
   for tp in "$@"; do
-    section "bench --tp $tp" 300 "bench-tp$tp.log" python3 -m charstream.pipeline.bench_gpu --preset characters-57b \
+    section "bench --tp $tp" 300 "bench-tp$tp.log" python3 -m charstream.pipeline.bench.gpu --preset characters-57b \
       --tp "$tp" --json "$OUT/bench_tp$tp.json"
   done
 elif [ "$cmd" = live ]; then
   [ $# -gt 0 ] || set -- characters-14b tiny
-  gpus=${GPUS:-1}  # a placement of pipeline/placement.py: 1, 3+1, 4+1, ...
+  gpus=${GPUS:-1}  # a placement of pipeline/runtime/layouts.py: 1, 3+1, 4+1, ...
   for preset in "$@"; do
     weights=random
     [ "$preset" = tiny ] && weights=packaged
@@ -202,7 +202,7 @@ elif [ "$cmd" = capacity ]; then
   if [ "${CAPACITY_CHECKS:-1}" != 0 ]; then
     section "capture beside running sessions, the graphed encoder, a stream per stage thread" 120 capacity.log python3 -m pytest -q -m gpu \
       -p no:cacheprovider --timeout=80 tests/test_capture_gpu.py tests/test_conditioning_gpu.py tests/test_stage_worker.py
-    section "bench gpu: tiny's audio encode, eager and graphed" 60 capacity.log python3 -m charstream.pipeline.bench_gpu \
+    section "bench gpu: tiny's audio encode, eager and graphed" 60 capacity.log python3 -m charstream.pipeline.bench.gpu \
       --preset tiny --no-group --skip ceilings step decoder --json "$OUT/bench_encoder.json"
   fi
   # ~5 minutes of ladders: each gets its share (the bench starts no count that would not fit); with two

@@ -40,7 +40,7 @@ from charstream.kernels.ring_write import (
 )
 from charstream.kernels.rope import rope_freqs
 from charstream.model.rope import frame_positions
-from charstream.pipeline.bench_gpu import _graph_ms, _graphs_ms
+from charstream.pipeline.bench.gpu import _graph_ms, _graphs_ms
 
 H, D, T, GRID, AUDIO = 20, 128, 757, (22, 34), 9
 SINK, RING, VALID = T, 10, 7

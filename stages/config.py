@@ -51,7 +51,7 @@ class IngestConfig:
 
 @dataclass
 class ConditioningConfig:
-    device: str = "cpu"  # the audio encoder's (pipeline/placement.py: the decoder's GPU, beside the edge's CPU work)
+    device: str = "cpu"  # the audio encoder's (pipeline/runtime/layouts.py: the decoder's GPU, beside the edge's CPU work)
     graphed: bool = True  # on CUDA: a chunk's encode as one CUDA graph replay (model/graphed_audio_encoder.py)
     idle_lead_chunks: int | None = 4  # listening chunks are emitted at most this far ahead of real time
     rollback_wait_s: float = 0.5  # no ROLLBACK answer to a TURN_START this long: place the speech anyway
@@ -61,7 +61,7 @@ class ConditioningConfig:
 @dataclass
 class DiffusionConfig:
     tp: int = 1
-    device: str = "cpu"  # rank 0's device; ranks 1.. use ``devices`` (pipeline/placement.py fills both)
+    device: str = "cpu"  # rank 0's device; ranks 1.. use ``devices`` (pipeline/runtime/layouts.py fills both)
     devices: list[str] = field(default_factory=list)  # one per TP rank; empty = ``device`` for every rank
     seed: int = 0
     fp8_cache: bool | None = None  # FP8 e4m3 ring; None: on CUDA devices (the CPU keeps the model's dtype)
@@ -72,7 +72,7 @@ class DiffusionConfig:
     # and an FP8 ring on CUDA): faster, with e4m3 queries, probabilities and output (docs/PERF.md, issue 14)
     fp8_window_attention: bool = False
     # > 1: the sessions of one serving process share one model and batch their due steps into one
-    # forward of up to this many (stages/step_batcher.py; the module body, CUDA-graphed per batch size)
+    # forward of up to this many (stages/diffusion/batcher.py; the module body, CUDA-graphed per batch size)
     batch_sessions: int = 1
     batch_window_s: float = 0.01  # a forward waits at most this long after its first step for the others
 
@@ -87,7 +87,7 @@ class DecodeConfig:
     graphed: bool = True  # on CUDA: the decoder as one CUDA graph per chunk (model/graphed_decoder.py)
     threads: int | None = None  # CPU intra-op threads; None: half the cores (diffusion runs beside it)
     # > 1: the sessions of one serving process share one decoder and decode their due chunks in one
-    # forward of up to this many (stages/decode_batcher.py; CUDA-graphed per batch size); decode then
+    # forward of up to this many (stages/decode/batcher.py; CUDA-graphed per batch size); decode then
     # runs in the serving process
     batch_sessions: int = 1
     batch_window_s: float = 0.01  # a forward waits at most this long after its first chunk for the others
@@ -99,7 +99,7 @@ class PlayoutConfig:
     max_depth_chunks: int = 8  # a full buffer withholds credit from decode (backpressure)
     history_frames: int = 48  # released frames (pixels + audio) kept for egress readers that start late
     # What the speech placement allows beyond its estimate until a turn has been measured, then halved with
-    # each measured turn while the allowance learned from the turns' errors takes over (stages/speech_estimate.py):
+    # each measured turn while the allowance learned from the turns' errors takes over (stages/playout/speech_estimate.py):
     # one chunk -- a session's first turn ran a chunk 58-155 ms behind its schedule (docs/PERF.md)
     initial_allowance_s: float = FRAMES_PER_CHUNK / VIDEO_FPS
 

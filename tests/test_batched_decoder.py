@@ -16,7 +16,7 @@ from charstream.model.batched_decoder import BatchedDecoder
 from charstream.model.config import TINY
 from charstream.model.vae import CausalState, Decoder, to_uint8_frames
 from charstream.stages.config import DecodeConfig
-from charstream.stages.decode_batcher import DecodeBatcher
+from charstream.stages.decode.batcher import DecodeBatcher
 
 # -- the batched decoder (model level) ----------------------------------------------------------------
 

@@ -12,7 +12,7 @@ import sys
 import psutil
 import pytest
 
-from charstream.pipeline import bench_capacity
+from charstream.pipeline.bench import capacity as bench_capacity
 
 
 def test_bench_capacity_measures_frames_the_clients_received(tmp_path):
@@ -95,8 +95,8 @@ def test_a_client_niceness_out_of_range_is_refused_before_anything_starts(nice):
 def test_a_clients_received_frames_are_counted_past_its_kept_window():
     """A session older than the client's kept window (60 s of frames) still reports every frame it
     received: a ladder's earlier sessions read 13.5 fps at its next count when the kept window was counted."""
-    from charstream.pipeline.capacity_worker import Clients
-    from charstream.stages.egress.client import EgressClient, ReceivedVideo
+    from charstream.pipeline.bench.capacity_worker import Clients
+    from charstream.pipeline.web.client import EgressClient, ReceivedVideo
 
     async def main():
         clients = Clients(connect_timeout_s=5)

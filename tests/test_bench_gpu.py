@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from charstream.pipeline.bench_gpu import _table, memset_sources, trace_summary
+from charstream.pipeline.bench.gpu import _table, memset_sources, trace_summary
 from charstream.pipeline.cli import main
 
 RUN1 = Path(__file__).resolve().parents[1] / "docs" / "gpu-runs" / "2026-11-29-run1-bench.json"

@@ -10,7 +10,7 @@ import structlog.testing
 from structlog.testing import capture_logs
 
 from charstream.stages.base import StageContext
-from charstream.stages.conditioning import ConditioningStage, build
+from charstream.stages.conditioning.stage import ConditioningStage, build
 from charstream.stages.config import ConditioningConfig
 from charstream.timeline import SAMPLES_PER_CHUNK, SAMPLES_PER_FRAME
 from charstream.transport.messages import (

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from charstream.stages.conditioning import build
+from charstream.stages.conditioning.stage import build
 from charstream.stages.config import ConditioningConfig
 from charstream.timeline import SAMPLES_PER_CHUNK
 

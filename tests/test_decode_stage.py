@@ -13,10 +13,10 @@ from structlog.testing import LogCapture
 from charstream.model.vae import to_uint8_frames
 from charstream.model.weights import load_decoder
 from charstream.pipeline.config import PipelineConfig
-from charstream.pipeline.runner import Edge, Graph, Node, run_session
+from charstream.pipeline.runtime.runner import Edge, Graph, Node, run_session
 from charstream.stages.base import StageContext
 from charstream.stages.config import DecodeConfig
-from charstream.stages.decode import DecodeStage
+from charstream.stages.decode.stage import DecodeStage
 from charstream.transport.messages import Conditioning, Control, ControlKind, Latents, Message, VideoChunk
 
 SEED = 7

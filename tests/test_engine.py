@@ -21,7 +21,13 @@ from batch_support import assert_same_frames, released_frames, seeded_configs
 from test_faults import mapped_segments
 
 from charstream.pipeline.config import PipelineConfig
-from charstream.pipeline.engine_link import EngineError, check_engine_endpoint, engine_call, pack, unpack
+from charstream.pipeline.runtime.engine_link import (
+    EngineError,
+    check_engine_endpoint,
+    engine_call,
+    pack,
+    unpack,
+)
 from charstream.pipeline.session import LiveSession
 from charstream.transport.supervisor import PR_SET_PDEATHSIG
 
@@ -311,7 +317,7 @@ def test_serve_engine_places_sessions_in_the_engine_and_makes_no_batchers_of_its
 def test_the_engine_decides_the_devices_and_graphs_of_what_it_hosts():
     """A hosted session's model stages run on the engine's devices, graphed as the engine says, whatever
     the session's own config asked for; its other settings stay its own."""
-    from charstream.pipeline.engine import RequestError, engine_session_config
+    from charstream.pipeline.runtime.engine import RequestError, engine_session_config
 
     engine = PipelineConfig(preset="tiny")
     engine.conditioning.device = engine.diffusion.device = engine.decode.device = "cuda:0"
@@ -331,7 +337,7 @@ def test_an_engine_serves_its_hosted_sessions_step_times_for_prometheus_and_forg
     the front-end, records the rest), its process metrics; a session it no longer hosts has no series."""
     import urllib.request
 
-    from charstream.pipeline.bench_output import free_port
+    from charstream.pipeline.bench.output import free_port
 
     port = free_port()
     endpoint = f"ipc://{tmp_path}/engine.sock"

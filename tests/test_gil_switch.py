@@ -12,7 +12,7 @@ import anyio
 import pytest
 
 from charstream.pipeline.config import PipelineConfig
-from charstream.pipeline.runner import Graph, Node, run_session
+from charstream.pipeline.runtime.runner import Graph, Node, run_session
 from charstream.pipeline.session import session_factory
 
 

@@ -16,11 +16,11 @@ import zmq
 import zmq.asyncio
 from ingest_support import Recorder
 
+from charstream.stages.agents.tts import synthesize
 from charstream.stages.config import IngestConfig
 from charstream.stages.ingest.external import ExternalAgent
 from charstream.stages.ingest.resample import resample, to_int16
 from charstream.stages.ingest.stage import IngestStage
-from charstream.stages.ingest.tts import synthesize
 from charstream.timeline import TIMELINE_RATE
 from charstream.transport.messages import TurnKind
 

@@ -11,7 +11,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from charstream.logs import configure_logging  # noqa: E402
-from charstream.pipeline.kernel_compiles import log_kernel_compiles  # noqa: E402
+from charstream.pipeline.runtime.kernel_compiles import log_kernel_compiles  # noqa: E402
 
 
 class _Fn:  # what Triton passes as ``fn``: a JitFunctionInfo with the kernel's name

@@ -15,7 +15,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from charstream.stages.metrics import collector
+from charstream.stages.shared.metrics import collector
 
 EMBEDDED = """
 import asyncio, sys

@@ -11,7 +11,7 @@ from playout_support import start_playout
 
 from charstream.stages.config import PlayoutConfig
 from charstream.stages.egress.testcard import card_chunk
-from charstream.stages.playout import PlayoutOutput, PlayoutStage
+from charstream.stages.playout.stage import PlayoutOutput, PlayoutStage
 from charstream.timeline import CHUNK_SECONDS, SAMPLES_PER_FRAME
 from charstream.transport.messages import Control, ControlKind, TraceContext, VideoChunk
 

@@ -12,7 +12,7 @@ from test_playout import SIZE, collect, collect_from, realtime_source, stamped
 
 from charstream.stages.config import PlayoutConfig
 from charstream.stages.egress.testcard import card_chunk
-from charstream.stages.playout import UNDERRUN_CAUSES, PlayoutStage
+from charstream.stages.playout.stage import UNDERRUN_CAUSES, PlayoutStage
 from charstream.timeline import CHUNK_SECONDS
 from charstream.transport.messages import Control, ControlKind, TraceContext
 

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from charstream.pipeline.config import PipelineConfig
-from charstream.pipeline.runner import Edge, Graph, Node, Session, plan_groups, run_session
+from charstream.pipeline.runtime.runner import Edge, Graph, Node, Session, plan_groups, run_session
 from charstream.transport.config import TransportConfig
 from charstream.transport.messages import ControlKind
 
@@ -185,7 +185,7 @@ import sys
 sys.path.insert(0, {tests!r})
 import anyio
 from charstream.pipeline.config import PipelineConfig
-from charstream.pipeline.runner import Edge, Graph, Node, Session
+from charstream.pipeline.runtime.runner import Edge, Graph, Node, Session
 
 def main():
     graph = Graph(

@@ -1,4 +1,4 @@
-"""A stage's torch work on one long-lived thread of its own (stages/worker.py), for each model stage."""
+"""A stage's torch work on one long-lived thread of its own (stages/shared/worker.py), for each model stage."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from decode_support import latents_message
 
 from charstream.model.config import TINY
 from charstream.stages.base import StageContext
-from charstream.stages.conditioning import ConditioningStage
+from charstream.stages.conditioning.stage import ConditioningStage
 from charstream.stages.config import ConditioningConfig, DecodeConfig, DiffusionConfig
-from charstream.stages.decode import DecodeStage
-from charstream.stages.diffusion import DiffusionStage
-from charstream.stages.worker import StageWorker
+from charstream.stages.decode.stage import DecodeStage
+from charstream.stages.diffusion.stage import DiffusionStage
+from charstream.stages.shared.worker import StageWorker
 from charstream.timeline import SAMPLES_PER_CHUNK
 from charstream.transport.messages import Conditioning, Control, ControlKind
 

@@ -11,7 +11,7 @@ from charstream.model.dit import DiT
 from charstream.model.generator import Generator
 from charstream.model.vae import VideoVAE, to_uint8_frames
 from charstream.model.weights import save_weights
-from charstream.stages.tp_group import TPGenerator
+from charstream.stages.diffusion.tp_group import TPGenerator
 
 CFG = TINY.with_(n_blocks=2, height=64, width=64, window_frames=3, reset_every=2, rollback_frames=2)
 STEPS = 5

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from charstream.pipeline.bench_fuzz import codec_frames, well_typed
+from charstream.pipeline.bench.fuzz import codec_frames, well_typed
 from charstream.transport.codec import WIRE_VERSION, MessageError, decode, encode
 from charstream.transport.messages import (
     AgentAudio,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 @dataclass
 class FleetConfig:
-    layout: str = "cpu"  # each session's layout (pipeline/placement.py): a bundle per TP rank + one for the decoder
+    layout: str = "cpu"  # each session's layout (pipeline/runtime/layouts.py): a bundle per TP rank + one for the decoder
     cpu_device_resource: str = "charstream_cpu"  # what CPU layouts reserve per device (GPU layouts reserve GPU)
     max_sessions_per_node: int = 2
     # A placement group on a node the accounting says is free, not placed by then: answer "full" (another

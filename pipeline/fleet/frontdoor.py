@@ -44,7 +44,7 @@ from charstream.pipeline.fleet.health import FleetHealth
 from charstream.pipeline.fleet.host import SessionHost
 from charstream.pipeline.fleet.layout import layouts_that_fit, placement, session_bundles, session_demand
 from charstream.pipeline.fleet.metrics import FleetCollector
-from charstream.stages.egress.server import EgressServer, OfferError
+from charstream.pipeline.web.server import EgressServer, OfferError
 
 log = structlog.get_logger("fleet")
 NODE_LABEL = "ray.io/node-id"  # every Ray node carries its id as this label

@@ -20,9 +20,9 @@ from typing import Any
 import ray
 
 from charstream.pipeline.config import PipelineConfig
-from charstream.pipeline.placement import apply_placement
+from charstream.pipeline.runtime.layouts import apply_layout
 from charstream.pipeline.serve import make_factory
-from charstream.stages.egress.server import EgressServer, PeerSession
+from charstream.pipeline.web.server import EgressServer, PeerSession
 
 FPS_SCAN_S = 0.25  # playout keeps 30 s of frame records: scanned well within that
 
@@ -43,7 +43,7 @@ class SessionHost:
         """Start the node's egress with one reserved session; its processes see only ``gpu_ids``."""
         if gpu_ids:  # before anything touches CUDA: the session's ranks see their bundles' GPUs as cuda:0..
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
-        config = apply_placement(copy.deepcopy(self.config), self.config.fleet.layout,
+        config = apply_layout(copy.deepcopy(self.config), self.config.fleet.layout,
                                  gpus_available=len(gpu_ids) if gpu_ids else None)
         egress = dataclasses.replace(config.egress, host=ray.util.get_node_ip_address(), port=0, max_sessions=1)
         config = dataclasses.replace(config, egress=egress)

@@ -10,14 +10,14 @@ import math
 from collections import Counter
 
 from charstream.pipeline.fleet.config import FleetConfig
-from charstream.pipeline.placement import PLACEMENTS, Placement
+from charstream.pipeline.runtime.layouts import LAYOUTS, Layout
 
 
-def placement(config: FleetConfig) -> Placement:
+def placement(config: FleetConfig) -> Layout:
     try:
-        return PLACEMENTS[config.layout]
+        return LAYOUTS[config.layout]
     except KeyError:
-        raise ValueError(f"unknown fleet layout {config.layout!r}; known: {', '.join(PLACEMENTS)}") from None
+        raise ValueError(f"unknown fleet layout {config.layout!r}; known: {', '.join(LAYOUTS)}") from None
 
 
 def session_bundles(config: FleetConfig) -> list[dict[str, float]]:

@@ -66,7 +66,7 @@ from charstream.transport.messages import (
 
 if TYPE_CHECKING:
     from charstream.stages.egress.mic import UserAudioQueue
-    from charstream.stages.tracing import TurnTracer
+    from charstream.stages.shared.tracing import TurnTracer
 
 KEEP_TRACES = 16  # traces of recent user turns not yet answered (bounded)
 CAPTURE_MAP_FRAMES = 256  # recent mic frames' (arrival, capture) times: ~5 s of 20 ms frames
