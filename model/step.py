@@ -92,9 +92,9 @@ ATTENTION_OPTIONS: dict = {}
 # The gathered (cuDNN) attention once the window is full: faster on the H200 in run 3 (132.5 vs
 # 149.9 ms per TP=3 step) with its GPU tests passing (docs/gpu-runs/2026-11-29-run3-*).
 GATHERED_BY_DEFAULT = True
-# The libraries' 4-byte counter memsets (cuBLASLt's FP8 GEMMs, cuDNN's SDPA) run beside the kernel before
-# them instead of after it (model/graph_memsets.py)
-HOIST_MEMSETS_BY_DEFAULT = True
+# The libraries' 4-byte counter memsets left where capture records them: moving them beside the kernel
+# before them (model/graph_memsets.py) gained nothing per step (docs/decisions/0009-graph-memsets-off.md)
+HOIST_MEMSETS_BY_DEFAULT = False
 # The FP8 window attention's output scale (its codes = output in V's code units x this): the output is a
 # convex combination of V's codes (<= 448), and e4m3's rounding of the probabilities may lift it a few
 # percent past that, so half of e4m3's range keeps it in range (e4m3fn has no infinity: past 448 is NaN).
