@@ -11,7 +11,7 @@ probabilities in e4m3 too (scaled by 448, their largest code), which is where mo
 against fp32 math over the same codes comes from.
 
 cuDNN is reached through NVIDIA's Python frontend (``nvidia-cudnn-frontend``, a device-only
-dependency: carried to the device by ``scripts/gpu_run.sh``); the frontend loads the cuDNN library
+dependency: bundled for a GPU host by ``scripts/gpu_run.sh``); the frontend loads the cuDNN library
 that torch loaded. One object per shape: building its plan takes ~1 s.
 
 Split window (``splits`` = K > 1): the window's keys in K equal partitions, each attended by every query

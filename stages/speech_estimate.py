@@ -41,7 +41,7 @@ session's first turn ran a chunk 58-155 ms behind its schedule in quiet CPU runs
 halved with each measured turn and gone after ``PRIOR_TURNS``; the allowance is the larger of the two.
 On the H200's 32-session capacity runs the holds left were one-frame onset holds in turns 2-4, where
 the learned allowance was 0 in most sessions (errors +12 to +46 ms); replayed offline through this
-rule, 27 of 32 late onsets in five runs were in time (docs/PERF.md, session 7), for 18-27 ms more
+rule, 27 of 32 late onsets in five runs were in time (docs/decisions/0013-speech-placement-estimate.md), for 18-27 ms more
 latency on average over a session's first four turns (36-72 ms at its second).
 """
 
