@@ -19,24 +19,13 @@ Released frames go to a ``PlayoutOutput``: a bounded history that egress tracks 
 read by output index. The output timeline is what the WebRTC tracks stamp as pts, so audio and
 video leave with one clock.
 
-Turn-start rollback (docs/ARCHITECTURE.md, Turn-start rollback): on ``Control(TURN_START)`` playout
-places the speech at the first frame that its first chunk can reach in time -- the estimate of that
-chunk's own production (stages/speech_estimate.py: its step starts once it is encoded and the step
-busy with the last listening chunk is done, then a step and a delivery, each the 90th percentile of
-recent chunks' measured parts, plus an allowance learned from what recent turns' speech took beyond
-its estimate), with the chunk after it due no earlier than one step (or encode) after that -- and
-never before ``earliest_chunk``, the furthest rewind the diffusion ring undoes exactly. The speech's
-chunks are measured against the schedule placed (logged: ``playout_speech_arrived``,
-``playout_turn_speech``). The buffered chunks before that frame's chunk are kept and play on (no
-hole); the rest are dropped, and ``Control(ROLLBACK, chunk=last_kept, epoch=e+1, detail={"onset_frame":
-k, "due_at": t})`` is sent: the speech starts at frame ``k`` of chunk
-``last_kept + 1`` (its leading frames silent), which is due at wall clock ``t``. That frame gets the
-turn's ``playout_first_speaking_frame`` stamp. On ``INTERRUPT`` (a barge-in) every unplayed chunk
-is dropped. Chunks of older epochs arriving afterwards are discarded; if the first new chunk comes
-late anyway, it plays as soon as it arrives instead of waiting for the full target depth.
-
-Whenever the clock (re)starts playing after waiting for chunks, playout sends ``Control(CLOCK,
-chunk=c, detail={"due_at": t})``: conditioning paces listening chunks from it.
+Playout decides the turn-start rollback (docs/ARCHITECTURE.md, Turn-start rollback): on
+``Control(TURN_START)`` it places the speech with ``stages/speech_estimate.py``'s estimate, keeps
+the buffered chunks before the onset's chunk, drops the rest and broadcasts the ROLLBACK; the onset
+frame gets the turn's ``playout_first_speaking_frame`` stamp, and the speech's chunks are measured
+against the schedule placed (``playout_speech_arrived``, ``playout_turn_speech``). On ``INTERRUPT``
+(a barge-in) every unplayed chunk is dropped. Whenever the clock (re)starts playing after waiting
+for chunks, it sends ``Control(CLOCK, chunk=c, detail={"due_at": t})``.
 """
 
 from __future__ import annotations
