@@ -4,7 +4,8 @@ cuBLASLt's FP8 GEMMs and cuDNN's SDPA each issue a 4-byte ``cudaMemsetAsync`` be
 (not documented: by its size a counter in their workspace; ``bench gpu``'s profile attributes every
 memset of the step to those two calls), so a stream capture of the step records kernel -> memset ->
 library kernel at every such call (720 memset nodes a TP=3 step), and such a boundary idles several
-times as long as a kernel -> kernel one (docs/PERF.md, issue 14, with what hoisting gained). The
+times as long as a kernel -> kernel one. Off in the serving step: no step-level gain measured
+(docs/decisions/0009-graph-memsets-off.md). The
 memset does not depend on the kernel before it -- that kernel is ours and never touches a library's
 workspace -- only on the library call before it, which used the same counter. So each such memset is
 made to depend on its predecessor's predecessors instead, and its successor on both: the memset runs

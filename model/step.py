@@ -86,15 +86,14 @@ from charstream.model.rope import frame_positions
 from charstream.model.sampler import sample, seeded_noise
 
 # The ring attention's launch options (block shapes, pipelining, FP8 or fp16 products): none, so the
-# kernel's own defaults serve -- the H200 sweep's best (0.153 ms per TP=3 call against 0.170 with the
-# 64-row blocks this used to pin: docs/PERF.md, issue 14, run 4).
+# kernel's own defaults serve -- the fastest of a sweep on an H200 (0.153 ms per TP=3 call against 0.170
+# with 64-row blocks).
 ATTENTION_OPTIONS: dict = {}
-# The gathered (cuDNN) attention once the window is full: faster on the H200 in run 3 (132.5 vs
-# 149.9 ms per TP=3 step) with its GPU tests passing (docs/gpu-runs/2026-11-29-run3-*).
+# The gathered (cuDNN) attention once the window is full: docs/decisions/0001-gathered-window-attention.md
 GATHERED_BY_DEFAULT = True
-# The libraries' 4-byte counter memsets (cuBLASLt's FP8 GEMMs, cuDNN's SDPA) run beside the kernel before
-# them instead of after it (model/graph_memsets.py)
-HOIST_MEMSETS_BY_DEFAULT = True
+# The libraries' 4-byte counter memsets left where capture records them: moving them beside the kernel
+# before them (model/graph_memsets.py) gained nothing per step (docs/decisions/0009-graph-memsets-off.md)
+HOIST_MEMSETS_BY_DEFAULT = False
 # The FP8 window attention's output scale (its codes = output in V's code units x this): the output is a
 # convex combination of V's codes (<= 448), and e4m3's rounding of the probabilities may lift it a few
 # percent past that, so half of e4m3's range keeps it in range (e4m3fn has no infinity: past 448 is NaN).
@@ -177,7 +176,7 @@ class FusedCrossContext:
     over all blocks' ``w_cross_kv`` and one RMS norm of all their keys (``cross_k_norm``), as the module
     body's ``ParallelBlock.cross_context`` computes them block by block: one block's K/V is a (heads, A,
     head_dim) view of the one output, no copy. Block by block, each is a bf16 GEMM of 9 rows over its whole
-    weight, the norm's passes and two copies: a few launches a block (docs/PERF.md, issue 14)."""
+    weight, the norm's passes and two copies: a few launches a block (docs/decisions/0008-cross-kv-one-gemm.md)."""
 
     def __init__(self, model: DiT) -> None:
         blocks = model.blocks

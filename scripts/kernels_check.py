@@ -1,10 +1,10 @@
-"""Issue 14's kernels on one GPU, in one device call: each variant checked against its PyTorch
+"""The diffusion step's kernels on one GPU: each variant checked against its PyTorch
 reference on fresh random inputs (outputs poisoned first), then timed at the TP=3 shard's shapes of
 ``characters-57b`` (20 heads x 128, 757 tokens per frame, sink + 10 ring frames, 7 of them valid).
 
 Timing: per call inside one CUDA graph of many calls rotating over several layers' caches (as
 ``bench gpu`` times kernels), median of the replays. Prints a table last; ``--json`` writes every
-figure. Usage (device): ``python3 scripts/kernels_check.py --json $OUT/kernels.json``.
+figure. Usage: ``python3 scripts/kernels_check.py --json kernels.json``.
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ class DiffusionConfig:
     graphed_step: bool = True  # CUDA: the fused FP8 step as CUDA graphs, on every TP rank (model/step.py)
     gathered_attention: bool | None = None  # full window: dequantise + cuDNN SDPA; None = step.GATHERED_BY_DEFAULT
     # the full window's attention in FP8 (cuDNN's FP8 SDPA over the ring's codes; needs nvidia-cudnn-frontend
-    # and an FP8 ring on CUDA): faster, with e4m3 queries, probabilities and output (docs/PERF.md, issue 14)
+    # and an FP8 ring on CUDA): faster, with e4m3 queries, probabilities and output (docs/decisions/0002-bf16-window-served.md)
     fp8_window_attention: bool = False
     # > 1: the sessions of one serving process share one model and batch their due steps into one
     # forward of up to this many (stages/diffusion/batcher.py; the module body, CUDA-graphed per batch size)

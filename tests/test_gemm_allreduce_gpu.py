@@ -1,8 +1,7 @@
 """The fused FP8 GEMM + all-reduce over CUDA IPC (kernels/gemm_allreduce.py) against GEMM then
 all-reduce, with 2 and 4 rank processes sharing one GPU (gloo carries only the handle exchange and
 the reference's sum), on fresh random inputs for each of several calls (the flags' epochs and the
-buffers' reuse between calls), outputs poisoned first. Run through the device tool; skipped
-without CUDA.
+buffers' reuse between calls), outputs poisoned first. Skipped without CUDA.
 
 Tolerance: both paths multiply the same FP8 operands in fp32; the fused path rounds each rank's
 partial tile to bf16 before the sum and the reference sums fp32 partials, so they differ by bf16

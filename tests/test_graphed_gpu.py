@@ -1,6 +1,6 @@
 """The diffusion step's fused body, eager and CUDA-graphed, against the module body, alone and under
 TP (NCCL at world size 1: the collectives inside the graph), and the graphed decoder against the
-eager one (tiny preset, GPU). Skipped without CUDA; run through the device tool (docs/gpu-notes.md)."""
+eager one (tiny preset, GPU). Skipped without CUDA."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The Triton kernels and FP8 GEMMs against their PyTorch references on the GPU, at the shapes of one
 TP=4 shard of characters-57b (15 heads x 128, 757 tokens per frame), on fresh random inputs, with
-poisoned outputs. Run through the device tool (docs/gpu-notes.md); skipped without CUDA.
+poisoned outputs. Skipped without CUDA.
 
 Tolerances: a stored FP8 value may differ from the reference's by one e4m3 step (fp32 arithmetic
 in a different order can round the other way: 2^-3 relative, 2^-9 absolute near zero) in under 1%

@@ -5,11 +5,8 @@ Arrays are numpy (tensors are converted at the stage boundary); the codec sends 
 multipart frames. Audio on the media timeline is 48 kHz mono int16; chunk ``n`` covers media
 time ``[n * CHUNK_SECONDS, (n + 1) * CHUNK_SECONDS)``.
 
-Turn-start rollback (docs/ARCHITECTURE.md, Turn-start rollback): when agent speech can be placed,
-conditioning sends ``Control(TURN_START)``; playout keeps the unplayed chunks that play before the
-speech can be ready, drops the rest and broadcasts ``Control(ROLLBACK, chunk=last_kept, epoch=e+1)``;
-every stage then discards data of older epochs (all of it lies after ``last_kept``), conditioning restarts at
-``last_kept + 1`` with the speech, and diffusion rewinds its ring write pointer to match.
+The ``Control`` kinds ``TURN_START``, ``ROLLBACK`` and ``CLOCK`` and the data messages' ``epoch``
+carry the turn-start rollback: docs/ARCHITECTURE.md, Turn-start rollback.
 """
 
 from __future__ import annotations

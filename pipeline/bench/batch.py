@@ -185,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-if __name__ == "__main__":  # the device runs it without the CLI's imports
+if __name__ == "__main__":  # runnable as a module, without the CLI's imports
     cli = argparse.ArgumentParser(prog="charstream bench batch", description=__doc__.split("\n")[0])
     add_arguments(cli)
     raise SystemExit(run(cli.parse_args()))

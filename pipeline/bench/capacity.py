@@ -795,7 +795,7 @@ def table(report: dict[str, Any]) -> str:
 
 def host_loop_ms(repeats: int = 5) -> float:
     """One core's pace for pure Python, in ms: the median of ``repeats`` timings of a fixed loop (10^6
-    squares summed). Lent hosts of one kind differ in pace, and so does what they hold (docs/PERF.md,
+    squares summed). Hosts of one kind differ in pace, and so does what they hold (docs/PERF.md,
     Capacity); taken before any bench process starts, this tells them apart in a report."""
     times = []
     for _ in range(repeats):

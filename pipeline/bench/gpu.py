@@ -9,7 +9,7 @@ bandwidth, bf16 and FP8 GEMM rates) come first, so every figure has its fraction
 
 Timing: CUDA events around graph replays, medians (``triton.testing.do_bench`` for single kernels,
 rotating over the 60 layers' weights and caches so L2 holds none of them). Random weights and a
-random FP8 cache: the step's cost does not depend on the values (METHOD.md: never zeros).
+random FP8 cache, never zeros (zeros would flatter the kernels): the step's cost does not depend on the values.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from charstream.pipeline.bench.output import commit_id, cuda_median_ms, free_por
 from charstream.stages.diffusion.tp_group import NO_MULTICAST
 from charstream.timeline import SAMPLES_PER_CHUNK
 
-REFERENCE = {  # docs/ARCHITECTURE.md, "Reference numbers" (4xH100 session) and the issue's targets (one H200)
+REFERENCE = {  # docs/ARCHITECTURE.md, "Reference numbers" (4xH100) and the step's targets on one H200
     "step_ms": {3: 147.4, 4: None},
-    "target_step_ms": {3: 112.0, 4: 86.0},  # issue 14
+    "target_step_ms": {3: 112.0, 4: 86.0},
     "cache_upkeep_ms": 6.2,
     "delta_rotation_ms": 263.0,
     "decoder_ms": 114.0,
@@ -541,8 +541,8 @@ def bench_step(cfg: ModelConfig, tp: int, reps: int, sweep: bool, group=None):
 
 def _in_turns(runs: dict[str, Callable[[], object]], reps: int, rounds: int = 4) -> dict[str, list[float]]:
     """Each run's graph replays timed ``rounds`` times in turns, every other round in reverse order: the
-    first timing after a capture or any pause runs on a GPU that idled, faster (docs/PERF.md, issue 14,
-    session 13), so no variant is always first."""
+    first timing after a capture or any pause runs on a GPU that idled, faster, so no variant is always
+    first."""
     times: dict[str, list[float]] = {name: [] for name in runs}
     for round_ in range(rounds):
         for name in list(runs)[:: 1 if round_ % 2 == 0 else -1]:
@@ -587,11 +587,14 @@ def _replay(step, graphs: dict[bool, torch.cuda.CUDAGraph]) -> torch.Tensor:
 
 
 def bench_memset_hoist(steps: dict[str, object], reps: int) -> dict[str, object]:
-    """Each serving step (by window) with the libraries' counter memsets hoisted beside the kernel before
-    them (as served, ``model/graph_memsets.py``) and as captured, the same step re-captured: graph replays
-    timed in turns, and whether the two graphs' latents are equal (each run writes the frame it reads)."""
+    """Each serving step (by window) re-captured with the libraries' counter memsets hoisted beside the
+    kernel before them (``model/graph_memsets.py``) and as captured: graph replays timed in turns, and
+    whether the two graphs' latents are equal (each run writes the frame it reads)."""
     result: dict[str, object] = {}
     for name, step in steps.items():
+        served, served_hoisting = step.graphs, step.hoist_memsets
+        step.hoist_memsets = True
+        step.capture()
         hoisted, moved = step.graphs, dict(step.memsets_moved)
         step.hoist_memsets = False
         step.capture()
@@ -599,7 +602,7 @@ def bench_memset_hoist(steps: dict[str, object], reps: int) -> dict[str, object]
         runs = {"hoisted": functools.partial(_replay, step, hoisted), "as_captured": functools.partial(_replay, step, captured)}
         times = _in_turns(runs, reps)
         latents = {label: run().clone() for label, run in runs.items()}
-        step.graphs, step.hoist_memsets = hoisted, True
+        step.graphs, step.hoist_memsets = served, served_hoisting
         result[name] = {"memsets_moved": moved, "step_ms": times,
                         "hoisted_minus_captured_ms": statistics.median(times["hoisted"]) - statistics.median(times["as_captured"]),
                         "latents_equal": bool(torch.equal(latents["hoisted"], latents["as_captured"]))}
@@ -886,7 +889,7 @@ def run(args: argparse.Namespace) -> int:
             args.json = "bench_tp.json"
         return bench_tp.run(args)
     if not torch.cuda.is_available():
-        print("bench gpu needs a CUDA GPU (run it through the device tool)")
+        print("bench gpu needs a CUDA GPU")
         return 2
     import triton
 

@@ -1,31 +1,21 @@
 """Conditioning: agent speech on the 48 kHz media timeline → one ``Conditioning`` per chunk, forever.
 
 The stream never stops: with no speech to place, every chunk is a listening chunk (silence,
-``speaking=False``) and the loop runs as fast as downstream credit allows. Agent speech of a turn
-is placed on the timeline by the turn-start rollback (docs/ARCHITECTURE.md, Turn-start rollback):
-
-1. from the turn's first audio, listening chunks go just in time (one chunk ahead of their due
-   time), so the diffusion step is idle when the speech comes; once the turn's first chunk of audio
-   plus the look-ahead is in (an agent at real-time pace: ~207 ms after its first audio; one that
-   streams as it synthesises: at once), send ``Control(TURN_START, chunk=next_chunk)`` with what
-   playout needs to place the speech: the earliest chunk a rewind of at most ``rollback_frames``
-   reaches (``earliest_chunk``), when the last listening chunk left (``last_emit_at``) and how long
-   an encode takes (``encode_s``);
-2. playout keeps the listening chunks that play before the speech can be ready and broadcasts
-   ``Control(ROLLBACK, chunk=c, epoch=e, detail={"onset_frame": k, "due_at": t})``;
-3. the speech is placed at frame ``k`` of chunk ``c + 1`` (its ``k`` leading frames silent) and
-   emission restarts there in epoch ``e``; chunk ``c + 1`` is due at playout at wall time ``t``.
-
-Listening chunks are emitted at most ``min(idle_lead_chunks, rollback_frames)`` chunks ahead of
-playout (the schedule is anchored by playout's ``Control(CLOCK)`` and each ROLLBACK), so a rewind
-to the chunk after the one on screen stays within what the ring cache undoes exactly.
+``speaking=False``) and the loop runs as fast as downstream credit allows. A turn's speech is placed
+by the turn-start rollback: docs/ARCHITECTURE.md, Turn-start rollback. This stage's part in it: it
+paces listening chunks (at most ``min(idle_lead_chunks, rollback_frames)`` ahead of playout, from
+playout's ``Control(CLOCK)`` and each ROLLBACK's ``due_at``; just in time once a turn's audio
+starts), sends ``Control(TURN_START)`` from ``process`` (the dispatch loop, never behind the chunk
+loop's wait for credit) once the first chunk's audio and look-ahead are in, and on the ROLLBACK places
+the speech at frame ``onset_frame`` of the chunk after the last kept one (its leading frames silent)
+and emits from there in the new epoch. With no answer within ``rollback_wait_s`` it places the speech
+at the next chunk anyway.
 
 A speaking chunk is emitted once its whole span plus the look-ahead has arrived, or the turn has
 ended. The turn's first speaking chunk carries the turn's trace stamps; every chunk carries
 ``conditioning_ready`` (playout measures the production latency from it).
 ``start_sample`` of ``AgentAudio`` is used relative to the turn's first audio, so adapters may
-count from the turn or from the session. TURN_START is sent from ``process`` (the dispatch loop),
-never behind the chunk loop's wait for credit.
+count from the turn or from the session.
 
 Bad input (wrong rate or dtype, audio without a turn, a turn end without a start, an agent that
 stops sending mid-turn) is logged with the turn id and dropped or ended; listening continues.

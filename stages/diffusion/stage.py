@@ -5,7 +5,7 @@ encodes the character's reference image with the VAE encoder and writes it as th
 The noise of chunk ``n`` is seeded by ``(seed, n)``, so a chunk regenerated after a rollback with
 the same conditioning is the same chunk.
 
-Turn-start rollback (transport/messages.py): ``Control(ROLLBACK, chunk=c, epoch=e)`` rewinds the
+Turn-start rollback (docs/ARCHITECTURE.md, Turn-start rollback): ``Control(ROLLBACK, chunk=c, epoch=e)`` rewinds the
 ring's write pointer so that the next frame generated is chunk ``c + 1``, and data of older epochs
 is dropped -- also a chunk whose step was already running when the rollback arrived. A chunk of a
 newer epoch than any ROLLBACK seen (the control was overtaken) rolls back implicitly to itself.

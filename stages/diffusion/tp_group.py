@@ -32,7 +32,7 @@ from charstream.model.step import GATHERED_BY_DEFAULT
 from charstream.transport.supervisor import die_with_parent
 
 _RESET, _STEP, _ROLLBACK, _STOP = range(4)
-# Multicast over NVLink stays off on shared hosts (the lent machines' rule): it can take GPUs down.
+# Multicast over NVLink stays off: on shared multi-tenant hosts it can take GPUs down.
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 

@@ -19,24 +19,13 @@ Released frames go to a ``PlayoutOutput``: a bounded history that egress tracks 
 read by output index. The output timeline is what the WebRTC tracks stamp as pts, so audio and
 video leave with one clock.
 
-Turn-start rollback (docs/ARCHITECTURE.md, Turn-start rollback): on ``Control(TURN_START)`` playout
-places the speech at the first frame that its first chunk can reach in time -- the estimate of that
-chunk's own production (stages/playout/speech_estimate.py: its step starts once it is encoded and the step
-busy with the last listening chunk is done, then a step and a delivery, each the 90th percentile of
-recent chunks' measured parts, plus an allowance learned from what recent turns' speech took beyond
-its estimate), with the chunk after it due no earlier than one step (or encode) after that -- and
-never before ``earliest_chunk``, the furthest rewind the diffusion ring undoes exactly. The speech's
-chunks are measured against the schedule placed (logged: ``playout_speech_arrived``,
-``playout_turn_speech``). The buffered chunks before that frame's chunk are kept and play on (no
-hole); the rest are dropped, and ``Control(ROLLBACK, chunk=last_kept, epoch=e+1, detail={"onset_frame":
-k, "due_at": t})`` is sent: the speech starts at frame ``k`` of chunk
-``last_kept + 1`` (its leading frames silent), which is due at wall clock ``t``. That frame gets the
-turn's ``playout_first_speaking_frame`` stamp. On ``INTERRUPT`` (a barge-in) every unplayed chunk
-is dropped. Chunks of older epochs arriving afterwards are discarded; if the first new chunk comes
-late anyway, it plays as soon as it arrives instead of waiting for the full target depth.
-
-Whenever the clock (re)starts playing after waiting for chunks, playout sends ``Control(CLOCK,
-chunk=c, detail={"due_at": t})``: conditioning paces listening chunks from it.
+Playout decides the turn-start rollback (docs/ARCHITECTURE.md, Turn-start rollback): on
+``Control(TURN_START)`` it places the speech with ``stages/playout/speech_estimate.py``'s estimate, keeps
+the buffered chunks before the onset's chunk, drops the rest and broadcasts the ROLLBACK; the onset
+frame gets the turn's ``playout_first_speaking_frame`` stamp, and the speech's chunks are measured
+against the schedule placed (``playout_speech_arrived``, ``playout_turn_speech``). On ``INTERRUPT``
+(a barge-in) every unplayed chunk is dropped. Whenever the clock (re)starts playing after waiting
+for chunks, it sends ``Control(CLOCK, chunk=c, detail={"due_at": t})``.
 """
 
 from __future__ import annotations
@@ -51,8 +40,8 @@ import numpy as np
 
 from charstream.stages.base import Stage, StageContext
 from charstream.stages.config import PlayoutConfig
-from charstream.stages.playout.speech_estimate import Estimate, SpeechEstimator
 from charstream.stages.shared.metrics import SessionMetrics
+from charstream.stages.playout.speech_estimate import Estimate, SpeechEstimator
 from charstream.stages.shared.tracing import TurnTracer
 from charstream.timeline import (
     CHUNK_SECONDS,
@@ -220,7 +209,7 @@ class PlayoutStats:
 
 
 @dataclass
-class Onset:
+class Placement:
     """Where a turn's speech starts: frame ``onset`` of chunk ``chunk``, after ``kept`` unplayed chunks
     (the frames of ``chunk`` before the onset are its listening version, already made)."""
 
@@ -363,7 +352,7 @@ class PlayoutStage(Stage):
                          p90_error_ms=round(turn.p90_s * 1e3, 1), max_error_ms=round(turn.max_s * 1e3, 1),
                          allowance_ms=round(self._estimator.allowance_s * 1e3, 1))
 
-    def _place_speech(self, detail: dict) -> Onset | None:
+    def _place_speech(self, detail: dict) -> Placement | None:
         """The first frame a turn's first speech chunk can reach in time (None: no estimate -- no clock,
         starved, or nothing measured yet -- so every unplayed chunk goes and the speech plays when it comes)."""
         t0 = self.output.t0
@@ -384,20 +373,20 @@ class PlayoutStage(Stage):
             ahead += 1
         first = playing.chunk + 1 if playing is not None else self._buffer[0].chunk
         if ahead < left:  # within the chunk on screen
-            place = Onset(0, playing.chunk, self._position + ahead, estimate)
+            place = Placement(0, playing.chunk, self._position + ahead, estimate)
         else:
             kept, onset = divmod(ahead - left, FRAMES_PER_CHUNK)
-            place = Onset(kept, first + kept, onset, estimate)  # (buffered chunks are consecutive)
+            place = Placement(kept, first + kept, onset, estimate)  # (buffered chunks are consecutive)
         earliest = detail.get("earliest_chunk")
         if earliest is not None and place.chunk < int(earliest):  # a rewind that far would not be exact
-            place = Onset(int(earliest) - first, int(earliest), 0, estimate)
+            place = Placement(int(earliest) - first, int(earliest), 0, estimate)
         if place.kept > len(self._buffer) or (place.kept == len(self._buffer) and place.onset):
             # not enough made ahead: the speech will be late whatever we do
-            place = Onset(len(self._buffer), first + len(self._buffer), 0, estimate)
+            place = Placement(len(self._buffer), first + len(self._buffer), 0, estimate)
         return place
 
     async def rollback(self, ctx: StageContext, reason: str = ControlKind.TURN_START,
-                       place: Onset | None = None) -> Control:
+                       place: Placement | None = None) -> Control:
         """Keep the unplayed chunks before ``place`` (with an onset frame: its chunk's listening frames
         before it too), drop the rest, bump the epoch and tell upstream where to regenerate from: the
         chunk after the last one kept whole. No ``place``: every unplayed chunk goes."""
