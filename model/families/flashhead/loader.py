@@ -138,7 +138,7 @@ def used_shapes(cfg: FlashHeadConfig) -> dict[str, tuple[int, ...]]:
 
 
 def detect_variant(specs: Mapping[str, TensorSpec], where: Path) -> str:
-    """"pro" or "lite" from the patch embedding: (d, 32, 1, 2, 2) or (d, 256, 1, 1, 1)."""
+    """The variant, "pro" or "lite", from the patch embedding: (d, 32, 1, 2, 2) or (d, 256, 1, 1, 1)."""
     spec = specs.get("patch_embedding.weight")
     if spec is None:
         raise CheckpointError(where, "no patch_embedding.weight: not a FlashHead DiT")
