@@ -110,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"charstream model info: {report['weights']}: {report['problem']}")
         _print(report, args.json)
         return 0
+    if args.weights is not None:
+        raise SystemExit("charstream model info: --weights goes with --model (a preset's weights are not checked here)")
     try:
         report = model_report(get_preset(args.preset), args.tp)
     except ValueError as e:  # a TP size the preset's heads or FFN do not divide

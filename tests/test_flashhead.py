@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from charstream.model.families import get_family
 from charstream.model.families.base import CheckpointError
-from charstream.model.families.flashhead.audio import frame_windows
+from charstream.model.families.flashhead.audio import RollingSpeech, frame_windows
 from charstream.model.families.flashhead.config import LITE, PRO, TEST
 from charstream.model.families.flashhead.loader import load_flashhead, random_checkpoint
 from charstream.model.families.flashhead.sampler import sample_chunk
@@ -153,6 +153,23 @@ def test_speech_features_match_transformers_wav2vec2(ours, wav2vec2_dir):
     got = ours.speech(speech, n_frames)
     assert got.shape == (n_frames, 12, 768)
     assert relative(got, expected) <= 1e-4
+
+
+@torch.no_grad()
+def test_rolling_speech_encodes_the_last_seconds(ours):
+    """Each chunk pushes 28 frames of speech (17,920 samples) into a context that starts silent and keeps
+    its last seconds (8 released; 2 here, so the second chunk pushes the first partly out); the chunk's
+    windows are the context's newest 33 frames, encoded together."""
+    rolling = RollingSpeech(PRO.with_(audio_context_s=2))
+    with pytest.raises(ValueError, match="a chunk is 17920 samples of speech, got 16000"):
+        rolling.push(torch.zeros(16000))
+    g = torch.Generator().manual_seed(6)
+    chunks = [torch.randn(17920, generator=g) for _ in range(2)]
+    for chunk in chunks:
+        rolling.push(chunk)
+    context = torch.cat(chunks)[-32000:]
+    expected = frame_windows(ours.speech(context, 50), 50 - 33, 50, window=5)[None]
+    assert torch.equal(rolling.windows(ours.speech), expected)
 
 
 @torch.no_grad()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -249,7 +249,7 @@ def inspect_folder(
     report = compare(cfg, specs, folder)
     extra = inspect_vae(root, variant) + inspect_wav2vec2(find_wav2vec2(root, audio_encoder), cfg)
     files = tuple(str(p) for p in extra) + report.files
-    return CheckpointReport(**{**report.__dict__, "files": files}), cfg
+    return replace(report, files=files), cfg
 
 
 def random_checkpoint(cfg: FlashHeadConfig, seed: int, device: torch.device | str = "cpu") -> dict[str, Tensor]:
