@@ -310,23 +310,24 @@ def build(cfg: FlashHeadConfig, state: Mapping[str, Tensor], device: torch.devic
     return dit.eval(), adapter.eval()
 
 
-def load_wav2vec2(folder: Path, device: torch.device | str, dtype: torch.dtype) -> SpeechFeatures:
+def load_wav2vec2(folder: Path, device: torch.device | str) -> SpeechFeatures:
+    """wav2vec2 in fp32 whatever the DiT's dtype, as the released pipeline runs it (95 M parameters)."""
     from transformers import Wav2Vec2Model  # a heavy import, needed only here
 
     model, info = Wav2Vec2Model.from_pretrained(folder, local_files_only=True, output_loading_info=True)
     missing = [k for k in info["missing_keys"] if k != "masked_spec_embed"]  # masked_spec_embed: training only
     if missing:
         raise CheckpointError(folder, f"{len(missing)} audio encoder tensors missing (first: {missing[0]})")
-    return SpeechFeatures(model.to(device, dtype))
+    return SpeechFeatures(model.to(device, torch.float32))
 
 
-def random_wav2vec2(seed: int, device: torch.device | str, dtype: torch.dtype) -> SpeechFeatures:
+def random_wav2vec2(seed: int, device: torch.device | str) -> SpeechFeatures:
     from transformers import Wav2Vec2Config, Wav2Vec2Model
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Wav2Vec2Model(Wav2Vec2Config())  # the defaults are wav2vec2-base's sizes
-    return SpeechFeatures(model.to(device, dtype))
+    return SpeechFeatures(model.to(device, torch.float32))
 
 
 def load_flashhead(
@@ -343,11 +344,11 @@ def load_flashhead(
     if str(weights) == "random":
         cfg = cfg or VARIANTS[variant]
         dit, adapter = build(cfg, random_checkpoint(cfg, seed, device), device, dtype)
-        return FlashHeadModel(cfg, dit, adapter, random_wav2vec2(seed, device, dtype))
+        return FlashHeadModel(cfg, dit, adapter, random_wav2vec2(seed, device))
     report, cfg = inspect_folder(weights, variant, audio_encoder)
     if not report.ok:
         raise CheckpointError(report.weights, report.problem())
     specs = read_weight_files(Path(report.weights))
     dit, adapter = build(cfg, SafetensorsState(specs), device, dtype)
-    speech = load_wav2vec2(find_wav2vec2(Path(weights), audio_encoder), device, dtype)
+    speech = load_wav2vec2(find_wav2vec2(Path(weights), audio_encoder), device)
     return FlashHeadModel(cfg, dit, adapter, speech)
