@@ -40,8 +40,8 @@ import numpy as np
 
 from charstream.stages.base import Stage, StageContext
 from charstream.stages.config import PlayoutConfig
-from charstream.stages.shared.metrics import SessionMetrics
 from charstream.stages.playout.speech_estimate import Estimate, SpeechEstimator
+from charstream.stages.shared.metrics import SessionMetrics
 from charstream.stages.shared.tracing import TurnTracer
 from charstream.timeline import (
     CHUNK_SECONDS,
