@@ -88,8 +88,7 @@ def family_report(name: str, weights: str, audio_encoder: str | None) -> dict[st
         "family": family.name,
         "generation_mode": family.generation_mode,
         "fps": timeline.fps,
-        "new_frames_per_chunk": timeline.new_frames_per_chunk,
-        "audio_rate": timeline.audio_rate,
+        "new_frames_per_chunk": timeline.frames_per_chunk,
     }
     if weights == "random":
         return head | {"variant": family.variant, "weights": "random (seeded)", "ok": True, "params": family.parameter_count()}

@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 import torch
 
+from charstream.timeline import Timeline
+
 # How a family generates: "kv_ring" steps one latent frame at a time over a KV ring cache (the character
 # presets); "chunk_motion" denoises a whole chunk bidirectionally, continuing the previous chunk through
 # motion latents re-encoded from its last frames.
@@ -27,13 +29,6 @@ class CheckpointError(ValueError):
         super().__init__(f"{path}: {problem}")
         self.path = Path(path)
         self.problem = problem
-
-
-@dataclass(frozen=True)
-class Timeline:
-    fps: int
-    new_frames_per_chunk: int  # frames each chunk adds to the stream
-    audio_rate: int  # the audio encoder's sample rate
 
 
 @dataclass(frozen=True)

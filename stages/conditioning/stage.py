@@ -35,7 +35,7 @@ import numpy as np
 from charstream.stages.base import Stage, StageContext
 from charstream.stages.config import ConditioningConfig
 from charstream.stages.shared.worker import StageWorker
-from charstream.timeline import CHUNK_SECONDS, SAMPLES_PER_CHUNK, SAMPLES_PER_FRAME, TIMELINE_RATE
+from charstream.timeline import CHARACTERS, TIMELINE_RATE, Timeline
 from charstream.transport.messages import (
     AgentAudio,
     Conditioning,
@@ -65,7 +65,7 @@ class _Turn:
     turn_id: int
     first_start_sample: int  # the adapter's start_sample of the turn's first audio
     trace: TraceContext
-    buffer: np.ndarray = field(default_factory=lambda: np.zeros(SAMPLES_PER_CHUNK * 8, np.int16))
+    buffer: np.ndarray = field(default_factory=lambda: np.zeros(TIMELINE_RATE, np.int16))  # grows by doubling
     length: int = 0  # samples held, from the turn's first sample (buffer grows by doubling)
     placed_at: int | None = None  # timeline sample of the turn's first sample, once placed
     ended: bool = False
@@ -92,8 +92,9 @@ class ConditioningStage(Stage):
     name = "conditioning"
 
     def __init__(self, config: ConditioningConfig, encode: EncodeFn, lookahead_ms: float, context_ms: float = 0.0,
-                 rollback_frames: int | None = None) -> None:
+                 rollback_frames: int | None = None, timeline: Timeline = CHARACTERS) -> None:
         self.encode = encode
+        self.timeline = timeline  # the session's: its chunks' spans on the 48 kHz timeline
         cuda = config.device if config.device.startswith("cuda") else None
         self.worker = StageWorker("conditioning", ENCODE_THREADS, cuda_stream=cuda)
         self.lookahead = int(round(lookahead_ms * TIMELINE_RATE / 1000))
@@ -135,13 +136,13 @@ class ConditioningStage(Stage):
             self.epoch = msg.epoch
             self.next_chunk = msg.chunk + 1
             self._anchor = (self.next_chunk, _due(msg))
-            start = self.next_chunk * SAMPLES_PER_CHUNK
+            start = self.next_chunk * self.timeline.samples_per_chunk
             turn = self.turn
             # Speech that asked for this rollback, or is placed but not yet committed, starts at the
             # first uncommitted chunk, at the frame playout chose (the frames before it are silent).
             if turn is not None and turn.turn_start_sent_at is not None and (
                     turn.placed_at is None or turn.placed_at >= start):
-                turn.placed_at = start + int(msg.detail.get("onset_frame") or 0) * SAMPLES_PER_FRAME
+                turn.placed_at = start + int(msg.detail.get("onset_frame") or 0) * self.timeline.samples_per_frame
             placed_at = msg.detail.get("placed_at")  # a speech placement's: how long its control took to get here
             ctx.log.info("conditioning_rollback", chunk=msg.chunk, epoch=msg.epoch, onset_frame=msg.detail.get("onset_frame"),
                          turn_id=turn.turn_id if turn else None,
@@ -193,7 +194,7 @@ class ConditioningStage(Stage):
         turn = self.turn
         if turn is None or turn.turn_start_sent_at is not None:
             return
-        if turn.length < SAMPLES_PER_CHUNK + self.lookahead and not turn.ended:
+        if turn.length < self.timeline.samples_per_chunk + self.lookahead and not turn.ended:
             return
         turn.turn_start_sent_at = time.monotonic()
         detail: dict[str, float | int | None] = {
@@ -257,7 +258,7 @@ class ConditioningStage(Stage):
     # --- the chunk loop ----------------------------------------------------------------------
 
     async def run(self, ctx: StageContext) -> None:
-        silence = np.zeros(self.context + SAMPLES_PER_CHUNK + self.lookahead, np.int16)
+        silence = np.zeros(self.context + self.timeline.samples_per_chunk + self.lookahead, np.int16)
         for _ in range(2):  # the second, warm, encode is the first estimate a turn start sends
             self._silence_tokens = await self._encode(silence)
         del self._encode_s[0]
@@ -291,14 +292,14 @@ class ConditioningStage(Stage):
                 return left
             ctx.log.warning("no rollback answer to turn start; speech placed at the next chunk",
                             turn_id=turn.turn_id, chunk=self.next_chunk)
-            turn.placed_at = self.next_chunk * SAMPLES_PER_CHUNK
-        start = self.next_chunk * SAMPLES_PER_CHUNK - turn.placed_at
+            turn.placed_at = self.next_chunk * self.timeline.samples_per_chunk
+        start = self.next_chunk * self.timeline.samples_per_chunk - turn.placed_at
         if turn.ended:
             if start >= turn.length:  # all of the turn's speech is out: back to listening
                 self._close(turn.turn_id)
                 return self._pace(now)
             return None
-        if start < 0 or turn.length >= start + SAMPLES_PER_CHUNK + self.lookahead:
+        if start < 0 or turn.length >= start + self.timeline.samples_per_chunk + self.lookahead:
             return None
         return None if self._check_stall(ctx, turn, now) else turn.last_audio_at + self.stall_s - now
 
@@ -311,7 +312,7 @@ class ConditioningStage(Stage):
         if self._anchor is None:
             self._anchor = (self.next_chunk, now)
         chunk, at = self._anchor
-        due = at + (self.next_chunk - chunk - lead) * CHUNK_SECONDS
+        due = at + (self.next_chunk - chunk - lead) * self.timeline.chunk_seconds
         return due - now if due > now else None
 
     def _check_stall(self, ctx: StageContext, turn: _Turn, now: float) -> bool:
@@ -323,11 +324,11 @@ class ConditioningStage(Stage):
         return True
 
     async def _build(self, chunk: int, epoch: int) -> Conditioning:
-        start = chunk * SAMPLES_PER_CHUNK
+        start = chunk * self.timeline.samples_per_chunk
         turn = self.turn
         rel = start - turn.placed_at if turn is not None and turn.placed_at is not None else None
-        if turn is None or rel is None or rel + SAMPLES_PER_CHUNK <= 0 or rel >= turn.length:
-            return Conditioning(self._session, chunk, self._silence_tokens, np.zeros(SAMPLES_PER_CHUNK, np.int16),
+        if turn is None or rel is None or rel + self.timeline.samples_per_chunk <= 0 or rel >= turn.length:
+            return Conditioning(self._session, chunk, self._silence_tokens, np.zeros(self.timeline.samples_per_chunk, np.int16),
                                 speaking=False, epoch=epoch, trace=TraceContext(None).stamp("conditioning_ready"))
         window = self._window(turn, rel)
         tokens = await self._encode(window)
@@ -335,13 +336,13 @@ class ConditioningStage(Stage):
         if rel <= 0:  # the turn's first speaking chunk carries the turn's trace
             trace.stamps.update(turn.trace.stamps)
         trace.stamp("conditioning_ready")
-        audio = window[self.context:self.context + SAMPLES_PER_CHUNK].copy()
+        audio = window[self.context:self.context + self.timeline.samples_per_chunk].copy()
         return Conditioning(self._session, chunk, tokens, audio, speaking=True, epoch=epoch, trace=trace)
 
     def _window(self, turn: _Turn, rel: int) -> np.ndarray:
         """The encoder's window for the chunk starting ``rel`` samples into the turn's speech: left
         context + the chunk + look-ahead, silence outside the speech."""
-        window = np.zeros(self.context + SAMPLES_PER_CHUNK + self.lookahead, np.int16)
+        window = np.zeros(self.context + self.timeline.samples_per_chunk + self.lookahead, np.int16)
         first = rel - self.context
         lo, hi = max(first, 0), min(first + len(window), turn.length)
         window[lo - first:hi - first] = turn.audio[lo:hi]

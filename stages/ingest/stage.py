@@ -53,7 +53,7 @@ from charstream.stages.ingest.adapters import (
 from charstream.stages.ingest.audio_input import AudioFormatError, Repairs, to_float_mono
 from charstream.stages.ingest.resample import StreamingResampler, to_int16
 from charstream.stages.ingest.vad import UserAudioVAD, VadEvent
-from charstream.timeline import SAMPLES_PER_CHUNK, TIMELINE_RATE
+from charstream.timeline import CHARACTERS, TIMELINE_RATE, Timeline
 from charstream.transport.messages import (
     AgentAudio,
     Control,
@@ -101,8 +101,9 @@ class IngestStage(Stage):
 
     def __init__(self, config: IngestConfig, adapter: AgentAdapter | None = None,
                  media_t0: float | None = None, user_audio: UserAudioQueue | None = None,
-                 tracer: TurnTracer | None = None) -> None:
+                 tracer: TurnTracer | None = None, timeline: Timeline = CHARACTERS) -> None:
         self.config = config
+        self.timeline = timeline  # the session's: a barge-in drops from its next chunk boundary
         self.adapter = adapter
         self.user_audio = user_audio  # egress's microphone queue; None: this session has no microphone
         self.tracer = tracer  # the session's: what the agent heard and answered goes with each turn
@@ -247,7 +248,7 @@ class IngestStage(Stage):
     async def _barge_in(self, turn: _AgentTurn, event: VadEvent) -> None:
         ctx, turn_id = self._ctx, turn.turn_id
         now = self.media_now()
-        drop_from = -(-now // SAMPLES_PER_CHUNK)  # first chunk boundary at or after now
+        drop_from = -(-now // self.timeline.samples_per_chunk)  # first chunk boundary at or after now
         turn.interrupted = True
         self._speech_until = min(self._speech_until, now - int(self.config.playout_tail_s * TIMELINE_RATE))
         self._wake.set()

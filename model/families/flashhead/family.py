@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from charstream.model.families.base import CheckpointReport, GenerationMode, ModelFamily, Timeline
+from charstream.model.families.base import CheckpointReport, GenerationMode, ModelFamily
 from charstream.model.families.flashhead.config import VARIANTS, FlashHeadConfig
 from charstream.model.families.flashhead.loader import (
     FlashHeadModel,
@@ -14,6 +14,7 @@ from charstream.model.families.flashhead.loader import (
     load_flashhead,
     used_shapes,
 )
+from charstream.timeline import Timeline
 
 
 class FlashHeadFamily(ModelFamily):
@@ -33,7 +34,7 @@ class FlashHeadFamily(ModelFamily):
     @property
     def timeline(self) -> Timeline:
         cfg = self.config
-        return Timeline(fps=cfg.fps, new_frames_per_chunk=cfg.new_frames_per_chunk, audio_rate=cfg.sample_rate)
+        return Timeline(fps=cfg.fps, frames_per_chunk=cfg.new_frames_per_chunk)
 
     @property
     def generation_mode(self) -> GenerationMode:
