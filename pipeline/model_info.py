@@ -82,7 +82,7 @@ def _human(n: float, unit: str = "") -> str:
 
 def family_report(name: str, weights: str, audio_encoder: str | None) -> dict[str, object]:
     """The family's timeline and parameter count, and what ``weights`` holds against what it needs."""
-    family = get_family(name, audio_encoder=audio_encoder)
+    family = get_family(name, **({"audio_encoder": audio_encoder} if audio_encoder else {}))
     timeline = family.timeline
     head = {
         "family": family.name,

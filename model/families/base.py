@@ -8,10 +8,12 @@ A family is one class (``ModelFamily``) per model architecture, instantiated per
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from charstream.timeline import Timeline
@@ -29,6 +31,18 @@ class CheckpointError(ValueError):
         super().__init__(f"{path}: {problem}")
         self.path = Path(path)
         self.problem = problem
+
+
+@dataclass(frozen=True)
+class AudioConditioner:
+    """What the conditioning stage runs for a family: ``encode`` maps one int16 48 kHz window of the
+    timeline -- ``context_ms`` before the chunk, the chunk's span, ``lookahead_ms`` after -- to the
+    chunk's audio tokens (float32). The stage cuts the windows; the family says how wide they are."""
+
+    encode: Callable[[np.ndarray], np.ndarray]
+    context_ms: float
+    lookahead_ms: float
+    rollback_frames: int | None = None  # how far a turn start may rewind the generator (None: no ring)
 
 
 @dataclass(frozen=True)
@@ -102,6 +116,12 @@ class ModelFamily(ABC):
     def inspect(self, weights_dir: str | Path) -> CheckpointReport:
         """Check a weights folder from its file headers (nothing allocated); raises ``CheckpointError`` for a
         file that is missing, truncated or unreadable."""
+
+    @abstractmethod
+    def audio_conditioner(self, weights: str | None, device: str = "cpu", seed: int = 0,
+                          graphed: bool = True) -> AudioConditioner:
+        """The conditioning stage's encoder from ``weights`` (None or ``"random"``: seeded random weights);
+        ``graphed``: replayed as a CUDA graph where the family can."""
 
     @abstractmethod
     def load(self, weights: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0) -> Any:

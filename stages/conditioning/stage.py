@@ -27,7 +27,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 import numpy as np
@@ -36,6 +36,9 @@ from charstream.stages.base import Stage, StageContext
 from charstream.stages.config import ConditioningConfig
 from charstream.stages.shared.worker import StageWorker
 from charstream.timeline import CHARACTERS, TIMELINE_RATE, Timeline
+
+if TYPE_CHECKING:
+    from charstream.model.families.base import ModelFamily
 from charstream.transport.messages import (
     AgentAudio,
     Conditioning,
@@ -370,29 +373,14 @@ def _due(msg: Control) -> float:
     return now if due_at is None else now + float(due_at) - time.time()
 
 
-def build(config: ConditioningConfig, preset: str, weights: str | None = "packaged", seed: int = 0) -> ConditioningStage:
-    """The session graph's factory for this stage: the preset's audio encoder, trained
-    weights when ``weights`` names a file or is ``"packaged"`` and the package ships them, else
-    seeded random weights; on CUDA with ``config.graphed``, replayed as one CUDA graph per chunk."""
-    import torch
+def build(config: ConditioningConfig, preset: str, weights: str | None = "packaged", seed: int = 0,
+          family: ModelFamily | None = None) -> ConditioningStage:
+    """The session graph's factory for this stage: the audio conditioner of the session's model
+    (``family``, else the family named ``preset``) with its weights (``"packaged"``: shipped ones where
+    the package has them; None: seeded random weights), windows as wide as it reads, on its timeline."""
+    from charstream.model.families import get_family
 
-    from charstream.model.audio_encoder import AudioEncoder, make_encode_fn
-    from charstream.model.config import get_preset
-    from charstream.model.weights import load_audio_encoder, resolve_weights
-
-    cfg = get_preset(preset)
-    path = resolve_weights(preset, weights)
-    if path:
-        encoder = load_audio_encoder(cfg, Path(path))
-    else:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            encoder = AudioEncoder(cfg).eval().requires_grad_(False)
-    encoder = encoder.to(config.device)
-    if config.graphed and config.device.startswith("cuda"):
-        from charstream.model.graphed_audio_encoder import GraphedAudioEncoder
-
-        encode = GraphedAudioEncoder(encoder).encode
-    else:
-        encode = make_encode_fn(encoder)
-    return ConditioningStage(config, encode, cfg.audio_lookahead_ms, cfg.audio_context_ms, cfg.rollback_frames)
+    family = family or get_family(preset)
+    conditioner = family.audio_conditioner(weights, config.device, seed, config.graphed)
+    return ConditioningStage(config, conditioner.encode, conditioner.lookahead_ms, conditioner.context_ms,
+                             conditioner.rollback_frames, family.timeline)
