@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from charstream.model.config import ModelConfig
-from charstream.timeline import SAMPLES_PER_CHUNK, SAMPLES_PER_FRAME, TIMELINE_RATE
+from charstream.timeline import CHARACTERS, TIMELINE_RATE
 
 N_MELS = 80
 WINDOW_MS = 25.0  # STFT window (Whisper-style front end)
@@ -90,9 +90,9 @@ def rms_envelope(audio: np.ndarray | Tensor, sample_rate: int = TIMELINE_RATE) -
     """
     _check_rate(sample_rate)
     x = _as_float_audio(audio)
-    n = -(-x.numel() // SAMPLES_PER_FRAME)
-    x = F.pad(x, (0, n * SAMPLES_PER_FRAME - x.numel()))
-    return x.view(n, SAMPLES_PER_FRAME).square().mean(dim=1).sqrt().numpy()
+    n = -(-x.numel() // CHARACTERS.samples_per_frame)
+    x = F.pad(x, (0, n * CHARACTERS.samples_per_frame - x.numel()))
+    return x.view(n, CHARACTERS.samples_per_frame).square().mean(dim=1).sqrt().numpy()
 
 
 class AudioEncoder(nn.Module):
@@ -109,7 +109,7 @@ class AudioEncoder(nn.Module):
         self.factor = TIMELINE_RATE // cfg.audio_rate
         self.context_samples = round(cfg.audio_context_ms * TIMELINE_RATE / 1000)
         self.lookahead_samples = round(cfg.audio_lookahead_ms * TIMELINE_RATE / 1000)
-        self.window_samples = self.context_samples + SAMPLES_PER_CHUNK + self.lookahead_samples
+        self.window_samples = self.context_samples + CHARACTERS.samples_per_chunk + self.lookahead_samples
         self.n_fft = round(cfg.audio_rate * WINDOW_MS / 1000)
         self.hop = round(cfg.audio_rate * HOP_MS / 1000)
         taps = lowpass_taps(self.factor)
@@ -162,11 +162,11 @@ class AudioEncoder(nn.Module):
 
     def clip_features(self, audio: Tensor) -> Tensor:
         """Whole clip (L,) float -> (n_chunks, n_frames, N_MELS): filter once, gather each chunk's samples."""
-        n_chunks = max(1, -(-audio.numel() // SAMPLES_PER_CHUNK))
-        tail = n_chunks * SAMPLES_PER_CHUNK - audio.numel() + self.lookahead_samples
+        n_chunks = max(1, -(-audio.numel() // CHARACTERS.samples_per_chunk))
+        tail = n_chunks * CHARACTERS.samples_per_chunk - audio.numel() + self.lookahead_samples
         padded = F.pad(audio, (self.context_samples, tail))  # padded[p] = timeline[p - context]
         y = F.conv1d(padded[None, None], self.taps.float())[0, 0]  # y[p] = low-passed padded[p + half], every sample
-        starts = torch.arange(n_chunks, device=audio.device)[:, None] * SAMPLES_PER_CHUNK
+        starts = torch.arange(n_chunks, device=audio.device)[:, None] * CHARACTERS.samples_per_chunk
         index = starts + self.factor * torch.arange(self.segment, device=audio.device)[None]
         return self._log_mel(y[index])
 
@@ -190,7 +190,7 @@ class AudioEncoder(nn.Module):
         if x.dim() != 2 or x.shape[1] != self.window_samples:
             raise ValueError(
                 f"audio window must hold {self.window_samples} samples at {TIMELINE_RATE} Hz "
-                f"({self.context_samples} context + {SAMPLES_PER_CHUNK} chunk + {self.lookahead_samples} "
+                f"({self.context_samples} context + {CHARACTERS.samples_per_chunk} chunk + {self.lookahead_samples} "
                 f"look-ahead), got shape {tuple(x.shape if not single else x.shape[1:])}"
             )
         tokens = self(self.window_features(x))
@@ -206,7 +206,7 @@ class AudioEncoder(nn.Module):
 
     def window_bounds(self, chunk: int) -> tuple[int, int]:
         """Timeline samples [start, end) of chunk ``chunk``'s window (start may be negative: zeros)."""
-        start = chunk * SAMPLES_PER_CHUNK - self.context_samples
+        start = chunk * CHARACTERS.samples_per_chunk - self.context_samples
         return start, start + self.window_samples
 
 

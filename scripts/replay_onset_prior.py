@@ -22,9 +22,9 @@ from pathlib import Path
 from charstream.logs import read_events
 from charstream.stages.config import PlayoutConfig
 from charstream.stages.playout.speech_estimate import prior_allowance
-from charstream.timeline import VIDEO_FPS
+from charstream.timeline import CHARACTERS
 
-FRAME_MS = 1000 / VIDEO_FPS
+FRAME_MS = 1000 / CHARACTERS.fps
 
 
 def onsets(log: Path) -> list[tuple[dict, dict]]:

@@ -24,10 +24,10 @@ from pathlib import Path
 from charstream.logs import read_events
 from charstream.stages.config import PlayoutConfig
 from charstream.stages.playout.speech_estimate import SpeechEstimator
-from charstream.timeline import FRAMES_PER_CHUNK, VIDEO_FPS
+from charstream.timeline import CHARACTERS
 
-FRAME = 1 / VIDEO_FPS
-CHUNK = FRAMES_PER_CHUNK * FRAME
+FRAME = 1 / CHARACTERS.fps
+CHUNK = CHARACTERS.frames_per_chunk * FRAME
 
 
 def wall(iso: str) -> float:
@@ -53,7 +53,7 @@ def place(rollback_at: float, ready: float, interval: float, grid_due: float, gr
     The grid: frame ``grid_onset`` of chunk ``grid_chunk`` is due at ``grid_due``."""
     chunk0_start = grid_due - grid_onset * FRAME - grid_chunk * CHUNK  # where chunk 0 would start
     frame = math.ceil((rollback_at + ready - chunk0_start) / FRAME - 1e-9)
-    while chunk0_start + (frame // FRAMES_PER_CHUNK + 1) * CHUNK < rollback_at + ready + interval:
+    while chunk0_start + (frame // CHARACTERS.frames_per_chunk + 1) * CHUNK < rollback_at + ready + interval:
         frame += 1
     frame = max(frame, 4 * earliest)
     return chunk0_start + frame * FRAME

@@ -72,14 +72,14 @@ from charstream.pipeline.runtime.engine import check_engine_config, run_engine
 from charstream.pipeline.runtime.engine_link import EngineError, engine_call
 from charstream.stages.config import AGENT_PACES, IngestConfig
 from charstream.stages.playout.stage import UNDERRUN_CAUSES
-from charstream.timeline import VIDEO_FPS
+from charstream.timeline import CHARACTERS
 from charstream.transport.supervisor import Supervisor, describe_exit
 
 CAUSE_KEYS = tuple(f"{cause}_underruns" for cause in UNDERRUN_CAUSES)  # per session and level, beside the total
 
 SATURATED = 0.9  # a resource this busy (of its whole) counts as saturated
 STEAL_NOTED = 0.05  # a VM whose hypervisor takes this share of its cores: named beside what saturated
-FRAME_S = 1 / VIDEO_FPS
+FRAME_S = 1 / CHARACTERS.fps
 MIN_TURN_S = 6.0  # a scripted turn (user line, think, reply, gap) takes longer than this
 GPU_SAMPLE_S = 1.0
 CALL_TIMEOUT_S = 30.0  # a request to a worker or client process (connects take their own limit)

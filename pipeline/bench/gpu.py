@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from charstream.model.config import ModelConfig, get_preset
 from charstream.pipeline.bench.output import commit_id, cuda_median_ms, free_port, text_table
 from charstream.stages.diffusion.tp_group import NO_MULTICAST
-from charstream.timeline import SAMPLES_PER_CHUNK
+from charstream.timeline import CHARACTERS
 
 REFERENCE = {  # docs/ARCHITECTURE.md, "Reference numbers" (4xH100) and the step's targets on one H200
     "step_ms": {3: 147.4, 4: None},
@@ -680,7 +680,7 @@ def bench_encoder(cfg: ModelConfig, reps: int) -> dict[str, float]:
     for mode, graphed in (("eager", False), ("graphed", True)):
         _progress(f"encoder: {mode}")
         stage = build(ConditioningConfig(device="cuda:0", graphed=graphed), cfg.name, weights)
-        n = stage.context + SAMPLES_PER_CHUNK + stage.lookahead
+        n = stage.context + CHARACTERS.samples_per_chunk + stage.lookahead
         windows = [(rng.standard_normal(n) * 3000).astype(np.int16) for _ in range(4)]
         for w in windows:
             stage.encode(w)

@@ -17,9 +17,9 @@ import time
 
 from charstream.model.config import PRESETS, get_preset
 from charstream.pipeline.bench.output import commit_id, emit_report
-from charstream.timeline import CHUNK_SECONDS
+from charstream.timeline import CHARACTERS
 
-BUDGET_MS = CHUNK_SECONDS * 1000.0
+BUDGET_MS = CHARACTERS.chunk_seconds * 1000.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

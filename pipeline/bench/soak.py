@@ -47,7 +47,7 @@ from charstream.pipeline.config import PipelineConfig
 from charstream.stages.config import EgressConfig
 from charstream.stages.playout.stage import UNDERRUN_CAUSES
 from charstream.stages.shared.memory import allocator_stats, release_free_memory
-from charstream.timeline import VIDEO_FPS
+from charstream.timeline import CHARACTERS
 
 MIN_TURN_S = 6.0  # a scripted turn (user line, think, reply, gap) takes longer than this
 WARMUP_FRACTION = 0.1  # sessions before the fit: caches, allocator arenas and lazy imports settle
@@ -212,7 +212,7 @@ async def soak_session(source: str, config: PipelineConfig, minutes: float, ever
     t0 = samples[0]["t"] if samples else 0.0
     fit = [s for s in samples if s["t"] - t0 >= WARMUP_FRACTION * minutes * 60]
     axis = [(s["t"] - t0) / 60 for s in fit]
-    owed = round(playout["elapsed_s"] * VIDEO_FPS)
+    owed = round(playout["elapsed_s"] * CHARACTERS.fps)
     span_min = axis[-1] - axis[0] if len(fit) > 1 else 0.0
 
     def per_min(key: str) -> float | None:  # the fitted stretch's increase of a counter, per minute

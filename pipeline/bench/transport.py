@@ -41,7 +41,7 @@ import zmq
 
 from charstream.pipeline import arguments
 from charstream.pipeline.bench.output import commit_id, emit_report, percentiles
-from charstream.timeline import SAMPLES_PER_CHUNK
+from charstream.timeline import CHARACTERS
 from charstream.transport.channel import Receiver, Sender, Transport, free_tcp_port
 from charstream.transport.codec import encode
 from charstream.transport.config import TransportConfig
@@ -53,14 +53,14 @@ WARMUP = 5
 
 def conditioning(i: int) -> Conditioning:
     tokens = np.random.default_rng(i).random((9, 1024), dtype=np.float32)
-    return Conditioning("bench", i, tokens, np.zeros(SAMPLES_PER_CHUNK, np.int16), True)
+    return Conditioning("bench", i, tokens, np.zeros(CHARACTERS.samples_per_chunk, np.int16), True)
 
 
 _FRAMES = np.random.default_rng(0).integers(0, 255, (4, 704, 1088, 3), dtype=np.uint8)
 
 
 def video_chunk(i: int) -> VideoChunk:
-    return VideoChunk("bench", i, _FRAMES, np.zeros(SAMPLES_PER_CHUNK, np.int16), True)
+    return VideoChunk("bench", i, _FRAMES, np.zeros(CHARACTERS.samples_per_chunk, np.int16), True)
 
 
 def fresh_video_chunk(i: int) -> VideoChunk:
@@ -68,7 +68,7 @@ def fresh_video_chunk(i: int) -> VideoChunk:
     messages queued up anywhere, the producer's RSS would grow by 9.2 MB per queued message."""
     frames = np.empty_like(_FRAMES)
     frames.reshape(-1)[::4096] = i % 256
-    return VideoChunk("bench", i, frames, np.zeros(SAMPLES_PER_CHUNK, np.int16), True)
+    return VideoChunk("bench", i, frames, np.zeros(CHARACTERS.samples_per_chunk, np.int16), True)
 
 
 MESSAGES = {"conditioning": conditioning, "video_chunk": video_chunk}

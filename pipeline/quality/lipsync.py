@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from charstream.model.character import MOUTH_BOX
-from charstream.timeline import SAMPLES_PER_FRAME, TIMELINE_RATE, VIDEO_FPS
+from charstream.timeline import CHARACTERS, TIMELINE_RATE
 
 ENVELOPE_FLOOR_DB = -50.0  # silence and breath: mouth closed
 ENVELOPE_RANGE_DB = 35.0  # from closed to fully open
@@ -37,7 +37,7 @@ class SyncScore:
     correlations: list[float]  # at offsets -MAX_OFFSET..+MAX_OFFSET
 
 
-def speech_envelope(samples: np.ndarray, samples_per_frame: int = SAMPLES_PER_FRAME) -> np.ndarray:
+def speech_envelope(samples: np.ndarray, samples_per_frame: int = CHARACTERS.samples_per_frame) -> np.ndarray:
     """Per-frame level in [0, 1]: dBFS of each frame's samples mapped from the floor over the range."""
     x = np.asarray(samples, np.float64)
     if x.dtype.kind == "i" or np.abs(x).max(initial=0) > 1.5:
@@ -104,7 +104,7 @@ def read_mp4(path: Path) -> tuple[np.ndarray, np.ndarray]:
         # a recording timed by RTP timestamps shows a stall as one long frame, as the viewer saw it.
         frames: list[np.ndarray] = []
         for f in container.decode(video=0):
-            slot = round((f.time or 0.0) * VIDEO_FPS)
+            slot = round((f.time or 0.0) * CHARACTERS.fps)
             while frames and len(frames) < slot:
                 frames.append(frames[-1])
             if len(frames) <= slot or not frames:

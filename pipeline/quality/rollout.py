@@ -35,7 +35,7 @@ from charstream.pipeline.quality.lipsync import (
     sync_score,
 )
 from charstream.pipeline.training.data import make_script
-from charstream.timeline import SAMPLES_PER_CHUNK, VIDEO_FPS
+from charstream.timeline import CHARACTERS
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 CACHES = ("naive", "ring")
@@ -156,7 +156,7 @@ class Rollout:
         out = []
         with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.autocast):
             self.gen.reset_session(ref_latent)
-            for n in range(len(audio) // SAMPLES_PER_CHUNK):
+            for n in range(len(audio) // CHARACTERS.samples_per_chunk):
                 out.append(self.gen.step(tokens[n], seed=seed * 1_000_003 + n).float())
         return torch.stack(out)
 
@@ -189,7 +189,7 @@ class Rollout:
     def session(self, seed: int, minutes: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """One long held-out session: generated mouth openness per frame, the same for the
         ground-truth render of its speech (the scorer's ceiling, window by window), and the audio."""
-        n_frames = int(minutes * 60 * VIDEO_FPS) // 4 * 4
+        n_frames = int(minutes * 60 * CHARACTERS.fps) // 4 * 4
         script = make_script(10_000 + seed, n_frames, "heldout")
         ident = make_identity(self.config.identity)
         truth = [mouth_openness(render(ident, _frames(script.motion, start, start + 1200), self.device).cpu().numpy())
@@ -200,9 +200,9 @@ class Rollout:
     def window_scores(openness: np.ndarray, audio: np.ndarray, window_s: float) -> tuple[list[float], list[float]]:
         """(window centre seconds, confidence) over consecutive windows of a session."""
         env = speech_envelope(audio)
-        w = int(window_s * VIDEO_FPS)
+        w = int(window_s * CHARACTERS.fps)
         times, scores = [], []
         for start in range(0, len(openness) - w + 1, w):
-            times.append((start + w / 2) / VIDEO_FPS)
+            times.append((start + w / 2) / CHARACTERS.fps)
             scores.append(sync_score(openness[start: start + w], env[start: start + w]).confidence)
         return times, scores

@@ -18,7 +18,7 @@ from charstream.model.character import Motion, idle_motion, make_identity, rende
 from charstream.pipeline.quality.lipsync import speech_envelope
 from charstream.stages.agents.tts import synthesize
 from charstream.stages.ingest.resample import resample, to_int16
-from charstream.timeline import SAMPLES_PER_FRAME, TIMELINE_RATE, VIDEO_FPS
+from charstream.timeline import CHARACTERS, TIMELINE_RATE
 
 VOICES = (
     "en-us", "en", "en+f3", "en-us+f3", "en-gb-x-rp", "en+m3", "en-us+f1", "en+f4",
@@ -84,7 +84,7 @@ def speech_track(rng: np.random.Generator, n_frames: int) -> tuple[np.ndarray, l
     """48 kHz speech with pauses filling ``n_frames`` frames, phonemes (s, name), text and voice."""
     voice = str(rng.choice(VOICES))
     rate, pitch = int(rng.integers(130, 211)), int(rng.integers(25, 76))
-    total = n_frames * SAMPLES_PER_FRAME
+    total = n_frames * CHARACTERS.samples_per_frame
     audio = np.zeros(total, np.int16)
     phonemes: list[tuple[float, str]] = []
     texts = []
@@ -109,8 +109,8 @@ def speaking_motion(audio: np.ndarray, phonemes: list[tuple[float, str]], n_fram
     ends = [t for t, _ in phonemes[1:]] + [phonemes[-1][0] + 0.1] if phonemes else []
     for (start, name), end in zip(phonemes, ends, strict=True):
         if name.lstrip("'`,") in ROUNDED:
-            a = int(start * VIDEO_FPS)
-            b = max(int(end * VIDEO_FPS), a + 1)
+            a = int(start * CHARACTERS.fps)
+            b = max(int(end * CHARACTERS.fps), a + 1)
             rounded[a:min(b, n_frames)] = 1.0
     # rounding eases in and out over about three frames
     motion.mouth_round = np.convolve(rounded, np.ones(3) / 3, mode="same")
