@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from charstream.kernels.fp8 import FP8_DTYPE, FP8_MAX, dequantise, is_fp8, quantise
+from charstream.kernels.fp8 import FP8_DTYPE, FP8_MAX, as_bits, dequantise, is_fp8, quantise
 from charstream.kernels.rope import RopeFreqs, apply_rope, complex_rotation, rope_rotation, rotate_complex
 
 RMS_EPS = 1e-6  # model/dit.py's RMSNorm
@@ -52,11 +52,9 @@ def ring_write_reference(
         v_cache[:, slot_start : slot_start + n_tokens].copy_(v_stored)
         return
     slots = slot_start + torch.arange(n_tokens, device=k_cache.device)
-    # index_copy_ through a same-width integer view: works for fp8 on every backend, and the
-    # index may live on the device, so the write pointer never leaves it.
-    as_bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[k_cache.element_size()]
-    k_cache.view(as_bits).index_copy_(1, slots, k_stored.contiguous().view(as_bits))
-    v_cache.view(as_bits).index_copy_(1, slots, v_stored.contiguous().view(as_bits))
+    # the index lives on the device, so the write pointer never leaves it
+    as_bits(k_cache).index_copy_(1, slots, as_bits(k_stored.contiguous()))
+    as_bits(v_cache).index_copy_(1, slots, as_bits(v_stored.contiguous()))
 
 
 @triton.jit
@@ -288,11 +286,10 @@ def ring_write_prep_reference(
         n_tokens = k_new.shape[0]
         src = slot_start + torch.arange(n_tokens, device=k_cache.device)
         dst = win_slot + torch.arange(n_tokens, device=k_cache.device)
-        as_bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[k_cache.element_size()]
         for cache, scale, win in ((k_cache, k_scale, k_win), (v_cache, v_scale, v_win)):
-            stored = cache.view(as_bits).index_select(1, src).view(cache.dtype)
+            stored = as_bits(cache).index_select(1, src).view(cache.dtype)
             if is_fp8(win):
-                win.view(torch.uint8).index_copy_(1, dst, stored.view(torch.uint8))
+                as_bits(win).index_copy_(1, dst, as_bits(stored))
             else:
                 win.index_copy_(1, dst, dequantise(stored, scale[:, None, None], win.dtype))
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from charstream.model.config import TINY
 from charstream.model.dit import DiT
-from charstream.model.step import FusedCrossContext
+from charstream.model.step.fused import FusedCrossContext
 
 CFG = TINY.with_(n_blocks=3)
 
