@@ -183,8 +183,10 @@ def _ring_write_kernel(
         tl.atomic_add(saturated, over)
 
 
-def _launch(k_cache, v_cache, k_scale, v_scale, k_new, v_new, slot_start, rotation, prep, window,
-            block_t, heads, num_warps, prefetch, write_ring=True, q8=None):
+def launch_ring_write(k_cache, v_cache, k_scale, v_scale, k_new, v_new, slot_start, rotation, prep, window,
+                      block_t, heads, num_warps, prefetch, write_ring=True, q8=None):
+    """The kernel's one launcher, every knob: the entry points below call it. ``write_ring=False`` compiles the
+    ring's stores out -- no serving mode: the benchmarks' measure of what the write adds to the prep."""
     n_tokens, n_heads, head_dim = k_new.shape
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError("k_cache and v_cache must share strides with a contiguous head_dim")
@@ -239,7 +241,7 @@ def ring_write_triton(
     ``block_t`` tokens x ``heads`` heads per program. ``rotation``: the positions' ``rope_table``
     (built here when not given)."""
     rotation = rope_table(positions, freqs) if rotation is None else rotation
-    _launch(k_cache, v_cache, k_scale, v_scale, k_new, v_new, slot_start, rotation, None, None,
+    launch_ring_write(k_cache, v_cache, k_scale, v_scale, k_new, v_new, slot_start, rotation, None, None,
             block_t, heads, num_warps, prefetch)
 
 
@@ -314,17 +316,14 @@ def ring_write_prep_triton(
     heads: int = 4,
     num_warps: int = 4,
     prefetch: bool = True,
-    write_ring: bool = True,
     q8: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """``ring_write_prep_reference`` in one launch (the ring write kernel with its PREP extras on;
-    ``window``'s slot a device tensor). ``write_ring=False`` leaves the ring's K/V unwritten and does
-    the rest: not a serving mode, it measures what the ring write adds to the prep (``bench gpu``'s
-    cache upkeep as served, ``scripts/kernels_check.py``)."""
+    ``window``'s slot a device tensor)."""
     q_norm, k_norm, cq_norm = norms
     rotation = rope_table(positions, freqs) if rotation is None else rotation
-    _launch(k_cache, v_cache, k_scale, v_scale, k_new, v_new, slot_start, rotation,
-            (q, cq, q_norm, k_norm, cq_norm, saturated), window, block_t, heads, num_warps, prefetch, write_ring, q8)
+    launch_ring_write(k_cache, v_cache, k_scale, v_scale, k_new, v_new, slot_start, rotation,
+            (q, cq, q_norm, k_norm, cq_norm, saturated), window, block_t, heads, num_warps, prefetch, q8=q8)
 
 
 def _rms_norm_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
