@@ -17,7 +17,7 @@ at every position, so RoPE can never push a key past the range the sink saw); V:
 Later values beyond the range saturate at +-448 and are counted in ``saturated``.
 
 Storage lives in a ``KVPool``: the same tensors for ``lanes`` sessions, lane-major, so one batched
-step (model/step.py's ``BatchedStep``) writes and attends every session's ring at once, each lane
+step (model/step/batched.py's ``BatchedStep``) writes and attends every session's ring at once, each lane
 with its own scales, validity, write pointer and positions. A ``KVCache`` is one session's ring:
 its tensors are views of its lane, its bookkeeping (frames, offset, pointer) its own. A cache made
 without a pool gets a pool of one lane, i.e. exactly the layout above.

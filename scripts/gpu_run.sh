@@ -197,7 +197,7 @@ elif [ "$cmd" = live ]; then
   done
 elif [ "$cmd" = capacity ]; then
   [ $# -gt 0 ] || set -- 1 8  # without and with cross-session batching (diffusion and decode)
-  # The premise of sessions sharing a process on the GPU (model/capture.py): captures beside running sessions.
+  # The premise of sessions sharing a process on the GPU (model/graphs.py): captures beside running sessions.
   if [ "${CAPACITY_CHECKS:-1}" != 0 ]; then
     section "capture beside running sessions, the graphed encoder, a stream per stage thread" 120 capacity.log python3 -m pytest -q -m gpu \
       -p no:cacheprovider --timeout=80 tests/test_capture_gpu.py tests/test_conditioning_gpu.py tests/test_stage_worker.py

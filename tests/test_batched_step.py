@@ -1,4 +1,4 @@
-"""Cross-session batching at the model level (model/step.py ``BatchedStep``): sessions stepped in one
+"""Cross-session batching at the model level (model/step/batched.py ``BatchedStep``): sessions stepped in one
 forward equal the same sessions stepping alone -- with their own seeds and audio, one rolling back,
 positions resetting in some sessions and not others, sessions joining and leaving (a lane reused),
 and batches padded to a bucket. A small `tiny` variant (reset every 2 steps) crosses resets quickly."""

@@ -1,4 +1,4 @@
-"""Tensor parallelism through the one diffusion step (model/step.py): TP = 2 and 4 over real gloo
+"""Tensor parallelism through the one diffusion step (model/step/): TP = 2 and 4 over real gloo
 process groups give TP = 1's latents, for the module body and the fused FP8 body (the one the GPU
 graphs), each rank reading only its shard of one safetensors file, with exactly one all-reduce per
 block per pass, through a rollback and a position reset."""

@@ -1,4 +1,4 @@
-"""The fused step's cross-attention K/V (model/step.py ``FusedCrossContext``): every block's K/V from one
+"""The fused step's cross-attention K/V (model/step/fused.py ``FusedCrossContext``): every block's K/V from one
 FP8 GEMM over all blocks' weights and one norm of all keys, handed out as views of the one output."""
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ class GateConfig:
     weights: str | None = None  # default: the packaged model/assets/tiny.safetensors
     device: str = "cpu"
     identity: int = 0  # the character every clip is generated with (the demo's)
-    graphed: bool = False  # CUDA only: the step as CUDA graphs (model/step.py), as the GPU demo runs
+    graphed: bool = False  # CUDA only: the step as CUDA graphs (model/step/), as the GPU demo runs
 
     def __post_init__(self) -> None:
         if self.cache not in CACHES:
