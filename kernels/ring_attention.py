@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from charstream.kernels.fp8 import FP8_MAX, dequantise, is_fp8
+from charstream.kernels.fp8 import dequantise, is_fp8
 
 
 def ring_attention_reference(
@@ -111,7 +111,7 @@ def _ring_attention_kernel(
     q, stride_qt, stride_qh, k, v, stride_kh, stride_ks, k_scale, v_scale, ring_valid, n_ring,
     out, stride_ot, stride_oh, part_o, part_lse, n_tokens, n_heads, sink_slots, tokens_per_frame, softmax_scale_log2,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, BPF: tl.constexpr,
-    RING_P2: tl.constexpr, QUANT: tl.constexpr, QK_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+    RING_P2: tl.constexpr, QUANT: tl.constexpr,
 ):
     # Persistent stream-K flash attention over the attended key blocks only: invalid ring frames
     # cost nothing. The work -- (head, query block) tiles x attended key blocks -- is cut into one
@@ -121,8 +121,7 @@ def _ring_attention_kernel(
     # part_o/part_lse, slot 2 x program + 0 for a program's first piece and + 1 for its last, for
     # _ring_attention_merge_kernel. FP8 K/V stay FP8 in memory: the per-head K scale folds into the
     # softmax scale and the V scale into the output; the products run in fp16, to which e4m3
-    # widens exactly (bf16 costs several instructions per value); QK_FP8 instead quantises each
-    # query row to e4m3 and multiplies FP8 x FP8, K untouched.
+    # widens exactly (bf16 costs several instructions per value).
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     r = tl.arange(0, RING_P2)
@@ -146,13 +145,7 @@ def _ring_attention_kernel(
         row_scale = tl.full((BLOCK_M,), softmax_scale_log2, tl.float32)
         if QUANT:
             row_scale = row_scale * tl.load(k_scale + head)
-            if QK_FP8:
-                qf = qb.to(tl.float32)
-                q_scale = tl.maximum(tl.max(tl.abs(qf), 1), 1e-12) / FP8_MAX
-                row_scale = row_scale * q_scale
-                qb = (qf / q_scale[:, None]).to(k.dtype.element_ty)
-            else:
-                qb = qb.to(tl.float16)
+            qb = qb.to(tl.float16)
         # A finite start: a block with no valid slot leaves the running max finite, so no inf - inf.
         m_i = tl.full((BLOCK_M,), -1.0e30, tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -244,7 +237,6 @@ def ring_attention_triton(
     num_warps: int = 8,
     num_stages: int | None = None,
     out: torch.Tensor | None = None,
-    qk_fp8: bool = False,
     programs: int | None = None,
 ) -> torch.Tensor:
     """The ring attention as one persistent stream-K launch + one small merge launch, over the sink and
@@ -288,8 +280,8 @@ def ring_attention_triton(
         q, q.stride(0), q.stride(1), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_scale, v_scale,
         valid, n_ring, out, out.stride(0), out.stride(1), part_o, part_lse, n_tokens, n_heads, sink_slots,
         tokens_per_frame, math.log2(math.e) / math.sqrt(head_dim),
-        D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, **blocks, QUANT=is_fp8(k_cache), QK_FP8=qk_fp8,
-        FP8_MAX=FP8_MAX, num_warps=num_warps, num_stages=num_stages,
+        D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, **blocks, QUANT=is_fp8(k_cache),
+        num_warps=num_warps, num_stages=num_stages,
     )
     if merge:
         _ring_attention_merge_kernel[(n_tiles,)](
@@ -353,27 +345,6 @@ def gather_window(
         D=head_dim, BLOCK_S=block_s, QUANT=is_fp8(k_cache) and not is_fp8(k_out), num_warps=4,
     )
     return k_out, v_out
-
-
-def ring_attention_gathered(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k_scale: torch.Tensor,
-    v_scale: torch.Tensor,
-    frame_order: torch.Tensor,
-    sink_slots: int,
-    tokens_per_frame: int,
-    window: tuple[torch.Tensor, torch.Tensor],
-    out: torch.Tensor,
-) -> torch.Tensor:
-    """The same attention through PyTorch's cuDNN SDPA: the attended frames (every one valid, listed by
-    ring position in ``frame_order``) are first dequantised into the contiguous bf16 ``window``
-    buffers. On an H200 this beat every in-place Triton variant (docs/decisions/0001-gathered-window-attention.md); it needs a
-    full, mask-free window, so the in-place kernel serves the first frames of a session. (The serving
-    step keeps each layer's window current instead of gathering it per call: ``window_attention``.)"""
-    k_win, v_win = gather_window(k_cache, v_cache, k_scale, v_scale, frame_order, sink_slots, tokens_per_frame, window)
-    return window_attention(q, k_win, v_win, out)
 
 
 def window_attention(q: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor,

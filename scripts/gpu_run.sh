@@ -139,10 +139,9 @@ elif [ "$cmd" = kernels ]; then
   section "gpu tests (kernels, graphed step)" 200 gpu-tests.log python3 -m pytest -q -m gpu -p no:cacheprovider \
     --timeout=90 $k::test_ring_write $k::test_ring_write_prep $k::test_ring_write_prep_without_the_ring_write_does_the_rest \
     $k::test_quantize_rows $k::test_quantize_rows_reads_the_leading_columns_from_the_prefix \
-    $k::test_ring_attention_gathered_over_listed_frames $k::test_delta_rotate $k::test_adaln_quant \
+    $k::test_window_gathered_over_listed_frames_then_attended $k::test_delta_rotate $k::test_adaln_quant \
     $k::test_quantize_rows_reads_an_fp8_prefix_with_its_scales_per_head $k::test_ring_write_prep_writes_q_codes_and_an_fp8_window \
     $k::test_fp8_window_attention_matches_its_reference $k::test_attention_merge $k::test_cross_attention_in_place tests/test_graphed_gpu.py tests/test_batched_step.py \
-    tests/test_graph_memsets_gpu.py \
     tests/test_kernel_compiles.py -k "not decoder"
   # KERNELS: the kernels_check sections; TP_SHARDS: the shards bench gpu times (both: this default)
   # shellcheck disable=SC2086
@@ -195,7 +194,7 @@ elif [ "$cmd" = live ]; then
   done
 elif [ "$cmd" = capacity ]; then
   [ $# -gt 0 ] || set -- 1 8  # without and with cross-session batching (diffusion and decode)
-  # The premise of sessions sharing a process on the GPU (model/capture.py): captures beside running sessions.
+  # The premise of sessions sharing a process on the GPU (model/graphs.py): captures beside running sessions.
   if [ "${CAPACITY_CHECKS:-1}" != 0 ]; then
     section "capture beside running sessions, the graphed encoder, a stream per stage thread" 120 capacity.log python3 -m pytest -q -m gpu \
       -p no:cacheprovider --timeout=80 tests/test_capture_gpu.py tests/test_conditioning_gpu.py tests/test_stage_worker.py

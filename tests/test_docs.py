@@ -42,7 +42,7 @@ def stale_paths(text: str, where: Path) -> list[str]:
     """Repository paths (from the root, ``*`` as a glob) and relative links (from ``where``'s folder)
     that name nothing in the checkout."""
     missing = []
-    for path in {m.group(0).rstrip(".") for m in PATH.finditer(text)}:
+    for path in {m.group(0).removesuffix("**").rstrip(".") for m in PATH.finditer(text)}:  # not bold, not a stop
         if not (any(ROOT.glob(path)) if "*" in path else (ROOT / path).exists()):
             missing.append(path)
     for target in {m.group(1) for m in LINK.finditer(text)}:
