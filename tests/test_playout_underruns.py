@@ -14,7 +14,7 @@ from charstream.stages.config import PlayoutConfig
 from charstream.stages.egress.testcard import card_chunk
 from charstream.stages.playout.stage import UNDERRUN_CAUSES, PlayoutStage
 from charstream.timeline import CHUNK_SECONDS
-from charstream.transport.messages import Control, ControlKind, TraceContext
+from charstream.transport.messages import Control, ControlKind, TraceContext, TurnStartPayload
 
 
 def by_cause(stats) -> dict[str, tuple[int, int]]:
@@ -65,9 +65,9 @@ def test_speech_late_at_its_turn_start_is_an_onset_underrun(placed):
         playout = session.playout
         frames = await collect(playout.output, 4 * 6)
         frontier = playout._buffer[-1].chunk + 1
-        detail = {"earliest_chunk": frontier - 3, "last_emit_at": None, "encode_s": 0.0} if placed else {}
+        payload = TurnStartPayload(earliest_chunk=frontier - 3, last_emit_at=None, encode_s=0.0) if placed else None
         await playout.control(Control("onset", 1, ControlKind.TURN_START, chunk=frontier, epoch=0, trace=TraceContext(5),
-                                      detail=detail), session.ctx)
+                                      payload=payload), session.ctx)
         after = await collect_from(playout.output, frames[-1].index + 1, 4 * 8)
         stats = playout.stats
         await session.close()
@@ -119,8 +119,8 @@ def test_a_first_turn_later_than_its_estimate_raises_the_next_turns_allowance_on
                 frontier = playout._buffer[-1].chunk + 1
                 await playout.control(Control("allow", turn, ControlKind.TURN_START, chunk=frontier, epoch=playout.epoch,
                                               trace=TraceContext(10 + turn),
-                                              detail={"earliest_chunk": frontier - 3, "last_emit_at": None,
-                                                      "encode_s": 0.0}), session.ctx)
+                                              payload=TurnStartPayload(earliest_chunk=frontier - 3, last_emit_at=None,
+                                                                       encode_s=0.0)), session.ctx)
                 index = (await collect_from(playout.output, index, 4 * 12))[-1].index + 1
             await session.close()
         return logs

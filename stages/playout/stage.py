@@ -62,7 +62,16 @@ from charstream.timeline import (
     TIMELINE_RATE,
     VIDEO_FPS,
 )
-from charstream.transport.messages import Control, ControlKind, Message, TraceContext, VideoChunk
+from charstream.transport.messages import (
+    ClockPayload,
+    Control,
+    ControlKind,
+    Message,
+    RollbackPayload,
+    TraceContext,
+    TurnStartPayload,
+    VideoChunk,
+)
 
 FRAME_SECONDS = 1.0 / VIDEO_FPS
 UNDERRUN_CAUSES = ("onset", "speech", "listening")  # PlayoutStats' <cause>_underruns and <cause>_underrun_frames
@@ -319,7 +328,8 @@ class PlayoutStage(Stage):
         if msg.kind in (ControlKind.TURN_START, ControlKind.INTERRUPT):
             self._end_turn(ctx)  # the speech before is over: its errors count before the next estimate
         if msg.kind == ControlKind.TURN_START:
-            await self.rollback(ctx, ControlKind.TURN_START, self._place_speech(msg.detail))
+            payload = msg.payload if isinstance(msg.payload, TurnStartPayload) else None
+            await self.rollback(ctx, ControlKind.TURN_START, self._place_speech(payload))
         elif msg.kind == ControlKind.INTERRUPT:
             await self.rollback(ctx, ControlKind.INTERRUPT)
 
@@ -363,15 +373,14 @@ class PlayoutStage(Stage):
                          p90_error_ms=round(turn.p90_s * 1e3, 1), max_error_ms=round(turn.max_s * 1e3, 1),
                          allowance_ms=round(self._estimator.allowance_s * 1e3, 1))
 
-    def _place_speech(self, detail: dict) -> Onset | None:
+    def _place_speech(self, turn_start: TurnStartPayload | None) -> Onset | None:
         """The first frame a turn's first speech chunk can reach in time (None: no estimate -- no clock,
         starved, or nothing measured yet -- so every unplayed chunk goes and the speech plays when it comes)."""
         t0 = self.output.t0
-        if t0 is None or self._starved or not self._estimator.measured or not detail:  # (the test card sends no detail)
+        if t0 is None or self._starved or not self._estimator.measured or turn_start is None:  # (the test card's has none)
             return None
-        encode_s = float(detail.get("encode_s") or 0.0)
-        last_emit = detail.get("last_emit_at")
-        estimate = self._estimator.estimate(time.time(), encode_s, None if last_emit is None else float(last_emit))
+        encode_s = turn_start.encode_s
+        estimate = self._estimator.estimate(time.time(), encode_s, turn_start.last_emit_at)
         ready_s = estimate.ready_s
         # Frames from the next one released to the first frame whose deadline the chunk can meet ...
         ahead = max(0, math.ceil((time.monotonic() + ready_s - t0) * VIDEO_FPS) - self.output.next_index)
@@ -388,9 +397,9 @@ class PlayoutStage(Stage):
         else:
             kept, onset = divmod(ahead - left, FRAMES_PER_CHUNK)
             place = Onset(kept, first + kept, onset, estimate)  # (buffered chunks are consecutive)
-        earliest = detail.get("earliest_chunk")
-        if earliest is not None and place.chunk < int(earliest):  # a rewind that far would not be exact
-            place = Onset(int(earliest) - first, int(earliest), 0, estimate)
+        earliest = turn_start.earliest_chunk
+        if earliest is not None and place.chunk < earliest:  # a rewind that far would not be exact
+            place = Onset(earliest - first, earliest, 0, estimate)
         if place.kept > len(self._buffer) or (place.kept == len(self._buffer) and place.onset):
             # not enough made ahead: the speech will be late whatever we do
             place = Onset(len(self._buffer), first + len(self._buffer), 0, estimate)
@@ -419,7 +428,7 @@ class PlayoutStage(Stage):
         if place is None:
             last = self.last_committed if self.last_committed is not None else -1
             self._onset, self._speech_due, self._plan = (self.epoch, last + 1, 0), None, None
-            detail: dict[str, str | int | float | None] = {"onset_frame": 0}
+            payload = RollbackPayload(reason, 0, len(dropped), len(kept))
         else:
             last = place.chunk - 1
             self._onset = (self.epoch, place.chunk, place.onset)
@@ -431,13 +440,12 @@ class PlayoutStage(Stage):
             placed_at = time.time()
             self._plan = _SpeechPlan(self.epoch, place.chunk, place.onset, time.monotonic() + place.estimate.expected_s,
                                      placed_at)
-            detail = {"onset_frame": place.onset, "placed_at": placed_at,  # conditioning logs the control's hop
-                      "due_at": placed_at + self.output.t0 + start / VIDEO_FPS - time.monotonic()}
-        detail.update(reason=str(reason), dropped=len(dropped), kept=len(kept))
+            payload = RollbackPayload(reason, place.onset, len(dropped), len(kept), placed_at,
+                                      due_at=placed_at + self.output.t0 + start / VIDEO_FPS - time.monotonic())
         rollback = Control(ctx.session_id, self._control_seq, ControlKind.ROLLBACK, chunk=last, epoch=self.epoch,
-                           detail=detail)
+                           payload=payload)
         ctx.log.info("playout_rollback", last_kept=last, epoch=self.epoch, kept=[c.chunk for c in kept],
-                     dropped=dropped, onset_frame=detail["onset_frame"], reason=str(reason),
+                     dropped=dropped, onset_frame=payload.onset_frame, reason=str(reason),
                      due_in_ms=None if self._speech_due is None else round((self._speech_due - time.monotonic()) * 1e3, 1),
                      **({} if place is None else place.estimate.fields()))
         await ctx.send_control(rollback)
@@ -559,7 +567,7 @@ class PlayoutStage(Stage):
         self._control_seq += 1
         await ctx.send_control(Control(ctx.session_id, self._control_seq, ControlKind.CLOCK, chunk=frame.chunk,
                                        epoch=self.epoch,
-                                       detail={"due_at": time.time() + deadline - time.monotonic()}))
+                                       payload=ClockPayload(time.time() + deadline - time.monotonic())))
 
     # --- helpers -------------------------------------------------------------------------------
 
