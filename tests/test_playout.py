@@ -11,7 +11,8 @@ from playout_support import start_playout
 
 from charstream.stages.config import PlayoutConfig
 from charstream.stages.egress.testcard import card_chunk
-from charstream.stages.playout.stage import PlayoutOutput, PlayoutStage
+from charstream.stages.playout.output import PlayoutOutput
+from charstream.stages.playout.stage import PlayoutStage
 from charstream.timeline import CHUNK_SECONDS, SAMPLES_PER_FRAME
 from charstream.transport.messages import Control, ControlKind, TraceContext, TurnStartPayload, VideoChunk
 
@@ -135,10 +136,10 @@ def test_turn_start_rollback_drops_exactly_the_unplayed_chunks():
         session = await start_playout("rollback", PlayoutStage(config), fast_source)
         playout = session.playout
         frames = await collect(playout.output, 9)  # chunks 0, 1 and the first frame of chunk 2
-        buffered = [c.chunk for c in playout._buffer]
+        buffered = [c.chunk for c in playout.clock.buffer]
         playing = playout.last_committed
         await playout.control(Control("rollback", 1, ControlKind.TURN_START, chunk=playing + 1), session.ctx)
-        stats_after = (playout.stats.rolled_back_chunks, playout.epoch, len(playout._buffer))
+        stats_after = (playout.stats.rolled_back_chunks, playout.epoch, len(playout.clock.buffer))
         # the in-flight old-epoch chunks are discarded; the new epoch resumes after the committed one
         for n in range(playing + 1, playing + 4):
             await playout.process(card_chunk("rollback", n, SIZE, SIZE, speaking=True, epoch=1, turn_id=7),
@@ -242,7 +243,7 @@ def test_turn_start_keeps_what_plays_before_the_speech_and_places_it_at_a_frame_
         session = await start_playout("turn", PlayoutStage(config), upstream)
         playout = session.playout
         frames = await collect(playout.output, 4 * 6 + 1)  # six chunks and a frame
-        frontier = playout._buffer[-1].chunk + 1 + deeper
+        frontier = playout.clock.buffer[-1].chunk + 1 + deeper
         sent = time.time()
         await playout.control(Control("turn", 1, ControlKind.TURN_START, chunk=frontier, epoch=0, trace=TraceContext(5),
                                       payload=TurnStartPayload(earliest_chunk=frontier - 3, last_emit_at=None, encode_s=0.0)),
