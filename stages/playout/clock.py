@@ -52,6 +52,8 @@ class Tick:
 
 
 class PlayoutClock:
+    """The jitter buffer and the playhead: ``next_frame`` once per tick, ``rollback`` on a turn start."""
+
     def __init__(self, target_depth_chunks: int) -> None:
         self.target_depth_chunks = target_depth_chunks
         self.state = ClockState.WAITING

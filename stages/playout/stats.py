@@ -27,6 +27,8 @@ class Underruns:
 
 @dataclass
 class PlayoutStats:
+    """Counters of one session's playout (the Prometheus metrics are set beside them, by the stage)."""
+
     depth: int = 0
     max_depth_seen: int = 0
     frames_released: int = 0
