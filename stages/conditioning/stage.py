@@ -160,7 +160,7 @@ class ConditioningStage(Stage):
             placed_at = rollback.placed_at if rollback is not None else None  # a speech placement's: the control's hop
             ctx.log.info("conditioning_rollback", chunk=msg.chunk, epoch=msg.epoch, onset_frame=onset_frame,
                          turn_id=turn.turn_id if turn else None,
-                         hop_ms=None if placed_at is None else round((time.time() - float(placed_at)) * 1e3, 1))
+                         hop_ms=None if placed_at is None else round((time.time() - placed_at) * 1e3, 1))
         elif msg.kind == ControlKind.CLOCK and msg.chunk is not None:
             self._anchor = (msg.chunk, _due(msg))
         elif msg.kind == ControlKind.INTERRUPT:
