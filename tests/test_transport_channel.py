@@ -20,6 +20,7 @@ from test_transport_peers import idle_sender, slow_consumer
 from charstream.transport.channel import (
     BEAT,
     CREDIT,
+    CTRL,
     DATA,
     HELLO,
     ControlClient,
@@ -31,7 +32,7 @@ from charstream.transport.channel import (
 )
 from charstream.transport.codec import WIRE_VERSION, MessageError, encode
 from charstream.transport.config import TransportConfig
-from charstream.transport.messages import Conditioning, Control, ControlKind
+from charstream.transport.messages import ClockPayload, Conditioning, Control, ControlKind
 from charstream.transport.security import CurveKeys, curve_required, is_loopback
 
 SPAWN = multiprocessing.get_context("spawn")
@@ -338,6 +339,33 @@ def test_control_bus_broadcasts_to_every_other_stage_after_all_registered():
                 with anyio.fail_after(5):
                     while not (a._queue and b._queue and c._queue):
                         await anyio.sleep(0.005)
+        transport.close()
+
+    anyio.run(main)
+
+
+def test_a_malformed_control_is_counted_naming_its_sender_and_the_bus_goes_on():
+    async def main():
+        transport = Transport(TransportConfig())
+        seen = []
+        async with ControlHub(transport, "inproc://ctl-bad", {"a", "b"}, lambda m, s: seen.append((s, m)), print) as hub:
+            async with ControlClient(transport, "inproc://ctl-bad", "a") as a, \
+                    ControlClient(transport, "inproc://ctl-bad", "b") as b:
+                await a.register()
+                await b.register()
+                with anyio.fail_after(5):
+                    await a.started.wait()
+                good = Control("s", 1, ControlKind.CLOCK, chunk=3, payload=ClockPayload(due_at=time.time()))
+                header = msgpack.unpackb(encode(good)[0])
+                header["f"]["payload"] = ["ClockPayload", {"due_at": -5.0}]  # a wall clock before 1970
+                await a.sock.send_multipart([CTRL, msgpack.packb(header)])
+                await a.send(good)
+                with anyio.fail_after(5):
+                    while not b._queue:
+                        await anyio.sleep(0.005)
+                assert b.take() == good and b.take() is None  # the malformed one was not broadcast
+                assert hub.stats.bad == 1 and hub.stats.received == 1 and seen == [("a", good)]
+                assert "'a'" in hub.stats.last_error and "due_at must be a wall clock >= 0" in hub.stats.last_error
         transport.close()
 
     anyio.run(main)

@@ -71,7 +71,7 @@ from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.runtime.engine import check_engine_config, run_engine
 from charstream.pipeline.runtime.engine_link import EngineError, engine_call
 from charstream.stages.config import AGENT_PACES, IngestConfig
-from charstream.stages.playout.stage import UNDERRUN_CAUSES
+from charstream.stages.playout.stats import UNDERRUN_CAUSES
 from charstream.timeline import CHARACTERS
 from charstream.transport.supervisor import Supervisor, describe_exit
 

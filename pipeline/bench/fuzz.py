@@ -57,12 +57,14 @@ from charstream.transport.channel import BEAT, BYE, CREDIT, DATA, HELLO, SLOT, R
 from charstream.transport.codec import INT_MAX, INT_MIN, WIRE_VERSION, encode
 from charstream.transport.config import TransportConfig
 from charstream.transport.messages import (
+    CONTROL_PAYLOADS,
     MESSAGE_TYPES,
     AgentAudio,
     Conditioning,
     Control,
     ControlKind,
     Latents,
+    RollbackPayload,
     TraceContext,
     TurnEvent,
     TurnKind,
@@ -88,7 +90,8 @@ def example_messages() -> list[Any]:
         Conditioning("s", 3, rng.random((9, 32), dtype=np.float32), audio, True, epoch=2, trace=trace),
         Latents("s", 4, rng.random((16, 8, 8)).astype(np.float16), audio, False),
         VideoChunk("s", 5, rng.integers(0, 255, (4, 16, 16, 3), np.uint8), audio, True),
-        Control("s", 6, ControlKind.ROLLBACK, chunk=41, epoch=3, detail={"stage": "playout", "n": 2, "ok": True}),
+        Control("s", 6, ControlKind.ROLLBACK, chunk=41, epoch=3,
+                payload=RollbackPayload(ControlKind.TURN_START, onset_frame=2, dropped=3, kept=1, due_at=12.5)),
     ]
 
 
@@ -98,7 +101,10 @@ FIELD_NAMES = sorted({f for cls in MESSAGE_TYPES for f in cls.__dataclass_fields
 TYPE_NAMES = [c.__name__ for c in MESSAGE_TYPES] + ["Nope", 1, None]
 POOL = [None, True, False, 0, 1, -1, 2**63, 2**64 - 1, -(2**63), 1.5, float("nan"), float("inf"), "", "s",
         "user_speech_end", b"\x00", [], [1, 2], {}, {"a": 1.0}, {"turn_id": 3, "stamps": {"x": 1.0}},
-        {"stamps": {"x": "y"}}, "interrupt", "rollback", "\udcff", "x" * 300]
+        {"stamps": {"x": "y"}}, "interrupt", "rollback", "\udcff", "x" * 300,
+        # control payloads: valid, out of range, of another kind, unknown
+        ["ClockPayload", {"due_at": 1.5}], ["ClockPayload", {"due_at": -1.0}], ["ErrorPayload", {"stage": "", "error": ""}],
+        ["RollbackPayload", {"reason": "turn_start", "onset_frame": 4, "dropped": 0, "kept": 0}], ["Nope", {}]]
 DTYPES = ["<f4", "<i2", "|u1", ">f8", "<f2", "|b1", "|O", "<U4", "<c8", "x", 3, None]
 SHAPES = [[], [0], [1], [4], [2, 2], [-1], [2**62, 2**62], [0, 2**63], [0, 2**62, 2**62], [1.5], "4", None,
           [1] * 9, [True], [2**64 - 1]]
@@ -166,8 +172,8 @@ def well_typed(msg: Any) -> bool:
         elif isinstance(value, TraceContext):
             if not all(isinstance(k, str) and math.isfinite(v) for k, v in value.stamps.items()):
                 return False
-        elif name == "detail":
-            if not all(isinstance(k, str) and (not isinstance(v, float) or math.isfinite(v)) for k, v in value.items()):
+        elif name == "payload":
+            if type(value) is not CONTROL_PAYLOADS[msg.kind]:
                 return False
     return True
 

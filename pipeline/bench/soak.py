@@ -45,7 +45,7 @@ from charstream.pipeline import arguments
 from charstream.pipeline.bench.output import commit_id, emit_report, text_table
 from charstream.pipeline.config import PipelineConfig
 from charstream.stages.config import EgressConfig
-from charstream.stages.playout.stage import UNDERRUN_CAUSES
+from charstream.stages.playout.stats import UNDERRUN_CAUSES
 from charstream.stages.shared.memory import allocator_stats, release_free_memory
 from charstream.timeline import CHARACTERS
 

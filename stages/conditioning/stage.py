@@ -36,19 +36,22 @@ from charstream.stages.base import Stage, StageContext
 from charstream.stages.config import ConditioningConfig
 from charstream.stages.shared.worker import StageWorker
 from charstream.timeline import CHARACTERS, TIMELINE_RATE, Timeline
-
-if TYPE_CHECKING:
-    from charstream.model.families.base import ModelFamily
 from charstream.transport.messages import (
     AgentAudio,
+    ClockPayload,
     Conditioning,
     Control,
     ControlKind,
     Message,
+    RollbackPayload,
     TraceContext,
     TurnEvent,
     TurnKind,
+    TurnStartPayload,
 )
+
+if TYPE_CHECKING:
+    from charstream.model.families.base import ModelFamily
 
 # int16 48 kHz window [chunk start - context, chunk end + look-ahead) -> (n_audio_tokens, audio_dim) float32
 EncodeFn = Callable[[np.ndarray], np.ndarray]
@@ -143,13 +146,15 @@ class ConditioningStage(Stage):
             turn = self.turn
             # Speech that asked for this rollback, or is placed but not yet committed, starts at the
             # first uncommitted chunk, at the frame playout chose (the frames before it are silent).
+            rollback = msg.payload if isinstance(msg.payload, RollbackPayload) else None
+            onset_frame = rollback.onset_frame if rollback is not None else None
             if turn is not None and turn.turn_start_sent_at is not None and (
                     turn.placed_at is None or turn.placed_at >= start):
-                turn.placed_at = start + int(msg.detail.get("onset_frame") or 0) * self.timeline.samples_per_frame
-            placed_at = msg.detail.get("placed_at")  # a speech placement's: how long its control took to get here
-            ctx.log.info("conditioning_rollback", chunk=msg.chunk, epoch=msg.epoch, onset_frame=msg.detail.get("onset_frame"),
+                turn.placed_at = start + (onset_frame or 0) * self.timeline.samples_per_frame
+            placed_at = rollback.placed_at if rollback is not None else None  # a speech placement's: the control's hop
+            ctx.log.info("conditioning_rollback", chunk=msg.chunk, epoch=msg.epoch, onset_frame=onset_frame,
                          turn_id=turn.turn_id if turn else None,
-                         hop_ms=None if placed_at is None else round((time.time() - float(placed_at)) * 1e3, 1))
+                         hop_ms=None if placed_at is None else round((time.time() - placed_at) * 1e3, 1))
         elif msg.kind == ControlKind.CLOCK and msg.chunk is not None:
             self._anchor = (msg.chunk, _due(msg))
         elif msg.kind == ControlKind.INTERRUPT:
@@ -200,15 +205,15 @@ class ConditioningStage(Stage):
         if turn.length < self.timeline.samples_per_chunk + self.lookahead and not turn.ended:
             return
         turn.turn_start_sent_at = time.monotonic()
-        detail: dict[str, float | int | None] = {
+        payload = TurnStartPayload(
             # a rewind to an earlier chunk would reach past the ring's margin (inexact)
-            "earliest_chunk": None if self.rollback_frames is None else self.next_chunk - self.rollback_frames,
-            "last_emit_at": self._last_emit_at,  # the step may still be busy with that chunk
-            "encode_s": max(self._encode_s, default=0.0),  # the first speaking chunk is encoded once placed
-        }
-        ctx.log.info("turn start", turn_id=turn.turn_id, chunk=self.next_chunk, epoch=self.epoch, **detail)
+            earliest_chunk=None if self.rollback_frames is None else self.next_chunk - self.rollback_frames,
+            last_emit_at=self._last_emit_at,  # the step may still be busy with that chunk
+            encode_s=max(self._encode_s, default=0.0),  # the first speaking chunk is encoded once placed
+        )
+        ctx.log.info("turn start", turn_id=turn.turn_id, chunk=self.next_chunk, epoch=self.epoch, **vars(payload))
         await ctx.send_control(Control(ctx.session_id, 0, ControlKind.TURN_START, chunk=self.next_chunk,
-                                       epoch=self.epoch, detail=detail, trace=TraceContext(turn.turn_id)))
+                                       epoch=self.epoch, payload=payload, trace=TraceContext(turn.turn_id)))
 
     async def _on_turn_event(self, msg: TurnEvent, ctx: StageContext) -> None:
         turn_id = msg.turn_id
@@ -366,11 +371,12 @@ class ConditioningStage(Stage):
 
 
 def _due(msg: Control) -> float:
-    """Monotonic time at which the control's chunk is due at playout (its ``due_at`` wall clock; now
-    if it has none)."""
+    """Monotonic time at which the control's chunk is due at playout (its payload's ``due_at`` wall
+    clock; now if it has none)."""
     now = time.monotonic()
-    due_at = msg.detail.get("due_at")
-    return now if due_at is None else now + float(due_at) - time.time()
+    payload = msg.payload
+    due_at = payload.due_at if isinstance(payload, ClockPayload | RollbackPayload) else None
+    return now if due_at is None else now + due_at - time.time()
 
 
 def build(config: ConditioningConfig, preset: str, weights: str | None = "packaged", seed: int = 0,

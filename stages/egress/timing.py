@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from charstream.stages.playout.stage import FrameRecord, PlayoutOutput
+from charstream.stages.playout.output import FrameRecord, PlayoutOutput
 from charstream.timeline import VIDEO_FPS
 from charstream.transport.messages import TraceContext
 

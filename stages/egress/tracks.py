@@ -26,7 +26,7 @@ from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from av import AudioFrame, VideoFrame
 from av.video.reformatter import VideoReformatter
 
-from charstream.stages.playout.stage import PlayoutClosed, PlayoutOutput
+from charstream.stages.playout.output import PlayoutClosed, PlayoutOutput
 from charstream.timeline import SAMPLES_PER_FRAME, TIMELINE_RATE, VIDEO_FPS
 
 VIDEO_CLOCK_RATE = 90_000
