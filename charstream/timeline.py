@@ -50,13 +50,6 @@ class Timeline:
 
 CHARACTERS = Timeline(fps=24, frames_per_chunk=4)  # 2,000 samples per frame, 8,000 per chunk, 166.67 ms
 
-# The characters family's figures under their former names, for the code not yet reading a session's timeline.
-VIDEO_FPS = CHARACTERS.fps
-FRAMES_PER_CHUNK = CHARACTERS.frames_per_chunk
-SAMPLES_PER_FRAME = CHARACTERS.samples_per_frame
-SAMPLES_PER_CHUNK = CHARACTERS.samples_per_chunk
-CHUNK_SECONDS = CHARACTERS.chunk_seconds
-
 # The trace contract, in order (docs/ARCHITECTURE.md, Tracing).
 TRACE_POINTS = (
     "user_speech_end",

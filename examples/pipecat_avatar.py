@@ -41,7 +41,7 @@ from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.integrations.embedded import EmbeddedSession
 from charstream.pipeline.integrations.pipecat import CharstreamVideoService
 from charstream.stages.agents.tts import synthesize
-from charstream.timeline import TIMELINE_RATE, VIDEO_FPS
+from charstream.timeline import CHARACTERS, TIMELINE_RATE
 
 
 class EspeakTTS(FrameProcessor):
@@ -81,11 +81,11 @@ class Mp4Writer(FrameProcessor):
         if isinstance(frame, OutputImageRawFrame):
             width, height = frame.size
             if self.video is None:
-                self.video = self.container.add_stream("libx264", rate=VIDEO_FPS)
+                self.video = self.container.add_stream("libx264", rate=CHARACTERS.fps)
                 self.video.width, self.video.height, self.video.pix_fmt = width, height, "yuv420p"
             image = np.frombuffer(frame.image, np.uint8).reshape(height, width, 3)
             video_frame = av.VideoFrame.from_ndarray(image, format="rgb24")
-            video_frame.pts, video_frame.time_base = self.frames, Fraction(1, VIDEO_FPS)
+            video_frame.pts, video_frame.time_base = self.frames, Fraction(1, CHARACTERS.fps)
             self.container.mux(self.video.encode(video_frame))
             self.frames += 1
         elif isinstance(frame, OutputAudioRawFrame):
@@ -112,12 +112,12 @@ async def run(lines: list[str], out: str, voice: str, seconds_after: float) -> N
     await runner.add_workers(worker)
 
     async def speak() -> None:
-        while writer.frames < VIDEO_FPS:  # the session is up and rendering
+        while writer.frames < CHARACTERS.fps:  # the session is up and rendering
             await asyncio.sleep(0.1)
         expected = 0
         for line in lines:
             await worker.queue_frame(TextFrame(line))
-            expected += int(synthesize(line, voice).duration * VIDEO_FPS) - 2
+            expected += int(synthesize(line, voice).duration * CHARACTERS.fps) - 2
             for _ in range(300):  # until the line has been spoken (a slow CPU underruns), 30 s at most
                 if writer.spoken >= expected:
                     break
@@ -126,8 +126,8 @@ async def run(lines: list[str], out: str, voice: str, seconds_after: float) -> N
         await worker.queue_frame(EndFrame())
 
     await asyncio.gather(runner.run(), speak())
-    print(f"wrote {out}: {writer.frames} frames ({writer.frames / VIDEO_FPS:.1f} s), "
-          f"{writer.spoken / VIDEO_FPS:.1f} s of speech")
+    print(f"wrote {out}: {writer.frames} frames ({writer.frames / CHARACTERS.fps:.1f} s), "
+          f"{writer.spoken / CHARACTERS.fps:.1f} s of speech")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,6 +24,7 @@ from charstream.stages.config import (
     PlayoutConfig,
     TracingConfig,
 )
+from charstream.timeline import Timeline
 from charstream.transport.config import TransportConfig
 
 PROCESS_PLACEMENTS = ("inproc", "processes", "engine")  # PipelineConfig.placement
@@ -57,11 +58,19 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         if self.placement not in PROCESS_PLACEMENTS:  # anything else would run as "processes"
             raise ValueError(f"placement must be one of {', '.join(PROCESS_PLACEMENTS)}, got {self.placement!r}")
-        get_preset(self.preset)  # an unknown preset is refused now, not at a session's start
+        _ = self.timeline  # an unknown preset or model is refused now, not at a session's start
 
     @property
     def model(self) -> ModelConfig:
         return get_preset(self.preset)
+
+    @property
+    def timeline(self) -> Timeline:
+        """The media timeline of the session's model (``preset``: a characters preset or a model family's
+        name): every stage, the trace and egress read it, never a module constant."""
+        from charstream.model.families import get_family
+
+        return get_family(self.preset).timeline
 
     def apply_gil_switch_interval(self) -> None:
         """Set this process's GIL switch interval from ``gil_switch_interval_ms``: every process that runs

@@ -31,9 +31,8 @@ from charstream.pipeline.config import PipelineConfig
 from charstream.stages.config import AGENT_PACES
 from charstream.stages.shared.metrics import REGISTRY, serve_metrics
 from charstream.stages.shared.tracing import SEGMENTS, TurnRecord, intervals
-from charstream.timeline import SAMPLES_PER_FRAME, VIDEO_FPS
 
-QUIET_FRAMES = VIDEO_FPS // 2  # listening frames after the last reply before the demo ends
+QUIET_S = 0.5  # listening after the last reply before the demo ends
 CLIENT_GRACE_S = 5.0  # how long to wait for the client's last frame reports after that
 CLIENT_CATCH_UP_S = 15.0  # how long the client may take to receive the media up to the end
 
@@ -92,10 +91,10 @@ class ClientThread:
     Its own loop keeps each side's packets flowing; they still share the process and the GIL.
     """
 
-    def __init__(self, record_path: Path) -> None:
+    def __init__(self, record_path: Path, fps: int) -> None:
         from charstream.pipeline.web.client import EgressClient
 
-        self.client = EgressClient(record_path=record_path)
+        self.client = EgressClient(record_path=record_path, fps=fps)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="demo-client", daemon=True)
         self.thread.start()
@@ -174,15 +173,16 @@ def plan(args: argparse.Namespace) -> DemoPlan:
     config.egress.port = args.port if args.serve else 0
     # Client reports are matched to released frames by index: keep 10 s of them, so a client that
     # lags on a busy machine still gets its turns stamped.
-    config.playout.history_frames = 10 * VIDEO_FPS
+    config.playout.history_frames = 10 * config.timeline.fps
     return DemoPlan(config, script, weights, note, out)
 
 
 class Progress:
     """Turns as they happen: one line when the character starts answering, one with the latencies."""
 
-    def __init__(self, script: list[dict] | None, turns: int, session_id: str) -> None:
+    def __init__(self, script: list[dict] | None, turns: int, session_id: str, fps: int) -> None:
         self.script = script
+        self.frame_fps = fps  # the session's timeline
         self.session_id = session_id
         self.fps: list[float] = []  # playout's recent-fps gauge at every tick
         self.bar = tqdm(total=turns, unit="turn", desc="conversation", dynamic_ncols=True,
@@ -208,7 +208,7 @@ class Progress:
         fps = REGISTRY.get_sample_value("charstream_fps", {"session": self.session_id})
         self.fps.append(fps or 0.0)
         underruns = REGISTRY.get_sample_value("charstream_underruns_total", {"session": self.session_id})
-        self.bar.set_postfix_str(f"{frames / VIDEO_FPS:.1f} s played · {fps or 0:.1f} fps · "
+        self.bar.set_postfix_str(f"{frames / self.frame_fps:.1f} s played · {fps or 0:.1f} fps · "
                                  f"{int(underruns or 0)} underruns", refresh=True)
 
     def close(self) -> None:
@@ -224,6 +224,7 @@ async def watch_conversation(session, turns: int, progress: Progress) -> None:
     from charstream.stages.playout.output import PlayoutClosed
 
     output = session.output
+    fps = output.timeline.fps
     spoken: set[int] = set()
     index = quiet = 0
     quiet_since: float | None = None
@@ -235,9 +236,9 @@ async def watch_conversation(session, turns: int, progress: Progress) -> None:
                 progress.speaking(frame.trace.turn_id, len(spoken))  # turn ids also count unanswered utterances
                 spoken.add(frame.trace.turn_id)
             quiet = 0 if frame.speaking else quiet + 1
-            if index % VIDEO_FPS == 0:
+            if index % fps == 0:
                 progress.tick(index)
-            if len(spoken) >= turns and quiet >= QUIET_FRAMES:
+            if len(spoken) >= turns and quiet >= QUIET_S * fps:
                 # The last reply has played out; the client's reports of it may still be on their way.
                 quiet_since = quiet_since or time.monotonic()
                 if session.tracer.exported >= turns or time.monotonic() - quiet_since > CLIENT_GRACE_S:
@@ -246,7 +247,8 @@ async def watch_conversation(session, turns: int, progress: Progress) -> None:
         return
 
 
-async def wait_for_client(client, peer, end_index: int, timeout: float = CLIENT_CATCH_UP_S) -> None:
+async def wait_for_client(client, peer, end_index: int, samples_per_frame: int,
+                          timeout: float = CLIENT_CATCH_UP_S) -> None:
     """Until the client has received video and audio up to output frame ``end_index``: on a busy
     machine it lags, and session.mp4 must hold the whole conversation."""
     if peer is None or peer.video is None:
@@ -260,7 +262,7 @@ async def wait_for_client(client, peer, end_index: int, timeout: float = CLIENT_
         video = peer.video.frame_index(last_video.rtp) if last_video is not None else None
         audio_samples = client.audio_samples
         if first is not None and video is not None and video >= end_index \
-                and first + audio_samples // SAMPLES_PER_FRAME >= end_index:
+                and first + audio_samples // samples_per_frame >= end_index:
             return
         await asyncio.sleep(0.1)
     tqdm.write(f"charstream demo: the client had not caught up after {timeout:.0f} s; session.mp4 ends early")
@@ -301,16 +303,17 @@ async def run_demo(args: argparse.Namespace) -> int:
             await ready.wait()
         else:
             _, token = server.create_session()
-            client = ClientThread(out / "session.mp4")
+            client = ClientThread(out / "session.mp4", demo.config.timeline.fps)
             await client.connect(url, token)
         session = sessions[0]
-        progress = Progress(None if args.serve else demo.script, len(demo.script), session.session_id)
+        progress = Progress(None if args.serve else demo.script, len(demo.script), session.session_id,
+                            session.output.timeline.fps)
         session.tracer.on_turn = progress.turn
         try:
             await asyncio.wait_for(watch_conversation(session, len(demo.script), progress), timeout)
             if client is not None:
                 await wait_for_client(client.client, server.sessions.get(client.client.session_id),
-                                      session.output.next_index)
+                                      session.output.next_index, session.output.timeline.samples_per_frame)
         except TimeoutError:
             tqdm.write(f"charstream demo: gave up after {timeout:.0f} s")
     finally:
@@ -336,7 +339,7 @@ async def run_demo(args: argparse.Namespace) -> int:
     # model stages are processes of their own).
     stats = playout.stats
     fps = progress.fps[2:] if progress is not None else []  # one reading a second, past the first two (ramp)
-    print(f"charstream demo: {played} frames played ({played / VIDEO_FPS:.1f} s of media), {stats.underruns} underruns "
+    print(f"charstream demo: {played} frames played ({played / sessions[0].output.timeline.fps:.1f} s of media), {stats.underruns} underruns "
           f"({stats.underrun_frames} frames held), playout fps min {min(fps, default=0):.1f} / median "
           f"{statistics.median(fps) if fps else 0:.1f}; {stats.rollbacks} rollbacks: {stats.late_speech} with the "
           f"speech late, {stats.kept_chunks} chunks kept, {stats.rolled_back_chunks} dropped")

@@ -85,11 +85,12 @@ def build_graph(config: PipelineConfig, output: PlayoutOutput, tracer: TurnTrace
     conditioning, diffusion, decode = model_nodes(config, weights, batcher, decode_batcher)
     nodes = [
         Node("ingest", IngestStage, {"config": config.ingest, "user_audio": user_audio, "adapter": agent,
-                                     "tracer": tracer}),
+                                     "tracer": tracer, "timeline": output.timeline}),
         conditioning,
         diffusion,
         decode,
-        Node("playout", PlayoutStage, {"config": config.playout, "output": output, "tracer": tracer}),
+        Node("playout", PlayoutStage, {"config": config.playout, "output": output, "tracer": tracer,
+                                       "timeline": output.timeline}),
     ]
     edges = [
         Edge("ingest", "conditioning"),
@@ -108,9 +109,10 @@ def testcard_graph(config: PipelineConfig, output: PlayoutOutput, tracer: TurnTr
                    card: Node | None = None) -> Graph:
     """The test card's session: a ``CardSource`` (or ``card``, a node named "card" whose kwargs get
     ``user_audio``) in place of the model stages, then the same playout and egress nodes."""
-    card = card or Node("card", CardSource)
+    card = card or Node("card", CardSource, {"timeline": output.timeline})  # a given card brings its own
     card = Node("card", card.factory, {**card.kwargs, "user_audio": user_audio})
-    nodes = [card, Node("playout", PlayoutStage, {"config": config.playout, "output": output, "tracer": tracer})]
+    nodes = [card, Node("playout", PlayoutStage, {"config": config.playout, "output": output, "tracer": tracer,
+                                                  "timeline": output.timeline})]
     if link is not None:
         nodes.append(Node("egress", EgressStage, {"config": config.egress, "link": link}))
     return Graph(nodes, [Edge("card", "playout", capacity=2)])
@@ -133,7 +135,7 @@ class LiveSession:
         self.config = config
         self.session_id = session_id
         self.tracer = TurnTracer(session_id, config.tracing, on_turn=on_turn)
-        self.output = PlayoutOutput(config.playout.history_frames)
+        self.output = PlayoutOutput(config.playout.history_frames, timeline=config.timeline)  # the session's clock
         self.user_audio = UserAudioQueue(config.egress.user_audio_queue_frames)
         self.link = PeerLink() if peer else None
         self.push_adapter: PushAdapter | None = None

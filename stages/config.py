@@ -10,7 +10,6 @@ import os
 from dataclasses import dataclass, field
 
 from charstream.model.step.options import StepOptions
-from charstream.timeline import FRAMES_PER_CHUNK, VIDEO_FPS
 
 AGENT_PACES = ("realtime", "synthesized")  # IngestConfig.agent_pace
 
@@ -98,8 +97,9 @@ class PlayoutConfig:
     history_frames: int = 48  # released frames (pixels + audio) kept for egress readers that start late
     # What the speech placement allows beyond its estimate until a turn has been measured, then halved with
     # each measured turn while the allowance learned from the turns' errors takes over (stages/playout/speech_estimate.py):
-    # one chunk -- a session's first turn ran a chunk 58-155 ms behind its schedule (docs/PERF.md)
-    initial_allowance_s: float = FRAMES_PER_CHUNK / VIDEO_FPS
+    # one chunk -- a session's first turn ran a chunk 58-155 ms behind its schedule (docs/PERF.md);
+    # None: one chunk of the session's timeline
+    initial_allowance_s: float | None = None
 
 
 def check_port(port: int | None, name: str = "") -> None:

@@ -7,7 +7,7 @@ import numpy as np
 
 from charstream.model.config import get_preset
 from charstream.stages.base import Stage, StageContext
-from charstream.timeline import SAMPLES_PER_CHUNK
+from charstream.timeline import CHARACTERS
 from charstream.transport.messages import Control, ControlKind, Latents, Message, TraceContext, VideoChunk
 
 
@@ -19,7 +19,7 @@ def latents_for(chunk: int, epoch: int, preset: str = "tiny") -> np.ndarray:
 
 
 def audio_for(chunk: int) -> np.ndarray:
-    return np.full(SAMPLES_PER_CHUNK, chunk, np.int16)
+    return np.full(CHARACTERS.samples_per_chunk, chunk, np.int16)
 
 
 def latents_message(session_id: str, chunk: int, epoch: int, turn_id: int | None = None) -> Latents:

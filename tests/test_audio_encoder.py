@@ -8,7 +8,7 @@ import torch
 
 from charstream.model.audio_encoder import AudioEncoder, make_encode_fn, rms_envelope
 from charstream.model.config import CHARACTERS_57B, TINY
-from charstream.timeline import SAMPLES_PER_CHUNK, SAMPLES_PER_FRAME, TIMELINE_RATE
+from charstream.timeline import CHARACTERS, TIMELINE_RATE
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -31,7 +31,7 @@ def _speechlike(n: int, seed: int) -> np.ndarray:
 
 
 def test_streaming_windows_equal_whole_clip(encoder: AudioEncoder) -> None:
-    audio = _speechlike(6 * SAMPLES_PER_CHUNK + 3_217, seed=1)
+    audio = _speechlike(6 * CHARACTERS.samples_per_chunk + 3_217, seed=1)
     with torch.inference_mode():
         whole = encoder.encode_clip(audio)
     assert whole.shape == (7, TINY.n_audio_tokens, TINY.audio_dim)
@@ -97,7 +97,7 @@ def test_wrong_rate_and_bad_windows_fail_clearly(encoder: AudioEncoder) -> None:
     with pytest.raises(ValueError, match="48000 Hz timeline audio, got 16000 Hz"):
         encoder.encode_clip(window, sample_rate=16_000)
     with pytest.raises(ValueError, match=f"must hold {encoder.window_samples} samples"):
-        encoder.encode_window(window[:SAMPLES_PER_CHUNK])
+        encoder.encode_window(window[:CHARACTERS.samples_per_chunk])
     with pytest.raises(ValueError, match="int16 or float"):
         encoder.encode_window(window.astype(np.int32))
     with pytest.raises(ValueError, match="audio_rate 22050 Hz must divide 48000"):
@@ -126,9 +126,9 @@ def test_bf16_encoder_keeps_an_fp32_front_end(encoder: AudioEncoder) -> None:
 
 
 def test_rms_envelope_per_video_frame() -> None:
-    t = np.arange(3 * SAMPLES_PER_FRAME + 500) / TIMELINE_RATE
+    t = np.arange(3 * CHARACTERS.samples_per_frame + 500) / TIMELINE_RATE
     audio = (0.25 * 32768 * np.sin(2 * np.pi * 480 * t)).astype(np.int16)
-    audio[SAMPLES_PER_FRAME : 2 * SAMPLES_PER_FRAME] = 0
+    audio[CHARACTERS.samples_per_frame : 2 * CHARACTERS.samples_per_frame] = 0
     env = rms_envelope(audio)
     assert env.shape == (4,) and env.dtype == np.float32
     np.testing.assert_allclose(env[[0, 2]], 0.25 / np.sqrt(2), rtol=1e-3)

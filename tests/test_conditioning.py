@@ -12,7 +12,7 @@ from structlog.testing import capture_logs
 from charstream.stages.base import StageContext
 from charstream.stages.conditioning.stage import ConditioningStage, build
 from charstream.stages.config import ConditioningConfig
-from charstream.timeline import SAMPLES_PER_CHUNK, SAMPLES_PER_FRAME
+from charstream.timeline import CHARACTERS
 from charstream.transport.messages import (
     AgentAudio,
     ClockPayload,
@@ -110,8 +110,8 @@ async def test_listening_chunks_are_paced_a_few_chunks_ahead_of_real_time():
 
 @pytest.mark.anyio
 async def test_turn_start_rollback_places_speech_at_the_first_uncommitted_chunk():
-    speech = tone(int(2.3 * SAMPLES_PER_CHUNK))
-    first_ready = SAMPLES_PER_CHUNK + LOOKAHEAD  # audio the first speaking chunk needs
+    speech = tone(int(2.3 * CHARACTERS.samples_per_chunk))
+    first_ready = CHARACTERS.samples_per_chunk + LOOKAHEAD  # audio the first speaking chunk needs
     async with anyio.create_task_group() as tg:
         h = await started(stage(), tg)
         for expected in range(4):
@@ -140,13 +140,13 @@ async def test_turn_start_rollback_places_speech_at_the_first_uncommitted_chunk(
         chunks = [await h.next() for _ in range(5)]
         assert [c.chunk for c in chunks] == [3, 4, 5, 6, 7] and all(c.epoch == 1 for c in chunks)
         assert [c.speaking for c in chunks] == [True, True, True, False, False]
-        padded = np.zeros(3 * SAMPLES_PER_CHUNK, np.int16)
+        padded = np.zeros(3 * CHARACTERS.samples_per_chunk, np.int16)
         padded[:len(speech)] = speech
         assert np.array_equal(np.concatenate([c.audio for c in chunks[:3]]), padded)
         # Tokens are the encoding of the chunk's window: left context, its span, the look-ahead.
         timeline = np.concatenate([np.zeros(CONTEXT, np.int16), padded, np.zeros(LOOKAHEAD, np.int16)])
         for i, c in enumerate(chunks[:3]):
-            window = timeline[i * SAMPLES_PER_CHUNK:(i + 1) * SAMPLES_PER_CHUNK + CONTEXT + LOOKAHEAD]
+            window = timeline[i * CHARACTERS.samples_per_chunk:(i + 1) * CHARACTERS.samples_per_chunk + CONTEXT + LOOKAHEAD]
             assert np.allclose(c.audio_tokens, h.stage.encode(window), atol=1e-5)
         assert not np.allclose(chunks[1].audio_tokens, chunks[0].audio_tokens)
         # Only the first speaking chunk carries the turn's trace, in contract order.
@@ -160,8 +160,8 @@ async def test_turn_start_rollback_places_speech_at_the_first_uncommitted_chunk(
 
 @pytest.mark.anyio
 async def test_a_speaking_chunk_waits_for_its_span_and_look_ahead():
-    speech = tone(3 * SAMPLES_PER_CHUNK)
-    second_ready = 2 * SAMPLES_PER_CHUNK + LOOKAHEAD
+    speech = tone(3 * CHARACTERS.samples_per_chunk)
+    second_ready = 2 * CHARACTERS.samples_per_chunk + LOOKAHEAD
     async with anyio.create_task_group() as tg:
         h = await started(stage(stall_s=5.0), tg, capacity=8)
         await h.speech(1, speech[:second_ready - FRAME])
@@ -170,13 +170,13 @@ async def test_a_speaking_chunk_waits_for_its_span_and_look_ahead():
         while first.epoch != 1:
             first = await h.next()
         assert (first.chunk, first.speaking) == (0, True)
-        assert np.array_equal(first.audio, speech[:SAMPLES_PER_CHUNK])
+        assert np.array_equal(first.audio, speech[:CHARACTERS.samples_per_chunk])
         await anyio.sleep(0.1)  # 20 ms short of the second chunk's look-ahead: it must wait
         assert h.send.statistics().current_buffer_used == 0
         await h.speech(1, speech[second_ready - FRAME:second_ready], start=second_ready - FRAME)
         second = await h.next()
         assert (second.chunk, second.epoch, second.speaking) == (1, 1, True)
-        assert np.array_equal(second.audio, speech[SAMPLES_PER_CHUNK:2 * SAMPLES_PER_CHUNK])
+        assert np.array_equal(second.audio, speech[CHARACTERS.samples_per_chunk:2 * CHARACTERS.samples_per_chunk])
         tg.cancel_scope.cancel()
 
 
@@ -185,7 +185,7 @@ async def test_speech_starts_at_the_onset_frame_playout_chose_and_the_rewind_sta
     """The ROLLBACK's onset frame k: the first speaking chunk holds k silent frames, then the speech;
     its tokens encode exactly that window; the next chunks follow the speech without a gap. The turn
     start tells playout how far back a rewind is exact: rollback_frames (tiny: 4) behind the next chunk."""
-    speech = tone(3 * SAMPLES_PER_CHUNK)
+    speech = tone(3 * CHARACTERS.samples_per_chunk)
     onset = 3
     async with anyio.create_task_group() as tg:
         h = await started(stage(idle_lead_chunks=8), tg, capacity=64)
@@ -208,12 +208,12 @@ async def test_speech_starts_at_the_onset_frame_playout_chose_and_the_rewind_sta
             if c.epoch == 1:
                 chunks.append(c)
         assert [c.chunk for c in chunks] == [2, 3, 4, 5, 6] and [c.speaking for c in chunks] == [True] * 4 + [False]
-        lead = onset * SAMPLES_PER_FRAME
-        timeline = np.concatenate([np.zeros(lead, np.int16), speech, np.zeros(2 * SAMPLES_PER_CHUNK - lead, np.int16)])
+        lead = onset * CHARACTERS.samples_per_frame
+        timeline = np.concatenate([np.zeros(lead, np.int16), speech, np.zeros(2 * CHARACTERS.samples_per_chunk - lead, np.int16)])
         assert np.array_equal(np.concatenate([c.audio for c in chunks]), timeline)
         padded = np.concatenate([np.zeros(CONTEXT, np.int16), timeline, np.zeros(LOOKAHEAD, np.int16)])
         for i, c in enumerate(chunks[:4]):
-            window = padded[i * SAMPLES_PER_CHUNK:(i + 1) * SAMPLES_PER_CHUNK + CONTEXT + LOOKAHEAD]
+            window = padded[i * CHARACTERS.samples_per_chunk:(i + 1) * CHARACTERS.samples_per_chunk + CONTEXT + LOOKAHEAD]
             assert np.allclose(c.audio_tokens, h.stage.encode(window), atol=1e-5)
         assert "agent_first_audio" in chunks[0].trace.stamps and chunks[0].trace.turn_id == 2
         # Listening resumes paced from playout's clock: chunk 2 was due at due_at, so chunk 6 leaves
@@ -238,17 +238,17 @@ async def test_while_the_first_chunk_gathers_listening_goes_just_in_time():
         await h.speech(3, tone(FRAME))  # the turn's first 20 ms
         await anyio.sleep(0.4)  # with the idle lead, chunks 5 and 6 would have left (at 0.17 and 0.33 s)
         assert h.send.statistics().current_buffer_used == 5 and h.controls == []  # chunk 5 is due at 0.83 s: not yet
-        await h.speech(3, tone(SAMPLES_PER_CHUNK + LOOKAHEAD), start=FRAME)
+        await h.speech(3, tone(CHARACTERS.samples_per_chunk + LOOKAHEAD), start=FRAME)
         assert [c.kind for c in h.controls] == [ControlKind.TURN_START]
         tg.cancel_scope.cancel()
 
 
 @pytest.mark.anyio
 async def test_barge_in_returns_to_listening_at_the_next_chunk_and_drops_late_speech():
-    speech = tone(6 * SAMPLES_PER_CHUNK)
+    speech = tone(6 * CHARACTERS.samples_per_chunk)
     async with anyio.create_task_group() as tg:
         h = await started(stage(), tg)
-        await h.speech(2, speech[:4 * SAMPLES_PER_CHUNK])
+        await h.speech(2, speech[:4 * CHARACTERS.samples_per_chunk])
         await h.stage.control(Control("sess", 1, ControlKind.ROLLBACK, chunk=0, epoch=1), h.ctx)
         spoken = []
         while len(spoken) < 2:
@@ -258,7 +258,7 @@ async def test_barge_in_returns_to_listening_at_the_next_chunk_and_drops_late_sp
         assert [(c.chunk, c.speaking) for c in spoken] == [(1, True), (2, True)]
         # The user talks over the character: ingest interrupts, playout rolls back to the chunk on screen.
         await h.stage.process(TurnEvent("sess", 2, TurnKind.INTERRUPT, 2, at=time.time()), h.ctx)
-        await h.speech(2, speech[4 * SAMPLES_PER_CHUNK:], start=4 * SAMPLES_PER_CHUNK)  # arrives too late
+        await h.speech(2, speech[4 * CHARACTERS.samples_per_chunk:], start=4 * CHARACTERS.samples_per_chunk)  # arrives too late
         await h.stage.control(Control("sess", 2, ControlKind.ROLLBACK, chunk=1, epoch=2), h.ctx)
         after = []
         while len(after) < 4:
@@ -297,7 +297,7 @@ async def test_bad_input_is_logged_with_the_turn_and_listening_continues():
 
 @pytest.mark.anyio
 async def test_an_agent_that_stops_mid_turn_is_ended_and_no_rollback_answer_still_places_speech():
-    speech = tone(int(1.5 * SAMPLES_PER_CHUNK))
+    speech = tone(int(1.5 * CHARACTERS.samples_per_chunk))
     async with anyio.create_task_group() as tg:
         h = await started(stage(rollback_wait_s=0.1, stall_s=0.3), tg,
                           capacity=16)
@@ -314,8 +314,8 @@ async def test_an_agent_that_stops_mid_turn_is_ended_and_no_rollback_answer_stil
             after = await h.next()
         assert waited >= 0.3  # the partial second chunk waited for the stall window
         assert spoken[1].chunk == spoken[0].chunk + 1 and not after.speaking
-        assert np.array_equal(spoken[1].audio[:len(speech) - SAMPLES_PER_CHUNK], speech[SAMPLES_PER_CHUNK:])
-        assert not spoken[1].audio[len(speech) - SAMPLES_PER_CHUNK:].any()
+        assert np.array_equal(spoken[1].audio[:len(speech) - CHARACTERS.samples_per_chunk], speech[CHARACTERS.samples_per_chunk:])
+        assert not spoken[1].audio[len(speech) - CHARACTERS.samples_per_chunk:].any()
         events = [e["event"] for e in logs]
         assert any("no rollback answer" in e for e in events)
         assert any("stalled" in e.get("problem", "") and e["turn_id"] == 3 for e in logs)

@@ -7,7 +7,7 @@ import torch
 
 from charstream.stages.conditioning.stage import build
 from charstream.stages.config import ConditioningConfig
-from charstream.timeline import SAMPLES_PER_CHUNK
+from charstream.timeline import CHARACTERS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -17,7 +17,7 @@ def test_encoder_on_the_gpu_gives_the_cpus_tokens(preset, weights):
     cpu = build(ConditioningConfig(device="cpu"), preset, weights)
     gpu = build(ConditioningConfig(device="cuda:0"), preset, weights)
     rng = np.random.default_rng()
-    window = np.zeros(cpu.context + SAMPLES_PER_CHUNK + cpu.lookahead, np.int16)
+    window = np.zeros(cpu.context + CHARACTERS.samples_per_chunk + cpu.lookahead, np.int16)
     for _ in range(3):  # fresh speech-like windows: noise shaped by a slow envelope
         n = len(window)
         window = (rng.standard_normal(n) * 6000 * np.abs(np.sin(np.linspace(0, rng.uniform(2, 9), n)))).astype(np.int16)
@@ -34,7 +34,7 @@ def test_graphed_encode_equals_the_eager_encode_on_the_gpu(preset, weights):
     eager = build(ConditioningConfig(device="cuda:0", graphed=False), preset, weights)
     graphed = build(ConditioningConfig(device="cuda:0"), preset, weights)
     rng = np.random.default_rng()
-    n = eager.context + SAMPLES_PER_CHUNK + eager.lookahead
+    n = eager.context + CHARACTERS.samples_per_chunk + eager.lookahead
     outputs = []
     for _ in range(4):
         window = (rng.standard_normal(n) * rng.uniform(300, 9000)).astype(np.int16)

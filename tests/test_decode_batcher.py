@@ -29,7 +29,7 @@ from charstream.stages.decode.batcher import DecodeBatcher
 from charstream.stages.decode.stage import DecodeStage
 from charstream.stages.diffusion.batcher import StepBatcher
 from charstream.stages.shared.batcher import SessionBatcher
-from charstream.timeline import SAMPLES_PER_CHUNK
+from charstream.timeline import CHARACTERS
 from charstream.transport.messages import Control, ControlKind, Latents
 
 # -- the scheduler ------------------------------------------------------------------------------------
@@ -147,7 +147,7 @@ def test_the_window_lets_a_forward_go_without_a_silent_session():
 def _latents(name: str, chunk: int, epoch: int) -> Latents:
     rng = np.random.default_rng([ord(c) for c in name] + [chunk, epoch])
     z = rng.standard_normal((TINY.latent_channels, TINY.latent_height, TINY.latent_width)).astype(np.float32)
-    return Latents(name, chunk, z, np.zeros(SAMPLES_PER_CHUNK, np.int16), epoch > 0, epoch)
+    return Latents(name, chunk, z, np.zeros(CHARACTERS.samples_per_chunk, np.int16), epoch > 0, epoch)
 
 
 # ("l", chunk, epoch) latents reach the stage, ("r", last committed, epoch) a ROLLBACK. "b" rolls back to

@@ -12,7 +12,7 @@ from charstream.model.config import TINY
 from charstream.stages.base import StageContext
 from charstream.stages.config import DiffusionConfig
 from charstream.stages.diffusion.stage import DiffusionStage
-from charstream.timeline import SAMPLES_PER_CHUNK
+from charstream.timeline import CHARACTERS
 from charstream.transport.messages import Conditioning, Control, ControlKind, Latents
 
 
@@ -29,7 +29,7 @@ def _context(out: list) -> StageContext:
 def _conditioning(chunk: int, epoch: int, speech: bool) -> Conditioning:
     rng = np.random.default_rng([chunk, int(speech)])
     tokens = rng.standard_normal((TINY.n_audio_tokens, TINY.audio_dim)).astype(np.float32) * (1.0 if speech else 0.1)
-    return Conditioning("s1", chunk, tokens, np.zeros(SAMPLES_PER_CHUNK, np.int16), speech, epoch)
+    return Conditioning("s1", chunk, tokens, np.zeros(CHARACTERS.samples_per_chunk, np.int16), speech, epoch)
 
 
 async def _session(idle_chunks: int, rollback_to: int | None, device: str = "cpu") -> tuple[DiffusionStage, list[Latents]]:

@@ -19,7 +19,7 @@ from charstream.pipeline.web.server import EgressServer
 from charstream.stages.base import Stage
 from charstream.stages.config import EgressConfig, PlayoutConfig
 from charstream.stages.egress.testcard import CLICK_AMPLITUDE, CardSource, card_chunk, frame_image
-from charstream.timeline import CHUNK_SECONDS, FRAMES_PER_CHUNK, TIMELINE_RATE
+from charstream.timeline import CHARACTERS, TIMELINE_RATE
 
 FLASH_EVERY = 12  # chunks: one flash + click every 2 s
 STALL_AFTER, STALL_S = 30, 0.263
@@ -50,7 +50,7 @@ class StagedCard(Stage):
             if n == STALL_AFTER:
                 start += STALL_S
             n += 1
-            delay = start + n * CHUNK_SECONDS - time.monotonic()
+            delay = start + n * CHARACTERS.chunk_seconds - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
 
@@ -103,7 +103,7 @@ def test_the_client_sees_the_colours_that_were_sent(ten_seconds):
     moving bar and digits match the card's own frame at the index the RTP timestamp names."""
     errors = []
     for received, index in zip(ten_seconds["video"], ten_seconds["indices"], strict=True):
-        chunk, i = divmod(index, FRAMES_PER_CHUNK)
+        chunk, i = divmod(index, CHARACTERS.frames_per_chunk)
         sent = frame_image(index, 128, 128, flash=chunk % FLASH_EVERY == 0 and i == 0, speaking=chunk >= TURN_CHUNK)
         errors.append(np.abs(received.image.astype(int) - sent.astype(int)).mean())
     assert len(errors) > 200 and np.median(errors) < 6, np.percentile(errors, [50, 90, 99])

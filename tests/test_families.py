@@ -18,7 +18,7 @@ def test_presets_are_the_characters_family():
     report = tiny.inspect(weights)
     assert report.ok and report.params == tiny.parameter_count() > 0
     assert report.ignored  # the VAE and audio encoder stored beside the DiT
-    with pytest.raises(ValueError, match="unknown model 'nano'"):
+    with pytest.raises(ValueError, match="unknown model preset 'nano'"):
         get_family("nano")
 
 

@@ -14,7 +14,7 @@ from charstream.stages.agents.scripted import ScriptedAgent, ScriptLine
 from charstream.stages.config import IngestConfig
 from charstream.stages.ingest.adapters import create_adapter
 from charstream.stages.ingest.stage import IngestStage
-from charstream.timeline import SAMPLES_PER_CHUNK, TIMELINE_RATE
+from charstream.timeline import CHARACTERS, TIMELINE_RATE
 from charstream.transport.messages import ControlKind, TurnKind
 
 THINK_S = 0.25
@@ -114,9 +114,9 @@ def test_barge_in_stops_the_character_within_one_chunk(conversation):
     interrupted = rec.audio(1)
     speech_end = interrupted[-1].start_sample + len(interrupted[-1].samples)
     assert interrupted[0].start_sample < detected_sample  # the character was speaking
-    assert speech_end - detected_sample <= SAMPLES_PER_CHUNK  # ... and stopped within one chunk
+    assert speech_end - detected_sample <= CHARACTERS.samples_per_chunk  # ... and stopped within one chunk
     # downstream drops from a chunk boundary no later than one chunk after the interrupt
-    assert 0 <= control.chunk * SAMPLES_PER_CHUNK - control.payload.at_sample < SAMPLES_PER_CHUNK
+    assert 0 <= control.chunk * CHARACTERS.samples_per_chunk - control.payload.at_sample < CHARACTERS.samples_per_chunk
     # the adapter was told, and its reply was cut short
     assert 0 in agent._interrupted
     reply = agent._lines[0].agent
@@ -156,7 +156,7 @@ def test_synthesized_pace_pushes_the_reply_ahead_as_far_as_ingest_takes_it():
     reply = agent._lines[0].agent
     assert abs(sum(len(a.samples) for a in audio) - reply.duration * TIMELINE_RATE) <= 1
     # The first chunk and its look-ahead (9,920 samples) come with the first frame, not 207 ms later.
-    assert len(audio[0].samples) >= SAMPLES_PER_CHUNK + 1920
+    assert len(audio[0].samples) >= CHARACTERS.samples_per_chunk + 1920
     # Each frame starts at most max_ahead_s ahead of the media clock (ingest's bound), most of them about that far.
     ahead = [a.start_sample / TIMELINE_RATE - (t - stage.media_t0) for t, a in zip(sent_at, audio, strict=True)]
     assert max(ahead) <= config.max_ahead_s + 0.01 and np.median(ahead) >= config.max_ahead_s - 0.08, ahead

@@ -30,10 +30,10 @@ from charstream.pipeline.integrations.embedded import EmbeddedSession  # noqa: E
 from charstream.pipeline.integrations.livekit import CharstreamVideoGenerator, serve_avatar  # noqa: E402
 from charstream.stages.agents.tts import synthesize  # noqa: E402
 from charstream.stages.ingest.resample import resample, to_int16  # noqa: E402
-from charstream.timeline import VIDEO_FPS  # noqa: E402
+from charstream.timeline import CHARACTERS  # noqa: E402
 
 RATE = 24_000  # what LiveKit TTS plugins commonly produce
-FRAME_S = 1 / VIDEO_FPS
+FRAME_S = 1 / CHARACTERS.fps
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "livekit_avatar.py"
 
 
@@ -112,12 +112,12 @@ def livekit_run():
         room = StandInRoom()
         runner = AvatarRunner(room, audio_recv=agent_audio, video_gen=generator,
                               options=AvatarOptions(video_width=model.width, video_height=model.height,
-                                                    video_fps=VIDEO_FPS, audio_sample_rate=48_000, audio_channels=1))
+                                                    video_fps=CHARACTERS.fps, audio_sample_rate=48_000, audio_channels=1))
         await session.start()
         await runner.start()
         out = generator.out
         try:
-            await until(lambda: len(out) >= 2 * VIDEO_FPS, 120)  # two seconds of listening frames
+            await until(lambda: len(out) >= 2 * CHARACTERS.fps, 120)  # two seconds of listening frames
             marks["idle"] = len(out)
             first, marks["first_s"] = _frames("Hello from a LiveKit agent.")
             for frame in first:  # the agent's TTS: faster than real time
@@ -133,7 +133,7 @@ def livekit_run():
                     await agent_audio.capture_frame(frame)
 
             speaking = asyncio.create_task(speak())
-            await until(lambda: len(_audio(out[marks["second_start"]:])) >= VIDEO_FPS, 60)  # a second heard
+            await until(lambda: len(_audio(out[marks["second_start"]:])) >= CHARACTERS.fps, 60)  # a second heard
             speaking.cancel()  # the agent stops its TTS and clears the avatar's buffer (user interrupted)
             await asyncio.gather(speaking, return_exceptions=True)
             marks["clear"] = len(out)
@@ -155,7 +155,7 @@ def test_frames_are_video_always_audio_only_while_speaking(livekit_run):
     _, marks = livekit_run
     out = marks["out"]
     videos = [f for _, f in out if isinstance(f, rtc.VideoFrame)]
-    assert len(videos) > VIDEO_FPS * 4 and len({(v.width, v.height) for v in videos}) == 1
+    assert len(videos) > CHARACTERS.fps * 4 and len({(v.width, v.height) for v in videos}) == 1
     assert all(v.type == rtc.VideoBufferType.RGB24 for v in videos)
     audios = [f for _, f in out if isinstance(f, rtc.AudioFrame)]
     assert all(a.sample_rate == 48_000 and a.samples_per_channel == 2_000 and a.num_channels == 1 for a in audios)

@@ -17,7 +17,7 @@ from charstream.stages.config import ConditioningConfig, DecodeConfig
 from charstream.stages.decode.stage import DecodeStage
 from charstream.stages.diffusion.stage import chunk_seed, reference_latent
 from charstream.stages.ingest.resample import resample, to_int16
-from charstream.timeline import SAMPLES_PER_CHUNK, SAMPLES_PER_FRAME, TIMELINE_RATE
+from charstream.timeline import CHARACTERS, TIMELINE_RATE
 
 SPEECH_AT, SPEECH_CHUNKS = 4, 12  # listening chunks, then the speech's
 
@@ -39,10 +39,10 @@ def session(parts, onset: int) -> tuple[np.ndarray, np.ndarray]:
     path, conditioning, decode, reference, speech = parts
     generator = Generator(get_preset("tiny"), path, "cpu", None, torch.float32, False)
     generator.reset_session(reference)
-    placed = SPEECH_AT * SAMPLES_PER_CHUNK + onset * SAMPLES_PER_FRAME
-    timeline = np.zeros((SPEECH_AT + SPEECH_CHUNKS) * SAMPLES_PER_CHUNK, np.int16)
+    placed = SPEECH_AT * CHARACTERS.samples_per_chunk + onset * CHARACTERS.samples_per_frame
+    timeline = np.zeros((SPEECH_AT + SPEECH_CHUNKS) * CHARACTERS.samples_per_chunk, np.int16)
     timeline[placed:placed + len(speech)] = speech[:len(timeline) - placed]
-    context, span = conditioning.context, SAMPLES_PER_CHUNK + conditioning.lookahead
+    context, span = conditioning.context, CHARACTERS.samples_per_chunk + conditioning.lookahead
     padded = np.concatenate([np.zeros(context, np.int16), timeline, np.zeros(span, np.int16)])
     frames, states = [], {-1: None}
 
@@ -58,7 +58,7 @@ def session(parts, onset: int) -> tuple[np.ndarray, np.ndarray]:
         listening = frames.pop()
         assert generator.rollback(1) == 0  # the turn start's rewind: exact
         for chunk in range(SPEECH_AT, SPEECH_AT + SPEECH_CHUNKS):
-            step(chunk, padded[chunk * SAMPLES_PER_CHUNK:chunk * SAMPLES_PER_CHUNK + context + span])
+            step(chunk, padded[chunk * CHARACTERS.samples_per_chunk:chunk * CHARACTERS.samples_per_chunk + context + span])
     frames[SPEECH_AT][:onset] = listening[:onset]  # what playout shows before the onset
     return np.concatenate(frames), timeline
 

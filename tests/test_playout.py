@@ -13,7 +13,7 @@ from charstream.stages.config import PlayoutConfig
 from charstream.stages.egress.testcard import card_chunk
 from charstream.stages.playout.output import PlayoutOutput
 from charstream.stages.playout.stage import PlayoutStage
-from charstream.timeline import CHUNK_SECONDS, SAMPLES_PER_FRAME
+from charstream.timeline import CHARACTERS
 from charstream.transport.messages import Control, ControlKind, TraceContext, TurnStartPayload, VideoChunk
 
 SIZE = 32
@@ -31,7 +31,7 @@ def realtime_source(chunks: int, stall_after: int | None = None, stall_s: float 
                                                  turn_id=1 if speaking else None), ctx)
             if n == stall_after:
                 start += stall_s
-            delay = start + (n + 1) * CHUNK_SECONDS - time.monotonic()
+            delay = start + (n + 1) * CHARACTERS.chunk_seconds - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
 
@@ -63,7 +63,7 @@ def test_frames_leave_on_the_clock_with_exactly_their_audio():
     for f in frames:  # each frame is its chunk's frame, with exactly its 2,000 samples
         expected = card_chunk("clock", f.chunk, SIZE, SIZE)
         assert np.array_equal(f.image, expected.frames[f.frame_in_chunk])
-        span = expected.audio[f.frame_in_chunk * SAMPLES_PER_FRAME:(f.frame_in_chunk + 1) * SAMPLES_PER_FRAME]
+        span = expected.audio[f.frame_in_chunk * CHARACTERS.samples_per_frame:(f.frame_in_chunk + 1) * CHARACTERS.samples_per_frame]
         assert np.array_equal(f.audio, span)
     assert [f.chunk for f in frames[::4]] == list(range(24))
     assert stats.underruns == 0 and stats.fresh_frames >= 96
@@ -208,8 +208,8 @@ def speech_chunk(n: int, onset: int, turn_id: int = 5) -> VideoChunk:
     """A chunk of the placed speech: its audio silent before the onset frame, as conditioning builds it."""
     chunk = card_chunk("turn", n, SIZE, SIZE, speaking=True, epoch=1, turn_id=turn_id)
     chunk.audio = chunk.audio.copy()
-    chunk.audio[:onset * SAMPLES_PER_FRAME] = 0
-    chunk.audio[onset * SAMPLES_PER_FRAME:] = 1000 + n
+    chunk.audio[:onset * CHARACTERS.samples_per_frame] = 0
+    chunk.audio[onset * CHARACTERS.samples_per_frame:] = 1000 + n
     return chunk
 
 
@@ -226,7 +226,7 @@ def test_turn_start_keeps_what_plays_before_the_speech_and_places_it_at_a_frame_
         playout, ctx = session.playout, session.ctx
         start, n = time.monotonic(), 0
         while not (rollbacks := [c for c in session.controls if c.kind == ControlKind.ROLLBACK]):
-            if time.monotonic() >= start + (n - 2) * CHUNK_SECONDS:  # listening, 3 chunks ahead (the idle lead)
+            if time.monotonic() >= start + (n - 2) * CHARACTERS.chunk_seconds:  # listening, 3 chunks ahead (the idle lead)
                 await playout.process(stamped(card_chunk(ctx.session_id, n, SIZE, SIZE), latency_s, step_s), ctx)
                 n += 1
             await asyncio.sleep(0.001)

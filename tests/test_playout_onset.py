@@ -12,11 +12,11 @@ import pytest
 
 from charstream.stages.playout.onset import Onset, Playhead, place_speech
 from charstream.stages.playout.speech_estimate import Estimate
-from charstream.timeline import VIDEO_FPS
+from charstream.timeline import CHARACTERS
 from charstream.transport.messages import TurnStartPayload
 
 NEXT_INDEX = 100
-NOW = NEXT_INDEX / VIDEO_FPS  # the next frame's deadline (t0 = 0)
+NOW = NEXT_INDEX / CHARACTERS.fps  # the next frame's deadline (t0 = 0)
 CASES = {
     # name: (ready, step, encode, on screen, position, buffered, earliest) -> (kept, chunk, onset)
     "within the chunk on screen": ((2, 0.5, 0, 25, 0, 3, None), (0, 25, 2)),
@@ -38,9 +38,9 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_place_speech(case):
     (ready, step, encode, on_screen, position, buffered, earliest), expected = CASES[case]
-    ready_s, step_s = (ready - 0.5) / VIDEO_FPS, step / VIDEO_FPS
+    ready_s, step_s = (ready - 0.5) / CHARACTERS.fps, step / CHARACTERS.fps
     estimate = Estimate(starts_s=ready_s - step_s, step_s=step_s, delivery_s=0.0, allowance_s=0.0)
     playhead = Playhead(t0=0.0, next_index=NEXT_INDEX, on_screen=on_screen, position=position, next_chunk=26,
                         buffered=buffered)
-    turn_start = TurnStartPayload(earliest_chunk=earliest, last_emit_at=None, encode_s=encode / VIDEO_FPS)
+    turn_start = TurnStartPayload(earliest_chunk=earliest, last_emit_at=None, encode_s=encode / CHARACTERS.fps)
     assert place_speech(estimate, turn_start, playhead, NOW) == Onset(*expected, estimate)

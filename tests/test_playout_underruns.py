@@ -14,7 +14,7 @@ from charstream.stages.config import PlayoutConfig
 from charstream.stages.egress.testcard import card_chunk
 from charstream.stages.playout.stage import PlayoutStage
 from charstream.stages.playout.stats import UNDERRUN_CAUSES
-from charstream.timeline import CHUNK_SECONDS
+from charstream.timeline import CHARACTERS
 from charstream.transport.messages import Control, ControlKind, TraceContext, TurnStartPayload
 
 
@@ -51,7 +51,7 @@ def test_speech_late_at_its_turn_start_is_an_onset_underrun(placed):
         playout, ctx = session.playout, session.ctx
         start, n = time.monotonic(), 0
         while not (rollbacks := [c for c in session.controls if c.kind == ControlKind.ROLLBACK]):
-            if time.monotonic() >= start + (n - 2) * CHUNK_SECONDS:  # listening, 3 chunks ahead
+            if time.monotonic() >= start + (n - 2) * CHARACTERS.chunk_seconds:  # listening, 3 chunks ahead
                 await playout.process(stamped(card_chunk(ctx.session_id, n, SIZE, SIZE), 0.05, 0.02), ctx)
                 n += 1
             await asyncio.sleep(0.001)
@@ -103,8 +103,8 @@ def test_a_first_turn_later_than_its_estimate_raises_the_next_turns_allowance_on
                                                              turn_id=10 + seen), 0.05, 0.02), ctx)
                     n += 1
                 seen += 1
-                start = time.monotonic() - (n - 2) * CHUNK_SECONDS
-            if time.monotonic() >= start + (n - 2) * CHUNK_SECONDS:  # listening, 3 chunks ahead
+                start = time.monotonic() - (n - 2) * CHARACTERS.chunk_seconds
+            if time.monotonic() >= start + (n - 2) * CHARACTERS.chunk_seconds:  # listening, 3 chunks ahead
                 await playout.process(stamped(card_chunk(ctx.session_id, n, SIZE, SIZE, epoch=epoch), 0.05, 0.02), ctx)
                 n += 1
             await asyncio.sleep(0.001)

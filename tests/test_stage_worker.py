@@ -19,7 +19,7 @@ from charstream.stages.config import ConditioningConfig, DecodeConfig, Diffusion
 from charstream.stages.decode.stage import DecodeStage
 from charstream.stages.diffusion.stage import DiffusionStage
 from charstream.stages.shared.worker import StageWorker
-from charstream.timeline import SAMPLES_PER_CHUNK
+from charstream.timeline import CHARACTERS
 from charstream.transport.messages import Conditioning, Control, ControlKind
 
 
@@ -198,7 +198,7 @@ def test_each_model_stage_keeps_its_work_on_one_thread_of_its_own_and_teardown_e
 
     def conditioning(chunk: int, epoch: int) -> Conditioning:
         audio = np.random.default_rng(chunk).standard_normal((TINY.n_audio_tokens, TINY.audio_dim)).astype(np.float32)
-        return Conditioning("s1", chunk, audio, np.zeros(SAMPLES_PER_CHUNK, np.int16), False, epoch)
+        return Conditioning("s1", chunk, audio, np.zeros(CHARACTERS.samples_per_chunk, np.int16), False, epoch)
 
     async def diffuse(stage: DiffusionStage) -> None:
         ctx = _context("diffusion")

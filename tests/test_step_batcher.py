@@ -24,14 +24,14 @@ from charstream.model.config import TINY
 from charstream.stages.config import DiffusionConfig
 from charstream.stages.diffusion.batcher import StepBatcher
 from charstream.stages.diffusion.stage import DiffusionStage
-from charstream.timeline import SAMPLES_PER_CHUNK
+from charstream.timeline import CHARACTERS
 from charstream.transport.messages import Conditioning, Control, ControlKind
 
 
 def _conditioning(name: str, chunk: int, epoch: int) -> Conditioning:
     rng = np.random.default_rng([ord(c) for c in name] + [chunk, epoch])
     tokens = rng.standard_normal((TINY.n_audio_tokens, TINY.audio_dim)).astype(np.float32)
-    return Conditioning(name, chunk, tokens, np.zeros(SAMPLES_PER_CHUNK, np.int16), epoch > 0, epoch)
+    return Conditioning(name, chunk, tokens, np.zeros(CHARACTERS.samples_per_chunk, np.int16), epoch > 0, epoch)
 
 
 # Per session: its seed, identity, and what reaches its stage: ("c", chunk, epoch) conditioning,

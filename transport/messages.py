@@ -3,7 +3,8 @@
 Every message carries the session id, a chunk index or sequence number, and a trace context.
 Arrays are numpy (tensors are converted at the stage boundary); the codec sends them as raw
 multipart frames. Audio on the media timeline is 48 kHz mono int16; chunk ``n`` covers media
-time ``[n * CHUNK_SECONDS, (n + 1) * CHUNK_SECONDS)``.
+time ``[n * chunk_seconds, (n + 1) * chunk_seconds)`` of the session's ``Timeline``; the sizes below
+(frames and samples per chunk) are the session's, checked by the stages that know it.
 
 The ``Control`` kinds ``TURN_START``, ``ROLLBACK`` and ``CLOCK`` and the data messages' ``epoch``
 carry the turn-start rollback: docs/ARCHITECTURE.md, Turn-start rollback.
@@ -17,7 +18,7 @@ from enum import StrEnum
 
 import numpy as np
 
-from charstream.timeline import FRAMES_PER_CHUNK, TIMELINE_RATE
+from charstream.timeline import CHARACTERS, TIMELINE_RATE
 
 
 @dataclass
@@ -72,7 +73,7 @@ class Conditioning:
     session_id: str
     chunk: int
     audio_tokens: np.ndarray  # float32, (n_audio_tokens, audio_dim)
-    audio: np.ndarray  # int16, (SAMPLES_PER_CHUNK,) — the chunk's own span, carried to playout
+    audio: np.ndarray  # int16, (timeline.samples_per_chunk,) — the chunk's own span, carried to playout
     speaking: bool
     epoch: int = 0  # bumped by each rollback; data of an older epoch is stale
     trace: TraceContext = field(default_factory=TraceContext)
@@ -83,7 +84,7 @@ class Latents:
     session_id: str
     chunk: int
     latents: np.ndarray  # float32 or float16, (C, h, w): one latent frame
-    audio: np.ndarray  # int16, (SAMPLES_PER_CHUNK,)
+    audio: np.ndarray  # int16, (timeline.samples_per_chunk,)
     speaking: bool
     epoch: int = 0  # bumped by each rollback; data of an older epoch is stale
     trace: TraceContext = field(default_factory=TraceContext)
@@ -93,8 +94,8 @@ class Latents:
 class VideoChunk:
     session_id: str
     chunk: int
-    frames: np.ndarray  # uint8, (FRAMES_PER_CHUNK, H, W, 3) RGB
-    audio: np.ndarray  # int16, (SAMPLES_PER_CHUNK,)
+    frames: np.ndarray  # uint8, (timeline.frames_per_chunk, H, W, 3) RGB
+    audio: np.ndarray  # int16, (timeline.samples_per_chunk,)
     speaking: bool
     epoch: int = 0  # bumped by each rollback; data of an older epoch is stale
     trace: TraceContext = field(default_factory=TraceContext)
@@ -142,8 +143,10 @@ class RollbackPayload:
     def __post_init__(self) -> None:
         _require(self.reason in (ControlKind.TURN_START, ControlKind.INTERRUPT),
                  f"reason must be turn_start or interrupt, got {self.reason}")
-        _require(0 <= self.onset_frame < FRAMES_PER_CHUNK,
-                 f"onset_frame must be in [0, {FRAMES_PER_CHUNK}), got {self.onset_frame}")
+        # a speech onset inside a chunk is placed for the characters family's 4-frame chunks; families
+        # generating whole chunks (chunk_motion) roll back at chunk boundaries: onset 0
+        _require(0 <= self.onset_frame < CHARACTERS.frames_per_chunk,
+                 f"onset_frame must be in [0, {CHARACTERS.frames_per_chunk}), got {self.onset_frame}")
         _require(self.dropped >= 0 and self.kept >= 0, f"dropped and kept must be >= 0, got {self.dropped}, {self.kept}")
         for name in ("placed_at", "due_at"):
             value = getattr(self, name)

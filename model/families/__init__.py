@@ -21,7 +21,7 @@ def get_family(name: str, **options: Any) -> ModelFamily:
 
         return CharactersFamily(name, **options)
     if name not in FLASHHEAD_NAMES:
-        raise ValueError(f"unknown model {name!r} (known: {', '.join(FAMILY_NAMES)})")
+        raise ValueError(f"unknown model preset {name!r} (known: {', '.join(FAMILY_NAMES)})")
     # its modules (and torch work at import) load only when a FlashHead family is asked for
     from charstream.model.families.flashhead.family import FlashHeadFamily
 

@@ -26,6 +26,7 @@ from charstream.stages.ingest.adapters import PUSH_ADAPTERS
 from charstream.stages.ingest.push import PushAdapter
 from charstream.stages.playout.output import PlayoutClosed, ReleasedFrame
 from charstream.stages.shared.metrics import serve_metrics
+from charstream.timeline import Timeline
 
 
 class EmbeddedSession:
@@ -38,6 +39,7 @@ class EmbeddedSession:
         self.session_id = session_id
         self.live: Any = LiveSession(config, session_id, weights, peer=False)
         self.adapter: PushAdapter = self.live.push_adapter
+        self.timeline: Timeline = self.live.output.timeline  # the session's: what ``frames()`` runs on
 
     async def start(self, timeout_s: float = 120.0) -> None:
         """Start the session; returns once every stage is set up (raises if the session failed).

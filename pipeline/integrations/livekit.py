@@ -57,7 +57,7 @@ from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.integrations.embedded import EmbeddedSession
 from charstream.stages.ingest.adapters import AgentAudioFrame, AgentTurnEnd, AgentTurnStart
 from charstream.stages.playout.output import ReleasedFrame
-from charstream.timeline import TIMELINE_RATE, VIDEO_FPS
+from charstream.timeline import TIMELINE_RATE
 from charstream.transport.messages import TurnKind
 
 CLEAR_WAIT_S = 1.0  # at most this long for the runner to count a frame in flight (it pushes at 24 fps)
@@ -148,7 +148,7 @@ class CharstreamVideoGenerator(VideoGenerator):
             yield rtc.VideoFrame(width, height, rtc.VideoBufferType.RGB24, released.image.tobytes())
             self.frames_out += 1
             if self._plays_speech(released):
-                self._playing.played_s += 1 / VIDEO_FPS
+                self._playing.played_s += self._session.timeline.frame_seconds
                 self._counted.clear()
                 yield rtc.AudioFrame(released.audio.tobytes(), TIMELINE_RATE, 1, len(released.audio))
                 self._counted.set()  # asked for the next item: the runner has counted this one
@@ -214,7 +214,7 @@ async def serve_avatar(room: rtc.Room, audio_recv: AudioReceiver, config: Pipeli
         model = get_preset(config.preset)
         runner = AvatarRunner(
             room, audio_recv=audio_recv, video_gen=CharstreamVideoGenerator(session),
-            options=AvatarOptions(video_width=model.width, video_height=model.height, video_fps=VIDEO_FPS,
+            options=AvatarOptions(video_width=model.width, video_height=model.height, video_fps=session.timeline.fps,
                                   audio_sample_rate=TIMELINE_RATE, audio_channels=1),
         )
         await runner.start()

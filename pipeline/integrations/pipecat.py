@@ -52,7 +52,7 @@ from pipecat.services.settings import ServiceSettings
 
 from charstream.pipeline.integrations.embedded import EmbeddedSession
 from charstream.stages.ingest.adapters import AgentAudioFrame, AgentTurnEnd, AgentTurnStart
-from charstream.timeline import TIMELINE_RATE, VIDEO_FPS
+from charstream.timeline import TIMELINE_RATE
 from charstream.transport.messages import TurnKind
 
 
@@ -154,9 +154,10 @@ class CharstreamVideoService(AIService):
         await self.push_frame(CancelWorkerFrame(reason=problem), FrameDirection.UPSTREAM)
 
     async def _push_released(self, released) -> None:
+        fps = self._session.timeline.fps
         if self._pts0 is None:
-            self._pts0 = self.get_clock().get_time() - released.index * 1_000_000_000 // VIDEO_FPS
-        pts = self._pts0 + released.index * 1_000_000_000 // VIDEO_FPS
+            self._pts0 = self.get_clock().get_time() - released.index * 1_000_000_000 // fps
+        pts = self._pts0 + released.index * 1_000_000_000 // fps
         height, width = released.image.shape[:2]
         image = OutputImageRawFrame(image=released.image.tobytes(), size=(width, height), format="RGB")
         image.sync_with_audio = True

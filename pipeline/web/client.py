@@ -39,7 +39,7 @@ from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from aiortc.rtp import RtcpSrPacket
 
 from charstream.stages.egress.timing import FRAMES_PER_REPORT
-from charstream.timeline import TIMELINE_RATE, VIDEO_FPS
+from charstream.timeline import CHARACTERS, TIMELINE_RATE
 
 log = structlog.get_logger("egress.client")
 KEPT_S = 60.0  # seconds of received media kept: ~165 bytes a video frame without images, ~2 KB an audio frame
@@ -69,15 +69,16 @@ class ReceivedAudio:
 
 class EgressClient:
     def __init__(self, mic: MediaStreamTrack | None = None, record_path: str | Path | None = None,
-                 keep_images: bool = False, ice_servers: list[str] | None = None, kept_s: float = KEPT_S) -> None:
-        self.mic = mic
+                 keep_images: bool = False, ice_servers: list[str] | None = None, kept_s: float = KEPT_S,
+                 fps: int = CHARACTERS.fps) -> None:
+        self.mic = mic  # ``fps``: the session's video rate (what ``kept_s`` and a recording count in)
         self.ice_servers = ice_servers or []  # none by default: aiortc's default is Google's public STUN
         self.keep_images = keep_images
-        self.recorder = Recorder(Path(record_path)) if record_path else None
+        self.recorder = Recorder(Path(record_path), fps) if record_path else None
         self.pc: RTCPeerConnection | None = None
         self.channel = None
         self.session_id: str | None = None
-        self.video: deque[ReceivedVideo] = deque(maxlen=max(1, round(kept_s * VIDEO_FPS)))
+        self.video: deque[ReceivedVideo] = deque(maxlen=max(1, round(kept_s * fps)))
         self.video_frames = 0  # every video frame received, also those no longer kept
         self.audio: deque[ReceivedAudio] = deque(maxlen=max(1, round(kept_s * AUDIO_FRAMES_PER_S)))
         self.audio_samples = 0  # every sample received, also those no longer kept
@@ -260,9 +261,10 @@ class Recorder:
 
     HELD_AUDIO_PACKETS = 10 * 50  # 10 s of 20 ms packets; older ones are dropped
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, fps: int = CHARACTERS.fps) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
+        self.fps = fps
         self.container = av.open(str(path), mode="w")
         self._video = None
         self._audio = self.container.add_stream("aac", rate=TIMELINE_RATE, layout="mono")
@@ -273,7 +275,7 @@ class Recorder:
     def video(self, image: np.ndarray, pts: int) -> None:
         if self._video is None:
             height, width = image.shape[:2]
-            self._video = self.container.add_stream("libx264", rate=VIDEO_FPS)
+            self._video = self.container.add_stream("libx264", rate=self.fps)
             self._video.width, self._video.height = width - width % 2, height - height % 2
             self._video.pix_fmt = "yuv420p"
             self._video.time_base = fractions.Fraction(1, 90_000)

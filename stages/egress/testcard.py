@@ -16,7 +16,7 @@ import anyio
 import numpy as np
 
 from charstream.stages.base import Stage, StageContext
-from charstream.timeline import FRAMES_PER_CHUNK, SAMPLES_PER_CHUNK, TIMELINE_RATE
+from charstream.timeline import CHARACTERS, TIMELINE_RATE, Timeline
 from charstream.transport.messages import Control, ControlKind, TraceContext, TurnKind, VideoChunk
 
 if TYPE_CHECKING:
@@ -60,10 +60,11 @@ def frame_image(number: int, height: int, width: int, flash: bool = False, speak
     return image
 
 
-def chunk_audio(chunk: int, flash: bool = False, speaking: bool = False) -> np.ndarray:
-    """The chunk's 8,000 samples of a quiet continuous tone (a fifth up while speaking); a flash
-    chunk starts with a click."""
-    t = (chunk * SAMPLES_PER_CHUNK + np.arange(SAMPLES_PER_CHUNK)) / TIMELINE_RATE
+def chunk_audio(chunk: int, flash: bool = False, speaking: bool = False, timeline: Timeline = CHARACTERS) -> np.ndarray:
+    """The chunk's span of a quiet continuous tone (a fifth up while speaking); a flash chunk starts
+    with a click."""
+    span = timeline.samples_per_chunk
+    t = (chunk * span + np.arange(span)) / TIMELINE_RATE
     tone = TONE_HZ * 1.5 if speaking else TONE_HZ
     audio = (TONE_AMPLITUDE * np.sin(2 * np.pi * tone * t)).astype(np.int16)
     if flash:
@@ -72,10 +73,11 @@ def chunk_audio(chunk: int, flash: bool = False, speaking: bool = False) -> np.n
 
 
 def card_chunk(session_id: str, chunk: int, height: int = 128, width: int = 128, flash: bool = False,
-               speaking: bool = False, epoch: int = 0, turn_id: int | None = None) -> VideoChunk:
-    frames = np.stack([frame_image(chunk * FRAMES_PER_CHUNK + i, height, width, flash and i == 0, speaking)
-                       for i in range(FRAMES_PER_CHUNK)])
-    return VideoChunk(session_id, chunk, frames, chunk_audio(chunk, flash, speaking), speaking, epoch,
+               speaking: bool = False, epoch: int = 0, turn_id: int | None = None,
+               timeline: Timeline = CHARACTERS) -> VideoChunk:
+    n = timeline.frames_per_chunk
+    frames = np.stack([frame_image(chunk * n + i, height, width, flash and i == 0, speaking) for i in range(n)])
+    return VideoChunk(session_id, chunk, frames, chunk_audio(chunk, flash, speaking, timeline), speaking, epoch,
                       TraceContext(turn_id=turn_id))
 
 
@@ -94,7 +96,9 @@ class CardSource(Stage):
     name = "card"
 
     def __init__(self, height: int = 128, width: int = 128, flash_every: int = 12, turn_chunks: int = 18,
-                 user_audio: UserAudioQueue | None = None, listen: bool = True) -> None:
+                 user_audio: UserAudioQueue | None = None, listen: bool = True,
+                 timeline: Timeline = CHARACTERS) -> None:
+        self.timeline = timeline  # the session's: frames and audio per chunk
         self.height, self.width, self.flash_every, self.turn_chunks = height, width, flash_every, turn_chunks
         self.user_audio = user_audio if listen else None  # not listening: the mic queue fills and drops (counted)
         self.chunk = 0
@@ -120,7 +124,8 @@ class CardSource(Stage):
                 speaking = self.speaking_left > 0
                 msg = card_chunk(ctx.session_id, self.chunk, self.height, self.width,
                                  flash=self.flash_every > 0 and self.chunk % self.flash_every == 0,
-                                 speaking=speaking, epoch=self.epoch, turn_id=self.turn_id if speaking else None)
+                                 speaking=speaking, epoch=self.epoch, turn_id=self.turn_id if speaking else None,
+                                 timeline=self.timeline)
                 if speaking and self._turn_stamps:  # the turn's first speaking chunk carries its trace
                     msg.trace.stamps.update(self._turn_stamps)
                     self._turn_stamps = {}

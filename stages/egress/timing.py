@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from charstream.stages.playout.output import FrameRecord, PlayoutOutput
-from charstream.timeline import VIDEO_FPS
 from charstream.transport.messages import TraceContext
 
 FRAMES_PER_REPORT = 6  # a quarter of a second of presented frames a message; the page's app.js sends as many
@@ -135,7 +134,7 @@ class ClientTiming:
         # The client may skip the exact frame (requestVideoFrameCallback coalesces), so the first
         # presented frame at or after a turn's first speaking frame stands for it.
         first_speaking = None
-        for index in range(max(self._scanned_to, frame.index - VIDEO_FPS * 5), frame.index + 1):
+        for index in range(max(self._scanned_to, frame.index - self.output.timeline.fps * 5), frame.index + 1):
             released = self.output.record(index)
             if released is not None and released.first_speaking and released.trace is not None:
                 first_speaking = released

@@ -6,10 +6,10 @@ send each frame at the wall time its pts stands for, from one origin. aiortc's o
 tracks each start their own ``time.time()`` clock at their first ``recv`` and its Opus encoder
 counts samples from its first packet, so two tracks that start at different moments, or one
 that sends a backlog in a burst, carry a fixed offset for the whole call. Here both tracks take
-their pts from the playout output index (frame ``i`` ⇒ video pts ``i·3750``, audio sample
-``i·2000``), both start at the same output frame (``TrackStart``), and each frame or 20 ms
+their pts from the playout output index on the session's timeline (frame ``i`` ⇒ video pts
+``i·90000/fps``, audio sample ``i·48000/fps``: 3,750 and 2,000 at 24 fps, 3,600 and 1,920 at 25), both start at the same output frame (``TrackStart``), and each frame or 20 ms
 audio packet is returned on its deadline on the playout clock (audio packets a constant 18 ms
-after their first sample: ``AUDIO_SEND_LAG_SAMPLES``).
+after their first sample at 24 fps: ``audio_send_lag_samples``).
 """
 
 from __future__ import annotations
@@ -27,23 +27,34 @@ from av import AudioFrame, VideoFrame
 from av.video.reformatter import VideoReformatter
 
 from charstream.stages.playout.output import PlayoutClosed, PlayoutOutput
-from charstream.timeline import SAMPLES_PER_FRAME, TIMELINE_RATE, VIDEO_FPS
+from charstream.timeline import TIMELINE_RATE, Timeline
 
 VIDEO_CLOCK_RATE = 90_000
-VIDEO_PTS_PER_FRAME = VIDEO_CLOCK_RATE // VIDEO_FPS  # 3,750
 AUDIO_PACKET_SAMPLES = 960  # 20 ms: one Opus frame per packet
 OPUS_BITRATE = 64_000  # mono speech
 VIDEO_TIME_BASE = fractions.Fraction(1, VIDEO_CLOCK_RATE)
 AUDIO_TIME_BASE = fractions.Fraction(1, TIMELINE_RATE)
-# A 20 ms packet often ends inside a 41.7 ms frame not yet released: its last sample is available
-# up to 880 samples (18.3 ms) after the packet's start. Sending every packet that much after its
-# start keeps the packets on an exact 20 ms grid (a sawtooth of 0-18 ms send jitter would make the
-# browser's audio jitter buffer, and with lip sync the video, wait longer); the cost is a constant
-# 18 ms of audio lag in the sender reports, well inside one frame.
-AUDIO_SEND_LAG_SAMPLES = max(
-    SAMPLES_PER_FRAME * ((AUDIO_PACKET_SAMPLES * k + AUDIO_PACKET_SAMPLES - 1) // SAMPLES_PER_FRAME)
-    - AUDIO_PACKET_SAMPLES * k
-    for k in range(math.lcm(SAMPLES_PER_FRAME, AUDIO_PACKET_SAMPLES) // AUDIO_PACKET_SAMPLES))  # one period
+
+
+def video_pts_per_frame(timeline: Timeline) -> int:
+    """Video pts ticks (90 kHz) per frame: 3,750 at 24 fps, 3,600 at 25."""
+    if VIDEO_CLOCK_RATE % timeline.fps:
+        raise ValueError(f"{timeline.fps} fps is not a whole number of 90 kHz video ticks per frame")
+    return VIDEO_CLOCK_RATE // timeline.fps
+
+
+def audio_send_lag_samples(timeline: Timeline) -> int:
+    """How long after its first sample each 20 ms audio packet is sent.
+
+    A packet often ends inside a frame not yet released: its last sample is available up to this many
+    samples after the packet's start (880, 18.3 ms, at 24 fps; none at 25, where two packets fill a frame). Sending every packet that
+    much after its start keeps the packets on an exact 20 ms grid (a sawtooth of send jitter would make
+    the browser's audio jitter buffer, and with lip sync the video, wait longer); the cost is a constant
+    lag of audio in the sender reports, within one frame.
+    """
+    per_frame = timeline.samples_per_frame
+    return max(per_frame * ((AUDIO_PACKET_SAMPLES * k + AUDIO_PACKET_SAMPLES - 1) // per_frame) - AUDIO_PACKET_SAMPLES * k
+               for k in range(math.lcm(per_frame, AUDIO_PACKET_SAMPLES) // AUDIO_PACKET_SAMPLES))  # one period
 
 
 class TrackStart:
@@ -68,6 +79,7 @@ class PlayoutVideoTrack(MediaStreamTrack):
         super().__init__()
         self.start = start
         self.output = start.output
+        self.pts_per_frame = video_pts_per_frame(self.output.timeline)
         self.sender: RTCRtpSender | None = None  # set by the server; used to learn the RTP origin
         self.rtp_origin: int | None = None  # RTP timestamp = origin + pts (mod 2**32)
         self.skipped_frames = 0  # frames this track fell behind on (slow encoder)
@@ -93,7 +105,7 @@ class PlayoutVideoTrack(MediaStreamTrack):
         self._last_index = frame.index
         rgb = VideoFrame.from_ndarray(np.ascontiguousarray(frame.image), format="rgb24")
         video = self._to_yuv.reformat(rgb, format="yuv420p")
-        video.pts = frame.index * VIDEO_PTS_PER_FRAME
+        video.pts = frame.index * self.pts_per_frame
         video.time_base = VIDEO_TIME_BASE
         return video
 
@@ -109,7 +121,7 @@ class PlayoutVideoTrack(MediaStreamTrack):
         if self.rtp_origin is None:
             return None
         # Nearest frame: a decoder may hand back the timestamp a tick off (aiortc's VP8 path does).
-        return ((rtp_timestamp - self.rtp_origin + VIDEO_PTS_PER_FRAME // 2) % 2**32) // VIDEO_PTS_PER_FRAME
+        return ((rtp_timestamp - self.rtp_origin + self.pts_per_frame // 2) % 2**32) // self.pts_per_frame
 
     def _learn_rtp_origin(self) -> None:
         # aiortc adds a private random origin to our pts and keeps it in a local variable. Its send
@@ -122,7 +134,7 @@ class PlayoutVideoTrack(MediaStreamTrack):
         if packets is None or rtp is None:
             raise RuntimeError("aiortc RTCRtpSender internals changed: cannot map client reports to frames")
         if packets > self._packets_seen:
-            self.rtp_origin = (rtp - self._last_index * VIDEO_PTS_PER_FRAME) % 2**32
+            self.rtp_origin = (rtp - self._last_index * self.pts_per_frame) % 2**32
         self._packets_seen = packets
 
 
@@ -133,6 +145,8 @@ class PlayoutAudioTrack(MediaStreamTrack):
         super().__init__()
         self.start = start
         self.output = start.output
+        self.samples_per_frame = self.output.timeline.samples_per_frame
+        self.send_lag = audio_send_lag_samples(self.output.timeline)
         self._frame_index: int | None = None  # next output frame to take audio from
         self._sample = 0  # output-timeline sample of ``_pending[0]``
         self._pending = np.zeros(0, np.int16)
@@ -148,18 +162,18 @@ class PlayoutAudioTrack(MediaStreamTrack):
         try:
             if self._frame_index is None:
                 self._frame_index = await self.start.first_index()
-                self._sample = self._frame_index * SAMPLES_PER_FRAME
+                self._sample = self._frame_index * self.samples_per_frame
             while len(self._pending) < AUDIO_PACKET_SAMPLES:
                 frame = await self.output.frame_at(self._frame_index)
                 if frame.index != self._frame_index:  # fell out of history: restart at what is held
                     self._pending = np.zeros(0, np.int16)
-                    self._sample = frame.index * SAMPLES_PER_FRAME
+                    self._sample = frame.index * self.samples_per_frame
                 self._pending = np.concatenate([self._pending, frame.audio])
                 self._frame_index = frame.index + 1
         except PlayoutClosed:
             self.stop()
             raise MediaStreamError from None
-        delay = self.output.deadline((self._sample + AUDIO_SEND_LAG_SAMPLES) / TIMELINE_RATE) - time.monotonic()
+        delay = self.output.deadline((self._sample + self.send_lag) / TIMELINE_RATE) - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
         samples, self._pending = self._pending[:AUDIO_PACKET_SAMPLES], self._pending[AUDIO_PACKET_SAMPLES:]

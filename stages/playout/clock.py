@@ -1,4 +1,4 @@
-"""The playhead behind playout's 24 fps clock: which frame each tick releases, from a jitter buffer.
+"""The playhead behind playout's clock (the session's fps): which frame each tick releases, from a jitter buffer.
 
 Chunks wait in ``buffer``; the clock plays them frame by frame. Its state says what a tick does:
 
@@ -22,7 +22,7 @@ import numpy as np
 from charstream.stages.playout.onset import Onset
 from charstream.stages.playout.output import ReleasedFrame
 from charstream.stages.playout.stats import UnderrunCause
-from charstream.timeline import FRAMES_PER_CHUNK, SAMPLES_PER_FRAME
+from charstream.timeline import CHARACTERS, Timeline
 from charstream.transport.messages import VideoChunk
 
 
@@ -54,7 +54,8 @@ class Tick:
 class PlayoutClock:
     """The jitter buffer and the playhead: ``next_frame`` once per tick, ``rollback`` on a turn start."""
 
-    def __init__(self, target_depth_chunks: int) -> None:
+    def __init__(self, target_depth_chunks: int, timeline: Timeline = CHARACTERS) -> None:
+        self.timeline = timeline  # the session's: frames per chunk, audio per frame
         self.target_depth_chunks = target_depth_chunks
         self.state = ClockState.WAITING
         self.epoch = 0  # bumped by each rollback; chunks of older epochs are stale
@@ -85,10 +86,10 @@ class PlayoutClock:
 
     def frames_left_on_screen(self) -> int:
         """Frames of the playing chunk not released yet (0 with none playing)."""
-        return FRAMES_PER_CHUNK - self.position if self.playing is not None else 0
+        return self.timeline.frames_per_chunk - self.position if self.playing is not None else 0
 
     def chunk_on_screen(self) -> int | None:
-        return self.playing.chunk if self.playing is not None and self.position < FRAMES_PER_CHUNK else None
+        return self.playing.chunk if self.playing is not None and self.position < self.timeline.frames_per_chunk else None
 
     def rollback(self, place: Onset | None, turn_start: bool) -> tuple[list[VideoChunk], list[VideoChunk], int]:
         """Keep the unplayed chunks before ``place`` (with an onset frame: its chunk's listening frames
@@ -117,7 +118,7 @@ class PlayoutClock:
     def next_frame(self, index: int, now: float) -> Tick:
         """The frame at output ``index`` (released at wall clock ``now``)."""
         resumed, underrun = False, None
-        if self.playing is None or self.position == FRAMES_PER_CHUNK:
+        if self.playing is None or self.position == self.timeline.frames_per_chunk:
             ended, self.playing = self.playing, None
             if self.state is ClockState.WAITING and len(self.buffer) >= self.resume_depth:
                 self.state, resumed = ClockState.PLAYING, True
@@ -146,7 +147,8 @@ class PlayoutClock:
             self._hold_cause = underrun
         if self.state is not ClockState.PLAYING:  # hold the last frame, play silence
             image = self._last_image if self._last_image is not None else np.zeros((16, 16, 3), np.uint8)
-            frame = ReleasedFrame(index, image, np.zeros(SAMPLES_PER_FRAME, np.int16), None, 0, False, self.epoch,
+            silence = np.zeros(self.timeline.samples_per_frame, np.int16)
+            frame = ReleasedFrame(index, image, silence, None, 0, False, self.epoch,
                                   None, False, now)
             return Tick(frame, resumed, underrun, self._hold_cause)
         return Tick(self._fresh_frame(index, now), resumed, underrun, None)
@@ -157,7 +159,8 @@ class PlayoutClock:
         self.position += 1
         image = chunk.frames[position]
         self._last_image = image
-        audio = chunk.audio[position * SAMPLES_PER_FRAME:(position + 1) * SAMPLES_PER_FRAME]
+        span = self.timeline.samples_per_frame
+        audio = chunk.audio[position * span:(position + 1) * span]
         # The speech a rollback placed starts at its onset frame; the frames before it are silent.
         speech = self.speech
         onset = speech.frame if speech is not None and (speech.epoch, speech.chunk) == (chunk.epoch, chunk.chunk) else 0

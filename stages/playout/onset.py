@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 
 from charstream.stages.playout.speech_estimate import Estimate
-from charstream.timeline import FRAMES_PER_CHUNK, VIDEO_FPS
+from charstream.timeline import CHARACTERS, Timeline
 from charstream.transport.messages import TurnStartPayload
 
 
@@ -23,11 +23,12 @@ class Playhead:
     position: int  # its next frame
     next_chunk: int  # the chunk after it (the first buffered one while none plays)
     buffered: int  # unplayed chunks, consecutive from ``next_chunk``
+    timeline: Timeline = CHARACTERS  # the session's: frames per chunk, fps
 
     @property
     def frames_left(self) -> int:
         """Frames of the chunk on screen not released yet."""
-        return FRAMES_PER_CHUNK - self.position if self.on_screen is not None else 0
+        return self.timeline.frames_per_chunk - self.position if self.on_screen is not None else 0
 
 
 @dataclass(frozen=True)
@@ -46,17 +47,18 @@ def place_speech(estimate: Estimate, turn_start: TurnStartPayload, playhead: Pla
     reaches in time, whose next chunk (made one step or encode later) is not due before it is there;
     no earlier than ``turn_start.earliest_chunk``, and no later than the end of what is buffered."""
     t0, left = playhead.t0, playhead.frames_left
+    fps, n = playhead.timeline.fps, playhead.timeline.frames_per_chunk
     ready_at = now + estimate.ready_s
-    ahead = max(0, math.ceil((ready_at - t0) * VIDEO_FPS) - playhead.next_index)  # frames from the next release
+    ahead = max(0, math.ceil((ready_at - t0) * fps) - playhead.next_index)  # frames from the next release
     next_needed = ready_at + max(estimate.step_s, turn_start.encode_s)
-    while t0 + (playhead.next_index + _next_boundary(ahead, left)) / VIDEO_FPS < next_needed:
+    while t0 + (playhead.next_index + _next_boundary(ahead, left, n)) / fps < next_needed:
         ahead += 1
     first = playhead.next_chunk
     if ahead < left:  # within the chunk on screen
         assert playhead.on_screen is not None
         place = Onset(0, playhead.on_screen, playhead.position + ahead, estimate)
     else:
-        kept, onset = divmod(ahead - left, FRAMES_PER_CHUNK)
+        kept, onset = divmod(ahead - left, n)
         place = Onset(kept, first + kept, onset, estimate)
     earliest = turn_start.earliest_chunk
     if earliest is not None and place.chunk < earliest:  # a rewind that far would not be exact
@@ -67,7 +69,7 @@ def place_speech(estimate: Estimate, turn_start: TurnStartPayload, playhead: Pla
     return place
 
 
-def _next_boundary(offset: int, left: int) -> int:
+def _next_boundary(offset: int, left: int, frames_per_chunk: int) -> int:
     """Frames from the next release to the start of the chunk after the one holding frame ``offset``
     (``left``: frames left in the chunk on screen)."""
-    return left if offset < left else left + FRAMES_PER_CHUNK * ((offset - left) // FRAMES_PER_CHUNK + 1)
+    return left if offset < left else left + frames_per_chunk * ((offset - left) // frames_per_chunk + 1)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from charstream.timeline import VIDEO_FPS
+from charstream.timeline import CHARACTERS, Timeline
 from charstream.transport.messages import TraceContext
 
 
@@ -21,9 +21,9 @@ class PlayoutClosed(Exception):
 
 @dataclass
 class ReleasedFrame:
-    index: int  # position on the output timeline: due at t0 + index / 24
+    index: int  # position on the output timeline: due at t0 + index / fps
     image: np.ndarray  # uint8 (H, W, 3) RGB
-    audio: np.ndarray  # int16 (SAMPLES_PER_FRAME,)
+    audio: np.ndarray  # int16 (timeline.samples_per_frame,)
     chunk: int | None  # None for a hold frame (underrun)
     frame_in_chunk: int
     speaking: bool
@@ -52,8 +52,11 @@ class PlayoutOutput:
     that starts late or falls behind costs no memory: it resumes at the oldest frame still held.
     """
 
-    def __init__(self, history_frames: int = 48, record_frames: int = 30 * VIDEO_FPS) -> None:
+    def __init__(self, history_frames: int = 48, record_frames: int | None = None,
+                 timeline: Timeline = CHARACTERS) -> None:
+        self.timeline = timeline  # the session's: what the tracks' pts and a frame's audio span follow
         self.history_frames = history_frames
+        record_frames = record_frames if record_frames is not None else 30 * timeline.fps
         self._history: deque[ReleasedFrame] = deque(maxlen=history_frames)
         # Small per-frame records for longer: a client's report may come seconds after the frame.
         self._records: deque[FrameRecord] = deque(maxlen=record_frames)

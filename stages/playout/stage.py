@@ -36,13 +36,7 @@ from charstream.stages.playout.speech_estimate import SpeechEstimator
 from charstream.stages.playout.stats import PlayoutStats, UnderrunCause
 from charstream.stages.shared.metrics import SessionMetrics
 from charstream.stages.shared.tracing import TurnTracer
-from charstream.timeline import (
-    CHUNK_SECONDS,
-    FRAMES_PER_CHUNK,
-    SAMPLES_PER_CHUNK,
-    TIMELINE_RATE,
-    VIDEO_FPS,
-)
+from charstream.timeline import CHARACTERS, TIMELINE_RATE, Timeline
 from charstream.transport.messages import (
     ClockPayload,
     Control,
@@ -52,8 +46,6 @@ from charstream.transport.messages import (
     TurnStartPayload,
     VideoChunk,
 )
-
-FRAME_SECONDS = 1.0 / VIDEO_FPS
 
 
 @dataclass
@@ -70,22 +62,28 @@ class _SpeechPlan:
 
 
 class PlayoutStage(Stage):
-    """Consumes ``VideoChunk``; releases frames + audio on the 24 fps clock into ``output``."""
+    """Consumes ``VideoChunk``; releases frames + audio on the session's clock (its timeline's fps) into
+    ``output``, whose timeline is the session's."""
 
     name = "playout"
     control_during_process = True  # a turn start must not wait behind a chunk waiting for room
 
     def __init__(self, config: PlayoutConfig, output: PlayoutOutput | None = None,
-                 tracer: TurnTracer | None = None) -> None:
+                 tracer: TurnTracer | None = None, timeline: Timeline = CHARACTERS) -> None:
         self.config = config
         # What egress reads; the session hands in the one it serves (None: a fresh one of our own).
-        self.output = output if output is not None else PlayoutOutput(config.history_frames)
+        self.output = output if output is not None else PlayoutOutput(config.history_frames, timeline=timeline)
+        if self.output.timeline != timeline:
+            raise ValueError(f"playout runs on {timeline}, its output on {self.output.timeline}")
+        self.timeline = timeline
+        self.frame_seconds = timeline.frame_seconds
         self.tracer = tracer
         self.stats = PlayoutStats()
-        self.clock = PlayoutClock(config.target_depth_chunks)
+        self.clock = PlayoutClock(config.target_depth_chunks, timeline)
         self._control_seq = 0
         # The parts of recent chunks' production, and what turn starts took beyond their estimate.
-        self._estimator = SpeechEstimator(initial_allowance_s=config.initial_allowance_s)
+        allowance = config.initial_allowance_s
+        self._estimator = SpeechEstimator(initial_allowance_s=timeline.chunk_seconds if allowance is None else allowance)
         self._plan: _SpeechPlan | None = None
         self._speech_due: float | None = None  # monotonic deadline of the placed speech chunk's first frame
         self._metrics: SessionMetrics | None = None
@@ -112,7 +110,7 @@ class PlayoutStage(Stage):
         if not isinstance(msg, VideoChunk):
             ctx.log.error("playout_unexpected_message", type=type(msg).__name__)
             return
-        problem = _check_chunk(msg)
+        problem = _check_chunk(msg, self.timeline)
         if problem:
             self.stats.invalid_chunks += 1
             ctx.log.error("playout_invalid_chunk", chunk=msg.chunk, problem=problem)
@@ -158,7 +156,7 @@ class PlayoutStage(Stage):
             return
         now = time.monotonic()
         k = chunk.chunk - plan.chunk
-        error = now - (plan.expected_at + (k * CHUNK_SECONDS - plan.onset * FRAME_SECONDS if k else 0.0))
+        error = now - (plan.expected_at + (k * self.timeline.chunk_seconds - plan.onset * self.frame_seconds if k else 0.0))
         self._estimator.speech_arrived(error)
         plan.started = True
         if k == 0 and self._speech_due is not None:
@@ -192,7 +190,8 @@ class PlayoutStage(Stage):
         estimate = self._estimator.estimate(time.time(), turn_start.encode_s, turn_start.last_emit_at)
         playing = clock.playing
         playhead = Playhead(t0, self.output.next_index, None if playing is None else playing.chunk, clock.position,
-                            playing.chunk + 1 if playing is not None else clock.buffer[0].chunk, len(clock.buffer))
+                            playing.chunk + 1 if playing is not None else clock.buffer[0].chunk, len(clock.buffer),
+                            self.timeline)
         return place_speech(estimate, turn_start, playhead, time.monotonic())
 
     async def rollback(self, ctx: StageContext, reason: ControlKind = ControlKind.TURN_START,
@@ -213,13 +212,13 @@ class PlayoutStage(Stage):
             # Deadlines of the chunk's first frame (conditioning's anchor) and of the onset frame.
             left = clock.frames_left_on_screen()
             start = self.output.next_index + (
-                -clock.position if place.chunk == clock.chunk_on_screen() else left + FRAMES_PER_CHUNK * place.kept)
-            self._speech_due = self.output.t0 + (start + place.onset) / VIDEO_FPS
+                -clock.position if place.chunk == clock.chunk_on_screen() else left + self.timeline.frames_per_chunk * place.kept)
+            self._speech_due = self.output.t0 + (start + place.onset) / self.timeline.fps
             placed_at = time.time()
             self._plan = _SpeechPlan(clock.epoch, place.chunk, place.onset,
                                      time.monotonic() + place.estimate.expected_s, placed_at)
             payload = RollbackPayload(reason, place.onset, len(dropped), len(kept), placed_at,
-                                      due_at=placed_at + self.output.t0 + start / VIDEO_FPS - time.monotonic())
+                                      due_at=placed_at + self.output.t0 + start / self.timeline.fps - time.monotonic())
         rollback = Control(ctx.session_id, self._control_seq, ControlKind.ROLLBACK, chunk=last, epoch=clock.epoch,
                            payload=payload)
         ctx.log.info("playout_rollback", last_kept=last, epoch=clock.epoch, kept=[c.chunk for c in kept],
@@ -240,11 +239,11 @@ class PlayoutStage(Stage):
         index = 0
         try:
             while True:
-                deadline = t0 + index * FRAME_SECONDS
+                deadline = t0 + index * self.frame_seconds
                 delay = deadline - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                elif -delay > FRAME_SECONDS:
+                elif -delay > self.frame_seconds:
                     self.stats.late_ticks += 1
                 tick = clock.next_frame(index, time.time())
                 if len(clock.buffer) != self.stats.depth:  # a chunk went on screen
@@ -260,10 +259,10 @@ class PlayoutStage(Stage):
                 if tick.resumed:  # conditioning paces listening chunks from this
                     await self._send_clock(ctx, frame, deadline)
                 self.stats.frames_released += 1
-                self.stats.elapsed_s = time.monotonic() - t0 + FRAME_SECONDS
+                self.stats.elapsed_s = time.monotonic() - t0 + self.frame_seconds
                 if frame.first_speaking and self.tracer is not None and frame.trace is not None:
                     self.tracer.merge(frame.trace)
-                if index % VIDEO_FPS == 0 and self._metrics is not None:
+                if index % self.timeline.fps == 0 and self._metrics is not None:
                     self._metrics.set_fps(self.stats.achieved_fps)
                 index += 1
         finally:
@@ -301,13 +300,13 @@ class PlayoutStage(Stage):
             self._metrics = None
 
 
-def _check_chunk(chunk: VideoChunk) -> str | None:
-    frames, audio = chunk.frames, chunk.audio
+def _check_chunk(chunk: VideoChunk, timeline: Timeline) -> str | None:
+    frames, audio, span = chunk.frames, chunk.audio, timeline.samples_per_chunk
     if not isinstance(frames, np.ndarray) or frames.dtype != np.uint8 or frames.ndim != 4 \
-            or frames.shape[0] != FRAMES_PER_CHUNK or frames.shape[3] != 3:
-        return f"frames must be uint8 ({FRAMES_PER_CHUNK}, H, W, 3), got {getattr(frames, 'dtype', type(frames))} " \
+            or frames.shape[0] != timeline.frames_per_chunk or frames.shape[3] != 3:
+        return f"frames must be uint8 ({timeline.frames_per_chunk}, H, W, 3), got {getattr(frames, 'dtype', type(frames))} " \
                f"{getattr(frames, 'shape', '')}"
-    if not isinstance(audio, np.ndarray) or audio.dtype != np.int16 or audio.shape != (SAMPLES_PER_CHUNK,):
-        return f"audio must be int16 ({SAMPLES_PER_CHUNK},) at {TIMELINE_RATE} Hz, got " \
+    if not isinstance(audio, np.ndarray) or audio.dtype != np.int16 or audio.shape != (span,):
+        return f"audio must be int16 ({span},) at {TIMELINE_RATE} Hz, got " \
                f"{getattr(audio, 'dtype', type(audio))} {getattr(audio, 'shape', '')}"
     return None
