@@ -32,7 +32,17 @@ sys.path.insert(0, str(ROOT / "tests"))
 from test_flashhead_vae_wan import random_wan_state  # noqa: E402 -- the tests' seeded weights, original key space
 
 from charstream.model.families.flashhead.colour import colour_reference, match_colours  # noqa: E402
-from charstream.model.families.flashhead.vae_wan import LATENT_MEAN, LATENT_STD, load_wan_vae  # noqa: E402
+from charstream.model.families.flashhead.vae_wan import (  # noqa: E402
+    LATENT_MEAN,
+    LATENT_STD,
+    Upsample,
+    load_wan_vae,
+)
+
+
+def nearest_then_conv(self: Upsample, x: torch.Tensor) -> torch.Tensor:
+    """The reference's spatial upsampling, literally: the variant the sub-pixel conv replaces."""
+    return self.conv(torch.nn.functional.interpolate(x, scale_factor=2.0, mode="nearest"))
 
 
 def timed(fn, warmup: int, repeats: int) -> tuple[float, object]:
@@ -149,6 +159,10 @@ def main() -> None:
     add("decode 9 latents, ours eager", ms, rel(out, ref_frames))
     ms, out = timed(lambda: ours.encode_motion(motion16), 2, args.repeats)
     add("encode 5 frames, ours eager", ms, rel(out, ref_latents))
+    sub_pixel, Upsample._spatial = Upsample._spatial, nearest_then_conv
+    ms, out = timed(lambda: ours.decode_chunk(lat16), 2, args.repeats)
+    add("decode 9 latents, ours eager, nearest+conv", ms, rel(out, ref_frames))
+    Upsample._spatial = sub_pixel
     ms, out = timed(lambda: diff.decode((lat16 * std + mean).to(LOW)).sample, 1, args.repeats)
     add("decode 9 latents, diffusers", ms, rel(out, ref_frames))
     ms, out = timed(lambda: (diff.encode(motion16).latent_dist.mode() - mean) / std, 1, args.repeats)

@@ -135,8 +135,17 @@ class AttentionBlock(nn.Module):
         return x + _per_frame(self._frames, x)
 
 
+# Nearest x2 then a 3x3 conv == per output phase (row parity a, column parity b) a 2x2 conv of the input: along
+# each axis the 3 taps fall on 2 input pixels, phase 0 on (i-1, i) with taps (0 | 1+2), phase 1 on (i, i+1) with
+# taps (0+1 | 2). One 2x2 conv (padding 1) computes all four phases; phase (a, b) sits at offset (a, b).
+_PHASE_TAPS = torch.tensor([[[1.0, 0.0, 0.0], [0.0, 1.0, 1.0]], [[1.0, 1.0, 0.0], [0.0, 0.0, 1.0]]])
+
+
 class Upsample(nn.Module):
-    """x2 in space (nearest, then a 3x3 conv halving the channels); with ``temporal``, first x2 in time."""
+    """x2 in space (nearest, then a 3x3 conv halving the channels); with ``temporal``, first x2 in time.
+
+    The spatial step runs as the equal sub-pixel conv above: 16 instead of 36 multiply-adds per input pixel and
+    channel pair, and the x4 larger nearest-upsampled input is never materialised."""
 
     def __init__(self, dim: int, temporal: bool) -> None:
         super().__init__()
@@ -144,7 +153,18 @@ class Upsample(nn.Module):
         self.time_conv = CausalConv3d(dim, dim * 2, (3, 1, 1)) if temporal else None
 
     def _spatial(self, x: Tensor) -> Tensor:
-        return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
+        w = self.conv.weight
+        taps = _PHASE_TAPS.to(device=w.device, dtype=torch.float32)
+        # (a, b, out, in, 2, 2): row taps of phase a, column taps of phase b, summed in float32.
+        phases = torch.einsum("ayk,oikl,bxl->aboiyx", taps, w.float(), taps).flatten(0, 2).to(w.dtype)
+        y = F.conv2d(x, phases.contiguous(memory_format=torch.channels_last), self.conv.bias.repeat(4), padding=1)
+        n, c, h, wd = x.shape
+        out_c = w.shape[0]
+        out = torch.empty(n, out_c, 2 * h, 2 * wd, dtype=y.dtype, device=y.device, memory_format=torch.channels_last)
+        for a in (0, 1):
+            for b in (0, 1):
+                out[:, :, a::2, b::2] = y[:, (2 * a + b) * out_c:(2 * a + b + 1) * out_c, a:a + h, b:b + wd]
+        return out
 
     def forward(self, x: Tensor) -> Tensor:
         if self.time_conv is not None and x.shape[2] > 1:
