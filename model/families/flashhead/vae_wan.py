@@ -97,7 +97,7 @@ class RMSNorm(nn.Module):
         self.gamma = nn.Parameter(torch.ones(dim, *(1,) * spatial_dims))
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.normalize(x, dim=1) * self.scale * self.gamma
+        return F.normalize(x, dim=1) * (self.gamma * self.scale)  # one pass over x, not two
 
 
 class ResidualBlock(nn.Module):
