@@ -95,6 +95,43 @@ def convs_not_channels_last(module: torch.nn.Module, fn) -> list[str]:
     return found
 
 
+def conv_variants(size: int) -> list[dict[str, float]]:
+    """The decoder's two dominant convs (3x3x3 causal, C -> C over 33 frames) three ways, bf16 channels-last:
+    cuDNN's conv3d; one conv2d over the three time taps stacked as channels; three conv2d summed."""
+    return [row for c, side in ((96, size), (192, size // 2)) for row in _conv_variants(c, side)]
+
+
+def _conv_variants(c: int, side: int) -> list[dict[str, float]]:
+    conv2d = torch.nn.functional.conv2d
+    x = torch.randn(1, c, 35, side, side, device=DEVICE, dtype=LOW).contiguous(memory_format=torch.channels_last_3d)
+    w = torch.randn(c, c, 3, 3, 3, device=DEVICE, dtype=LOW) / (27 * c) ** 0.5
+    w3 = w.contiguous(memory_format=torch.channels_last_3d)
+    frames = x.transpose(1, 2)[0]  # (35, C, H, W), channels-last 2-D view
+    w_stacked = w.permute(0, 2, 1, 3, 4).flatten(1, 2).contiguous(memory_format=torch.channels_last)
+    w_taps = [w[:, :, k].contiguous(memory_format=torch.channels_last) for k in range(3)]
+
+    def stacked() -> torch.Tensor:
+        return conv2d(torch.cat([frames[0:33], frames[1:34], frames[2:35]], dim=1), w_stacked, padding=1)
+
+    def summed() -> torch.Tensor:
+        y = conv2d(frames[0:33], w_taps[0], padding=1)
+        y += conv2d(frames[1:34], w_taps[1], padding=1)
+        y += conv2d(frames[2:35], w_taps[2], padding=1)
+        return y
+
+    reference = torch.nn.functional.conv3d(x, w3, padding=(0, 1, 1))[0].transpose(0, 1)
+    flops = 2 * 27 * c * c * 33 * side * side
+    rows = []
+    for name, fn in (("conv3d", lambda: torch.nn.functional.conv3d(x, w3, padding=(0, 1, 1))),
+                     ("conv2d stacked taps", stacked), ("3 conv2d summed", summed)):
+        ms, y = timed(fn, 3, 10)
+        err = rel(y if y.ndim == 4 else y[0].transpose(0, 1), reference)
+        rows.append({"channels": c, "side": side, "variant": name, "ms": ms, "tflops": flops / ms / 1e9, "rel": err})
+        print(f"conv {c}ch {side}x{side}x33 {name}: {ms:.2f} ms, {flops / ms / 1e9:.0f} TFLOP/s, rel {err:.1e}",
+              flush=True)
+    return rows
+
+
 def conv_flops(fn) -> int:
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -206,6 +243,8 @@ def main() -> None:
         results["model_colour_fp32_vs_ours_fp32"] = rel(match_and_blend_colors_torch(ref_frames, image, 1.0),
                                                         matched32)
 
+    results["conv_variants"] = conv_variants(args.size)
+    save()
     if not args.no_compile and time.time() - t0 < args.deadline_s:
         t = time.time()
         decode = torch.compile(ours.decode_chunk, dynamic=False)
