@@ -1,0 +1,71 @@
+"""One session's FlashHead stream (generation mode ``chunk_motion``): chunk after chunk, each continued from
+the last through motion latents.
+
+A chunk is ``frames_per_chunk`` decoded frames (33 for Pro = 9 latents). Its first ``motion_latents``
+latents are pinned by the sampler to the motion latents: the previous chunk's last ``motion_frames``
+(5) decoded frames, colour-matched to the portrait (LAB mean/std) and re-encoded by the VAE; for the
+first chunk, the portrait's own. So the chunk's first ``motion_frames`` frames repeat what was shown and
+its last ``new_frames_per_chunk`` (28) are new. The portrait is encoded once per session: repeated over
+a chunk it is the reference latent the DiT reads beside the noise (16 extra channels).
+
+Why one object holds both the denoising and the motion re-encode: chunk n + 1 cannot start before
+chunk n is decoded, so a chunk-motion session is serial by construction and nothing is gained by
+running its decode on another stage than its denoising; a feedback edge (decode -> diffusion) would
+add a cycle to the stage graph (its credits, its rollback) for no overlap. The stages call
+``denoise`` (diffusion) and ``decode`` (decode) on the one session object, in order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from charstream.model.families.flashhead.colour import ColourReference, colour_reference, match_colours
+from charstream.model.families.flashhead.loader import FlashHeadModel
+from charstream.model.families.flashhead.sampler import sample_chunk
+from charstream.model.families.flashhead.vae_wan import WanVAE
+
+
+def portrait_tensor(image: np.ndarray, height: int, width: int) -> Tensor:
+    """An RGB uint8 (H, W, 3) portrait -> (1, 3, 1, height, width) in [-1, 1], resized to the video size."""
+    if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
+        raise ValueError(f"a portrait is RGB uint8 (H, W, 3), got {image.dtype} {image.shape}")
+    x = torch.from_numpy(image).permute(2, 0, 1)[None].float() / 127.5 - 1
+    x = torch.nn.functional.interpolate(x, size=(height, width), mode="bilinear", antialias=True, align_corners=False)
+    return x.clamp(-1, 1)[:, :, None]
+
+
+class ChunkMotionStream:
+    def __init__(self, model: FlashHeadModel, vae: WanVAE, portrait: Tensor, seed: int = 0) -> None:
+        cfg = model.cfg
+        if tuple(portrait.shape) != (1, 3, 1, cfg.height, cfg.width):
+            raise ValueError(f"portrait must be (1, 3, 1, {cfg.height}, {cfg.width}), got {tuple(portrait.shape)}")
+        self.model, self.vae, self.cfg = model, vae, cfg
+        device = next(model.dit.parameters()).device
+        self.dtype = next(model.dit.parameters()).dtype
+        self.generator = torch.Generator(device).manual_seed(seed)
+        with torch.no_grad():
+            still = portrait.to(device).expand(-1, -1, cfg.frames_per_chunk, -1, -1)
+            self.reference = vae.encode_motion(still).to(self.dtype)  # (1, C, latents, h, w), once per session
+        self.colours: ColourReference = colour_reference(portrait.to(device))
+        self.motion = self.reference[:, :, :cfg.motion_latents].clone()  # the first chunk continues the portrait
+        self.chunks = 0
+
+    @torch.no_grad()
+    def denoise(self, audio_tokens: np.ndarray | Tensor) -> Tensor:
+        """The next chunk's latents (1, C, latents, h, w) from its audio tokens (latents, tokens, d)."""
+        audio = torch.as_tensor(audio_tokens)[None].to(self.reference.device, self.dtype)
+        return sample_chunk(self.model.dit, self.reference, audio, self.motion, self.generator)
+
+    @torch.no_grad()
+    def decode(self, latents: Tensor) -> np.ndarray:
+        """The chunk's new frames, uint8 (new_frames_per_chunk, H, W, 3); its last frames become the next
+        chunk's motion latents."""
+        cfg = self.cfg
+        frames = self.vae.decode_chunk(latents.to(self.vae.post_quant_conv.weight.dtype))  # (1, 3, F, H, W)
+        tail = match_colours(frames[:, :, -cfg.motion_frames:].float(), self.colours)
+        self.motion = self.vae.encode_motion(tail).to(self.dtype)
+        self.chunks += 1
+        new = frames[0, :, cfg.motion_frames:].float()  # (3, new, H, W)
+        return ((new.permute(1, 2, 3, 0) + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).cpu().numpy()

@@ -1,0 +1,70 @@
+"""FlashHead's chunk stream on the CPU: a 2-block DiT at the real width, the Wan VAE and wav2vec2 with seeded
+random weights loaded through their loaders (the released key spaces), a 32 x 32 picture.
+
+Asserts the chunk-motion contract: 28 new frames a chunk; the first chunk continues the portrait; every
+later chunk's motion latents are the previous chunk's last 5 decoded frames, colour-matched to the
+portrait and re-encoded (not zeros, not the portrait's); the audio tokens a chunk is given move it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_flashhead_vae_wan import random_wan_state
+
+from charstream.model.families import get_family
+from charstream.model.families.flashhead.chunks import ChunkMotionStream, portrait_tensor
+from charstream.model.families.flashhead.colour import colour_reference, match_colours
+from charstream.model.families.flashhead.config import TEST
+from charstream.model.families.flashhead.vae_wan import load_wan_vae
+
+SMALL = TEST.with_(height=32, width=32)
+
+
+def portrait() -> np.ndarray:
+    y, x = np.mgrid[0:48, 0:40]
+    face = ((x - 20) ** 2 + (y - 22) ** 2 < 200)[..., None]
+    return np.where(face, [210, 160, 130], [40, 60, 90]).astype(np.uint8)
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory):
+    path = tmp_path_factory.mktemp("VAE_Wan") / "Wan2.1_VAE.pth"
+    torch.save(random_wan_state(5), path)
+    vae = load_wan_vae(path)
+    model = get_family("flashhead-pro", config=SMALL).load("random", seed=2)
+    return model, vae
+
+
+def test_chunks_continue_through_recoded_motion_latents(parts):
+    model, vae = parts
+    torch.manual_seed(0)
+    stream = ChunkMotionStream(model, vae, portrait_tensor(portrait(), 32, 32), seed=4)
+    assert stream.reference.shape == (1, 16, 9, 4, 4)
+    first_motion = stream.motion.clone()
+    assert torch.equal(first_motion, stream.reference[:, :, :2])  # the first chunk continues the portrait
+    tokens = np.random.default_rng(1).normal(size=(9, SMALL.audio_tokens, SMALL.dim)).astype(np.float32)
+
+    latents = stream.denoise(tokens)
+    assert torch.equal(latents[:, :, :2], first_motion)
+    frames = stream.decode(latents)
+    assert frames.shape == (28, 32, 32, 3) and frames.dtype == np.uint8
+    # the next motion: the chunk's last 5 frames, colour-matched to the portrait, re-encoded
+    decoded = vae.decode_chunk(latents)
+    expected = vae.encode_motion(match_colours(decoded[:, :, -5:].float(), colour_reference(portrait_tensor(portrait(), 32, 32))))
+    torch.testing.assert_close(stream.motion, expected, rtol=1e-4, atol=1e-4)
+    assert stream.motion.abs().mean() > 1e-3 and not torch.allclose(stream.motion, first_motion, atol=1e-3)
+
+    second = stream.denoise(tokens)
+    assert torch.equal(second[:, :, :2], stream.motion)  # chunk 2 starts where chunk 1 ended
+    assert stream.decode(second).shape == (28, 32, 32, 3) and stream.chunks == 2
+
+
+def test_audio_tokens_move_the_chunk_and_a_bad_portrait_is_refused(parts):
+    model, vae = parts
+    rng = np.random.default_rng(2)
+    tokens = [rng.normal(size=(9, SMALL.audio_tokens, SMALL.dim)).astype(np.float32) for _ in range(2)]
+    chunks = [ChunkMotionStream(model, vae, portrait_tensor(portrait(), 32, 32), seed=4).denoise(t) for t in tokens]
+    assert (chunks[0][:, :, 2:] - chunks[1][:, :, 2:]).abs().mean() > 1e-4
+    with pytest.raises(ValueError, match="RGB uint8"):
+        portrait_tensor(np.zeros((8, 8), np.uint8), 32, 32)
