@@ -56,7 +56,16 @@ def model_nodes(config: PipelineConfig, weights: str | None = "packaged", batche
     """The model stages (conditioning, diffusion, decode), each built from its config
     section. Their process groups: the caller's (``main``) for conditioning and for a stage with the
     process's shared ``batcher`` / ``decode_batcher``, else ``diffusion`` / ``decoder``; all three
-    ``engine`` in ``placement = "engine"`` (the engine builds them itself, with its batchers)."""
+    ``engine`` in ``placement = "engine"`` (the engine builds them itself, with its batchers).
+
+    The diffusion and decode stages run ``kv_ring`` families; a ``chunk_motion`` family (FlashHead) is
+    refused here with one line (its chunk stream, ``model/families/flashhead/chunks.py``, has no stages yet)."""
+    from charstream.model.families import get_family
+
+    family = get_family(config.preset)
+    if family.generation_mode != "kv_ring":
+        raise ValueError(f"model {config.preset!r} generates {family.generation_mode}: the diffusion and decode "
+                         "stages serve kv_ring models (the characters presets) only")
     model = {"preset": config.preset, "weights": weights}
     diffusion = Node("diffusion", DiffusionStage, dict(model, config=config.diffusion), group="diffusion")
     if batcher is not None:

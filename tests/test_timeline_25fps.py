@@ -129,3 +129,10 @@ def test_audio_and_video_of_a_chunk_start_together_at_the_client(over_webrtc):
         video_at = client.sender_time("video", flash.rtp)
         offsets.append(min(times, key=lambda t: abs(t - video_at)) - video_at)
     assert max(abs(o) for o in offsets) <= 1 / 25, offsets
+
+
+def test_a_model_session_of_a_chunk_motion_family_is_refused_in_one_line():
+    from charstream.pipeline.session import model_nodes
+
+    with pytest.raises(ValueError, match="'flashhead-pro' generates chunk_motion"):
+        model_nodes(PipelineConfig(preset="flashhead-pro"))
