@@ -26,7 +26,9 @@ import asyncio
 import copy
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.runtime.heap import load_and_freeze
@@ -35,8 +37,10 @@ from charstream.pipeline.web.server import SessionFactory, SessionMedia
 from charstream.stages.base import Stage
 from charstream.stages.conditioning.stage import build as build_conditioning
 from charstream.stages.decode.batcher import DecodeBatcher
+from charstream.stages.decode.chunks import ChunkDecodeStage
 from charstream.stages.decode.stage import DecodeStage
 from charstream.stages.diffusion.batcher import StepBatcher
+from charstream.stages.diffusion.chunks import ChunkDiffusionStage
 from charstream.stages.diffusion.stage import DiffusionStage
 from charstream.stages.egress.mic import UserAudioQueue
 from charstream.stages.egress.stage import EgressStage, PeerLink
@@ -50,22 +54,26 @@ from charstream.stages.playout.stage import PlayoutStage
 from charstream.stages.shared.metrics import forget_processes
 from charstream.stages.shared.tracing import TurnRecord, TurnTracer
 
+if TYPE_CHECKING:
+    from charstream.model.families.base import ModelFamily
+
 
 def model_nodes(config: PipelineConfig, weights: str | None = "packaged", batcher: StepBatcher | None = None,
-                decode_batcher: DecodeBatcher | None = None) -> list[Node]:
+                decode_batcher: DecodeBatcher | None = None, family: ModelFamily | None = None,
+                portrait: np.ndarray | None = None) -> list[Node]:
     """The model stages (conditioning, diffusion, decode), each built from its config
     section. Their process groups: the caller's (``main``) for conditioning and for a stage with the
     process's shared ``batcher`` / ``decode_batcher``, else ``diffusion`` / ``decoder``; all three
     ``engine`` in ``placement = "engine"`` (the engine builds them itself, with its batchers).
 
-    The diffusion and decode stages run ``kv_ring`` families; a ``chunk_motion`` family (FlashHead) is
-    refused here with one line (its chunk stream, ``model/families/flashhead/chunks.py``, has no stages yet)."""
+    ``family``: the session's model (default: the one ``config.preset`` names). A ``chunk_motion`` family
+    (FlashHead) runs its chunk stages over one chunk stream made here from ``portrait`` (RGB uint8),
+    all three in the caller's process (``inproc``)."""
     from charstream.model.families import get_family
 
-    family = get_family(config.preset)
-    if family.generation_mode != "kv_ring":
-        raise ValueError(f"model {config.preset!r} generates {family.generation_mode}: the diffusion and decode "
-                         "stages serve kv_ring models (the characters presets) only")
+    family = family or get_family(config.preset)
+    if family.generation_mode == "chunk_motion":
+        return chunk_nodes(config, family, weights, portrait)
     model = {"preset": config.preset, "weights": weights}
     diffusion = Node("diffusion", DiffusionStage, dict(model, config=config.diffusion), group="diffusion")
     if batcher is not None:
@@ -80,10 +88,30 @@ def model_nodes(config: PipelineConfig, weights: str | None = "packaged", batche
     return nodes
 
 
+def chunk_nodes(config: PipelineConfig, family: ModelFamily, weights: str | None,
+                portrait: np.ndarray | None) -> list[Node]:
+    """Conditioning, diffusion and decode of a ``chunk_motion`` family: the family's audio conditioner, then
+    one chunk stream (``family.chunk_stream``) shared by the chunk diffusion and decode stages."""
+    if portrait is None:
+        raise ValueError(f"model {family.name!r} animates a portrait: give one (--portrait IMAGE)")
+    if config.placement != "inproc":
+        raise ValueError(f"model {family.name!r} runs inproc only so far, not placement {config.placement!r}")
+    weights = None if weights in (None, "random") else weights
+    seed = config.diffusion.seed
+    stream = family.chunk_stream(weights, portrait, config.diffusion.device, seed)
+    cfg = family.config
+    return [Node("conditioning", build_conditioning, {"preset": config.preset, "weights": weights,
+                                                      "config": config.conditioning, "seed": seed, "family": family}),
+            Node("diffusion", ChunkDiffusionStage, {"config": config.diffusion, "stream": stream,
+                                                    "token_shape": (cfg.latents_per_chunk, cfg.audio_tokens, cfg.dim)}),
+            Node("decode", ChunkDecodeStage, {"config": config.decode, "stream": stream})]
+
+
 def build_graph(config: PipelineConfig, output: PlayoutOutput, tracer: TurnTracer | None = None,
                 user_audio: UserAudioQueue | None = None, agent: AgentAdapter | None = None,
                 weights: str | None = "packaged", link: PeerLink | None = None,
-                batcher: StepBatcher | None = None, decode_batcher: DecodeBatcher | None = None) -> Graph:
+                batcher: StepBatcher | None = None, decode_batcher: DecodeBatcher | None = None,
+                family: ModelFamily | None = None, portrait: np.ndarray | None = None) -> Graph:
     """The session's stages and edges, each stage built from its config section. ``weights``: a
     weights file, ``"packaged"`` (the trained weights shipped for the preset, when present) or None
     (seeded random weights). The live objects — playout's ``output``, the ``tracer``, the user's
@@ -91,7 +119,7 @@ def build_graph(config: PipelineConfig, output: PlayoutOutput, tracer: TurnTrace
     ``link`` (None: no browser, e.g. a framework reads ``output``), the process's step ``batcher`` and
     its ``decode_batcher`` (then diffusion, or decode, runs in the caller's process too) — are handed to
     the nodes of the caller's process (group ``main``), never pickled."""
-    conditioning, diffusion, decode = model_nodes(config, weights, batcher, decode_batcher)
+    conditioning, diffusion, decode = model_nodes(config, weights, batcher, decode_batcher, family, portrait)
     nodes = [
         Node("ingest", IngestStage, {"config": config.ingest, "user_audio": user_audio, "adapter": agent,
                                      "tracer": tracer, "timeline": output.timeline}),
@@ -140,11 +168,13 @@ class LiveSession:
     def __init__(self, config: PipelineConfig, session_id: str, weights: str | None = "packaged",
                  on_turn: Callable[[TurnRecord], None] | None = None, *, peer: bool = True,
                  testcard: bool | Node = False, agent_hub: AgentHub | None = None,
-                 batcher: StepBatcher | None = None, decode_batcher: DecodeBatcher | None = None) -> None:
+                 batcher: StepBatcher | None = None, decode_batcher: DecodeBatcher | None = None,
+                 family: ModelFamily | None = None, portrait: np.ndarray | None = None) -> None:
         self.config = config
         self.session_id = session_id
         self.tracer = TurnTracer(session_id, config.tracing, on_turn=on_turn)
-        self.output = PlayoutOutput(config.playout.history_frames, timeline=config.timeline)  # the session's clock
+        timeline = family.timeline if family is not None else config.timeline  # the session's clock
+        self.output = PlayoutOutput(config.playout.history_frames, timeline=timeline)
         self.user_audio = UserAudioQueue(config.egress.user_audio_queue_frames)
         self.link = PeerLink() if peer else None
         self.push_adapter: PushAdapter | None = None
@@ -161,7 +191,7 @@ class LiveSession:
                 agent = ExternalAgent(config.ingest, session_id, hub=agent_hub)
                 self.agent_token = agent.token
             graph = build_graph(config, self.output, self.tracer, mic, agent, weights, self.link, batcher,
-                                decode_batcher)
+                                decode_batcher, family, portrait)
         self.runner = Session(graph, config, session_id, handle_signals=False)
         self.result: SessionResult | None = None
         self.done = asyncio.Event()

@@ -131,8 +131,8 @@ def test_audio_and_video_of_a_chunk_start_together_at_the_client(over_webrtc):
     assert max(abs(o) for o in offsets) <= 1 / 25, offsets
 
 
-def test_a_model_session_of_a_chunk_motion_family_is_refused_in_one_line():
+def test_a_flashhead_model_session_without_a_portrait_is_refused_in_one_line():
     from charstream.pipeline.session import model_nodes
 
-    with pytest.raises(ValueError, match="'flashhead-pro' generates chunk_motion"):
+    with pytest.raises(ValueError, match="'flashhead-pro' animates a portrait: give one"):
         model_nodes(PipelineConfig(preset="flashhead-pro"))

@@ -12,10 +12,13 @@ Why one object holds both the denoising and the motion re-encode: chunk n + 1 ca
 chunk n is decoded, so a chunk-motion session is serial by construction and nothing is gained by
 running its decode on another stage than its denoising; a feedback edge (decode -> diffusion) would
 add a cycle to the stage graph (its credits, its rollback) for no overlap. The stages call
-``denoise`` (diffusion) and ``decode`` (decode) on the one session object, in order.
+``denoise`` (diffusion) and ``decode`` (decode) on the one session object: ``denoise`` waits (on its
+worker thread) until the previous chunk's ``decode`` has set the motion latents.
 """
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import torch
@@ -50,11 +53,21 @@ class ChunkMotionStream:
             self.reference = vae.encode_motion(still).to(self.dtype)  # (1, C, latents, h, w), once per session
         self.colours: ColourReference = colour_reference(portrait.to(device))
         self.motion = self.reference[:, :, :cfg.motion_latents].clone()  # the first chunk continues the portrait
+        self.initial_motion = self.motion
         self.chunks = 0
+        self._decoded = threading.Event()  # the motion latents of the last chunk are in place
+        self._decoded.set()
+        self.closed = False
 
     @torch.no_grad()
-    def denoise(self, audio_tokens: np.ndarray | Tensor) -> Tensor:
-        """The next chunk's latents (1, C, latents, h, w) from its audio tokens (latents, tokens, d)."""
+    def denoise(self, audio_tokens: np.ndarray | Tensor, timeout: float | None = None) -> Tensor:
+        """The next chunk's latents (1, C, latents, h, w) from its audio tokens (latents, tokens, d), once the
+        previous chunk is decoded (its motion latents are this chunk's start)."""
+        if not self._decoded.wait(timeout):
+            raise TimeoutError(f"the previous chunk was not decoded within {timeout} s")
+        if self.closed:
+            raise RuntimeError("the chunk stream is closed")
+        self._decoded.clear()
         audio = torch.as_tensor(audio_tokens)[None].to(self.reference.device, self.dtype)
         return sample_chunk(self.model.dit, self.reference, audio, self.motion, self.generator)
 
@@ -67,5 +80,11 @@ class ChunkMotionStream:
         tail = match_colours(frames[:, :, -cfg.motion_frames:].float(), self.colours)
         self.motion = self.vae.encode_motion(tail).to(self.dtype)
         self.chunks += 1
+        self._decoded.set()
         new = frames[0, :, cfg.motion_frames:].float()  # (3, new, H, W)
         return ((new.permute(1, 2, 3, 0) + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).cpu().numpy()
+
+    def close(self) -> None:
+        """The session ends: a ``denoise`` waiting for a decode that will not come returns (raising)."""
+        self.closed = True
+        self._decoded.set()

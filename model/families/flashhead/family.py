@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from charstream.model.families.base import AudioConditioner, CheckpointReport, GenerationMode, ModelFamily
 from charstream.model.families.flashhead.config import VARIANTS, FlashHeadConfig
 from charstream.model.families.flashhead.loader import (
+    WAV_VAE,
     FlashHeadModel,
     inspect_folder,
     load_flashhead,
     used_shapes,
 )
 from charstream.timeline import Timeline
+
+if TYPE_CHECKING:
+    from charstream.model.families.flashhead.chunks import ChunkMotionStream
 
 
 class FlashHeadFamily(ModelFamily):
@@ -58,6 +64,33 @@ class FlashHeadFamily(ModelFamily):
         from charstream.model.families.flashhead.conditioner import ChunkSpeechEncoder
 
         # the adapter comes with the DiT's checkpoint; the DiT itself is dropped here (diffusion loads its own)
-        model = self.load(weights or "random", device, seed=seed)
+        model = self.load(_weights(weights), device, seed=seed)
         encoder = ChunkSpeechEncoder(self._config, model.speech, model.adapter)
         return AudioConditioner(encoder.encode, encoder.context_ms, 0.0)
+
+    def chunk_stream(self, weights: str | None, portrait: np.ndarray, device: str = "cpu", seed: int = 0) -> ChunkMotionStream:
+        """One session's chunk stream (``chunks.py``): the DiT and wav2vec2 of ``weights`` (a released folder,
+        or None / ``"random"``: seeded random weights of this config), the Wan VAE of the folder's
+        ``VAE_Wan/Wan2.1_VAE.pth`` (random: seeded), the ``portrait`` (RGB uint8) encoded once."""
+        from charstream.model.families.flashhead.chunks import ChunkMotionStream, portrait_tensor
+        from charstream.model.families.flashhead.vae_wan import WanVAE, load_wan_vae
+
+        if self.variant != "pro":
+            raise ValueError(f"{self.name}: only FlashHead Pro (the Wan2.1 VAE) streams chunks so far")
+        weights = _weights(weights)
+        model = self.load(weights, device, seed=seed)
+        if weights == "random":
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                vae = WanVAE().to(device).eval().requires_grad_(False)
+        else:
+            vae = load_wan_vae(Path(weights) / WAV_VAE, device)
+        cfg = self._config
+        return ChunkMotionStream(model, vae, portrait_tensor(portrait, cfg.height, cfg.width), seed)
+
+
+def _weights(weights: str | Path | None) -> str | Path:
+    """None is seeded random weights, as for every family; FlashHead ships no weights of its own."""
+    if weights == "packaged":
+        raise ValueError("FlashHead ships no weights: give its weights folder (Soul-AILab/SoulX-FlashHead) or 'random'")
+    return "random" if weights is None else weights

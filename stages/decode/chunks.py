@@ -1,0 +1,45 @@
+"""Decode for ``chunk_motion`` families (SoulX-FlashHead): ``Latents`` (one chunk's latents) -> ``VideoChunk``
+(its new frames + the chunk's audio span), by the session's chunk stream, which also re-encodes the chunk's
+last frames as the next chunk's motion latents (``model/families/flashhead/chunks.py``)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from charstream.stages.base import Stage, StageContext
+from charstream.stages.config import DecodeConfig, cpu_threads
+from charstream.stages.shared.worker import StageWorker
+from charstream.transport.messages import Latents, Message, VideoChunk
+
+
+class ChunkDecodeStage(Stage):
+    name = "decode"
+
+    def __init__(self, config: DecodeConfig, stream: Any) -> None:
+        self.stream = stream
+        self.worker = StageWorker("decode", cpu_threads(config.threads) if config.device == "cpu" else None)
+        self.decoded = 0
+        self.bad = 0
+        self.last_decode_s = 0.0
+
+    async def process(self, msg: Message, ctx: StageContext) -> None:
+        if not isinstance(msg, Latents) or not isinstance(msg.latents, np.ndarray) or msg.latents.ndim != 4:
+            self.bad += 1
+            ctx.log.error("decode_bad_latents", chunk=getattr(msg, "chunk", None),
+                          problem=f"expected (C, latents, h, w) latents, got {type(msg).__name__}")
+            return
+        import torch
+
+        started = time.perf_counter()
+        frames = await self.worker.run(self.stream.decode, torch.from_numpy(msg.latents)[None])
+        self.last_decode_s = time.perf_counter() - started
+        self.decoded += 1
+        msg.trace.stamp("decode_done")
+        await ctx.emit(VideoChunk(msg.session_id, msg.chunk, frames, msg.audio, msg.speaking, msg.epoch, msg.trace))
+
+    async def teardown(self) -> None:
+        self.stream.close()  # releases a denoise waiting for a decode that will not come
+        self.worker.close()

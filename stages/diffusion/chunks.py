@@ -1,0 +1,58 @@
+"""Diffusion for ``chunk_motion`` families (SoulX-FlashHead): ``Conditioning`` -> ``Latents``, one whole chunk
+(9 latents) denoised per message by the session's chunk stream (``model/families/flashhead/chunks.py``).
+
+The stream is shared with the decode stage: its ``denoise`` waits until the previous chunk is decoded,
+because that chunk's last frames, re-encoded, are this chunk's motion latents. Both stages therefore run
+in the session's process (group ``main``), where live objects are handed in, never pickled.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from charstream.stages.base import Stage, StageContext
+from charstream.stages.config import DiffusionConfig, cpu_threads
+from charstream.stages.shared.worker import StageWorker
+from charstream.transport.messages import Conditioning, Control, ControlKind, Latents, Message
+
+
+class ChunkDiffusionStage(Stage):
+    name = "diffusion"
+
+    def __init__(self, config: DiffusionConfig, stream: Any, token_shape: tuple[int, ...]) -> None:
+        self.stream = stream
+        self.token_shape = tuple(token_shape)  # (latents, audio tokens, d) a chunk
+        self.worker = StageWorker("diffusion", cpu_threads(config.threads) if config.device == "cpu" else None)
+        self.epoch = 0
+        self.generated = 0
+        self.bad = 0
+        self.last_step_s = 0.0
+
+    async def process(self, msg: Message, ctx: StageContext) -> None:
+        tokens = getattr(msg, "audio_tokens", None)
+        if not isinstance(msg, Conditioning) or not isinstance(tokens, np.ndarray) \
+                or tokens.shape != self.token_shape or not np.isfinite(tokens).all():
+            self.bad += 1
+            ctx.log.error("diffusion_bad_conditioning", chunk=getattr(msg, "chunk", None),
+                          problem=f"expected finite audio tokens {self.token_shape}, got "
+                                  f"{type(msg).__name__} {getattr(tokens, 'shape', None)}")
+            return
+        self.epoch = max(self.epoch, msg.epoch)
+        started = time.perf_counter()
+        latents = await self.worker.run(self.stream.denoise, tokens)
+        self.last_step_s = time.perf_counter() - started
+        self.generated += 1
+        msg.trace.stamp("diffusion_done")
+        await ctx.emit(Latents(msg.session_id, msg.chunk, latents[0].float().cpu().numpy(), msg.audio, msg.speaking,
+                               msg.epoch, msg.trace))
+
+    async def control(self, msg: Control, ctx: StageContext) -> None:
+        if msg.kind == ControlKind.ROLLBACK:  # the chunks to come carry the new epoch; the stream continues
+            self.epoch = max(self.epoch, msg.epoch)
+
+    async def teardown(self) -> None:
+        self.stream.close()  # releases a denoise waiting for a decode that will not come
+        self.worker.close()
