@@ -1,9 +1,12 @@
-"""argparse types the commands share: a bad value is a usage error naming the option, before anything starts."""
+"""argparse types and readers the commands share: a bad value is an error naming the option, before anything starts."""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import numpy as np
 
 from charstream.stages.config import check_port
 
@@ -49,3 +52,45 @@ def names(choices: Iterable[str]) -> Callable[[str], list[str]]:
         return parts
 
     return parse
+
+
+def read_portrait(path: str | Path) -> np.ndarray:
+    """The portrait a chunk-motion model animates: an image file (PNG, JPEG, ... as FFmpeg reads them) as RGB
+    uint8 (H, W, 3); a missing or unreadable file is a ValueError naming it."""
+    import av
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"--portrait {path}: no such file")
+    try:
+        with av.open(str(path)) as container:
+            frame = next(container.decode(video=0))
+            image = frame.to_ndarray(format="rgb24")
+    except (av.FFmpegError, StopIteration, ValueError) as e:
+        raise ValueError(f"--portrait {path}: not an image ({e or 'no picture in it'})") from None
+    if min(image.shape[:2]) < 16:
+        raise ValueError(f"--portrait {path}: {image.shape[1]}x{image.shape[0]} is too small for a face")
+    return image
+
+
+def model_choice(name: str, weights: str | None, portrait: str | None) -> tuple[str | None, np.ndarray | None]:
+    """``--model NAME --weights ... --portrait IMAGE`` checked together: the weights a session loads and the
+    portrait it animates (None for a model that animates none). A chunk-motion model (FlashHead) needs its
+    weights folder, checked from its file headers, or ``random``, and a portrait; a ValueError names what
+    is wrong."""
+    from charstream.model.families import get_family
+
+    family = get_family(name)
+    if family.generation_mode != "chunk_motion":
+        if portrait is not None:
+            raise ValueError(f"--portrait: model {name!r} animates its own character, not a portrait")
+        return weights, None
+    if weights in (None, "packaged"):
+        raise ValueError(f"--model {name} needs --weights DIR (its released folder) or --weights random")
+    if portrait is None:
+        raise ValueError(f"--model {name} needs --portrait IMAGE (the face it animates)")
+    if weights != "random":
+        report = family.inspect(weights)  # a missing or truncated file raises, naming it
+        if not report.ok:
+            raise ValueError(f"--weights {weights}: {report.problem()}")
+    return (None if weights == "random" else weights), read_portrait(portrait)

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
 from charstream.logs import configure_logging
@@ -42,6 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="conversation turns (default: the whole script; the built-in one has 4, "
                              "repeated when more are asked)")
     parser.add_argument("--preset", default="tiny", help="model preset (default: tiny)")
+    parser.add_argument("--model", default=None,
+                        help="model to run: a preset or a family (flashhead-pro: with --weights DIR|random and "
+                             "--portrait); overrides --preset")
+    parser.add_argument("--portrait", default=None, help="image of the face a portrait model (FlashHead) animates")
     parser.add_argument("--out", default="demo-out", help="output directory (default: ./demo-out)")
     parser.add_argument("--serve", action="store_true",
                         help="serve the web page and wait for a browser instead of the in-process client")
@@ -55,8 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--script", default=None,
                         help='JSON file: [{"user": "...", "agent": "...", "barge_in_after_s": null}, ...]')
     parser.add_argument("--weights", default="packaged",
-                        help="weights file, 'packaged' (the trained weights shipped for the preset, if any) "
-                             "or 'random' (seeded random weights)")
+                        help="weights file (presets) or released folder (FlashHead), 'packaged' (the trained weights "
+                             "shipped for the preset, if any) or 'random' (seeded random weights)")
     parser.add_argument("--timeout", type=float, default=None,
                         help="give up after this many seconds (default: 60 + 30 per turn)")
     parser.add_argument("--otel", default=None, choices=("none", "console", "otlp"),
@@ -80,6 +85,7 @@ class DemoPlan:
     weights: str | None
     weights_note: str
     out: Path
+    portrait: np.ndarray | None = None  # the face a portrait model animates
 
 
 class ClientThread:
@@ -116,11 +122,12 @@ class ClientThread:
 
 
 def plan(args: argparse.Namespace) -> DemoPlan:
-    from charstream.model.config import get_preset
+    from charstream.model.families import get_family
     from charstream.model.weights import packaged_weights
     from charstream.stages.agents.scripted import DEFAULT_SCRIPT
 
-    get_preset(args.preset)  # an unknown preset fails here, before anything starts
+    name = args.model or args.preset
+    get_family(name)  # an unknown model fails here, before anything starts
     if args.script:
         try:
             script = json.loads(Path(args.script).read_text(encoding="utf-8"))
@@ -136,13 +143,19 @@ def plan(args: argparse.Namespace) -> DemoPlan:
         raise ValueError("--turns must be at least 1")
     script = [script[i % len(script)] for i in range(turns)]
 
-    if args.weights == "random":
-        weights, note = None, f"seeded random weights for {args.preset!r} (asked for)"
+    portrait = None
+    if get_family(name).generation_mode == "chunk_motion":
+        weights, portrait = arguments.model_choice(name, args.weights, args.portrait)
+        note = f"{name}: weights {weights}" if weights else f"{name}: seeded random weights (asked for)"
+    elif args.portrait is not None:
+        raise ValueError(f"--portrait: model {name!r} animates its own character, not a portrait")
+    elif args.weights == "random":
+        weights, note = None, f"seeded random weights for {name!r} (asked for)"
     elif args.weights == "packaged":
-        path = packaged_weights(args.preset)
+        path = packaged_weights(name)
         weights = str(path) if path else None
         note = (f"trained weights {path}" if path else
-                f"seeded random weights: no trained {args.preset!r} weights ship with this package yet, "
+                f"seeded random weights: no trained {name!r} weights ship with this package yet, "
                 "so the character is noise that moves with the speech")
     else:
         if not Path(args.weights).is_file():
@@ -150,7 +163,7 @@ def plan(args: argparse.Namespace) -> DemoPlan:
         weights, note = args.weights, f"weights {args.weights}"
 
     out = Path(args.out)
-    config = PipelineConfig(preset=args.preset, placement=args.placement)
+    config = PipelineConfig(preset=name, placement=args.placement)
     if args.gpus:
         import torch
 
@@ -174,7 +187,7 @@ def plan(args: argparse.Namespace) -> DemoPlan:
     # Client reports are matched to released frames by index: keep 10 s of them, so a client that
     # lags on a busy machine still gets its turns stamped.
     config.playout.history_frames = 10 * config.timeline.fps
-    return DemoPlan(config, script, weights, note, out)
+    return DemoPlan(config, script, weights, note, out, portrait)
 
 
 class Progress:
@@ -291,7 +304,8 @@ async def run_demo(args: argparse.Namespace) -> int:
     if tracing.prometheus_port is not None:
         serve_metrics(tracing.prometheus_port, tracing.prometheus_host)
         print(f"metrics on http://{tracing.prometheus_host}:{tracing.prometheus_port}/metrics")
-    server = EgressServer(demo.config.egress, session_factory(demo.config, demo.weights, on_session))
+    server = EgressServer(demo.config.egress, session_factory(demo.config, demo.weights, on_session,
+                                                                   portrait=demo.portrait))
     url = await server.start()
     client = None
     timeout = args.timeout or 60 + 30 * len(demo.script)

@@ -28,6 +28,7 @@ import signal
 import tomllib
 from pathlib import Path
 
+import numpy as np
 import structlog
 
 from charstream.logs import configure_logging
@@ -46,6 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="what each session streams (default: the full pipeline)")
     parser.add_argument("--config", type=Path, help="PipelineConfig as TOML or JSON")
     parser.add_argument("--preset", help="model preset (overrides the config)")
+    parser.add_argument("--model", help="model to serve: a preset or a family (flashhead-pro: with --weights and "
+                                        "--portrait); overrides the config's preset")
+    parser.add_argument("--weights", help="the model's weights: a file (presets), its released folder (FlashHead) or "
+                                          "'random' (seeded random weights); default: the weights shipped, if any")
+    parser.add_argument("--portrait", help="image of the face a portrait model (FlashHead) animates, encoded once a session")
     parser.add_argument("--adapter", help="agent adapter: listening (the built-in agent, default) | zmq | scripted "
                                           "(overrides the config; Pipecat and LiveKit run charstream inside their "
                                           "own pipelines: docs/AGENTS.md)")
@@ -91,7 +97,9 @@ def load_config(args: argparse.Namespace) -> PipelineConfig:
         data = json.loads(text) if args.config.suffix == ".json" else tomllib.loads(text)
     if args.engine is not None and (args.gpus or args.batch_sessions is not None):
         raise ValueError("--engine: the engine's own --gpus and --batch-sessions apply, not serve's")
-    overrides = {"preset": args.preset, "ingest.adapter": args.adapter, "egress.host": args.host,
+    if args.model is not None and args.preset is not None:
+        raise ValueError("--model and --preset name the same thing: give one")
+    overrides = {"preset": args.model or args.preset, "ingest.adapter": args.adapter, "egress.host": args.host,
                  "egress.port": args.port, "egress.codec": args.codec, "diffusion.batch_sessions": args.batch_sessions,
                  "decode.batch_sessions": args.batch_sessions, "tracing.prometheus_port": args.metrics_port,
                  "tracing.prometheus_host": args.metrics_host, "engine_endpoint": args.engine,
@@ -115,7 +123,8 @@ def load_config(args: argparse.Namespace) -> PipelineConfig:
 
 
 def make_factory(source: str, config: PipelineConfig, out: Path | None = None,
-                 agent_hub: AgentHub | None = None) -> SessionFactory:
+                 agent_hub: AgentHub | None = None, weights: str | None = "packaged",
+                 portrait: np.ndarray | None = None) -> SessionFactory:
     from charstream.pipeline.session import LiveSession, session_factory
 
     reports: set[asyncio.Task] = set()
@@ -129,8 +138,8 @@ def make_factory(source: str, config: PipelineConfig, out: Path | None = None,
             reports.add(task)
             task.add_done_callback(reports.discard)
 
-    return session_factory(config, on_session=on_session, testcard=source == "testcard", out_dir=out,
-                           agent_hub=agent_hub)
+    return session_factory(config, weights, on_session=on_session, testcard=source == "testcard", out_dir=out,
+                           agent_hub=agent_hub, portrait=portrait)
 
 
 async def write_session_report(session, directory: Path) -> None:
@@ -150,7 +159,7 @@ async def write_session_report(session, directory: Path) -> None:
 
 
 async def serve(config: PipelineConfig, source: str, key: str | None, cluster: str | None = None,
-                out: Path | None = None) -> None:
+                out: Path | None = None, weights: str | None = "packaged", portrait: np.ndarray | None = None) -> None:
     configure_logging()
     tracing = config.tracing
     if tracing.prometheus_port is not None:  # before any session spawns its stage processes
@@ -162,7 +171,8 @@ async def serve(config: PipelineConfig, source: str, key: str | None, cluster: s
         if config.ingest.adapter == "zmq" and source == "pipeline":  # one agent socket for every session
             agent_hub = AgentHub(config.ingest)
             await agent_hub.start()
-        server = EgressServer(config.egress, make_factory(source, config, out, agent_hub), access_key=key)
+        server = EgressServer(config.egress, make_factory(source, config, out, agent_hub, weights, portrait),
+                              access_key=key)
     else:
         from charstream.pipeline.fleet.frontdoor import FrontDoor, join_cluster
 
@@ -190,7 +200,10 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(args)
         if args.out is not None and args.cluster is not None:
             raise ValueError("--out writes the sessions of this host; with --cluster they run on the nodes")
-        asyncio.run(serve(config, args.source, args.key, args.cluster, args.out))
+        weights, portrait = arguments.model_choice(config.preset, args.weights or "packaged", args.portrait)
+        if portrait is not None and args.cluster is not None:
+            raise ValueError(f"--cluster: model {config.preset!r} is served on this host only so far")
+        asyncio.run(serve(config, args.source, args.key, args.cluster, args.out, weights, portrait))
     except ModuleNotFoundError as e:
         if e.name != "ray":
             raise

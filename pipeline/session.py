@@ -248,13 +248,14 @@ class LiveSession:
 def session_factory(config: PipelineConfig, weights: str | None = "packaged",
                     on_session: Callable[[LiveSession], Any] | None = None,
                     testcard: bool | Node = False, out_dir: Path | None = None,
-                    agent_hub: AgentHub | None = None) -> SessionFactory:
+                    agent_hub: AgentHub | None = None, portrait: np.ndarray | None = None) -> SessionFactory:
     """An egress ``SessionFactory``: each new peer gets its own ``LiveSession``. Its trace goes to
     ``out_dir/<session>/trace.jsonl`` when ``out_dir`` is given, else to the config's file (own
     name when several sessions share a config: ``<stem>-<session>.jsonl`` after the first).
     ``factory.sessions`` holds the running ones by session id. With ``diffusion.batch_sessions`` > 1
     its sessions share one model and batch their diffusion steps (``factory.batcher``); with
-    ``decode.batch_sessions`` > 1 one decoder and their chunks (``factory.decode_batcher``). Sets the
+    ``decode.batch_sessions`` > 1 one decoder and their chunks (``factory.decode_batcher``). ``portrait``:
+    the face a portrait model (FlashHead) animates, each session encoding it once. Sets the
     process's GIL switch interval (``config.gil_switch_interval_ms``): its sessions' threads share it;
     imports what its sessions run and freezes the heap (``config.freeze_heap``, ``pipeline/runtime/heap.py``)."""
     config.apply_gil_switch_interval()
@@ -281,7 +282,7 @@ def session_factory(config: PipelineConfig, weights: str | None = "packaged",
             session_config.tracing.jsonl_path = f"{stem}-{session_id}.{ext}" if stem else f"{path}-{session_id}"
         started += 1
         session = LiveSession(session_config, session_id, weights, testcard=testcard, agent_hub=agent_hub,
-                              batcher=batcher, decode_batcher=decode_batcher)
+                              batcher=batcher, decode_batcher=decode_batcher, portrait=portrait)
         sessions[session_id] = session
         session.start()
         session._task.add_done_callback(lambda _: sessions.pop(session_id, None))
