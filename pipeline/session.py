@@ -119,6 +119,9 @@ def build_graph(config: PipelineConfig, output: PlayoutOutput, tracer: TurnTrace
     ``link`` (None: no browser, e.g. a framework reads ``output``), the process's step ``batcher`` and
     its ``decode_batcher`` (then diffusion, or decode, runs in the caller's process too) — are handed to
     the nodes of the caller's process (group ``main``), never pickled."""
+    from charstream.model.families import get_family
+
+    family = family or get_family(config.preset)
     conditioning, diffusion, decode = model_nodes(config, weights, batcher, decode_batcher, family, portrait)
     nodes = [
         Node("ingest", IngestStage, {"config": config.ingest, "user_audio": user_audio, "adapter": agent,
@@ -127,7 +130,8 @@ def build_graph(config: PipelineConfig, output: PlayoutOutput, tracer: TurnTrace
         diffusion,
         decode,
         Node("playout", PlayoutStage, {"config": config.playout, "output": output, "tracer": tracer,
-                                       "timeline": output.timeline}),
+                                       "timeline": output.timeline,
+                                       "whole_chunks": family.generation_mode == "chunk_motion"}),
     ]
     edges = [
         Edge("ingest", "conditioning"),

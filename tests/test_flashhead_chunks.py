@@ -68,3 +68,18 @@ def test_audio_tokens_move_the_chunk_and_a_bad_portrait_is_refused(parts):
     assert (chunks[0][:, :, 2:] - chunks[1][:, :, 2:]).abs().mean() > 1e-4
     with pytest.raises(ValueError, match="RGB uint8"):
         portrait_tensor(np.zeros((8, 8), np.uint8), 32, 32)
+
+
+def test_a_regenerated_chunk_continues_the_chunk_before_it_not_the_dropped_ones(parts):
+    """After a rollback to chunk 1 (chunk 2 decoded, then dropped at playout), chunk 2 is made again from
+    the motion latents chunk 1 left."""
+    model, vae = parts
+    stream = ChunkMotionStream(model, vae, portrait_tensor(portrait(), 32, 32), seed=4)
+    tokens = np.random.default_rng(3).normal(size=(9, SMALL.audio_tokens, SMALL.dim)).astype(np.float32)
+    left = {}
+    for chunk in range(3):
+        stream.decode(stream.denoise(tokens, chunk), chunk)
+        left[chunk] = stream.motion.clone()
+    assert not torch.allclose(left[1], left[2], atol=1e-3)
+    again = stream.denoise(tokens, 2)
+    assert torch.equal(again[:, :, :2], left[1])

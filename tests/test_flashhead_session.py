@@ -44,8 +44,8 @@ def test_flashhead_session_through_every_stage():
         used: list[torch.Tensor] = []  # the motion latents each chunk started from
         denoise = stream.denoise
 
-        def recording(tokens, timeout=None):
-            latents = denoise(tokens, timeout)
+        def recording(tokens, chunk=None, timeout=None):
+            latents = denoise(tokens, chunk, timeout)
             used.append(latents[:, :, :SMALL.motion_latents].clone())
             return latents
 

@@ -136,3 +136,20 @@ def test_a_flashhead_model_session_without_a_portrait_is_refused_in_one_line():
 
     with pytest.raises(ValueError, match="'flashhead-pro' animates a portrait: give one"):
         model_nodes(PipelineConfig(preset="flashhead-pro"))
+
+
+@pytest.mark.parametrize("ready, expected", [(2, (0, 26, 0)), (30, (1, 27, 0)), (28, (0, 26, 0))])
+def test_a_chunk_motion_turn_replaces_whole_chunks(ready, expected):
+    """Speech placed for a chunk-motion model starts at a chunk boundary: the next one at or after the
+    frame its first chunk reaches (28-frame chunks; chunk 25 on screen at its first frame, 26.. buffered)."""
+    from charstream.stages.playout.onset import Onset, Playhead, place_speech
+    from charstream.stages.playout.speech_estimate import Estimate
+    from charstream.transport.messages import TurnStartPayload
+
+    step_s = 0.5 / FLASHHEAD.fps
+    estimate = Estimate(starts_s=(ready - 0.5) / FLASHHEAD.fps - step_s, step_s=step_s, delivery_s=0.0, allowance_s=0.0)
+    playhead = Playhead(t0=0.0, next_index=100, on_screen=25, position=0, next_chunk=26, buffered=3, timeline=FLASHHEAD)
+    turn_start = TurnStartPayload(earliest_chunk=None, last_emit_at=None, encode_s=0.0)
+    frame_placed = place_speech(estimate, turn_start, playhead, 100 / FLASHHEAD.fps)
+    assert frame_placed.onset == ready % 28 and frame_placed.onset < 28
+    assert place_speech(estimate, turn_start, playhead, 100 / FLASHHEAD.fps, whole_chunks=True) == Onset(*expected, estimate)

@@ -34,7 +34,7 @@ class ChunkDecodeStage(Stage):
         import torch
 
         started = time.perf_counter()
-        frames = await self.worker.run(self.stream.decode, torch.from_numpy(msg.latents)[None])
+        frames = await self.worker.run(self.stream.decode, torch.from_numpy(msg.latents)[None], msg.chunk)
         self.last_decode_s = time.perf_counter() - started
         self.decoded += 1
         msg.trace.stamp("decode_done")

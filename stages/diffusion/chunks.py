@@ -42,7 +42,7 @@ class ChunkDiffusionStage(Stage):
             return
         self.epoch = max(self.epoch, msg.epoch)
         started = time.perf_counter()
-        latents = await self.worker.run(self.stream.denoise, tokens)
+        latents = await self.worker.run(self.stream.denoise, tokens, msg.chunk)
         self.last_step_s = time.perf_counter() - started
         self.generated += 1
         msg.trace.stamp("diffusion_done")

@@ -69,8 +69,9 @@ class PlayoutStage(Stage):
     control_during_process = True  # a turn start must not wait behind a chunk waiting for room
 
     def __init__(self, config: PlayoutConfig, output: PlayoutOutput | None = None,
-                 tracer: TurnTracer | None = None, timeline: Timeline = CHARACTERS) -> None:
+                 tracer: TurnTracer | None = None, timeline: Timeline = CHARACTERS, whole_chunks: bool = False) -> None:
         self.config = config
+        self.whole_chunks = whole_chunks  # speech replaces whole chunks (chunk-motion models: onset.py)
         # What egress reads; the session hands in the one it serves (None: a fresh one of our own).
         self.output = output if output is not None else PlayoutOutput(config.history_frames, timeline=timeline)
         if self.output.timeline != timeline:
@@ -192,7 +193,7 @@ class PlayoutStage(Stage):
         playhead = Playhead(t0, self.output.next_index, None if playing is None else playing.chunk, clock.position,
                             playing.chunk + 1 if playing is not None else clock.buffer[0].chunk, len(clock.buffer),
                             self.timeline)
-        return place_speech(estimate, turn_start, playhead, time.monotonic())
+        return place_speech(estimate, turn_start, playhead, time.monotonic(), self.whole_chunks)
 
     async def rollback(self, ctx: StageContext, reason: ControlKind = ControlKind.TURN_START,
                        place: Onset | None = None) -> Control:

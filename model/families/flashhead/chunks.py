@@ -14,11 +14,16 @@ running its decode on another stage than its denoising; a feedback edge (decode 
 add a cycle to the stage graph (its credits, its rollback) for no overlap. The stages call
 ``denoise`` (diffusion) and ``decode`` (decode) on the one session object: ``denoise`` waits (on its
 worker thread) until the previous chunk's ``decode`` has set the motion latents.
+
+A turn start or barge-in drops the unplayed chunks at playout and regenerates from the chunk after the
+last one played: the motion latents after each of the last ``KEEP_MOTION`` decoded chunks are kept by
+chunk index, so the regenerated chunk continues the frames on screen, not the dropped ones.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -28,6 +33,8 @@ from charstream.model.families.flashhead.colour import ColourReference, colour_r
 from charstream.model.families.flashhead.loader import FlashHeadModel
 from charstream.model.families.flashhead.sampler import sample_chunk
 from charstream.model.families.flashhead.vae_wan import WanVAE
+
+KEEP_MOTION = 16  # chunks whose motion latents are kept: more than playout holds unplayed
 
 
 def portrait_tensor(image: np.ndarray, height: int, width: int) -> Tensor:
@@ -55,30 +62,38 @@ class ChunkMotionStream:
         self.motion = self.reference[:, :, :cfg.motion_latents].clone()  # the first chunk continues the portrait
         self.initial_motion = self.motion
         self.chunks = 0
+        self._motion_after: OrderedDict[int, Tensor] = OrderedDict()  # chunk -> the motion latents it left
         self._decoded = threading.Event()  # the motion latents of the last chunk are in place
         self._decoded.set()
         self.closed = False
 
     @torch.no_grad()
-    def denoise(self, audio_tokens: np.ndarray | Tensor, timeout: float | None = None) -> Tensor:
-        """The next chunk's latents (1, C, latents, h, w) from its audio tokens (latents, tokens, d), once the
-        previous chunk is decoded (its motion latents are this chunk's start)."""
+    def denoise(self, audio_tokens: np.ndarray | Tensor, chunk: int | None = None, timeout: float | None = None) -> Tensor:
+        """Chunk ``chunk``'s latents (1, C, latents, h, w) from its audio tokens (latents, tokens, d), once the
+        last chunk given is decoded; it starts from the motion latents chunk ``chunk - 1`` left (after a
+        rollback, an earlier chunk than the last decoded), else from the last ones."""
         if not self._decoded.wait(timeout):
             raise TimeoutError(f"the previous chunk was not decoded within {timeout} s")
         if self.closed:
             raise RuntimeError("the chunk stream is closed")
         self._decoded.clear()
+        if chunk is not None:
+            self.motion = self._motion_after.get(chunk - 1, self.motion)
         audio = torch.as_tensor(audio_tokens)[None].to(self.reference.device, self.dtype)
         return sample_chunk(self.model.dit, self.reference, audio, self.motion, self.generator)
 
     @torch.no_grad()
-    def decode(self, latents: Tensor) -> np.ndarray:
+    def decode(self, latents: Tensor, chunk: int | None = None) -> np.ndarray:
         """The chunk's new frames, uint8 (new_frames_per_chunk, H, W, 3); its last frames become the next
         chunk's motion latents."""
         cfg = self.cfg
         frames = self.vae.decode_chunk(latents.to(self.vae.post_quant_conv.weight.dtype))  # (1, 3, F, H, W)
         tail = match_colours(frames[:, :, -cfg.motion_frames:].float(), self.colours)
         self.motion = self.vae.encode_motion(tail).to(self.dtype)
+        if chunk is not None:
+            self._motion_after[chunk] = self.motion
+            while len(self._motion_after) > KEEP_MOTION:
+                self._motion_after.popitem(last=False)
         self.chunks += 1
         self._decoded.set()
         new = frames[0, :, cfg.motion_frames:].float()  # (3, new, H, W)
