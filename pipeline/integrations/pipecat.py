@@ -13,7 +13,7 @@ service (HeyGen, Tavus, Simli) and with their lifecycle: the charstream session 
   ``BotStartedSpeakingFrame`` / ``BotStoppedSpeakingFrame`` when the character's speech is heard.
 - video: each frame's ``OutputImageRawFrame`` goes first, ``sync_with_audio`` set, so the transport
   shows it when the audio before it has been sent; image and audio carry the same ``pts`` (the
-  frame's place on charstream's 24 fps output timeline, on the pipeline clock).
+  frame's place on charstream's output timeline at the session's fps, on the pipeline clock).
 - ``UserStartedSpeakingFrame`` / ``UserStoppedSpeakingFrame`` → the user's turn as Pipecat decided
   it; its end is back-dated by the VAD's ``stop_secs`` (``VADUserStoppedSpeakingFrame``), as
   Pipecat's ``UserBotLatencyObserver`` does. User speech alone interrupts nothing.
