@@ -21,7 +21,7 @@ from charstream.transport.channel import CREDIT, DATA, HELLO, SLOT, PeerDeadErro
 from charstream.transport.codec import encode
 from charstream.transport.config import TransportConfig
 from charstream.transport.messages import Conditioning
-from charstream.transport.slots import MEMFD_NAME, SEALS, SlotBlock
+from charstream.transport.slots import SEALS, SlotBlock, mapped_blocks
 
 SPAWN = multiprocessing.get_context("spawn")
 MB = 1 << 20
@@ -29,12 +29,6 @@ MB = 1 << 20
 
 def cond(i: int, floats: int) -> Conditioning:
     return Conditioning("s", i, np.full(floats, i, np.float32), np.arange(8, dtype=np.int16), False)
-
-
-def mapped_blocks(pid: int | str = "self") -> int:
-    """Mappings of slot blocks in a process (a memfd has no name in /dev/shm to look for)."""
-    with open(f"/proc/{pid}/maps") as f:
-        return sum(f"/memfd:{MEMFD_NAME}" in line for line in f)
 
 
 def test_large_arrays_cross_in_slots_and_outlive_slot_reuse(tmp_path):

@@ -106,6 +106,12 @@ class SlotBlock:
         self._finalizer()
 
 
+def mapped_blocks(pid: int | str = "self") -> int:
+    """Slot blocks mapped in a process (a memfd has no name in /dev/shm to count): for leak checks."""
+    with open(f"/proc/{pid}/maps") as f:
+        return sum(f"/memfd:{MEMFD_NAME}" in line for line in f)
+
+
 def peer_pid(peer_address: str | None) -> int | None:
     """The pid in a ZeroMQ ipc ``Peer-Address`` property (``host:uid:gid:pid``), else None."""
     fields = (peer_address or "").rsplit(":", 3)
