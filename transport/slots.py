@@ -90,7 +90,8 @@ class SlotBlock:
         """Copy ``buffers`` into ``slot``; the reference frame, or None if memory for it ran out."""
         if not self._reserved[slot]:
             try:
-                # Touching a page that shmem cannot back is SIGBUS, not an exception: reserve first.
+                # A page that shmem cannot back is SIGBUS or the OOM killer on first touch, not an
+                # exception: reserve the slot first (ENOMEM here means inline sending).
                 os.posix_fallocate(self.fd, slot * self.slot_bytes, self.slot_bytes)
             except OSError:
                 return None
