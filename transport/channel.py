@@ -59,8 +59,12 @@ class ChannelError(RuntimeError):
 
     def __init__(self, problem: str, channel: str, peer: str = "?") -> None:
         super().__init__(f"channel {channel!r}, peer {peer!r}: {problem}")
+        self.problem = problem
         self.channel = channel
         self.peer = peer
+
+    def __reduce__(self):  # pickled by its fields: it crosses processes (a spawned consumer's result)
+        return type(self), (self.problem, self.channel, self.peer)
 
 
 class PeerDeadError(ChannelError):
