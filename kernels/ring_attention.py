@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from charstream.kernels.fp8 import FP8_MAX, dequantise, is_fp8
+from charstream.kernels.fp8 import FP8_MAX, dequantize, is_fp8
 
 
 def ring_attention_reference(
@@ -32,8 +32,8 @@ def ring_attention_reference(
     tokens_per_frame: int,
 ) -> torch.Tensor:
     _check_layout(k_cache, ring_valid, sink_slots, tokens_per_frame)
-    k = dequantise(k_cache, k_scale[:, None, None])
-    v = dequantise(v_cache, v_scale[:, None, None])
+    k = dequantize(k_cache, k_scale[:, None, None])
+    v = dequantize(v_cache, v_scale[:, None, None])
     slot_valid = torch.cat(
         [torch.ones(sink_slots, dtype=torch.bool, device=q.device), ring_valid.repeat_interleave(tokens_per_frame)]
     )
@@ -121,7 +121,7 @@ def _ring_attention_kernel(
     # part_o/part_lse, slot 2 x program + 0 for a program's first piece and + 1 for its last, for
     # _ring_attention_merge_kernel. FP8 K/V stay FP8 in memory: the per-head K scale folds into the
     # softmax scale and the V scale into the output; the products run in fp16, to which e4m3
-    # widens exactly (bf16 costs several instructions per value); QK_FP8 instead quantises each
+    # widens exactly (bf16 costs several instructions per value); QK_FP8 instead quantizes each
     # query row to e4m3 and multiplies FP8 x FP8, K untouched.
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
@@ -306,7 +306,7 @@ def _gather_window_kernel(
     D: tl.constexpr, BLOCK_S: tl.constexpr, QUANT: tl.constexpr,
 ):
     # Output slot j: the sink for j < sink_slots, else token (j - sink) % T of the ring frame at
-    # position frame_order[(j - sink) // T]; dequantised to the output dtype (bf16), or (QUANT off
+    # position frame_order[(j - sink) // T]; dequantized to the output dtype (bf16), or (QUANT off
     # over an FP8 ring: an FP8 window) the codes copied.
     head = tl.program_id(1)
     j = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -337,7 +337,7 @@ def gather_window(
     tokens_per_frame: int,
     out: tuple[torch.Tensor, torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dequantise the sink + the ring frames at positions ``frame_order`` (int32 device tensor) into
+    """Dequantize the sink + the ring frames at positions ``frame_order`` (int32 device tensor) into
     contiguous (n_heads, sink + len(order) * T, head_dim) K and V buffers ``out``: one launch. FP8
     ``out`` buffers get the ring's codes as they are (the FP8 window attention applies the scales)."""
     k_out, v_out = out
@@ -368,7 +368,7 @@ def ring_attention_gathered(
     out: torch.Tensor,
 ) -> torch.Tensor:
     """The same attention through PyTorch's cuDNN SDPA: the attended frames (every one valid, listed by
-    ring position in ``frame_order``) are first dequantised into the contiguous bf16 ``window``
+    ring position in ``frame_order``) are first dequantized into the contiguous bf16 ``window``
     buffers. On an H200 this beat every in-place Triton variant (docs/gpu-notes.md); it needs a
     full, mask-free window, so the in-place kernel serves the first frames of a session. (The serving
     step keeps each layer's window current instead of gathering it per call: ``window_attention``.)"""

@@ -18,7 +18,7 @@ position reset, the TP group) is shared:
     adaln_quant     residual x += gate * out (previous block), LayerNorm, adaLN, FP8 rows   1 launch
     w_in            FP8 GEMM -> fused [q | k | v | cross-q | mlp-up]                       1 launch
     ring_write_prep QK-norms, RoPE(q) in place, RoPE(k) + FP8 + ring write of K and V (and,
-                    gathered, their dequantised copy into the layer's attention window),
+                    gathered, their dequantized copy into the layer's attention window),
                     cross-q norm in place, saturation count; RoPE from one table per step 1 launch
     attention       q over sink + valid ring: in place over the FP8 ring while the window
                     fills, written over the spent v columns, then cuDNN SDPA over the
@@ -248,7 +248,7 @@ class DiffusionStep:
         self.level_index = {sigma: i for i, sigma in enumerate(cfg.noise_levels)}
         self.x = torch.zeros(t, cfg.dim, dtype=dtype, device=dev)  # the residual stream
         # The gathered attention (CUDA: cuDNN) once the window is full reads every layer's window
-        # dequantised into contiguous bf16: the sink, then frame f at window position f % window_frames.
+        # dequantized into contiguous bf16: the sink, then frame f at window position f % window_frames.
         # Each pass's ring write also writes its frame there, so the window is gathered from the ring
         # (one launch per layer) only when the cache's history was rewritten since it last mirrored it.
         self.prefer_gathered = prefer_gathered and dev.type == "cuda"

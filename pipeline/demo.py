@@ -47,9 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--serve", action="store_true",
                         help="serve the web page and wait for a browser instead of the in-process client")
     parser.add_argument("--port", type=arguments.port, default=8080, help="HTTP port with --serve (default: 8080)")
-    parser.add_argument("--placement", default="inproc", choices=("inproc", "processes"),
+    parser.add_argument("--hosting", default="inproc", choices=("inproc", "processes"),
                         help="inproc: every stage in this process (default); processes: diffusion and decode "
                              "in processes of their own")
+    arguments.renamed(parser, "--placement", "--hosting")
     parser.add_argument("--gpus", metavar="LAYOUT", default=None,
                         help="GPU layout: diffusion TP ranks + decoder, e.g. 1 (one GPU for both), 3+1 "
                              "(pipeline/runtime/layouts.py); stages in processes of their own")
@@ -151,7 +152,7 @@ def plan(args: argparse.Namespace) -> DemoPlan:
         weights, note = args.weights, f"weights {args.weights}"
 
     out = Path(args.out)
-    config = PipelineConfig(preset=args.preset, placement=args.placement)
+    config = PipelineConfig(preset=args.preset, hosting=args.hosting)
     if args.gpus:
         import torch
 

@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "from config: 1 = off)")
     parser.add_argument("--engine", metavar="ENDPOINT",
                         help="host each session's model stages in the model engine running at ENDPOINT "
-                             "(`charstream engine`, placement engine: its devices and batching)")
+                             "(`charstream engine`, hosting engine: its devices and batching)")
     parser.add_argument("--cluster", metavar="ADDRESS",
                         help="front door of a fleet: run each session on a node of this Ray cluster "
                              "('auto': the cluster this host belongs to); needs charstream[fleet]")
@@ -95,7 +95,7 @@ def load_config(args: argparse.Namespace) -> PipelineConfig:
                  "egress.port": args.port, "egress.codec": args.codec, "diffusion.batch_sessions": args.batch_sessions,
                  "decode.batch_sessions": args.batch_sessions, "tracing.prometheus_port": args.metrics_port,
                  "tracing.prometheus_host": args.metrics_host, "engine_endpoint": args.engine,
-                 "placement": None if args.engine is None else "engine"}
+                 "hosting": None if args.engine is None else "engine"}
     for key, value in overrides.items():
         if value is not None:
             _override(data, key, value)

@@ -67,7 +67,7 @@ class DiffusionConfig:
     fp8_cache: bool | None = None  # FP8 e4m3 ring; None: on CUDA devices (the CPU keeps the model's dtype)
     threads: int | None = None  # CPU intra-op threads; None: half the cores (decode runs beside it)
     graphed_step: bool = True  # CUDA: the fused FP8 step as CUDA graphs, on every TP rank (model/step.py)
-    gathered_attention: bool | None = None  # full window: dequantise + cuDNN SDPA; None = step.GATHERED_BY_DEFAULT
+    gathered_attention: bool | None = None  # full window: dequantize + cuDNN SDPA; None = step.GATHERED_BY_DEFAULT
     # the full window's attention in FP8 (cuDNN's FP8 SDPA over the ring's codes; needs nvidia-cudnn-frontend
     # and an FP8 ring on CUDA): faster, with e4m3 queries, probabilities and output (docs/PERF.md, issue 14)
     fp8_window_attention: bool = False

@@ -55,7 +55,7 @@ def test_counter_memsets_move_beside_our_kernels_and_the_replay_is_unchanged():
     assert memsets, "no memset captured: cuBLASLt's kernel for this shape no longer asks one (the step's premise)"
     preceding = {n: gm._edges(n, "cuGraphNodeGetDependencies") for n in memsets}
     moved = gm.hoist_counter_memsets(hoisted)
-    assert moved == len(memsets)  # each follows one of our row quantisations
+    assert moved == len(memsets)  # each follows one of our row quantizations
     for node, (ours,) in preceding.items():
         # no longer after our kernel, but after what preceded it; the GEMM after both
         assert ours not in gm._edges(node, "cuGraphNodeGetDependencies")

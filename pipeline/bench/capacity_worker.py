@@ -116,7 +116,7 @@ def run_worker(endpoint: str, name: str, config: PipelineConfig, weights: str | 
 
 def device_info(config: PipelineConfig, weights: str | None) -> dict[str, Any]:
     """torch's version, the weights and the sessions' device, initialised now (not in the first session's setup)."""
-    if config.placement == "engine":  # the model stages, and CUDA, are the engine's
+    if config.hosting == "engine":  # the model stages, and CUDA, are the engine's
         return {"device": f"engine at {config.engine_endpoint}"}
     import torch
 
@@ -199,7 +199,7 @@ class Worker:
         snapshot["loop_lag"] = self.lag.summary()
         snapshot["live_sessions"] = len(self.factory.sessions)
         torch = sys.modules.get("torch")  # imported by the stages or the VAD, or not at all
-        snapshot["cuda_context"] = bool(torch is not None and torch.cuda.is_initialized())  # engine placement: False
+        snapshot["cuda_context"] = bool(torch is not None and torch.cuda.is_initialized())  # engine hosting: False
         return snapshot
 
 

@@ -22,7 +22,7 @@ import ray
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.runtime.layouts import apply_layout
 from charstream.pipeline.serve import make_factory
-from charstream.pipeline.web.server import EgressServer, PeerSession
+from charstream.pipeline.web.server import EgressServer, Peer
 
 FPS_SCAN_S = 0.25  # playout keeps 30 s of frame records: scanned well within that
 
@@ -32,7 +32,7 @@ class SessionHost:
         self.config = config
         self.source = source
         self.server: EgressServer | None = None
-        self.peer: PeerSession | None = None
+        self.peer: Peer | None = None
         self._fresh_frames = 0
         self._scanned_to = 0
         self._scanner: asyncio.Task | None = None

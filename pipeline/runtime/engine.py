@@ -2,7 +2,7 @@
 
     charstream engine --bind ipc:///tmp/charstream-engine.sock --preset tiny --gpus 1 --batch-sessions 16 [--metrics-port 9465]
 
-A session in ``placement = "engine"`` keeps its event loop work (ingest, playout, WebRTC egress) in
+A session in ``hosting = "engine"`` keeps its event loop work (ingest, playout, WebRTC egress) in
 its front-end process and asks the engine to host its model group -- conditioning (the audio
 encoder), diffusion and decode (``pipeline.session.model_nodes``), the stages ``pipeline/runtime/layouts.py``
 puts on a GPU -- so the GPU work of every session runs in this one process: one CUDA context (the
@@ -86,7 +86,7 @@ def engine_session_config(engine: PipelineConfig, session: PipelineConfig, weigh
                            f"{engine.diffusion.seed}, not {session.diffusion.seed}")
     ed, dd = engine.diffusion, engine.decode
     return dataclasses.replace(
-        session, placement="engine",
+        session, hosting="engine",
         conditioning=dataclasses.replace(session.conditioning, device=engine.conditioning.device,
                                          graphed=engine.conditioning.graphed),
         diffusion=dataclasses.replace(session.diffusion, tp=ed.tp, device=ed.device, devices=list(ed.devices),
@@ -143,7 +143,7 @@ def _keys(value: Any) -> CurveKeys | None:
 
 
 @dataclass
-class _Hosted:
+class _HostedGroup:
     """One session's model group in this engine."""
 
     identity: bytes  # its front-end's link (ROUTER identity)
@@ -190,7 +190,7 @@ class Engine:
         self.batcher = StepBatcher(config.diffusion, config.preset, weights) if config.diffusion.batch_sessions > 1 else None
         self.decode_batcher = (DecodeBatcher(config.decode, config.preset, weights, config.diffusion.seed)
                                if config.decode.batch_sessions > 1 else None)
-        self.hosted: dict[bytes, _Hosted] = {}
+        self.hosted: dict[bytes, _HostedGroup] = {}
         self.served = 0  # sessions hosted and ended
         self.lag = LoopLag()
         self.log = get_logger(component="engine")
@@ -315,14 +315,14 @@ class Engine:
         keys = _keys(request.get("keys"))
         spec = GroupSpec(ENGINE_GROUP, session_id, [available[n] for n in names], inputs, outputs, control, config, keys)
         transport = Transport(config.transport, keys)
-        entry = _Hosted(identity, session_id, GroupRun(spec, transport, anyio.Event(), build_in_thread=True), transport,
+        entry = _HostedGroup(identity, session_id, GroupRun(spec, transport, anyio.Event(), build_in_thread=True), transport,
                         config.transport.dead_after_s, time.monotonic())
         self.hosted[identity] = entry
         self._tg.start_soon(self._run_hosted, entry)
         self.log.info("engine_hosting", session_id=session_id, stages=names, hosted=len(self.hosted))
         return {"pid": os.getpid(), "hosted": len(self.hosted)}
 
-    async def _run_hosted(self, hosted: _Hosted) -> None:
+    async def _run_hosted(self, hosted: _HostedGroup) -> None:
         group = hosted.group
         try:
             await group.run()

@@ -2,10 +2,10 @@
 
 A ``Graph`` names nodes (the stage's class or factory + its kwargs, and a process group; a spawned
 process gets the node pickled, so its class and kwargs must pickle — classes do, by reference) and edges (from, to, capacity, optionally the message types they carry).
-``run_session(graph, config, session_id)`` runs it and returns a ``SessionResult``; ``Session``
+``run_session(graph, config, session_id)`` runs it and returns a ``SessionResult``; ``SessionRunner``
 does the same with a ``stop()`` and the ids of its processes.
 
-Placement (``config.placement``): ``inproc`` runs every node in this process over inproc://;
+Hosting (``config.hosting``): ``inproc`` runs every node in this process over inproc://;
 ``processes`` runs group ``"main"`` here and spawns one process per other group, with ipc://
 (or tcp://, ``config.transport.cross_process``) between processes and inproc:// inside each;
 ``engine``: group ``"engine"`` is hosted by a running model engine (``pipeline/runtime/engine.py``,
@@ -53,8 +53,8 @@ from charstream.transport.messages import Control, ControlKind, Message
 from charstream.transport.security import CurveKeys, curve_required
 from charstream.transport.supervisor import Child, Supervisor, describe_exit
 
-LOCAL_GROUP = "main"  # in "processes" placement, this group runs in the caller's process
-ENGINE_GROUP = "engine"  # in "engine" placement, the model engine process hosts this group (pipeline/runtime/engine.py)
+LOCAL_GROUP = "main"  # in "processes" hosting, this group runs in the caller's process
+ENGINE_GROUP = "engine"  # in "engine" hosting, the model engine process hosts this group (pipeline/runtime/engine.py)
 STOP_GRACE_S = 1.0  # how long stage processes get to exit after SHUTDOWN before SIGTERM
 
 
@@ -371,7 +371,7 @@ def _group_process(spec: GroupSpec) -> dict[str, Any]:
 def plan_groups(graph: Graph, config: PipelineConfig, session_id: str, ipc_dir: str) -> list[GroupSpec]:
     """One GroupSpec per process: endpoints inproc inside a process, ipc/tcp between processes."""
     graph.validate()
-    group_of = {n.name: (LOCAL_GROUP if config.placement == "inproc" else n.group) for n in graph.nodes}
+    group_of = {n.name: (LOCAL_GROUP if config.hosting == "inproc" else n.group) for n in graph.nodes}
     distributed = len(set(group_of.values())) > 1 or LOCAL_GROUP not in group_of.values()
     tconf = config.transport
     counter = iter(range(1_000_000))
@@ -399,7 +399,7 @@ def plan_groups(graph: Graph, config: PipelineConfig, session_id: str, ipc_dir: 
     return list(specs.values())
 
 
-class Session:
+class SessionRunner:
     """One running session: ``await session.run()``; ``session.stop()`` ends it cleanly."""
 
     def __init__(
@@ -422,7 +422,7 @@ class Session:
         self._silent: set[str] = set()  # process groups whose stages stopped answering: frozen, no grace
         self.engine_pid: int | None = None  # the engine hosting this session's model group, once it accepted
         self._engine_stages = ({n for n, g in self._group_of.items() if g == ENGINE_GROUP}
-                               if config.placement == "engine" else set())
+                               if config.hosting == "engine" else set())
 
     def stop(self, reason: str = "requested") -> None:
         """End the session cleanly (idempotent; call from the session's event loop)."""
@@ -526,7 +526,7 @@ class Session:
                                 local = GroupRun(spec, transport, anyio.Event())
                                 self.stages = local.stages
                                 tg.start_soon(self._run_local, local)
-                            elif spec.group == ENGINE_GROUP and config.placement == "engine":
+                            elif spec.group == ENGINE_GROUP and config.hosting == "engine":
                                 engine_done = anyio.Event()
                                 tg.start_soon(self._engine, spec, reports, engine_done)
                             else:
@@ -585,4 +585,4 @@ class Session:
 
 async def run_session(graph: Graph, config: PipelineConfig, session_id: str) -> SessionResult:
     """Run a session until a stage sends SHUTDOWN, a stage fails, or SIGINT/SIGTERM arrives."""
-    return await Session(graph, config, session_id).run()
+    return await SessionRunner(graph, config, session_id).run()

@@ -94,8 +94,8 @@ def video_codec_preferences(codec: str) -> list:
             if c.mimeType == CODECS[codec] or c.mimeType == "video/rtx"]
 
 
-class PeerSession:
-    """One browser (or test client) session: its peer connection, tracks, timing and tasks."""
+class Peer:
+    """One browser (or test client): its reservation, peer connection, tracks, timing and tasks."""
 
     def __init__(self, server: EgressServer, session_id: str, token: str, client: str | None) -> None:
         self.server = server
@@ -265,8 +265,8 @@ class EgressServer:
         self.config = config
         self.factory = factory
         self.access_key = access_key or secrets.token_urlsafe(16)
-        self.sessions: dict[str, PeerSession] = {}
-        self._by_token: dict[str, PeerSession] = {}
+        self.sessions: dict[str, Peer] = {}
+        self._by_token: dict[str, Peer] = {}
         self._codes: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._reserved_at: dict[str, collections.deque[float]] = {}  # per client: reservations in the last minute
         self._hosts = {"localhost", config.host.lower(), *(h.lower() for h in config.allowed_hosts)}
@@ -293,7 +293,7 @@ class EgressServer:
             self._admit(client)
         session_id = secrets.token_hex(6)
         token = secrets.token_urlsafe(24)
-        session = PeerSession(self, session_id, token, client)
+        session = Peer(self, session_id, token, client)
         self.sessions[session_id] = session
         self._by_token[token] = session
         # A reservation that never gets its offer must not hold a slot forever.
@@ -327,7 +327,7 @@ class EgressServer:
             self._codes.popitem(last=False)
         return code
 
-    def _expire(self, session: PeerSession) -> None:
+    def _expire(self, session: Peer) -> None:
         if session.state == "reserved" and self.sessions.get(session.session_id) is session:
             asyncio.create_task(self.close_session(session.session_id, "no offer in time"))
 
