@@ -268,6 +268,7 @@ async def wait_for_client(client, peer, end_index: int, timeout: float = CLIENT_
 
 
 async def run_demo(args: argparse.Namespace) -> int:
+    from charstream.pipeline.runtime.process import MemoryTrimmer
     from charstream.pipeline.session import LiveSession, session_factory
     from charstream.pipeline.trace_report import render_table, write_report
     from charstream.pipeline.web.server import EgressServer
@@ -293,6 +294,8 @@ async def run_demo(args: argparse.Namespace) -> int:
         print(f"metrics on http://{tracing.prometheus_host}:{tracing.prometheus_port}/metrics")
     server = EgressServer(demo.config.egress, session_factory(demo.config, demo.weights, on_session))
     url = await server.start()
+    trimmer = MemoryTrimmer(demo.config.egress.memory_trim_s)  # this process owns the serving loop
+    trimmer.start()
     client = None
     timeout = args.timeout or 60 + 30 * len(demo.script)
     progress: Progress | None = None
@@ -320,6 +323,7 @@ async def run_demo(args: argparse.Namespace) -> int:
             progress.close()
         if client is not None:
             await client.close()  # finishes session.mp4
+        await trimmer.stop()
         await server.stop()  # closes the session: its pipeline stops, its tracer flushes
         for session in sessions:
             await session.stop("demo finished")

@@ -33,6 +33,7 @@ import structlog
 from charstream.logs import configure_logging
 from charstream.pipeline import arguments
 from charstream.pipeline.config import PipelineConfig
+from charstream.pipeline.runtime.process import MemoryTrimmer
 from charstream.pipeline.web.server import CODECS, EgressServer, SessionFactory
 from charstream.stages.ingest.adapters import ADAPTERS
 from charstream.stages.ingest.external import AgentHub
@@ -169,6 +170,8 @@ async def serve(config: PipelineConfig, source: str, key: str | None, cluster: s
         join_cluster(cluster)
         server = FrontDoor(config, source, access_key=key)
     url = await server.start()
+    trimmer = MemoryTrimmer(config.egress.memory_trim_s)  # this process owns the serving loop
+    trimmer.start()
     where = "" if cluster is None else f", fleet {config.fleet.layout} on {cluster}"
     print(f"charstream serve ({source}, {config.egress.codec}{where}): open {url}/?code={server.issue_code()} "
           "(a one-time link)", flush=True)
@@ -180,6 +183,7 @@ async def serve(config: PipelineConfig, source: str, key: str | None, cluster: s
         await stop.wait()
     finally:
         print("charstream serve: stopping", flush=True)
+        await trimmer.stop()
         await server.stop()
         if agent_hub is not None:
             await agent_hub.close()

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from charstream.pipeline.config import PipelineConfig
-from charstream.pipeline.runtime.heap import load_and_freeze
+from charstream.pipeline.runtime.process import MODEL_STAGES, prepare_process
 from charstream.pipeline.runtime.runner import ENGINE_GROUP, Edge, Graph, Node, SessionResult, SessionRunner
 from charstream.pipeline.web.server import SessionFactory, SessionMedia
 from charstream.stages.base import Stage
@@ -212,17 +212,17 @@ def session_factory(config: PipelineConfig, weights: str | None = "packaged",
     name when several sessions share a config: ``<stem>-<session>.jsonl`` after the first).
     ``factory.sessions`` holds the running ones by session id. With ``diffusion.batch_sessions`` > 1
     its sessions share one model and batch their diffusion steps (``factory.batcher``); with
-    ``decode.batch_sessions`` > 1 one decoder and their chunks (``factory.decode_batcher``). Sets the
-    process's GIL switch interval (``config.gil_switch_interval_ms``): its sessions' threads share it;
-    imports what its sessions run and freezes the heap (``config.freeze_heap``, ``pipeline/runtime/heap.py``)."""
-    config.apply_gil_switch_interval()
-    load_and_freeze(front_end=True, model_stages=not testcard and config.hosting != "engine", freeze=config.freeze_heap)
+    ``decode.batch_sessions`` > 1 one decoder and their chunks (``factory.decode_batcher``). Prepares
+    the serving process (``pipeline/runtime/process.py``): its GIL switch interval
+    (``config.gil_switch_interval_ms``: its sessions' threads share it), the imports of what its sessions
+    run and the frozen heap (``config.freeze_heap``)."""
+    here = not testcard and config.hosting != "engine"  # the engine batches its sessions' model stages itself
+    prepare_process("serving", config, ["ingest", *(MODEL_STAGES if here else ())])
     started = 0
     sessions: dict[str, LiveSession] = {}
     for section in ("diffusion", "decode"):
         if (n := getattr(config, section).batch_sessions) < 1:
             raise ValueError(f"{section}.batch_sessions must be >= 1 (1 = off), got {n}")
-    here = not testcard and config.hosting != "engine"  # the engine batches its sessions' model stages itself
     batch = config.diffusion.batch_sessions > 1 and here
     batcher = StepBatcher(config.diffusion, config.preset, weights) if batch else None
     batch = config.decode.batch_sessions > 1 and here

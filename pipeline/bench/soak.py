@@ -113,15 +113,18 @@ class Harness:
     """The server, the factory and a way to run one client session on it."""
 
     def __init__(self, source: str, config: PipelineConfig) -> None:
+        from charstream.pipeline.runtime.process import MemoryTrimmer
         from charstream.pipeline.session import session_factory
         from charstream.pipeline.web.server import EgressServer
 
         self.factory = session_factory(config, testcard=source == "testcard")
         self.server = EgressServer(config.egress, self.factory)
+        self.trimmer = MemoryTrimmer(config.egress.memory_trim_s)  # this process owns the serving loop
         self.url = ""
 
     async def start(self) -> None:
         self.url = await self.server.start()
+        self.trimmer.start()
 
     async def session(self, seconds: float, every: float | None = None,
                       on_sample=None) -> dict[str, Any]:
@@ -149,6 +152,7 @@ class Harness:
                 "released": not (self.server.sessions or self.factory.sessions)}
 
     async def stop(self) -> None:
+        await self.trimmer.stop()
         await self.server.stop()
 
 

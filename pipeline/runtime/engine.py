@@ -40,7 +40,7 @@ import anyio.abc
 import zmq
 import zmq.asyncio
 
-from charstream.logs import configure_logging, get_logger
+from charstream.logs import get_logger
 from charstream.pipeline import arguments
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.runtime.engine_link import (
@@ -52,8 +52,9 @@ from charstream.pipeline.runtime.engine_link import (
     pack,
     unpack,
 )
-from charstream.pipeline.runtime.heap import load_and_freeze
+from charstream.pipeline.runtime.errors import unwrap
 from charstream.pipeline.runtime.loop_lag import LoopLag
+from charstream.pipeline.runtime.process import MODEL_STAGES, prepare_process
 from charstream.pipeline.runtime.runner import ENGINE_GROUP, Edge, GroupRun, GroupSpec
 from charstream.pipeline.session import model_nodes
 from charstream.stages.config import TracingConfig
@@ -66,7 +67,8 @@ from charstream.transport.security import CurveKeys
 MAX_EDGE_CAPACITY = 1024  # credits of one edge: far more than any session graph's
 STOP_TIMEOUT_S = 15.0  # on SIGTERM, hosted groups get this long to tear down
 PROBE_TIMEOUT_S = 0.5  # at start: an engine already serving our ipc path answers within this
-# What the model stages import lazily (in their threads): imported once when the engine starts.
+
+
 class RequestError(ValueError):
     """A request the engine refuses (answered with its message; the engine goes on)."""
 
@@ -391,15 +393,13 @@ def run_engine(config: PipelineConfig, weights: str | None, endpoint: str, max_s
     """The engine's process (``charstream engine``, or a ``Supervisor`` target): serves until SIGTERM
     or SIGINT; returns its report. With ``config.tracing.prometheus_port``, its hosted sessions' step
     times and its process metrics are served for Prometheus (``tracing.prometheus_host``)."""
-    configure_logging(log_level)
-    if config.tracing.prometheus_port is not None:
-        serve_metrics(config.tracing.prometheus_port, config.tracing.prometheus_host)
-    config.apply_gil_switch_interval()  # the hosted stages' model threads share the GIL with the loop
     # Before the loop serves: an import inside it (or one a stage's thread holds the import lock of while
     # the loop wants the module) stalls every hosted session's heartbeats for seconds.
+    prepare_process("engine", config, MODEL_STAGES, log_level)
+    if config.tracing.prometheus_port is not None:
+        serve_metrics(config.tracing.prometheus_port, config.tracing.prometheus_host)
     import torch
 
-    load_and_freeze(front_end=False, model_stages=True, freeze=config.freeze_heap)
     try:
         if config.diffusion.device.startswith("cuda"):
             torch.cuda.init()
@@ -424,8 +424,7 @@ def run_engine(config: PipelineConfig, weights: str | None, endpoint: str, max_s
     try:
         anyio.run(main)
     except Exception as e:
-        while isinstance(e, ExceptionGroup) and len(e.exceptions) == 1:  # the task group's wrapping
-            e = e.exceptions[0]
+        e = unwrap(e)
         return {"error": f"engine at {endpoint}: {type(e).__name__}: {e}", "served": engine.served}
     return {"served": engine.served}
 

@@ -54,7 +54,6 @@ from charstream.stages.egress.stage import PeerLink
 from charstream.stages.egress.timing import BadReport, ClientTiming, _number, presented_frames
 from charstream.stages.egress.tracks import PlayoutAudioTrack, PlayoutVideoTrack, TrackStart
 from charstream.stages.playout.stage import PlayoutOutput
-from charstream.stages.shared.memory import trim_forever
 from charstream.stages.shared.tracing import SEGMENTS, intervals
 from charstream.transport.messages import TraceContext
 
@@ -280,7 +279,6 @@ class EgressServer:
             web.post("/hangup", self._hangup),
         ])
         self._runner: web.AppRunner | None = None
-        self._trimmer: asyncio.Task | None = None
         self.url = ""
 
     def create_session(self, client: str | None = None) -> tuple[str, str]:
@@ -350,15 +348,10 @@ class EgressServer:
         await site.start()
         port = site._server.sockets[0].getsockname()[1]  # the real port when config.port is 0
         self.url = f"http://{self.config.host}:{port}"
-        if self.config.memory_trim_s > 0:
-            self._trimmer = asyncio.create_task(trim_forever(self.config.memory_trim_s), name="memory-trim")
         log.info("egress_listening", url=self.url, codec=self.config.codec)
         return self.url
 
     async def stop(self) -> None:
-        if self._trimmer is not None:
-            self._trimmer.cancel()
-            self._trimmer = None
         for session_id in list(self.sessions):
             await self.close_session(session_id, "server stopping")
         if self._runner is not None:
