@@ -16,6 +16,12 @@ def is_fp8(t: torch.Tensor) -> bool:
     return t.dtype == FP8_DTYPE
 
 
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as a same-width integer tensor: index_copy_ / index_put_ / index_select through this
+    view work for FP8 on every backend (FP8 has no index ops everywhere), with the index on the device."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Store ``x`` in ``dtype``: FP8 with ``scale`` (broadcastable to x), or a plain cast."""
     if dtype != FP8_DTYPE:

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from charstream.kernels.fp8 import FP8_DTYPE, FP8_MAX, dequantize, is_fp8, quantize
+from charstream.kernels.fp8 import FP8_DTYPE, FP8_MAX, as_bits, dequantize, is_fp8, quantize
 from charstream.kernels.rope import RopeFreqs, apply_rope, complex_rotation, rope_rotation, rotate_complex
 
 RMS_EPS = 1e-6  # model/dit.py's RMSNorm
@@ -52,11 +52,9 @@ def ring_write_reference(
         v_cache[:, slot_start : slot_start + n_tokens].copy_(v_stored)
         return
     slots = slot_start + torch.arange(n_tokens, device=k_cache.device)
-    # index_copy_ through a same-width integer view: works for fp8 on every backend, and the
-    # index may live on the device, so the write pointer never leaves it.
-    as_bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[k_cache.element_size()]
-    k_cache.view(as_bits).index_copy_(1, slots, k_stored.contiguous().view(as_bits))
-    v_cache.view(as_bits).index_copy_(1, slots, v_stored.contiguous().view(as_bits))
+    # the index lives on the device, so the write pointer never leaves it
+    as_bits(k_cache).index_copy_(1, slots, as_bits(k_stored.contiguous()))
+    as_bits(v_cache).index_copy_(1, slots, as_bits(v_stored.contiguous()))
 
 
 @triton.jit
@@ -185,8 +183,10 @@ def _ring_write_kernel(
         tl.atomic_add(saturated, over)
 
 
-def _launch(k_cache, v_cache, k_scale, v_scale, k_new, v_new, slot_start, rotation, prep, window,
-            block_t, heads, num_warps, prefetch, write_ring=True, q8=None):
+def launch_ring_write(k_cache, v_cache, k_scale, v_scale, k_new, v_new, slot_start, rotation, prep, window,
+                      block_t, heads, num_warps, prefetch, write_ring=True, q8=None):
+    """The kernel's one launcher, every knob: the entry points below call it. ``write_ring=False`` compiles the
+    ring's stores out -- no serving mode: the benchmarks' measure of what the write adds to the prep."""
     n_tokens, n_heads, head_dim = k_new.shape
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError("k_cache and v_cache must share strides with a contiguous head_dim")
@@ -241,7 +241,7 @@ def ring_write_triton(
     ``block_t`` tokens x ``heads`` heads per program. ``rotation``: the positions' ``rope_table``
     (built here when not given)."""
     rotation = rope_table(positions, freqs) if rotation is None else rotation
-    _launch(k_cache, v_cache, k_scale, v_scale, k_new, v_new, slot_start, rotation, None, None,
+    launch_ring_write(k_cache, v_cache, k_scale, v_scale, k_new, v_new, slot_start, rotation, None, None,
             block_t, heads, num_warps, prefetch)
 
 
@@ -288,11 +288,10 @@ def ring_write_prep_reference(
         n_tokens = k_new.shape[0]
         src = slot_start + torch.arange(n_tokens, device=k_cache.device)
         dst = win_slot + torch.arange(n_tokens, device=k_cache.device)
-        as_bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[k_cache.element_size()]
         for cache, scale, win in ((k_cache, k_scale, k_win), (v_cache, v_scale, v_win)):
-            stored = cache.view(as_bits).index_select(1, src).view(cache.dtype)
+            stored = as_bits(cache).index_select(1, src).view(cache.dtype)
             if is_fp8(win):
-                win.view(torch.uint8).index_copy_(1, dst, stored.view(torch.uint8))
+                as_bits(win).index_copy_(1, dst, as_bits(stored))
             else:
                 win.index_copy_(1, dst, dequantize(stored, scale[:, None, None], win.dtype))
 
@@ -317,17 +316,14 @@ def ring_write_prep_triton(
     heads: int = 4,
     num_warps: int = 4,
     prefetch: bool = True,
-    write_ring: bool = True,
     q8: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """``ring_write_prep_reference`` in one launch (the ring write kernel with its PREP extras on;
-    ``window``'s slot a device tensor). ``write_ring=False`` leaves the ring's K/V unwritten and does
-    the rest: not a serving mode, it measures what the ring write adds to the prep (``bench gpu``'s
-    cache upkeep as served, ``scripts/kernels_check.py``)."""
+    ``window``'s slot a device tensor)."""
     q_norm, k_norm, cq_norm = norms
     rotation = rope_table(positions, freqs) if rotation is None else rotation
-    _launch(k_cache, v_cache, k_scale, v_scale, k_new, v_new, slot_start, rotation,
-            (q, cq, q_norm, k_norm, cq_norm, saturated), window, block_t, heads, num_warps, prefetch, write_ring, q8)
+    launch_ring_write(k_cache, v_cache, k_scale, v_scale, k_new, v_new, slot_start, rotation,
+            (q, cq, q_norm, k_norm, cq_norm, saturated), window, block_t, heads, num_warps, prefetch, q8=q8)
 
 
 def _rms_norm_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

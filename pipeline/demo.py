@@ -222,7 +222,7 @@ def _short(text: str, n: int = 48) -> str:
 
 async def watch_conversation(session, turns: int, progress: Progress) -> None:
     """Until the last turn's reply has played out and every turn has its trace (or the session ends)."""
-    from charstream.stages.playout.stage import PlayoutClosed
+    from charstream.stages.playout.output import PlayoutClosed
 
     output = session.output
     spoken: set[int] = set()
@@ -272,7 +272,6 @@ async def run_demo(args: argparse.Namespace) -> int:
     from charstream.pipeline.session import LiveSession, session_factory
     from charstream.pipeline.trace_report import render_table, write_report
     from charstream.pipeline.web.server import EgressServer
-    from charstream.stages.playout.stage import UNDERRUN_CAUSES
 
     demo = plan(args)
     out = demo.out
@@ -347,8 +346,7 @@ async def run_demo(args: argparse.Namespace) -> int:
           f"{statistics.median(fps) if fps else 0:.1f}; {stats.rollbacks} rollbacks: {stats.late_speech} with the "
           f"speech late, {stats.kept_chunks} chunks kept, {stats.rolled_back_chunks} dropped")
     print("underruns by cause (frames held): " + ", ".join(
-        f"{cause} {getattr(stats, f'{cause}_underruns')} ({getattr(stats, f'{cause}_underrun_frames')})"
-        for cause in UNDERRUN_CAUSES))
+        f"{cause} {counts.count} ({counts.frames})" for cause, counts in stats.by_cause.items()))
     (out / "playout.json").write_text(json.dumps({**stats.summary(), "frames_played": played}, indent=1) + "\n",
                                       encoding="utf-8")
     summary = write_report(out / "trace.jsonl", out)

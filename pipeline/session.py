@@ -45,7 +45,8 @@ from charstream.stages.ingest.adapters import PUSH_ADAPTERS, AgentAdapter
 from charstream.stages.ingest.external import AgentHub, ExternalAgent
 from charstream.stages.ingest.push import PushAdapter
 from charstream.stages.ingest.stage import IngestStage
-from charstream.stages.playout.stage import PlayoutOutput, PlayoutStage
+from charstream.stages.playout.output import PlayoutOutput
+from charstream.stages.playout.stage import PlayoutStage
 from charstream.stages.shared.metrics import forget_processes
 from charstream.stages.shared.tracing import TurnRecord, TurnTracer
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from charstream.model.step.options import StepOptions
 from charstream.timeline import FRAMES_PER_CHUNK, VIDEO_FPS
 
 AGENT_PACES = ("realtime", "synthesized")  # IngestConfig.agent_pace
@@ -66,11 +67,8 @@ class DiffusionConfig:
     seed: int = 0
     fp8_cache: bool | None = None  # FP8 e4m3 ring; None: on CUDA devices (the CPU keeps the model's dtype)
     threads: int | None = None  # CPU intra-op threads; None: half the cores (decode runs beside it)
-    graphed_step: bool = True  # CUDA: the fused FP8 step as CUDA graphs, on every TP rank (model/step.py)
-    gathered_attention: bool | None = None  # full window: dequantize + cuDNN SDPA; None = step.GATHERED_BY_DEFAULT
-    # the full window's attention in FP8 (cuDNN's FP8 SDPA over the ring's codes; needs nvidia-cudnn-frontend
-    # and an FP8 ring on CUDA): faster, with e4m3 queries, probabilities and output (docs/PERF.md, issue 14)
-    fp8_window_attention: bool = False
+    # every rank's step: fused body, CUDA graphs, the full window's attention (model/step/options.py)
+    step: StepOptions = field(default_factory=StepOptions)
     # > 1: the sessions of one serving process share one model and batch their due steps into one
     # forward of up to this many (stages/diffusion/batcher.py; the module body, CUDA-graphed per batch size)
     batch_sessions: int = 1

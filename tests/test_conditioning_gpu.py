@@ -1,5 +1,5 @@
 """The audio encoder on the GPU (``ConditioningConfig.device``, where a layout puts it beside the
-decoder) gives the CPU's tokens. Skipped without CUDA; run through the device tool (docs/gpu-notes.md)."""
+decoder) gives the CPU's tokens. Skipped without CUDA."""
 
 import numpy as np
 import pytest

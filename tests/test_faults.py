@@ -28,6 +28,7 @@ from charstream.pipeline.session import session_factory
 from charstream.pipeline.web.client import EgressClient
 from charstream.pipeline.web.server import EgressServer
 from charstream.stages.config import EgressConfig
+from charstream.transport.slots import mapped_blocks
 
 DETECT_S = 2.0
 
@@ -37,16 +38,6 @@ def running(process: psutil.Process) -> bool:
         return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
-
-
-def mapped_segments(pids) -> set[str]:
-    """The /dev/shm/charstream-* blocks these processes map (their senders' slots): this session's
-    own, whatever other sessions on the machine create meanwhile."""
-    names = set()
-    for pid in pids:
-        with open(f"/proc/{pid}/maps") as maps:
-            names |= {line.split()[-1] for line in maps if "/dev/shm/charstream-" in line}
-    return names
 
 
 @pytest.mark.parametrize("fault, group, stage", [("SIGKILL", "diffusion", "diffusion"), ("SIGSTOP", "decoder", "decode")])
@@ -74,7 +65,7 @@ def test_a_killed_or_frozen_model_process_ends_its_session_clearly_and_others_ke
         live = pipeline.sessions[victim_id]
         pids = dict(live.runner.pids)
         children = [psutil.Process(pid) for pid in pids.values()]
-        segments = mapped_segments(pids.values())
+        blocks = sum(mapped_blocks(pid) for pid in pids.values())  # the session processes' slots
         victim_process = psutil.Process(pids[group])
         os.kill(pids[group], getattr(signal, fault))
         hit = time.monotonic()
@@ -93,8 +84,8 @@ def test_a_killed_or_frozen_model_process_ends_its_session_clearly_and_others_ke
         out = {
             "told": told, "told_after": told_after, "ended": victim.ended, "released": released,
             "exited": exited, "exited_after": exited_after, "others_exited": others_exited, "bystander_frames_after": bystander.video_frames - frames,
-            "bystander_alive": bystander_id in server.sessions, "segments": len(segments),
-            "leaked_shm": {name for name in segments if os.path.exists(name)},
+            "bystander_alive": bystander_id in server.sessions, "blocks": blocks,
+            "blocks_left": mapped_blocks(),  # the server received video from the dead session's slots
             "orphans": [p.pid for p in psutil.Process().children(recursive=True) if p.pid in pids.values()],
         }
         # The server still takes new sessions.
@@ -117,7 +108,7 @@ def test_a_killed_or_frozen_model_process_ends_its_session_clearly_and_others_ke
     assert any(expected in (e.get("error") or "") for e in errors), errors  # and in the log
     assert out["exited"] and out["exited_after"] < DETECT_S, out  # a frozen process is killed, too
     assert out["released"] and out["others_exited"] and out["orphans"] == [], out
-    assert out["segments"] >= 1 and out["leaked_shm"] == set(), out  # the diffusion->decode edge's slots
+    assert out["blocks"] >= 1 and out["blocks_left"] == 0, out  # with its processes gone, its slots are freed
     assert out["bystander_alive"] and out["bystander_frames_after"] >= 18, out  # 24 fps went on
 
 

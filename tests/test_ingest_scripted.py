@@ -116,7 +116,7 @@ def test_barge_in_stops_the_character_within_one_chunk(conversation):
     assert interrupted[0].start_sample < detected_sample  # the character was speaking
     assert speech_end - detected_sample <= SAMPLES_PER_CHUNK  # ... and stopped within one chunk
     # downstream drops from a chunk boundary no later than one chunk after the interrupt
-    assert 0 <= control.chunk * SAMPLES_PER_CHUNK - control.detail["at_sample"] < SAMPLES_PER_CHUNK
+    assert 0 <= control.chunk * SAMPLES_PER_CHUNK - control.payload.at_sample < SAMPLES_PER_CHUNK
     # the adapter was told, and its reply was cut short
     assert 0 in agent._interrupted
     reply = agent._lines[0].agent

@@ -1,5 +1,5 @@
 """Triton compiles are logged (``kernel_compile``), and a session's position resets compile the rotation
-kernel once: on CPU, the hooks as Triton calls them; on the GPU (``-m gpu``, through the device tool),
+kernel once: on CPU, the hooks as Triton calls them; on the GPU (``-m gpu``),
 real compiles and a cache stepped through every reset a long session makes."""
 
 from __future__ import annotations

@@ -149,9 +149,9 @@ def test_a_cuda_worker_queues_its_work_on_a_stream_of_its_own_after_what_was_que
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_workers_start_while_another_thread_captures_a_graph():
     """An engine builds a session's stages while another session captures its graphs: a worker's start
-    (its stream ordered after the default stream) must not touch the capture (model/capture.py's
+    (its stream ordered after the default stream) must not touch the capture (model/graphs.py's
     thread-local mode; a device-wide synchronize here invalidated it)."""
-    from charstream.model.capture import CAPTURE_MODE
+    from charstream.model.graphs import CAPTURE_MODE
 
     x = torch.randn(256, 256, device="cuda")
     capturing, started, errors = threading.Event(), threading.Event(), []

@@ -1,4 +1,4 @@
-"""The fused step's cross-attention K/V (model/step.py ``FusedCrossContext``): every block's K/V from one
+"""The fused step's cross-attention K/V (model/step/fused.py ``FusedCrossContext``): every block's K/V from one
 FP8 GEMM over all blocks' weights and one norm of all keys, handed out as views of the one output."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from charstream.model.config import TINY
 from charstream.model.dit import DiT
-from charstream.model.step import FusedCrossContext
+from charstream.model.step.fused import FusedCrossContext
 
 CFG = TINY.with_(n_blocks=3)
 

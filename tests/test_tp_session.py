@@ -9,6 +9,7 @@ import torch
 from charstream.model.config import TINY
 from charstream.model.dit import DiT
 from charstream.model.generator import Generator
+from charstream.model.step import StepOptions
 from charstream.model.vae import VideoVAE, to_uint8_frames
 from charstream.model.weights import save_weights
 from charstream.stages.diffusion.tp_group import TPGenerator
@@ -33,7 +34,7 @@ def single_rank(tmp_path_factory):
     path = tmp_path_factory.mktemp("w") / "tp.safetensors"
     save_weights(DiT(CFG).init_random_(seed=7), path)
     vae = VideoVAE(CFG).eval()
-    one = {fused: _frames(Generator(CFG, weights=path, fused=fused), vae) for fused in (False, True)}
+    one = {fused: _frames(Generator(CFG, weights=path, options=StepOptions(fused=fused)), vae) for fused in (False, True)}
     return path, vae, one
 
 
@@ -43,7 +44,7 @@ def single_rank(tmp_path_factory):
 def test_tp_group_produces_the_frames_of_one_rank(single_rank, world, fused, tolerance):
     path, vae, one = single_rank
     frames, latents = one[fused]
-    group = TPGenerator(CFG, world, weights=path, fused=fused)
+    group = TPGenerator(CFG, world, weights=path, options=StepOptions(fused=fused))
     try:
         assert group.generator.diffusion.fused == fused
         tp_frames, tp_latents = _frames(group, vae)

@@ -72,7 +72,7 @@ from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.runtime.engine import check_engine_config, run_engine
 from charstream.pipeline.runtime.engine_link import EngineError, engine_call
 from charstream.stages.config import AGENT_PACES, IngestConfig
-from charstream.stages.playout.stage import UNDERRUN_CAUSES
+from charstream.stages.playout.stats import UNDERRUN_CAUSES
 from charstream.timeline import VIDEO_FPS
 from charstream.transport.supervisor import Supervisor, describe_exit
 
@@ -797,7 +797,7 @@ def table(report: dict[str, Any]) -> str:
 
 def host_loop_ms(repeats: int = 5) -> float:
     """One core's pace for pure Python, in ms: the median of ``repeats`` timings of a fixed loop (10^6
-    squares summed). Lent hosts of one kind differ in pace, and so does what they hold (docs/PERF.md,
+    squares summed). Hosts of one kind differ in pace, and so does what they hold (docs/PERF.md,
     Capacity); taken before any bench process starts, this tells them apart in a report."""
     times = []
     for _ in range(repeats):

@@ -32,7 +32,7 @@ import zmq.asyncio
 
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.runtime.loop_lag import LoopLag
-from charstream.stages.playout.stage import UNDERRUN_CAUSES
+from charstream.stages.playout.stats import UNDERRUN_CAUSES
 
 CONNECTS_AT_ONCE = 4  # offers in flight per client process (each starts a session on its worker)
 
@@ -162,7 +162,7 @@ class Worker:
             "fresh_frames": stats.fresh_frames if stats else 0,
             "frames_released": stats.frames_released if stats else 0,
             "underruns": stats.underruns if stats else 0,
-            **{f"{cause}_underruns": getattr(stats, f"{cause}_underruns") if stats else 0 for cause in UNDERRUN_CAUSES},
+            **{f"{cause}_underruns": stats.by_cause[cause].count if stats else 0 for cause in UNDERRUN_CAUSES},
             "late_ticks": stats.late_ticks if stats else 0,
             "skipped_video_frames": peer.video.skipped_frames if peer is not None and peer.video is not None else None,
             "ended": None if not session.done.is_set() else (result.error or result.ended_by if result else "failed"),

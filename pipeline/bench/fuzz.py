@@ -5,7 +5,8 @@ Targets (each served by the real component in a background event loop of this pr
 * **ipc** / **tcp** — a stage channel ``Receiver``. A rogue DEALER sends any frame kind (DATA,
   SLOT, HELLO with slot geometries, BEAT, BYE, garbage) built from valid encodings mutated at
   every level (``codec_frames``); on ipc it owns real shared-memory blocks, writes slots and
-  sometimes truncates its block under a reference (the SIGBUS path).
+  sometimes tries to truncate its block under a reference (the SIGBUS path: the block's seals make
+  the kernel refuse; without them the receiver, in this process, would die).
 * **agent** — the external-agent socket (``ExternalAgent``, docs/AGENTS.md): its messages with
   hostile versions, types, turns, formats, rates, channel counts and payloads (odd sizes, NaN/inf
   float audio, over a second), garbage frames; the probe is a whole valid turn.
@@ -57,12 +58,14 @@ from charstream.transport.channel import BEAT, BYE, CREDIT, DATA, HELLO, SLOT, R
 from charstream.transport.codec import INT_MAX, INT_MIN, WIRE_VERSION, encode
 from charstream.transport.config import TransportConfig
 from charstream.transport.messages import (
+    CONTROL_PAYLOADS,
     MESSAGE_TYPES,
     AgentAudio,
     Conditioning,
     Control,
     ControlKind,
     Latents,
+    RollbackPayload,
     TraceContext,
     TurnEvent,
     TurnKind,
@@ -88,7 +91,8 @@ def example_messages() -> list[Any]:
         Conditioning("s", 3, rng.random((9, 32), dtype=np.float32), audio, True, epoch=2, trace=trace),
         Latents("s", 4, rng.random((16, 8, 8)).astype(np.float16), audio, False),
         VideoChunk("s", 5, rng.integers(0, 255, (4, 16, 16, 3), np.uint8), audio, True),
-        Control("s", 6, ControlKind.ROLLBACK, chunk=41, epoch=3, detail={"stage": "playout", "n": 2, "ok": True}),
+        Control("s", 6, ControlKind.ROLLBACK, chunk=41, epoch=3,
+                payload=RollbackPayload(ControlKind.TURN_START, onset_frame=2, dropped=3, kept=1, due_at=12.5)),
     ]
 
 
@@ -98,7 +102,10 @@ FIELD_NAMES = sorted({f for cls in MESSAGE_TYPES for f in cls.__dataclass_fields
 TYPE_NAMES = [c.__name__ for c in MESSAGE_TYPES] + ["Nope", 1, None]
 POOL = [None, True, False, 0, 1, -1, 2**63, 2**64 - 1, -(2**63), 1.5, float("nan"), float("inf"), "", "s",
         "user_speech_end", b"\x00", [], [1, 2], {}, {"a": 1.0}, {"turn_id": 3, "stamps": {"x": 1.0}},
-        {"stamps": {"x": "y"}}, "interrupt", "rollback", "\udcff", "x" * 300]
+        {"stamps": {"x": "y"}}, "interrupt", "rollback", "\udcff", "x" * 300,
+        # control payloads: valid, out of range, of another kind, unknown
+        ["ClockPayload", {"due_at": 1.5}], ["ClockPayload", {"due_at": -1.0}], ["ErrorPayload", {"stage": "", "error": ""}],
+        ["RollbackPayload", {"reason": "turn_start", "onset_frame": 4, "dropped": 0, "kept": 0}], ["Nope", {}]]
 DTYPES = ["<f4", "<i2", "|u1", ">f8", "<f2", "|b1", "|O", "<U4", "<c8", "x", 3, None]
 SHAPES = [[], [0], [1], [4], [2, 2], [-1], [2**62, 2**62], [0, 2**63], [0, 2**62, 2**62], [1.5], "4", None,
           [1] * 9, [True], [2**64 - 1]]
@@ -166,8 +173,8 @@ def well_typed(msg: Any) -> bool:
         elif isinstance(value, TraceContext):
             if not all(isinstance(k, str) and math.isfinite(v) for k, v in value.stamps.items()):
                 return False
-        elif name == "detail":
-            if not all(isinstance(k, str) and (not isinstance(v, float) or math.isfinite(v)) for k, v in value.items()):
+        elif name == "payload":
+            if type(value) is not CONTROL_PAYLOADS[msg.kind]:
                 return False
     return True
 
@@ -254,7 +261,7 @@ class ChannelTarget:
             self.escapes.append(f"consumer: {type(e).__name__}: {e}")
 
     def _hello(self) -> None:
-        """(Re)introduce the rogue: on ipc with a fresh block (the receiver unlinks the previous one)."""
+        """(Re)introduce the rogue: on ipc with a fresh block (the receiver unmaps the previous one)."""
         if self.kind == "ipc":
             if self.block is not None:
                 self.block.close()
@@ -270,7 +277,7 @@ class ChannelTarget:
             self._hello()
         elif roll < 0.06 and self.kind == "ipc":  # hostile geometry (refused) - the rogue keeps its block
             geometry = msgpack.unpackb(self.block.geometry())
-            geometry[rng.choice(["name", "slots", "slot_bytes", "x"])] = rng.choice(POOL)
+            geometry[rng.choice(["fd", "slots", "slot_bytes", "x"])] = rng.choice(POOL)
             self.rogue.send_multipart([HELLO, msgpack.packb(geometry, unicode_errors="surrogateescape")])
         elif roll < 0.08:
             self.rogue.send_multipart([rng.choice([BEAT, BYE, CREDIT, b"", b"\xff" * 9, data[:4]]),
@@ -295,13 +302,11 @@ class ChannelTarget:
             ref = ref[:4] + b"".join(rng.choice([0, 1, SLOT_BYTES, 2**64 - 1]).to_bytes(8, "little") for _ in arrays)
         elif edit == 3:
             ref = ref[: rng.randrange(len(ref))]
-        elif edit == 4:  # truncate the block under the reference, then give it its size back
-            os.ftruncate(self.block.shm._fd, rng.choice([0, SLOT_BYTES // 2]))
-            frames = [ref, header]
-            self.rogue.send_multipart([SLOT, *frames])
-            self._sync()
-            os.ftruncate(self.block.shm._fd, SLOTS * SLOT_BYTES)
-            return [ref, codec_frames(rng, data)[0]]
+        elif edit == 4:  # truncate the block under the reference: refused while the block is sealed
+            try:
+                os.ftruncate(self.block.fd, rng.choice([0, SLOT_BYTES // 2]))
+            except PermissionError:
+                pass
         elif edit == 5:
             header = codec_frames(rng, data)[0]
         return [ref, header]

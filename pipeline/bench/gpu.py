@@ -9,7 +9,7 @@ bandwidth, bf16 and FP8 GEMM rates) come first, so every figure has its fraction
 
 Timing: CUDA events around graph replays, medians (``triton.testing.do_bench`` for single kernels,
 rotating over the 60 layers' weights and caches so L2 holds none of them). Random weights and a
-random FP8 cache: the step's cost does not depend on the values (METHOD.md: never zeros).
+random FP8 cache, never zeros (zeros would flatter the kernels): the step's cost does not depend on the values.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from charstream.pipeline.bench.output import commit_id, cuda_median_ms, free_por
 from charstream.stages.diffusion.tp_group import NO_MULTICAST
 from charstream.timeline import SAMPLES_PER_CHUNK
 
-REFERENCE = {  # docs/ARCHITECTURE.md, "Reference numbers" (4xH100 session) and the issue's targets (one H200)
+REFERENCE = {  # docs/ARCHITECTURE.md, "Reference numbers" (4xH100) and the step's targets on one H200
     "step_ms": {3: 147.4, 4: None},
-    "target_step_ms": {3: 112.0, 4: 86.0},  # issue 14
+    "target_step_ms": {3: 112.0, 4: 86.0},
     "cache_upkeep_ms": 6.2,
     "delta_rotation_ms": 263.0,
     "decoder_ms": 114.0,
@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="time the shard's step without its all-reduces (default: in a one-rank NCCL group, "
                              "as the step serves: the collectives replay inside its graph)")
     parser.add_argument("--skip", nargs="*", default=[],
-                        choices=["ceilings", "sweep", "kernels", "profile", "step", "fp8-window", "memsets", "window-split",
+                        choices=["ceilings", "sweep", "kernels", "profile", "step", "fp8-window", "window-split",
                                  "decoder", "pipeline", "encoder"])
     parser.add_argument("--trace", action="store_true", help="with --json: also write each shard's Chrome trace of one replay")
     parser.add_argument("--section-timeout", type=float, default=0.0,
@@ -189,11 +189,7 @@ def kernel_breakdown(cfg: ModelConfig, tp: int, model, cache, step) -> dict[str,
     from charstream.kernels.cross_attention import cross_attention_triton
     from charstream.kernels.delta_rotate import delta_rotate_triton
     from charstream.kernels.quantize_rows import quantize_rows_triton
-    from charstream.kernels.ring_attention import (
-        ring_attention_gathered,
-        ring_attention_triton,
-        window_attention,
-    )
+    from charstream.kernels.ring_attention import gather_window, ring_attention_triton, window_attention
     from charstream.kernels.ring_write import ring_write_prep_triton, ring_write_triton, rope_table
 
     s = shard_config(cfg, tp)
@@ -202,7 +198,8 @@ def kernel_breakdown(cfg: ModelConfig, tp: int, model, cache, step) -> dict[str,
     passes = len(cfg.noise_levels) * cfg.n_blocks
     x = torch.randn(t, cfg.dim, device="cuda", dtype=torch.bfloat16)
     res = torch.randn_like(x)
-    mods = step.mods[0]
+    body, window = step.body, step.full_window.window
+    mods = body.mods[0]
     fused = torch.randn(t, 4 * hd + s["ffn"], device="cuda", dtype=torch.bfloat16)
     q, k, v, cq = (fused[:, i * hd : (i + 1) * hd].unflatten(-1, (heads, d)) for i in range(4))
     hq = adaln_quant_triton(x, mods[0, 0], mods[0, 1])
@@ -211,7 +208,7 @@ def kernel_breakdown(cfg: ModelConfig, tp: int, model, cache, step) -> dict[str,
     slot = torch.tensor(cache.write_start, device="cuda")
     pos = step.positions
     rotation = rope_table(pos, cache.freqs)  # built once per step, read by every write
-    win_k, win_v = step.window
+    win_k, win_v = window.k, window.v
     attn_args = lambda layer: (cache.k[layer], cache.v[layer], cache.k_scale[layer], cache.v_scale[layer],  # noqa: E731
                                cache.ring_valid, cache.sink_slots, cache.tokens_per_frame)
     out = torch.empty(t, heads, d, device="cuda", dtype=torch.bfloat16)
@@ -221,9 +218,10 @@ def kernel_breakdown(cfg: ModelConfig, tp: int, model, cache, step) -> dict[str,
 
     def prep(i: int, write_ring: bool = True, window: bool = True) -> None:
         # as the full-window step runs it: the RoPE table, and the window copy of the written K/V
-        ring_write_prep_triton(q, k, v, cq, cache.k[i], cache.v[i], cache.k_scale[i], cache.v_scale[i], slot, pos,
-                               cache.freqs, step.norms[i], cache.saturated, rotation=rotation,
-                               window=(win_k[i], win_v[i], step.window_slot) if window else None, write_ring=write_ring)
+        run = ring_write_prep_triton if write_ring else prep_without_ring_write
+        run(q, k, v, cq, cache.k[i], cache.v[i], cache.k_scale[i], cache.v_scale[i], slot, pos, cache.freqs,
+            step.ring.write.norms[i], cache.saturated, rotation=rotation,
+            window=(win_k[i], win_v[i], window.slot) if window else None)
 
     # The serving prep with and without its parts (timed in turns): what the FP8 ring write adds to
     # the prep is the write's cost as served -- no write has a launch of its own there.
@@ -232,27 +230,28 @@ def kernel_breakdown(cfg: ModelConfig, tp: int, model, cache, step) -> dict[str,
         ("neither", {"write_ring": False, "window": False}))})
     per_pass = {
         "adaln_quant": _graph_ms([lambda i=i: adaln_quant_triton(x, mods[i, 0], mods[i, 1], res, mods[i, 2], hq) for i in every]),
-        "gemm_in": _graph_ms([lambda i=i: step.w_in[i].forward_quantized(*hq) for i in every]),
+        "gemm_in": _graph_ms([lambda i=i: body.w_in[i].forward_quantized(*hq) for i in every]),
         "ring_write_prep": prep_ms["served"],
-        "attention_ring_triton": _graph_ms([lambda i=i: ring_attention_triton(q, *attn_args(i), out=out, **step.attention_options)
+        "attention_ring_triton": _graph_ms([lambda i=i: ring_attention_triton(q, *attn_args(i), out=out, **step.ring.launch)
                                 for i in every]),
         # as served: into cuDNN's own buffer (the GELU rows read the attention columns there)
         "attention_window_cudnn": _graph_ms([lambda i=i: window_attention(q, win_k[i], win_v[i]) for i in every]),
-        "attention_gather_then_cudnn": _graph_ms([lambda i=i: ring_attention_gathered(
-            q, cache.k[i], cache.v[i], cache.k_scale[i], cache.v_scale[i], step.frame_order, cache.sink_slots,
-            cache.tokens_per_frame, (win_k[0], win_v[0]), out=out) for i in every]),
+        # the window gathered from the ring at every call, then attended (what the prep's window copy saves)
+        "attention_gather_then_cudnn": _graph_ms([lambda i=i: window_attention(q, *gather_window(
+            cache.k[i], cache.v[i], cache.k_scale[i], cache.v_scale[i], window.frame_order, cache.sink_slots,
+            cache.tokens_per_frame, (win_k[0], win_v[0])), out) for i in every]),
         "cross_attention": _graph_ms([lambda: cross_attention_triton(cq, ck, ck, out) for _ in every]),
         "quantize_rows_gelu": _graph_ms([lambda: quantize_rows_triton(fused[:, 2 * hd :], 2 * hd, oq, prefix=attn)
                                          for _ in every]),
-        "gemm_out": _graph_ms([lambda i=i: step.w_out[i].forward_quantized(*oq) for i in every]),
+        "gemm_out": _graph_ms([lambda i=i: body.w_out[i].forward_quantized(*oq) for i in every]),
     }
     # once per step: every block's cross K/V as served (one FP8 GEMM, one norm, views) against the module
     # body's block by block (bf16 GEMM, norm, two copies each), and how far the served K/V are from it
     context = model.audio_context(torch.randn(1, 1, cfg.n_audio_tokens, cfg.audio_dim, device="cuda",
                                               dtype=torch.bfloat16))[0, 0]
-    cross_context_ms = _graphs_ms({"served": [lambda: step.cross_context(context)],
+    cross_context_ms = _graphs_ms({"served": [lambda: body.cross_context(context)],
                                    "per_block_bf16": [lambda: [b.cross_context(context) for b in model.blocks]]})
-    served = torch.stack([torch.stack(kv) for kv in step.cross_context(context)]).float()
+    served = torch.stack([torch.stack(kv) for kv in body.cross_context(context)]).float()
     per_block = torch.stack([torch.stack(b.cross_context(context)) for b in model.blocks]).float()
     ring_write_ms = _graph_ms([lambda i=i: ring_write_triton(
         cache.k[i], cache.v[i], cache.k_scale[i], cache.v_scale[i], k, v, slot, pos, cache.freqs, rotation) for i in every])
@@ -442,14 +441,13 @@ def attention_sweep(cfg: ModelConfig, tp: int, cache) -> dict[str, float]:
                       cache.sink_slots, cache.tokens_per_frame)
     result: dict[str, object] = {}
     configs = [(64, 128, 4, 2), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4)]
-    for qk_fp8 in (False, True):
-        for bm, bn, warps, stages in configs:
-            name = f"triton_{'qkfp8' if qk_fp8 else 'f16'}_m{bm}_n{bn}_w{warps}_s{stages}"
-            try:
-                result[name] = _graph_ms([lambda i=i, bm=bm, bn=bn, w=warps, st=stages, f=qk_fp8: ring_attention_triton(
-                    q, *args(i), block_m=bm, block_n=bn, num_warps=w, num_stages=st, qk_fp8=f) for i in layers])
-            except Exception as exc:  # a shape the compiler rejects (e.g. shared memory) is a result too
-                result[name] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+    for bm, bn, warps, stages in configs:
+        name = f"triton_f16_m{bm}_n{bn}_w{warps}_s{stages}"
+        try:
+            result[name] = _graph_ms([lambda i=i, bm=bm, bn=bn, w=warps, st=stages: ring_attention_triton(
+                q, *args(i), block_m=bm, block_n=bn, num_warps=w, num_stages=st) for i in layers])
+        except Exception as exc:  # a shape the compiler rejects (e.g. shared memory) is a result too
+            result[name] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
     attended = (cfg.sink_frames + cfg.window_frames) * t
     kv = [torch.randn(1, heads, attended, d, device="cuda", dtype=torch.bfloat16) for _ in range(8)]
     qh = q.transpose(0, 1)[None]
@@ -471,9 +469,8 @@ def attention_sweep(cfg: ModelConfig, tp: int, cache) -> dict[str, float]:
     result["dequantize_then_sdpa"] = _graph_ms([lambda i=i: dequant_sdpa(i) for i in layers])
     # accuracy of each path against fp32 math over the same stored values (one layer)
     ref = ring_attention_reference(q, *args(0)).float()
-    for f in (False, True):
-        got = ring_attention_triton(q, *args(0), qk_fp8=f).float()
-        result[f"rel_error_{'qkfp8' if f else 'f16'}"] = ((got - ref).norm() / ref.norm()).item()
+    got = ring_attention_triton(q, *args(0)).float()
+    result["rel_error_f16"] = ((got - ref).norm() / ref.norm()).item()
     return result
 
 
@@ -483,14 +480,43 @@ def _best(sweep: dict[str, object], prefix: str) -> dict[str, object] | None:
     if not timed:
         return None
     m, n, w, s = (int(part[1:]) for part in min(timed)[1].split("_")[-4:])
-    return {"block_m": m, "block_n": n, "num_warps": w, "num_stages": s, "qk_fp8": prefix.endswith("qkfp8")}
+    return {"block_m": m, "block_n": n, "num_warps": w, "num_stages": s}
+
+
+def _tuned_ring(step, launch: dict[str, object]):
+    """``step``'s ring backend with the attention sweep's ``launch`` options (the served kernel takes its
+    defaults): a benchmark's variant, put in place of the step's before a capture."""
+    from charstream.kernels.ring_attention import ring_attention_triton
+    from charstream.model.step.attention import RingBackend
+
+    class TunedRing(RingBackend):
+        def forward(self, layer, q, k, v, cq, rotation):
+            self.write(layer, q, k, v, cq, rotation)
+            c = self.cache
+            ring_attention_triton(q, *self.write.layer(layer), c.ring_valid, c.sink_slots, c.tokens_per_frame, out=v,
+                                  **self.launch)
+            return None, None
+
+    ring = TunedRing(step.ring.write)
+    ring.launch = launch
+    return ring
+
+
+def prep_without_ring_write(q, k, v, cq, k_cache, v_cache, k_scale, v_scale, slot, positions, freqs, norms, saturated,
+                            rotation, window=None) -> None:
+    """``ring_write_prep_triton``'s launch with the ring's stores compiled out: no serving mode, the
+    measure of what the FP8 ring write adds to the prep (the write's cost as served)."""
+    from charstream.kernels.ring_write import launch_ring_write
+
+    launch_ring_write(k_cache, v_cache, k_scale, v_scale, k, v, slot, rotation, (q, cq, *norms, saturated), window,
+                      8, 4, 4, True, write_ring=False)
 
 
 def bench_step(cfg: ModelConfig, tp: int, reps: int, sweep: bool, group=None):
     """Build the shard, sweep the ring attention's options, then time the serving step
-    (``model.step.DiffusionStep``, fused and graphed, its all-reduces in ``group``) with the best
-    fp16 and the best FP8-QK attention (graph replays), and once eagerly."""
-    from charstream.model.step import ATTENTION_OPTIONS, DiffusionStep
+    (``model.step.DiffusionStep``, fused and graphed, its all-reduces in ``group``): graph replays through
+    the full window (as served), through the ring with the sweep's best launch options, and once eagerly."""
+    from charstream.model.step import DiffusionStep, StepOptions
 
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -498,24 +524,19 @@ def bench_step(cfg: ModelConfig, tp: int, reps: int, sweep: bool, group=None):
     cache.begin_frame()
     build_s = time.perf_counter() - t0
     attention = attention_sweep(cfg, tp, cache) if sweep else {}
-    options = _best(attention, "triton_f16") or ATTENTION_OPTIONS
-    fp8_options = _best(attention, "triton_qkfp8") or {**ATTENTION_OPTIONS, "qk_fp8": True}
-    step = DiffusionStep(model, cache, group, fused=True, graphed=True, attention_options=fp8_options,
-                         prefer_gathered=True)
+    options = _best(attention, "triton_f16") or {}
+    step = DiffusionStep(model, cache, group, StepOptions(fused=True, graphed=True, attention="gathered"))
+    step.ring = _tuned_ring(step, options)
     step.set_inputs(torch.randn(cfg.n_audio_tokens, cfg.audio_dim), torch.randn(step.noise.shape), cfg.sink_frames + 7)
-    if not step.gathered:
+    if step.attention is not step.full_window:
         raise RuntimeError("the benchmark cache should hold a full window")
-    _progress(f"step TP={tp}: capture (FP8-QK ring + gathered)")
-    step.capture()
-    step.gathered = False
-    extra = {"step_graphed_ring_qkfp8_ms": cuda_median_ms(lambda: step.run(graphed=True), reps), "attention_options_qkfp8": fp8_options}
-    step.attention_options = options
-    _progress(f"step TP={tp}: capture (fp16 ring + gathered)")
+    _progress(f"step TP={tp}: capture (ring + gathered)")
     t0 = time.perf_counter()
     step.capture()
     capture_s = time.perf_counter() - t0
-    extra["step_graphed_ring_f16_ms"] = cuda_median_ms(lambda: step.run(graphed=True), reps)
-    step.gathered = True
+    step.attention = step.ring
+    extra = {"step_graphed_ring_f16_ms": cuda_median_ms(lambda: step.run(graphed=True), reps)}
+    step.attention = step.full_window
     _progress(f"step TP={tp}: gathered replays, then eager")
     graphed_ms = cuda_median_ms(lambda: step.run(graphed=True), reps)
     graphed_again_ms = cuda_median_ms(lambda: step.run(graphed=True), reps)
@@ -541,8 +562,8 @@ def bench_step(cfg: ModelConfig, tp: int, reps: int, sweep: bool, group=None):
 
 def _in_turns(runs: dict[str, Callable[[], object]], reps: int, rounds: int = 4) -> dict[str, list[float]]:
     """Each run's graph replays timed ``rounds`` times in turns, every other round in reverse order: the
-    first timing after a capture or any pause runs on a GPU that idled, faster (docs/PERF.md, issue 14,
-    session 13), so no variant is always first."""
+    first timing after a capture or any pause runs on a GPU that idled, faster, so no variant is always
+    first."""
     times: dict[str, list[float]] = {name: [] for name in runs}
     for round_ in range(rounds):
         for name in list(runs)[:: 1 if round_ % 2 == 0 else -1]:
@@ -551,16 +572,15 @@ def _in_turns(runs: dict[str, Callable[[], object]], reps: int, rounds: int = 4)
 
 
 def bench_fp8_window(step, reps: int):
-    """The serving step with the FP8 window attention (``DiffusionStep(fp8_window=True)``: cuDNN's FP8
+    """The serving step with the FP8 window attention (``StepOptions(attention="fp8_window")``: cuDNN's FP8
     SDPA over the ring's codes) beside ``step`` (the bf16 window, cuDNN) on the same model, cache and
     inputs: graph replays timed in turns (``_in_turns``), and how far one FP8 run's latent is
     from the bf16 run's (both from the same state: each run writes the frame it reads)."""
-    from charstream.model.step import DiffusionStep
+    from charstream.model.step import DiffusionStep, StepOptions
 
-    fp8 = DiffusionStep(step.model, step.cache, step.tp_group, fused=True, graphed=True,
-                        attention_options=step.attention_options, prefer_gathered=True, fp8_window=True)
+    fp8 = DiffusionStep(step.model, step.cache, step.tp_group, StepOptions(fused=True, attention="fp8_window"))
     fp8.set_inputs(step.audio[0, 0], step.noise, int(step.positions[0, 0]))
-    if not (fp8.gathered and step.gathered):
+    if not (fp8.attention is fp8.full_window and step.attention is step.full_window):
         raise RuntimeError("both steps should attend through a full window")
     _progress("fp8 window: capture")
     fp8.capture()
@@ -580,41 +600,14 @@ def bench_fp8_window(step, reps: int):
     }, fp8
 
 
-def _replay(step, graphs: dict[bool, torch.cuda.CUDAGraph]) -> torch.Tensor:
-    """One replay of ``step`` through ``graphs`` (a capture of it other than its own)."""
-    step.graphs = graphs
-    return step.run(graphed=True)
-
-
-def bench_memset_hoist(steps: dict[str, object], reps: int) -> dict[str, object]:
-    """Each serving step (by window) with the libraries' counter memsets hoisted beside the kernel before
-    them (as served, ``model/graph_memsets.py``) and as captured, the same step re-captured: graph replays
-    timed in turns, and whether the two graphs' latents are equal (each run writes the frame it reads)."""
-    result: dict[str, object] = {}
-    for name, step in steps.items():
-        hoisted, moved = step.graphs, dict(step.memsets_moved)
-        step.hoist_memsets = False
-        step.capture()
-        captured = step.graphs
-        runs = {"hoisted": functools.partial(_replay, step, hoisted), "as_captured": functools.partial(_replay, step, captured)}
-        times = _in_turns(runs, reps)
-        latents = {label: run().clone() for label, run in runs.items()}
-        step.graphs, step.hoist_memsets = hoisted, True
-        result[name] = {"memsets_moved": moved, "step_ms": times,
-                        "hoisted_minus_captured_ms": statistics.median(times["hoisted"]) - statistics.median(times["as_captured"]),
-                        "latents_equal": bool(torch.equal(latents["hoisted"], latents["as_captured"]))}
-    return result
-
-
 def bench_window_split(step, reps: int) -> dict[str, object]:
     """The FP8-window step as served, its window's keys in ``step.window_splits`` partitions merged by
     their statistics, against the same model, cache and inputs in a step of one partition: graph replays
     timed in turns, and how far the one partition's latent is from the split one's."""
-    from charstream.model.step import DiffusionStep
+    from charstream.model.step import DiffusionStep, StepOptions
 
-    one = DiffusionStep(step.model, step.cache, step.tp_group, fused=True, graphed=True,
-                        attention_options=step.attention_options, prefer_gathered=True, fp8_window=True,
-                        window_splits=1)
+    one = DiffusionStep(step.model, step.cache, step.tp_group,
+                        StepOptions(fused=True, attention="fp8_window", window_splits=1))
     one.set_inputs(step.audio[0, 0], step.noise, int(step.positions[0, 0]))
     _progress("window split: capture, one partition")
     one.capture()
@@ -778,7 +771,7 @@ def _table(results: dict) -> str:
             rows.append((f"step TP={tp} shard, graphed (ms)", f"{step['step_graphed_ms']:.1f}",
                          f"<= {REFERENCE['target_step_ms'].get(int(tp), '-')}", str(REFERENCE["step_ms"].get(int(tp)) or "-")))
             rows.append((f"step TP={tp} shard, eager (ms)", f"{step['step_eager_ms']:.1f}", "", ""))
-            for key in ("step_graphed_ring_f16_ms", "step_graphed_ring_qkfp8_ms"):
+            for key in ("step_graphed_ring_f16_ms",):
                 if key in step:
                     rows.append((f"step TP={tp} {key.removeprefix('step_graphed_').removesuffix('_ms')} attention (ms)",
                                  f"{step[key]:.1f}", "", ""))
@@ -793,12 +786,6 @@ def _table(results: dict) -> str:
             rows.append(("  latent rel. diff FP8 vs bf16 window / graphed vs eager",
                          f"{f8['latent_rel_diff_fp8_vs_bf16_window']:.2e} / {f8['latent_rel_diff_graphed_vs_eager']:.2e}", "", ""))
             rows.append(("  peak memory with both steps built (GB)", f"{f8['peak_memory_gb']:.1f}", "", ""))
-        for window, m in r.get("memset_hoist", {}).items():
-            if isinstance(m, dict) and "step_ms" in m:
-                rows.append((f"  {window} window, counter memsets hoisted / as captured, in turns (ms); moved, latents equal",
-                             ", ".join(f"{v:.1f}" for v in m["step_ms"]["hoisted"]) + " / "
-                             + ", ".join(f"{v:.1f}" for v in m["step_ms"]["as_captured"])
-                             + f"; {sum(m['memsets_moved'].values())}, {m['latents_equal']}", "", ""))
         split = r.get("window_split", {})
         if isinstance(split, dict) and "step_ms" in split:
             rows.append((f"  FP8 window in {split['window_splits']} key partitions / in one, in turns (ms); latent diff",
@@ -849,7 +836,7 @@ def _table(results: dict) -> str:
                              f"{prof.get('graph_launch_start_to_last_kernel_end_ms', float('nan')):.1f}", "", ""))
         att = r.get("attention", {})
         if att:
-            for prefix in ("triton_f16", "triton_qkfp8"):
+            for prefix in ("triton_f16",):
                 timed = [(v, n) for n, v in att.items() if isinstance(v, float) and n.startswith(prefix)]
                 if timed:
                     best = min(timed)
@@ -886,7 +873,7 @@ def run(args: argparse.Namespace) -> int:
             args.json = "bench_tp.json"
         return bench_tp.run(args)
     if not torch.cuda.is_available():
-        print("bench gpu needs a CUDA GPU (run it through the device tool)")
+        print("bench gpu needs a CUDA GPU")
         return 2
     import triton
 
@@ -946,9 +933,6 @@ def run(args: argparse.Namespace) -> int:
                 if "profile" not in args.skip:
                     shard["graph_profile_fp8_window"] = _section(shard, f"profile fp8 window TP={tp}", graph_profile,
                                                                  fp8_step, None) or shard.get("graph_profile_fp8_window")
-                if "memsets" not in args.skip:
-                    shard["memset_hoist"] = _section(shard, f"memsets hoisted TP={tp}", bench_memset_hoist,
-                                                     {"bf16": step, "fp8": fp8_step}, args.steps) or shard.get("memset_hoist")
                 if "window-split" not in args.skip and fp8_step.window_splits > 1:
                     shard["window_split"] = _section(shard, f"window split TP={tp}", bench_window_split, fp8_step,
                                                      args.steps) or shard.get("window_split")

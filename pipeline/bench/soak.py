@@ -4,8 +4,8 @@ Two runs, each on one ``EgressServer`` in this process with the real session fac
 in-process aiortc client on a loop of its own (``demo.ClientThread``):
 
 * ``--sessions N --seconds S`` — N sequential sessions of S seconds each. After each ended
-  session (server and factory both empty) it samples RSS, open fds, threads, ``/dev/shm``
-  segments of ours and child processes. Reported: the slope of RSS per session after the warm-up
+  session (server and factory both empty) it samples RSS, open fds, threads, shared-memory slot
+  blocks still mapped and child processes. Reported: the slope of RSS per session after the warm-up
   (a least-squares fit), the retained MB per ended session, and the same after ``malloc_trim``
   (what glibc holds but could return, not a leak).
 Every sample also holds glibc's own account (``malloc_info``: arenas, heap, free pool, mapped
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import glob
 import math
 import platform
 import resource
@@ -45,9 +44,10 @@ from charstream.pipeline import arguments
 from charstream.pipeline.bench.output import commit_id, emit_report, text_table
 from charstream.pipeline.config import PipelineConfig
 from charstream.stages.config import EgressConfig
-from charstream.stages.playout.stage import UNDERRUN_CAUSES
+from charstream.stages.playout.stats import UNDERRUN_CAUSES
 from charstream.stages.shared.memory import allocator_stats, release_free_memory
 from charstream.timeline import VIDEO_FPS
+from charstream.transport.slots import mapped_blocks
 
 MIN_TURN_S = 6.0  # a scripted turn (user line, think, reply, gap) takes longer than this
 WARMUP_FRACTION = 0.1  # sessions before the fit: caches, allocator arenas and lazy imports settle
@@ -68,7 +68,7 @@ def sample(collect: bool = True) -> dict[str, float]:
         "rss_mb": round(process.memory_info().rss / 2**20, 2),
         "fds": process.num_fds(),
         "threads": process.num_threads(),
-        "shm_segments": len(glob.glob("/dev/shm/charstream-*")),
+        "shm_segments": mapped_blocks(),
         "children": len(process.children(recursive=True)),
         **{f"malloc_{k}": v for k, v in allocator_stats().items()},  # glibc's heaps, its free pool, mapped blocks
         "sample_ms": round((time.perf_counter() - started) * 1e3, 2),

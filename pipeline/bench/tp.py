@@ -71,6 +71,7 @@ def _projection_figures(cfg: ModelConfig, world: int, device: torch.device, dtyp
 
 def _rank(rank: int, world: int, port: int, cfg: ModelConfig, use_cuda: bool, reps: int, queue) -> None:
     from charstream.model.generator import Generator
+    from charstream.model.step import StepOptions
 
     device = torch.device(f"cuda:{rank}" if use_cuda else "cpu")
     if use_cuda:
@@ -85,7 +86,7 @@ def _rank(rank: int, world: int, port: int, cfg: ModelConfig, use_cuda: bool, re
     # The serving step (on GPUs: fused FP8, CUDA-graphed, the all-reduces in the graph), then the
     # module body (GEMM, then the all-reduce hook).
     for label, fused in {"step_ms": None, "step_module_ms": False}.items():
-        gen = Generator(cfg, None, device, dist.group.WORLD, dtype, fp8_cache=use_cuda, fused=fused)
+        gen = Generator(cfg, None, device, dist.group.WORLD, dtype, fp8_cache=use_cuda, options=StepOptions(fused=fused))
         gen.reset_session(torch.zeros(cfg.latent_channels, cfg.latent_height, cfg.latent_width, device=device)
                           .normal_(generator=g))
         audio = torch.randn(cfg.n_audio_tokens, cfg.audio_dim, generator=g, device=device)

@@ -24,7 +24,7 @@ from typing import Any
 from charstream.pipeline.config import PipelineConfig
 from charstream.stages.ingest.adapters import PUSH_ADAPTERS
 from charstream.stages.ingest.push import PushAdapter
-from charstream.stages.playout.stage import PlayoutClosed, ReleasedFrame
+from charstream.stages.playout.output import PlayoutClosed, ReleasedFrame
 from charstream.stages.shared.metrics import serve_metrics
 
 

@@ -67,6 +67,14 @@ from charstream.transport.security import CurveKeys
 MAX_EDGE_CAPACITY = 1024  # credits of one edge: far more than any session graph's
 STOP_TIMEOUT_S = 15.0  # on SIGTERM, hosted groups get this long to tear down
 PROBE_TIMEOUT_S = 0.5  # at start: an engine already serving our ipc path answers within this
+# Per model section, the fields a hosted session keeps its own; every other field is the engine's (its
+# devices, graphs, step options and batching: the shared model and batchers are the engine's), so a field
+# added to a section is the engine's until it is named here.
+SESSION_OWN_FIELDS = {
+    "conditioning": ("idle_lead_chunks", "rollback_wait_s", "stall_s"),
+    "diffusion": ("seed",),
+    "decode": (),
+}
 
 
 class RequestError(ValueError):
@@ -86,17 +94,10 @@ def engine_session_config(engine: PipelineConfig, session: PipelineConfig, weigh
     if batched and weights is None and session.diffusion.seed != engine.diffusion.seed:
         raise RequestError(f"random weights are seeded by diffusion.seed: this engine's model is seed "
                            f"{engine.diffusion.seed}, not {session.diffusion.seed}")
-    ed, dd = engine.diffusion, engine.decode
-    return dataclasses.replace(
-        session, hosting="engine",
-        conditioning=dataclasses.replace(session.conditioning, device=engine.conditioning.device,
-                                         graphed=engine.conditioning.graphed),
-        diffusion=dataclasses.replace(session.diffusion, tp=ed.tp, device=ed.device, devices=list(ed.devices),
-                                      fp8_cache=ed.fp8_cache, threads=ed.threads, graphed_step=ed.graphed_step,
-                                      fp8_window_attention=ed.fp8_window_attention,
-                                      batch_sessions=ed.batch_sessions, batch_window_s=ed.batch_window_s),
-        decode=dataclasses.replace(session.decode, device=dd.device, graphed=dd.graphed, threads=dd.threads,
-                                   batch_sessions=dd.batch_sessions, batch_window_s=dd.batch_window_s))
+    sections = {name: dataclasses.replace(getattr(engine, name), **{f: getattr(getattr(session, name), f) for f in own})
+                for name, own in SESSION_OWN_FIELDS.items()}
+    sections["diffusion"].devices = list(sections["diffusion"].devices)  # not the engine's own list
+    return dataclasses.replace(session, hosting="engine", **sections)
 
 
 def _field(request: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:

@@ -52,7 +52,7 @@ from charstream.transport.channel import (
     Wakeup,
     free_tcp_port,
 )
-from charstream.transport.messages import Control, ControlKind, Message
+from charstream.transport.messages import Control, ControlKind, ErrorPayload, Message, ShutdownPayload
 from charstream.transport.security import CurveKeys, curve_required
 from charstream.transport.supervisor import Supervisor
 
@@ -191,8 +191,8 @@ class GroupRun:
             "stage_failed", error=self.error, traceback="".join(traceback.format_exception(exc))
         )
         self._seq += 1
-        detail = {"stage": culprit, "error": why}
-        await self.clients[stage].send(Control(self.spec.session_id, self._seq, ControlKind.ERROR, detail=detail))
+        await self.clients[stage].send(Control(self.spec.session_id, self._seq, ControlKind.ERROR,
+                                               payload=ErrorPayload(culprit, why)))
         self.stop.set()
 
     def context(self, name: str) -> StageContext:
@@ -451,8 +451,9 @@ class SessionRunner:
 
     def _on_control(self, msg: Control, sender: str) -> None:
         if msg.kind == ControlKind.ERROR:
-            stage = str(msg.detail.get("stage", sender))
-            self._end(False, "error", f"stage {stage!r} failed: {msg.detail.get('error')}", stage)
+            payload = msg.payload
+            stage, why = (payload.stage, payload.error) if isinstance(payload, ErrorPayload) else (sender, "no reason given")
+            self._end(False, "error", f"stage {stage!r} failed: {why}", stage)
         elif msg.kind == ControlKind.SHUTDOWN:
             self._end(True, f"shutdown by {sender}")
 
@@ -493,7 +494,7 @@ class SessionRunner:
                         tg.start_soon(self._mark_started, hub)
                         await self._ended.wait()
                         await hub.broadcast(Control(self.session_id, 0, ControlKind.SHUTDOWN,
-                                                    detail={"reason": self._result.ended_by}))
+                                                    payload=ShutdownPayload(self._result.ended_by)))
                         async with anyio.create_task_group() as stopping:
                             for host in self._hosts:
                                 stopping.start_soon(host.stop, STOP_GRACE_S, host.group in self._silent)

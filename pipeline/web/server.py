@@ -53,7 +53,7 @@ from charstream.stages.egress.mic import CaptureClock, UserAudioQueue, pump_micr
 from charstream.stages.egress.stage import PeerLink
 from charstream.stages.egress.timing import BadReport, ClientTiming, _number, presented_frames
 from charstream.stages.egress.tracks import PlayoutAudioTrack, PlayoutVideoTrack, TrackStart
-from charstream.stages.playout.stage import PlayoutOutput
+from charstream.stages.playout.output import PlayoutOutput
 from charstream.stages.shared.tracing import SEGMENTS, intervals
 from charstream.transport.messages import TraceContext
 

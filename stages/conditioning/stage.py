@@ -1,31 +1,21 @@
 """Conditioning: agent speech on the 48 kHz media timeline → one ``Conditioning`` per chunk, forever.
 
 The stream never stops: with no speech to place, every chunk is a listening chunk (silence,
-``speaking=False``) and the loop runs as fast as downstream credit allows. Agent speech of a turn
-is placed on the timeline by the turn-start rollback (docs/ARCHITECTURE.md, Turn-start rollback):
-
-1. from the turn's first audio, listening chunks go just in time (one chunk ahead of their due
-   time), so the diffusion step is idle when the speech comes; once the turn's first chunk of audio
-   plus the look-ahead is in (an agent at real-time pace: ~207 ms after its first audio; one that
-   streams as it synthesises: at once), send ``Control(TURN_START, chunk=next_chunk)`` with what
-   playout needs to place the speech: the earliest chunk a rewind of at most ``rollback_frames``
-   reaches (``earliest_chunk``), when the last listening chunk left (``last_emit_at``) and how long
-   an encode takes (``encode_s``);
-2. playout keeps the listening chunks that play before the speech can be ready and broadcasts
-   ``Control(ROLLBACK, chunk=c, epoch=e, detail={"onset_frame": k, "due_at": t})``;
-3. the speech is placed at frame ``k`` of chunk ``c + 1`` (its ``k`` leading frames silent) and
-   emission restarts there in epoch ``e``; chunk ``c + 1`` is due at playout at wall time ``t``.
-
-Listening chunks are emitted at most ``min(idle_lead_chunks, rollback_frames)`` chunks ahead of
-playout (the schedule is anchored by playout's ``Control(CLOCK)`` and each ROLLBACK), so a rewind
-to the chunk after the one on screen stays within what the ring cache undoes exactly.
+``speaking=False``) and the loop runs as fast as downstream credit allows. A turn's speech is placed
+by the turn-start rollback: docs/ARCHITECTURE.md, Turn-start rollback. This stage's part in it: it
+paces listening chunks (at most ``min(idle_lead_chunks, rollback_frames)`` ahead of playout, from
+playout's ``Control(CLOCK)`` and each ROLLBACK's ``due_at``; just in time once a turn's audio
+starts), sends ``Control(TURN_START)`` from ``process`` (the dispatch loop, never behind the chunk
+loop's wait for credit) once the first chunk's audio and look-ahead are in, and on the ROLLBACK places
+the speech at frame ``onset_frame`` of the chunk after the last kept one (its leading frames silent)
+and emits from there in the new epoch. With no answer within ``rollback_wait_s`` it places the speech
+at the next chunk anyway.
 
 A speaking chunk is emitted once its whole span plus the look-ahead has arrived, or the turn has
 ended. The turn's first speaking chunk carries the turn's trace stamps; every chunk carries
 ``conditioning_ready`` (playout measures the production latency from it).
 ``start_sample`` of ``AgentAudio`` is used relative to the turn's first audio, so adapters may
-count from the turn or from the session. TURN_START is sent from ``process`` (the dispatch loop),
-never behind the chunk loop's wait for credit.
+count from the turn or from the session.
 
 Bad input (wrong rate or dtype, audio without a turn, a turn end without a start, an agent that
 stops sending mid-turn) is logged with the turn id and dropped or ended; listening continues.
@@ -48,13 +38,16 @@ from charstream.stages.shared.worker import StageWorker
 from charstream.timeline import CHUNK_SECONDS, SAMPLES_PER_CHUNK, SAMPLES_PER_FRAME, TIMELINE_RATE
 from charstream.transport.messages import (
     AgentAudio,
+    ClockPayload,
     Conditioning,
     Control,
     ControlKind,
     Message,
+    RollbackPayload,
     TraceContext,
     TurnEvent,
     TurnKind,
+    TurnStartPayload,
 )
 
 # int16 48 kHz window [chunk start - context, chunk end + look-ahead) -> (n_audio_tokens, audio_dim) float32
@@ -149,13 +142,15 @@ class ConditioningStage(Stage):
             turn = self.turn
             # Speech that asked for this rollback, or is placed but not yet committed, starts at the
             # first uncommitted chunk, at the frame playout chose (the frames before it are silent).
+            rollback = msg.payload if isinstance(msg.payload, RollbackPayload) else None
+            onset_frame = rollback.onset_frame if rollback is not None else None
             if turn is not None and turn.turn_start_sent_at is not None and (
                     turn.placed_at is None or turn.placed_at >= start):
-                turn.placed_at = start + int(msg.detail.get("onset_frame") or 0) * SAMPLES_PER_FRAME
-            placed_at = msg.detail.get("placed_at")  # a speech placement's: how long its control took to get here
-            ctx.log.info("conditioning_rollback", chunk=msg.chunk, epoch=msg.epoch, onset_frame=msg.detail.get("onset_frame"),
+                turn.placed_at = start + (onset_frame or 0) * SAMPLES_PER_FRAME
+            placed_at = rollback.placed_at if rollback is not None else None  # a speech placement's: the control's hop
+            ctx.log.info("conditioning_rollback", chunk=msg.chunk, epoch=msg.epoch, onset_frame=onset_frame,
                          turn_id=turn.turn_id if turn else None,
-                         hop_ms=None if placed_at is None else round((time.time() - float(placed_at)) * 1e3, 1))
+                         hop_ms=None if placed_at is None else round((time.time() - placed_at) * 1e3, 1))
         elif msg.kind == ControlKind.CLOCK and msg.chunk is not None:
             self._anchor = (msg.chunk, _due(msg))
         elif msg.kind == ControlKind.INTERRUPT:
@@ -206,15 +201,15 @@ class ConditioningStage(Stage):
         if turn.length < SAMPLES_PER_CHUNK + self.lookahead and not turn.ended:
             return
         turn.turn_start_sent_at = time.monotonic()
-        detail: dict[str, float | int | None] = {
+        payload = TurnStartPayload(
             # a rewind to an earlier chunk would reach past the ring's margin (inexact)
-            "earliest_chunk": None if self.rollback_frames is None else self.next_chunk - self.rollback_frames,
-            "last_emit_at": self._last_emit_at,  # the step may still be busy with that chunk
-            "encode_s": max(self._encode_s, default=0.0),  # the first speaking chunk is encoded once placed
-        }
-        ctx.log.info("turn start", turn_id=turn.turn_id, chunk=self.next_chunk, epoch=self.epoch, **detail)
+            earliest_chunk=None if self.rollback_frames is None else self.next_chunk - self.rollback_frames,
+            last_emit_at=self._last_emit_at,  # the step may still be busy with that chunk
+            encode_s=max(self._encode_s, default=0.0),  # the first speaking chunk is encoded once placed
+        )
+        ctx.log.info("turn start", turn_id=turn.turn_id, chunk=self.next_chunk, epoch=self.epoch, **vars(payload))
         await ctx.send_control(Control(ctx.session_id, 0, ControlKind.TURN_START, chunk=self.next_chunk,
-                                       epoch=self.epoch, detail=detail, trace=TraceContext(turn.turn_id)))
+                                       epoch=self.epoch, payload=payload, trace=TraceContext(turn.turn_id)))
 
     async def _on_turn_event(self, msg: TurnEvent, ctx: StageContext) -> None:
         turn_id = msg.turn_id
@@ -372,11 +367,12 @@ class ConditioningStage(Stage):
 
 
 def _due(msg: Control) -> float:
-    """Monotonic time at which the control's chunk is due at playout (its ``due_at`` wall clock; now
-    if it has none)."""
+    """Monotonic time at which the control's chunk is due at playout (its payload's ``due_at`` wall
+    clock; now if it has none)."""
     now = time.monotonic()
-    due_at = msg.detail.get("due_at")
-    return now if due_at is None else now + float(due_at) - time.time()
+    payload = msg.payload
+    due_at = payload.due_at if isinstance(payload, ClockPayload | RollbackPayload) else None
+    return now if due_at is None else now + due_at - time.time()
 
 
 def build(config: ConditioningConfig, preset: str, weights: str | None = "packaged", seed: int = 0) -> ConditioningStage:

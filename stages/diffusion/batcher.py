@@ -42,9 +42,10 @@ class StepBatcher(SessionBatcher):
                          cpu_threads(config.threads) if self.device == "cpu" else None, "step-batcher")
         self.config, self.preset, self.weights = config, preset, weights
         self.fp8 = config.fp8_ring()
-        self.graphed = config.graphed_step and self.device.startswith("cuda")
-        if config.fp8_window_attention:  # the batched body attends per lane over the ring, never a window
-            raise ValueError("diffusion.fp8_window_attention is a single session's step: not with batch_sessions > 1")
+        self.graphed = config.step.graphed and self.device.startswith("cuda")
+        if config.step.fused or config.step.attention == "fp8_window":  # the batched body attends per lane over the ring
+            raise ValueError("diffusion.step.fused and step.attention 'fp8_window' are a single session's step: "
+                             "not with batch_sessions > 1")
         self.batch: BatchedStep | None = None  # built by the first join
 
     # -- sessions (blocking: call from a worker thread) ------------------------------------------------
@@ -79,7 +80,7 @@ class StepBatcher(SessionBatcher):
         dtype = torch.bfloat16 if self.device.startswith("cuda") else torch.float32
         model = build_model(get_preset(self.preset), resolve_weights(self.preset, self.weights), torch.device(self.device),
                             dtype, None, self.config.seed)
-        return BatchedStep(model, self.max_sessions, FP8_DTYPE if self.fp8 else dtype, graphed=self.graphed)
+        return BatchedStep(model, self.max_sessions, FP8_DTYPE if self.fp8 else dtype, self.config.step)
 
     # -- steps ----------------------------------------------------------------------------------------
 

@@ -5,7 +5,7 @@ encodes the character's reference image with the VAE encoder and writes it as th
 The noise of chunk ``n`` is seeded by ``(seed, n)``, so a chunk regenerated after a rollback with
 the same conditioning is the same chunk.
 
-Turn-start rollback (transport/messages.py): ``Control(ROLLBACK, chunk=c, epoch=e)`` rewinds the
+Turn-start rollback (docs/ARCHITECTURE.md, Turn-start rollback): ``Control(ROLLBACK, chunk=c, epoch=e)`` rewinds the
 ring's write pointer so that the next frame generated is chunk ``c + 1``, and data of older epochs
 is dropped -- also a chunk whose step was already running when the rollback arrived. A chunk of a
 newer epoch than any ROLLBACK seen (the control was overtaken) rolls back implicitly to itself.
@@ -103,8 +103,7 @@ class DiffusionStage(Stage):
         self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
         self.seed, self.tp = config.seed, config.tp
         self.fp8 = config.fp8_ring()
-        self.graphed, self.gathered = config.graphed_step, config.gathered_attention
-        self.fp8_window = config.fp8_window_attention
+        self.options = config.step
         self.devices = list(config.devices)  # per rank (pipeline/runtime/layouts.py)
         # A stream of its own where the session's step is its own (a batched step is the batcher's; TP ranks
         # are one session's, in processes of their own)
@@ -126,8 +125,7 @@ class DiffusionStage(Stage):
         log = ctx.log.info if path else ctx.log.warning
         step = self.diffusion_step
         log("diffusion_ready", preset=self.preset, device=self.device, dtype=self.dtype, tp=self.tp,
-            fp8_cache=self.fp8, weights=path or "random", fused_step=step.fused,
-            fp8_window_attention=self.fp8_window,
+            fp8_cache=self.fp8, weights=path or "random", fused_step=step.fused, attention=self.options.attention,
             graphed_step=self.batcher.graphed if self.batcher else step.graphed,
             batched=self.batcher.max_sessions if self.batcher else 1)
 
@@ -150,22 +148,17 @@ class DiffusionStage(Stage):
             self.reference = reference_latent(self.preset, path, self.identity, self.device)
             self.generator = self.batcher.join(self.reference)  # a DiffusionStep on a lane of the shared pool
             return path
-        step = {"graphed": None if self.graphed else False}  # None: graphed wherever the fused body runs on CUDA
-        if self.gathered is not None:
-            step["prefer_gathered"] = self.gathered
-        if self.fp8_window:
-            step["fp8_window"] = True
         if self.tp > 1:
             from charstream.stages.diffusion.tp_group import TPGenerator
 
             devices = self.devices or (
                 [self.device] * self.tp if self.device == "cpu" else [f"cuda:{i}" for i in range(self.tp)])
-            self.generator = TPGenerator(self.cfg, self.tp, devices, path, self.fp8, dtype, self.seed,
-                                         **step)
+            self.generator = TPGenerator(self.cfg, self.tp, devices, path, self.fp8, dtype, self.seed, self.options)
         else:
             from charstream.model.generator import Generator
 
-            self.generator = Generator(self.cfg, path, self.device, None, dtype, self.fp8, seed=self.seed, **step)
+            self.generator = Generator(self.cfg, path, self.device, None, dtype, self.fp8, seed=self.seed,
+                                       options=self.options)
         self.reference = reference_latent(self.preset, path, self.identity, self.device)
         self.generator.reset_session(self.reference)
         return path

@@ -27,12 +27,13 @@ import torch
 import torch.distributed as dist
 
 from charstream.model.config import ModelConfig
-from charstream.model.generator import Generator, fused_by_default
-from charstream.model.step import GATHERED_BY_DEFAULT
+from charstream.model.generator import Generator
+from charstream.model.step import StepOptions
+from charstream.model.step.options import DEFAULTS
 from charstream.transport.supervisor import Supervisor
 
 _RESET, _STEP, _ROLLBACK, _STOP = range(4)
-# Multicast over NVLink stays off on shared hosts (the lent machines' rule): it can take GPUs down.
+# Multicast over NVLink stays off: on shared multi-tenant hosts it can take GPUs down.
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
@@ -46,10 +47,7 @@ class RankSpec:
     fp8_cache: bool
     dtype: torch.dtype
     seed: int
-    fused: bool  # the step's fused FP8 body
-    graphed: bool | None  # the fused body as CUDA graphs (None: whenever fused on CUDA)
-    prefer_gathered: bool
-    fp8_window: bool
+    options: StepOptions
 
 
 def _backend(device: str) -> str:
@@ -63,9 +61,8 @@ def _join(spec: RankSpec, rank: int) -> Generator:
     # A bounded timeout: a rank that vanished mid-collective fails the step instead of hanging it.
     dist.init_process_group(_backend(device), init_method=spec.init_method, rank=rank, world_size=spec.world,
                             timeout=timedelta(seconds=60))
-    gen = Generator(spec.cfg, spec.weights, device, dist.group.WORLD, spec.dtype, spec.fp8_cache, seed=spec.seed,
-                    fused=spec.fused, graphed=spec.graphed, prefer_gathered=spec.prefer_gathered, fp8_window=spec.fp8_window)
-    return gen
+    return Generator(spec.cfg, spec.weights, device, dist.group.WORLD, spec.dtype, spec.fp8_cache, seed=spec.seed,
+                     options=spec.options)
 
 
 def _worker(rank: int, spec: RankSpec) -> dict:
@@ -114,21 +111,16 @@ class TPGenerator:
         fp8_cache: bool = True,
         dtype: torch.dtype = torch.float32,
         seed: int = 0,
-        fused: bool | None = None,
-        graphed: bool | None = None,
-        prefer_gathered: bool = GATHERED_BY_DEFAULT,
-        fp8_window: bool = False,
+        options: StepOptions = DEFAULTS,
     ) -> None:
-        """``fused``, ``graphed``, ``prefer_gathered``, ``fp8_window``: as ``Generator`` takes them, for every rank."""
+        """``options``: every rank's step's, as ``Generator`` takes them."""
         cfg.validate(world)
         devices = devices or ["cpu"] * world
         if len(devices) != world:
             raise ValueError(f"TP world {world} needs {world} devices, got {devices}")
         os.environ.update(NO_MULTICAST)
-        fused = fused_by_default(devices[0], dtype, fp8_cache) if fused is None else fused
         self.spec = RankSpec(cfg, world, tuple(devices), f"tcp://127.0.0.1:{_free_port()}",
-                             str(weights) if weights else None, fp8_cache, dtype, seed, fused, graphed,
-                             prefer_gathered, fp8_window)
+                             str(weights) if weights else None, fp8_cache, dtype, seed, options)
         self.supervisor = Supervisor()
         self.workers = [self.supervisor.launch(f"diffusion-tp{r}", _worker, r, self.spec, daemon=True)
                         for r in range(1, world)]

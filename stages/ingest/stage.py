@@ -58,6 +58,7 @@ from charstream.transport.messages import (
     AgentAudio,
     Control,
     ControlKind,
+    InterruptPayload,
     Message,
     TraceContext,
     TurnEvent,
@@ -254,7 +255,7 @@ class IngestStage(Stage):
         self.stats.interrupts += 1
         ctx.log.info("barge_in", turn_id=turn_id, user_speech_at=event.at, drop_from_chunk=drop_from)
         await ctx.send_control(Control(ctx.session_id, self._next_seq(), ControlKind.INTERRUPT, chunk=drop_from,
-                                       detail={"turn_id": turn_id, "at_sample": now}, trace=TraceContext(turn_id)))
+                                       payload=InterruptPayload(at_sample=now), trace=TraceContext(turn_id)))
         await ctx.emit(TurnEvent(ctx.session_id, self._next_seq(), TurnKind.INTERRUPT, turn_id, time.time(),
                                  TraceContext(turn_id)))
         await self.adapter.interrupt(turn.ref)

@@ -1,10 +1,9 @@
 """When a turn's first speech chunk reaches playout: an estimate from that chunk's own production.
 
 Playout places a turn's speech at the first frame its first chunk can reach (docs/ARCHITECTURE.md,
-Turn-start rollback). That chunk is made after the rollback: conditioning encodes it (``encode_s``),
-its diffusion step starts once the step still busy with the last listening chunk is done, then it is
-decoded and delivered. Every chunk carries ``conditioning_ready`` and ``diffusion_done`` stamps, so
-playout measures the two parts of each chunk's production after conditioning:
+Turn-start rollback; why this rule: docs/decisions/0013-speech-placement-estimate.md). Every chunk
+carries ``conditioning_ready`` and ``diffusion_done`` stamps, so playout measures the two parts of
+each chunk's production after conditioning:
 
 - step: ``conditioning_ready`` -> ``diffusion_done`` (the hop to diffusion and the step itself), from
   the chunk before's ``diffusion_done`` where that is later: a chunk queued behind another's step (a
@@ -18,31 +17,17 @@ The estimate, in seconds from now::
     ready = starts + step + delivery + allowance
 
 ``step`` and ``delivery`` are the nearest-rank ``QUANTILE`` (90th percentile) of the last ``HISTORY``
-chunks: a chunk that waited in a queue (a speech chunk behind backpressure) or met a GC pause sets
-no estimate on its own, as the maximum of the whole chunk's latency did.
+chunks, so a chunk that waited in a queue or met a GC pause sets no estimate on its own.
 
-The allowance is learned from what the speech of recent turns took beyond its estimate: the first
-chunk's error (arrival - the estimate without allowance) and, for the chunks after it, their arrival
-against the schedule the placement set (chunk ``k`` due ``k`` chunks after the first, less its onset
-frames): at a real-time agent pace every chunk of a turn leaves conditioning a chunk after the one
-before, so each must fit the same budget. The allowance is the second latest of the last
-``ERROR_HISTORY`` speech chunks' errors (256: the 99.6th percentile once full; the latest while they
-span one turn), >= 0 -- a jitter buffer's rule: a chunk later than its schedule by more than its frame's slack is a held frame,
-and on a quiet 2-core VM one chunk in ~30 ran 5-25 ms behind it, turn after turn, in no turn the same
-(docs/PERF.md, "Hours of use"): an allowance from the last turn alone, decaying, was ~0 in the turns
-that held a frame. One isolated stall in 256 chunks sets nothing; the errors are against the schedule
-without allowance, so the allowance does not feed itself. The first measured turn's errors set the
-second turn's allowance and are then forgotten (it ran beside the session's warm-up: kept, they would
-tax the next eight turns).
-
-A few turns' errors do not yet speak for the tail: each turn start is one sample of it per session.
-So beside the learned allowance stands a prior, ``PlayoutConfig.initial_allowance_s`` (one chunk: a
-session's first turn ran a chunk 58-155 ms behind its schedule in quiet CPU runs and on the H200),
-halved with each measured turn and gone after ``PRIOR_TURNS``; the allowance is the larger of the two.
-On the H200's 32-session capacity runs the holds left were one-frame onset holds in turns 2-4, where
-the learned allowance was 0 in most sessions (errors +12 to +46 ms); replayed offline through this
-rule, 27 of 32 late onsets in five runs were in time (docs/PERF.md, session 7), for 18-27 ms more
-latency on average over a session's first four turns (36-72 ms at its second).
+The allowance is the larger of two. Learned: the second latest of the last ``ERROR_HISTORY`` speech
+chunks' errors (the latest while they span one turn), >= 0 -- a jitter buffer's rule, so one stall in
+256 chunks sets nothing. A chunk's error is its arrival against the schedule the placement set without
+allowance (the first chunk at the estimate, chunk ``k`` ``k`` chunks later less the onset frames: at a
+real-time agent pace each leaves conditioning a chunk after the one before), so the allowance does not
+feed itself. The first measured turn's errors set the second turn's allowance and are then forgotten
+(they ran beside the session's warm-up). The prior: ``PlayoutConfig.initial_allowance_s`` (one chunk),
+the whole allowance until a turn has been measured, halved with each measured turn and gone after
+``PRIOR_TURNS`` -- a few turns' errors do not yet speak for the tail.
 """
 
 from __future__ import annotations
