@@ -47,9 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--serve", action="store_true",
                         help="serve the web page and wait for a browser instead of the in-process client")
     parser.add_argument("--port", type=arguments.port, default=8080, help="HTTP port with --serve (default: 8080)")
-    parser.add_argument("--placement", default="inproc", choices=("inproc", "processes"),
+    parser.add_argument("--hosting", default="inproc", choices=("inproc", "processes"),
                         help="inproc: every stage in this process (default); processes: diffusion and decode "
                              "in processes of their own")
+    arguments.renamed(parser, "--placement", "--hosting")
     parser.add_argument("--gpus", metavar="LAYOUT", default=None,
                         help="GPU layout: diffusion TP ranks + decoder, e.g. 1 (one GPU for both), 3+1 "
                              "(pipeline/runtime/layouts.py); stages in processes of their own")
@@ -151,7 +152,7 @@ def plan(args: argparse.Namespace) -> DemoPlan:
         weights, note = args.weights, f"weights {args.weights}"
 
     out = Path(args.out)
-    config = PipelineConfig(preset=args.preset, placement=args.placement)
+    config = PipelineConfig(preset=args.preset, hosting=args.hosting)
     if args.gpus:
         import torch
 
@@ -267,6 +268,7 @@ async def wait_for_client(client, peer, end_index: int, timeout: float = CLIENT_
 
 
 async def run_demo(args: argparse.Namespace) -> int:
+    from charstream.pipeline.runtime.process import MemoryTrimmer
     from charstream.pipeline.session import LiveSession, session_factory
     from charstream.pipeline.trace_report import render_table, write_report
     from charstream.pipeline.web.server import EgressServer
@@ -291,6 +293,8 @@ async def run_demo(args: argparse.Namespace) -> int:
         print(f"metrics on http://{tracing.prometheus_host}:{tracing.prometheus_port}/metrics")
     server = EgressServer(demo.config.egress, session_factory(demo.config, demo.weights, on_session))
     url = await server.start()
+    trimmer = MemoryTrimmer(demo.config.egress.memory_trim_s)  # this process owns the serving loop
+    trimmer.start()
     client = None
     timeout = args.timeout or 60 + 30 * len(demo.script)
     progress: Progress | None = None
@@ -318,6 +322,7 @@ async def run_demo(args: argparse.Namespace) -> int:
             progress.close()
         if client is not None:
             await client.close()  # finishes session.mp4
+        await trimmer.stop()
         await server.stop()  # closes the session: its pipeline stops, its tracer flushes
         for session in sessions:
             await session.stop("demo finished")

@@ -1,5 +1,5 @@
 """The model engine for real: a ``charstream engine`` process hosting the model stages of two live
-``placement = "engine"`` sessions (tiny, CPU) over ipc, its refusals of bad requests, and its death
+``hosting = "engine"`` sessions (tiny, CPU) over ipc, its refusals of bad requests, and its death
 (SIGKILL) ending its session with an error that names it, within 2 s, leaving nothing behind."""
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def die_with_the_test() -> None:
 def engine_session(endpoint: str, seed: int) -> LiveSession:
     """A live session (the listening agent, no microphone: every chunk a listening chunk) whose
     model stages the engine hosts."""
-    config = PipelineConfig(placement="engine", engine_endpoint=endpoint)
+    config = PipelineConfig(hosting="engine", engine_endpoint=endpoint)
     config.diffusion.seed = seed
     return LiveSession(config, f"s{seed}", peer=False)
 
@@ -219,7 +219,7 @@ def test_a_bad_request_gets_an_error_reply_and_the_engine_keeps_serving(engine):
 
 def test_a_session_over_tcp_with_curve_hands_the_engine_its_keys(engine):
     endpoint, _ = engine
-    config = PipelineConfig(placement="engine", engine_endpoint=endpoint)
+    config = PipelineConfig(hosting="engine", engine_endpoint=endpoint)
     config.transport.cross_process, config.transport.curve = "tcp", True  # every cross-process edge CURVE-keyed
 
     async def main():
@@ -240,7 +240,7 @@ from charstream.pipeline.session import LiveSession
 from charstream.transport.supervisor import PR_SET_PDEATHSIG
 
 async def main():
-    session = LiveSession(PipelineConfig(placement="engine", engine_endpoint=sys.argv[1]), "front", peer=False)
+    session = LiveSession(PipelineConfig(hosting="engine", engine_endpoint=sys.argv[1]), "front", peer=False)
     session.start()
     await session.output.frame_at(12)
     print("streaming", flush=True)
@@ -308,7 +308,7 @@ def test_serve_engine_places_sessions_in_the_engine_and_makes_no_batchers_of_its
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
     config = serve.load_config(parser.parse_args(["--engine", "ipc:///tmp/e.sock"]))
-    assert config.placement == "engine" and config.engine_endpoint == "ipc:///tmp/e.sock"
+    assert config.hosting == "engine" and config.engine_endpoint == "ipc:///tmp/e.sock"
     config.diffusion.batch_sessions = config.decode.batch_sessions = 4  # the engine's own setting applies
     factory = session_factory(config)
     assert factory.batcher is None and factory.decode_batcher is None
@@ -330,7 +330,7 @@ def test_the_engine_decides_the_devices_and_graphs_of_what_it_hosts():
     session = PipelineConfig(preset="tiny")
     session.conditioning.idle_lead_chunks = 2
     hosted = engine_session_config(engine, session, "packaged", "packaged")
-    assert hosted.placement == "engine" and hosted.conditioning.idle_lead_chunks == 2
+    assert hosted.hosting == "engine" and hosted.conditioning.idle_lead_chunks == 2
     assert {hosted.conditioning.device, hosted.diffusion.device, hosted.decode.device} == {"cuda:0"}
     assert not (hosted.conditioning.graphed or hosted.decode.graphed or hosted.diffusion.step.graphed)
     assert hosted.diffusion.step.attention == "ring"

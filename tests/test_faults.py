@@ -1,4 +1,4 @@
-"""Faults for real: the diffusion or decode process of a served ``placement="processes"`` session
+"""Faults for real: the diffusion or decode process of a served ``hosting = "processes"`` session
 killed (SIGKILL) or frozen (SIGSTOP) while the page watches, beside a session that must keep
 streaming (the page and the log say which stage and why within 2 s; nothing is left behind); the
 demo's diffusion process killed (the demo exits at once); an external agent process killed or
@@ -42,7 +42,7 @@ def running(process: psutil.Process) -> bool:
 
 @pytest.mark.parametrize("fault, group, stage", [("SIGKILL", "diffusion", "diffusion"), ("SIGSTOP", "decoder", "decode")])
 def test_a_killed_or_frozen_model_process_ends_its_session_clearly_and_others_keep_streaming(fault, group, stage, capfd):
-    config = PipelineConfig(placement="processes")
+    config = PipelineConfig(hosting="processes")
     config.ingest.adapter = "scripted"  # an agent that talks without a microphone: speech flows through the model
     pipeline = session_factory(config)
     card = session_factory(PipelineConfig(), testcard=True)
@@ -113,7 +113,7 @@ def test_a_killed_or_frozen_model_process_ends_its_session_clearly_and_others_ke
 
 
 def test_the_demo_exits_soon_after_a_stage_death(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "charstream", "demo", "--placement", "processes", "--turns", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "charstream", "demo", "--hosting", "processes", "--turns", "2",
                              "--out", str(tmp_path), "--verbose"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:
