@@ -63,7 +63,7 @@ def fp8_window_attention_reference(q8: torch.Tensor, k8: torch.Tensor, v8: torch
                                    descale_k: torch.Tensor, descale_v: torch.Tensor,
                                    softmax_scale: float) -> torch.Tensor:
     """The real output (T, n_heads, head_dim) float32: fp32 math over the codes' real values, the
-    probabilities unquantised."""
+    probabilities unquantized."""
     q = q8.float() * descale_q.float()
     k = k8.float() * descale_k.float()
     v = v8.float() * descale_v.float()

@@ -1,10 +1,10 @@
-"""Per-row FP8 quantisation of activations (the A operand of the FP8 weight GEMMs), with an
+"""Per-row FP8 quantization of activations (the A operand of the FP8 weight GEMMs), with an
 optional GELU on a tail of columns -- the MLP half of a parallel block's output-projection input --
 fused into the same pass.
 
 ``quantize_rows(x, act_from)``: x (M, K) bf16/fp32 -> (xq (M, K) float8_e4m3fn, scale (M, 1) float32)
 with ``x' = x`` on columns ``[0, act_from)`` and ``gelu_tanh(x)`` on ``[act_from, K)`` (``act_from = K``:
-no activation), ``scale = max(amax(|x'|), tiny) / 448`` and ``xq = x' / scale``. Dequantised = xq x scale.
+no activation), ``scale = max(amax(|x'|), tiny) / 448`` and ``xq = x' / scale``. Dequantized = xq x scale.
 ``prefix`` (M, P), optional: the rows' first P columns, read from there instead of from x (whose
 columns [0, P) are then not read) -- a producer's own output buffer (cuDNN's attention output) needs no
 copy into x first. ``prefix_scale`` (G,) float32, optional: the prefix's values are its entries times

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from charstream.kernels.fp8 import dequantise, is_fp8
+from charstream.kernels.fp8 import dequantize, is_fp8
 
 
 def ring_attention_reference(
@@ -32,8 +32,8 @@ def ring_attention_reference(
     tokens_per_frame: int,
 ) -> torch.Tensor:
     _check_layout(k_cache, ring_valid, sink_slots, tokens_per_frame)
-    k = dequantise(k_cache, k_scale[:, None, None])
-    v = dequantise(v_cache, v_scale[:, None, None])
+    k = dequantize(k_cache, k_scale[:, None, None])
+    v = dequantize(v_cache, v_scale[:, None, None])
     slot_valid = torch.cat(
         [torch.ones(sink_slots, dtype=torch.bool, device=q.device), ring_valid.repeat_interleave(tokens_per_frame)]
     )
@@ -298,7 +298,7 @@ def _gather_window_kernel(
     D: tl.constexpr, BLOCK_S: tl.constexpr, QUANT: tl.constexpr,
 ):
     # Output slot j: the sink for j < sink_slots, else token (j - sink) % T of the ring frame at
-    # position frame_order[(j - sink) // T]; dequantised to the output dtype (bf16), or (QUANT off
+    # position frame_order[(j - sink) // T]; dequantized to the output dtype (bf16), or (QUANT off
     # over an FP8 ring: an FP8 window) the codes copied.
     head = tl.program_id(1)
     j = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -329,7 +329,7 @@ def gather_window(
     tokens_per_frame: int,
     out: tuple[torch.Tensor, torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dequantise the sink + the ring frames at positions ``frame_order`` (int32 device tensor) into
+    """Dequantize the sink + the ring frames at positions ``frame_order`` (int32 device tensor) into
     contiguous (n_heads, sink + len(order) * T, head_dim) K and V buffers ``out``: one launch. FP8
     ``out`` buffers get the ring's codes as they are (the FP8 window attention applies the scales)."""
     k_out, v_out = out

@@ -1,4 +1,4 @@
-"""Write one frame's keys and values into the KV ring cache: RoPE on K, FP8 quantisation, T slots.
+"""Write one frame's keys and values into the KV ring cache: RoPE on K, FP8 quantization, T slots.
 
 Contract (shared with the Triton kernel): ``k_cache``/``v_cache`` are one layer's views
 (n_heads, n_slots, head_dim) in float8_e4m3fn or bf16/fp32; ``k_scale``/``v_scale`` float32
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from charstream.kernels.fp8 import FP8_DTYPE, FP8_MAX, as_bits, dequantise, is_fp8, quantise
+from charstream.kernels.fp8 import FP8_DTYPE, FP8_MAX, as_bits, dequantize, is_fp8, quantize
 from charstream.kernels.rope import RopeFreqs, apply_rope, complex_rotation, rope_rotation, rotate_complex
 
 RMS_EPS = 1e-6  # model/dit.py's RMSNorm
@@ -45,8 +45,8 @@ def ring_write_reference(
     if rotation is None:
         rotation = rope_table(positions, freqs)
     k = rotate_complex(k_new, rotation)
-    k_stored = quantise(k, k_scale[None, :, None], k_cache.dtype).transpose(0, 1)
-    v_stored = quantise(v_new.float(), v_scale[None, :, None], v_cache.dtype).transpose(0, 1)
+    k_stored = quantize(k, k_scale[None, :, None], k_cache.dtype).transpose(0, 1)
+    v_stored = quantize(v_new.float(), v_scale[None, :, None], v_cache.dtype).transpose(0, 1)
     if isinstance(slot_start, int):  # a plain slice copy (CPU index_copy_ is ~10x slower)
         k_cache[:, slot_start : slot_start + n_tokens].copy_(k_stored)
         v_cache[:, slot_start : slot_start + n_tokens].copy_(v_stored)
@@ -101,7 +101,7 @@ def _ring_write_kernel(
     # cos/sin come from the step's table (computed once per step, not per program and layer). With
     # PREP, the block's other per-head work rides along: QK-norms, RoPE on Q (in place), the
     # cross-attention query's norm (in place) and the FP8 saturation count. With WINDOW, the keys and
-    # values as stored are also written dequantised into the attention window's slots at ``win_slot``
+    # values as stored are also written dequantized into the attention window's slots at ``win_slot``
     # (WINDOW_CODES: an FP8 window, the codes themselves). Q8: the rotated queries go to ``q8`` as e4m3
     # codes of q x q8_mult[head] (bf16-rounded first, as q would be stored), q itself left unwritten.
     # RING off: everything but the ring's stores (a measurement of what the write adds to the prep).
@@ -170,7 +170,7 @@ def _ring_write_kernel(
             wdst = head * stride_wh + (win_start + t)[:, None] * stride_ws + ch[None, :]
             tl.store(k_win + wdst, k_stored, mask=mask)
             tl.store(v_win + wdst, v_stored, mask=mask)
-        elif WINDOW:  # as gather_window dequantises: stored value x per-head scale, in the window's dtype
+        elif WINDOW:  # as gather_window dequantizes: stored value x per-head scale, in the window's dtype
             k_w = k_stored.to(tl.float32)
             v_w = v_stored.to(tl.float32)
             if QUANT:
@@ -237,7 +237,7 @@ def ring_write_triton(
     num_warps: int = 4,
     prefetch: bool = True,
 ) -> None:
-    """RoPE(K) + per-head FP8 quantisation + write of K and V for all heads: one launch of
+    """RoPE(K) + per-head FP8 quantization + write of K and V for all heads: one launch of
     ``block_t`` tokens x ``heads`` heads per program. ``rotation``: the positions' ``rope_table``
     (built here when not given)."""
     rotation = rope_table(positions, freqs) if rotation is None else rotation
@@ -266,7 +266,7 @@ def ring_write_prep_reference(
     """The parallel block's per-head work between its input projection and its attentions, as
     model/dit.py + model/cache.py do it: q <- RoPE(q_norm(q)) and cq <- cross_q_norm(cq) in place;
     k_norm(k) and v written to the ring (``ring_write``); ``saturated`` += values out of FP8 range.
-    ``window`` = (k_win, v_win, win_slot): the written K/V also go, dequantised as ``gather_window``
+    ``window`` = (k_win, v_win, win_slot): the written K/V also go, dequantized as ``gather_window``
     does, into the attention window's slots from ``win_slot`` on (an FP8 window: the codes as stored).
     ``q8`` = (q8_out, mult (n_heads,) float32): the rotated queries go to q8_out as e4m3 codes of
     q x mult[head] instead of over q (the FP8 window attention's queries)."""
@@ -293,7 +293,7 @@ def ring_write_prep_reference(
             if is_fp8(win):
                 as_bits(win).index_copy_(1, dst, as_bits(stored))
             else:
-                win.index_copy_(1, dst, dequantise(stored, scale[:, None, None], win.dtype))
+                win.index_copy_(1, dst, dequantize(stored, scale[:, None, None], win.dtype))
 
 
 def ring_write_prep_triton(

@@ -30,7 +30,7 @@ import math
 import torch
 
 from charstream.kernels.delta_rotate import delta_rotate
-from charstream.kernels.fp8 import FP8_MAX, as_bits, is_fp8, quantise
+from charstream.kernels.fp8 import FP8_MAX, as_bits, is_fp8, quantize
 from charstream.kernels.ring_attention import ring_attention, ring_slot_bias
 from charstream.kernels.ring_write import ring_write
 from charstream.kernels.rope import RopeFreqs, rotate_complex
@@ -98,8 +98,8 @@ class KVPool:
         k_scale, v_scale = self.k_scale[lanes, layer][:, None, :, None], self.v_scale[lanes, layer][:, None, :, None]
         if self.fp8:
             self.saturated.index_add_(0, lanes, _over_range(k_new, v_new, k_scale, v_scale))
-        k_stored = quantise(rotate_complex(k_new, rotation), k_scale, self.k.dtype)
-        v_stored = quantise(v_new.float(), v_scale, self.v.dtype)
+        k_stored = quantize(rotate_complex(k_new, rotation), k_scale, self.k.dtype)
+        v_stored = quantize(v_new.float(), v_scale, self.v.dtype)
         slots = slot_start[:, None] + torch.arange(n_tokens, device=slot_start.device)
         index = (lanes[:, None, None], self.heads[None, None, :], slots[:, :, None])  # (B, T, heads) of (lanes, H, S)
         as_bits(self.k[:, layer]).index_put_(index, as_bits(k_stored))

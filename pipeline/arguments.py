@@ -94,3 +94,13 @@ def model_choice(name: str, weights: str | None, portrait: str | None) -> tuple[
         if not report.ok:
             raise ValueError(f"--weights {weights}: {report.problem()}")
     return (None if weights == "random" else weights), read_portrait(portrait)
+
+
+def renamed(parser: argparse.ArgumentParser, old: str, new: str) -> None:
+    """Refuse option ``old`` with one line naming ``new``, the option it became."""
+
+    class Refuse(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None) -> None:
+            parser.exit(2, f"{parser.prog}: {old} is now {new}\n")
+
+    parser.add_argument(old, action=Refuse, nargs="?", default=argparse.SUPPRESS, help=argparse.SUPPRESS)

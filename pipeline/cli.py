@@ -17,7 +17,7 @@ from charstream import __version__
 COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("demo",), "charstream.pipeline.demo", "live character demo on CPU: scripted agent -> WebRTC client, writes trace + mp4"),
     (("serve",), "charstream.pipeline.serve", "serve the web page and WebRTC endpoint for a browser session"),
-    (("engine",), "charstream.pipeline.runtime.engine", "the model engine: hosts many sessions' model stages in one process (placement engine)"),
+    (("engine",), "charstream.pipeline.runtime.engine", "the model engine: hosts many sessions' model stages in one process (hosting engine)"),
     (("fleet", "status"), "charstream.pipeline.fleet.commands", "a fleet's nodes, sessions, free layouts and health"),
     (("fleet", "drain"), "charstream.pipeline.fleet.commands", "stop a fleet node taking new sessions"),
     (("bench", "transport"), "charstream.pipeline.bench.transport", "ZeroMQ channel latency, throughput and backpressure"),

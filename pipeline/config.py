@@ -27,7 +27,7 @@ from charstream.stages.config import (
 from charstream.timeline import Timeline
 from charstream.transport.config import TransportConfig
 
-PROCESS_PLACEMENTS = ("inproc", "processes", "engine")  # PipelineConfig.placement
+HOSTINGS = ("inproc", "processes", "engine")  # PipelineConfig.hosting
 
 
 @dataclass
@@ -35,8 +35,8 @@ class PipelineConfig:
     preset: str = "tiny"
     # inproc (one process) | processes (edge, diffusion ranks, decoder) | engine (the model stages in a
     # running engine process shared by many sessions: pipeline/runtime/engine.py, `charstream engine`)
-    placement: str = "inproc"
-    engine_endpoint: str = "ipc:///tmp/charstream-engine.sock"  # placement engine: the engine's socket (ipc or loopback tcp)
+    hosting: str = "inproc"
+    engine_endpoint: str = "ipc:///tmp/charstream-engine.sock"  # hosting engine: the engine's socket (ipc or loopback tcp)
     # How long a thread running Python keeps the GIL from one that asks for it (sys.setswitchinterval),
     # set by the process that serves sessions: a model thread retakes the GIL after each CUDA call of
     # its step (~15), and at Python's 5 ms each retake waits for the event loop's thread to be forced off.
@@ -56,8 +56,8 @@ class PipelineConfig:
     fleet: FleetConfig = field(default_factory=FleetConfig)  # charstream serve --cluster
 
     def __post_init__(self) -> None:
-        if self.placement not in PROCESS_PLACEMENTS:  # anything else would run as "processes"
-            raise ValueError(f"placement must be one of {', '.join(PROCESS_PLACEMENTS)}, got {self.placement!r}")
+        if self.hosting not in HOSTINGS:  # anything else would run as "processes"
+            raise ValueError(f"hosting must be one of {', '.join(HOSTINGS)}, got {self.hosting!r}")
         _ = self.timeline  # an unknown preset or model is refused now, not at a session's start
 
     @property
@@ -81,6 +81,8 @@ class PipelineConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PipelineConfig:
+        if isinstance(data, dict) and "placement" in data:
+            raise ValueError("config key 'placement' is now 'hosting' (inproc, processes or engine)")
         return _build(cls, data, "")
 
 

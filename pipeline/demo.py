@@ -51,9 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--serve", action="store_true",
                         help="serve the web page and wait for a browser instead of the in-process client")
     parser.add_argument("--port", type=arguments.port, default=8080, help="HTTP port with --serve (default: 8080)")
-    parser.add_argument("--placement", default="inproc", choices=("inproc", "processes"),
+    parser.add_argument("--hosting", default="inproc", choices=("inproc", "processes"),
                         help="inproc: every stage in this process (default); processes: diffusion and decode "
                              "in processes of their own")
+    arguments.renamed(parser, "--placement", "--hosting")
     parser.add_argument("--gpus", metavar="LAYOUT", default=None,
                         help="GPU layout: diffusion TP ranks + decoder, e.g. 1 (one GPU for both), 3+1 "
                              "(pipeline/runtime/layouts.py); stages in processes of their own")
@@ -163,7 +164,7 @@ def plan(args: argparse.Namespace) -> DemoPlan:
         weights, note = args.weights, f"weights {args.weights}"
 
     out = Path(args.out)
-    config = PipelineConfig(preset=name, placement=args.placement)
+    config = PipelineConfig(preset=name, hosting=args.hosting)
     if args.gpus:
         import torch
 
@@ -282,6 +283,7 @@ async def wait_for_client(client, peer, end_index: int, samples_per_frame: int,
 
 
 async def run_demo(args: argparse.Namespace) -> int:
+    from charstream.pipeline.runtime.process import MemoryTrimmer
     from charstream.pipeline.session import LiveSession, session_factory
     from charstream.pipeline.trace_report import render_table, write_report
     from charstream.pipeline.web.server import EgressServer
@@ -307,6 +309,8 @@ async def run_demo(args: argparse.Namespace) -> int:
     server = EgressServer(demo.config.egress, session_factory(demo.config, demo.weights, on_session,
                                                                    portrait=demo.portrait))
     url = await server.start()
+    trimmer = MemoryTrimmer(demo.config.egress.memory_trim_s)  # this process owns the serving loop
+    trimmer.start()
     client = None
     timeout = args.timeout or 60 + 30 * len(demo.script)
     progress: Progress | None = None
@@ -335,6 +339,7 @@ async def run_demo(args: argparse.Namespace) -> int:
             progress.close()
         if client is not None:
             await client.close()  # finishes session.mp4
+        await trimmer.stop()
         await server.stop()  # closes the session: its pipeline stops, its tracer flushes
         for session in sessions:
             await session.stop("demo finished")

@@ -36,7 +36,7 @@
 #                                                   with one ladder), one ladder per batch_sessions value (default
 #                                                   1 8: without and with batching); needs whl-a and whl-b, not whl-c;
 #                                                   CAPACITY_ENGINES=K: K model engines host every session's model
-#                                                   stages (placement engine; a batch value must cover 48 / K sessions)
+#                                                   stages (hosting engine; a batch value must cover 48 / K sessions)
 #                                                   CAPACITY_PACE=synthesized: the scripted agent streams ahead of real time
 #                                                   CAPACITY_SPREAD=S: a count's sessions start over S s (their turns out of phase)
 #                                                   CAPACITY_CLIENT_NICE=N: the client processes' niceness (the bench's default: 10)
@@ -178,7 +178,7 @@ elif [ "$cmd" = tp ]; then  # multi-GPU kinds: the TP group with NCCL, one proce
   done
 elif [ "$cmd" = live ]; then
   [ $# -gt 0 ] || set -- characters-14b tiny
-  gpus=${GPUS:-1}  # a placement of pipeline/runtime/layouts.py: 1, 3+1, 4+1, ...
+  gpus=${GPUS:-1}  # a layout of pipeline/runtime/layouts.py: 1, 3+1, 4+1, ...
   for preset in "$@"; do
     weights=random
     [ "$preset" = tiny ] && weights=packaged

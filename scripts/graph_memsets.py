@@ -4,7 +4,7 @@
 
 Not in the serving path: the step's graphs are captured as recorded (model/graphs.py). Hoisting measured
 no step-level gain (steps 0.05-0.7 ms lower, within the machine's spread: docs/PERF.md), so it stays
-here, with its check (a graph of row quantisation -> FP8 GEMM pairs: every memset moves, the replay is
+here, with its check (a graph of row quantization -> FP8 GEMM pairs: every memset moves, the replay is
 unchanged) and the step timed both ways, in turns.
 
 cuBLASLt's FP8 GEMMs and cuDNN's SDPA each issue a 4-byte ``cudaMemsetAsync`` before their kernel

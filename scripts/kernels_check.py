@@ -102,7 +102,7 @@ def attention(gen: torch.Generator) -> dict[str, object]:
     q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16, generator=gen) * 2
     args = lambda i: (k[i], v[i], ks[i], vs[i], ring_valid, SINK, T)  # noqa: E731
     ref = ring_attention_reference(q, *args(0)).float()
-    # the bf16 path's reference: dequantised K/V rounded to bf16, cuDNN/flash SDPA (what gathered runs)
+    # the bf16 path's reference: dequantized K/V rounded to bf16, cuDNN/flash SDPA (what gathered runs)
     window = tuple(torch.empty(H, SINK + VALID * T, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     out = torch.empty(T, H, D, device="cuda", dtype=torch.bfloat16)
     attended = SINK + VALID * T
@@ -284,13 +284,13 @@ def window_attn(gen: torch.Generator) -> dict[str, object]:
 
 def _window_attn_fp8(q: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, ref: torch.Tensor) -> dict[str, object]:
     """cuDNN's FP8 SDPA over the same windows stored as the cache stores them (e4m3 codes, per-head
-    scales): the K scales folded into the queries before their e4m3 quantisation (one scalar scale
+    scales): the K scales folded into the queries before their e4m3 quantization (one scalar scale
     per layer, here from the measured amax; the step's from a bound), the output in V's code units at
     scale 1 (the step's 0.5 leaves room for the probabilities' rounding) times V's per-head scales after.
     Errors: against fp32 math over the same codes (the kernel), and end to end against the fp32
     reference over the bf16 window (what ``strided_q`` is compared with). Timed: the cuDNN call alone,
     and with the two elementwise passes a step would add around it if the prep and the GELU rows
-    did not do them (q's quantisation, the output's per-head rescale)."""
+    did not do them (q's quantization, the output's per-head rescale)."""
     from charstream.kernels.fp8_window_attention import Fp8WindowAttention, fp8_window_attention_reference
 
     with _variant({}, "window_attn", "fp8_cudnn") as entry:

@@ -53,7 +53,7 @@ def test_bench_capacity_measures_frames_the_clients_received(tmp_path):
 
 
 def test_batch_sessions_sets_both_batchers_and_the_scripted_agent_needs_no_recogniser():
-    args = argparse.Namespace(preset="tiny", gpus=None, placement="inproc", threads=1, sessions=[1], start_timeout=10,
+    args = argparse.Namespace(preset="tiny", gpus=None, hosting="inproc", threads=1, sessions=[1], start_timeout=10,
                               warmup=1, hold=1, recognizer=False, agent_pace="synthesized")
     config = bench_capacity.session_config(args, 4)
     assert config.diffusion.batch_sessions == config.decode.batch_sessions == 4
@@ -64,14 +64,14 @@ def test_batch_sessions_sets_both_batchers_and_the_scripted_agent_needs_no_recog
 
 
 def test_engines_place_every_session_in_an_engine_and_size_each_engine():
-    args = argparse.Namespace(preset="tiny", gpus=None, placement=None, engines=2, threads=1, sessions=[8, 16],
+    args = argparse.Namespace(preset="tiny", gpus=None, hosting=None, engines=2, threads=1, sessions=[8, 16],
                               workers=4, start_timeout=10, warmup=1, hold=1, recognizer=False,
                               agent_pace="realtime")
-    assert bench_capacity.session_config(args, 8).placement == "engine"
+    assert bench_capacity.session_config(args, 8).hosting == "engine"
     assert bench_capacity.per_process(args) == 8  # 16 sessions over 2 engines
     assert [bench_capacity.engine_of(w, 2) for w in range(4)] == ["engine-0", "engine-1", "engine-0", "engine-1"]
-    args.placement = "inproc"
-    with pytest.raises(ValueError, match="placement engine and --engines"):
+    args.hosting = "inproc"
+    with pytest.raises(ValueError, match="hosting engine and --engines"):
         bench_capacity.session_config(args, 1)
 
 

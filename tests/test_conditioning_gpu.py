@@ -1,4 +1,4 @@
-"""The audio encoder on the GPU (``ConditioningConfig.device``, where placement puts it beside the
+"""The audio encoder on the GPU (``ConditioningConfig.device``, where a layout puts it beside the
 decoder) gives the CPU's tokens. Skipped without CUDA."""
 
 import numpy as np

@@ -117,7 +117,7 @@ def test_decode_stage_in_its_own_process_rolls_back() -> None:
         ],
         [Edge("src", "decode", capacity=2), Edge("decode", "sink", capacity=2)],
     )
-    result = anyio.run(run_session, graph, PipelineConfig(placement="processes"), "s-decode")
+    result = anyio.run(run_session, graph, PipelineConfig(hosting="processes"), "s-decode")
     assert result.ok, result.error
     assert "decoder" in result.processes
     chunks = result.stages["sink"].chunks

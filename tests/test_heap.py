@@ -51,7 +51,7 @@ def test_a_stage_process_freezes_after_importing_its_stages_modules(tmp_path):
     for name, freeze in (("diffusion", True), ("probe", True), ("decode", False)):
         note = tmp_path / f"{name}.json"
         graph = Graph([Node(name, "test_runner_stages:NoteProcessSettings", {"note_file": str(note)}, name)])
-        config = PipelineConfig.from_dict({"placement": "processes", "freeze_heap": freeze})
+        config = PipelineConfig.from_dict({"hosting": "processes", "freeze_heap": freeze})
         result = anyio.run(run_session, graph, config, f"s-heap-{name}")
         assert result.ok, result.error
         notes[name] = json.loads(note.read_text())

@@ -89,7 +89,7 @@ def test_ring_write_prep():
     k_scale, v_scale = (torch.rand(H, device="cuda") * 0.004 + 0.004 for _ in range(2))
     norms = tuple(torch.rand(D, device="cuda") + 0.5 for _ in range(3))
     slot = SINK + 3 * T
-    # the kernel also writes the dequantised K/V into window slots [2T, 3T) of a poisoned bf16 window
+    # the kernel also writes the dequantized K/V into window slots [2T, 3T) of a poisoned bf16 window
     window = tuple(_poisoned((H, SINK + 7 * T, D), torch.bfloat16) for _ in range(2))
     runs = []
     for prep, at, win in ((ring_write_prep_reference, slot, None),
@@ -102,7 +102,7 @@ def test_ring_write_prep():
         prep(q, k, v, cq, *caches, k_scale, v_scale, at, positions, freqs, norms, saturated, window=win)
         runs.append((q, cq, *caches, saturated))
     (rq, rcq, rk, rv, rsat), (gq, gcq, gk, gv, gsat) = runs
-    for w, c, scale in zip(window, (gk, gv), (k_scale, v_scale), strict=True):  # as gather_window dequantises
+    for w, c, scale in zip(window, (gk, gv), (k_scale, v_scale), strict=True):  # as gather_window dequantizes
         assert torch.equal(w[:, 2 * T : 3 * T], (c[:, slot : slot + T].float() * scale[:, None, None]).to(torch.bfloat16))
         assert (w[:, : 2 * T] == 1e4).all() and (w[:, 3 * T :] == 1e4).all()
     assert _rel(gq, rq) < 1e-2 and _rel(gcq, rcq) < 1e-2

@@ -23,7 +23,7 @@ from charstream.model.weights import save_weights
 CFG = TINY.with_(n_blocks=2, height=64, width=64, window_frames=2, reset_every=1, rollback_frames=1)
 STEPS, ROLLBACK = 4, 1  # positions reset before frame 3; the rollback undoes that reset
 # Module body: fp32 GEMMs, only the all-reduce's summation order differs. Fused body: each rank
-# quantises its own slice of the output projection's input rows to FP8 (per-row scales over fewer
+# quantizes its own slice of the output projection's input rows to FP8 (per-row scales over fewer
 # columns), so TP differs from TP = 1 by FP8 rounding: ~3e-4 here, where other inputs move it 4e-3.
 TOLERANCE = {False: 1e-4, True: 1e-3}
 

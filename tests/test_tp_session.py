@@ -38,7 +38,7 @@ def single_rank(tmp_path_factory):
     return path, vae, one
 
 
-# (TP size, the fused FP8 step); the fused step's FP8 rows are quantised per rank, so it matches
+# (TP size, the fused FP8 step); the fused step's FP8 rows are quantized per rank, so it matches
 # TP=1 within FP8 rounding (tests/test_model_tp.py).
 @pytest.mark.parametrize("world,fused,tolerance", [(2, False, 1e-4), (4, False, 1e-4), (2, True, 1e-3)])
 def test_tp_group_produces_the_frames_of_one_rank(single_rank, world, fused, tolerance):

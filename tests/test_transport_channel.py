@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import multiprocessing
 import os
+import pickle
 import signal
 import time
 
@@ -23,6 +24,7 @@ from charstream.transport.channel import (
     CTRL,
     DATA,
     HELLO,
+    ChannelError,
     ControlClient,
     ControlHub,
     PeerDeadError,
@@ -369,3 +371,13 @@ def test_a_malformed_control_is_counted_naming_its_sender_and_the_bus_goes_on():
         transport.close()
 
     anyio.run(main)
+
+
+@pytest.mark.parametrize("error", [PeerDeadError("no heartbeat for 1.50 s", "a->b", "a"), ChannelError("misuse", "a->b"),
+                                   MessageError("header is not msgpack", "a->b", "a")], ids=lambda e: type(e).__name__)
+def test_channel_errors_cross_processes_whole(error):
+    """A spawned consumer's PeerDeadError reaches its parent through pickle (a process pool's result):
+    it must come back as itself, not as a TypeError that breaks the pool or a message wrapped twice."""
+    back = pickle.loads(pickle.dumps(error))
+    assert type(back) is type(error) and str(back) == str(error)
+    assert (back.problem, back.channel, back.peer) == (error.problem, error.channel, error.peer)

@@ -56,6 +56,9 @@ class MessageError(ValueError):
         self.channel = channel
         self.peer = peer
 
+    def __reduce__(self):  # pickled by its fields, not by its message (which would be wrapped again)
+        return type(self), (self.problem, self.channel, self.peer)
+
 
 class _Mismatch(Exception):
     """A header value of the wrong type (internal; becomes a MessageError)."""

@@ -109,7 +109,7 @@ class RingBackend(StepAttention):
 
 class Window:
     """Every layer's attention window beside the ring, contiguous: the sink, then frame f at window
-    position f % window_frames; bf16 values dequantised from the ring, or the ring's FP8 codes. Each
+    position f % window_frames; bf16 values dequantized from the ring, or the ring's FP8 codes. Each
     pass's prep writes its frame there too (at ``slot``), so the window is gathered from the ring (one
     launch per layer) only when the cache's history was rewritten (a rollback, a position reset, a new
     session) since it last mirrored it."""

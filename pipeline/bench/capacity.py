@@ -9,11 +9,11 @@ Every session is the whole stage graph (``pipeline.session``): the built-in scri
 ``--recognizer``) → ingest → conditioning → diffusion → decode → playout over ZeroMQ → WebRTC
 egress → a real aiortc client that receives and decodes audio and video and reports presented
 frames on the data channel, as a page does. Sessions are spread over ``--workers`` server
-processes (each one event loop with its own ``EgressServer``, its sessions and, ``--placement
+processes (each one event loop with its own ``EgressServer``, its sessions and, ``--hosting
 inproc``, their model stages in its threads, sharing the GPU); their clients over ``--clients``
 processes of their own, so the bench measures the server, not its clients
 (``pipeline/bench/capacity_worker.py``). With ``--engines K`` the bench first starts K model engines
-(``pipeline/runtime/engine.py``) and every session's model stages run in one of them (``placement
+(``pipeline/runtime/engine.py``) and every session's model stages run in one of them (``hosting
 engine``: worker ``i``'s sessions in engine ``i mod K``, so sessions, added to the workers in
 turn, fill the engines in turn; one CUDA context per engine, ``--batch-sessions`` batching
 inside each engine). Everything binds loopback.
@@ -65,6 +65,7 @@ import zmq.asyncio
 from tqdm import tqdm
 
 from charstream.logs import configure_logging
+from charstream.pipeline import arguments
 from charstream.pipeline.bench.capacity_worker import run_clients, run_worker
 from charstream.pipeline.bench.output import commit_id, emit_report, percentiles, text_table
 from charstream.pipeline.config import PipelineConfig
@@ -92,9 +93,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="concurrent session counts, in order (default: 8 16 32 48)")
     parser.add_argument("--preset", default="tiny", help="model preset (default: tiny)")
     parser.add_argument("--weights", default="packaged", help="'packaged' (the trained weights shipped) or 'random'")
+    arguments.renamed(parser, "--placement", "--hosting")
     parser.add_argument("--gpus", metavar="LAYOUT", default=None,
                         help="GPU layout of every session (pipeline/runtime/layouts.py), e.g. 1; default: CPU")
-    parser.add_argument("--placement", choices=["inproc", "processes", "engine"], default=None,
+    parser.add_argument("--hosting", choices=["inproc", "processes", "engine"], default=None,
                         help="inproc (default): a session's model stages run in its worker's threads (what "
                              "cross-session batching needs); processes: in processes of their own, as `demo --gpus`; "
                              "engine (the default with --engines): in the engines the bench starts")
@@ -132,12 +134,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON (the table goes to stderr)")
 
 
-def placement(args: argparse.Namespace) -> str:
-    """``--placement``, or its default: engine with ``--engines``, else inproc."""
+def hosting(args: argparse.Namespace) -> str:
+    """``--hosting``, or its default: engine with ``--engines``, else inproc."""
     engines = getattr(args, "engines", 0)
-    chosen = args.placement or ("engine" if engines else "inproc")
+    chosen = args.hosting or ("engine" if engines else "inproc")
     if (chosen == "engine") != (engines > 0):
-        raise ValueError("placement engine and --engines K >= 1 go together")
+        raise ValueError("hosting engine and --engines K >= 1 go together")
     return chosen
 
 
@@ -162,7 +164,7 @@ def session_config(args: argparse.Namespace, batch_sessions: int) -> PipelineCon
         from charstream.pipeline.runtime.layouts import apply_layout
 
         config = apply_layout(config, args.gpus)  # the workers check the devices exist
-    config.placement = placement(args)
+    config.hosting = hosting(args)
     if config.diffusion.device == "cpu":
         config.diffusion.threads = args.threads
     if config.decode.device == "cpu":
@@ -580,7 +582,7 @@ def summarise_level(count: int, added_from: int, start_s: float, first: dict, la
                  "child_processes_cores": round(cpu["children"] / window, 3), "loop_lag": reply["loop_lag"]}
         if "hosted" in reply:  # an engine: the sessions it hosted when the window closed
             entry["hosted"] = reply["hosted"]
-        if "cuda_context" in reply:  # a server worker: whether it made a CUDA context (engine placement: never)
+        if "cuda_context" in reply:  # a server worker: whether it made a CUDA context (engine hosting: never)
             entry["cuda_context"] = reply["cuda_context"]
         for kind, now in reply.get("batchers", {}).items():  # sessions served per batched forward, in the window
             before = first["replies"][name]["batchers"][kind]
@@ -755,7 +757,7 @@ def table(report: dict[str, Any]) -> str:
                          "; ".join(lv["saturated"]) or "-"])
     where = f"--gpus {report['gpus']}" if report["gpus"] else "CPU"
     engines = f"{report['engines']} engine / " if report.get("engines") else ""
-    lines = [f"capacity: {report['preset']} sessions, {where}, placement {report['placement']}, "
+    lines = [f"capacity: {report['preset']} sessions, {where}, hosting {report['hosting']}, "
              f"{engines}{report['workers']} server / {report['clients']} client processes (nice {report['client_nice']}), "
              f"agent pace {report['agent_pace']}, "
              f"sessions started {f'over {spread:g} s' if (spread := report.get('spread_s')) else 'at once'}, "
@@ -829,7 +831,7 @@ def run(args: argparse.Namespace) -> int:
     configure_logging("error")
     report: dict[str, Any] = {
         "bench": "capacity", "preset": args.preset, "weights": args.weights, "gpus": args.gpus,
-        "placement": placement(args), "engines": args.engines, "workers": args.workers, "clients": args.clients,
+        "hosting": hosting(args), "engines": args.engines, "workers": args.workers, "clients": args.clients,
         "client_nice": args.client_nice, "sessions": args.sessions,
         "hold_s": args.hold, "warmup_s": args.warmup, "min_fps": args.min_fps, "budget_s": args.budget_s,
         "recognizer": args.recognizer, "agent_pace": args.agent_pace, "spread_s": args.spread_s, "date": datetime.now(UTC).isoformat(timespec="seconds"),

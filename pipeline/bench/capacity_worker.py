@@ -116,7 +116,7 @@ def run_worker(endpoint: str, name: str, config: PipelineConfig, weights: str | 
 
 def device_info(config: PipelineConfig, weights: str | None) -> dict[str, Any]:
     """torch's version, the weights and the sessions' device, initialised now (not in the first session's setup)."""
-    if config.placement == "engine":  # the model stages, and CUDA, are the engine's
+    if config.hosting == "engine":  # the model stages, and CUDA, are the engine's
         return {"device": f"engine at {config.engine_endpoint}"}
     import torch
 
@@ -135,12 +135,14 @@ def device_info(config: PipelineConfig, weights: str | None) -> dict[str, Any]:
 
 class Worker:
     def __init__(self, config: PipelineConfig, weights: str | None) -> None:
+        from charstream.pipeline.runtime.process import MemoryTrimmer
         from charstream.pipeline.session import session_factory
         from charstream.pipeline.web.server import EgressServer
 
         self.sessions: dict[str, Any] = {}  # every LiveSession started here, ended ones too
         self.factory = session_factory(config, weights, on_session=self._started)
         self.server = EgressServer(config.egress, self.factory)
+        self.trimmer = MemoryTrimmer(config.egress.memory_trim_s)  # this process owns the serving loop
         self.lag = LoopLag()
         self._steps_from: dict[str, int] = {}  # per session: diffusion steps counted before the window
 
@@ -199,7 +201,7 @@ class Worker:
         snapshot["loop_lag"] = self.lag.summary()
         snapshot["live_sessions"] = len(self.factory.sessions)
         torch = sys.modules.get("torch")  # imported by the stages or the VAD, or not at all
-        snapshot["cuda_context"] = bool(torch is not None and torch.cuda.is_initialized())  # engine placement: False
+        snapshot["cuda_context"] = bool(torch is not None and torch.cuda.is_initialized())  # engine hosting: False
         return snapshot
 
 
@@ -212,6 +214,7 @@ async def _worker(endpoint: str, name: str, config: PipelineConfig, weights: str
         info = await asyncio.to_thread(device_info, config, weights)
         worker = Worker(config, weights)
         url = await worker.server.start()
+        worker.trimmer.start()
         worker.lag.start()
         await link.send({"id": None, "hello": name, "pid": os.getpid(), "url": url, **info})
         quit_id = await serve_requests(link, name, {"open": worker.open, "mark": worker.mark, "stats": worker.stats},
@@ -220,6 +223,7 @@ async def _worker(endpoint: str, name: str, config: PipelineConfig, weights: str
         try:
             if worker is not None:
                 await worker.lag.stop()
+                await worker.trimmer.stop()
                 await worker.server.stop()  # closes every session: their stages stop, their processes end
                 for session in list(worker.sessions.values()):
                     await session.stop("bench finished")

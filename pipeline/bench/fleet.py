@@ -30,7 +30,7 @@ from charstream.pipeline import arguments
 from charstream.pipeline.bench.output import commit_id, emit_report, text_table
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.fleet.client import FleetClient, FullError
-from charstream.pipeline.fleet.layout import placement
+from charstream.pipeline.fleet.layout import session_layout
 
 KEY = "bench"
 
@@ -116,7 +116,7 @@ async def bench(args: argparse.Namespace) -> dict:
     devices = args.nodes
     cluster = None
     if args.cluster is None:
-        gpus = placement(config.fleet).gpus > 0
+        gpus = session_layout(config.fleet).gpus > 0
         cluster = local_cluster(devices, "GPU" if gpus else config.fleet.cpu_device_resource)
     try:
         join_cluster(args.cluster or cluster.address)

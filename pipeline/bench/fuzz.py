@@ -5,7 +5,8 @@ Targets (each served by the real component in a background event loop of this pr
 * **ipc** / **tcp** — a stage channel ``Receiver``. A rogue DEALER sends any frame kind (DATA,
   SLOT, HELLO with slot geometries, BEAT, BYE, garbage) built from valid encodings mutated at
   every level (``codec_frames``); on ipc it owns real shared-memory blocks, writes slots and
-  sometimes truncates its block under a reference (the SIGBUS path).
+  sometimes tries to truncate its block under a reference (the SIGBUS path: the block's seals make
+  the kernel refuse; without them the receiver, in this process, would die).
 * **agent** — the external-agent socket (``ExternalAgent``, docs/AGENTS.md): its messages with
   hostile versions, types, turns, formats, rates, channel counts and payloads (odd sizes, NaN/inf
   float audio, over a second), garbage frames; the probe is a whole valid turn.
@@ -260,7 +261,7 @@ class ChannelTarget:
             self.escapes.append(f"consumer: {type(e).__name__}: {e}")
 
     def _hello(self) -> None:
-        """(Re)introduce the rogue: on ipc with a fresh block (the receiver unlinks the previous one)."""
+        """(Re)introduce the rogue: on ipc with a fresh block (the receiver unmaps the previous one)."""
         if self.kind == "ipc":
             if self.block is not None:
                 self.block.close()
@@ -276,7 +277,7 @@ class ChannelTarget:
             self._hello()
         elif roll < 0.06 and self.kind == "ipc":  # hostile geometry (refused) - the rogue keeps its block
             geometry = msgpack.unpackb(self.block.geometry())
-            geometry[rng.choice(["name", "slots", "slot_bytes", "x"])] = rng.choice(POOL)
+            geometry[rng.choice(["fd", "slots", "slot_bytes", "x"])] = rng.choice(POOL)
             self.rogue.send_multipart([HELLO, msgpack.packb(geometry, unicode_errors="surrogateescape")])
         elif roll < 0.08:
             self.rogue.send_multipart([rng.choice([BEAT, BYE, CREDIT, b"", b"\xff" * 9, data[:4]]),
@@ -301,13 +302,11 @@ class ChannelTarget:
             ref = ref[:4] + b"".join(rng.choice([0, 1, SLOT_BYTES, 2**64 - 1]).to_bytes(8, "little") for _ in arrays)
         elif edit == 3:
             ref = ref[: rng.randrange(len(ref))]
-        elif edit == 4:  # truncate the block under the reference, then give it its size back
-            os.ftruncate(self.block.shm._fd, rng.choice([0, SLOT_BYTES // 2]))
-            frames = [ref, header]
-            self.rogue.send_multipart([SLOT, *frames])
-            self._sync()
-            os.ftruncate(self.block.shm._fd, SLOTS * SLOT_BYTES)
-            return [ref, codec_frames(rng, data)[0]]
+        elif edit == 4:  # truncate the block under the reference: refused while the block is sealed
+            try:
+                os.ftruncate(self.block.fd, rng.choice([0, SLOT_BYTES // 2]))
+            except PermissionError:
+                pass
         elif edit == 5:
             header = codec_frames(rng, data)[0]
         return [ref, header]

@@ -431,7 +431,7 @@ def memset_sources(events: list[dict]) -> dict[str, dict[str, float]]:
 
 
 def attention_sweep(cfg: ModelConfig, tp: int, cache) -> dict[str, float]:
-    """The ring attention's block shapes against PyTorch's SDPA (bf16 K/V; and dequantise + SDPA)."""
+    """The ring attention's block shapes against PyTorch's SDPA (bf16 K/V; and dequantize + SDPA)."""
     from charstream.kernels.ring_attention import ring_attention_reference, ring_attention_triton
 
     heads, t, d = cfg.n_heads // tp, cfg.tokens_per_step, cfg.head_dim
@@ -466,7 +466,7 @@ def attention_sweep(cfg: ModelConfig, tp: int, cache) -> dict[str, float]:
         vd = cache.v[i, :, :attended].to(torch.bfloat16) * cache.v_scale[i, :, None, None].to(torch.bfloat16)
         return F.scaled_dot_product_attention(qh, kd[None], vd[None])
 
-    result["dequantise_then_sdpa"] = _graph_ms([lambda i=i: dequant_sdpa(i) for i in layers])
+    result["dequantize_then_sdpa"] = _graph_ms([lambda i=i: dequant_sdpa(i) for i in layers])
     # accuracy of each path against fp32 math over the same stored values (one layer)
     ref = ring_attention_reference(q, *args(0)).float()
     got = ring_attention_triton(q, *args(0)).float()

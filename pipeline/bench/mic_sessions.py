@@ -37,7 +37,7 @@ SENTENCE = "Hello there, can you hear me?"
 
 
 @dataclass
-class SessionResult:
+class MicSessionResult:
     index: int
     heard: str | None = None  # what the recogniser heard (an answered turn's trace record; None: not heard)
     answer: str | None = None
@@ -81,7 +81,7 @@ def write_speech_wav(path: Path, text: str = SENTENCE, lead_s: float = LEAD_S, t
 
 
 async def run_sessions(count: int, workdir: Path, timeout_s: float = 45.0, preset: str = "tiny",
-                       out: Path | None = None, concurrent: int = 1) -> list[SessionResult]:
+                       out: Path | None = None, concurrent: int = 1) -> list[MicSessionResult]:
     """``count`` sessions, ``concurrent`` at a time, against ``serve``'s own session factory
     (``out``: its ``--out DIR``)."""
     from playwright.async_api import async_playwright
@@ -113,8 +113,8 @@ async def run_sessions(count: int, workdir: Path, timeout_s: float = 45.0, prese
     return results
 
 
-async def one_session(browser, url: str, server, live: dict, index: int, timeout_s: float) -> SessionResult:
-    result = SessionResult(index)
+async def one_session(browser, url: str, server, live: dict, index: int, timeout_s: float) -> MicSessionResult:
+    result = MicSessionResult(index)
     started = time.monotonic()
     context = await browser.new_context()
     try:
@@ -150,7 +150,7 @@ async def one_session(browser, url: str, server, live: dict, index: int, timeout
     return result
 
 
-def summarize(results: list[SessionResult]) -> dict:
+def summarize(results: list[MicSessionResult]) -> dict:
     totals = [r.trace_total_ms for r in results if r.trace_total_ms is not None]
     page = [r.page_total_ms for r in results if r.page_total_ms is not None]
     diffs = [r.trace_total_ms - r.page_total_ms for r in results

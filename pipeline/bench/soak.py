@@ -4,8 +4,8 @@ Two runs, each on one ``EgressServer`` in this process with the real session fac
 in-process aiortc client on a loop of its own (``demo.ClientThread``):
 
 * ``--sessions N --seconds S`` — N sequential sessions of S seconds each. After each ended
-  session (server and factory both empty) it samples RSS, open fds, threads, ``/dev/shm``
-  segments of ours and child processes. Reported: the slope of RSS per session after the warm-up
+  session (server and factory both empty) it samples RSS, open fds, threads, shared-memory slot
+  blocks still mapped and child processes. Reported: the slope of RSS per session after the warm-up
   (a least-squares fit), the retained MB per ended session, and the same after ``malloc_trim``
   (what glibc holds but could return, not a leak).
 Every sample also holds glibc's own account (``malloc_info``: arenas, heap, free pool, mapped
@@ -21,7 +21,7 @@ repeated), so the character talks through the whole model path without a microph
 
     charstream bench soak --sessions 200 --seconds 1 --out bench-soak-sessions.json
     charstream bench soak --minutes 30 --out bench-soak-session.json
-    charstream bench soak --sessions 20 --placement processes --out bench-soak-processes.json
+    charstream bench soak --sessions 20 --hosting processes --out bench-soak-processes.json
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import glob
 import math
 import platform
 import resource
@@ -48,6 +47,7 @@ from charstream.stages.config import EgressConfig
 from charstream.stages.playout.stats import UNDERRUN_CAUSES
 from charstream.stages.shared.memory import allocator_stats, release_free_memory
 from charstream.timeline import CHARACTERS
+from charstream.transport.slots import mapped_blocks
 
 MIN_TURN_S = 6.0  # a scripted turn (user line, think, reply, gap) takes longer than this
 WARMUP_FRACTION = 0.1  # sessions before the fit: caches, allocator arenas and lazy imports settle
@@ -68,7 +68,7 @@ def sample(collect: bool = True) -> dict[str, float]:
         "rss_mb": round(process.memory_info().rss / 2**20, 2),
         "fds": process.num_fds(),
         "threads": process.num_threads(),
-        "shm_segments": len(glob.glob("/dev/shm/charstream-*")),
+        "shm_segments": mapped_blocks(),
         "children": len(process.children(recursive=True)),
         **{f"malloc_{k}": v for k, v in allocator_stats().items()},  # glibc's heaps, its free pool, mapped blocks
         "sample_ms": round((time.perf_counter() - started) * 1e3, 2),
@@ -113,15 +113,18 @@ class Harness:
     """The server, the factory and a way to run one client session on it."""
 
     def __init__(self, source: str, config: PipelineConfig) -> None:
+        from charstream.pipeline.runtime.process import MemoryTrimmer
         from charstream.pipeline.session import session_factory
         from charstream.pipeline.web.server import EgressServer
 
         self.factory = session_factory(config, testcard=source == "testcard")
         self.server = EgressServer(config.egress, self.factory)
+        self.trimmer = MemoryTrimmer(config.egress.memory_trim_s)  # this process owns the serving loop
         self.url = ""
 
     async def start(self) -> None:
         self.url = await self.server.start()
+        self.trimmer.start()
 
     async def session(self, seconds: float, every: float | None = None,
                       on_sample=None) -> dict[str, Any]:
@@ -149,6 +152,7 @@ class Harness:
                 "released": not (self.server.sessions or self.factory.sessions)}
 
     async def stop(self) -> None:
+        await self.trimmer.stop()
         await self.server.stop()
 
 
@@ -270,8 +274,9 @@ def table(report: dict[str, Any]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--source", choices=["pipeline", "testcard"], default="pipeline")
-    parser.add_argument("--placement", choices=["inproc", "processes"], default="inproc",
+    parser.add_argument("--hosting", choices=["inproc", "processes"], default="inproc",
                         help="processes: diffusion and decode in processes of their own (ipc, shared-memory slots)")
+    arguments.renamed(parser, "--placement", "--hosting")
     parser.add_argument("--sessions", type=arguments.positive_int, help="sequential sessions (the per-session memory run)")
     parser.add_argument("--seconds", type=float, default=1.0, help="length of each of --sessions")
     parser.add_argument("--minutes", type=float, help="one session this long (the long-session run)")
@@ -293,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
     from charstream.stages.agents.scripted import DEFAULT_SCRIPT
 
     configure_logging(args.log_level)
-    config = PipelineConfig(placement=args.placement)
+    config = PipelineConfig(hosting=args.hosting)
     config.egress = EgressConfig(port=0, max_sessions=2)
     if args.memory_trim_s is not None:
         config.egress.memory_trim_s = args.memory_trim_s
@@ -311,7 +316,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         result = asyncio.run(soak_session(args.source, config, args.minutes, args.every, args.trim))
     report = {
-        "placement": args.placement,
+        "hosting": args.hosting,
         "memory_trim_s": config.egress.memory_trim_s,
         "started": started,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),

@@ -13,7 +13,7 @@ from charstream.pipeline.fleet.config import FleetConfig
 from charstream.pipeline.runtime.layouts import LAYOUTS, Layout
 
 
-def placement(config: FleetConfig) -> Layout:
+def session_layout(config: FleetConfig) -> Layout:
     try:
         return LAYOUTS[config.layout]
     except KeyError:
@@ -21,7 +21,7 @@ def placement(config: FleetConfig) -> Layout:
 
 
 def session_bundles(config: FleetConfig) -> list[dict[str, float]]:
-    layout = placement(config)
+    layout = session_layout(config)
     device = "GPU" if layout.gpus else config.cpu_device_resource
     bundles = [{device: 1.0} for _ in layout.diffusion]
     # Layout "3" decodes on the last rank's GPU: its decoder bundle holds a CPU, not a second GPU.

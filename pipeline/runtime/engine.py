@@ -2,7 +2,7 @@
 
     charstream engine --bind ipc:///tmp/charstream-engine.sock --preset tiny --gpus 1 --batch-sessions 16 [--metrics-port 9465]
 
-A session in ``placement = "engine"`` keeps its event loop work (ingest, playout, WebRTC egress) in
+A session in ``hosting = "engine"`` keeps its event loop work (ingest, playout, WebRTC egress) in
 its front-end process and asks the engine to host its model group -- conditioning (the audio
 encoder), diffusion and decode (``pipeline.session.model_nodes``), the stages ``pipeline/runtime/layouts.py``
 puts on a GPU -- so the GPU work of every session runs in this one process: one CUDA context (the
@@ -40,7 +40,7 @@ import anyio.abc
 import zmq
 import zmq.asyncio
 
-from charstream.logs import configure_logging, get_logger
+from charstream.logs import get_logger
 from charstream.pipeline import arguments
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.runtime.engine_link import (
@@ -52,8 +52,9 @@ from charstream.pipeline.runtime.engine_link import (
     pack,
     unpack,
 )
-from charstream.pipeline.runtime.heap import load_and_freeze
+from charstream.pipeline.runtime.errors import unwrap
 from charstream.pipeline.runtime.loop_lag import LoopLag
+from charstream.pipeline.runtime.process import MODEL_STAGES, prepare_process
 from charstream.pipeline.runtime.runner import ENGINE_GROUP, Edge, GroupRun, GroupSpec
 from charstream.pipeline.session import model_nodes
 from charstream.stages.config import TracingConfig
@@ -66,7 +67,6 @@ from charstream.transport.security import CurveKeys
 MAX_EDGE_CAPACITY = 1024  # credits of one edge: far more than any session graph's
 STOP_TIMEOUT_S = 15.0  # on SIGTERM, hosted groups get this long to tear down
 PROBE_TIMEOUT_S = 0.5  # at start: an engine already serving our ipc path answers within this
-# What the model stages import lazily (in their threads): imported once when the engine starts.
 # Per model section, the fields a hosted session keeps its own; every other field is the engine's (its
 # devices, graphs, step options and batching: the shared model and batchers are the engine's), so a field
 # added to a section is the engine's until it is named here.
@@ -97,7 +97,7 @@ def engine_session_config(engine: PipelineConfig, session: PipelineConfig, weigh
     sections = {name: dataclasses.replace(getattr(engine, name), **{f: getattr(getattr(session, name), f) for f in own})
                 for name, own in SESSION_OWN_FIELDS.items()}
     sections["diffusion"].devices = list(sections["diffusion"].devices)  # not the engine's own list
-    return dataclasses.replace(session, placement="engine", **sections)
+    return dataclasses.replace(session, hosting="engine", **sections)
 
 
 def _field(request: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
@@ -146,7 +146,7 @@ def _keys(value: Any) -> CurveKeys | None:
 
 
 @dataclass
-class _Hosted:
+class _HostedGroup:
     """One session's model group in this engine."""
 
     identity: bytes  # its front-end's link (ROUTER identity)
@@ -193,7 +193,7 @@ class Engine:
         self.batcher = StepBatcher(config.diffusion, config.preset, weights) if config.diffusion.batch_sessions > 1 else None
         self.decode_batcher = (DecodeBatcher(config.decode, config.preset, weights, config.diffusion.seed)
                                if config.decode.batch_sessions > 1 else None)
-        self.hosted: dict[bytes, _Hosted] = {}
+        self.hosted: dict[bytes, _HostedGroup] = {}
         self.served = 0  # sessions hosted and ended
         self.lag = LoopLag()
         self.log = get_logger(component="engine")
@@ -318,14 +318,14 @@ class Engine:
         keys = _keys(request.get("keys"))
         spec = GroupSpec(ENGINE_GROUP, session_id, [available[n] for n in names], inputs, outputs, control, config, keys)
         transport = Transport(config.transport, keys)
-        entry = _Hosted(identity, session_id, GroupRun(spec, transport, anyio.Event(), build_in_thread=True), transport,
+        entry = _HostedGroup(identity, session_id, GroupRun(spec, transport, anyio.Event(), build_in_thread=True), transport,
                         config.transport.dead_after_s, time.monotonic())
         self.hosted[identity] = entry
         self._tg.start_soon(self._run_hosted, entry)
         self.log.info("engine_hosting", session_id=session_id, stages=names, hosted=len(self.hosted))
         return {"pid": os.getpid(), "hosted": len(self.hosted)}
 
-    async def _run_hosted(self, hosted: _Hosted) -> None:
+    async def _run_hosted(self, hosted: _HostedGroup) -> None:
         group = hosted.group
         try:
             await group.run()
@@ -394,15 +394,13 @@ def run_engine(config: PipelineConfig, weights: str | None, endpoint: str, max_s
     """The engine's process (``charstream engine``, or a ``Supervisor`` target): serves until SIGTERM
     or SIGINT; returns its report. With ``config.tracing.prometheus_port``, its hosted sessions' step
     times and its process metrics are served for Prometheus (``tracing.prometheus_host``)."""
-    configure_logging(log_level)
-    if config.tracing.prometheus_port is not None:
-        serve_metrics(config.tracing.prometheus_port, config.tracing.prometheus_host)
-    config.apply_gil_switch_interval()  # the hosted stages' model threads share the GIL with the loop
     # Before the loop serves: an import inside it (or one a stage's thread holds the import lock of while
     # the loop wants the module) stalls every hosted session's heartbeats for seconds.
+    prepare_process("engine", config, MODEL_STAGES, log_level)
+    if config.tracing.prometheus_port is not None:
+        serve_metrics(config.tracing.prometheus_port, config.tracing.prometheus_host)
     import torch
 
-    load_and_freeze(front_end=False, model_stages=True, freeze=config.freeze_heap)
     try:
         if config.diffusion.device.startswith("cuda"):
             torch.cuda.init()
@@ -427,8 +425,7 @@ def run_engine(config: PipelineConfig, weights: str | None, endpoint: str, max_s
     try:
         anyio.run(main)
     except Exception as e:
-        while isinstance(e, ExceptionGroup) and len(e.exceptions) == 1:  # the task group's wrapping
-            e = e.exceptions[0]
+        e = unwrap(e)
         return {"error": f"engine at {endpoint}: {type(e).__name__}: {e}", "served": engine.served}
     return {"served": engine.served}
 

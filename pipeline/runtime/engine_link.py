@@ -1,7 +1,7 @@
 """The link between a front-end session and the model engine (``pipeline/runtime/engine.py``): the wire
 format, and the front-end's end of it.
 
-A session in ``placement = "engine"`` opens one DEALER to the engine's ROUTER (``PipelineConfig.
+A session in ``hosting = "engine"`` opens one DEALER to the engine's ROUTER (``PipelineConfig.
 engine_endpoint``: ipc, or tcp on loopback) and asks it to host its model stages. msgpack both ways,
 never pickle, one frame per message (a dict):
 

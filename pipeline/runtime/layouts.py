@@ -62,6 +62,6 @@ def apply_layout(config: PipelineConfig, name: str, gpus_available: int | None =
     # The audio encoder beside the decoder: on the edge's CPU, among egress and playout, a 14b chunk's
     # encode took 47-155 ms on the H200 host (docs/PERF.md), a wait every turn's first chunk pays.
     conditioning = dataclasses.replace(config.conditioning, device=layout.decoder)
-    placement = "inproc" if name == "cpu" else "processes"
+    hosting = "inproc" if name == "cpu" else "processes"
     return dataclasses.replace(config, conditioning=conditioning, diffusion=diffusion, decode=decode,
-                               placement=placement)
+                               hosting=hosting)

@@ -2,14 +2,16 @@
 
 A ``Graph`` names nodes (the stage's class or factory + its kwargs, and a process group; a spawned
 process gets the node pickled, so its class and kwargs must pickle — classes do, by reference) and edges (from, to, capacity, optionally the message types they carry).
-``run_session(graph, config, session_id)`` runs it and returns a ``SessionResult``; ``Session``
+``run_session(graph, config, session_id)`` runs it and returns a ``SessionResult``; ``SessionRunner``
 does the same with a ``stop()`` and the ids of its processes.
 
-Placement (``config.placement``): ``inproc`` runs every node in this process over inproc://;
+Hosting (``config.hosting``): ``inproc`` runs every node in this process over inproc://;
 ``processes`` runs group ``"main"`` here and spawns one process per other group, with ipc://
 (or tcp://, ``config.transport.cross_process``) between processes and inproc:// inside each;
 ``engine``: group ``"engine"`` is hosted by a running model engine (``pipeline/runtime/engine.py``,
-``config.engine_endpoint``) beside other sessions' groups, the rest as in ``processes``.
+``config.engine_endpoint``) beside other sessions' groups, the rest as in ``processes``. Each
+group is run by a ``GroupHost`` (``pipeline/runtime/hosts.py``: ``InprocHost``, ``ChildHost``,
+``EngineHost``), chosen by ``make_host``; the session treats them alike.
 
 Per stage: ``setup`` -> register on the control bus -> (once every stage of the session is set
 up) ``run`` as a task beside the dispatch loop that feeds ``control`` first, then ``process`` ->
@@ -36,8 +38,9 @@ import anyio
 
 from charstream.logs import configure_logging, get_logger
 from charstream.pipeline.config import PipelineConfig
-from charstream.pipeline.runtime.engine_link import EngineError, EngineLink, host_request
-from charstream.pipeline.runtime.heap import load_and_freeze
+from charstream.pipeline.runtime.errors import unwrap
+from charstream.pipeline.runtime.hosts import ChildHost, EngineHost, GroupHost, InprocHost
+from charstream.pipeline.runtime.process import prepare_process
 from charstream.stages.base import Stage, StageContext
 from charstream.transport.channel import (
     ControlClient,
@@ -51,10 +54,10 @@ from charstream.transport.channel import (
 )
 from charstream.transport.messages import Control, ControlKind, ErrorPayload, Message, ShutdownPayload
 from charstream.transport.security import CurveKeys, curve_required
-from charstream.transport.supervisor import Child, Supervisor, describe_exit
+from charstream.transport.supervisor import Supervisor
 
-LOCAL_GROUP = "main"  # in "processes" placement, this group runs in the caller's process
-ENGINE_GROUP = "engine"  # in "engine" placement, the model engine process hosts this group (pipeline/runtime/engine.py)
+LOCAL_GROUP = "main"  # in "processes" hosting, this group runs in the caller's process
+ENGINE_GROUP = "engine"  # in "engine" hosting, the model engine process hosts this group (pipeline/runtime/engine.py)
 STOP_GRACE_S = 1.0  # how long stage processes get to exit after SHUTDOWN before SIGTERM
 
 
@@ -265,9 +268,7 @@ class GroupRun:
             await self.clients[name].started.wait()
             await work()
         except Exception as e:
-            while isinstance(e, ExceptionGroup) and len(e.exceptions) == 1:  # a stage task's own error
-                e = e.exceptions[0]
-            await self.fail(name, e)
+            await self.fail(name, unwrap(e))  # a stage task's own error, not its task group
 
     async def run(self) -> None:
         spec = self.spec
@@ -332,16 +333,11 @@ class GroupRun:
 
 def _group_process(spec: GroupSpec) -> dict[str, Any]:
     """Entry point of a spawned stage process: run the group until SHUTDOWN/SIGTERM, return its report."""
-    configure_logging()
-    spec.config.apply_gil_switch_interval()  # its stage's model thread and its event loop share the GIL
-    # Import the stages' modules (torch and all) before any channel or heartbeat starts: a long
-    # import inside the event loop would read as a dead peer. (Class factories were imported when
-    # the spec was unpickled.)
+    # The stages' modules (torch and all) before any channel or heartbeat starts, as every process's
+    # preparation imports its own (class factories were imported when the spec was unpickled).
     for node in spec.nodes:
         resolve_factory(node.factory)
-    names = {node.name for node in spec.nodes}
-    load_and_freeze(front_end="ingest" in names, model_stages=bool(names & {"conditioning", "diffusion", "decode"}),
-                    freeze=spec.config.freeze_heap)
+    prepare_process("stage", spec.config, [node.name for node in spec.nodes])
 
     async def main() -> dict[str, Any]:
         transport = Transport(spec.config.transport, spec.keys)
@@ -371,7 +367,7 @@ def _group_process(spec: GroupSpec) -> dict[str, Any]:
 def plan_groups(graph: Graph, config: PipelineConfig, session_id: str, ipc_dir: str) -> list[GroupSpec]:
     """One GroupSpec per process: endpoints inproc inside a process, ipc/tcp between processes."""
     graph.validate()
-    group_of = {n.name: (LOCAL_GROUP if config.placement == "inproc" else n.group) for n in graph.nodes}
+    group_of = {n.name: (LOCAL_GROUP if config.hosting == "inproc" else n.group) for n in graph.nodes}
     distributed = len(set(group_of.values())) > 1 or LOCAL_GROUP not in group_of.values()
     tconf = config.transport
     counter = iter(range(1_000_000))
@@ -399,7 +395,17 @@ def plan_groups(graph: Graph, config: PipelineConfig, session_id: str, ipc_dir: 
     return list(specs.values())
 
 
-class Session:
+def make_host(spec: GroupSpec, transport: Transport, supervisor: Supervisor) -> GroupHost:
+    """Where ``spec``'s group runs (``pipeline/runtime/hosts.py``): group ``main`` in this process,
+    group ``engine`` in the model engine with ``hosting = "engine"``, any other in a child process."""
+    if spec.group == LOCAL_GROUP:
+        return InprocHost(spec, GroupRun(spec, transport, anyio.Event()))
+    if spec.group == ENGINE_GROUP and spec.config.hosting == "engine":
+        return EngineHost(spec, STOP_GRACE_S)
+    return ChildHost(spec, supervisor, _group_process)
+
+
+class SessionRunner:
     """One running session: ``await session.run()``; ``session.stop()`` ends it cleanly."""
 
     def __init__(
@@ -411,18 +417,18 @@ class Session:
         self.handle_signals = handle_signals and threading.current_thread() is threading.main_thread()
         self.started = anyio.Event()  # every stage is set up and running
         self.pids: dict[str, int] = {}  # process group -> pid, once launched
-        self.stages: dict[str, Stage] = {}  # the stage objects of this process's group, as they are built
         self.ended_at: float | None = None  # time.monotonic() when the end (or the error) was decided
         self.log = get_logger(session_id=session_id)
         self._ended = anyio.Event()
-        self._local_done = anyio.Event()
-        self._local_done.set()  # until a local group runs
         self._result: SessionResult | None = None
-        self._group_of = {n.name: n.group for n in graph.nodes}
+        self._hosts: list[GroupHost] = []
+        self._host_of: dict[str, GroupHost] = {}  # stage -> the host of its group
         self._silent: set[str] = set()  # process groups whose stages stopped answering: frozen, no grace
-        self.engine_pid: int | None = None  # the engine hosting this session's model group, once it accepted
-        self._engine_stages = ({n for n, g in self._group_of.items() if g == ENGINE_GROUP}
-                               if config.placement == "engine" else set())
+
+    @property
+    def stages(self) -> dict[str, Stage]:
+        """The stage objects that run in this process, as they are built."""
+        return {name: stage for host in self._hosts for name, stage in host.stages.items()}
 
     def stop(self, reason: str = "requested") -> None:
         """End the session cleanly (idempotent; call from the session's event loop)."""
@@ -436,8 +442,8 @@ class Session:
     def _end(self, ok: bool, ended_by: str, error: str | None = None, stage: str | None = None) -> None:
         if self._ended.is_set():
             return
-        if error is not None and stage in self._engine_stages and self.config.engine_endpoint not in error:
-            error += f" (hosted by the engine at {self.config.engine_endpoint}, pid {self.engine_pid})"
+        if error is not None and stage in self._host_of:
+            error = self._host_of[stage].describe_error(error)
         self._result = SessionResult(self.session_id, ok, ended_by, error, stage)
         self.ended_at = time.monotonic()
         (self.log.info if ok else self.log.error)("session_ending", ended_by=ended_by, error=error)
@@ -452,49 +458,8 @@ class Session:
             self._end(True, f"shutdown by {sender}")
 
     def _on_silent(self, stage: str) -> None:
-        self._silent.add(self._group_of.get(stage, stage))
+        self._silent.add(self._host_of[stage].group if stage in self._host_of else stage)
         self._end(False, "error", f"stage {stage!r} failed: stopped answering heartbeats (noticed by the control hub)", stage)
-
-    def _end_by_report(self, report: dict[str, Any] | None, stages: list[str], otherwise: str) -> None:
-        """End the session as a group's report says: its error, its clean shutdown, or ``otherwise``."""
-        if report is not None and report.get("error"):
-            self._end(False, "error", report["error"], report.get("failed_stage"))
-        elif report is not None and report.get("ended_by", "").startswith("shutdown"):
-            self._end(True, report["ended_by"])
-        else:
-            names = ", ".join(repr(s) for s in stages)
-            self._end(False, "error", f"stage {names} {otherwise}", stages[0] if stages else None)
-
-    async def _watch(self, supervisor: Supervisor, child: Child, reports: dict[str, dict]) -> None:
-        code = await supervisor.wait_exit(child)
-        report = child.report()
-        if report is not None:
-            reports[child.name] = report
-        stages = [n for n, g in self._group_of.items() if g == child.name]
-        self._end_by_report(report, stages, f"(process group {child.name!r}, pid {child.pid}) died: {describe_exit(code)}")
-
-    async def _engine(self, spec: GroupSpec, reports: dict[str, dict], done: anyio.Event) -> None:
-        """The engine hosts ``spec``'s nodes: ask it, then watch the link until the group's report comes,
-        the session ends (the group is released) or the engine goes silent (the session's error)."""
-        stages = [n.name for n in spec.nodes]
-        weights = {n.kwargs.get("weights") for n in spec.nodes}
-        try:
-            if len(weights) != 1:
-                raise EngineError(f"the engine group's stages name different weights: {sorted(map(str, weights))}")
-            request = host_request(self.session_id, self.config, weights.pop(), stages, spec.inputs, spec.outputs,
-                                   spec.control_endpoint, spec.keys)
-            async with EngineLink(self.config.engine_endpoint, self.config.transport) as link:
-                await link.host(request)
-                self.engine_pid = link.pid
-                report = await link.serve(self._ended, STOP_GRACE_S)
-            if report is not None and "edges" in report:  # a group's report (not a restarted engine's "not here")
-                reports[ENGINE_GROUP] = report
-            if not self._ended.is_set():
-                self._end_by_report(report, stages, f"ended by the engine: {(report or {}).get('ended_by')}")
-        except (EngineError, ValueError) as e:  # refused, unanswered or silent (the error names the engine)
-            self._end(False, "error", f"stage {', '.join(map(repr, stages))} failed: {e}", stages[0])
-        finally:
-            done.set()
 
     async def _signals(self) -> None:
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -513,56 +478,39 @@ class Session:
                 s.keys = keys
             transport = Transport(config.transport, keys)
             supervisor = Supervisor()
-            reports: dict[str, dict] = {}
-            local: GroupRun | None = None
-            engine_done = anyio.Event()
-            engine_done.set()  # until an engine hosts a group
+            self._hosts = [make_host(spec, transport, supervisor) for spec in specs]
+            self._host_of = {name: host for host in self._hosts for name in host.stage_names}
             try:
                 expected = {n.name for n in self.graph.nodes}
                 async with ControlHub(transport, specs[0].control_endpoint, expected, self._on_control, self._on_silent) as hub:
                     async with anyio.create_task_group() as tg:
-                        for spec in specs:
-                            if spec.group == LOCAL_GROUP:
-                                self._local_done = anyio.Event()
-                                local = GroupRun(spec, transport, anyio.Event())
-                                self.stages = local.stages
-                                tg.start_soon(self._run_local, local)
-                            elif spec.group == ENGINE_GROUP and config.placement == "engine":
-                                engine_done = anyio.Event()
-                                tg.start_soon(self._engine, spec, reports, engine_done)
-                            else:
-                                child = supervisor.launch(spec.group, _group_process, spec)
-                                self.pids[spec.group] = child.pid
-                                tg.start_soon(self._watch, supervisor, child, reports)
+                        for host in self._hosts:
+                            host.start()
+                            if host.child_pid is not None:
+                                self.pids[host.group] = host.child_pid
+                            tg.start_soon(host.run, self._end, self._ended)
                         if self.handle_signals:
                             tg.start_soon(self._signals)
                         tg.start_soon(self._mark_started, hub)
                         await self._ended.wait()
                         await hub.broadcast(Control(self.session_id, 0, ControlKind.SHUTDOWN,
                                                     payload=ShutdownPayload(self._result.ended_by)))
-                        if local is not None:
-                            local.stop.set()
-                        for group in self._silent & set(self.pids):  # a frozen process cannot shut down
-                            os.kill(self.pids[group], signal.SIGKILL)
-                        await supervisor.stop_all(STOP_GRACE_S)
-                        await engine_done.wait()  # the engine's group ended (its report), or was released
-                        await self._local_done.wait()
+                        async with anyio.create_task_group() as stopping:
+                            for host in self._hosts:
+                                stopping.start_soon(host.stop, STOP_GRACE_S, host.group in self._silent)
                         tg.cancel_scope.cancel()
             finally:
-                supervisor.kill_all()
+                for host in self._hosts:
+                    host.kill()
                 transport.close()
-            for child in supervisor.children.values():  # exits the watchers had no time to read
-                if child.name not in reports and child.report() is not None:
-                    reports[child.name] = child.report()
         result = self._result
         result.duration_s = time.monotonic() - start
         result.processes = dict(self.pids)
-        result.exit_codes = {c.name: c.process.exitcode for c in supervisor.children.values()}
-        if local is not None:
-            reports[LOCAL_GROUP] = local.report()
-            result.stages = dict(local.stages)
-        for report in reports.values():
-            for edge, ends in report["edges"].items():
+        result.exit_codes = {h.group: h.exit_code for h in self._hosts if h.child_pid is not None}
+        result.stages = self.stages
+        for host in self._hosts:
+            report = host.report()
+            for edge, ends in (report or {}).get("edges", {}).items():
                 result.edges.setdefault(edge, {}).update(ends)
         return result
 
@@ -571,19 +519,7 @@ class Session:
         self.started.set()
         self.log.info("session_started", pids=self.pids, pid=os.getpid())
 
-    async def _run_local(self, group: GroupRun) -> None:
-        try:
-            await group.run()
-        except Exception as e:  # channel set-up failures (bind, CURVE policy)
-            group.error = group.error or f"process group {LOCAL_GROUP!r} failed: {type(e).__name__}: {e}"
-        finally:
-            self._local_done.set()
-        if group.error:
-            self._end(False, "error", group.error, group.failed_stage)
-        elif group.ended_by.startswith("shutdown by"):
-            self._end(True, group.ended_by)
-
 
 async def run_session(graph: Graph, config: PipelineConfig, session_id: str) -> SessionResult:
     """Run a session until a stage sends SHUTDOWN, a stage fails, or SIGINT/SIGTERM arrives."""
-    return await Session(graph, config, session_id).run()
+    return await SessionRunner(graph, config, session_id).run()

@@ -54,7 +54,6 @@ from charstream.stages.egress.stage import PeerLink
 from charstream.stages.egress.timing import BadReport, ClientTiming, _number, presented_frames
 from charstream.stages.egress.tracks import PlayoutAudioTrack, PlayoutVideoTrack, TrackStart
 from charstream.stages.playout.output import PlayoutOutput
-from charstream.stages.shared.memory import trim_forever
 from charstream.stages.shared.tracing import SEGMENTS, intervals
 from charstream.transport.messages import TraceContext
 
@@ -94,8 +93,8 @@ def video_codec_preferences(codec: str) -> list:
             if c.mimeType == CODECS[codec] or c.mimeType == "video/rtx"]
 
 
-class PeerSession:
-    """One browser (or test client) session: its peer connection, tracks, timing and tasks."""
+class Peer:
+    """One browser (or test client): its reservation, peer connection, tracks, timing and tasks."""
 
     def __init__(self, server: EgressServer, session_id: str, token: str, client: str | None) -> None:
         self.server = server
@@ -265,8 +264,8 @@ class EgressServer:
         self.config = config
         self.factory = factory
         self.access_key = access_key or secrets.token_urlsafe(16)
-        self.sessions: dict[str, PeerSession] = {}
-        self._by_token: dict[str, PeerSession] = {}
+        self.sessions: dict[str, Peer] = {}
+        self._by_token: dict[str, Peer] = {}
         self._codes: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._reserved_at: dict[str, collections.deque[float]] = {}  # per client: reservations in the last minute
         self._hosts = {"localhost", config.host.lower(), *(h.lower() for h in config.allowed_hosts)}
@@ -280,7 +279,6 @@ class EgressServer:
             web.post("/hangup", self._hangup),
         ])
         self._runner: web.AppRunner | None = None
-        self._trimmer: asyncio.Task | None = None
         self.url = ""
 
     def create_session(self, client: str | None = None) -> tuple[str, str]:
@@ -293,7 +291,7 @@ class EgressServer:
             self._admit(client)
         session_id = secrets.token_hex(6)
         token = secrets.token_urlsafe(24)
-        session = PeerSession(self, session_id, token, client)
+        session = Peer(self, session_id, token, client)
         self.sessions[session_id] = session
         self._by_token[token] = session
         # A reservation that never gets its offer must not hold a slot forever.
@@ -327,7 +325,7 @@ class EgressServer:
             self._codes.popitem(last=False)
         return code
 
-    def _expire(self, session: PeerSession) -> None:
+    def _expire(self, session: Peer) -> None:
         if session.state == "reserved" and self.sessions.get(session.session_id) is session:
             asyncio.create_task(self.close_session(session.session_id, "no offer in time"))
 
@@ -350,15 +348,10 @@ class EgressServer:
         await site.start()
         port = site._server.sockets[0].getsockname()[1]  # the real port when config.port is 0
         self.url = f"http://{self.config.host}:{port}"
-        if self.config.memory_trim_s > 0:
-            self._trimmer = asyncio.create_task(trim_forever(self.config.memory_trim_s), name="memory-trim")
         log.info("egress_listening", url=self.url, codec=self.config.codec)
         return self.url
 
     async def stop(self) -> None:
-        if self._trimmer is not None:
-            self._trimmer.cancel()
-            self._trimmer = None
         for session_id in list(self.sessions):
             await self.close_session(session_id, "server stopping")
         if self._runner is not None:

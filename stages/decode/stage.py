@@ -19,7 +19,7 @@ On CUDA (``decode.graphed``, the default) a chunk is one replay of ``model.graph
 
 Decoding runs on the stage's own worker thread (stages/shared/worker.py; torch releases the GIL), so the
 event loop keeps serving heartbeats and control while a chunk decodes; the stage runs in its own process group in the
-``processes`` placement (``pipeline/session.py``) or beside the others ``inproc``. torch itself is
+``processes`` hosting (``pipeline/session.py``) or beside the others ``inproc``. torch itself is
 imported on that thread too (in ``setup``): importing it takes seconds, and a stage process
 whose channels are already open must keep answering heartbeats meanwhile.
 """

@@ -5,8 +5,9 @@ bf16 model and an FP8 ring: the fused body as CUDA graphs, the all-reduces insid
 captures at the same broadcast reset, so the recorded collectives match). Every generator call
 rank 0 makes (reset, step, rollback) is first broadcast to the other ranks as a small int64 header plus its tensor payload, so all ranks run the
 same collectives in the same order; only rank 0's result is used. Workers are spawned processes
-that die with rank 0 (PDEATHSIG), and a worker that dies makes rank 0's next collective fail, which
-ends the session with an error naming the diffusion stage (docs/ARCHITECTURE.md, Processes).
+that die with rank 0 (PDEATHSIG), children of a ``transport.supervisor.Supervisor`` as stage processes
+are; a worker that dies makes rank 0's next collective fail, which ends the session with an error naming
+the diffusion stage (docs/ARCHITECTURE.md, Processes).
 
     group = TPGenerator(cfg, world=3, devices=["cuda:0", "cuda:1", "cuda:2"], weights=path)
     group.reset_session(reference_latent)
@@ -24,13 +25,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from charstream.model.config import ModelConfig
 from charstream.model.generator import Generator
 from charstream.model.step import StepOptions
 from charstream.model.step.options import DEFAULTS
-from charstream.transport.supervisor import die_with_parent
+from charstream.transport.supervisor import Supervisor
 
 _RESET, _STEP, _ROLLBACK, _STOP = range(4)
 # Multicast over NVLink stays off: on shared multi-tenant hosts it can take GPUs down.
@@ -65,8 +65,8 @@ def _join(spec: RankSpec, rank: int) -> Generator:
                      options=spec.options)
 
 
-def _worker(rank: int, spec: RankSpec, parent_pid: int) -> None:
-    die_with_parent(parent_pid)
+def _worker(rank: int, spec: RankSpec) -> dict:
+    """Rank ``rank`` (a ``Supervisor`` target, which dies with its parent): runs what rank 0 broadcasts."""
     torch.set_num_threads(1)
     gen = _join(spec, rank)
     device = torch.device(spec.devices[rank])
@@ -90,6 +90,7 @@ def _worker(rank: int, spec: RankSpec, parent_pid: int) -> None:
                 break
     finally:
         dist.destroy_process_group()
+    return {}
 
 
 def _free_port() -> int:
@@ -120,11 +121,9 @@ class TPGenerator:
         os.environ.update(NO_MULTICAST)
         self.spec = RankSpec(cfg, world, tuple(devices), f"tcp://127.0.0.1:{_free_port()}",
                              str(weights) if weights else None, fp8_cache, dtype, seed, options)
-        ctx = mp.get_context("spawn")
-        self.workers = [ctx.Process(target=_worker, args=(r, self.spec, os.getpid()), daemon=True,
-                                    name=f"diffusion-tp{r}") for r in range(1, world)]
-        for proc in self.workers:
-            proc.start()
+        self.supervisor = Supervisor()
+        self.workers = [self.supervisor.launch(f"diffusion-tp{r}", _worker, r, self.spec, daemon=True)
+                        for r in range(1, world)]
         self.generator = _join(self.spec, 0)
         self.device = torch.device(devices[0])
         self._header = torch.zeros(2, dtype=torch.int64, device=self.device)
@@ -138,7 +137,7 @@ class TPGenerator:
         return self.generator.next_frame
 
     def _send(self, op: int, arg: int = 0, payload: torch.Tensor | None = None) -> None:
-        dead = [p.name for p in self.workers if not p.is_alive()]
+        dead = [c.name for c in self.workers if not c.process.is_alive()]
         if dead:
             raise RuntimeError(f"tensor-parallel rank process(es) died: {', '.join(dead)}")
         self._header.copy_(torch.tensor([op, arg]))
@@ -162,10 +161,9 @@ class TPGenerator:
         """Stop the workers and leave the group; idempotent."""
         if not dist.is_initialized():
             return
-        if all(p.is_alive() for p in self.workers):
+        if all(c.process.is_alive() for c in self.workers):
             self._send(_STOP)
         dist.destroy_process_group()
-        for proc in self.workers:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
+        for child in self.workers:
+            child.process.join(timeout=5)
+            self.supervisor.kill(child)  # if it is still running; reaps it either way

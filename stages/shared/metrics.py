@@ -2,7 +2,7 @@
 
 Only ``prometheus_client`` here, so any stage process (the GPU ones too) can record. Every process
 records into ``REGISTRY``; a scrape must also see the stage processes a session spawns
-(``placement = "processes"``: diffusion's step time is recorded in a child), so the process that
+(``hosting = "processes"``: diffusion's step time is recorded in a child), so the process that
 serves metrics first calls ``share_with_children()``: ``PROMETHEUS_MULTIPROC_DIR`` is set before any
 child is spawned, children inherit it and record through prometheus_client's multiprocess mode
 (memory-mapped files), and ``collector()`` merges those files with this process's own series.

@@ -7,7 +7,7 @@ from charstream.pipeline.runtime.layouts import LAYOUTS, apply_layout
 def test_reference_session_layout():
     cfg = apply_layout(PipelineConfig(preset="characters-57b"), "3+1", gpus_available=4)
     assert cfg.diffusion.tp == 3 and cfg.diffusion.devices == ["cuda:0", "cuda:1", "cuda:2"]
-    assert cfg.decode.device == "cuda:3" and cfg.placement == "processes" and cfg.diffusion.fp8_cache
+    assert cfg.decode.device == "cuda:3" and cfg.hosting == "processes" and cfg.diffusion.fp8_cache
     assert cfg.conditioning.device == "cuda:3"  # the audio encoder beside the decoder, off the edge's CPU
     assert apply_layout(PipelineConfig(), "cpu").conditioning.device == "cpu"
 
