@@ -99,7 +99,7 @@ class ScriptedAgent:
     async def start(self) -> None:
         self._lines = await anyio.to_thread.run_sync(self._synthesise)
         if self.config.scripted_recognizer:
-            self._ears = await TurnRecognizer.load(self.config.asr_language_model, MIC_RATE)
+            self._ears = await TurnRecognizer.load(self.config.recognizer, MIC_RATE)
 
     def _synthesise(self) -> list[_Line]:
         voiced_user: dict[str, tuple[np.ndarray, tuple[int, int]]] = {}
@@ -135,7 +135,8 @@ class ScriptedAgent:
         self._interrupted.add(turn_ref)
 
     async def close(self) -> None:
-        pass
+        if self._ears is not None:
+            await self._ears.close()
 
     async def events(self) -> AsyncIterator[AgentEvent]:
         """The conversation, one 20 ms tick at a time (see the module docstring)."""
