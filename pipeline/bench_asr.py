@@ -34,6 +34,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -178,6 +179,7 @@ def bench(recognizers: list[str], sentences: list[str], voices: list[str], realt
                     results["runs"][key] = {"recognizer": name, "voice": voice, "noise": noise, "opus": opus,
                                             "mode": "settled",
                                             **run_condition(ears, vad, sentences, [voice], snr, opus, False)}
+                    print(f"{key}: WER {results['runs'][key]['wer']:.1%}", file=sys.stderr, flush=True)
         if realtime:
             key = f"{name} | all voices | clean | opus | real time"
             results["runs"][key] = {"recognizer": name, "voice": "all", "noise": "clean", "opus": True,
@@ -204,8 +206,7 @@ def summary(runs: dict) -> dict:
             for key, row in table.items()}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--recognizers", default="whisper,pocketsphinx-domain,pocketsphinx-general",
                         help=f"comma-separated, of {', '.join(RECOGNIZERS)}")
@@ -213,11 +214,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--voices", type=int, default=len(VOICES), help=f"how many of {VOICES}")
     parser.add_argument("--realtime", type=int, default=0,
                         help="also feed the first N sentences per voice at real time (clean, Opus) for latency")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     recognizers = [r.strip() for r in args.recognizers.split(",") if r.strip()]
     unknown = [r for r in recognizers if r not in RECOGNIZERS]
     if unknown:
-        parser.error(f"unknown recogniser {unknown[0]!r}: one of {', '.join(RECOGNIZERS)}")
+        raise SystemExit(f"charstream bench asr: unknown recogniser {unknown[0]!r}: one of {', '.join(RECOGNIZERS)}")
     sentences = eval_sentences()[:args.sentences]
     results = bench(recognizers, sentences, VOICES[:args.voices], args.realtime)
     m = results["machine_at_start"]
@@ -235,6 +238,12 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "model"), "charstream.pipeline.bench_model", "CPU step and decode time of a model preset"),
     (("bench", "gpu"), "charstream.pipeline.bench_gpu", "GPU step breakdown, kernels, decoder, against the reference numbers"),
     (("bench", "batch"), "charstream.pipeline.bench_batch", "GPU: one batched diffusion forward for K sessions against K separate steps"),
+    (("bench", "asr"), "charstream.pipeline.bench_asr", "the agent's speech recognisers on held-out speech: WER and time to the final transcript"),
     (("model", "info"), "charstream.pipeline.model_info", "parameters, per-rank memory and FLOPs of a preset"),
     (("trace", "report"), "charstream.pipeline.trace_report", "median/p90 per trace segment and a waterfall PNG"),
     (("train",), "charstream.pipeline.training.train", "train the tiny character model"),
