@@ -42,6 +42,7 @@ import anyio
 import av
 import numpy as np
 
+from charstream.pipeline import arguments
 from charstream.pipeline.asr_wer import word_errors
 from charstream.stages.config import RECOGNIZERS
 from charstream.stages.ingest.asr import TurnRecognizer, make_recognizer
@@ -208,21 +209,18 @@ def summary(runs: dict) -> dict:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="write the results here")
-    parser.add_argument("--recognizers", default="whisper,pocketsphinx-domain,pocketsphinx-general",
+    parser.add_argument("--recognizers", type=arguments.names(RECOGNIZERS), default=",".join(RECOGNIZERS),
                         help=f"comma-separated, of {', '.join(RECOGNIZERS)}")
-    parser.add_argument("--sentences", type=int, default=None, help="only the first N evaluation sentences")
-    parser.add_argument("--voices", type=int, default=len(VOICES), help=f"how many of {VOICES}")
+    parser.add_argument("--sentences", type=arguments.positive_int, default=None,
+                        help="only the first N evaluation sentences")
+    parser.add_argument("--voices", type=arguments.positive_int, default=len(VOICES), help=f"how many of {VOICES}")
     parser.add_argument("--realtime", type=int, default=0,
                         help="also feed the first N sentences per voice at real time (clean, Opus) for latency")
 
 
 def run(args: argparse.Namespace) -> int:
-    recognizers = [r.strip() for r in args.recognizers.split(",") if r.strip()]
-    unknown = [r for r in recognizers if r not in RECOGNIZERS]
-    if unknown:
-        raise SystemExit(f"charstream bench asr: unknown recogniser {unknown[0]!r}: one of {', '.join(RECOGNIZERS)}")
     sentences = eval_sentences()[:args.sentences]
-    results = bench(recognizers, sentences, VOICES[:args.voices], args.realtime)
+    results = bench(args.recognizers, sentences, VOICES[:args.voices], args.realtime)
     m = results["machine_at_start"]
     print(f"{len(sentences)} held-out sentences x {len(results['voices'])} voices; {m['cores']} cores, "
           f"load {m['load_1min']:.1f} -> {results['machine_at_end']['load_1min']:.1f}, commit {m['commit']}")
