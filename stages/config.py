@@ -12,12 +12,15 @@ from dataclasses import dataclass, field
 from charstream.model.step.options import StepOptions
 
 AGENT_PACES = ("realtime", "synthesized")  # IngestConfig.agent_pace
+RECOGNIZERS = ("whisper", "pocketsphinx-domain", "pocketsphinx-general")  # IngestConfig.recognizer
 
 
 @dataclass
 class IngestConfig:
     adapter: str = "listening"  # listening (the built-in agent: hears the mic) | scripted | zmq | pipecat | livekit
-    asr_language_model: str = "domain"  # built-in agent's recogniser: domain (the conversation's trigram) | general
+    # built-in agent's speech recogniser: whisper (tiny.en, offline) | pocketsphinx-domain (the conversation's
+    # trigram) | pocketsphinx-general (stages/agents/asr.py; pipeline/bench/asr.py measures them)
+    recognizer: str = "whisper"
     think_delay_s: float = 0.4  # stands for STT + LLM in the scripted agent
     user_voice: str = "en-us"
     agent_voice: str = "en+f3"
@@ -36,11 +39,13 @@ class IngestConfig:
     # scripted agent's reply: "realtime" (one 20 ms frame per 20 ms) | "synthesized" (as a TTS service
     # pushes it: what is synthesised -- espeak makes the whole line at once -- up to max_ahead_s ahead)
     agent_pace: str = "realtime"
-    # scripted agent: its user's speech also goes through the built-in recogniser (pocketsphinx), so each
+    # scripted agent: its user's speech also goes through the built-in recogniser (``recognizer``), so each
     # turn says what was heard; off, turns carry no "heard" (a capacity run: a real agent's STT runs elsewhere)
     scripted_recognizer: bool = True
 
     def __post_init__(self) -> None:
+        if self.recognizer not in RECOGNIZERS:
+            raise ValueError(f"ingest.recognizer: one of {', '.join(RECOGNIZERS)}, got {self.recognizer!r}")
         # a threshold silero's probability never passes makes the character deaf, without an error
         if not 0 < self.vad_threshold < 1:
             raise ValueError(f"ingest.vad_threshold: a speech probability in (0, 1), got {self.vad_threshold}")

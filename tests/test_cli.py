@@ -28,6 +28,8 @@ USAGE_ERRORS = [  # (argv, what argparse says after "argument OPTION: ")
     (["bench", "soak", "--sessions", "-1"], "must be >= 1, got -1"),
     (["bench", "fleet", "--nodes", "2,x"], "not a whole number: 'x'"),
     (["bench", "fleet", "--sessions", "1,0"], "must be >= 1, got 0"),
+    (["bench", "asr", "--recognizers", "whisper,klingon"],
+     "unknown ['klingon']; known: pocketsphinx-domain, pocketsphinx-general, whisper"),
 ]
 
 

@@ -128,7 +128,7 @@ def test_the_scripted_users_speech_goes_through_the_recogniser(conversation):
     stage, agent, rec = conversation
     texts = [e for e in rec.log_events("info") if e["event"] == "agent_turn_text"]
     assert [e["answer"] for e in texts] == [line.agent for line in SCRIPT]
-    assert "weather" in texts[0]["heard"]  # recognised, as pocketsphinx hears espeak's voice
+    assert "weather" in texts[0]["heard"].lower()  # recognised, as the recogniser hears espeak's voice
     assert all(isinstance(e["heard"], str) for e in texts)
 
 

@@ -33,7 +33,9 @@ import numpy as np
 CHROMIUM = "/usr/bin/chromium"
 LEAD_S = 5.0  # silence before the sentence: the session is up and the clocks are mapped by then
 TAIL_S = 20.0  # silence after it: Chromium loops the file, and a second sentence would barge in
-SENTENCE = "Hello there, can you hear me?"
+# Outside the agent's corpus and reply rules (and the recogniser benchmark's evaluation set): what is
+# heard is the recogniser's own, not a phrase it was built around
+SENTENCE = "My cousin is flying to Denver tomorrow to see the mountains."
 
 
 @dataclass

@@ -27,7 +27,7 @@ LONG_COLLECTION_S = 0.01  # a quarter of a frame: a pass this long can hold a fr
 
 # What a session's stages import lazily, at their load (off the event loop): the agent's VAD, recogniser
 # and TTS in the front-end; the model, its weights and torch's symbolic shapes where model stages run.
-FRONT_END_MODULES = ("silero_vad", "pocketsphinx", "espeakng_loader", "anyio.to_thread")
+FRONT_END_MODULES = ("silero_vad", "ctranslate2", "pocketsphinx", "espeakng_loader", "anyio.to_thread")
 MODEL_MODULES = tuple(f"charstream.model.{m}" for m in (
     "audio_encoder", "batched_decoder", "character", "generator", "graphed_audio_encoder", "graphed_decoder", "graphs", "step.batched",
     "threads", "vae", "weights"))

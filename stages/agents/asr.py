@@ -1,6 +1,8 @@
 """Offline speech recognition with pocketsphinx (its wheel ships the US English acoustic model and
 dictionary), streaming: audio is decoded while the user speaks, so the transcript is final a few
-tens of milliseconds after the end of speech.
+tens of milliseconds after the end of speech. The built-in agent's default recogniser is Whisper
+tiny.en (``stages.agents.whisper``, 12% WER where pocketsphinx had 80-90% on held-out speech:
+``pipeline/bench/asr.py``); pocketsphinx stays selectable (``ingest.recognizer``).
 
     recogniser = SpeechRecognizer(language_model="domain")   # or "general"
     recogniser.begin()
@@ -9,7 +11,7 @@ tens of milliseconds after the end of speech.
 
 Input at any supported rate is converted to the decoder's 16 kHz by the project's windowed-sinc
 polyphase resampler (``stages.ingest.resample``), never by decimation. ``language_model``:
-``"domain"`` (default) decodes against the conversation's trigram (``stages.ingest.domain_lm``);
+``"domain"`` (default) decodes against the conversation's trigram (``stages.agents.domain_lm``);
 ``"general"`` against pocketsphinx's 72k-word English model. Which one recognises better on the
 project's espeak sentences is measured by ``pipeline/bench/asr.py`` (docs/PERF.md).
 
@@ -28,14 +30,19 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 import numpy as np
 
 from charstream.stages.agents.domain_lm import arpa_text, corpus_lines
+from charstream.stages.config import RECOGNIZERS
 from charstream.stages.ingest.audio_input import to_float_mono
 from charstream.stages.ingest.resample import StreamingResampler, to_int16
 from charstream.stages.ingest.vad import speech_end
+
+if TYPE_CHECKING:
+    from charstream.stages.agents.whisper import WhisperRecognizer
 
 ASR_RATE = 16_000
 LANGUAGE_MODELS = ("domain", "general")
@@ -85,6 +92,8 @@ def domain_files() -> tuple[Path, Path]:
 
 class SpeechRecognizer:
     """One stream of utterances (one user), decoded as the audio arrives."""
+
+    hold_s = HOLD_S  # the turn's newest audio reaches it this late (TurnRecognizer cuts the tail)
 
     def __init__(self, language_model: str = "domain", sample_rate: int = 48_000) -> None:
         if language_model not in LANGUAGE_MODELS:
@@ -141,6 +150,12 @@ class SpeechRecognizer:
         text = " ".join(_clean(hypothesis.hypstr).split()) if hypothesis is not None else ""
         return Transcript(text, self._samples / ASR_RATE, time.perf_counter() - started)
 
+    def settle(self) -> None:
+        """Nothing to wait for: ``feed`` decodes before it returns."""
+
+    def close(self) -> None:
+        """Nothing to release: the decoder is freed with the object."""
+
     def _decode(self, audio16k: np.ndarray) -> None:
         if len(audio16k):
             self._samples += len(audio16k)
@@ -158,24 +173,37 @@ def _clean(hypothesis: str) -> str:
     return " ".join(kept)
 
 
+def make_recognizer(name: str, sample_rate: int = 48_000) -> SpeechRecognizer | WhisperRecognizer:
+    """The recogniser ``name`` (``stages.config.RECOGNIZERS``): "whisper" (tiny.en, the default),
+    "pocketsphinx-domain" or "pocketsphinx-general"."""
+    if name == "whisper":
+        from charstream.stages.agents.whisper import WhisperRecognizer  # it imports this module
+
+        return WhisperRecognizer(sample_rate)
+    if name.startswith("pocketsphinx-"):
+        return SpeechRecognizer(name.removeprefix("pocketsphinx-"), sample_rate)
+    raise ValueError(f"speech recogniser must be one of {RECOGNIZERS}, got {name!r}")
+
+
 class TurnRecognizer:
-    """A ``SpeechRecognizer`` driven by the VAD's turns, for an async agent.
+    """A recogniser driven by the VAD's turns, for an async agent.
 
     The utterance the decoder sees is the speech with a little silence around it: from ``LEAD_S``
     before the VAD's start to ``TAIL_S`` after the last loud sample (the VAD only ends a turn after
     300 ms of silence, and pocketsphinx turned trailing silence into words — "do you" — often).
-    So the newest ``HOLD_S`` of an utterance is held back while the user speaks and cut at the end."""
+    So the newest ``hold_s`` of an utterance is held back while the user speaks and cut at the end.
+    Whisper (``hold_s`` 0) gets the audio at once and finds the end of speech itself."""
 
-    def __init__(self, recogniser: SpeechRecognizer) -> None:
+    def __init__(self, recogniser: SpeechRecognizer | WhisperRecognizer) -> None:
         self.recogniser = recogniser
         self._worker = anyio.CapacityLimiter(1)  # one decoder call at a time, in order
         self._recent = _Window(round(PREROLL_S * recogniser.sample_rate))  # before an utterance: its lead
-        self._held = _Window(round(HOLD_S * recogniser.sample_rate))  # in an utterance: not yet decoded
+        self._held = _Window(round(recogniser.hold_s * recogniser.sample_rate))  # in an utterance: not yet decoded
         self.listening = False  # between the VAD's start and end of the user's speech
 
     @classmethod
-    async def load(cls, language_model: str = "domain", sample_rate: int = 48_000) -> TurnRecognizer:
-        return cls(await anyio.to_thread.run_sync(SpeechRecognizer, language_model, sample_rate))
+    async def load(cls, recogniser: str = "whisper", sample_rate: int = 48_000) -> TurnRecognizer:
+        return cls(await anyio.to_thread.run_sync(make_recognizer, recogniser, sample_rate))
 
     async def hear(self, samples: np.ndarray) -> None:
         """The user's audio as it arrives: decoded during an utterance (``HOLD_S`` behind), kept as
@@ -206,7 +234,7 @@ class TurnRecognizer:
         self.listening = False
         held = self._held.take()
         rate = self.recogniser.sample_rate
-        end = speech_end(held, round(0.032 * rate))
+        end = speech_end(held, round(0.032 * rate)) if len(held) else None
         rest = held if end is None else held[:end + round(TAIL_S * rate)]  # nothing quiet in it: keep it all
 
         def finish() -> Transcript:
@@ -214,6 +242,11 @@ class TurnRecognizer:
             return self.recogniser.end()
 
         return await anyio.to_thread.run_sync(finish, limiter=self._worker)
+
+
+    async def close(self) -> None:
+        """The session is over: an utterance still open is abandoned."""
+        await anyio.to_thread.run_sync(self.recogniser.close, limiter=self._worker)
 
 
 class _Window:
@@ -225,8 +258,8 @@ class _Window:
 
     def push(self, samples: np.ndarray) -> np.ndarray:
         self._audio = np.concatenate([self._audio, np.asarray(samples).astype(np.int16, copy=False)])
-        out, self._audio = self._audio[:-self.size] if len(self._audio) > self.size else self._audio[:0], \
-            self._audio[-self.size:]
+        keep = max(len(self._audio) - self.size, 0)
+        out, self._audio = self._audio[:keep], self._audio[keep:]
         return out
 
     def take(self) -> np.ndarray:

@@ -1,7 +1,7 @@
 """The built-in voice agent: it hears the user's microphone, recognises what was said offline,
 answers by a few honest rules and speaks with espeak-ng (``IngestConfig.adapter = "listening"``).
 
-    hear(frame) ──────────────► decoded while the user speaks (stages.ingest.asr, pocketsphinx)
+    hear(frame) ──────────────► decoded while the user speaks (stages.agents.whisper, offline)
     notify(USER_SPEECH_START) ► the utterance opens (with the pre-roll the VAD needed)
     notify(USER_SPEECH_END)   ► the transcript is final → reply_policy.reply → espeak-ng, sentence
                                 by sentence → AgentTurnStart (with what was heard and answered),
@@ -72,7 +72,7 @@ class ListeningAgent:
     async def start(self) -> None:
         # espeak's first call loads its voice data: done now, not in the first turn
         await anyio.to_thread.run_sync(synthesize, "ready", self.config.agent_voice)
-        self._ears = await TurnRecognizer.load(self.config.asr_language_model)
+        self._ears = await TurnRecognizer.load(self.config.recognizer)
 
     async def hear(self, frame: UserAudioFrame) -> None:
         await self._ears.hear(frame.samples)
@@ -119,3 +119,5 @@ class ListeningAgent:
 
     async def close(self) -> None:
         await self._heard.aclose()
+        if self._ears is not None:
+            await self._ears.close()

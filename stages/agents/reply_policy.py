@@ -5,7 +5,8 @@ no rule fits, and asks back, so a user can always tell what was understood.
     reply("how does your face move")   # -> "A small video model draws my face from my voice, ..."
 
 Rules are tried in order; the first with one of its words or phrases in the transcript (whole
-words) answers. Nothing heard at all gets a request to repeat.
+words) answers; a topic's reply names the word it heard ("{heard}"), so the user can tell what
+was understood. Nothing heard at all gets a request to repeat.
 """
 
 from __future__ import annotations
@@ -18,14 +19,15 @@ from charstream.stages.agents.domain_lm import words
 @dataclass(frozen=True)
 class Rule:
     any_of: tuple[str, ...]  # words or two-word phrases; one is enough
-    reply: str
+    reply: str  # "{heard}" stands for the word or phrase that matched
 
 
 RULES: tuple[Rule, ...] = (
     Rule(("language model", "chat gpt", "ai", "robot", "computer", "human", "real person", "alive", "are you real"),
          "I'm a simple rule-based voice agent, not a language model: I match a few words of what I hear "
          "and pick an answer. The face is real though, drawn live by a video model."),
-    Rule(("face", "mouth", "move", "video", "made", "built", "how do you work", "how does this work"),
+    Rule(("face", "mouth", "video", "how do you move", "how were you made", "who made you", "who built you",
+          "how do you work", "how does this work"),
          "A small video model draws each frame of my face from my voice, four frames at a time, as I speak."),
     Rule(("interrupt", "while you", "stop you"),
          "Yes. If you start speaking while I talk, I stop and listen to you."),
@@ -35,7 +37,7 @@ RULES: tuple[Rule, ...] = (
          "Yes, I can hear you. My speech recogniser runs right here, offline."),
     Rule(("name", "who are you", "who is this", "who am i", "yourself"),
          "I'm Ada, a live video character. What's your name?"),
-    Rule(("weather", "rain", "sunny", "cold", "warm"),
+    Rule(("weather", "rain", "raining", "snow", "snowing", "sunny", "cold", "warm", "hot", "wind", "storm"),
          "I can't look outside or go online, so I don't know the weather. How is it where you are?"),
     Rule(("time", "date", "day"),
          "I don't keep a calendar, sorry. Is there something else you'd like to talk about?"),
@@ -43,6 +45,28 @@ RULES: tuple[Rule, ...] = (
          "Once there was a face made of numbers. It learned to smile by listening. Would you like another?"),
     Rule(("joke", "funny", "laugh"),
          "Why did the video frame go to school? To get a little more resolution."),
+    # topics: the reply says which word it caught
+    Rule(("dog", "dogs", "cat", "cats", "pet", "pets", "puppy", "kitten"),
+         "You mentioned {heard}! What are their names?"),
+    Rule(("sister", "brother", "mother", "father", "mom", "dad", "grandfather", "grandmother", "family",
+          "friend", "friends", "cousin", "children", "kids", "son", "daughter", "wife", "husband"),
+         "You mentioned your {heard}. Tell me more about them."),
+    Rule(("music", "song", "songs", "guitar", "piano", "concert", "sing", "band"),
+         "You mentioned {heard}. I can only hear speech, not music, but what do you like about it?"),
+    Rule(("coffee", "tea", "food", "eat", "cook", "cooking", "breakfast", "lunch", "dinner", "pizza",
+          "restaurant"),
+         "You mentioned {heard}. I don't eat, but I like hearing about food. What's your favourite?"),
+    Rule(("travel", "trip", "flight", "flying", "airport", "train", "holiday", "vacation", "beach", "mountains",
+          "drive", "visit"),
+         "You mentioned {heard}. I can't travel, I live in this window, so tell me where you're going."),
+    Rule(("book", "books", "reading", "library", "movie", "film", "films"),
+         "You mentioned {heard}. What was it about?"),
+    Rule(("football", "soccer", "tennis", "running", "match", "sport", "sports", "gym"),
+         "You mentioned {heard}. Do you play, or do you watch?"),
+    Rule(("work", "job", "office", "meeting", "school", "study", "class", "learning", "university"),
+         "You mentioned {heard}. How is that going for you?"),
+    Rule(("tired", "sad", "happy", "stressed", "sleep", "sick", "doctor"),
+         "You mentioned {heard}. I hope you're doing all right. Do you want to tell me more?"),
     Rule(("thank", "thanks"),
          "You're welcome!"),
     Rule(("bye", "goodbye", "good night", "see you", "have to go"),
@@ -69,7 +93,8 @@ def reply(transcript: str) -> str:
         return NOTHING_HEARD
     text = " " + " ".join(heard) + " "
     for rule in RULES:
-        if any(f" {phrase} " in text for phrase in rule.any_of):
-            return rule.reply
-    quoted = " ".join(heard[:8])
+        for phrase in rule.any_of:
+            if f" {phrase} " in text:
+                return rule.reply.replace("{heard}", phrase)
+    quoted = " ".join(transcript.split()[:12]).rstrip(".?!,;:")  # as heard: its numbers too
     return f"I heard you say: {quoted}. I only know a few topics; could you ask me something else?"

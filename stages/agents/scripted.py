@@ -1,7 +1,7 @@
 """The built-in scripted agent: a conversation played for real, with espeak-ng voices and silero-vad.
 
 Each script line is a user utterance and the character's reply. Both are synthesised with espeak-ng
-(``stages.ingest.tts``): the user in ``IngestConfig.user_voice``, the character in ``agent_voice``.
+(``stages.agents.tts``): the user in ``IngestConfig.user_voice``, the character in ``agent_voice``.
 The agent runs one 20 ms tick at real-time pace and, per tick, yields the simulated user's
 microphone (48 kHz, speech or silence: ingest's VAD listens to it) and, while replying, one frame of
 the reply at espeak's own 22,050 Hz (ingest resamples it, as for any agent): its next 20 ms
@@ -11,7 +11,7 @@ first frame holds 0.25 s, each later one 20 ms).
 
 A turn: the user speaks → ingest's VAD detects the end of speech and ``notify``s the agent →
 the agent "thinks" for ``think_delay_s`` (standing for an LLM) → it streams the reply. The user's
-speech also goes through the built-in agent's recogniser (``stages.ingest.asr``), as ingest hands
+speech also goes through the built-in agent's recogniser (``stages.agents.asr``), as ingest hands
 it over (``hear``) and the VAD cuts it, so each turn's trace says what was really recognised
 (the reply is the script's, whatever was heard). So the end
 of speech is detected, never assumed. A line with ``barge_in_after_s`` starts the user speaking that
@@ -99,7 +99,7 @@ class ScriptedAgent:
     async def start(self) -> None:
         self._lines = await anyio.to_thread.run_sync(self._synthesise)
         if self.config.scripted_recognizer:
-            self._ears = await TurnRecognizer.load(self.config.asr_language_model, MIC_RATE)
+            self._ears = await TurnRecognizer.load(self.config.recognizer, MIC_RATE)
 
     def _synthesise(self) -> list[_Line]:
         voiced_user: dict[str, tuple[np.ndarray, tuple[int, int]]] = {}
@@ -135,7 +135,8 @@ class ScriptedAgent:
         self._interrupted.add(turn_ref)
 
     async def close(self) -> None:
-        pass
+        if self._ears is not None:
+            await self._ears.close()
 
     async def events(self) -> AsyncIterator[AgentEvent]:
         """The conversation, one 20 ms tick at a time (see the module docstring)."""
