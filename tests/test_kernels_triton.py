@@ -43,6 +43,7 @@ def _run_checks() -> dict[str, dict[str, float]]:
         ring_write_triton,
     )
     from charstream.kernels.rope import rope_freqs
+    from charstream.pipeline.bench.gpu import prep_without_ring_write
 
     g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))  # fresh inputs each run
     freqs = rope_freqs(D)
@@ -140,8 +141,8 @@ def _run_checks() -> dict[str, dict[str, float]]:
     buf, kc, vc = fused.clone(), torch.full((H, n_slots, D), POISON), torch.full((H, n_slots, D), POISON)
     q, k, v, cq = (buf[:, i * H * D : (i + 1) * H * D].unflatten(-1, (H, D)) for i in range(4))
     window = (torch.full((H, SINK + 2 * T, D), POISON), torch.full((H, SINK + 2 * T, D), POISON), torch.tensor(SINK + T))
-    ring_write_prep_triton(q, k, v, cq, kc, vc, scale, scale, torch.tensor(SINK), positions, freqs, norms,
-                           torch.zeros((), dtype=torch.int64), window=window, write_ring=False)
+    prep_without_ring_write(q, k, v, cq, kc, vc, scale, scale, torch.tensor(SINK), positions, freqs, norms,
+                            torch.zeros((), dtype=torch.int64), window=window)
     report["write_prep_no_ring_write"] = {
         "ring_changed": float((kc != POISON).sum() + (vc != POISON).sum()),
         "rest_differs": float(sum((got != want).sum() for got, want in zip(

@@ -503,11 +503,12 @@ def _tuned_ring(step, launch: dict[str, object]):
 
 
 def prep_without_ring_write(q, k, v, cq, k_cache, v_cache, k_scale, v_scale, slot, positions, freqs, norms, saturated,
-                            rotation, window=None) -> None:
+                            rotation=None, window=None) -> None:
     """``ring_write_prep_triton``'s launch with the ring's stores compiled out: no serving mode, the
     measure of what the FP8 ring write adds to the prep (the write's cost as served)."""
-    from charstream.kernels.ring_write import launch_ring_write
+    from charstream.kernels.ring_write import launch_ring_write, rope_table
 
+    rotation = rope_table(positions, freqs) if rotation is None else rotation
     launch_ring_write(k_cache, v_cache, k_scale, v_scale, k, v, slot, rotation, (q, cq, *norms, saturated), window,
                       8, 4, 4, True, write_ring=False)
 
