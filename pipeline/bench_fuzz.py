@@ -399,8 +399,9 @@ class HttpTarget:
 
         # aiohttp logs each request its parser refuses (a 400, counted here) with a traceback.
         logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
-        config = EgressConfig(port=0, idle_timeout_s=0.1, body_timeout_s=0.1, max_sessions=10**6,
-                              reservations_per_client=10**6, reservations_per_minute=10**9)
+        config = EgressConfig(port=0, idle_timeout_s=0.1, body_timeout_s=0.1, max_sessions=10_000,
+                              sessions_per_client=10_000, reservations_per_client=10_000,
+                              reservations_per_minute=1_000_000)
         self.server = EgressServer(config, session_factory(PipelineConfig(), testcard=True), access_key=KEY)
         self._loop = _Loop()
         self.port = int(self._loop.call(self.server.start()).rsplit(":", 1)[1])

@@ -280,10 +280,7 @@ class PlayoutStage(Stage):
         self._ctx: StageContext | None = None
 
     async def setup(self, ctx: StageContext) -> None:
-        config = self.config
-        if config.target_depth_chunks < 0 or config.max_depth_chunks < config.target_depth_chunks + 1:
-            raise ValueError(f"playout: need 0 <= target_depth_chunks < max_depth_chunks, got {config}")
-        self._resume_depth = config.target_depth_chunks + 1
+        self._resume_depth = self.config.target_depth_chunks + 1  # the config refused a depth beyond the buffer
         self._ctx = ctx
         self._metrics = SessionMetrics(ctx.session_id)
 
