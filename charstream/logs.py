@@ -136,7 +136,7 @@ class _StdlibRecords(logging.Handler):
             fields: dict[str, Any] = {"logger": record.name}
             if record.exc_info and record.exc_info[1] is not None:
                 error = record.exc_info[1]
-                fields["error"] = f"{type(error).__name__}: {error}"[:300]
+                fields["error"] = " ".join(f"{type(error).__name__}: {error}".split())[:300]  # aiohttp's spans lines
             level = record.levelname.lower()
             logger = structlog.get_logger()
             emit = getattr(logger, level if level in ("debug", "info", "warning", "error", "critical") else "error")

@@ -29,7 +29,7 @@ class IngestConfig(CheckedSection):
                                                                 what="a speech probability in (0, 1)"))
     vad_silence_ms: int = field(default=300, metadata=within(1, 10_000))  # end of speech is back-dated by this window
     vad_start_ms: int = field(default=64, metadata=within(1, 10_000))  # speech this long (consecutive 32 ms windows) starts a user turn / barge-in
-    max_ahead_s: float = field(default=0.25, metadata=within(0, 10, low_open=True))  # agent audio is emitted at most this far ahead of the media clock
+    max_ahead_s: float = field(default=0.25, metadata=within(0.02, 60))  # agent audio is emitted at most this far ahead of the media clock
     playout_tail_s: float = field(default=1.0, metadata=within(0, 10))  # user speech this long after the agent's audio ended still barges in (pipeline latency)
     zmq_endpoint: str = "tcp://127.0.0.1:5790"
     zmq_dead_after_s: float = field(default=1.5, metadata=within(0.1, 86_400))  # an external agent silent this long (no audio, no ping) is gone
@@ -53,8 +53,8 @@ class ConditioningConfig(CheckedSection):
     device: str = "cpu"  # the audio encoder's (pipeline/placement.py: the decoder's GPU, beside the edge's CPU work)
     graphed: bool = True  # on CUDA: a chunk's encode as one CUDA graph replay (model/graphed_audio_encoder.py)
     idle_lead_chunks: int | None = field(default=4, metadata=within(1, 1000))  # listening chunks are emitted at most this far ahead of real time
-    rollback_wait_s: float = field(default=0.5, metadata=within(0, 60, low_open=True))  # no ROLLBACK answer to a TURN_START this long: place the speech anyway
-    stall_s: float = field(default=1.0, metadata=within(0, 600, low_open=True))  # a speaking turn whose agent sends nothing this long is ended
+    rollback_wait_s: float = field(default=0.5, metadata=within(0.01, 60))  # no ROLLBACK answer to a TURN_START this long: place the speech anyway
+    stall_s: float = field(default=1.0, metadata=within(0.1, 600))  # a speaking turn whose agent sends nothing this long is ended
 
 
 @dataclass

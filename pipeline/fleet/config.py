@@ -17,9 +17,9 @@ class FleetConfig(CheckedSection):
     # A placement group on a node the accounting says is free, not placed by then: answer "full" (another
     # workload took the resources). 0.5 s refused the first sessions of a cold local cluster on a busy
     # 2-core host that had room for them; the accounting's own "full" needs no Ray call and stays immediate.
-    reserve_timeout_s: float = field(default=5.0, metadata=within(0, 3600, low_open=True))
+    reserve_timeout_s: float = field(default=5.0, metadata=within(0.1, 3600))
     # the session actor's start: a worker process, imports, the node's egress
-    start_timeout_s: float = field(default=60.0, metadata=within(0, 3600, low_open=True))
+    start_timeout_s: float = field(default=60.0, metadata=within(1, 3600))
     retry_after_s: int = field(default=5, metadata=within(0, 3600))  # Retry-After of a "full" answer
     # The reference counts sessions averaging <= 24 of its 25 fps; charstream plays 24 fps, so the
     # same 4% short is 23.04: a session averaging at or below slow_fps counts against fleet health.
