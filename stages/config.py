@@ -151,7 +151,9 @@ class EgressConfig(CheckedSection):
     memory_trim_s: float = field(default=30.0, metadata=within(1, 86_400, off=0))  # the serving process returns glibc's free memory to the OS this often (0: never)
     # A response the client does not read (its socket's buffer full) for this long: the connection is dropped
     write_timeout_s: float = field(default=10.0, metadata=within(0.05, 3600))
-    max_offer_candidates: int = field(default=32, metadata=within(1, 256))  # ICE candidates an offer may list
+    # ICE candidates an offer may list (distinct ones; a browser on a host with several interfaces lists
+    # a dozen or more: fewer would refuse it)
+    max_offer_candidates: int = field(default=32, metadata=within(16, 256))
 
     def check_together(self) -> None:
         # no pong within one ping interval would end every session at its first ping

@@ -24,7 +24,7 @@ USAGE_ERRORS = [  # (argv, what argparse says after "argument OPTION: ")
     (["demo", "--port", "65536"], "65536 is not a TCP port (0-65535"),
     (["engine", "--metrics-port", "x"], "not a whole number: 'x'"),
     (["bench", "transport", "--transports", "ipc,nope"], "unknown ['nope']; known: inproc, ipc, tcp"),
-    (["bench", "fuzz", "--targets", "tcp,udp"], "unknown ['udp']; known: agent, http, ipc, tcp"),
+    (["bench", "fuzz", "--targets", "tcp,udp"], "unknown ['udp']; known: agent, config, http, ipc, tcp"),
     (["bench", "soak", "--sessions", "-1"], "must be >= 1, got -1"),
     (["bench", "fleet", "--nodes", "2,x"], "not a whole number: 'x'"),
     (["bench", "fleet", "--sessions", "1,0"], "must be >= 1, got 0"),
