@@ -5,7 +5,7 @@ event loop, even when nobody drains stderr (a full pipe froze a whole server tha
 synchronously). Past ``QUEUE_LINES`` waiting lines, new ones are dropped and counted; the count is
 written once the writer catches up. At exit the queue is drained for up to ``DRAIN_S``.
 
-What a peer can trigger at will (a refused request, a malformed message) goes through ``log_limited``:
+What a peer can trigger at will (a refused request, a malformed message) goes through a ``LogLimit``:
 at most ``LIMITED_LINES`` lines of one event per ``LIMITED_PER_S``, the next one allowed saying how
 many were left out. The standard library's loggers (aiohttp's "Error handling request" with its
 traceback, asyncio's) come out as the same JSON lines, one per record, rate-limited the same way.
@@ -87,10 +87,13 @@ class _BackgroundStderr:
                 pass
 
 
-class _RateLimit:
-    """Per event: up to ``lines`` lines a window of ``per_s`` seconds; then counted until the next window."""
+class LogLimit:
+    """Per event: up to ``lines`` lines a window of ``per_s`` seconds; then counted until the next window.
 
-    def __init__(self, lines: int, per_s: float) -> None:
+    ``log_limited`` is the process's own; a session's or a channel's parts hold one each, so one noisy
+    peer does not silence another's lines."""
+
+    def __init__(self, lines: int = LIMITED_LINES, per_s: float = LIMITED_PER_S) -> None:
         self.lines, self.per_s = lines, per_s
         self._windows: dict[str, list] = {}  # event -> [window start, lines written, lines left out]
         self._lock = threading.Lock()  # stdlib records come from any thread
@@ -113,18 +116,18 @@ class _RateLimit:
             return left_out
 
 
-_limit = _RateLimit(LIMITED_LINES, LIMITED_PER_S)
+    def __call__(self, emit: Callable[..., Any], event: str, *, key: str | None = None, **fields: Any) -> None:
+        """``emit(event, **fields)`` (e.g. ``log.warning``) unless this event (or ``key``) has had its lines
+        this window; the first line of a later window carries ``left_out``: how many were not written."""
+        left_out = self.admit(key or event)
+        if left_out is None:
+            return
+        if left_out:
+            fields["left_out"] = left_out
+        emit(event, **fields)
 
 
-def log_limited(emit: Callable[..., Any], event: str, *, key: str | None = None, **fields: Any) -> None:
-    """``emit(event, **fields)`` (e.g. ``log.warning``) unless this event (or ``key``) has had its lines
-    this window; the first line of a later window carries ``left_out``: how many were not written."""
-    left_out = _limit.admit(key or event)
-    if left_out is None:
-        return
-    if left_out:
-        fields["left_out"] = left_out
-    emit(event, **fields)
+log_limited = LogLimit()
 
 
 class _StdlibRecords(logging.Handler):

@@ -53,7 +53,7 @@ from aiohttp import web
 from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCRtpSender, RTCSessionDescription, sdp
 from aiortc.mediastreams import MediaStreamTrack
 
-from charstream.logs import log_limited
+from charstream.logs import LogLimit, log_limited
 from charstream.stages.config import EgressConfig
 from charstream.stages.egress.json_limits import loads
 from charstream.stages.egress.mic import CaptureClock, UserAudioQueue, pump_microphone, watch_sender_reports
@@ -119,6 +119,7 @@ class PeerSession:
         self.channel = None
         self.tasks: list[asyncio.Task] = []
         self.bad_messages = 0
+        self._log_limit = LogLimit()  # what the client sends on the data channel
         self.turn_segments: dict[int, dict[str, float]] = {}
         self.closed = asyncio.Event()
         self.session_ended = False  # the session ended before the peer (set by its egress node)
@@ -179,7 +180,7 @@ class PeerSession:
 
     def _on_datachannel(self, channel) -> None:
         if self.channel is not None:
-            log_limited(self.log.warning, "extra_datachannel_ignored", label=str(channel.label)[:100])
+            self._log_limit(self.log.warning, "extra_datachannel_ignored", label=str(channel.label)[:100])
             return
         self.channel = channel
         channel.on("message", self._on_message)
@@ -207,7 +208,7 @@ class PeerSession:
                 raise BadReport(f"unknown message type {kind!r}")
         except BadReport as e:
             self.bad_messages += 1
-            log_limited(self.log.warning, "datachannel_message_dropped", error=str(e)[:200], raw=str(raw)[:120])
+            self._log_limit(self.log.warning, "datachannel_message_dropped", error=str(e)[:200], raw=str(raw)[:120])
         except Exception:  # our bug, not the client's: log it, keep the channel and the session
             self.bad_messages += 1
             self.log.exception("datachannel_message_failed", raw=str(raw)[:120])
