@@ -269,8 +269,7 @@ def test_a_client_that_never_reads_its_responses_is_dropped():
 
         sender = asyncio.create_task(send())
         await asyncio.sleep(0.5)
-        connections = server._runner.server.connections
-        dropped = await until(lambda: not connections, timeout=6)
+        dropped = await until(lambda: not server._runner.server.connections, timeout=6)  # (a fresh list each time)
         sender.cancel()
         sock.close()
         return dropped

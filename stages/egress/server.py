@@ -67,6 +67,7 @@ from charstream.transport.messages import TraceContext
 
 log = structlog.get_logger("egress")
 STATIC_DIR = Path(__file__).parent / "static"
+CONTENT_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css"}
 CODECS = {"VP8": "video/VP8", "H264": "video/H264"}
 MAX_OFFER_BYTES = 256 * 1024  # every HTTP body
 MAX_SDP_CHARS = 64 * 1024  # a browser's offer SDP is 3-12 KB
@@ -280,10 +281,14 @@ class EgressServer:
         self._codes: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._reserved_at: dict[str, collections.deque[float]] = {}  # per client: reservations in the last minute
         self._hosts = {"localhost", config.host.lower(), *(h.lower() for h in config.allowed_hosts)}
+        # The page's few small files, held in memory: each response is a plain one, written within
+        # write_timeout_s like any other (a file response is written by aiohttp after the middleware)
+        self._files = {p.name: (p.read_bytes(), CONTENT_TYPES[p.suffix]) for p in STATIC_DIR.iterdir()
+                       if p.suffix in CONTENT_TYPES}
         self.app = web.Application(client_max_size=MAX_OFFER_BYTES, middlewares=[self._bound_write, self._check_host])
         self.app.add_routes([
             web.get("/", self._index),
-            web.static("/static", STATIC_DIR),
+            web.get("/static/{name}", self._static),
             web.post("/code", self._redeem_code),
             web.post("/session", self._create_session),
             web.post("/offer", self._offer),
@@ -408,7 +413,14 @@ class EgressServer:
         return await handler(request)
 
     async def _index(self, request: web.Request) -> web.StreamResponse:
-        return web.FileResponse(STATIC_DIR / "index.html")
+        body, kind = self._files["index.html"]
+        return web.Response(body=body, content_type=kind, charset="utf-8")
+
+    async def _static(self, request: web.Request) -> web.StreamResponse:
+        found = self._files.get(request.match_info["name"])
+        if found is None:
+            return _error(404, "no such file")
+        return web.Response(body=found[0], content_type=found[1], charset="utf-8")
 
     async def _redeem_code(self, request: web.Request) -> web.Response:
         try:
