@@ -101,6 +101,9 @@ class CheckedSection:
     def check_together(self) -> None:
         """Rules between fields (override; raise ``ValueError`` naming the keys)."""
 
+    def key(self, name: str) -> str:
+        """``name``'s full key (``section.name``), as a refusal names it."""
+        return f"{self.SECTION}.{name}" if self.SECTION else name
+
     def refuse(self, name: str, problem: str) -> None:
-        key = f"{self.SECTION}.{name}" if self.SECTION else name
-        raise ValueError(f"{key}: {problem}")
+        raise ValueError(f"{self.key(name)}: {problem}")

@@ -110,7 +110,7 @@ class PlayoutConfig(CheckedSection):
 
     def check_together(self) -> None:
         if self.max_depth_chunks <= self.target_depth_chunks:  # the clock would wait for a depth never reached
-            self.refuse("max_depth_chunks", f"{self.max_depth_chunks} must exceed target_depth_chunks "
+            self.refuse("max_depth_chunks", f"{self.max_depth_chunks} must exceed {self.key('target_depth_chunks')} "
                                             f"({self.target_depth_chunks})")
 
 
@@ -158,7 +158,7 @@ class EgressConfig(CheckedSection):
     def check_together(self) -> None:
         # no pong within one ping interval would end every session at its first ping
         if self.client_timeout_s <= self.ping_interval_s:
-            self.refuse("client_timeout_s", f"{self.client_timeout_s:g} must exceed ping_interval_s "
+            self.refuse("client_timeout_s", f"{self.client_timeout_s:g} must exceed {self.key('ping_interval_s')} "
                                             f"({self.ping_interval_s:g})")
 
 

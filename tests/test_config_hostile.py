@@ -73,8 +73,8 @@ def test_every_number_of_every_section_refuses_hostile_values_naming_the_key():
 
 @pytest.mark.parametrize("data, said", [
     ({"egress": {"client_timeout_s": 1.0, "ping_interval_s": 1.0}}, "egress.client_timeout_s: 1 must exceed"),
-    ({"playout": {"target_depth_chunks": 8}}, "playout.max_depth_chunks: 8 must exceed target_depth_chunks"),
-    ({"transport": {"heartbeat_s": 2.0}}, "transport.dead_after_s: 1.5 must exceed heartbeat_s"),
+    ({"playout": {"target_depth_chunks": 8}}, "playout.max_depth_chunks: 8 must exceed playout.target_depth_chunks"),
+    ({"transport": {"heartbeat_s": 2.0}}, "transport.dead_after_s: 1.5 must exceed transport.heartbeat_s"),
     ({"egress": {"max_sessions": 1.5}}, "config egress.max_sessions: expected int"),
 ])
 def test_fields_that_only_break_together_are_refused(data, said):

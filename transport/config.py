@@ -30,4 +30,5 @@ class TransportConfig(CheckedSection):
 
     def check_together(self) -> None:
         if self.dead_after_s <= self.heartbeat_s:  # every peer would be dead between two beats
-            self.refuse("dead_after_s", f"{self.dead_after_s:g} must exceed heartbeat_s ({self.heartbeat_s:g})")
+            self.refuse("dead_after_s", f"{self.dead_after_s:g} must exceed {self.key('heartbeat_s')} "
+                                        f"({self.heartbeat_s:g})")
