@@ -95,6 +95,11 @@ class CheckedSection:
             self.check_together()
 
     def __post_init__(self) -> None:
+        if self.__dataclass_params__.frozen:  # set without __setattr__: its numbers are checked here
+            for name, spec in _numeric_fields(type(self)).items():
+                value = getattr(self, name)
+                for item in () if value is None else value.values() if isinstance(value, dict) else (value,):
+                    check_number(self.key(name), item, *spec)
         self.check_together()
         object.__setattr__(self, "_built", True)
 

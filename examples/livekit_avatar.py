@@ -8,8 +8,8 @@ rendering with charstream:
     export LIVEKIT_URL=wss://... LIVEKIT_TOKEN=<token for identity "charstream-avatar">
     python examples/livekit_avatar.py --room my-room
 
-and, in the agent, ``charstream.pipeline.integrations.livekit_plugin.EmbeddedSession`` (it starts this
-worker and points the agent's audio at it), or by hand
+and, in the agent, ``charstream.pipeline.integrations.livekit_plugin.AvatarSession`` (it runs this
+participant in the agent's process and points the agent's audio at it), or by hand
 ``session.output.audio = DataStreamAudioOutput(room, destination_identity="charstream-avatar")``.
 It returns when the room disconnects or the agent it serves leaves (``serve_avatar``; the tests run
 it in a stand-in room, tests/test_livekit.py).

@@ -40,7 +40,7 @@ from pipecat.workers.runner import WorkerRunner
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.integrations.embedded import EmbeddedSession
 from charstream.pipeline.integrations.pipecat import CharstreamVideoService
-from charstream.stages.ingest.tts import synthesize
+from charstream.stages.agents.tts import synthesize
 from charstream.timeline import TIMELINE_RATE, VIDEO_FPS
 
 

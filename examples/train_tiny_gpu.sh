@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# How the shipped weights (model/assets/tiny.safetensors) were made: one call on a lent H200.
+# How the shipped weights (model/assets/tiny.safetensors) were made: one run on one H200.
 # Train (time-boxed), then held-out lip sync + a 10-minute drift session on the same GPU.
 # Usage (repo root, espeakng-loader importable): OUT=/some/dir examples/train_tiny_gpu.sh [TRAIN_BUDGET_S]
 # TRAIN_ARGS: extra `charstream train` options (e.g. "--dit-batch 64").

@@ -3,7 +3,7 @@
 ``adaln_quant(x, shift, scale, residual, gate)``: x (M, dim) bf16, the residual stream, updated IN
 PLACE to ``x + gate * residual`` when a residual (the previous block's output projection) is given,
 so the previous block's ``x + gate * out`` costs no pass of its own; then
-``h = LayerNorm(x) * (1 + scale) + shift`` (no affine, eps 1e-6) is returned quantised per row for the
+``h = LayerNorm(x) * (1 + scale) + shift`` (no affine, eps 1e-6) is returned quantized per row for the
 FP8 input GEMM: (hq (M, dim) float8_e4m3fn, h_scale (M, 1) float32), as ``quantize_rows`` does.
 """
 

@@ -8,7 +8,7 @@ before its output is written, by the one program that owns the tile). fp32 score
 probabilities rounded to q's dtype for their product with v, fp32 accumulation.
 
 The Triton kernel: one program per (128-query block, head) tile, the keys and values one block in
-registers; it replaced the ring kernel's sink-only form (timed against it: docs/PERF.md, issue 14).
+registers; 0.5 us a call faster than the ring kernel's sink-only form, which it replaced (docs/PERF.md, Kernels).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Contract (shared with the Triton kernel): ``k_all`` is the whole K storage of a 
 (n_layers, n_heads, n_slots, head_dim), float8_e4m3fn or bf16/fp32, modified in place in one
 launch; ``k_scale`` float32 (n_layers, n_heads); channels ``[0, 2 * len(freqs_t))`` are temporal;
 each pair rotates by ``-delta_t * freq`` (position t becomes t - delta_t). Sink slots keep their
-fixed position. FP8: dequantise -> rotate -> requantise with the same per-head scale.
+fixed position. FP8: dequantize -> rotate -> requantize with the same per-head scale.
 ``delta_t`` may be negative (a rollback across a reset undoes one). ``skip`` = (first slot, count):
 ring slots left as they are -- the frame about to be overwritten, whose keys no one reads again.
 """
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from charstream.kernels.fp8 import FP8_MAX, dequantise, is_fp8, quantise
+from charstream.kernels.fp8 import FP8_MAX, dequantize, is_fp8, quantize
 from charstream.kernels.rope import rotate_pairs
 
 
@@ -30,7 +30,7 @@ def delta_rotate_reference(
     d_t = 2 * freqs_t.numel()
     ring_t = k_all[:, :, sink_slots:, :d_t]  # a view: written back in place
     scale = k_scale[:, :, None, None]
-    rotated = quantise(rotate_pairs(dequantise(ring_t, scale), -delta_t * freqs_t), scale, k_all.dtype)
+    rotated = quantize(rotate_pairs(dequantize(ring_t, scale), -delta_t * freqs_t), scale, k_all.dtype)
     if skip is not None:
         kept = slice(skip[0] - sink_slots, skip[0] - sink_slots + skip[1])
         rotated[:, :, kept] = ring_t[:, :, kept]
@@ -49,7 +49,7 @@ def _delta_rotate_kernel(
     # One program: BLOCK_S ring slots of one (layer, head). Each row's first 2 x PAIRS channels (the
     # temporal ones rounded up to a power of two: 64 bytes of a 128-byte FP8 row, two whole 32-byte
     # sectors) are read and written unmasked in 16-byte vectors; channels past the temporal ones
-    # rotate by angle 0 and requantise to themselves exactly (x * s / s is within 2^-23 of an e4m3
+    # rotate by angle 0 and requantize to themselves exactly (x * s / s is within 2^-23 of an e4m3
     # value, which rounds back to it), so whole sectors are written and no partial-sector store
     # costs a read-modify-write.
     layer = tl.program_id(0) // n_heads

@@ -11,14 +11,14 @@ probabilities in e4m3 too (scaled by 448, their largest code), which is where mo
 against fp32 math over the same codes comes from.
 
 cuDNN is reached through NVIDIA's Python frontend (``nvidia-cudnn-frontend``, a device-only
-dependency: carried to the device by ``scripts/gpu_run.sh``); the frontend loads the cuDNN library
+dependency: bundled for a GPU host by ``scripts/gpu_run.sh``); the frontend loads the cuDNN library
 that torch loaded. One object per shape: building its plan takes ~1 s.
 
 Split window (``splits`` = K > 1): the window's keys in K equal partitions, each attended by every query
 as one batch entry of one call (q read K times through a batch stride of 0, partition j's keys a
 strided view of the same window), so cuDNN runs K x heads x query tiles, each over 1/K of the keys.
 Its 128-query tiles (heads x 6 at 757 queries) fill 90 of an H200's 132 SMs at 15 heads (the TP=4
-shard); split 4 ways they are ~2.7 waves of a quarter of the work (measured: docs/PERF.md, issue 14).
+shard); split 4 ways they are ~2.7 waves of a quarter of the work (docs/decisions/0003-split-fp8-window.md).
 The call then writes each partition's output (K, T, n_heads, head_dim) and its softmax statistics
 ``lse`` (K, n_heads, T) (natural-log log-sum-exp of the scaled scores), which
 ``kernels/attention_merge.py`` merges. ``choose_window_splits`` picks K from that wave count.
@@ -38,7 +38,7 @@ AMAX_OUTPUTS: tuple[str, ...] = ()
 # cuDNN's FP8 SDPA query tile on Hopper (rows of queries per CTA, one CTA an SM): what choose_window_splits counts
 QUERY_TILE = 128
 # each partition beyond the first costs ~3% of the unsplit time in tile starts and ends (the H200 at 20 heads,
-# where the waves do not change: 2, 4, 8 ways +2.7%, +8.7%, +23%; docs/PERF.md, issue 14, session 11)
+# where the waves do not change: 2, 4, 8 ways +2.7%, +8.7%, +23%)
 SPLIT_OVERHEAD = 0.03
 # and a split must save this much more, for its merge (a launch over the partitions' outputs)
 MIN_SPLIT_SAVING = 0.05
@@ -63,7 +63,7 @@ def fp8_window_attention_reference(q8: torch.Tensor, k8: torch.Tensor, v8: torch
                                    descale_k: torch.Tensor, descale_v: torch.Tensor,
                                    softmax_scale: float) -> torch.Tensor:
     """The real output (T, n_heads, head_dim) float32: fp32 math over the codes' real values, the
-    probabilities unquantised."""
+    probabilities unquantized."""
     q = q8.float() * descale_q.float()
     k = k8.float() * descale_k.float()
     v = v8.float() * descale_v.float()

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from charstream.kernels.fp8 import FP8_MAX, dequantise, is_fp8
+from charstream.kernels.fp8 import dequantize, is_fp8
 
 
 def ring_attention_reference(
@@ -32,8 +32,8 @@ def ring_attention_reference(
     tokens_per_frame: int,
 ) -> torch.Tensor:
     _check_layout(k_cache, ring_valid, sink_slots, tokens_per_frame)
-    k = dequantise(k_cache, k_scale[:, None, None])
-    v = dequantise(v_cache, v_scale[:, None, None])
+    k = dequantize(k_cache, k_scale[:, None, None])
+    v = dequantize(v_cache, v_scale[:, None, None])
     slot_valid = torch.cat(
         [torch.ones(sink_slots, dtype=torch.bool, device=q.device), ring_valid.repeat_interleave(tokens_per_frame)]
     )
@@ -111,18 +111,17 @@ def _ring_attention_kernel(
     q, stride_qt, stride_qh, k, v, stride_kh, stride_ks, k_scale, v_scale, ring_valid, n_ring,
     out, stride_ot, stride_oh, part_o, part_lse, n_tokens, n_heads, sink_slots, tokens_per_frame, softmax_scale_log2,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, BPF: tl.constexpr,
-    RING_P2: tl.constexpr, QUANT: tl.constexpr, QK_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+    RING_P2: tl.constexpr, QUANT: tl.constexpr,
 ):
     # Persistent stream-K flash attention over the attended key blocks only: invalid ring frames
     # cost nothing. The work -- (head, query block) tiles x attended key blocks -- is cut into one
     # equal contiguous range per program, so every SM gets the same number of key blocks whatever
-    # the tile count (one tile per program left 1-2 programs per SM unevenly: docs/gpu-notes.md).
+    # the tile count (one tile per program left 1-2 programs per SM, unevenly).
     # A tile whose range spans programs leaves its pieces (normalised output, log-sum-exp) in
     # part_o/part_lse, slot 2 x program + 0 for a program's first piece and + 1 for its last, for
     # _ring_attention_merge_kernel. FP8 K/V stay FP8 in memory: the per-head K scale folds into the
     # softmax scale and the V scale into the output; the products run in fp16, to which e4m3
-    # widens exactly (bf16 costs several instructions per value); QK_FP8 instead quantises each
-    # query row to e4m3 and multiplies FP8 x FP8, K untouched.
+    # widens exactly (bf16 costs several instructions per value).
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     r = tl.arange(0, RING_P2)
@@ -146,13 +145,7 @@ def _ring_attention_kernel(
         row_scale = tl.full((BLOCK_M,), softmax_scale_log2, tl.float32)
         if QUANT:
             row_scale = row_scale * tl.load(k_scale + head)
-            if QK_FP8:
-                qf = qb.to(tl.float32)
-                q_scale = tl.maximum(tl.max(tl.abs(qf), 1), 1e-12) / FP8_MAX
-                row_scale = row_scale * q_scale
-                qb = (qf / q_scale[:, None]).to(k.dtype.element_ty)
-            else:
-                qb = qb.to(tl.float16)
+            qb = qb.to(tl.float16)
         # A finite start: a block with no valid slot leaves the running max finite, so no inf - inf.
         m_i = tl.full((BLOCK_M,), -1.0e30, tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -244,12 +237,11 @@ def ring_attention_triton(
     num_warps: int = 8,
     num_stages: int | None = None,
     out: torch.Tensor | None = None,
-    qk_fp8: bool = False,
     programs: int | None = None,
 ) -> torch.Tensor:
     """The ring attention as one persistent stream-K launch + one small merge launch, over the sink and
-    the valid ring frames only, read in place; the block shape defaults are the H200 sweep's best
-    (docs/gpu-notes.md); ``num_stages`` defaults to 4 over FP8 caches, 2 over 2-byte ones (four
+    the valid ring frames only, read in place; the block shape defaults are the fastest of a sweep on
+    an H200; ``num_stages`` defaults to 4 over FP8 caches, 2 over 2-byte ones (four
     stages of 128 x 128 bf16 K and V tiles pass the shared memory). ``programs``: the persistent grid
     (default: 8 warps' worth per SM). With no ring
     (``ring_valid`` empty: the sink alone) every program takes one whole tile and no merge runs.
@@ -273,8 +265,8 @@ def ring_attention_triton(
     if n_ring == 0:
         programs, merge = n_tiles * sink_blocks, sink_blocks > 1
     else:
-        # about 8 warps per SM: one 8-warp program or two 4-warp ones (run 1: 0.168 ms for 64-row blocks
-        # at two per SM, 0.230 at one)
+        # about 8 warps per SM: one 8-warp program or two 4-warp ones (on an H200: 0.168 ms for 64-row
+        # blocks at two per SM, 0.230 at one)
         per_sm = max(1, 8 // num_warps)
         programs, merge = programs or (_sm_count(q.device.index or 0) * per_sm if q.is_cuda else 4), True
     part_o = torch.empty(2 * programs * block_m if merge else 1, head_dim, dtype=torch.float32, device=q.device)
@@ -288,8 +280,8 @@ def ring_attention_triton(
         q, q.stride(0), q.stride(1), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_scale, v_scale,
         valid, n_ring, out, out.stride(0), out.stride(1), part_o, part_lse, n_tokens, n_heads, sink_slots,
         tokens_per_frame, math.log2(math.e) / math.sqrt(head_dim),
-        D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, **blocks, QUANT=is_fp8(k_cache), QK_FP8=qk_fp8,
-        FP8_MAX=FP8_MAX, num_warps=num_warps, num_stages=num_stages,
+        D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, **blocks, QUANT=is_fp8(k_cache),
+        num_warps=num_warps, num_stages=num_stages,
     )
     if merge:
         _ring_attention_merge_kernel[(n_tiles,)](
@@ -306,7 +298,7 @@ def _gather_window_kernel(
     D: tl.constexpr, BLOCK_S: tl.constexpr, QUANT: tl.constexpr,
 ):
     # Output slot j: the sink for j < sink_slots, else token (j - sink) % T of the ring frame at
-    # position frame_order[(j - sink) // T]; dequantised to the output dtype (bf16), or (QUANT off
+    # position frame_order[(j - sink) // T]; dequantized to the output dtype (bf16), or (QUANT off
     # over an FP8 ring: an FP8 window) the codes copied.
     head = tl.program_id(1)
     j = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -337,7 +329,7 @@ def gather_window(
     tokens_per_frame: int,
     out: tuple[torch.Tensor, torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dequantise the sink + the ring frames at positions ``frame_order`` (int32 device tensor) into
+    """Dequantize the sink + the ring frames at positions ``frame_order`` (int32 device tensor) into
     contiguous (n_heads, sink + len(order) * T, head_dim) K and V buffers ``out``: one launch. FP8
     ``out`` buffers get the ring's codes as they are (the FP8 window attention applies the scales)."""
     k_out, v_out = out
@@ -355,27 +347,6 @@ def gather_window(
     return k_out, v_out
 
 
-def ring_attention_gathered(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k_scale: torch.Tensor,
-    v_scale: torch.Tensor,
-    frame_order: torch.Tensor,
-    sink_slots: int,
-    tokens_per_frame: int,
-    window: tuple[torch.Tensor, torch.Tensor],
-    out: torch.Tensor,
-) -> torch.Tensor:
-    """The same attention through PyTorch's cuDNN SDPA: the attended frames (every one valid, listed by
-    ring position in ``frame_order``) are first dequantised into the contiguous bf16 ``window``
-    buffers. On an H200 this beat every in-place Triton variant (docs/gpu-notes.md); it needs a
-    full, mask-free window, so the in-place kernel serves the first frames of a session. (The serving
-    step keeps each layer's window current instead of gathering it per call: ``window_attention``.)"""
-    k_win, v_win = gather_window(k_cache, v_cache, k_scale, v_scale, frame_order, sink_slots, tokens_per_frame, window)
-    return window_attention(q, k_win, v_win, out)
-
-
 def window_attention(q: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """q (T, n_heads, head_dim) over every slot of a contiguous window (n_heads, S, head_dim) through
@@ -386,7 +357,7 @@ def window_attention(q: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor,
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     # q as the strided (heads, tokens) view it is: cuDNN reads it in place (measured faster than a
-    # contiguous copy, and faster than a contiguous buffer too: docs/PERF.md, issue 14, run 5)
+    # contiguous copy, and faster than a contiguous buffer too: 90.8 against 96.6-100.6 us on an H200)
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k_win[None], v_win[None])
     if out is None:

@@ -1,4 +1,4 @@
-"""Write one frame's keys and values into the KV ring cache: RoPE on K, FP8 quantisation, T slots.
+"""Write one frame's keys and values into the KV ring cache: RoPE on K, FP8 quantization, T slots.
 
 Contract (shared with the Triton kernel): ``k_cache``/``v_cache`` are one layer's views
 (n_heads, n_slots, head_dim) in float8_e4m3fn or bf16/fp32; ``k_scale``/``v_scale`` float32
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from charstream.kernels.fp8 import FP8_DTYPE, FP8_MAX, dequantise, is_fp8, quantise
+from charstream.kernels.fp8 import FP8_DTYPE, FP8_MAX, as_bits, dequantize, is_fp8, quantize
 from charstream.kernels.rope import RopeFreqs, apply_rope, complex_rotation, rope_rotation, rotate_complex
 
 RMS_EPS = 1e-6  # model/dit.py's RMSNorm
@@ -45,18 +45,16 @@ def ring_write_reference(
     if rotation is None:
         rotation = rope_table(positions, freqs)
     k = rotate_complex(k_new, rotation)
-    k_stored = quantise(k, k_scale[None, :, None], k_cache.dtype).transpose(0, 1)
-    v_stored = quantise(v_new.float(), v_scale[None, :, None], v_cache.dtype).transpose(0, 1)
+    k_stored = quantize(k, k_scale[None, :, None], k_cache.dtype).transpose(0, 1)
+    v_stored = quantize(v_new.float(), v_scale[None, :, None], v_cache.dtype).transpose(0, 1)
     if isinstance(slot_start, int):  # a plain slice copy (CPU index_copy_ is ~10x slower)
         k_cache[:, slot_start : slot_start + n_tokens].copy_(k_stored)
         v_cache[:, slot_start : slot_start + n_tokens].copy_(v_stored)
         return
     slots = slot_start + torch.arange(n_tokens, device=k_cache.device)
-    # index_copy_ through a same-width integer view: works for fp8 on every backend, and the
-    # index may live on the device, so the write pointer never leaves it.
-    as_bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[k_cache.element_size()]
-    k_cache.view(as_bits).index_copy_(1, slots, k_stored.contiguous().view(as_bits))
-    v_cache.view(as_bits).index_copy_(1, slots, v_stored.contiguous().view(as_bits))
+    # the index lives on the device, so the write pointer never leaves it
+    as_bits(k_cache).index_copy_(1, slots, as_bits(k_stored.contiguous()))
+    as_bits(v_cache).index_copy_(1, slots, as_bits(v_stored.contiguous()))
 
 
 @triton.jit
@@ -103,7 +101,7 @@ def _ring_write_kernel(
     # cos/sin come from the step's table (computed once per step, not per program and layer). With
     # PREP, the block's other per-head work rides along: QK-norms, RoPE on Q (in place), the
     # cross-attention query's norm (in place) and the FP8 saturation count. With WINDOW, the keys and
-    # values as stored are also written dequantised into the attention window's slots at ``win_slot``
+    # values as stored are also written dequantized into the attention window's slots at ``win_slot``
     # (WINDOW_CODES: an FP8 window, the codes themselves). Q8: the rotated queries go to ``q8`` as e4m3
     # codes of q x q8_mult[head] (bf16-rounded first, as q would be stored), q itself left unwritten.
     # RING off: everything but the ring's stores (a measurement of what the write adds to the prep).
@@ -172,7 +170,7 @@ def _ring_write_kernel(
             wdst = head * stride_wh + (win_start + t)[:, None] * stride_ws + ch[None, :]
             tl.store(k_win + wdst, k_stored, mask=mask)
             tl.store(v_win + wdst, v_stored, mask=mask)
-        elif WINDOW:  # as gather_window dequantises: stored value x per-head scale, in the window's dtype
+        elif WINDOW:  # as gather_window dequantizes: stored value x per-head scale, in the window's dtype
             k_w = k_stored.to(tl.float32)
             v_w = v_stored.to(tl.float32)
             if QUANT:
@@ -185,8 +183,10 @@ def _ring_write_kernel(
         tl.atomic_add(saturated, over)
 
 
-def _launch(k_cache, v_cache, k_scale, v_scale, k_new, v_new, slot_start, rotation, prep, window,
-            block_t, heads, num_warps, prefetch, write_ring=True, q8=None):
+def launch_ring_write(k_cache, v_cache, k_scale, v_scale, k_new, v_new, slot_start, rotation, prep, window,
+                      block_t, heads, num_warps, prefetch, write_ring=True, q8=None):
+    """The kernel's one launcher, every knob: the entry points below call it. ``write_ring=False`` compiles the
+    ring's stores out -- no serving mode: the benchmarks' measure of what the write adds to the prep."""
     n_tokens, n_heads, head_dim = k_new.shape
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError("k_cache and v_cache must share strides with a contiguous head_dim")
@@ -237,11 +237,11 @@ def ring_write_triton(
     num_warps: int = 4,
     prefetch: bool = True,
 ) -> None:
-    """RoPE(K) + per-head FP8 quantisation + write of K and V for all heads: one launch of
+    """RoPE(K) + per-head FP8 quantization + write of K and V for all heads: one launch of
     ``block_t`` tokens x ``heads`` heads per program. ``rotation``: the positions' ``rope_table``
     (built here when not given)."""
     rotation = rope_table(positions, freqs) if rotation is None else rotation
-    _launch(k_cache, v_cache, k_scale, v_scale, k_new, v_new, slot_start, rotation, None, None,
+    launch_ring_write(k_cache, v_cache, k_scale, v_scale, k_new, v_new, slot_start, rotation, None, None,
             block_t, heads, num_warps, prefetch)
 
 
@@ -266,7 +266,7 @@ def ring_write_prep_reference(
     """The parallel block's per-head work between its input projection and its attentions, as
     model/dit.py + model/cache.py do it: q <- RoPE(q_norm(q)) and cq <- cross_q_norm(cq) in place;
     k_norm(k) and v written to the ring (``ring_write``); ``saturated`` += values out of FP8 range.
-    ``window`` = (k_win, v_win, win_slot): the written K/V also go, dequantised as ``gather_window``
+    ``window`` = (k_win, v_win, win_slot): the written K/V also go, dequantized as ``gather_window``
     does, into the attention window's slots from ``win_slot`` on (an FP8 window: the codes as stored).
     ``q8`` = (q8_out, mult (n_heads,) float32): the rotated queries go to q8_out as e4m3 codes of
     q x mult[head] instead of over q (the FP8 window attention's queries)."""
@@ -288,13 +288,12 @@ def ring_write_prep_reference(
         n_tokens = k_new.shape[0]
         src = slot_start + torch.arange(n_tokens, device=k_cache.device)
         dst = win_slot + torch.arange(n_tokens, device=k_cache.device)
-        as_bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[k_cache.element_size()]
         for cache, scale, win in ((k_cache, k_scale, k_win), (v_cache, v_scale, v_win)):
-            stored = cache.view(as_bits).index_select(1, src).view(cache.dtype)
+            stored = as_bits(cache).index_select(1, src).view(cache.dtype)
             if is_fp8(win):
-                win.view(torch.uint8).index_copy_(1, dst, stored.view(torch.uint8))
+                as_bits(win).index_copy_(1, dst, as_bits(stored))
             else:
-                win.index_copy_(1, dst, dequantise(stored, scale[:, None, None], win.dtype))
+                win.index_copy_(1, dst, dequantize(stored, scale[:, None, None], win.dtype))
 
 
 def ring_write_prep_triton(
@@ -317,17 +316,14 @@ def ring_write_prep_triton(
     heads: int = 4,
     num_warps: int = 4,
     prefetch: bool = True,
-    write_ring: bool = True,
     q8: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """``ring_write_prep_reference`` in one launch (the ring write kernel with its PREP extras on;
-    ``window``'s slot a device tensor). ``write_ring=False`` leaves the ring's K/V unwritten and does
-    the rest: not a serving mode, it measures what the ring write adds to the prep (``bench gpu``'s
-    cache upkeep as served, ``scripts/kernels_check.py``)."""
+    ``window``'s slot a device tensor)."""
     q_norm, k_norm, cq_norm = norms
     rotation = rope_table(positions, freqs) if rotation is None else rotation
-    _launch(k_cache, v_cache, k_scale, v_scale, k_new, v_new, slot_start, rotation,
-            (q, cq, q_norm, k_norm, cq_norm, saturated), window, block_t, heads, num_warps, prefetch, write_ring, q8)
+    launch_ring_write(k_cache, v_cache, k_scale, v_scale, k_new, v_new, slot_start, rotation,
+            (q, cq, q_norm, k_norm, cq_norm, saturated), window, block_t, heads, num_warps, prefetch, q8=q8)
 
 
 def _rms_norm_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

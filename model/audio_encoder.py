@@ -19,7 +19,6 @@ filters the clip once and gathers every chunk's frames), to float rounding.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -217,25 +216,3 @@ def make_encode_fn(encoder: AudioEncoder) -> Callable[[np.ndarray], np.ndarray]:
             return encoder.encode_window(window).float().cpu().numpy()
 
     return encode
-
-
-def time_encode(cfg: ModelConfig, steps: int = 20, warmup: int = 3, device: str = "cpu",
-                cpu_seconds: list[float] | None = None) -> list[float]:
-    """Wall seconds per ``encode_window`` (one chunk's tokens from its int16 window), random weights.
-
-    ``cpu_seconds``, if given, receives the process CPU time of each timed call.
-    """
-    torch.manual_seed(0)
-    encoder = AudioEncoder(cfg).to(device).eval()
-    rng = np.random.default_rng(0)
-    times = []
-    with torch.inference_mode():
-        for i in range(warmup + steps):
-            window = (rng.standard_normal(encoder.window_samples) * 3000).astype(np.int16)
-            t0, c0 = time.perf_counter(), time.process_time()
-            encoder.encode_window(window).cpu()
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
-                if cpu_seconds is not None:
-                    cpu_seconds.append(time.process_time() - c0)
-    return times

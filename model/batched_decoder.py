@@ -17,10 +17,12 @@ computing whatever the buffers hold, read by no one.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from charstream.model.capture import CAPTURE_MODE, one_capture_at_a_time
-from charstream.model.step import BUCKETS
+from charstream.model.graphs import capture_graph, one_capture_at_a_time
+from charstream.model.step.batched import BUCKETS
 from charstream.model.vae import CausalState, Decoder, to_uint8_frames
 
 
@@ -95,20 +97,12 @@ class BatchedDecoder:
     @one_capture_at_a_time
     @torch.inference_mode()
     def capture(self, warmup: int = 2) -> None:
-        """One CUDA graph per bucket, on a stream of its own (model/step.py says why), sharing one memory pool
-        (they never replay concurrently)."""
+        """One CUDA graph per bucket (model/graphs.py), sharing one memory pool (they never replay concurrently)."""
         self.capture_stream = torch.cuda.Stream()
         memory = torch.cuda.graph_pool_handle()
         for bucket in self.buckets:
-            self.capture_stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.capture_stream):
-                for _ in range(warmup):
-                    self._body(bucket)
-            torch.cuda.current_stream().wait_stream(self.capture_stream)
-            self.graphs[bucket] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graphs[bucket], pool=memory, stream=self.capture_stream,
-                                  capture_error_mode=CAPTURE_MODE):
-                self.outputs[bucket] = self._body(bucket)
+            self.graphs[bucket], self.outputs[bucket] = capture_graph(functools.partial(self._body, bucket),
+                                                                      self.capture_stream, warmup, memory)
 
     def _body(self, n: int) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         video, state = self.decoder(self.latent[:n], CausalState(tuple(h[:n] for h in self.history)))

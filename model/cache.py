@@ -17,7 +17,7 @@ at every position, so RoPE can never push a key past the range the sink saw); V:
 Later values beyond the range saturate at +-448 and are counted in ``saturated``.
 
 Storage lives in a ``KVPool``: the same tensors for ``lanes`` sessions, lane-major, so one batched
-step (model/step.py's ``BatchedStep``) writes and attends every session's ring at once, each lane
+step (model/step/batched.py's ``BatchedStep``) writes and attends every session's ring at once, each lane
 with its own scales, validity, write pointer and positions. A ``KVCache`` is one session's ring:
 its tensors are views of its lane, its bookkeeping (frames, offset, pointer) its own. A cache made
 without a pool gets a pool of one lane, i.e. exactly the layout above.
@@ -30,7 +30,7 @@ import math
 import torch
 
 from charstream.kernels.delta_rotate import delta_rotate
-from charstream.kernels.fp8 import FP8_MAX, is_fp8, quantise
+from charstream.kernels.fp8 import FP8_MAX, as_bits, is_fp8, quantize
 from charstream.kernels.ring_attention import ring_attention, ring_slot_bias
 from charstream.kernels.ring_write import ring_write
 from charstream.kernels.rope import RopeFreqs, rotate_complex
@@ -98,14 +98,12 @@ class KVPool:
         k_scale, v_scale = self.k_scale[lanes, layer][:, None, :, None], self.v_scale[lanes, layer][:, None, :, None]
         if self.fp8:
             self.saturated.index_add_(0, lanes, _over_range(k_new, v_new, k_scale, v_scale))
-        k_stored = quantise(rotate_complex(k_new, rotation), k_scale, self.k.dtype)
-        v_stored = quantise(v_new.float(), v_scale, self.v.dtype)
+        k_stored = quantize(rotate_complex(k_new, rotation), k_scale, self.k.dtype)
+        v_stored = quantize(v_new.float(), v_scale, self.v.dtype)
         slots = slot_start[:, None] + torch.arange(n_tokens, device=slot_start.device)
         index = (lanes[:, None, None], self.heads[None, None, :], slots[:, :, None])  # (B, T, heads) of (lanes, H, S)
-        # through a same-width integer view, as kernels/ring_write.py does: FP8 has no index_put_ everywhere
-        as_bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[self.k.element_size()]
-        self.k[:, layer].view(as_bits).index_put_(index, k_stored.view(as_bits))
-        self.v[:, layer].view(as_bits).index_put_(index, v_stored.view(as_bits))
+        as_bits(self.k[:, layer]).index_put_(index, as_bits(k_stored))
+        as_bits(self.v[:, layer]).index_put_(index, as_bits(v_stored))
 
     def attend(self, layer: int, lanes: torch.Tensor, q: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """Attention of RoPE'd queries (B, T, n_heads, head_dim), one frame per lane, over each lane's

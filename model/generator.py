@@ -5,9 +5,9 @@
     latent = gen.step(audio_tokens, seed)        # one chunk: 4 passes, last pass's K/V stay
     gen.rollback(k)                              # turn-start rollback: forget the last k frames
 
-The step is ``model.step.DiffusionStep``; by default it takes the fused FP8 body, CUDA-graphed, on a
-CUDA device with a bf16 model and an FP8 ring, and the module body elsewhere. Under TP every rank
-runs the same calls with the same inputs (rank 0 does the I/O and broadcasts: stages/tp_group.py).
+The step is ``model.step.DiffusionStep`` with the given ``StepOptions``; by default it takes the fused FP8
+body, CUDA-graphed, on a CUDA device with a bf16 model and an FP8 ring, and the module body elsewhere. Under TP every rank
+runs the same calls with the same inputs (rank 0 does the I/O and broadcasts: stages/diffusion/tp_group.py).
 """
 
 from __future__ import annotations
@@ -21,13 +21,9 @@ from charstream.kernels.fp8 import FP8_DTYPE
 from charstream.kernels.rope import rope_freqs
 from charstream.model.cache import KVCache
 from charstream.model.config import ModelConfig
-from charstream.model.step import GATHERED_BY_DEFAULT, DiffusionStep
+from charstream.model.step import DiffusionStep, StepOptions
+from charstream.model.step.options import DEFAULTS
 from charstream.model.weights import build_model
-
-
-def fused_by_default(device: torch.device | str, dtype: torch.dtype, fp8_cache: bool) -> bool:
-    """The fused FP8 body serves where it was built for: CUDA, a bf16 model, an FP8 ring."""
-    return torch.device(device).type == "cuda" and dtype == torch.bfloat16 and fp8_cache
 
 
 class Generator:
@@ -41,15 +37,8 @@ class Generator:
         fp8_cache: bool = True,
         cache_slots: int | None = None,
         seed: int = 0,
-        fused: bool | None = None,
-        graphed: bool | None = None,
-        prefer_gathered: bool = GATHERED_BY_DEFAULT,
-        fp8_window: bool = False,
-        window_splits: int | None = None,
+        options: StepOptions = DEFAULTS,
     ) -> None:
-        """``fused``/``graphed`` None: ``fused_by_default``, and graphed whenever fused on CUDA.
-        ``prefer_gathered``, ``fp8_window``, ``window_splits``: the full window's attention, as
-        ``DiffusionStep`` takes them."""
         world = dist.get_world_size(tp_group) if tp_group is not None else 1
         self.cfg = cfg.validate(world)
         self.device = torch.device(device)
@@ -57,11 +46,7 @@ class Generator:
         self.freqs = rope_freqs(cfg.head_dim, self.device)
         kv_dtype = FP8_DTYPE if fp8_cache else dtype
         self.cache = KVCache(cfg, cfg.n_heads // world, kv_dtype, self.device, self.freqs, n_slots=cache_slots)
-        fused = fused_by_default(self.device, dtype, fp8_cache) if fused is None else fused
-        graphed = fused and self.device.type == "cuda" if graphed is None else graphed
-        self.diffusion = DiffusionStep(self.model, self.cache, tp_group, fused=fused, graphed=graphed,
-                                       prefer_gathered=prefer_gathered, fp8_window=fp8_window,
-                                       window_splits=window_splits)
+        self.diffusion = DiffusionStep(self.model, self.cache, tp_group, options)
 
     @property
     def next_frame(self) -> int:

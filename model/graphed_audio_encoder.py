@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from charstream.model.audio_encoder import AudioEncoder
-from charstream.model.capture import CAPTURE_MODE, one_capture_at_a_time
+from charstream.model.graphs import capture_graph, one_capture_at_a_time
 
 
 class GraphedAudioEncoder:
@@ -22,8 +22,6 @@ class GraphedAudioEncoder:
         self.encoder = encoder.eval()
         self.window_samples = encoder.window_samples
         self.samples = torch.zeros(1, encoder.window_samples, dtype=torch.int16, device=encoder.taps.device)
-        self.tokens: torch.Tensor | None = None
-        self.graph = torch.cuda.CUDAGraph()
         self._capture()
 
     def _body(self) -> torch.Tensor:
@@ -33,15 +31,8 @@ class GraphedAudioEncoder:
     @one_capture_at_a_time
     @torch.inference_mode()
     def _capture(self) -> None:
-        # A capture stream of its own, kept (model/step.py says why: cuBLAS workspaces are per stream).
-        self.capture_stream = torch.cuda.Stream()
-        self.capture_stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.capture_stream):
-            for _ in range(2):  # cuFFT's plan and cuDNN's choices are made here, outside the capture
-                self._body()
-        torch.cuda.current_stream().wait_stream(self.capture_stream)
-        with torch.cuda.graph(self.graph, stream=self.capture_stream, capture_error_mode=CAPTURE_MODE):
-            self.tokens = self._body()
+        self.capture_stream = torch.cuda.Stream()  # kept (model/graphs.py says why)
+        self.graph, self.tokens = capture_graph(self._body, self.capture_stream)
 
     @torch.inference_mode()
     def encode(self, window: np.ndarray) -> np.ndarray:

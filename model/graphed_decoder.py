@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from charstream.model.capture import CAPTURE_MODE, one_capture_at_a_time
+from charstream.model.graphs import capture_graph, one_capture_at_a_time
 from charstream.model.vae import CausalState, Decoder, to_uint8_frames
 
 
@@ -24,10 +24,8 @@ class GraphedDecoder:
         with torch.inference_mode():
             _, first = self.decoder.decode_chunk(self.latent)  # the history's shapes
         self.history = [torch.zeros_like(c) for c in first.caches]
-        self.frames: torch.Tensor | None = None
         self.seen = 0  # latent frames the history holds
         self.live: CausalState | None = None  # the snapshot equal to the history buffers now
-        self.graph = torch.cuda.CUDAGraph()
         self._capture()
 
     def _body(self) -> torch.Tensor:
@@ -41,15 +39,8 @@ class GraphedDecoder:
     @torch.inference_mode()
     def _capture(self) -> None:
         saved = self.snapshot()
-        # A capture stream of its own, kept (model/step.py says why: cuBLAS workspaces are per stream).
-        self.capture_stream = torch.cuda.Stream()
-        self.capture_stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.capture_stream):
-            for _ in range(2):
-                self._body()
-        torch.cuda.current_stream().wait_stream(self.capture_stream)
-        with torch.cuda.graph(self.graph, stream=self.capture_stream, capture_error_mode=CAPTURE_MODE):
-            self.frames = self._body()
+        self.capture_stream = torch.cuda.Stream()  # kept (model/graphs.py says why)
+        self.graph, self.frames = capture_graph(self._body, self.capture_stream)
         self.restore(saved)
 
     @torch.inference_mode()

@@ -1,6 +1,6 @@
 """The naive reference generator, kept for tests: what the ring cache must equal.
 
-Raw (un-rotated, unquantised) K/V of every generated frame are kept; each step copies the last
+Raw (un-rotated, unquantized) K/V of every generated frame are kept; each step copies the last
 W-1 frames into a fresh window, re-applies RoPE to the whole window at the current positions and
 runs plain attention. No ring, no FP8, no delta rotation: position resets and rollbacks are just
 different positions and a shorter history.

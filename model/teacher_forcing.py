@@ -23,7 +23,6 @@ from charstream.kernels.rope import RopeFreqs, rope_freqs, rope_rotation, rotate
 from charstream.model.config import ModelConfig
 from charstream.model.dit import DiT
 from charstream.model.rope import frame_positions
-from charstream.model.sampler import noised
 
 
 def clip_layout(cfg: ModelConfig, n_frames: int, t_offset: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,34 +84,3 @@ def teacher_forced_velocity(
     positions, mask = clip_layout(cfg, n_frames, t_offset, target.device)
     attn = MaskedSelfAttention(positions, mask, rope_freqs(cfg.head_dim, target.device))
     return model(latents, sigma, audio, attn)[:, sink + n_frames :]
-
-
-def flow_matching_loss(
-    model: DiT,
-    reference: torch.Tensor,
-    clean: torch.Tensor,
-    audio_tokens: torch.Tensor,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """Teacher-forced flow-matching loss of a clip: clean latents (B, F, C, h, w), audio (B, F, A, audio_dim).
-
-    Targets are noised to one of the sampler's 4 levels (per frame), context frames to the last
-    level (what the ring holds at inference); the model regresses the velocity noise - x0.
-    """
-    cfg = model.cfg
-    b, n_frames = clean.shape[:2]
-    dev = clean.device
-
-    def randn() -> torch.Tensor:
-        return torch.randn(clean.shape, generator=generator).to(dev)
-
-    levels = torch.tensor(cfg.noise_levels)
-    target_sigma = levels[torch.randint(len(levels), (b, n_frames), generator=generator)].to(dev)
-    context_sigma = torch.full((b, n_frames), cfg.noise_levels[-1], device=dev)
-    noise = randn()
-    target = noised(clean, noise, target_sigma)
-    context = noised(clean, randn(), context_sigma)
-    max_offset = max(0, cfg.window_frames + cfg.reset_every - n_frames)
-    t_offset = int(torch.randint(max_offset + 1, (), generator=generator))
-    v = teacher_forced_velocity(model, reference, context, context_sigma, target, target_sigma, audio_tokens, t_offset)
-    return F.mse_loss(v.float(), (noise - clean).float())

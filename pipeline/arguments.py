@@ -49,3 +49,13 @@ def names(choices: Iterable[str]) -> Callable[[str], list[str]]:
         return parts
 
     return parse
+
+
+def renamed(parser: argparse.ArgumentParser, old: str, new: str) -> None:
+    """Refuse option ``old`` with one line naming ``new``, the option it became."""
+
+    class Refuse(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None) -> None:
+            parser.exit(2, f"{parser.prog}: {old} is now {new}\n")
+
+    parser.add_argument(old, action=Refuse, nargs="?", default=argparse.SUPPRESS, help=argparse.SUPPRESS)

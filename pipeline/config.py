@@ -27,22 +27,22 @@ from charstream.stages.config import (
 )
 from charstream.transport.config import TransportConfig
 
-PROCESS_PLACEMENTS = ("inproc", "processes", "engine")  # PipelineConfig.placement
+HOSTINGS = ("inproc", "processes", "engine")  # PipelineConfig.hosting
 
 
 @dataclass
 class PipelineConfig(CheckedSection):
     preset: str = "tiny"
     # inproc (one process) | processes (edge, diffusion ranks, decoder) | engine (the model stages in a
-    # running engine process shared by many sessions: pipeline/engine.py, `charstream engine`)
-    placement: str = "inproc"
-    engine_endpoint: str = "ipc:///tmp/charstream-engine.sock"  # placement engine: the engine's socket (ipc or loopback tcp)
+    # running engine process shared by many sessions: pipeline/runtime/engine.py, `charstream engine`)
+    hosting: str = "inproc"
+    engine_endpoint: str = "ipc:///tmp/charstream-engine.sock"  # hosting engine: the engine's socket (ipc or loopback tcp)
     # How long a thread running Python keeps the GIL from one that asks for it (sys.setswitchinterval),
     # set by the process that serves sessions: a model thread retakes the GIL after each CUDA call of
     # its step (~15), and at Python's 5 ms each retake waits for the event loop's thread to be forced off.
     gil_switch_interval_ms: float = field(default=0.5, metadata=within(0.01, 1000))
     # Every serving process (the server, each stage process, an engine) imports what its sessions run,
-    # then freezes its heap out of Python's full collections (pipeline/heap.py): one walked ~285,000
+    # then freezes its heap out of Python's full collections (pipeline/runtime/heap.py): one walked ~285,000
     # objects holding the GIL 110-156 ms.
     freeze_heap: bool = True
     transport: TransportConfig = field(default_factory=TransportConfig)
@@ -56,8 +56,8 @@ class PipelineConfig(CheckedSection):
     fleet: FleetConfig = field(default_factory=FleetConfig)  # charstream serve --cluster
 
     def check_together(self) -> None:
-        if self.placement not in PROCESS_PLACEMENTS:  # anything else would run as "processes"
-            raise ValueError(f"placement must be one of {', '.join(PROCESS_PLACEMENTS)}, got {self.placement!r}")
+        if self.hosting not in HOSTINGS:  # anything else would run as "processes"
+            raise ValueError(f"hosting must be one of {', '.join(HOSTINGS)}, got {self.hosting!r}")
         get_preset(self.preset)  # an unknown preset is refused now, not at a session's start
 
     @property
@@ -72,6 +72,8 @@ class PipelineConfig(CheckedSection):
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PipelineConfig:
+        if isinstance(data, dict) and "placement" in data:
+            raise ValueError("config key 'placement' is now 'hosting' (inproc, processes or engine)")
         return _build(cls, data, "")
 
 

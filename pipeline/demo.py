@@ -29,8 +29,8 @@ from charstream.logs import configure_logging
 from charstream.pipeline import arguments
 from charstream.pipeline.config import PipelineConfig
 from charstream.stages.config import AGENT_PACES
-from charstream.stages.metrics import REGISTRY, serve_metrics
-from charstream.stages.tracing import SEGMENTS, TurnRecord, intervals
+from charstream.stages.shared.metrics import REGISTRY, serve_metrics
+from charstream.stages.shared.tracing import SEGMENTS, TurnRecord, intervals
 from charstream.timeline import SAMPLES_PER_FRAME, VIDEO_FPS
 
 QUIET_FRAMES = VIDEO_FPS // 2  # listening frames after the last reply before the demo ends
@@ -47,12 +47,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--serve", action="store_true",
                         help="serve the web page and wait for a browser instead of the in-process client")
     parser.add_argument("--port", type=arguments.port, default=8080, help="HTTP port with --serve (default: 8080)")
-    parser.add_argument("--placement", default="inproc", choices=("inproc", "processes"),
+    parser.add_argument("--hosting", default="inproc", choices=("inproc", "processes"),
                         help="inproc: every stage in this process (default); processes: diffusion and decode "
                              "in processes of their own")
+    arguments.renamed(parser, "--placement", "--hosting")
     parser.add_argument("--gpus", metavar="LAYOUT", default=None,
                         help="GPU layout: diffusion TP ranks + decoder, e.g. 1 (one GPU for both), 3+1 "
-                             "(pipeline/placement.py); stages in processes of their own")
+                             "(pipeline/runtime/layouts.py); stages in processes of their own")
     parser.add_argument("--script", default=None,
                         help='JSON file: [{"user": "...", "agent": "...", "barge_in_after_s": null}, ...]')
     parser.add_argument("--weights", default="packaged",
@@ -93,7 +94,7 @@ class ClientThread:
     """
 
     def __init__(self, record_path: Path) -> None:
-        from charstream.stages.egress.client import EgressClient
+        from charstream.pipeline.web.client import EgressClient
 
         self.client = EgressClient(record_path=record_path)
         self.loop = asyncio.new_event_loop()
@@ -119,7 +120,7 @@ class ClientThread:
 def plan(args: argparse.Namespace) -> DemoPlan:
     from charstream.model.config import get_preset
     from charstream.model.weights import packaged_weights
-    from charstream.stages.ingest.scripted import DEFAULT_SCRIPT
+    from charstream.stages.agents.scripted import DEFAULT_SCRIPT
 
     get_preset(args.preset)  # an unknown preset fails here, before anything starts
     if args.script:
@@ -151,13 +152,13 @@ def plan(args: argparse.Namespace) -> DemoPlan:
         weights, note = args.weights, f"weights {args.weights}"
 
     out = Path(args.out)
-    config = PipelineConfig(preset=args.preset, placement=args.placement)
+    config = PipelineConfig(preset=args.preset, hosting=args.hosting)
     if args.gpus:
         import torch
 
-        from charstream.pipeline.placement import apply_placement
+        from charstream.pipeline.runtime.layouts import apply_layout
 
-        config = apply_placement(config, args.gpus, gpus_available=torch.cuda.device_count())
+        config = apply_layout(config, args.gpus, gpus_available=torch.cuda.device_count())
     config.tracing.jsonl_path = str(out / "trace.jsonl")
     config.tracing.otel_exporter = args.otel
     config.tracing.otlp_endpoint = args.otlp_endpoint
@@ -221,7 +222,7 @@ def _short(text: str, n: int = 48) -> str:
 
 async def watch_conversation(session, turns: int, progress: Progress) -> None:
     """Until the last turn's reply has played out and every turn has its trace (or the session ends)."""
-    from charstream.stages.playout import PlayoutClosed
+    from charstream.stages.playout.output import PlayoutClosed
 
     output = session.output
     spoken: set[int] = set()
@@ -267,10 +268,10 @@ async def wait_for_client(client, peer, end_index: int, timeout: float = CLIENT_
 
 
 async def run_demo(args: argparse.Namespace) -> int:
+    from charstream.pipeline.runtime.process import MemoryTrimmer
     from charstream.pipeline.session import LiveSession, session_factory
     from charstream.pipeline.trace_report import render_table, write_report
-    from charstream.stages.egress.server import EgressServer
-    from charstream.stages.playout import UNDERRUN_CAUSES
+    from charstream.pipeline.web.server import EgressServer
 
     demo = plan(args)
     out = demo.out
@@ -292,6 +293,8 @@ async def run_demo(args: argparse.Namespace) -> int:
         print(f"metrics on http://{tracing.prometheus_host}:{tracing.prometheus_port}/metrics")
     server = EgressServer(demo.config.egress, session_factory(demo.config, demo.weights, on_session))
     url = await server.start()
+    trimmer = MemoryTrimmer(demo.config.egress.memory_trim_s)  # this process owns the serving loop
+    trimmer.start()
     client = None
     timeout = args.timeout or 60 + 30 * len(demo.script)
     progress: Progress | None = None
@@ -319,6 +322,7 @@ async def run_demo(args: argparse.Namespace) -> int:
             progress.close()
         if client is not None:
             await client.close()  # finishes session.mp4
+        await trimmer.stop()
         await server.stop()  # closes the session: its pipeline stops, its tracer flushes
         for session in sessions:
             await session.stop("demo finished")
@@ -342,8 +346,7 @@ async def run_demo(args: argparse.Namespace) -> int:
           f"{statistics.median(fps) if fps else 0:.1f}; {stats.rollbacks} rollbacks: {stats.late_speech} with the "
           f"speech late, {stats.kept_chunks} chunks kept, {stats.rolled_back_chunks} dropped")
     print("underruns by cause (frames held): " + ", ".join(
-        f"{cause} {getattr(stats, f'{cause}_underruns')} ({getattr(stats, f'{cause}_underrun_frames')})"
-        for cause in UNDERRUN_CAUSES))
+        f"{cause} {counts.count} ({counts.frames})" for cause, counts in stats.by_cause.items()))
     (out / "playout.json").write_text(json.dumps({**stats.summary(), "frames_played": played}, indent=1) + "\n",
                                       encoding="utf-8")
     summary = write_report(out / "trace.jsonl", out)

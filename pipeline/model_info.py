@@ -1,8 +1,9 @@
-"""``charstream model info``: parameters, per-rank memory and FLOPs of a preset under tensor parallelism.
+"""``charstream model info``: parameters, per-rank memory and FLOPs of a preset under tensor parallelism;
+or, with ``--model``, a model family's weights folder checked against what it needs.
 
 Counts come from the real module built on the meta device and sharded by model/tp.py (no memory
 is allocated, so ``characters-57b`` is as quick as ``tiny``); FLOPs are the GEMMs and attentions of
-one step (4 passes) with the window full.
+one step (4 passes) with the window full. A family's folder is read from its file headers only.
 """
 
 from __future__ import annotations
@@ -14,11 +15,17 @@ import torch
 
 from charstream.model.config import PRESETS, ModelConfig, get_preset
 from charstream.model.dit import DiT
+from charstream.model.families import FAMILY_NAMES, get_family
+from charstream.model.families.base import CheckpointError
 from charstream.model.tp import apply_tp
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    which.add_argument("--model", choices=FAMILY_NAMES, help="a model family, with --weights")
+    parser.add_argument("--weights", help="the family's weights folder as released, or 'random' (with --model)")
+    parser.add_argument("--audio-encoder", help="the wav2vec2-base-960h folder, if not in or beside --weights")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -73,20 +80,57 @@ def _human(n: float, unit: str = "") -> str:
     return f"{n:g} {unit}".strip()
 
 
+def family_report(name: str, weights: str, audio_encoder: str | None) -> dict[str, object]:
+    """The family's timeline and parameter count, and what ``weights`` holds against what it needs."""
+    family = get_family(name, audio_encoder=audio_encoder)
+    timeline = family.timeline
+    head = {
+        "family": family.name,
+        "generation_mode": family.generation_mode,
+        "fps": timeline.fps,
+        "new_frames_per_chunk": timeline.new_frames_per_chunk,
+        "audio_rate": timeline.audio_rate,
+    }
+    if weights == "random":
+        return head | {"variant": family.variant, "weights": "random (seeded)", "ok": True, "params": family.parameter_count()}
+    return head | family.inspect(weights).as_dict()
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.model is not None:
+        if args.weights is None:
+            raise SystemExit("charstream model info: --model needs --weights DIR (or --weights random)")
+        try:
+            report = family_report(args.model, args.weights, args.audio_encoder)
+        except CheckpointError as e:
+            raise SystemExit(f"charstream model info: {e}") from None
+        if not report["ok"]:
+            if args.json:
+                print(json.dumps(report, indent=2))
+            raise SystemExit(f"charstream model info: {report['weights']}: {report['problem']}")
+        _print(report, args.json)
+        return 0
+    if args.weights is not None:
+        raise SystemExit("charstream model info: --weights goes with --model (a preset's weights are not checked here)")
     try:
         report = model_report(get_preset(args.preset), args.tp)
     except ValueError as e:  # a TP size the preset's heads or FFN do not divide
         raise SystemExit(f"charstream model info: {e}") from None
-    if args.json:
+    _print(report, args.json)
+    return 0
+
+
+def _print(report: dict, as_json: bool) -> None:
+    if as_json:
         print(json.dumps(report, indent=2))
-        return 0
+        return
     for key, value in report.items():
         if isinstance(value, int) and ("bytes" in key):
             shown = _human(value, "B")
         elif isinstance(value, int) and ("params" in key or "flops" in key):
             shown = _human(value, "FLOP" if "flops" in key else "")
+        elif isinstance(value, list):
+            shown = f"{len(value)}" + (f" (first: {value[0]})" if value else "")
         else:
             shown = str(value)
         print(f"{key:28s} {shown}")
-    return 0

@@ -33,10 +33,11 @@ import structlog
 from charstream.logs import configure_logging
 from charstream.pipeline import arguments
 from charstream.pipeline.config import PipelineConfig
-from charstream.stages.egress.server import CODECS, EgressServer, SessionFactory
+from charstream.pipeline.runtime.process import MemoryTrimmer
+from charstream.pipeline.web.server import CODECS, EgressServer, SessionFactory
 from charstream.stages.ingest.adapters import ADAPTERS
 from charstream.stages.ingest.external import AgentHub
-from charstream.stages.metrics import serve_metrics
+from charstream.stages.shared.metrics import serve_metrics
 
 log = structlog.get_logger("serve")
 
@@ -59,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-host", help="the metrics listener's address (default from config: 127.0.0.1)")
     parser.add_argument("--gpus", metavar="LAYOUT",
                         help="GPU layout of each session: diffusion TP ranks + decoder, e.g. 3+1, 4+1, 6+1 "
-                             "(pipeline/placement.py); sets devices and spawns one process per rank; "
+                             "(pipeline/runtime/layouts.py); sets devices and spawns one process per rank; "
                              "with --cluster, the layout each session reserves on a node")
     parser.add_argument("--batch-sessions", type=int, metavar="N",
                         help="batch the diffusion steps, and the decoding, of up to N sessions of this process "
@@ -67,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "from config: 1 = off)")
     parser.add_argument("--engine", metavar="ENDPOINT",
                         help="host each session's model stages in the model engine running at ENDPOINT "
-                             "(`charstream engine`, placement engine: its devices and batching)")
+                             "(`charstream engine`, hosting engine: its devices and batching)")
     parser.add_argument("--cluster", metavar="ADDRESS",
                         help="front door of a fleet: run each session on a node of this Ray cluster "
                              "('auto': the cluster this host belongs to); needs charstream[fleet]")
@@ -95,7 +96,7 @@ def load_config(args: argparse.Namespace) -> PipelineConfig:
                  "egress.port": args.port, "egress.codec": args.codec, "diffusion.batch_sessions": args.batch_sessions,
                  "decode.batch_sessions": args.batch_sessions, "tracing.prometheus_port": args.metrics_port,
                  "tracing.prometheus_host": args.metrics_host, "engine_endpoint": args.engine,
-                 "placement": None if args.engine is None else "engine"}
+                 "hosting": None if args.engine is None else "engine"}
     for key, value in overrides.items():
         if value is not None:
             _override(data, key, value)
@@ -108,9 +109,9 @@ def load_config(args: argparse.Namespace) -> PipelineConfig:
     elif args.gpus:
         import torch
 
-        from charstream.pipeline.placement import apply_placement
+        from charstream.pipeline.runtime.layouts import apply_layout
 
-        config = apply_placement(config, args.gpus, gpus_available=torch.cuda.device_count())
+        config = apply_layout(config, args.gpus, gpus_available=torch.cuda.device_count())
     return config
 
 
@@ -169,6 +170,8 @@ async def serve(config: PipelineConfig, source: str, key: str | None, cluster: s
         join_cluster(cluster)
         server = FrontDoor(config, source, access_key=key)
     url = await server.start()
+    trimmer = MemoryTrimmer(config.egress.memory_trim_s)  # this process owns the serving loop
+    trimmer.start()
     where = "" if cluster is None else f", fleet {config.fleet.layout} on {cluster}"
     print(f"charstream serve ({source}, {config.egress.codec}{where}): open {url}/?code={server.issue_code()} "
           "(a one-time link)", flush=True)
@@ -180,6 +183,7 @@ async def serve(config: PipelineConfig, source: str, key: str | None, cluster: s
         await stop.wait()
     finally:
         print("charstream serve: stopping", flush=True)
+        await trimmer.stop()
         await server.stop()
         if agent_hub is not None:
             await agent_hub.close()

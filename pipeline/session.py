@@ -6,11 +6,11 @@
 or, with ``testcard=True`` (no model): card ─► playout, the same egress node.
 
 Ingest, conditioning and playout live in the caller's process (group ``main``: asyncio, next to
-egress); diffusion and decode get process groups of their own, which ``placement = "processes"``
+egress); diffusion and decode get process groups of their own, which ``hosting = "processes"``
 spawns and ``"inproc"`` (the CPU demo, tests) keeps in one process -- except a stage whose sessions
 share a batcher (``diffusion/decode.batch_sessions`` > 1), which runs in the caller's process with
 it. ``"engine"``: conditioning, diffusion and decode are hosted by a running model engine
-(``pipeline/engine.py``) with its batchers, so this process makes no CUDA context. The session owns the live objects its nodes share — playout's ``PlayoutOutput`` (what egress
+(``pipeline/runtime/engine.py``) with its batchers, so this process makes no CUDA context. The session owns the live objects its nodes share — playout's ``PlayoutOutput`` (what egress
 serves to the peer connection), the microphone queue, the tracer, a pushed agent adapter, the peer
 link, the batchers — and hands each to its nodes explicitly; ``session_factory`` is what the egress server calls for each new peer.
 
@@ -29,25 +29,26 @@ from pathlib import Path
 from typing import Any
 
 from charstream.pipeline.config import PipelineConfig
-from charstream.pipeline.heap import load_and_freeze
-from charstream.pipeline.runner import ENGINE_GROUP, Edge, Graph, Node, Session, SessionResult
+from charstream.pipeline.runtime.process import MODEL_STAGES, prepare_process
+from charstream.pipeline.runtime.runner import ENGINE_GROUP, Edge, Graph, Node, SessionResult, SessionRunner
+from charstream.pipeline.web.server import SessionFactory, SessionMedia
 from charstream.stages.base import Stage
-from charstream.stages.conditioning import build as build_conditioning
-from charstream.stages.decode import DecodeStage
-from charstream.stages.decode_batcher import DecodeBatcher
-from charstream.stages.diffusion import DiffusionStage
+from charstream.stages.conditioning.stage import build as build_conditioning
+from charstream.stages.decode.batcher import DecodeBatcher
+from charstream.stages.decode.stage import DecodeStage
+from charstream.stages.diffusion.batcher import StepBatcher
+from charstream.stages.diffusion.stage import DiffusionStage
 from charstream.stages.egress.mic import UserAudioQueue
-from charstream.stages.egress.server import SessionFactory, SessionMedia
 from charstream.stages.egress.stage import EgressStage, PeerLink
 from charstream.stages.egress.testcard import CardSource
 from charstream.stages.ingest.adapters import PUSH_ADAPTERS, AgentAdapter
 from charstream.stages.ingest.external import AgentHub, ExternalAgent
 from charstream.stages.ingest.push import PushAdapter
 from charstream.stages.ingest.stage import IngestStage
-from charstream.stages.metrics import forget_processes
-from charstream.stages.playout import PlayoutOutput, PlayoutStage
-from charstream.stages.step_batcher import StepBatcher
-from charstream.stages.tracing import TurnRecord, TurnTracer
+from charstream.stages.playout.output import PlayoutOutput
+from charstream.stages.playout.stage import PlayoutStage
+from charstream.stages.shared.metrics import forget_processes
+from charstream.stages.shared.tracing import TurnRecord, TurnTracer
 
 
 def model_nodes(config: PipelineConfig, weights: str | None = "packaged", batcher: StepBatcher | None = None,
@@ -55,7 +56,7 @@ def model_nodes(config: PipelineConfig, weights: str | None = "packaged", batche
     """The model stages (conditioning, diffusion, decode), each built from its config
     section. Their process groups: the caller's (``main``) for conditioning and for a stage with the
     process's shared ``batcher`` / ``decode_batcher``, else ``diffusion`` / ``decoder``; all three
-    ``engine`` in ``placement = "engine"`` (the engine builds them itself, with its batchers)."""
+    ``engine`` in ``hosting = "engine"`` (the engine builds them itself, with its batchers)."""
     model = {"preset": config.preset, "weights": weights}
     diffusion = Node("diffusion", DiffusionStage, dict(model, config=config.diffusion), group="diffusion")
     if batcher is not None:
@@ -65,7 +66,7 @@ def model_nodes(config: PipelineConfig, weights: str | None = "packaged", batche
         decode = Node("decode", DecodeStage, dict(decode.kwargs, batcher=decode_batcher))
     nodes = [Node("conditioning", build_conditioning, dict(model, config=config.conditioning, seed=config.diffusion.seed)),
              diffusion, decode]
-    if config.placement == "engine":
+    if config.hosting == "engine":
         nodes = [Node(n.name, n.factory, n.kwargs, ENGINE_GROUP) for n in nodes]
     return nodes
 
@@ -116,7 +117,7 @@ def testcard_graph(config: PipelineConfig, output: PlayoutOutput, tracer: TurnTr
 
 
 class LiveSession:
-    """A running session: its runner ``Session``, tracer, playout output and peer link.
+    """A running session: its ``SessionRunner``, tracer, playout output and peer link.
 
     ``peer=False``: no browser (a framework reads ``output`` itself), so no egress node. ``testcard``:
     the test card's graph (True, or the card's ``Node``) instead of the model's. ``agent_hub``: the
@@ -150,7 +151,7 @@ class LiveSession:
                 self.agent_token = agent.token
             graph = build_graph(config, self.output, self.tracer, mic, agent, weights, self.link, batcher,
                                 decode_batcher)
-        self.runner = Session(graph, config, session_id, handle_signals=False)
+        self.runner = SessionRunner(graph, config, session_id, handle_signals=False)
         self.result: SessionResult | None = None
         self.done = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -212,17 +213,17 @@ def session_factory(config: PipelineConfig, weights: str | None = "packaged",
     name when several sessions share a config: ``<stem>-<session>.jsonl`` after the first).
     ``factory.sessions`` holds the running ones by session id. With ``diffusion.batch_sessions`` > 1
     its sessions share one model and batch their diffusion steps (``factory.batcher``); with
-    ``decode.batch_sessions`` > 1 one decoder and their chunks (``factory.decode_batcher``). Sets the
-    process's GIL switch interval (``config.gil_switch_interval_ms``): its sessions' threads share it;
-    imports what its sessions run and freezes the heap (``config.freeze_heap``, ``pipeline/heap.py``)."""
-    config.apply_gil_switch_interval()
-    load_and_freeze(front_end=True, model_stages=not testcard and config.placement != "engine", freeze=config.freeze_heap)
+    ``decode.batch_sessions`` > 1 one decoder and their chunks (``factory.decode_batcher``). Prepares
+    the serving process (``pipeline/runtime/process.py``): its GIL switch interval
+    (``config.gil_switch_interval_ms``: its sessions' threads share it), the imports of what its sessions
+    run and the frozen heap (``config.freeze_heap``)."""
+    here = not testcard and config.hosting != "engine"  # the engine batches its sessions' model stages itself
+    prepare_process("serving", config, ["ingest", *(MODEL_STAGES if here else ())])
     started = 0
     sessions: dict[str, LiveSession] = {}
     for section in ("diffusion", "decode"):
         if (n := getattr(config, section).batch_sessions) < 1:
             raise ValueError(f"{section}.batch_sessions must be >= 1 (1 = off), got {n}")
-    here = not testcard and config.placement != "engine"  # the engine batches its sessions' model stages itself
     batch = config.diffusion.batch_sessions > 1 and here
     batcher = StepBatcher(config.diffusion, config.preset, weights) if batch else None
     batch = config.decode.batch_sessions > 1 and here

@@ -1,6 +1,6 @@
 """``charstream trace report TRACE.jsonl [--out DIR]``: latency per segment and a waterfall.
 
-Reads the ``turn`` lines ``charstream.stages.tracing`` writes, recomputes every interval from the raw stamps
+Reads the ``turn`` lines ``charstream.stages.shared.tracing`` writes, recomputes every interval from the raw stamps
 (the stored segments are a convenience, not the source), prints median and p90 per segment
 (agent, pipeline, delivery, total) and per stage, and writes ``report.md``, ``report.json`` (the
 same numbers, seconds) and ``waterfall.png``.
@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from charstream.stages.tracing import SEGMENTS, STAGES, intervals, read_jsonl
+from charstream.stages.shared.tracing import SEGMENTS, STAGES, intervals, read_jsonl
 from charstream.timeline import TRACE_POINTS
 
 # Reference medians (docs/ARCHITECTURE.md, Reference numbers) for comparison, seconds.

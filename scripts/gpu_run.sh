@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
-# The device bundle and what runs on it, in one script (docs/gpu-notes.md, "Device calls").
+# A GPU host's wheel bundle and the GPU tests and benchmarks run on it, in one script: for a host whose
+# image has torch with CUDA but not the rest of charstream's dependencies, and no package index.
 #
-#   here:       scripts/gpu_run.sh bundle [DIR]     the wheels the device image lacks, pinned, in parts that each fit
-#                                                   a call beside the tree (23 MB): DIR/whl-a (~36 MB: av, pyzmq,
+#   here:       scripts/gpu_run.sh bundle [DIR]     the wheels the GPU host's image lacks, pinned, in parts that can
+#                                                   be copied over one at a time: DIR/whl-a (~36 MB: av, pyzmq,
 #                                                   structlog), DIR/whl-b (~30 MB: aiortc + its stack, silero-vad,
 #                                                   espeak-ng, OpenTelemetry), DIR/whl-c (~29 MB: pocketsphinx),
 #                                                   DIR/whl-d (2 MB: cuDNN's Python frontend, the FP8 window attention).
 #                                                   DIR defaults to .gpu-bundle (ignore it in .git/info/exclude).
-#   on device:  scripts/gpu_run.sh install DIR      the carried wheels and the package only
+#   GPU host:   scripts/gpu_run.sh install DIR      the carried wheels and the package only
 #               scripts/gpu_run.sh check DIR        GPU tests (the step graphed = eager, under TP at world size 1
 #                                                   too), bench gpu of the serving step: characters-57b TP=3 and
 #                                                   TP=4 shards, characters-14b whole with its decoder and the
 #                                                   pipelined period (decoder graph on a second stream)
 #               scripts/gpu_run.sh ab DIR           the TP=3 shard's step without and with its NCCL group (A/B)
-#               scripts/gpu_run.sh kernels DIR [BASE]  issue 14's kernels: their GPU tests, scripts/kernels_check.py
+#               scripts/gpu_run.sh kernels DIR [BASE]  the step's kernels: their GPU tests, scripts/kernels_check.py
 #                                                   (KERNELS: its sections), bench gpu of the 57b shards (TP_SHARDS,
 #                                                   default 3 4) with one replay profiled; BASE: a second tree
 #                                                   (main's checkout) whose TP=3 steps are timed after, A/B;
@@ -35,23 +36,20 @@
 #                                                   with one ladder), one ladder per batch_sessions value (default
 #                                                   1 8: without and with batching); needs whl-a and whl-b, not whl-c;
 #                                                   CAPACITY_ENGINES=K: K model engines host every session's model
-#                                                   stages (placement engine; a batch value must cover 48 / K sessions)
+#                                                   stages (hosting engine; a batch value must cover 48 / K sessions)
 #                                                   CAPACITY_PACE=synthesized: the scripted agent streams ahead of real time
 #                                                   CAPACITY_SPREAD=S: a count's sessions start over S s (their turns out of phase)
 #                                                   CAPACITY_CLIENT_NICE=N: the client processes' niceness (the bench's default: 10)
 #                                                   CAPACITY_CHECKS=0: without the GPU tests and the encode bench first
 #                                                   CAPACITY_LOG=info: the server workers' turn and underrun lines in capacity.log
 #                                                   CAPACITY_FRESH_TRITON=1: Triton's on-disk cache empty at the bench's start (a new
-#                                                   TRITON_CACHE_DIR): as on a machine's first run, its first count compiles
+#                                                   TRITON_CACHE_DIR): as on a host's first run, its first count compiles
 #                                                   every kernel in every process (a later ladder finds them cached)
 #                                                   (first: the capture and graphed-encoder GPU tests, bench gpu of tiny's encode)
 #
-# The tree (23 MB) with all parts exceeds a call's 64 MiB: carry one part per call, back to back while
-# the machine is warm (it goes back 30 s after a call) -- every device command installs the parts it
-# finds under DIR into /tmp/site, which a warm machine keeps (check needs whl-a; capacity a and b; live a, b, c;
-# kernels d).
-# Each section runs under `timeout` with a line at its start and end; logs and JSON go to $OUT (at
-# most 8 files come back).
+# Every command on the GPU host installs the parts it finds under DIR into /tmp/site once (check needs
+# whl-a; capacity a and b; live a, b, c; kernels d), so the parts may arrive one at a time.
+# Each section runs under `timeout` with a line at its start and end; logs and JSON go to $OUT.
 set -o pipefail
 cmd=${1:?usage: gpu_run.sh bundle [DIR] | install DIR | check DIR | batch DIR | ab DIR | kernels DIR [BASE] | tp DIR [N...] | live DIR [PRESET...] | capacity DIR [BATCH...]}
 dir=${2:-.gpu-bundle}
@@ -64,13 +62,13 @@ WHEELS_B="aiortc==1.16.0 aioice==0.13.0 pyee==13.0.1 pylibsrtp==1.0.0
   opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-semantic-conventions==0.66b2
   opentelemetry-proto==1.45.2 opentelemetry-exporter-otlp-proto-common==1.45.2 opentelemetry-exporter-otlp-proto-http==1.45.2
   opentelemetry-exporter-http-transport==0.66b2 opentelemetry-exporter-otlp-common==0.66b2"
-# The built-in agent's recogniser (29 MB): 5.0.4 is the newest release with a cp312 wheel (the device's Python).
+# The built-in agent's recogniser (29 MB): 5.0.4 is the newest release with a cp312 wheel (the GPU host's Python).
 WHEELS_C="pocketsphinx==5.0.4"
 # cuDNN's Python frontend (2 MB, no dependencies; 1.18+ need nvidia-cutlass-dsl): the FP8 window attention.
 WHEELS_D="nvidia-cudnn-frontend==1.17.0"
 
 if [ "$cmd" = bundle ]; then
-  # In this order: pip takes the first tag a wheel has (the 2_28 builds are the ones run on the device).
+  # In this order: pip takes the first tag a wheel has (the 2_28 builds are the ones run on the GPU host).
   platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
              --platform manylinux2014_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_34_x86_64)
   for part in a b c d; do
@@ -83,10 +81,9 @@ if [ "$cmd" = bundle ]; then
   exit 0
 fi
 
-# -- on the device ------------------------------------------------------------------------------------
+# -- on the GPU host ----------------------------------------------------------------------------------
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-# The device's copy of the tree does not carry this checkout's git state (its `git rev-parse` named a
-# commit hours old on 2026-12-01): the run command names the commit, CHARSTREAM_COMMIT=<sha> bash ...
+# A copied tree need not carry its git state: the command names the commit, CHARSTREAM_COMMIT=<sha> bash ...
 export CHARSTREAM_COMMIT=${CHARSTREAM_COMMIT:-unknown}
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -110,7 +107,7 @@ for part in a b c d; do
       "$dir/whl-$part"/*.whl && touch "/tmp/site/.whl-$part" || exit
   fi
 done
-# The package itself (its folders map to charstream.* only through an install), each call afresh.
+# The package itself (its folders map to charstream.* only through an install), each run afresh.
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site-pkg . \
   >/dev/null || exit
 # Safe path (inherited by spawned ranks): the checkout's charstream/ holds only the root package and must
@@ -118,23 +115,23 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile
 export PYTHONPATH=/tmp/site-pkg:/tmp/site PYTHONSAFEPATH=1
 nvidia-smi --query-gpu=name,driver_version,memory.used,temperature.gpu,power.draw --format=csv,noheader
 
-if [ "$cmd" = install ]; then  # only the above: the first of two calls on a fresh machine
+if [ "$cmd" = install ]; then  # only the above
   exit 0
 elif [ "$cmd" = check ]; then
   section "gpu tests" 150 gpu-tests.log python3 -m pytest -q -m gpu -p no:cacheprovider --timeout=120 \
     tests/test_graphed_gpu.py tests/test_diffusion_stage.py tests/test_capture_gpu.py
-  section "bench characters-57b TP=3, TP=4 shards" 200 bench-57b.log python3 -m charstream.pipeline.bench_gpu \
+  section "bench characters-57b TP=3, TP=4 shards" 200 bench-57b.log python3 -m charstream.pipeline.bench.gpu \
     --tp-shard 3 4 --skip sweep decoder pipeline encoder --section-timeout 90 --json "$OUT/bench_57b.json"
-  section "bench characters-14b, decoder, period" 200 bench-14b.log python3 -m charstream.pipeline.bench_gpu \
+  section "bench characters-14b, decoder, period" 200 bench-14b.log python3 -m charstream.pipeline.bench.gpu \
     --preset characters-14b --tp-shard 1 --skip sweep ceilings --section-timeout 90 --json "$OUT/bench_14b.json"
 elif [ "$cmd" = batch ]; then  # needs no wheels: the model layer and the bench only
   section "gpu tests" 100 gpu-tests.log python3 -m pytest -q -s -m gpu -p no:cacheprovider --timeout=70 \
     tests/test_batched_step.py tests/test_batched_decoder.py tests/test_graphed_gpu.py
-  section "bench batch" 70 bench-batch.log python3 -m charstream.pipeline.bench_batch --out "$OUT/bench_batch.json"
+  section "bench batch" 70 bench-batch.log python3 -m charstream.pipeline.bench.batch --out "$OUT/bench_batch.json"
 elif [ "$cmd" = ab ]; then  # the TP=3 shard's serving step without, then with, its one-rank NCCL group
   for group in --no-group ""; do
     # shellcheck disable=SC2086
-    section "bench TP=3 step ${group:-with group}" 100 bench-ab.log python3 -m charstream.pipeline.bench_gpu \
+    section "bench TP=3 step ${group:-with group}" 100 bench-ab.log python3 -m charstream.pipeline.bench.gpu \
       --tp-shard 3 --skip sweep kernels decoder pipeline ceilings $group --section-timeout 80
   done
 elif [ "$cmd" = kernels ]; then
@@ -142,32 +139,31 @@ elif [ "$cmd" = kernels ]; then
   section "gpu tests (kernels, graphed step)" 200 gpu-tests.log python3 -m pytest -q -m gpu -p no:cacheprovider \
     --timeout=90 $k::test_ring_write $k::test_ring_write_prep $k::test_ring_write_prep_without_the_ring_write_does_the_rest \
     $k::test_quantize_rows $k::test_quantize_rows_reads_the_leading_columns_from_the_prefix \
-    $k::test_ring_attention_gathered_over_listed_frames $k::test_delta_rotate $k::test_adaln_quant \
+    $k::test_window_gathered_over_listed_frames_then_attended $k::test_delta_rotate $k::test_adaln_quant \
     $k::test_quantize_rows_reads_an_fp8_prefix_with_its_scales_per_head $k::test_ring_write_prep_writes_q_codes_and_an_fp8_window \
     $k::test_fp8_window_attention_matches_its_reference $k::test_attention_merge $k::test_cross_attention_in_place tests/test_graphed_gpu.py tests/test_batched_step.py \
-    tests/test_graph_memsets_gpu.py \
     tests/test_kernel_compiles.py -k "not decoder"
   # KERNELS: the kernels_check sections; TP_SHARDS: the shards bench gpu times (both: this default)
   # shellcheck disable=SC2086
   section "kernels check" 150 kernels.log python3 scripts/kernels_check.py \
     --only ${KERNELS:-ring_write gelu_rows adaln window_attn cross_attn rotation} --json "$OUT/kernels.json"
   # shellcheck disable=SC2086
-  section "bench characters-57b shards ${TP_SHARDS:-3 4}" 300 bench.log python3 -m charstream.pipeline.bench_gpu \
+  section "bench characters-57b shards ${TP_SHARDS:-3 4}" 300 bench.log python3 -m charstream.pipeline.bench.gpu \
     --tp-shard ${TP_SHARDS:-3 4} --skip sweep decoder pipeline ceilings --section-timeout 100 --json "$OUT/bench.json"
   # bench-more.log: the runs after (at most 8 files come back)
   if [ "${CUBLASLT_AB:-0}" = 1 ]; then  # the TP=3 steps (bf16 and FP8 windows) with cuBLASLt's workspace, then
     # without, that one profiled (which GEMM kernels cuBLASLt takes then, and whether its memsets go)
-    section "bench TP=3 steps, CUBLASLT_WORKSPACE_SIZE=default" 90 bench-more.log python3 -m charstream.pipeline.bench_gpu \
+    section "bench TP=3 steps, CUBLASLT_WORKSPACE_SIZE=default" 90 bench-more.log python3 -m charstream.pipeline.bench.gpu \
       --tp-shard 3 --skip sweep kernels profile decoder pipeline ceilings --section-timeout 80
     section "bench TP=3 steps, CUBLASLT_WORKSPACE_SIZE=0, profiled" 150 bench-more.log env CUBLASLT_WORKSPACE_SIZE=0 \
-      python3 -m charstream.pipeline.bench_gpu --tp-shard 3 --skip sweep kernels decoder pipeline ceilings \
+      python3 -m charstream.pipeline.bench.gpu --tp-shard 3 --skip sweep kernels decoder pipeline ceilings \
       --section-timeout 100 --json "$OUT/bench-ws0.json"
   fi
   if [ -n "${1:-}" ]; then  # the base tree's serving steps (both windows), same machine, right after: like with like
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site-base \
       "$1" >/dev/null || exit
     section "base bench TP=3 steps" 100 bench-more.log env PYTHONPATH=/tmp/site-base:/tmp/site \
-      CHARSTREAM_COMMIT="${BASE_COMMIT:-base}" python3 -m charstream.pipeline.bench_gpu --tp-shard 3 \
+      CHARSTREAM_COMMIT="${BASE_COMMIT:-base}" python3 -m charstream.pipeline.bench.gpu --tp-shard 3 \
       --skip sweep kernels profile decoder pipeline ceilings --section-timeout 90
   fi
 elif [ "$cmd" = kernels-check ]; then  # only scripts/kernels_check.py's sections (KERNELS)
@@ -177,12 +173,12 @@ elif [ "$cmd" = kernels-check ]; then  # only scripts/kernels_check.py's section
 elif [ "$cmd" = tp ]; then  # multi-GPU kinds: the TP group with NCCL, one process per GPU, per size given
   [ $# -gt 0 ] || set -- 3 4
   for tp in "$@"; do
-    section "bench --tp $tp" 300 "bench-tp$tp.log" python3 -m charstream.pipeline.bench_gpu --preset characters-57b \
+    section "bench --tp $tp" 300 "bench-tp$tp.log" python3 -m charstream.pipeline.bench.gpu --preset characters-57b \
       --tp "$tp" --json "$OUT/bench_tp$tp.json"
   done
 elif [ "$cmd" = live ]; then
   [ $# -gt 0 ] || set -- characters-14b tiny
-  gpus=${GPUS:-1}  # a placement of pipeline/placement.py: 1, 3+1, 4+1, ...
+  gpus=${GPUS:-1}  # a layout of pipeline/runtime/layouts.py: 1, 3+1, 4+1, ...
   for preset in "$@"; do
     weights=random
     [ "$preset" = tiny ] && weights=packaged
@@ -198,11 +194,11 @@ elif [ "$cmd" = live ]; then
   done
 elif [ "$cmd" = capacity ]; then
   [ $# -gt 0 ] || set -- 1 8  # without and with cross-session batching (diffusion and decode)
-  # The premise of sessions sharing a process on the GPU (model/capture.py): captures beside running sessions.
+  # The premise of sessions sharing a process on the GPU (model/graphs.py): captures beside running sessions.
   if [ "${CAPACITY_CHECKS:-1}" != 0 ]; then
     section "capture beside running sessions, the graphed encoder, a stream per stage thread" 120 capacity.log python3 -m pytest -q -m gpu \
       -p no:cacheprovider --timeout=80 tests/test_capture_gpu.py tests/test_conditioning_gpu.py tests/test_stage_worker.py
-    section "bench gpu: tiny's audio encode, eager and graphed" 60 capacity.log python3 -m charstream.pipeline.bench_gpu \
+    section "bench gpu: tiny's audio encode, eager and graphed" 60 capacity.log python3 -m charstream.pipeline.bench.gpu \
       --preset tiny --no-group --skip ceilings step decoder --json "$OUT/bench_encoder.json"
   fi
   # ~5 minutes of ladders: each gets its share (the bench starts no count that would not fit); with two

@@ -1,10 +1,10 @@
-"""Issue 14's kernels on one GPU, in one device call: each variant checked against its PyTorch
+"""The diffusion step's kernels on one GPU: each variant checked against its PyTorch
 reference on fresh random inputs (outputs poisoned first), then timed at the TP=3 shard's shapes of
 ``characters-57b`` (20 heads x 128, 757 tokens per frame, sink + 10 ring frames, 7 of them valid).
 
 Timing: per call inside one CUDA graph of many calls rotating over several layers' caches (as
 ``bench gpu`` times kernels), median of the replays. Prints a table last; ``--json`` writes every
-figure. Usage (device): ``python3 scripts/kernels_check.py --json $OUT/kernels.json``.
+figure. Usage: ``python3 scripts/kernels_check.py --json kernels.json``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from charstream.kernels.delta_rotate import delta_rotate_reference, delta_rotate
 from charstream.kernels.fp8 import FP8_DTYPE, FP8_MAX
 from charstream.kernels.quantize_rows import quantize_rows_reference, quantize_rows_triton
 from charstream.kernels.ring_attention import (
-    ring_attention_gathered,
+    gather_window,
     ring_attention_reference,
     ring_attention_triton,
     window_attention,
@@ -40,7 +40,7 @@ from charstream.kernels.ring_write import (
 )
 from charstream.kernels.rope import rope_freqs
 from charstream.model.rope import frame_positions
-from charstream.pipeline.bench_gpu import _graph_ms, _graphs_ms
+from charstream.pipeline.bench.gpu import _graph_ms, _graphs_ms, prep_without_ring_write
 
 H, D, T, GRID, AUDIO = 20, 128, 757, (22, 34), 9
 SINK, RING, VALID = T, 10, 7
@@ -85,7 +85,6 @@ ATTENTION_VARIANTS = {  # name: ring_attention_triton options (defaults: m128 n1
     "m128_n128_w8_s4": {},
     "m128_n128_w8_s3": {"num_stages": 3},
     "m64_n128_w4_s2": {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 2},
-    "m128_n128_w8_s4_qkfp8": {"qk_fp8": True},
 }
 
 
@@ -103,7 +102,7 @@ def attention(gen: torch.Generator) -> dict[str, object]:
     q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16, generator=gen) * 2
     args = lambda i: (k[i], v[i], ks[i], vs[i], ring_valid, SINK, T)  # noqa: E731
     ref = ring_attention_reference(q, *args(0)).float()
-    # the bf16 path's reference: dequantised K/V rounded to bf16, cuDNN/flash SDPA (what gathered runs)
+    # the bf16 path's reference: dequantized K/V rounded to bf16, cuDNN/flash SDPA (what gathered runs)
     window = tuple(torch.empty(H, SINK + VALID * T, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     out = torch.empty(T, H, D, device="cuda", dtype=torch.bfloat16)
     attended = SINK + VALID * T
@@ -111,7 +110,7 @@ def attention(gen: torch.Generator) -> dict[str, object]:
     result: dict[str, object] = {"flops_per_call": flops, "attended_keys": attended,
                                  "bytes_per_call": 2 * H * attended * D + 2 * T * H * D * 2}
     variants: dict[str, object] = {
-        "gathered_cudnn": lambda i, o: ring_attention_gathered(q, k[i], v[i], ks[i], vs[i], order, SINK, T, window, o),
+        "gathered_cudnn": lambda i, o: window_attention(q, *gather_window(k[i], v[i], ks[i], vs[i], order, SINK, T, window), o),
     }
     for name, opts in ATTENTION_VARIANTS.items():
         variants[f"streamk_{name}"] = functools.partial(_attend, q, args, opts)
@@ -224,8 +223,9 @@ def _prep_parts(fused, k_cache, v_cache, ks, vs, slot, positions, freqs, rotatio
         runs = []
         for write_ring in (True, False):
             (gq, gk, gv, gcq), ring, win, sat = _prep_buffers(fused, n_win)
-            ring_write_prep_triton(gq, gk, gv, gcq, *ring, ks[0], vs[0], slot, positions, freqs, norms, sat,
-                                   rotation=rotation, window=(*win, win_slot), write_ring=write_ring)
+            prep = ring_write_prep_triton if write_ring else prep_without_ring_write
+            prep(gq, gk, gv, gcq, *ring, ks[0], vs[0], slot, positions, freqs, norms, sat,
+                 rotation=rotation, window=(*win, win_slot))
             runs.append((gq, gcq, *win, sat, ring))
         full, bare = runs
         poison = torch.tensor(300.0).to(FP8_DTYPE).float().item()
@@ -243,9 +243,10 @@ def _prep_parts(fused, k_cache, v_cache, ks, vs, slot, positions, freqs, rotatio
 
         def call(i: int, write_ring: bool, window: bool) -> None:
             layer = i % LAYERS
-            ring_write_prep_triton(tq, tk, tv, tcq, k_cache[layer], v_cache[layer], ks[layer], vs[layer], slot, positions,
-                                   freqs, norms, saturated, rotation=rotation, write_ring=write_ring,
-                                   window=(windows[0][layer], windows[1][layer], win_slot) if window else None)
+            prep = ring_write_prep_triton if write_ring else prep_without_ring_write
+            prep(tq, tk, tv, tcq, k_cache[layer], v_cache[layer], ks[layer], vs[layer], slot, positions,
+                 freqs, norms, saturated, rotation=rotation,
+                 window=(windows[0][layer], windows[1][layer], win_slot) if window else None)
 
         parts = {"served": (True, True), "no_ring_write": (False, True), "no_window_copy": (True, False),
                  "neither": (False, False)}
@@ -283,13 +284,13 @@ def window_attn(gen: torch.Generator) -> dict[str, object]:
 
 def _window_attn_fp8(q: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, ref: torch.Tensor) -> dict[str, object]:
     """cuDNN's FP8 SDPA over the same windows stored as the cache stores them (e4m3 codes, per-head
-    scales): the K scales folded into the queries before their e4m3 quantisation (one scalar scale
+    scales): the K scales folded into the queries before their e4m3 quantization (one scalar scale
     per layer, here from the measured amax; the step's from a bound), the output in V's code units at
     scale 1 (the step's 0.5 leaves room for the probabilities' rounding) times V's per-head scales after.
     Errors: against fp32 math over the same codes (the kernel), and end to end against the fp32
     reference over the bf16 window (what ``strided_q`` is compared with). Timed: the cuDNN call alone,
     and with the two elementwise passes a step would add around it if the prep and the GELU rows
-    did not do them (q's quantisation, the output's per-head rescale)."""
+    did not do them (q's quantization, the output's per-head rescale)."""
     from charstream.kernels.fp8_window_attention import Fp8WindowAttention, fp8_window_attention_reference
 
     with _variant({}, "window_attn", "fp8_cudnn") as entry:
@@ -568,45 +569,6 @@ def gelu_rows(gen: torch.Generator) -> dict[str, object]:
     return result
 
 
-def gemm_allreduce(gen: torch.Generator) -> dict[str, object]:
-    """The fused kernel with a group of one: its FP8 GEMM + shared-buffer epilogue against
-    ``torch._scaled_mm`` at the TP=3 output projection's shape (757 x 15360 -> 7680). Across ranks it
-    is checked by tests/test_gemm_allreduce_gpu.py (2 and 4 processes sharing this GPU)."""
-    import socket
-
-    import torch.distributed as dist
-
-    from charstream.kernels.gemm_allreduce import Fp8GemmAllReduce
-    from charstream.kernels.quantize_rows import quantize_rows_triton
-    from charstream.model.fp8_linear import quantize_weight
-
-    m, k, n = T, 15360, 7680
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    xq, xs = quantize_rows_triton(torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen))
-    weights = [quantize_weight(torch.randn(n, k, device="cuda", generator=gen) * 0.02) for _ in range(4)]
-    result: dict[str, object] = {"flops_per_call": 2 * m * k * n}
-    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-    ref = torch._scaled_mm(xq, weights[0][0].t(), scale_a=xs, scale_b=weights[0][1][None], out_dtype=torch.bfloat16)
-    result["scaled_mm_ms"] = _graph_ms([functools.partial(
-        torch._scaled_mm, xq, wq.t(), scale_a=xs, scale_b=ws[None], out_dtype=torch.bfloat16, use_fast_accum=True)
-        for wq, ws in weights * 8])
-    for bm, bn, bk, w, st in ((128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (128, 128, 128, 4, 4), (64, 256, 128, 4, 3)):
-        name = f"m{bm}_n{bn}_k{bk}_w{w}_s{st}"
-        with _variant(result, "gemm_allreduce", name) as entry:
-            fused = Fp8GemmAllReduce(m, n, None, "cuda", block=(bm, bn, bk), num_warps=w, num_stages=st)
-            out.fill_(float("nan"))
-            fused(xq, xs, *weights[0], out)
-            entry["rel_vs_scaled_mm"] = _rel(out.float(), ref.float())
-            entry["nan"] = int(torch.isnan(out).sum())
-            entry["ms"] = _graph_ms([functools.partial(fused, xq, xs, wq, ws, out) for wq, ws in weights * 8])
-            entry["tflops"] = result["flops_per_call"] / entry["ms"] / 1e9
-    dist.destroy_process_group()
-    return result
-
-
 def _table(results: dict) -> str:
     rows = [("kernel / variant", "ms per call", "check")]
     att = results.get("attention", {})
@@ -614,13 +576,6 @@ def _table(results: dict) -> str:
         if isinstance(e, dict):
             rows.append((f"attention {name}", f"{e['ms']:.4f} ({e['tflops']:.0f} TF/s)" if "ms" in e else e.get("error", "")[:40],
                          f"rel {e.get('rel_error_vs_fp32', float('nan')):.2e} sparse {e.get('rel_error_sparse_ring', float('nan')):.2e}"))
-    gar = results.get("gemm_allreduce", {})
-    if "scaled_mm_ms" in gar:
-        rows.append(("gemm_allreduce torch._scaled_mm alone", f"{gar['scaled_mm_ms']:.4f}", ""))
-    for name, e in gar.items():
-        if isinstance(e, dict):
-            rows.append((f"gemm_allreduce world=1 {name}", f"{e['ms']:.4f} ({e['tflops']:.0f} TF/s)" if "ms" in e
-                         else e.get("error", "")[:40], f"rel {e.get('rel_vs_scaled_mm', float('nan')):.2e}"))
     served = results.get("ring_write", {}).get("as_served", {})
     if "prep_us" in served:
         p = served["prep_us"]
@@ -651,7 +606,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", default=None)
     parser.add_argument("--only", nargs="*", default=["attention", "ring_write", "adaln", "window_attn", "cross_attn",
-                                                         "rotation", "gelu_rows", "gemm_allreduce"])
+                                                         "rotation", "gelu_rows"])
     args = parser.parse_args()
     import triton
 

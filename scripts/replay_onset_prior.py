@@ -1,4 +1,4 @@
-"""Replay logged turn starts through the speech estimate's prior (stages/speech_estimate.py), offline:
+"""Replay logged turn starts through the speech estimate's prior (stages/playout/speech_estimate.py), offline:
 which late onsets the allowance ``max(learned, prior)`` would have placed in time, and at what latency.
 
 Reads logs at info level (``bench capacity --log-level info``'s capacity.log, ``demo --verbose``): each
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from charstream.logs import read_events
 from charstream.stages.config import PlayoutConfig
-from charstream.stages.speech_estimate import prior_allowance
+from charstream.stages.playout.speech_estimate import prior_allowance
 from charstream.timeline import VIDEO_FPS
 
 FRAME_MS = 1000 / VIDEO_FPS

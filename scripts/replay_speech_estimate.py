@@ -1,4 +1,4 @@
-"""Replay a live session's turn starts through playout's speech estimate (stages/speech_estimate.py)
+"""Replay a live session's turn starts through playout's speech estimate (stages/playout/speech_estimate.py)
 and its placement rule, offline: what each turn's speech would have been placed for, whether its
 first chunk (as it really arrived) would have been in time, and the pipeline latency that gives.
 
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from charstream.logs import read_events
 from charstream.stages.config import PlayoutConfig
-from charstream.stages.speech_estimate import SpeechEstimator
+from charstream.stages.playout.speech_estimate import SpeechEstimator
 from charstream.timeline import FRAMES_PER_CHUNK, VIDEO_FPS
 
 FRAME = 1 / VIDEO_FPS

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 
 from charstream.config_checks import PORT, CheckedSection, check_number, within
+from charstream.model.step.options import StepOptions
 from charstream.timeline import FRAMES_PER_CHUNK, VIDEO_FPS
 
 AGENT_PACES = ("realtime", "synthesized")  # IngestConfig.agent_pace
@@ -50,7 +51,7 @@ class IngestConfig(CheckedSection):
 class ConditioningConfig(CheckedSection):
     SECTION = "conditioning"
 
-    device: str = "cpu"  # the audio encoder's (pipeline/placement.py: the decoder's GPU, beside the edge's CPU work)
+    device: str = "cpu"  # the audio encoder's (pipeline/runtime/layouts.py: the decoder's GPU, beside the edge's CPU work)
     graphed: bool = True  # on CUDA: a chunk's encode as one CUDA graph replay (model/graphed_audio_encoder.py)
     idle_lead_chunks: int | None = field(default=4, metadata=within(1, 1000))  # listening chunks are emitted at most this far ahead of real time
     rollback_wait_s: float = field(default=0.5, metadata=within(0.01, 60))  # no ROLLBACK answer to a TURN_START this long: place the speech anyway
@@ -62,18 +63,15 @@ class DiffusionConfig(CheckedSection):
     SECTION = "diffusion"
 
     tp: int = field(default=1, metadata=within(1, 64))
-    device: str = "cpu"  # rank 0's device; ranks 1.. use ``devices`` (pipeline/placement.py fills both)
+    device: str = "cpu"  # rank 0's device; ranks 1.. use ``devices`` (pipeline/runtime/layouts.py fills both)
     devices: list[str] = field(default_factory=list)  # one per TP rank; empty = ``device`` for every rank
     seed: int = field(default=0, metadata=within(0, 2**63 - 1))
     fp8_cache: bool | None = None  # FP8 e4m3 ring; None: on CUDA devices (the CPU keeps the model's dtype)
     threads: int | None = field(default=None, metadata=within(1, 1024))  # CPU intra-op threads; None: half the cores (decode runs beside it)
-    graphed_step: bool = True  # CUDA: the fused FP8 step as CUDA graphs, on every TP rank (model/step.py)
-    gathered_attention: bool | None = None  # full window: dequantise + cuDNN SDPA; None = step.GATHERED_BY_DEFAULT
-    # the full window's attention in FP8 (cuDNN's FP8 SDPA over the ring's codes; needs nvidia-cudnn-frontend
-    # and an FP8 ring on CUDA): faster, with e4m3 queries, probabilities and output (docs/PERF.md, issue 14)
-    fp8_window_attention: bool = False
+    # every rank's step: fused body, CUDA graphs, the full window's attention (model/step/options.py)
+    step: StepOptions = field(default_factory=StepOptions)
     # > 1: the sessions of one serving process share one model and batch their due steps into one
-    # forward of up to this many (stages/step_batcher.py; the module body, CUDA-graphed per batch size)
+    # forward of up to this many (stages/diffusion/batcher.py; the module body, CUDA-graphed per batch size)
     batch_sessions: int = field(default=1, metadata=within(1, 256))
     batch_window_s: float = field(default=0.01, metadata=within(0, 1))  # a forward waits at most this long after its first step for the others
 
@@ -90,7 +88,7 @@ class DecodeConfig(CheckedSection):
     graphed: bool = True  # on CUDA: the decoder as one CUDA graph per chunk (model/graphed_decoder.py)
     threads: int | None = field(default=None, metadata=within(1, 1024))  # CPU intra-op threads; None: half the cores (diffusion runs beside it)
     # > 1: the sessions of one serving process share one decoder and decode their due chunks in one
-    # forward of up to this many (stages/decode_batcher.py; CUDA-graphed per batch size); decode then
+    # forward of up to this many (stages/decode/batcher.py; CUDA-graphed per batch size); decode then
     # runs in the serving process
     batch_sessions: int = field(default=1, metadata=within(1, 256))
     batch_window_s: float = field(default=0.01, metadata=within(0, 1))  # a forward waits at most this long after its first chunk for the others
@@ -104,7 +102,7 @@ class PlayoutConfig(CheckedSection):
     max_depth_chunks: int = field(default=8, metadata=within(1, 256))  # a full buffer withholds credit from decode (backpressure)
     history_frames: int = field(default=48, metadata=within(1, 30 * VIDEO_FPS))  # released frames (pixels + audio) kept for egress readers that start late
     # What the speech placement allows beyond its estimate until a turn has been measured, then halved with
-    # each measured turn while the allowance learned from the turns' errors takes over (stages/speech_estimate.py):
+    # each measured turn while the allowance learned from the turns' errors takes over (stages/playout/speech_estimate.py):
     # one chunk -- a session's first turn ran a chunk 58-155 ms behind its schedule (docs/PERF.md)
     initial_allowance_s: float = field(default=FRAMES_PER_CHUNK / VIDEO_FPS, metadata=within(0, 10))
 

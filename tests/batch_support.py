@@ -17,8 +17,8 @@ import structlog
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.session import LiveSession
 from charstream.stages.base import StageContext
-from charstream.stages.decode_batcher import DecodeBatcher
-from charstream.stages.step_batcher import StepBatcher
+from charstream.stages.decode.batcher import DecodeBatcher
+from charstream.stages.diffusion.batcher import StepBatcher
 
 
 def seeded_configs(steps: int, decodes: int, seeds: tuple[int, ...] = (1, 2, 3)) -> list[PipelineConfig]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from charstream.stages.base import StageContext
-from charstream.stages.playout import PlayoutStage
+from charstream.stages.playout.stage import PlayoutStage
 from charstream.transport.messages import Control, Message
 
 Source = Callable[["PlayoutRun"], Awaitable[None]]  # feeds run.playout (with run.ctx)

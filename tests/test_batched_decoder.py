@@ -2,8 +2,8 @@
 in one forward equal each session decoding alone -- sessions joining, leaving, one continuing from an
 older state (a rollback), a newcomer's zero history beside others' -- bit for bit on CPU (frames and the
 float history); on CUDA within a stated tolerance of ``GraphedDecoder`` alone, the graphs equal eager,
-and the stage's ``DecodeBatcher`` serves sessions there. Imports torch and the model only (the device
-runs it without the serving stack's wheels)."""
+and the stage's ``DecodeBatcher`` serves sessions there. Imports torch and the model only (it runs on a
+GPU host without the serving stack's wheels)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from charstream.model.batched_decoder import BatchedDecoder
 from charstream.model.config import TINY
 from charstream.model.vae import CausalState, Decoder, to_uint8_frames
 from charstream.stages.config import DecodeConfig
-from charstream.stages.decode_batcher import DecodeBatcher
+from charstream.stages.decode.batcher import DecodeBatcher
 
 # -- the batched decoder (model level) ----------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Cross-session batching at the model level (model/step.py ``BatchedStep``): sessions stepped in one
+"""Cross-session batching at the model level (model/step/batched.py ``BatchedStep``): sessions stepped in one
 forward equal the same sessions stepping alone -- with their own seeds and audio, one rolling back,
 positions resetting in some sessions and not others, sessions joining and leaving (a lane reused),
 and batches padded to a bucket. A small `tiny` variant (reset every 2 steps) crosses resets quickly."""
@@ -13,7 +13,7 @@ from charstream.kernels.rope import rope_freqs
 from charstream.model.cache import KVCache
 from charstream.model.config import TINY
 from charstream.model.dit import DiT
-from charstream.model.step import BatchedStep, DiffusionStep
+from charstream.model.step import BatchedStep, DiffusionStep, StepOptions
 
 CFG = TINY.with_(n_blocks=2, height=64, width=64, window_frames=3, reset_every=2, rollback_frames=2)
 
@@ -61,7 +61,7 @@ def _play(model: DiT, kv_dtype: torch.dtype, batched: bool, graphed: bool = Fals
     """Run SCRIPT batched (one BatchedStep) or alone (a DiffusionStep per session with a cache of its
     own); returns each session's latents in order and the resets each batch applied."""
     dev = model.head.weight.device
-    batch = BatchedStep(model, max_sessions=4, kv_dtype=kv_dtype, graphed=graphed) if batched else None
+    batch = BatchedStep(model, max_sessions=4, kv_dtype=kv_dtype, options=StepOptions(graphed=graphed)) if batched else None
     freqs = rope_freqs(CFG.head_dim, dev)
     steps: dict[str, DiffusionStep] = {}
     out: dict[str, list[torch.Tensor]] = {}
@@ -72,7 +72,8 @@ def _play(model: DiT, kv_dtype: torch.dtype, batched: bool, graphed: bool = Fals
                 batch.close(steps[name])
             del steps[name]
         for name in join:
-            steps[name] = batch.open() if batch else DiffusionStep(model, KVCache(CFG, CFG.n_heads, kv_dtype, dev, freqs))
+            steps[name] = batch.open() if batch else DiffusionStep(model, KVCache(CFG, CFG.n_heads, kv_dtype, dev, freqs),
+                                                                     options=StepOptions(fused=False))
             steps[name].reset_session(_reference(name))
             out[name] = []
         for name, k in rollbacks.items():

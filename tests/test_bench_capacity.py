@@ -12,7 +12,7 @@ import sys
 import psutil
 import pytest
 
-from charstream.pipeline import bench_capacity
+from charstream.pipeline.bench import capacity as bench_capacity
 
 
 def test_bench_capacity_measures_frames_the_clients_received(tmp_path):
@@ -53,7 +53,7 @@ def test_bench_capacity_measures_frames_the_clients_received(tmp_path):
 
 
 def test_batch_sessions_sets_both_batchers_and_the_scripted_agent_needs_no_recogniser():
-    args = argparse.Namespace(preset="tiny", gpus=None, placement="inproc", threads=1, sessions=[1], start_timeout=10,
+    args = argparse.Namespace(preset="tiny", gpus=None, hosting="inproc", threads=1, sessions=[1], start_timeout=10,
                               warmup=1, hold=1, recognizer=False, agent_pace="synthesized")
     config = bench_capacity.session_config(args, 4)
     assert config.diffusion.batch_sessions == config.decode.batch_sessions == 4
@@ -64,14 +64,14 @@ def test_batch_sessions_sets_both_batchers_and_the_scripted_agent_needs_no_recog
 
 
 def test_engines_place_every_session_in_an_engine_and_size_each_engine():
-    args = argparse.Namespace(preset="tiny", gpus=None, placement=None, engines=2, threads=1, sessions=[8, 16],
+    args = argparse.Namespace(preset="tiny", gpus=None, hosting=None, engines=2, threads=1, sessions=[8, 16],
                               workers=4, start_timeout=10, warmup=1, hold=1, recognizer=False,
                               agent_pace="realtime")
-    assert bench_capacity.session_config(args, 8).placement == "engine"
+    assert bench_capacity.session_config(args, 8).hosting == "engine"
     assert bench_capacity.per_process(args) == 8  # 16 sessions over 2 engines
     assert [bench_capacity.engine_of(w, 2) for w in range(4)] == ["engine-0", "engine-1", "engine-0", "engine-1"]
-    args.placement = "inproc"
-    with pytest.raises(ValueError, match="placement engine and --engines"):
+    args.hosting = "inproc"
+    with pytest.raises(ValueError, match="hosting engine and --engines"):
         bench_capacity.session_config(args, 1)
 
 
@@ -95,8 +95,8 @@ def test_a_client_niceness_out_of_range_is_refused_before_anything_starts(nice):
 def test_a_clients_received_frames_are_counted_past_its_kept_window():
     """A session older than the client's kept window (60 s of frames) still reports every frame it
     received: a ladder's earlier sessions read 13.5 fps at its next count when the kept window was counted."""
-    from charstream.pipeline.capacity_worker import Clients
-    from charstream.stages.egress.client import EgressClient, ReceivedVideo
+    from charstream.pipeline.bench.capacity_worker import Clients
+    from charstream.pipeline.web.client import EgressClient, ReceivedVideo
 
     async def main():
         clients = Clients(connect_timeout_s=5)

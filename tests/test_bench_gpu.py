@@ -1,4 +1,4 @@
-"""``charstream bench gpu`` off the GPU: a clear refusal, and its table from a recorded run's JSON."""
+"""``charstream bench gpu`` off the GPU: a clear refusal, and its table from a recorded JSON."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from charstream.pipeline.bench_gpu import _table, memset_sources, trace_summary
+from charstream.pipeline.bench.gpu import _table, memset_sources, trace_summary
 from charstream.pipeline.cli import main
 
-RUN1 = Path(__file__).resolve().parents[1] / "docs" / "gpu-runs" / "2026-11-29-run1-bench.json"
+RECORDED = Path(__file__).resolve().parent / "data" / "bench_gpu_tp3_tp4.json"  # one H200, torch 2.11
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
@@ -21,7 +21,7 @@ def test_refuses_without_cuda(capsys):
 
 
 def test_table_puts_measured_beside_target_and_reference():
-    results = json.loads(RUN1.read_text())
+    results = json.loads(RECORDED.read_text())
     table = _table(results)
     step_row = next(line for line in table.splitlines() if line.startswith("step TP=3 shard, graphed"))
     assert f"{results['shards']['3']['step']['step_graphed_ms']:.1f}" in step_row

@@ -15,9 +15,9 @@ import pytest
 
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.session import session_factory
+from charstream.pipeline.web.server import EgressServer
+from charstream.stages.agents.tts import synthesize
 from charstream.stages.config import EgressConfig
-from charstream.stages.egress.server import EgressServer
-from charstream.stages.ingest.tts import synthesize
 from charstream.transport.messages import TurnKind
 
 CHROMIUM = "/usr/bin/chromium"
@@ -120,9 +120,9 @@ def test_serve_default_hears_the_fake_microphone_and_answers():
     the trace's user-experienced latency agrees with the page's own measurement of it (the page
     meters its microphone on its own clock; the server dates the end of speech at capture through
     RTP timestamps + RTCP sender reports + the data channel's clock offset). Two consecutive
-    sessions here; ``python -m charstream.pipeline.bench_mic_sessions`` runs 20 (docs/PERF.md)."""
-    from charstream.pipeline.bench_mic_sessions import run_sessions, summarize
-    from charstream.stages.tracing import read_jsonl
+    sessions here; ``charstream bench mic-sessions`` runs 20 (docs/PERF.md)."""
+    from charstream.pipeline.bench.mic_sessions import run_sessions, summarize
+    from charstream.stages.shared.tracing import read_jsonl
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out"

@@ -1,6 +1,6 @@
 """Sessions sharing one process on a GPU (``charstream bench capacity``'s server workers): a session
-captures its CUDA graphs while another keeps stepping, and nothing fails or changes (model/capture.py).
-Skipped without CUDA; run through the device tool (docs/gpu-notes.md)."""
+captures its CUDA graphs while another keeps stepping, and nothing fails or changes (model/graphs.py).
+Skipped without CUDA."""
 
 from __future__ import annotations
 

@@ -56,9 +56,9 @@ def test_a_config_file_value_out_of_range_is_refused_with_its_key(tmp_path, caps
     ({"egress": {"max_sessions": 0}}, r"egress.max_sessions: 0 is not a number in \[1, 10000\]"),
     ({"ingest": {"vad_threshold": 5.0}}, r"ingest.vad_threshold: 5.0 is not a speech probability in \(0, 1\)"),
     ({"ingest": {"vad_silence_ms": 0}}, r"ingest.vad_silence_ms: 0 is not a number in \[1, 10000\]"),
-    ({"placement": "weird"}, "placement must be one of inproc, processes, engine, got 'weird'"),
+    ({"hosting": "weird"}, "hosting must be one of inproc, processes, engine, got 'weird'"),
     ({"preset": "nope"}, "unknown model preset 'nope'"),
-], ids=["prometheus_port", "max_sessions", "vad_threshold", "vad_silence_ms", "placement", "preset"])
+], ids=["prometheus_port", "max_sessions", "vad_threshold", "vad_silence_ms", "hosting", "preset"])
 def test_a_config_that_would_fail_late_or_silently_is_refused_when_built(data, said):
     with pytest.raises(ValueError, match=said):
         PipelineConfig.from_dict(data)
@@ -85,3 +85,21 @@ def test_bad_input_to_a_command_is_one_line_naming_it_before_anything_starts(arg
         status = e.code
     text = status if isinstance(status, str) else capsys.readouterr().out
     assert status not in (0, None) and text.startswith(said), text
+
+
+@pytest.mark.parametrize("argv", [["demo", "--placement", "processes"], ["bench", "soak", "--placement", "inproc"],
+                                  ["bench", "capacity", "--placement", "engine"]], ids=["demo", "soak", "capacity"])
+def test_the_renamed_placement_option_is_refused_naming_hosting(argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"charstream {' '.join(argv[:-2])}: --placement is now --hosting"]
+
+
+def test_the_renamed_placement_config_key_is_refused_naming_hosting(tmp_path, capsys):
+    with pytest.raises(ValueError, match="^config key 'placement' is now 'hosting'"):
+        PipelineConfig.from_dict({"placement": "processes"})
+    (tmp_path / "old.toml").write_text('placement = "processes"\n')
+    assert main(["serve", "--config", str(tmp_path / "old.toml")]) == 2
+    assert capsys.readouterr().out.strip() == ("charstream serve: config key 'placement' is now 'hosting' "
+                                               "(inproc, processes or engine)")

@@ -10,14 +10,16 @@ import structlog.testing
 from structlog.testing import capture_logs
 
 from charstream.stages.base import StageContext
-from charstream.stages.conditioning import ConditioningStage, build
+from charstream.stages.conditioning.stage import ConditioningStage, build
 from charstream.stages.config import ConditioningConfig
 from charstream.timeline import SAMPLES_PER_CHUNK, SAMPLES_PER_FRAME
 from charstream.transport.messages import (
     AgentAudio,
+    ClockPayload,
     Conditioning,
     Control,
     ControlKind,
+    RollbackPayload,
     TraceContext,
     TurnEvent,
     TurnKind,
@@ -191,12 +193,12 @@ async def test_speech_starts_at_the_onset_frame_playout_chose_and_the_rewind_sta
         await h.next()  # listening has begun: the encoder is warm
         await h.speech(2, speech)
         (turn_start,) = h.controls
-        assert turn_start.detail["earliest_chunk"] == turn_start.chunk - 4
-        assert 0 < turn_start.detail["encode_s"] < 0.5 and turn_start.detail["last_emit_at"] <= time.time()
+        assert turn_start.payload.earliest_chunk == turn_start.chunk - 4
+        assert 0 < turn_start.payload.encode_s < 0.5 and turn_start.payload.last_emit_at <= time.time()
         due_at = time.time() + 0.5
         with structlog.testing.capture_logs() as logs:
-            await h.stage.control(Control("sess", 1, ControlKind.ROLLBACK, chunk=1, epoch=1, detail={
-                "onset_frame": onset, "due_at": due_at, "placed_at": time.time() - 0.02}), h.ctx)
+            await h.stage.control(Control("sess", 1, ControlKind.ROLLBACK, chunk=1, epoch=1, payload=RollbackPayload(
+                ControlKind.TURN_START, onset, dropped=0, kept=0, placed_at=time.time() - 0.02, due_at=due_at)), h.ctx)
         [heard] = [e for e in logs if e["event"] == "conditioning_rollback"]
         assert heard["onset_frame"] == onset and 20 <= heard["hop_ms"] < 500  # the placement's control, in transit
         await h.stage.process(TurnEvent("sess", 1, TurnKind.AGENT_TURN_END, 2, at=time.time()), h.ctx)
@@ -230,7 +232,7 @@ async def test_while_the_first_chunk_gathers_listening_goes_just_in_time():
         with anyio.fail_after(5):  # the encoder is warm once listening begins
             while not h.send.statistics().current_buffer_used:
                 await anyio.sleep(0.01)
-        await h.stage.control(Control("sess", 1, ControlKind.CLOCK, chunk=0, detail={"due_at": time.time()}), h.ctx)
+        await h.stage.control(Control("sess", 1, ControlKind.CLOCK, chunk=0, payload=ClockPayload(time.time())), h.ctx)
         await anyio.sleep(0.05)
         assert h.send.statistics().current_buffer_used == 5  # chunks 0..4: four ahead of chunk 0 on screen
         await h.speech(3, tone(FRAME))  # the turn's first 20 ms

@@ -1,11 +1,11 @@
-"""The audio encoder on the GPU (``ConditioningConfig.device``, where placement puts it beside the
-decoder) gives the CPU's tokens. Skipped without CUDA; run through the device tool (docs/gpu-notes.md)."""
+"""The audio encoder on the GPU (``ConditioningConfig.device``, where a layout puts it beside the
+decoder) gives the CPU's tokens. Skipped without CUDA."""
 
 import numpy as np
 import pytest
 import torch
 
-from charstream.stages.conditioning import build
+from charstream.stages.conditioning.stage import build
 from charstream.stages.config import ConditioningConfig
 from charstream.timeline import SAMPLES_PER_CHUNK
 

@@ -17,8 +17,8 @@ import pytest
 
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.session import session_factory
-from charstream.stages.egress.client import EgressClient
-from charstream.stages.egress.server import EgressServer
+from charstream.pipeline.web.client import EgressClient
+from charstream.pipeline.web.server import EgressServer
 
 HOSTILE = [float("nan"), float("inf"), float("-inf"), -1, 0, 1e-9, 1e300, 2**70, -(2**70)]
 
@@ -37,27 +37,30 @@ ACCEPTED = {
 }
 
 
-def numeric_keys() -> list[tuple[str, str]]:
-    """(section, field) of every number in the pipeline config ("" for the root)."""
+def numeric_keys(obj=None, section: str = "") -> list[tuple[str, str]]:
+    """(section, field) of every number in the pipeline config ("" for the root; "diffusion.step" nested)."""
+    obj = PipelineConfig() if obj is None else obj
     found = []
-    root = PipelineConfig()
-    for section in ["", *(f.name for f in dataclasses.fields(root) if dataclasses.is_dataclass(getattr(root, f.name)))]:
-        obj = getattr(root, section) if section else root
-        hints = {f.name: f.type for f in dataclasses.fields(obj)}
-        for name, hint in hints.items():
-            if any(word in str(hint) for word in ("int", "float")) and "bool" not in str(hint):
-                found.append((section, name))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            found += numeric_keys(value, f"{section}.{f.name}" if section else f.name)
+        elif any(word in str(f.type) for word in ("int", "float")) and "bool" not in str(f.type):
+            found.append((section, f.name))
     return found
 
 
 def build(section: str, name: str, value) -> PipelineConfig:
-    value = {"edge": value} if name == "capacities" else value
-    return PipelineConfig.from_dict({section: {name: value}} if section else {name: value})
+    data = {name: {"edge": value} if name == "capacities" else value}
+    for part in reversed(section.split(".") if section else []):
+        data = {part: data}
+    return PipelineConfig.from_dict(data)
 
 
 def test_every_number_of_every_section_refuses_hostile_values_naming_the_key():
     keys = numeric_keys()
     assert len(keys) > 50 and ("egress", "ping_interval_s") in keys and ("", "gil_switch_interval_ms") in keys
+    assert ("diffusion.step", "window_splits") in keys
     accepted = {}
     for section, name in keys:
         key = f"{section}.{name}" if section else name

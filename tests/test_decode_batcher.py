@@ -1,7 +1,7 @@
 """Cross-session batching of the decoder at the stage level: the scheduler both model stages share
-(stages/batcher.py: due set, window, one pending item per session, failures routed to the sessions
+(stages/shared/batcher.py: due set, window, one pending item per session, failures routed to the sessions
 they hit, a session leaving while its item waits), decode stages sharing a ``DecodeBatcher``
-(stages/decode_batcher.py) emitting their unbatched frames through a rollback, an epoch-ahead chunk
+(stages/decode/batcher.py) emitting their unbatched frames through a rollback, an epoch-ahead chunk
 and a session leaving and another joining, and real inproc sessions with both batchers releasing the
 frames they release unbatched."""
 
@@ -24,11 +24,11 @@ from batch_support import (
 
 from charstream.model.config import TINY
 from charstream.pipeline.config import PipelineConfig
-from charstream.stages.batcher import SessionBatcher
 from charstream.stages.config import DecodeConfig
-from charstream.stages.decode import DecodeStage
-from charstream.stages.decode_batcher import DecodeBatcher
-from charstream.stages.step_batcher import StepBatcher
+from charstream.stages.decode.batcher import DecodeBatcher
+from charstream.stages.decode.stage import DecodeStage
+from charstream.stages.diffusion.batcher import StepBatcher
+from charstream.stages.shared.batcher import SessionBatcher
 from charstream.timeline import SAMPLES_PER_CHUNK
 from charstream.transport.messages import Control, ControlKind, Latents
 

@@ -13,10 +13,10 @@ from structlog.testing import LogCapture
 from charstream.model.vae import to_uint8_frames
 from charstream.model.weights import load_decoder
 from charstream.pipeline.config import PipelineConfig
-from charstream.pipeline.runner import Edge, Graph, Node, run_session
+from charstream.pipeline.runtime.runner import Edge, Graph, Node, run_session
 from charstream.stages.base import StageContext
 from charstream.stages.config import DecodeConfig
-from charstream.stages.decode import DecodeStage
+from charstream.stages.decode.stage import DecodeStage
 from charstream.transport.messages import Conditioning, Control, ControlKind, Latents, Message, VideoChunk
 
 SEED = 7
@@ -117,7 +117,7 @@ def test_decode_stage_in_its_own_process_rolls_back() -> None:
         ],
         [Edge("src", "decode", capacity=2), Edge("decode", "sink", capacity=2)],
     )
-    result = anyio.run(run_session, graph, PipelineConfig(placement="processes"), "s-decode")
+    result = anyio.run(run_session, graph, PipelineConfig(hosting="processes"), "s-decode")
     assert result.ok, result.error
     assert "decoder" in result.processes
     chunks = result.stages["sink"].chunks

@@ -10,8 +10,8 @@ import sys
 import av
 import pytest
 
+from charstream.stages.agents.tts import synthesize
 from charstream.stages.config import IngestConfig
-from charstream.stages.ingest.tts import synthesize
 from charstream.timeline import TRACE_POINTS
 
 SCRIPT = [  # short lines keep the run well under a minute on two cores

@@ -11,7 +11,7 @@ import torch
 from charstream.model.config import TINY
 from charstream.stages.base import StageContext
 from charstream.stages.config import DiffusionConfig
-from charstream.stages.diffusion import DiffusionStage
+from charstream.stages.diffusion.stage import DiffusionStage
 from charstream.timeline import SAMPLES_PER_CHUNK
 from charstream.transport.messages import Conditioning, Control, ControlKind, Latents
 
@@ -94,7 +94,7 @@ def test_bad_conditioning_is_dropped_and_counted():
 
 def test_tp_group_from_the_session_config_matches_one_rank():
     """The stage reads TP size, and per-rank devices from the config's
-    diffusion section (what pipeline/placement.py fills) and produces TP=1's latents."""
+    diffusion section (what pipeline/runtime/layouts.py fills) and produces TP=1's latents."""
     async def latents(config: DiffusionConfig) -> list[np.ndarray]:
         # One weights file (the shipped one): random weights are drawn per shard.
         stage, out = DiffusionStage(config, "tiny", weights="packaged"), []
@@ -117,7 +117,7 @@ def test_tp_group_from_the_session_config_matches_one_rank():
 
 
 def test_each_step_is_recorded_in_the_session_step_time_metric():
-    from charstream.stages.metrics import REGISTRY
+    from charstream.stages.shared.metrics import REGISTRY
 
     async def main():
         stage, out = DiffusionStage(DiffusionConfig(seed=7, fp8_cache=False), "tiny", weights=None), []

@@ -12,12 +12,12 @@ import pytest
 from waiting import until
 
 from charstream.pipeline.config import PipelineConfig
-from charstream.pipeline.runner import Node
+from charstream.pipeline.runtime.runner import Node
 from charstream.pipeline.session import session_factory
+from charstream.pipeline.web.client import AudioSamplesTrack, EgressClient, SignalingError
+from charstream.pipeline.web.server import EgressServer
 from charstream.stages.base import Stage
 from charstream.stages.config import EgressConfig, PlayoutConfig
-from charstream.stages.egress.client import AudioSamplesTrack, EgressClient, SignalingError
-from charstream.stages.egress.server import EgressServer
 from charstream.stages.egress.testcard import CLICK_AMPLITUDE, CardSource, card_chunk, frame_image
 from charstream.timeline import CHUNK_SECONDS, FRAMES_PER_CHUNK, TIMELINE_RATE
 
@@ -304,7 +304,7 @@ def test_recorder_holds_audio_that_arrives_before_the_first_video_frame(tmp_path
     script = f"""
 import numpy as np
 from pathlib import Path
-from charstream.stages.egress.client import Recorder
+from charstream.pipeline.web.client import Recorder
 rec = Recorder(Path({str(tmp_path / 'a.mp4')!r}))
 for _ in range(25):  # 0.5 s of 20 ms packets before any video
     rec.audio((np.sin(np.arange(960) / 8) * 8000).astype(np.int16))

@@ -12,9 +12,9 @@ from waiting import until
 
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.session import session_factory
+from charstream.pipeline.web.client import EgressClient
+from charstream.pipeline.web.server import EgressServer
 from charstream.stages.config import EgressConfig
-from charstream.stages.egress.client import EgressClient
-from charstream.stages.egress.server import EgressServer
 
 
 async def raw_request(url: str, data: bytes, read_timeout: float = 10.0) -> tuple[int | None, bytes]:

@@ -14,11 +14,11 @@ import aiohttp
 import anyio
 
 from charstream.pipeline.config import PipelineConfig
-from charstream.pipeline.runner import Node
+from charstream.pipeline.runtime.runner import Node
 from charstream.pipeline.session import session_factory
+from charstream.pipeline.web.client import EgressClient
+from charstream.pipeline.web.server import EgressServer
 from charstream.stages.config import EgressConfig
-from charstream.stages.egress.client import EgressClient
-from charstream.stages.egress.server import EgressServer
 from charstream.stages.egress.testcard import CardSource
 
 

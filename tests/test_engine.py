@@ -1,5 +1,5 @@
 """The model engine for real: a ``charstream engine`` process hosting the model stages of two live
-``placement = "engine"`` sessions (tiny, CPU) over ipc, its refusals of bad requests, and its death
+``hosting = "engine"`` sessions (tiny, CPU) over ipc, its refusals of bad requests, and its death
 (SIGKILL) ending its session with an error that names it, within 2 s, leaving nothing behind."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import dataclasses
 import os
 import signal
 import subprocess
@@ -18,11 +19,18 @@ import pytest
 import zmq
 import zmq.asyncio
 from batch_support import assert_same_frames, released_frames, seeded_configs
-from test_faults import mapped_segments
 
+from charstream.model.step import StepOptions
 from charstream.pipeline.config import PipelineConfig
-from charstream.pipeline.engine_link import EngineError, check_engine_endpoint, engine_call, pack, unpack
+from charstream.pipeline.runtime.engine_link import (
+    EngineError,
+    check_engine_endpoint,
+    engine_call,
+    pack,
+    unpack,
+)
 from charstream.pipeline.session import LiveSession
+from charstream.transport.slots import mapped_blocks
 from charstream.transport.supervisor import PR_SET_PDEATHSIG
 
 DETECT_S = 2.0
@@ -78,7 +86,7 @@ def die_with_the_test() -> None:
 def engine_session(endpoint: str, seed: int) -> LiveSession:
     """A live session (the listening agent, no microphone: every chunk a listening chunk) whose
     model stages the engine hosts."""
-    config = PipelineConfig(placement="engine", engine_endpoint=endpoint)
+    config = PipelineConfig(hosting="engine", engine_endpoint=endpoint)
     config.diffusion.seed = seed
     return LiveSession(config, f"s{seed}", peer=False)
 
@@ -211,7 +219,7 @@ def test_a_bad_request_gets_an_error_reply_and_the_engine_keeps_serving(engine):
 
 def test_a_session_over_tcp_with_curve_hands_the_engine_its_keys(engine):
     endpoint, _ = engine
-    config = PipelineConfig(placement="engine", engine_endpoint=endpoint)
+    config = PipelineConfig(hosting="engine", engine_endpoint=endpoint)
     config.transport.cross_process, config.transport.curve = "tcp", True  # every cross-process edge CURVE-keyed
 
     async def main():
@@ -232,7 +240,7 @@ from charstream.pipeline.session import LiveSession
 from charstream.transport.supervisor import PR_SET_PDEATHSIG
 
 async def main():
-    session = LiveSession(PipelineConfig(placement="engine", engine_endpoint=sys.argv[1]), "front", peer=False)
+    session = LiveSession(PipelineConfig(hosting="engine", engine_endpoint=sys.argv[1]), "front", peer=False)
     session.start()
     await session.output.frame_at(12)
     print("streaming", flush=True)
@@ -273,22 +281,24 @@ def test_a_killed_engine_ends_its_session_naming_it_within_2_s_and_leaves_nothin
             session = engine_session(endpoint, 3)
             session.start()
             await asyncio.wait_for(frames_released(session, 12), 90)
-            segments = mapped_segments([os.getpid(), proc.pid])  # the decode->playout edge's slots, the engine's
+            # Each side maps its own senders' slot blocks and the other side's (decode->playout's is the engine's).
+            blocks = mapped_blocks(), mapped_blocks(proc.pid)
             os.kill(proc.pid, signal.SIGKILL)
             hit = time.monotonic()
             result = await asyncio.wait_for(session.runner.wait_ending(), 10)
             ended_after = time.monotonic() - hit
             await asyncio.wait_for(session.done.wait(), 10)
-            return session, result, ended_after, segments
+            return session, result, ended_after, blocks, mapped_blocks()
 
-        session, result, ended_after, segments = asyncio.run(main())
+        session, result, ended_after, blocks, blocks_left = asyncio.run(main())
     finally:
         stop_engine(proc)
     assert not result.ok and ended_after < DETECT_S, (ended_after, result)
     assert f"the engine at {endpoint}" in result.error and str(proc.pid) in result.error, result.error
     assert session.result.processes == {} and not psutil.pid_exists(proc.pid)  # the front-end spawned nothing
     assert not [p for p in psutil.Process().children(recursive=True) if str(tmp_path) in " ".join(p.cmdline())]
-    assert segments and not {name for name in segments if os.path.exists(name)}, segments  # no /dev/shm left
+    # The front-end unmapped the dead engine's block (its memory's last reference) and its own.
+    assert min(blocks) >= 1 and blocks_left == 0, (blocks, blocks_left)
 
 
 def test_serve_engine_places_sessions_in_the_engine_and_makes_no_batchers_of_its_own():
@@ -298,7 +308,7 @@ def test_serve_engine_places_sessions_in_the_engine_and_makes_no_batchers_of_its
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
     config = serve.load_config(parser.parse_args(["--engine", "ipc:///tmp/e.sock"]))
-    assert config.placement == "engine" and config.engine_endpoint == "ipc:///tmp/e.sock"
+    assert config.hosting == "engine" and config.engine_endpoint == "ipc:///tmp/e.sock"
     config.diffusion.batch_sessions = config.decode.batch_sessions = 4  # the engine's own setting applies
     factory = session_factory(config)
     assert factory.batcher is None and factory.decode_batcher is None
@@ -311,19 +321,56 @@ def test_serve_engine_places_sessions_in_the_engine_and_makes_no_batchers_of_its
 def test_the_engine_decides_the_devices_and_graphs_of_what_it_hosts():
     """A hosted session's model stages run on the engine's devices, graphed as the engine says, whatever
     the session's own config asked for; its other settings stay its own."""
-    from charstream.pipeline.engine import RequestError, engine_session_config
+    from charstream.pipeline.runtime.engine import RequestError, engine_session_config
 
     engine = PipelineConfig(preset="tiny")
     engine.conditioning.device = engine.diffusion.device = engine.decode.device = "cuda:0"
-    engine.conditioning.graphed = engine.decode.graphed = engine.diffusion.graphed_step = False
+    engine.conditioning.graphed = engine.decode.graphed = False
+    engine.diffusion.step = StepOptions(graphed=False, attention="ring")
     session = PipelineConfig(preset="tiny")
     session.conditioning.idle_lead_chunks = 2
     hosted = engine_session_config(engine, session, "packaged", "packaged")
-    assert hosted.placement == "engine" and hosted.conditioning.idle_lead_chunks == 2
+    assert hosted.hosting == "engine" and hosted.conditioning.idle_lead_chunks == 2
     assert {hosted.conditioning.device, hosted.diffusion.device, hosted.decode.device} == {"cuda:0"}
-    assert not (hosted.conditioning.graphed or hosted.decode.graphed or hosted.diffusion.graphed_step)
+    assert not (hosted.conditioning.graphed or hosted.decode.graphed or hosted.diffusion.step.graphed)
+    assert hosted.diffusion.step.attention == "ring"
     with pytest.raises(RequestError, match="serves preset 'tiny'"):
         engine_session_config(engine, PipelineConfig(preset="characters-14b"), None, "packaged")
+
+
+def _other(value: object) -> object:
+    """A value of ``value``'s kind that differs from it."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int | float):
+        return value + 1
+    if isinstance(value, str):
+        return value + "-other"
+    if isinstance(value, list):
+        return [*value, "other"]
+    if value is None:
+        return 7
+    if isinstance(value, StepOptions):
+        return StepOptions(fused=False, graphed=not value.graphed, attention="ring")
+    raise AssertionError(f"no other value for {value!r}: teach _other this field's type")
+
+
+def test_every_model_section_field_is_the_engines_or_named_the_sessions_own():
+    """Each field of the hosted sections differs between engine and session: the hosted config holds the
+    engine's, except the fields ``SESSION_OWN_FIELDS`` names -- so a new field cannot be dropped."""
+    from charstream.pipeline.runtime.engine import SESSION_OWN_FIELDS, engine_session_config
+
+    engine, session = PipelineConfig(preset="tiny"), PipelineConfig(preset="tiny")
+    for name in SESSION_OWN_FIELDS:
+        section = getattr(session, name)
+        for f in dataclasses.fields(section):
+            setattr(section, f.name, _other(getattr(section, f.name)))
+    hosted = engine_session_config(engine, session, "packaged", "packaged")
+    for name, own in SESSION_OWN_FIELDS.items():
+        for f in dataclasses.fields(getattr(hosted, name)):
+            source = session if f.name in own else engine
+            assert getattr(getattr(hosted, name), f.name) == getattr(getattr(source, name), f.name), f"{name}.{f.name}"
+    assert set(SESSION_OWN_FIELDS) >= {"conditioning", "diffusion", "decode"}
 
 
 def test_an_engine_serves_its_hosted_sessions_step_times_for_prometheus_and_forgets_an_ended_one(tmp_path):
@@ -331,7 +378,7 @@ def test_an_engine_serves_its_hosted_sessions_step_times_for_prometheus_and_forg
     the front-end, records the rest), its process metrics; a session it no longer hosts has no series."""
     import urllib.request
 
-    from charstream.pipeline.bench_output import free_port
+    from charstream.pipeline.bench.output import free_port
 
     port = free_port()
     endpoint = f"ipc://{tmp_path}/engine.sock"

@@ -1,4 +1,4 @@
-"""Faults for real: the diffusion or decode process of a served ``placement="processes"`` session
+"""Faults for real: the diffusion or decode process of a served ``hosting = "processes"`` session
 killed (SIGKILL) or frozen (SIGSTOP) while the page watches, beside a session that must keep
 streaming (the page and the log say which stage and why within 2 s; nothing is left behind); the
 demo's diffusion process killed (the demo exits at once); an external agent process killed or
@@ -25,9 +25,10 @@ from waiting import until
 
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.session import session_factory
+from charstream.pipeline.web.client import EgressClient
+from charstream.pipeline.web.server import EgressServer
 from charstream.stages.config import EgressConfig
-from charstream.stages.egress.client import EgressClient
-from charstream.stages.egress.server import EgressServer
+from charstream.transport.slots import mapped_blocks
 
 DETECT_S = 2.0
 
@@ -39,19 +40,9 @@ def running(process: psutil.Process) -> bool:
         return False
 
 
-def mapped_segments(pids) -> set[str]:
-    """The /dev/shm/charstream-* blocks these processes map (their senders' slots): this session's
-    own, whatever other sessions on the machine create meanwhile."""
-    names = set()
-    for pid in pids:
-        with open(f"/proc/{pid}/maps") as maps:
-            names |= {line.split()[-1] for line in maps if "/dev/shm/charstream-" in line}
-    return names
-
-
 @pytest.mark.parametrize("fault, group, stage", [("SIGKILL", "diffusion", "diffusion"), ("SIGSTOP", "decoder", "decode")])
 def test_a_killed_or_frozen_model_process_ends_its_session_clearly_and_others_keep_streaming(fault, group, stage, capfd):
-    config = PipelineConfig(placement="processes")
+    config = PipelineConfig(hosting="processes")
     config.ingest.adapter = "scripted"  # an agent that talks without a microphone: speech flows through the model
     pipeline = session_factory(config)
     card = session_factory(PipelineConfig(), testcard=True)
@@ -74,7 +65,7 @@ def test_a_killed_or_frozen_model_process_ends_its_session_clearly_and_others_ke
         live = pipeline.sessions[victim_id]
         pids = dict(live.runner.pids)
         children = [psutil.Process(pid) for pid in pids.values()]
-        segments = mapped_segments(pids.values())
+        blocks = sum(mapped_blocks(pid) for pid in pids.values())  # the session processes' slots
         victim_process = psutil.Process(pids[group])
         os.kill(pids[group], getattr(signal, fault))
         hit = time.monotonic()
@@ -93,8 +84,8 @@ def test_a_killed_or_frozen_model_process_ends_its_session_clearly_and_others_ke
         out = {
             "told": told, "told_after": told_after, "ended": victim.ended, "released": released,
             "exited": exited, "exited_after": exited_after, "others_exited": others_exited, "bystander_frames_after": bystander.video_frames - frames,
-            "bystander_alive": bystander_id in server.sessions, "segments": len(segments),
-            "leaked_shm": {name for name in segments if os.path.exists(name)},
+            "bystander_alive": bystander_id in server.sessions, "blocks": blocks,
+            "blocks_left": mapped_blocks(),  # the server received video from the dead session's slots
             "orphans": [p.pid for p in psutil.Process().children(recursive=True) if p.pid in pids.values()],
         }
         # The server still takes new sessions.
@@ -117,12 +108,12 @@ def test_a_killed_or_frozen_model_process_ends_its_session_clearly_and_others_ke
     assert any(expected in (e.get("error") or "") for e in errors), errors  # and in the log
     assert out["exited"] and out["exited_after"] < DETECT_S, out  # a frozen process is killed, too
     assert out["released"] and out["others_exited"] and out["orphans"] == [], out
-    assert out["segments"] >= 1 and out["leaked_shm"] == set(), out  # the diffusion->decode edge's slots
+    assert out["blocks"] >= 1 and out["blocks_left"] == 0, out  # with its processes gone, its slots are freed
     assert out["bystander_alive"] and out["bystander_frames_after"] >= 18, out  # 24 fps went on
 
 
 def test_the_demo_exits_soon_after_a_stage_death(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "charstream", "demo", "--placement", "processes", "--turns", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "charstream", "demo", "--hosting", "processes", "--turns", "2",
                              "--out", str(tmp_path), "--verbose"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:

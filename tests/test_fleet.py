@@ -22,7 +22,7 @@ import urllib.request
 import pytest
 from waiting import until
 
-from charstream.pipeline.bench_egress import CHROMIUM, CHROMIUM_ARGS
+from charstream.pipeline.bench.egress import CHROMIUM, CHROMIUM_ARGS
 from charstream.pipeline.fleet.client import FleetClient, FullError
 from charstream.pipeline.fleet.cluster import local_cluster
 from charstream.pipeline.fleet.commands import request

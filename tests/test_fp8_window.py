@@ -20,6 +20,7 @@ from charstream.kernels.rope import apply_rope, rope_freqs
 from charstream.model.config import TINY
 from charstream.model.generator import Generator
 from charstream.model.rope import frame_positions
+from charstream.model.step import StepOptions
 
 H, D, T = 3, 16, 12
 
@@ -98,11 +99,13 @@ def test_prep_reference_writes_q_codes_and_the_ring_codes_into_an_fp8_window():
 
 
 def test_window_splits_without_the_fp8_window_are_refused():
-    with pytest.raises(ValueError, match="window_splits splits the FP8 window's keys: it needs fp8_window"):
-        Generator(TINY, None, "cpu", fused=True, window_splits=4)
+    with pytest.raises(ValueError, match="diffusion.step.window_splits: splits the FP8 window's keys: it needs diffusion.step.attention"):
+        StepOptions(fused=True, window_splits=4)
+    with pytest.raises(ValueError, match="diffusion.step.attention: must be one of ring, gathered, fp8_window"):
+        StepOptions(attention="fp8")
 
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_the_fp8_window_is_refused_where_it_cannot_run(fused):
-    with pytest.raises(ValueError, match="fp8_window needs the fused step's gathered attention on CUDA"):
-        Generator(TINY, None, "cpu", fused=fused, fp8_window=True)
+    with pytest.raises(ValueError, match="step.attention 'fp8_window' needs the fused step on CUDA"):
+        Generator(TINY, None, "cpu", options=StepOptions(fused=fused, attention="fp8_window"))

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from charstream.pipeline.bench_fuzz import AgentTarget, ChannelTarget, ConfigTarget, HttpTarget, fuzz
+from charstream.pipeline.bench.fuzz import AgentTarget, ChannelTarget, ConfigTarget, HttpTarget, fuzz
 
 EXAMPLES = 300
 FUZZ = settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None,

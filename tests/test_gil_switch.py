@@ -1,5 +1,5 @@
 """Every process that runs a session's threads sets its GIL switch interval from the config (the serving
-process in session_factory, each stage process of ``placement = "processes"``): model threads retake the
+process in session_factory, each stage process of ``hosting = "processes"``): model threads retake the
 GIL after every CUDA call of a step, each retake waiting up to the interval while the event loop's
 thread runs Python."""
 
@@ -12,7 +12,7 @@ import anyio
 import pytest
 
 from charstream.pipeline.config import PipelineConfig
-from charstream.pipeline.runner import Graph, Node, run_session
+from charstream.pipeline.runtime.runner import Graph, Node, run_session
 from charstream.pipeline.session import session_factory
 
 
@@ -38,7 +38,7 @@ def test_session_factory_sets_the_configured_switch_interval_and_rejects_a_bad_o
 def test_a_stage_process_sets_the_configured_switch_interval(tmp_path):
     note = tmp_path / "interval.txt"
     graph = Graph([Node("probe", "test_runner_stages:NoteProcessSettings", {"note_file": str(note)}, "probe")])
-    config = PipelineConfig.from_dict({"placement": "processes", "gil_switch_interval_ms": 1.5})
+    config = PipelineConfig.from_dict({"hosting": "processes", "gil_switch_interval_ms": 1.5})
     result = anyio.run(run_session, graph, config, "s-switch")
     assert result.ok, result.error
     assert json.loads(note.read_text())["switch_interval"] == pytest.approx(0.0015)  # the child's own, not Python's 5 ms default

@@ -1,6 +1,6 @@
 """The diffusion step's fused body, eager and CUDA-graphed, against the module body, alone and under
 TP (NCCL at world size 1: the collectives inside the graph), and the graphed decoder against the
-eager one (tiny preset, GPU). Skipped without CUDA; run through the device tool (docs/gpu-notes.md)."""
+eager one (tiny preset, GPU). Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from charstream.model.config import TINY
 from charstream.model.generator import Generator
 from charstream.model.graphed_decoder import GraphedDecoder
 from charstream.model.sampler import seeded_noise
+from charstream.model.step import StepOptions
 from charstream.model.vae import Decoder, to_uint8_frames
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -24,9 +25,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def _generator(cfg=TINY, **kwargs) -> Generator:
+def _generator(cfg=TINY, tp_group=None, **options) -> Generator:
     # the same seeded random weights in every generator of a test
-    return Generator(cfg, None, "cuda", dtype=torch.bfloat16, fp8_cache=True, seed=3, **kwargs)
+    return Generator(cfg, None, "cuda", tp_group, dtype=torch.bfloat16, fp8_cache=True, seed=3,
+                     options=StepOptions(**options))
 
 
 @pytest.mark.parametrize("context_frames", [2, TINY.window_frames + 2])
@@ -41,10 +43,11 @@ def test_fused_step_matches_module_body_and_graph_matches_eager(context_frames):
         gen = _generator(fused=mode != "module", graphed=mode == "graphed")
         gen.reset_session(reference)
         if mode == "graphed":
-            assert len(gen.diffusion.graphs) == 2  # ring and gathered attention, captured at the reset
+            assert len(gen.diffusion.graphs) == 2  # ring and gathered backends, captured at the reset
         out[mode] = [gen.step(a, seed=s) for s, a in enumerate(audio)]
         if mode != "module":
-            assert gen.diffusion.gathered == (context_frames >= TINY.window_frames)
+            full = context_frames >= TINY.window_frames
+            assert gen.diffusion.attention.name == ("gathered" if full else "ring")
         keys[mode] = gen.cache.k
         assert gen.cache.k.dtype == FP8_DTYPE
     for got, want in zip(out["graphed"], out["eager"], strict=True):
@@ -87,6 +90,7 @@ def test_gathered_window_mirrors_the_ring_through_rollback_and_position_reset():
     cfg = TINY.with_(reset_every=2)
     gen = _generator(cfg, fused=True, graphed=True)
     step, cache, n_window = gen.diffusion, gen.cache, cfg.window_frames
+    window = step.full_window.window
     gen.reset_session(torch.randn(cfg.latent_channels, cfg.latent_height, cfg.latent_width))
     checked = 0
     for i in [*range(10), "rollback", *range(7, 14)]:
@@ -94,16 +98,16 @@ def test_gathered_window_mirrors_the_ring_through_rollback_and_position_reset():
             assert gen.rollback(3) == 0
             continue
         gen.step(torch.randn(cfg.n_audio_tokens, cfg.audio_dim), i)
-        if not step.gathered:
+        if step.attention is not step.full_window:
             continue
         newest = cache.next_frame - 1
         frames = sorted(range(newest - n_window + 1, newest + 1), key=lambda f: f % n_window)
         order = torch.tensor([f % cache.ring_frames for f in frames], dtype=torch.int32, device="cuda")
-        fresh = tuple(torch.full_like(step.window[0][0], float("nan")) for _ in range(2))
+        fresh = tuple(torch.full_like(window.k[0], float("nan")) for _ in range(2))
         for layer in range(cfg.n_blocks):
             gather_window(cache.k[layer], cache.v[layer], cache.k_scale[layer], cache.v_scale[layer], order,
                           cache.sink_slots, cache.tokens_per_frame, fresh)
-            assert torch.equal(fresh[0], step.window[0][layer]) and torch.equal(fresh[1], step.window[1][layer])
+            assert torch.equal(fresh[0], window.k[layer]) and torch.equal(fresh[1], window.v[layer])
         checked += 1
     assert checked >= 10 and cache.offset > 0
 
@@ -116,10 +120,10 @@ def test_fp8_window_step_graph_matches_eager_and_stays_near_the_bf16_window(spli
     window and its scales), and its latents stay near the bf16 window's."""
     cfg = TINY.with_(dim=256, n_heads=2, head_dim=128, reset_every=2)
     audio = [torch.randn(cfg.n_audio_tokens, cfg.audio_dim) for _ in range(14)]
-    graphed_gen = _generator(cfg, fused=True, graphed=True, fp8_window=True, window_splits=splits)
+    graphed_gen = _generator(cfg, fused=True, graphed=True, attention="fp8_window", window_splits=splits)
     assert graphed_gen.diffusion.window_splits == splits
     graphed = _session(graphed_gen, audio)
-    eager = _session(_generator(cfg, fused=True, graphed=False, fp8_window=True, window_splits=splits), audio)
+    eager = _session(_generator(cfg, fused=True, graphed=False, attention="fp8_window", window_splits=splits), audio)
     bf16 = _session(_generator(cfg, fused=True, graphed=False), audio)
     for got, want in zip(graphed, eager, strict=True):
         assert torch.equal(got, want)
@@ -139,7 +143,7 @@ def test_fp8_window_scales_follow_a_new_session():
     g = torch.Generator().manual_seed(5)
     references = [torch.randn(shape, generator=g) * scale for scale in (1.0, 4.0)]
     audio = [torch.randn(cfg.n_audio_tokens, cfg.audio_dim, generator=g) for _ in range(cfg.window_frames + 3)]
-    reused = _generator(cfg, fused=True, graphed=True, fp8_window=True)
+    reused = _generator(cfg, fused=True, graphed=True, attention="fp8_window")
     reused.reset_session(references[0])
     for i, a in enumerate(audio):
         reused.step(a, i)
@@ -147,12 +151,12 @@ def test_fp8_window_scales_follow_a_new_session():
     reused.reset_session(references[1])
     second = [reused.step(a, i) for i, a in enumerate(audio)]
     assert not torch.equal(reused.cache.k_scale, first_scales)  # the second session's scales differ
-    fresh = _generator(cfg, fused=True, graphed=True, fp8_window=True)
+    fresh = _generator(cfg, fused=True, graphed=True, attention="fp8_window")
     fresh.reset_session(references[1])
-    assert fresh.diffusion.gathered is False
+    assert fresh.diffusion.attention is fresh.diffusion.ring
     for got, want in zip(second, [fresh.step(a, i) for i, a in enumerate(audio)], strict=True):
         assert torch.equal(got, want)
-    assert fresh.diffusion.gathered  # the last steps attended through the FP8 window
+    assert fresh.diffusion.attention.name == "fp8_window"  # the last steps attended through the FP8 window
 
 
 def test_graphed_step_under_tp_keeps_its_all_reduces_inside_the_graph(monkeypatch):

@@ -1,5 +1,5 @@
 """Every serving process imports what its sessions run and freezes its heap out of Python's full
-collections (``PipelineConfig.freeze_heap``, ``pipeline/heap.py``): a full collection of a loaded
+collections (``PipelineConfig.freeze_heap``, ``pipeline/runtime/heap.py``): a full collection of a loaded
 server's heap held the GIL 110-156 ms, long enough to hold a speaking frame."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import sys
 import anyio
 import structlog
 
-from charstream.pipeline import heap
 from charstream.pipeline.config import PipelineConfig
-from charstream.pipeline.runner import Graph, Node, run_session
+from charstream.pipeline.runtime import heap
+from charstream.pipeline.runtime.runner import Graph, Node, run_session
 
 SERVER = """
 import gc, json, sys, time
@@ -51,7 +51,7 @@ def test_a_stage_process_freezes_after_importing_its_stages_modules(tmp_path):
     for name, freeze in (("diffusion", True), ("probe", True), ("decode", False)):
         note = tmp_path / f"{name}.json"
         graph = Graph([Node(name, "test_runner_stages:NoteProcessSettings", {"note_file": str(note)}, name)])
-        config = PipelineConfig.from_dict({"placement": "processes", "freeze_heap": freeze})
+        config = PipelineConfig.from_dict({"hosting": "processes", "freeze_heap": freeze})
         result = anyio.run(run_session, graph, config, f"s-heap-{name}")
         assert result.ok, result.error
         notes[name] = json.loads(note.read_text())

@@ -16,11 +16,11 @@ import zmq
 import zmq.asyncio
 from ingest_support import Recorder
 
+from charstream.stages.agents.tts import synthesize
 from charstream.stages.config import IngestConfig
 from charstream.stages.ingest.external import ExternalAgent
 from charstream.stages.ingest.resample import resample, to_int16
 from charstream.stages.ingest.stage import IngestStage
-from charstream.stages.ingest.tts import synthesize
 from charstream.timeline import TIMELINE_RATE
 from charstream.transport.messages import TurnKind
 
@@ -142,7 +142,7 @@ def test_killed_agent_ends_its_turn_and_a_new_agent_takes_over():
      "unsupported audio format 'mulaw'"),
     ([msgpack.packb({"v": 1, "type": "audio", "turn": 5, "rate": 16_000, "format": "s16le"}), b"\0" * 101],
      "not a whole number"),
-    # the probe's findings (issue 18): each crashed ingest or was wrongly accepted
+    # each of these once crashed ingest or was wrongly accepted
     ([msgpack.packb({"v": 1, "type": "audio", "turn": 5, "rate": 16_000, "format": []}), b"\0" * 100],
      "unsupported audio format []"),
     ([msgpack.packb({"v": 1, "type": "audio", "turn": 5, "rate": 16_000, "format": {}}), b"\0" * 100],
@@ -191,7 +191,7 @@ def test_malformed_messages_get_an_error_reply_and_are_logged(frames, problem):
 
 
 def test_oversized_message_drops_the_sender_and_the_socket_keeps_serving():
-    """A 256 MiB frame (issue 18's probe: +524 MB) is cut off by ZeroMQ at MAX_MESSAGE_BYTES before
+    """A 256 MiB frame (once +524 MB of RSS) is cut off by ZeroMQ at MAX_MESSAGE_BYTES before
     it is buffered; the process barely grows and a well-behaved agent is served after it."""
     import psutil
 

@@ -7,12 +7,12 @@ import anyio
 import numpy as np
 from ingest_support import Recorder
 
+from charstream.stages.agents.tts import synthesize
 from charstream.stages.config import IngestConfig
 from charstream.stages.egress.mic import UserAudioFrame, UserAudioQueue
 from charstream.stages.ingest.push import PushAdapter
 from charstream.stages.ingest.resample import resample, to_int16
 from charstream.stages.ingest.stage import IngestStage
-from charstream.stages.ingest.tts import synthesize
 from charstream.transport.messages import TurnKind
 
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from ingest_support import Recorder
 
+from charstream.stages.agents.scripted import ScriptedAgent, ScriptLine
 from charstream.stages.config import IngestConfig
 from charstream.stages.ingest.adapters import create_adapter
-from charstream.stages.ingest.scripted import ScriptedAgent, ScriptLine
 from charstream.stages.ingest.stage import IngestStage
 from charstream.timeline import SAMPLES_PER_CHUNK, TIMELINE_RATE
 from charstream.transport.messages import ControlKind, TurnKind
@@ -48,7 +48,7 @@ def _truth(agent, what, line):
 
 
 def test_registry_builds_the_scripted_agent_and_the_built_in_one_by_default():
-    from charstream.stages.ingest.listening_agent import ListeningAgent
+    from charstream.stages.agents.listening import ListeningAgent
 
     assert isinstance(create_adapter(IngestConfig(adapter="scripted")), ScriptedAgent)
     assert isinstance(create_adapter(IngestConfig()), ListeningAgent)
@@ -116,7 +116,7 @@ def test_barge_in_stops_the_character_within_one_chunk(conversation):
     assert interrupted[0].start_sample < detected_sample  # the character was speaking
     assert speech_end - detected_sample <= SAMPLES_PER_CHUNK  # ... and stopped within one chunk
     # downstream drops from a chunk boundary no later than one chunk after the interrupt
-    assert 0 <= control.chunk * SAMPLES_PER_CHUNK - control.detail["at_sample"] < SAMPLES_PER_CHUNK
+    assert 0 <= control.chunk * SAMPLES_PER_CHUNK - control.payload.at_sample < SAMPLES_PER_CHUNK
     # the adapter was told, and its reply was cut short
     assert 0 in agent._interrupted
     reply = agent._lines[0].agent

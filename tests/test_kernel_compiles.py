@@ -1,5 +1,5 @@
 """Triton compiles are logged (``kernel_compile``), and a session's position resets compile the rotation
-kernel once: on CPU, the hooks as Triton calls them; on the GPU (``-m gpu``, through the device tool),
+kernel once: on CPU, the hooks as Triton calls them; on the GPU (``-m gpu``),
 real compiles and a cache stepped through every reset a long session makes."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from charstream.logs import configure_logging  # noqa: E402
-from charstream.pipeline.kernel_compiles import log_kernel_compiles  # noqa: E402
+from charstream.pipeline.runtime.kernel_compiles import log_kernel_compiles  # noqa: E402
 
 
 class _Fn:  # what Triton passes as ``fn``: a JitFunctionInfo with the kernel's name

@@ -184,7 +184,7 @@ def _run_checks() -> dict[str, dict[str, float]]:
         poisoned[:, : heads * group] = float("nan")
         ref_q, ref_s = quantize_rows_reference(poisoned, 2 * heads * group, codes, head_scale)
         got_q, got_s = quantize_rows_triton(poisoned, 2 * heads * group, prefix=codes, prefix_scale=head_scale)
-        lead = slice(0, heads * group)  # the prefix's columns, dequantised: each group at its own scale
+        lead = slice(0, heads * group)  # the prefix's columns, dequantized: each group at its own scale
         report[f"quantize_rows_fp8_prefix_{name}"] = {
             "scale_rel": _rel(got_s, ref_s), "nan": float(torch.isnan(got_q.float()).sum()),
             "prefix_values_rel": _rel(got_q[:, lead].float() * got_s, ref_q[:, lead].float() * ref_s)}

@@ -41,6 +41,7 @@ def test_the_tree_keeps_the_layer_contract():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Layers run one way KEPT" in proc.stdout
     assert "Serving never imports training KEPT" in proc.stdout
+    assert "Nothing below the application imports a benchmark KEPT" in proc.stdout
     # It read every folder through its link, not only charstream/ (the root package alone).
     modules = sum(len(list((ROOT / folder).rglob("*.py"))) for folder in PACKAGE_FOLDERS)
     assert f"Analyzed {modules} files" in proc.stdout, proc.stdout
@@ -51,7 +52,10 @@ def test_the_tree_keeps_the_layer_contract():
      "Layers run one way", "charstream.kernels.rope -> charstream.model.config"),
     ({"pipeline/serve.py": "from charstream.pipeline.training import train  # noqa: E402, F401"},
      "Serving never imports training", "charstream.pipeline.serve -> charstream.pipeline.training.train"),
-], ids=["kernels-imports-model", "serve-imports-training"])
+    ({"pipeline/runtime/engine.py": "from charstream.pipeline.bench import output  # noqa: E402, F401"},
+     "Nothing below the application imports a benchmark",
+     "charstream.pipeline.runtime.engine -> charstream.pipeline.bench.output"),
+], ids=["kernels-imports-model", "serve-imports-training", "runtime-imports-bench"])
 def test_an_upward_import_breaks_the_contract_and_is_named(tmp_path, inject, contract, chain):
     proc = lint_imports(copy_with(tmp_path, inject))
     assert proc.returncode == 1, proc.stdout + proc.stderr

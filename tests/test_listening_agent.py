@@ -11,14 +11,14 @@ import anyio
 import numpy as np
 import pytest
 
+from charstream.stages.agents.asr import SpeechRecognizer
+from charstream.stages.agents.domain_lm import arpa_text, corpus_lines, words
+from charstream.stages.agents.listening import ListeningAgent, sentences
+from charstream.stages.agents.reply_policy import NOTHING_HEARD, RULES, reply
+from charstream.stages.agents.tts import synthesize
 from charstream.stages.config import IngestConfig
 from charstream.stages.ingest.adapters import AgentAudioFrame, AgentTurnEnd, AgentTurnStart, UserAudioFrame
-from charstream.stages.ingest.asr import SpeechRecognizer
-from charstream.stages.ingest.domain_lm import arpa_text, corpus_lines, words
-from charstream.stages.ingest.listening_agent import ListeningAgent, sentences
-from charstream.stages.ingest.reply_policy import NOTHING_HEARD, RULES, reply
 from charstream.stages.ingest.resample import resample, to_int16
-from charstream.stages.ingest.tts import synthesize
 from charstream.stages.ingest.vad import UserAudioVAD
 from charstream.transport.messages import TraceContext, TurnEvent
 
@@ -77,7 +77,7 @@ def test_domain_trigram_is_a_distribution_with_backoff():
 
 
 def test_corpus_words_are_all_in_the_dictionary():
-    from charstream.stages.ingest.asr import _model_files
+    from charstream.stages.agents.asr import _model_files
 
     dictionary = {line.split()[0].split("(")[0] for line in open(_model_files()["dict"], encoding="utf-8")}
     missing = {w for line in corpus_lines() for w in line} - dictionary

@@ -28,8 +28,8 @@ from charstream.model.config import get_preset  # noqa: E402
 from charstream.pipeline.config import PipelineConfig  # noqa: E402
 from charstream.pipeline.integrations.embedded import EmbeddedSession  # noqa: E402
 from charstream.pipeline.integrations.livekit import CharstreamVideoGenerator, serve_avatar  # noqa: E402
+from charstream.stages.agents.tts import synthesize  # noqa: E402
 from charstream.stages.ingest.resample import resample, to_int16  # noqa: E402
-from charstream.stages.ingest.tts import synthesize  # noqa: E402
 from charstream.timeline import VIDEO_FPS  # noqa: E402
 
 RATE = 24_000  # what LiveKit TTS plugins commonly produce

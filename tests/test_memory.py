@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from charstream.stages.memory import allocator_stats
+from charstream.stages.shared.memory import allocator_stats
 
 pytestmark = pytest.mark.skipif(ctypes.util.find_library("c") is None or sys.platform != "linux",
                                 reason="glibc's allocator (Linux) is what is measured")

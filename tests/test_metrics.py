@@ -1,4 +1,4 @@
-"""Prometheus as a host application sees it: an embedded session with ``placement = "processes"``
+"""Prometheus as a host application sees it: an embedded session with ``hosting = "processes"``
 (diffusion's step time is recorded in a spawned child) is scraped over HTTP, process metrics
 included, on loopback; the child's series go with the session; ``serve`` honours the configured
 metrics port."""
@@ -15,7 +15,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from charstream.stages.metrics import collector
+from charstream.stages.shared.metrics import collector
 
 EMBEDDED = """
 import asyncio, sys
@@ -23,7 +23,7 @@ from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.integrations.embedded import EmbeddedSession
 
 async def main():
-    config = PipelineConfig(placement="processes")
+    config = PipelineConfig(hosting="processes")
     config.transport.dead_after_s = 30.0  # what is tested is the scrape: a loaded 2-core VM may stall a process
     config.ingest.adapter = "pipecat"
     config.tracing.prometheus_port = int(sys.argv[1])

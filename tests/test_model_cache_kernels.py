@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from charstream.kernels.delta_rotate import delta_rotate
-from charstream.kernels.fp8 import FP8_DTYPE, dequantise
+from charstream.kernels.fp8 import FP8_DTYPE, dequantize
 from charstream.kernels.ring_attention import (
     ring_attention,
     ring_attention_cpu,
@@ -66,7 +66,7 @@ def test_write_then_attend_equals_plain_attention(dtype):
     # fp8 e4m3 keeps 3 mantissa bits: ~3% relative error per value, less after averaging
     assert _rel(out, ref.transpose(0, 1)) < (1e-5 if dtype == torch.float32 else 0.05)
     # untouched slots stay exactly zero: the write touched its T slots only
-    assert dequantise(k_cache[:, 3 * T :], scale[:, None, None]).abs().sum() == 0
+    assert dequantize(k_cache[:, 3 * T :], scale[:, None, None]).abs().sum() == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, FP8_DTYPE])
@@ -91,10 +91,10 @@ def test_delta_rotate_equals_rewrite_at_shifted_positions(dtype):
     delta_rotate(rotated, scale, 42, freqs.t, SINK_FRAMES * T)
     fresh = build(42)
     tol = 1e-5 if dtype == torch.float32 else 0.04
-    assert _rel(dequantise(rotated, scale[..., None, None]), dequantise(fresh, scale[..., None, None])) < tol
+    assert _rel(dequantize(rotated, scale[..., None, None]), dequantize(fresh, scale[..., None, None])) < tol
     # sink keys are untouched, bit for bit
     assert torch.equal(rotated[:, :, : SINK_FRAMES * T].float(), fresh[:, :, : SINK_FRAMES * T].float())
-    assert math.isfinite(dequantise(rotated, scale[..., None, None]).abs().max().item())
+    assert math.isfinite(dequantize(rotated, scale[..., None, None]).abs().max().item())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, FP8_DTYPE])

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from charstream.kernels.fp8 import dequantise
+from charstream.kernels.fp8 import dequantize
 from charstream.model.cache import KVCache
 from charstream.model.config import TINY
 from charstream.model.dit import DiT
@@ -101,9 +101,9 @@ def test_rotated_cache_equals_cache_rebuilt_at_shifted_positions(naive_outputs, 
         checked.append(slice(fresh.write_start, fresh.write_start + CFG.tokens_per_step))
     scale = gen.cache.k_scale[..., None, None]
     for slots in checked:
-        rotated = dequantise(gen.cache.k[:, :, slots], scale)
-        rebuilt = dequantise(fresh.k[:, :, slots], scale)
-        # FP8: the rotation requantises, so up to one e4m3 rounding step per value (~3% of it)
+        rotated = dequantize(gen.cache.k[:, :, slots], scale)
+        rebuilt = dequantize(fresh.k[:, :, slots], scale)
+        # FP8: the rotation requantizes, so up to one e4m3 rounding step per value (~3% of it)
         assert _rel(rotated, rebuilt) < (0.04 if fp8 else 1e-5)
 
 
@@ -121,7 +121,7 @@ def test_rollback_then_regenerate_equals_never_generating(naive_outputs, fp8):
     again = [gen.step(a, seed=104 + i) for i, a in enumerate(speech)]
     assert gen.next_frame == 6
     # the rollback undid the reset before frame 5 (a rotation back), so the context went through two
-    # extra rotations: equal up to rounding (fp32) or requantisation (FP8, tolerance as above)
+    # extra rotations: equal up to rounding (fp32) or requantization (FP8, tolerance as above)
     for i, (a, b) in enumerate(zip(again, expected, strict=True)):
         noise = seeded_noise(a.shape, 104 + i)
         assert _rel(a - noise, b - noise) < (1e-5 if not fp8 else 0.01)
@@ -202,6 +202,6 @@ def test_fp8_values_beyond_the_sink_range_saturate_and_are_counted():
     v[0, :, 0] = 3 * limit_v[0, :, 0]  # one value per head, 3x beyond the range the sink fixed
     cache.write(0, torch.zeros(shape), v, positions)
     assert cache.saturated.item() == CFG.n_heads
-    stored = dequantise(cache.v[0, :, cache.write_start], cache.v_scale[0][:, None])
+    stored = dequantize(cache.v[0, :, cache.write_start], cache.v_scale[0][:, None])
     assert torch.isfinite(stored).all()
     torch.testing.assert_close(stored[:, 0], limit_v[0, :, 0])  # clamped to +448 x scale, not NaN

@@ -1,4 +1,4 @@
-"""Tensor parallelism through the one diffusion step (model/step.py): TP = 2 and 4 over real gloo
+"""Tensor parallelism through the one diffusion step (model/step/): TP = 2 and 4 over real gloo
 process groups give TP = 1's latents, for the module body and the fused FP8 body (the one the GPU
 graphs), each rank reading only its shard of one safetensors file, with exactly one all-reduce per
 block per pass, through a rollback and a position reset."""
@@ -17,12 +17,13 @@ from charstream.model.config import TINY
 from charstream.model.dit import DiT
 from charstream.model.generator import Generator
 from charstream.model.sampler import seeded_noise
+from charstream.model.step import StepOptions
 from charstream.model.weights import save_weights
 
 CFG = TINY.with_(n_blocks=2, height=64, width=64, window_frames=2, reset_every=1, rollback_frames=1)
 STEPS, ROLLBACK = 4, 1  # positions reset before frame 3; the rollback undoes that reset
 # Module body: fp32 GEMMs, only the all-reduce's summation order differs. Fused body: each rank
-# quantises its own slice of the output projection's input rows to FP8 (per-row scales over fewer
+# quantizes its own slice of the output projection's input rows to FP8 (per-row scales over fewer
 # columns), so TP differs from TP = 1 by FP8 rounding: ~3e-4 here, where other inputs move it 4e-3.
 TOLERANCE = {False: 1e-4, True: 1e-3}
 
@@ -52,7 +53,7 @@ def _rank(rank: int, world: int, port: int, weights: str, fused: bool, out_dir: 
 
     dist.all_reduce = counting_all_reduce
     try:
-        gen = Generator(CFG, weights=weights, tp_group=dist.group.WORLD, fp8_cache=True, fused=fused)
+        gen = Generator(CFG, weights=weights, tp_group=dist.group.WORLD, fp8_cache=True, options=StepOptions(fused=fused))
         params = sum(p.numel() for p in gen.model.parameters())
         out = _session(gen)
         torch.save({"out": out, "all_reduces": len(calls), "params": params, "heads": gen.cache.k.shape[1]},
@@ -80,9 +81,9 @@ def single_rank(weights) -> dict:
     """TP = 1 of each body, and how far a session with other inputs lands (the fused body's scale)."""
     out = {}
     for fused in (False, True):
-        gen = Generator(CFG, weights=weights, fp8_cache=True, fused=fused)
+        gen = Generator(CFG, weights=weights, fp8_cache=True, options=StepOptions(fused=fused))
         out[fused] = (_session(gen), sum(p.numel() for p in gen.model.parameters()))
-    out["other"] = _session(Generator(CFG, weights=weights, fp8_cache=True, fused=True), seed=12)
+    out["other"] = _session(Generator(CFG, weights=weights, fp8_cache=True, options=StepOptions(fused=True)), seed=12)
     return out
 
 

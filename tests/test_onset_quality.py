@@ -11,12 +11,12 @@ from charstream.model.config import get_preset
 from charstream.model.generator import Generator
 from charstream.model.weights import resolve_weights
 from charstream.pipeline.quality.lipsync import score_av
-from charstream.stages.conditioning import build as build_conditioning
+from charstream.stages.agents.tts import synthesize
+from charstream.stages.conditioning.stage import build as build_conditioning
 from charstream.stages.config import ConditioningConfig, DecodeConfig
-from charstream.stages.decode import DecodeStage
-from charstream.stages.diffusion import chunk_seed, reference_latent
+from charstream.stages.decode.stage import DecodeStage
+from charstream.stages.diffusion.stage import chunk_seed, reference_latent
 from charstream.stages.ingest.resample import resample, to_int16
-from charstream.stages.ingest.tts import synthesize
 from charstream.timeline import SAMPLES_PER_CHUNK, SAMPLES_PER_FRAME, TIMELINE_RATE
 
 SPEECH_AT, SPEECH_CHUNKS = 4, 12  # listening chunks, then the speech's

@@ -47,7 +47,7 @@ from charstream.model.config import get_preset  # noqa: E402
 from charstream.pipeline.config import PipelineConfig  # noqa: E402
 from charstream.pipeline.integrations.embedded import EmbeddedSession  # noqa: E402
 from charstream.pipeline.integrations.pipecat import CharstreamVideoService  # noqa: E402
-from charstream.stages.ingest.tts import synthesize  # noqa: E402
+from charstream.stages.agents.tts import synthesize  # noqa: E402
 
 FIRST = "Hello, I am speaking through Pipecat."
 SECOND = "This second sentence is long, and it will be interrupted before it can finish at all."

@@ -11,9 +11,10 @@ from playout_support import start_playout
 
 from charstream.stages.config import PlayoutConfig
 from charstream.stages.egress.testcard import card_chunk
-from charstream.stages.playout import PlayoutOutput, PlayoutStage
+from charstream.stages.playout.output import PlayoutOutput
+from charstream.stages.playout.stage import PlayoutStage
 from charstream.timeline import CHUNK_SECONDS, SAMPLES_PER_FRAME
-from charstream.transport.messages import Control, ControlKind, TraceContext, VideoChunk
+from charstream.transport.messages import Control, ControlKind, TraceContext, TurnStartPayload, VideoChunk
 
 SIZE = 32
 
@@ -135,10 +136,10 @@ def test_turn_start_rollback_drops_exactly_the_unplayed_chunks():
         session = await start_playout("rollback", PlayoutStage(config), fast_source)
         playout = session.playout
         frames = await collect(playout.output, 9)  # chunks 0, 1 and the first frame of chunk 2
-        buffered = [c.chunk for c in playout._buffer]
+        buffered = [c.chunk for c in playout.clock.buffer]
         playing = playout.last_committed
         await playout.control(Control("rollback", 1, ControlKind.TURN_START, chunk=playing + 1), session.ctx)
-        stats_after = (playout.stats.rolled_back_chunks, playout.epoch, len(playout._buffer))
+        stats_after = (playout.stats.rolled_back_chunks, playout.epoch, len(playout.clock.buffer))
         # the in-flight old-epoch chunks are discarded; the new epoch resumes after the committed one
         for n in range(playing + 1, playing + 4):
             await playout.process(card_chunk("rollback", n, SIZE, SIZE, speaking=True, epoch=1, turn_id=7),
@@ -153,7 +154,7 @@ def test_turn_start_rollback_drops_exactly_the_unplayed_chunks():
     assert r["playing"] == 2 and r["buffered"] == [3, 4, 5, 6, 7, 8]  # max depth 6 behind the playing chunk
     [rollback] = [c for c in r["controls"] if c.kind == ControlKind.ROLLBACK]
     assert rollback.chunk == 2 and rollback.epoch == 1
-    assert rollback.detail["dropped"] == len(r["buffered"])
+    assert rollback.payload.dropped == len(r["buffered"])
     assert r["stats_after"] == (len(r["buffered"]), 1, 0)
     assert r["stale"] >= 1  # chunk 9 of epoch 0 was waiting for room when the rollback came
     played = [f.chunk for f in r["after"] if f.chunk is not None]
@@ -231,7 +232,7 @@ def test_turn_start_keeps_what_plays_before_the_speech_and_places_it_at_a_frame_
             await asyncio.sleep(0.001)
         [rollback] = rollbacks
         await asyncio.sleep(latency_s / 2)  # its first chunk arrives inside the measured latency
-        onset = rollback.detail["onset_frame"]
+        onset = rollback.payload.onset_frame
         for n in range(rollback.chunk + 1, rollback.chunk + 9):
             await playout.process(stamped(speech_chunk(n, onset if n == rollback.chunk + 1 else 0), latency_s, step_s), ctx)
 
@@ -242,10 +243,10 @@ def test_turn_start_keeps_what_plays_before_the_speech_and_places_it_at_a_frame_
         session = await start_playout("turn", PlayoutStage(config), upstream)
         playout = session.playout
         frames = await collect(playout.output, 4 * 6 + 1)  # six chunks and a frame
-        frontier = playout._buffer[-1].chunk + 1 + deeper
+        frontier = playout.clock.buffer[-1].chunk + 1 + deeper
         sent = time.time()
         await playout.control(Control("turn", 1, ControlKind.TURN_START, chunk=frontier, epoch=0, trace=TraceContext(5),
-                                      detail={"earliest_chunk": frontier - 3, "last_emit_at": None, "encode_s": 0.0}),
+                                      payload=TurnStartPayload(earliest_chunk=frontier - 3, last_emit_at=None, encode_s=0.0)),
                               session.ctx)
         after = await collect_from(playout.output, frames[-1].index + 1, 28)  # into the speech, not past it
         rollback = next(c for c in session.controls if c.kind == ControlKind.ROLLBACK)
@@ -257,11 +258,11 @@ def test_turn_start_keeps_what_plays_before_the_speech_and_places_it_at_a_frame_
     stats, rollback, frames = r["stats"], r["rollback"], r["frames"]
     assert stats.underruns == 0 and stats.underrun_frames == 0 and stats.late_speech == 0  # no hole
     assert all(f.chunk is not None for f in frames)
-    speech_at, onset = rollback.chunk + 1, rollback.detail["onset_frame"]
+    speech_at, onset = rollback.chunk + 1, rollback.payload.onset_frame
     assert speech_at >= r["frontier"] - 3  # the rewind (frontier - speech_at) stays within rollback_frames = 3
     if deeper:
         assert (speech_at, onset) == (r["frontier"] - 3, 0)
-    assert stats.kept_chunks == rollback.detail["kept"] and stats.kept_chunks >= (1 if latency_s > 0.2 else 0)
+    assert stats.kept_chunks == rollback.payload.kept and stats.kept_chunks >= (1 if latency_s > 0.2 else 0)
     # The media timeline has no gap: chunk after chunk, each frame in order, the speech's chunk
     # continuing its listening version at the onset frame.
     assert [(f.chunk, f.frame_in_chunk) for f in frames] == [(n, i) for n in range(frames[0].chunk, frames[-1].chunk + 1)
@@ -278,11 +279,11 @@ def test_turn_start_keeps_what_plays_before_the_speech_and_places_it_at_a_frame_
     # than a frame more (plus scheduling) beyond the first turn start's one-frame allowance.
     assert latency_s + 1 / 24 <= first.released_at - r["sent"]
     # The chunk after the onset's is made a step later: it is not due before then.
-    assert rollback.detail["due_at"] + 4 / 24 - r["sent"] >= latency_s + 1 / 24 + step_s
-    assert r["sent"] <= rollback.detail["placed_at"] <= first.released_at  # the placement's wall clock, for the hop
+    assert rollback.payload.due_at + 4 / 24 - r["sent"] >= latency_s + 1 / 24 + step_s
+    assert r["sent"] <= rollback.payload.placed_at <= first.released_at  # the placement's wall clock, for the hop
     if not deeper:  # nor later than needed: the onset frame or the next chunk is at most a frame late
         assert min(first.released_at - r["sent"] - latency_s - 1 / 24,
-                   rollback.detail["due_at"] + 4 / 24 - r["sent"] - latency_s - 1 / 24 - step_s) < 1 / 24 + 0.03
+                   rollback.payload.due_at + 4 / 24 - r["sent"] - latency_s - 1 / 24 - step_s) < 1 / 24 + 0.03
 
 
 

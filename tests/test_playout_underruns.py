@@ -12,13 +12,14 @@ from test_playout import SIZE, collect, collect_from, realtime_source, stamped
 
 from charstream.stages.config import PlayoutConfig
 from charstream.stages.egress.testcard import card_chunk
-from charstream.stages.playout import UNDERRUN_CAUSES, PlayoutStage
+from charstream.stages.playout.stage import PlayoutStage
+from charstream.stages.playout.stats import UNDERRUN_CAUSES
 from charstream.timeline import CHUNK_SECONDS
-from charstream.transport.messages import Control, ControlKind, TraceContext
+from charstream.transport.messages import Control, ControlKind, TraceContext, TurnStartPayload
 
 
 def by_cause(stats) -> dict[str, tuple[int, int]]:
-    return {c: (getattr(stats, f"{c}_underruns"), getattr(stats, f"{c}_underrun_frames")) for c in UNDERRUN_CAUSES}
+    return {c: (stats.by_cause[c].count, stats.by_cause[c].frames) for c in UNDERRUN_CAUSES}
 
 
 @pytest.mark.parametrize("speaking", [True, False])
@@ -64,10 +65,10 @@ def test_speech_late_at_its_turn_start_is_an_onset_underrun(placed):
         session = await start_playout(f"onset{placed}", PlayoutStage(PlayoutConfig(target_depth_chunks=2)), upstream)
         playout = session.playout
         frames = await collect(playout.output, 4 * 6)
-        frontier = playout._buffer[-1].chunk + 1
-        detail = {"earliest_chunk": frontier - 3, "last_emit_at": None, "encode_s": 0.0} if placed else {}
+        frontier = playout.clock.buffer[-1].chunk + 1
+        payload = TurnStartPayload(earliest_chunk=frontier - 3, last_emit_at=None, encode_s=0.0) if placed else None
         await playout.control(Control("onset", 1, ControlKind.TURN_START, chunk=frontier, epoch=0, trace=TraceContext(5),
-                                      detail=detail), session.ctx)
+                                      payload=payload), session.ctx)
         after = await collect_from(playout.output, frames[-1].index + 1, 4 * 8)
         stats = playout.stats
         await session.close()
@@ -116,11 +117,11 @@ def test_a_first_turn_later_than_its_estimate_raises_the_next_turns_allowance_on
             playout = session.playout
             index = (await collect(playout.output, 4 * 6))[-1].index + 1
             for turn in range(len(delays)):
-                frontier = playout._buffer[-1].chunk + 1
+                frontier = playout.clock.buffer[-1].chunk + 1
                 await playout.control(Control("allow", turn, ControlKind.TURN_START, chunk=frontier, epoch=playout.epoch,
                                               trace=TraceContext(10 + turn),
-                                              detail={"earliest_chunk": frontier - 3, "last_emit_at": None,
-                                                      "encode_s": 0.0}), session.ctx)
+                                              payload=TurnStartPayload(earliest_chunk=frontier - 3, last_emit_at=None,
+                                                                       encode_s=0.0)), session.ctx)
                 index = (await collect_from(playout.output, index, 4 * 12))[-1].index + 1
             await session.close()
         return logs

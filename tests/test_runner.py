@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from charstream.pipeline.config import PipelineConfig
-from charstream.pipeline.runner import Edge, Graph, Node, Session, plan_groups, run_session
+from charstream.pipeline.runtime.runner import Edge, Graph, Node, SessionRunner, plan_groups, run_session
 from charstream.transport.config import TransportConfig
 from charstream.transport.messages import ControlKind
 
@@ -48,7 +48,7 @@ def assert_no_stage_processes(pids):
 
 
 def test_inproc_session_delivers_in_order_and_ends_on_shutdown():
-    result = anyio.run(run_session, chain(200), PipelineConfig(placement="inproc"), "s-inproc")
+    result = anyio.run(run_session, chain(200), PipelineConfig(hosting="inproc"), "s-inproc")
     assert result.ok and result.ended_by == "shutdown by sink", result.error
     assert result.stages["sink"].chunks == list(range(200))
     assert result.stages["sink"].torn_down
@@ -63,7 +63,7 @@ def test_inproc_session_delivers_in_order_and_ends_on_shutdown():
     ids=["ipc", "tcp-curve"],
 )
 def test_session_across_spawned_processes(transport):
-    config = PipelineConfig(placement="processes", transport=transport)
+    config = PipelineConfig(hosting="processes", transport=transport)
     result = anyio.run(run_session, chain(100, groups=("producer", "middle")), config, "s-procs")
     assert result.ok and result.ended_by == "shutdown by sink", result.error
     assert result.stages["sink"].chunks == list(range(100))
@@ -108,8 +108,8 @@ def test_control_reaches_a_stage_waiting_inside_process():
     assert result.stages["sink"].controls[0] == ControlKind.TURN_START
 
 
-@pytest.mark.parametrize("placement", ["inproc", "processes"])
-def test_a_failing_stage_ends_the_session_with_an_error_naming_it(placement):
+@pytest.mark.parametrize("hosting", ["inproc", "processes"])
+def test_a_failing_stage_ends_the_session_with_an_error_naming_it(hosting):
     graph = Graph(
         [
             Node("src", f"{STAGES}:Source", {"count": 50}),
@@ -118,17 +118,17 @@ def test_a_failing_stage_ends_the_session_with_an_error_naming_it(placement):
         ],
         [Edge("src", "fragile"), Edge("src", "sink")],
     )
-    result = anyio.run(run_session, graph, PipelineConfig(placement=placement), "s-fail")
+    result = anyio.run(run_session, graph, PipelineConfig(hosting=hosting), "s-fail")
     assert not result.ok and result.failed_stage == "fragile"
     assert "'fragile'" in result.error and "boom after 5" in result.error
     assert result.stages["sink"].torn_down  # every stage is torn down, also on error
-    if placement == "processes":
+    if hosting == "processes":
         assert_no_stage_processes(result.processes.values())
 
 
 def test_stop_ends_cleanly():
     async def main():
-        session = Session(chain(10**6), PipelineConfig(), "s-stop")
+        session = SessionRunner(chain(10**6), PipelineConfig(), "s-stop")
         async with anyio.create_task_group() as tg:
 
             async def stop_soon():
@@ -156,8 +156,8 @@ def _victim_graph(note_file: Path) -> Graph:
 
 @pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
 def test_a_dead_or_frozen_stage_process_ends_the_session_naming_the_stage(fault, tmp_path):
-    config = PipelineConfig(placement="processes", transport=TransportConfig(heartbeat_s=0.1, dead_after_s=0.6))
-    session = Session(_victim_graph(tmp_path / "victim.txt"), config, "s-kill")
+    config = PipelineConfig(hosting="processes", transport=TransportConfig(heartbeat_s=0.1, dead_after_s=0.6))
+    session = SessionRunner(_victim_graph(tmp_path / "victim.txt"), config, "s-kill")
     hit_at: list[float] = []
 
     async def main():
@@ -185,7 +185,7 @@ import sys
 sys.path.insert(0, {tests!r})
 import anyio
 from charstream.pipeline.config import PipelineConfig
-from charstream.pipeline.runner import Edge, Graph, Node, Session
+from charstream.pipeline.runtime.runner import Edge, Graph, Node, SessionRunner
 
 def main():
     graph = Graph(
@@ -193,7 +193,7 @@ def main():
          Node("sink", "test_runner_stages:Sink", {{}})],
         [Edge("victim", "sink")],
     )
-    session = Session(graph, PipelineConfig(placement="processes"), "s-signal")
+    session = SessionRunner(graph, PipelineConfig(hosting="processes"), "s-signal")
 
     async def go():
         async with anyio.create_task_group() as tg:
@@ -266,7 +266,7 @@ def test_a_stage_process_with_a_large_heap_exits_within_its_grace():
     async def main():
         graph = Graph([Node("hoard", f"{STAGES}:Hoard", {"objects": 3_000_000}, "big"),
                        Node("sink", f"{STAGES}:Sink", {})], [Edge("hoard", "sink")])
-        session = Session(graph, PipelineConfig(placement="processes"), "s-heap")
+        session = SessionRunner(graph, PipelineConfig(hosting="processes"), "s-heap")
         async with anyio.create_task_group() as tg:
 
             async def stop_soon():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from charstream.stages.speech_estimate import PRIOR_TURNS, SpeechEstimator, nearest_rank
+from charstream.stages.playout.speech_estimate import PRIOR_TURNS, SpeechEstimator, nearest_rank
 
 INITIAL_ALLOWANCE_S = 1 / 24  # these tests' prior (PlayoutConfig's default is a chunk)
 

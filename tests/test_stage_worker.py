@@ -1,4 +1,4 @@
-"""A stage's torch work on one long-lived thread of its own (stages/worker.py), for each model stage."""
+"""A stage's torch work on one long-lived thread of its own (stages/shared/worker.py), for each model stage."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from decode_support import latents_message
 
 from charstream.model.config import TINY
 from charstream.stages.base import StageContext
-from charstream.stages.conditioning import ConditioningStage
+from charstream.stages.conditioning.stage import ConditioningStage
 from charstream.stages.config import ConditioningConfig, DecodeConfig, DiffusionConfig
-from charstream.stages.decode import DecodeStage
-from charstream.stages.diffusion import DiffusionStage
-from charstream.stages.worker import StageWorker
+from charstream.stages.decode.stage import DecodeStage
+from charstream.stages.diffusion.stage import DiffusionStage
+from charstream.stages.shared.worker import StageWorker
 from charstream.timeline import SAMPLES_PER_CHUNK
 from charstream.transport.messages import Conditioning, Control, ControlKind
 
@@ -149,9 +149,9 @@ def test_a_cuda_worker_queues_its_work_on_a_stream_of_its_own_after_what_was_que
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_workers_start_while_another_thread_captures_a_graph():
     """An engine builds a session's stages while another session captures its graphs: a worker's start
-    (its stream ordered after the default stream) must not touch the capture (model/capture.py's
+    (its stream ordered after the default stream) must not touch the capture (model/graphs.py's
     thread-local mode; a device-wide synchronize here invalidated it)."""
-    from charstream.model.capture import CAPTURE_MODE
+    from charstream.model.graphs import CAPTURE_MODE
 
     x = torch.randn(256, 256, device="cuda")
     capturing, started, errors = threading.Event(), threading.Event(), []

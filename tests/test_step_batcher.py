@@ -1,4 +1,4 @@
-"""Cross-session batching at the stage level (stages/step_batcher.py): diffusion stages sharing one
+"""Cross-session batching at the stage level (stages/diffusion/batcher.py): diffusion stages sharing one
 ``StepBatcher`` emit the latents they emit unbatched -- stepping concurrently, one rolling back, one
 leaving and a newcomer taking its lane -- a step refused on its own fails its session only, and real
 inproc sessions made by ``session_factory`` stream through one batched forward."""
@@ -22,8 +22,8 @@ from batch_support import (
 
 from charstream.model.config import TINY
 from charstream.stages.config import DiffusionConfig
-from charstream.stages.diffusion import DiffusionStage
-from charstream.stages.step_batcher import StepBatcher
+from charstream.stages.diffusion.batcher import StepBatcher
+from charstream.stages.diffusion.stage import DiffusionStage
 from charstream.timeline import SAMPLES_PER_CHUNK
 from charstream.transport.messages import Conditioning, Control, ControlKind
 

@@ -1,4 +1,4 @@
-"""The fused step's cross-attention K/V (model/step.py ``FusedCrossContext``): every block's K/V from one
+"""The fused step's cross-attention K/V (model/step/fused.py ``FusedCrossContext``): every block's K/V from one
 FP8 GEMM over all blocks' weights and one norm of all keys, handed out as views of the one output."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from charstream.model.config import TINY
 from charstream.model.dit import DiT
-from charstream.model.step import FusedCrossContext
+from charstream.model.step.fused import FusedCrossContext
 
 CFG = TINY.with_(n_blocks=3)
 
@@ -35,7 +35,7 @@ def test_every_blocks_cross_kv_from_one_gemm_as_the_blocks_compute_it():
         k_ref = F.rms_norm(kv[:, 0], (CFG.head_dim,), eps=block.cross_k_norm.eps) * block.cross_k_norm.weight
         torch.testing.assert_close(k, k_ref.transpose(0, 1), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(v, kv[:, 1].transpose(0, 1), rtol=1e-5, atol=1e-6)
-        # and the block's own module path (its unquantised weights), within FP8's rounding of them
+        # and the block's own module path (its unquantized weights), within FP8's rounding of them
         k_mod, v_mod = (t[0, 0] for t in block.cross_context(context[None, None]))
         for a, b in ((k, k_mod), (v, v_mod)):
             rel = ((a - b).norm() / b.norm()).item()

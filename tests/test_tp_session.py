@@ -9,9 +9,10 @@ import torch
 from charstream.model.config import TINY
 from charstream.model.dit import DiT
 from charstream.model.generator import Generator
+from charstream.model.step import StepOptions
 from charstream.model.vae import VideoVAE, to_uint8_frames
 from charstream.model.weights import save_weights
-from charstream.stages.tp_group import TPGenerator
+from charstream.stages.diffusion.tp_group import TPGenerator
 
 CFG = TINY.with_(n_blocks=2, height=64, width=64, window_frames=3, reset_every=2, rollback_frames=2)
 STEPS = 5
@@ -33,17 +34,17 @@ def single_rank(tmp_path_factory):
     path = tmp_path_factory.mktemp("w") / "tp.safetensors"
     save_weights(DiT(CFG).init_random_(seed=7), path)
     vae = VideoVAE(CFG).eval()
-    one = {fused: _frames(Generator(CFG, weights=path, fused=fused), vae) for fused in (False, True)}
+    one = {fused: _frames(Generator(CFG, weights=path, options=StepOptions(fused=fused)), vae) for fused in (False, True)}
     return path, vae, one
 
 
-# (TP size, the fused FP8 step); the fused step's FP8 rows are quantised per rank, so it matches
+# (TP size, the fused FP8 step); the fused step's FP8 rows are quantized per rank, so it matches
 # TP=1 within FP8 rounding (tests/test_model_tp.py).
 @pytest.mark.parametrize("world,fused,tolerance", [(2, False, 1e-4), (4, False, 1e-4), (2, True, 1e-3)])
 def test_tp_group_produces_the_frames_of_one_rank(single_rank, world, fused, tolerance):
     path, vae, one = single_rank
     frames, latents = one[fused]
-    group = TPGenerator(CFG, world, weights=path, fused=fused)
+    group = TPGenerator(CFG, world, weights=path, options=StepOptions(fused=fused))
     try:
         assert group.generator.diffusion.fused == fused
         tp_frames, tp_latents = _frames(group, vae)

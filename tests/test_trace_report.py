@@ -6,7 +6,7 @@ import pytest
 
 from charstream.pipeline.cli import main
 from charstream.stages.config import TracingConfig
-from charstream.stages.tracing import TurnTracer
+from charstream.stages.shared.tracing import TurnTracer
 from charstream.timeline import TRACE_POINTS
 from charstream.transport.messages import TraceContext
 

@@ -11,8 +11,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 from charstream.stages.config import TracingConfig
-from charstream.stages.metrics import REGISTRY, SessionMetrics
-from charstream.stages.tracing import STAGES, TurnTracer, read_jsonl
+from charstream.stages.shared.metrics import REGISTRY, SessionMetrics
+from charstream.stages.shared.tracing import STAGES, TurnTracer, read_jsonl
 from charstream.timeline import TRACE_POINTS
 from charstream.transport.messages import TraceContext
 
@@ -173,7 +173,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from charstream.stages.config import TracingConfig
-from charstream.stages.tracing import TurnTracer
+from charstream.stages.shared.tracing import TurnTracer
 from charstream.transport.messages import TraceContext
 
 provider = TracerProvider(resource=Resource.create({"service.name": "host-bot"}))

@@ -22,3 +22,18 @@ def test_bench_transport_json_report(tmp_path, capsys):
     assert backpressure["capacity"] == 3 and 1 <= backpressure["max_in_flight"] <= 3
     assert printed["targets"]["max_in_flight_le_capacity"] is True
     assert {"commit", "date", "machine", "versions"} <= set(printed)
+
+
+def test_bench_transport_ipc_sends_video_through_slots_beside_raw_zeromq(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    argv = ["bench", "transport", "--json", "--transports", "ipc", "--small", "20", "--large", "6",
+            "--backpressure", "8", "--capacity", "2", "--out", str(out)]
+    assert main(argv) == 0
+    printed = json.loads(capsys.readouterr().out)
+    result = printed["transports"]["ipc"]
+    assert result["video_chunk"]["slotted"] == 6 and result["conditioning"]["slotted"] == 0  # 53 kB: inline
+    for name in ("conditioning", "video_chunk"):
+        r = result[name]
+        assert r["p50_vs_raw_zmq_xproc"] == round(r["p50_ms"] / r["raw_zmq_xproc"]["p50_ms"], 2)
+    assert {"ipc_video_chunk_p50_le_1.2x_raw_zmq_xproc", "ipc_video_chunk_p99_le_5ms"} <= set(printed["targets"])
+    assert printed["load_avg_1m_at_start"] >= 0

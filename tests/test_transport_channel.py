@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import multiprocessing
 import os
+import pickle
 import signal
 import time
 
@@ -20,8 +21,10 @@ from test_transport_peers import idle_sender, slow_consumer
 from charstream.transport.channel import (
     BEAT,
     CREDIT,
+    CTRL,
     DATA,
     HELLO,
+    ChannelError,
     ControlClient,
     ControlHub,
     PeerDeadError,
@@ -31,7 +34,7 @@ from charstream.transport.channel import (
 )
 from charstream.transport.codec import WIRE_VERSION, MessageError, encode
 from charstream.transport.config import TransportConfig
-from charstream.transport.messages import Conditioning, Control, ControlKind
+from charstream.transport.messages import ClockPayload, Conditioning, Control, ControlKind
 from charstream.transport.security import CurveKeys, curve_required, is_loopback
 
 SPAWN = multiprocessing.get_context("spawn")
@@ -341,3 +344,40 @@ def test_control_bus_broadcasts_to_every_other_stage_after_all_registered():
         transport.close()
 
     anyio.run(main)
+
+
+def test_a_malformed_control_is_counted_naming_its_sender_and_the_bus_goes_on():
+    async def main():
+        transport = Transport(TransportConfig())
+        seen = []
+        async with ControlHub(transport, "inproc://ctl-bad", {"a", "b"}, lambda m, s: seen.append((s, m)), print) as hub:
+            async with ControlClient(transport, "inproc://ctl-bad", "a") as a, \
+                    ControlClient(transport, "inproc://ctl-bad", "b") as b:
+                await a.register()
+                await b.register()
+                with anyio.fail_after(5):
+                    await a.started.wait()
+                good = Control("s", 1, ControlKind.CLOCK, chunk=3, payload=ClockPayload(due_at=time.time()))
+                header = msgpack.unpackb(encode(good)[0])
+                header["f"]["payload"] = ["ClockPayload", {"due_at": -5.0}]  # a wall clock before 1970
+                await a.sock.send_multipart([CTRL, msgpack.packb(header)])
+                await a.send(good)
+                with anyio.fail_after(5):
+                    while not b._queue:
+                        await anyio.sleep(0.005)
+                assert b.take() == good and b.take() is None  # the malformed one was not broadcast
+                assert hub.stats.bad == 1 and hub.stats.received == 1 and seen == [("a", good)]
+                assert "'a'" in hub.stats.last_error and "due_at must be a wall clock >= 0" in hub.stats.last_error
+        transport.close()
+
+    anyio.run(main)
+
+
+@pytest.mark.parametrize("error", [PeerDeadError("no heartbeat for 1.50 s", "a->b", "a"), ChannelError("misuse", "a->b"),
+                                   MessageError("header is not msgpack", "a->b", "a")], ids=lambda e: type(e).__name__)
+def test_channel_errors_cross_processes_whole(error):
+    """A spawned consumer's PeerDeadError reaches its parent through pickle (a process pool's result):
+    it must come back as itself, not as a TypeError that breaks the pool or a message wrapped twice."""
+    back = pickle.loads(pickle.dumps(error))
+    assert type(back) is type(error) and str(back) == str(error)
+    assert (back.problem, back.channel, back.peer) == (error.problem, error.channel, error.peer)

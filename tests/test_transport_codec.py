@@ -10,17 +10,23 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from charstream.pipeline.bench_fuzz import codec_frames, well_typed
+from charstream.pipeline.bench.fuzz import codec_frames, well_typed
 from charstream.transport.codec import WIRE_VERSION, MessageError, decode, encode
 from charstream.transport.messages import (
     AgentAudio,
+    ClockPayload,
     Conditioning,
     Control,
     ControlKind,
+    ErrorPayload,
+    InterruptPayload,
     Latents,
+    RollbackPayload,
+    ShutdownPayload,
     TraceContext,
     TurnEvent,
     TurnKind,
+    TurnStartPayload,
     VideoChunk,
 )
 
@@ -36,7 +42,8 @@ def examples():
         Conditioning("s", 3, np.random.rand(9, 32).astype(np.float32), audio, True, epoch=2, trace=trace),
         Latents("s", 4, np.random.rand(16, 8, 8).astype(np.float16), audio, False),
         VideoChunk("s", 5, np.random.randint(0, 255, (4, 16, 16, 3), np.uint8), audio, True),
-        Control("s", 6, ControlKind.ROLLBACK, chunk=41, epoch=3, detail={"stage": "playout", "n": 2, "ok": True, "x": None}),
+        Control("s", 6, ControlKind.ROLLBACK, chunk=41, epoch=3,
+                payload=RollbackPayload(ControlKind.TURN_START, onset_frame=2, dropped=3, kept=1, placed_at=1.5, due_at=2.0)),
     ]
 
 
@@ -136,6 +143,80 @@ def test_encode_refuses_oversize_and_unsendable_arrays():
         encode(examples()[4], max_bytes=1000)
     with pytest.raises(MessageError, match="cannot travel"):
         encode(Conditioning("s", 0, np.array([object()]), np.zeros(1, np.int16), False))
+
+
+# --- control payloads: one typed payload per kind, checked like the rest of the message ---
+
+def controls():
+    """A valid control of each kind that carries data, and of each without (None)."""
+    return {
+        ControlKind.TURN_START: TurnStartPayload(earliest_chunk=7, last_emit_at=1.5, encode_s=0.012),
+        ControlKind.ROLLBACK: RollbackPayload(ControlKind.INTERRUPT, onset_frame=0, dropped=4, kept=0),
+        ControlKind.CLOCK: ClockPayload(due_at=1.25),
+        ControlKind.INTERRUPT: InterruptPayload(at_sample=96_000),
+        ControlKind.ERROR: ErrorPayload("diffusion", "RuntimeError: boom"),
+        ControlKind.SHUTDOWN: ShutdownPayload("shutdown by egress"),
+    }
+
+
+@pytest.mark.parametrize("kind", list(ControlKind))
+@pytest.mark.parametrize("bare", [False, True], ids=["payload", "bare"])
+def test_every_control_kind_round_trips(kind, bare):
+    msg = Control("s", 3, kind, chunk=5, epoch=2, payload=None if bare else controls()[kind], trace=TraceContext(4))
+    assert_same(decode(encode(msg), LIMIT), msg)
+
+
+def _control_with(kind, fields):
+    """A valid control of ``kind`` whose payload's fields are replaced by ``fields`` on the wire."""
+    frames = [bytes(f) for f in encode(Control("s", 3, kind, chunk=5, payload=controls()[kind]))]
+    header = _header(frames)
+    name, good = header["f"]["payload"]
+    return _with_header(frames, f={**header["f"], "payload": [name, {**good, **fields}]})
+
+
+MALFORMED = {  # kind -> (fields sent, what the error says)
+    ControlKind.TURN_START: ({"encode_s": -0.5}, "encode_s must be >= 0"),
+    ControlKind.ROLLBACK: ({"onset_frame": 4}, "onset_frame must be in [0, 4)"),
+    ControlKind.CLOCK: ({"due_at": "soon"}, "payload.due_at: expected float"),
+    ControlKind.INTERRUPT: ({"at_sample": -1}, "at_sample must be >= 0"),
+    ControlKind.ERROR: ({"stage": ""}, "stage must not be empty"),
+    ControlKind.SHUTDOWN: ({"reason": None}, "payload.reason: expected str"),
+}
+
+
+@pytest.mark.parametrize("kind", list(MALFORMED))
+def test_a_malformed_payload_of_each_kind_is_refused_clearly(kind):
+    fields, expected = MALFORMED[kind]
+    with pytest.raises(MessageError) as info:
+        decode(_control_with(kind, fields), LIMIT, channel="control", peer="playout")
+    assert expected in str(info.value) and "'playout'" in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("case,change,expected", [
+    ("missing field", {"payload": ["RollbackPayload", {"reason": "interrupt", "onset_frame": 0}]}, "missing field 'payload.dropped'"),
+    ("unknown field", {"payload": ["ClockPayload", {"due_at": 1.0, "evil": 1}]}, "unknown field(s) ['payload.evil']"),
+    ("another kind's payload", {"payload": ["ClockPayload", {"due_at": 1.0}]}, "a rollback control carries a RollbackPayload"),
+    ("unknown payload type", {"payload": ["Pickle", {}]}, "unknown payload type 'Pickle'"),
+    ("not [type, fields]", {"payload": {"onset_frame": 1}}, "expected [payload type, {fields}]"),
+    ("reason not a kind", {"payload": ["RollbackPayload", {"reason": "nap", "onset_frame": 0, "dropped": 0, "kept": 0}]},
+     "'nap' is not a ControlKind"),
+    ("reason not a rollback's", {"payload": ["RollbackPayload", {"reason": "clock", "onset_frame": 0, "dropped": 0,
+                                                                 "kept": 0}]}, "reason must be turn_start or interrupt"),
+])
+def test_a_control_payload_of_the_wrong_shape_is_refused(case, change, expected):
+    frames = [bytes(f) for f in encode(examples()[5])]
+    with pytest.raises(MessageError) as info:
+        decode(_with_header(frames, f={**_header(frames)["f"], **change}), LIMIT, channel="control", peer="conditioning")
+    assert expected in str(info.value) and "'conditioning'" in str(info.value), str(info.value)
+
+
+def test_a_payload_that_cannot_travel_is_refused_by_the_sender():
+    with pytest.raises(ValueError, match="carries a ClockPayload"):  # built for another kind
+        Control("s", 1, ControlKind.CLOCK, payload=ShutdownPayload("x"))
+    with pytest.raises(ValueError, match="onset_frame must be"):  # out of range
+        RollbackPayload(ControlKind.TURN_START, onset_frame=9, dropped=0, kept=0)
+    with pytest.raises(MessageError, match="payload.onset_frame: expected int"):  # a numpy scalar is not an int on the wire
+        encode(Control("s", 1, ControlKind.ROLLBACK, payload=RollbackPayload(ControlKind.TURN_START, np.int64(1), 0, 0)))
 
 
 # --- property-based fuzz: decode returns a valid message or raises MessageError, nothing else ---

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import anyio
 import numpy as np
+import zmq
 
-from charstream.transport.channel import Receiver, Sender, Transport
+from charstream.transport.channel import HELLO, Receiver, Sender, Transport
 from charstream.transport.config import TransportConfig
 from charstream.transport.messages import Conditioning
 
@@ -46,3 +47,13 @@ def slot_sender(endpoint: str, config: TransportConfig, size: int) -> None:
             await anyio.sleep_forever()
 
     anyio.run(main)
+
+
+def hello_sender(endpoint: str, geometry: bytes) -> None:
+    """Says HELLO with ``geometry`` from a process of its own, then idles (the test kills it)."""
+    sock = zmq.Context().socket(zmq.DEALER)
+    sock.routing_id = b"other"
+    sock.connect(endpoint)
+    sock.send_multipart([HELLO, geometry])
+    while True:
+        sock.recv_multipart()

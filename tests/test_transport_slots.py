@@ -2,23 +2,26 @@
 
 from __future__ import annotations
 
+import fcntl
 import multiprocessing
 import os
 import signal
 import struct
+import subprocess
+import sys
 
 import anyio
 import msgpack
 import numpy as np
 import pytest
 import zmq
-from test_transport_peers import slot_sender
+from test_transport_peers import hello_sender, slot_sender
 
 from charstream.transport.channel import CREDIT, DATA, HELLO, SLOT, PeerDeadError, Receiver, Sender, Transport
 from charstream.transport.codec import encode
 from charstream.transport.config import TransportConfig
 from charstream.transport.messages import Conditioning
-from charstream.transport.slots import SlotBlock
+from charstream.transport.slots import SEALS, SlotBlock, mapped_blocks
 
 SPAWN = multiprocessing.get_context("spawn")
 MB = 1 << 20
@@ -26,10 +29,6 @@ MB = 1 << 20
 
 def cond(i: int, floats: int) -> Conditioning:
     return Conditioning("s", i, np.full(floats, i, np.float32), np.arange(8, dtype=np.int16), False)
-
-
-def in_dev_shm(name: str) -> bool:
-    return os.path.exists(f"/dev/shm/{name}")
 
 
 def test_large_arrays_cross_in_slots_and_outlive_slot_reuse(tmp_path):
@@ -41,7 +40,6 @@ def test_large_arrays_cross_in_slots_and_outlive_slot_reuse(tmp_path):
         transport = Transport(config)
         async with Receiver(transport, f"ipc://{tmp_path}/e.sock", "a->b", 2) as rx:
             async with Sender(transport, rx.endpoint, "a->b", "a", capacity=2) as tx:
-                name = tx.block.shm.name
                 # small: inline; larger than a slot: inline; then the 2-slot ring wraps twice
                 messages = [big, cond(1, 8), cond(2, 13 * MB // 4), *(cond(i, MB // 4) for i in range(3, 8))]
                 got = []
@@ -50,12 +48,15 @@ def test_large_arrays_cross_in_slots_and_outlive_slot_reuse(tmp_path):
                         await tx.send(msg)
                         got.append(await rx.recv())
                 kept = got[3:]  # held by us while later messages reuse their slots
-                assert in_dev_shm(name) and tx.stats.slotted == rx.stats.slotted == 6
-            assert not in_dev_shm(name)  # the sender unlinked its block on close
+                assert mapped_blocks() == 2 and tx.stats.slotted == rx.stats.slotted == 6  # theirs and ours
+            with anyio.fail_after(5):
+                while mapped_blocks():  # the sender unmapped on close, the receiver on its BYE
+                    await anyio.sleep(0.005)
         transport.close()
         first = got[0]
         assert first.audio_tokens.dtype == np.float32 and first.audio_tokens.shape == tokens.shape
         assert np.array_equal(first.audio_tokens, tokens) and np.array_equal(first.audio, big.audio)
+        assert first.audio_tokens.flags.writeable  # copied out of the slot: the consumer's own memory
         assert first.speaking and first.chunk == 0
         assert np.array_equal(got[1].audio_tokens, np.full(8, 1, np.float32))
         assert got[2].audio_tokens.shape == (13 * MB // 4,) and (got[2].audio_tokens == 2).all()
@@ -136,7 +137,24 @@ def test_bad_slot_references_are_counted_and_the_channel_keeps_working(tmp_path)
     anyio.run(main)
 
 
-def test_a_block_truncated_after_hello_is_a_bad_message_not_sigbus(tmp_path):
+def truncate_from_another_process(pid: int, fd: int) -> list[str]:
+    """What ftruncate (to 0, then to 1 GiB) of ``pid``'s ``fd`` gives another process that opened it read-write."""
+    code = ("import errno, os, sys\n"
+            "fd = os.open(sys.argv[1], os.O_RDWR)\n"
+            "for size in (0, 1 << 30):\n"
+            "    try:\n"
+            "        os.ftruncate(fd, size)\n"
+            "        print('truncated')\n"
+            "    except OSError as e:\n"
+            "        print(errno.errorcode[e.errno])\n")
+    done = subprocess.run([sys.executable, "-c", code, f"/proc/{pid}/fd/{fd}"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()
+
+
+def test_the_kernel_refuses_to_truncate_a_mapped_block(tmp_path):
+    """A receiver that mapped an unsealed block died of SIGBUS when the block was truncated under it."""
+
     async def main():
         transport = Transport(TransportConfig())
         block = SlotBlock(2, 64 * 1024)
@@ -147,16 +165,19 @@ def test_a_block_truncated_after_hello_is_a_bad_message_not_sigbus(tmp_path):
             rogue.routing_id = b"rogue"
             rogue.connect(rx.endpoint)
             await rogue.send_multipart([HELLO, block.geometry()])
-            assert (await rogue.recv_multipart())[0] == CREDIT
-            os.ftruncate(block.shm._fd, 0)  # after the size was checked at HELLO
+            with anyio.fail_after(5):
+                assert (await rogue.recv_multipart())[0] == CREDIT and b"rogue" in rx._blocks  # mapped
+            for size in (0, 64 * 1024, 1 << 30):  # shrink it under the mapping, or grow it
+                with pytest.raises(PermissionError):
+                    os.ftruncate(block.fd, size)
+            with pytest.raises(PermissionError):  # nor can the seals change (SEAL is sealed)
+                fcntl.fcntl(block.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
+            assert truncate_from_another_process(os.getpid(), block.fd) == ["EPERM", "EPERM"]
+            assert os.fstat(block.fd).st_size == 2 * 64 * 1024
             await rogue.send_multipart([SLOT, ref, bytes(header)])
             with anyio.fail_after(5):
-                while rx.stats.bad < 1:
-                    await anyio.sleep(0.005)
-            assert "was truncated under slot 0" in rx.stats.last_error and rx.stats.errors == 0
-            await rogue.send_multipart([DATA, *[bytes(f) for f in encode(cond(1, 16))]])
-            with anyio.fail_after(5):
-                assert (await rx.recv()).chunk == 1  # the receiver (this process) lives on
+                msg = await rx.recv()
+            assert msg.chunk == 0 and (msg.audio_tokens == 0).all() and rx.stats.bad == 0
             rogue.close(0)
         block.close()
         transport.close()
@@ -164,21 +185,44 @@ def test_a_block_truncated_after_hello_is_a_bad_message_not_sigbus(tmp_path):
     anyio.run(main)
 
 
-def test_a_bad_hello_geometry_is_refused_clearly(tmp_path):
+def memfd(size: int, seals: int = 0) -> int:
+    fd = os.memfd_create("not-ours", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+def test_a_bad_hello_geometry_or_block_is_refused_naming_the_peer(tmp_path):
     config = TransportConfig(max_message_bytes=MB)
 
     async def main():
         transport = Transport(config)
         small = SlotBlock(1, 4096)
         geometry = msgpack.unpackb(small.geometry())
+        closed = 999  # fds are allocated lowest first: nothing here opens this one
+        with pytest.raises(OSError):
+            os.fstat(closed)
+        pipe_r, pipe_w = os.pipe()
+        regular = os.open(tmp_path / "file", os.O_RDWR | os.O_CREAT)
+        os.ftruncate(regular, 4096)
+        unsealed, shrink_only = memfd(4096), memfd(4096, fcntl.F_SEAL_SHRINK)
+        no_seal_seal = memfd(4096, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        larger = memfd(8192, SEALS)
         cases = [
             ("garbage", os.urandom(16), "not"),
-            ("extra key", msgpack.packb({**geometry, "x": 1}), "keys name, slots, slot_bytes"),
-            ("foreign name", msgpack.packb({**geometry, "name": "../etc"}), "bad shared-memory name"),
-            ("no such block", msgpack.packb({**geometry, "name": "charstream-" + "0" * 16}), "cannot attach"),
+            ("extra key", msgpack.packb({**geometry, "x": 1}), "keys fd, slots, slot_bytes"),
+            ("negative fd", msgpack.packb({**geometry, "fd": -1}), "bad fd -1"),
+            ("missing fd", msgpack.packb({**geometry, "fd": closed}), f"cannot open fd {closed} of process {os.getpid()}"),
+            ("a pipe", msgpack.packb({**geometry, "fd": pipe_r}), "is not a memfd"),
+            ("a regular file", msgpack.packb({**geometry, "fd": regular}), "not a memfd (it cannot be sealed)"),
+            ("no seals", msgpack.packb({**geometry, "fd": unsealed}), "not sealed against shrink, grow and reseal (seals 0x0)"),
+            ("shrink sealed only", msgpack.packb({**geometry, "fd": shrink_only}), "not sealed"),
+            ("seals not sealed", msgpack.packb({**geometry, "fd": no_seal_seal}), "not sealed"),
             ("zero slots", msgpack.packb({**geometry, "slots": 0}), "bad slots 0"),
             ("slot over the message limit", msgpack.packb({**geometry, "slot_bytes": 2 * MB}), "bad slot_bytes"),
             ("block smaller than its geometry", msgpack.packb({**geometry, "slots": 4}), "holds 4096 bytes"),
+            ("block larger than its geometry", msgpack.packb({**geometry, "fd": larger}), "holds 8192 bytes"),
         ]
         async with Receiver(transport, f"ipc://{tmp_path}/e.sock", "rogue->rx", 4) as rx:
             rogue = transport.ctx.socket(zmq.DEALER)
@@ -189,9 +233,10 @@ def test_a_bad_hello_geometry_is_refused_clearly(tmp_path):
                 with anyio.fail_after(5):
                     while rx.stats.bad < n:
                         await anyio.sleep(0.005)
-                assert "hello refused" in rx.stats.last_error and expected in rx.stats.last_error, (name, rx.stats.last_error)
+                error = rx.stats.last_error
+                assert "peer 'rogue': hello refused" in error and expected in error, (name, error)
             assert b"rogue" not in rx._credit_out and not rx._blocks  # never registered, never granted
-            assert await rogue.poll(100) == 0
+            assert await rogue.poll(100) == 0 and mapped_blocks() == 1  # only the rogue's own
             async with Sender(transport, rx.endpoint, "a->rx", "a") as tx:  # the channel still works
                 await tx.send(cond(0, MB // 8))
                 with anyio.fail_after(5):
@@ -199,13 +244,62 @@ def test_a_bad_hello_geometry_is_refused_clearly(tmp_path):
             assert rx.stats.slotted == 1
             rogue.close(0)
         small.close()
-        assert not in_dev_shm(geometry["name"])
+        for fd in (pipe_r, pipe_w, regular, unsealed, shrink_only, no_seal_seal, larger):
+            os.close(fd)
         transport.close()
 
     anyio.run(main)
 
 
-def test_a_sender_killed_with_sigkill_leaves_nothing_in_dev_shm(tmp_path):
+def test_a_peer_can_only_point_at_its_own_descriptors(tmp_path):
+    """The pid comes from the connection: another process's HELLO naming our block's fd is refused."""
+    fd = 900  # a sealed block of ours, under a number the peer has not opened
+
+    async def main():
+        transport = Transport(TransportConfig())
+        block = SlotBlock(1, 4096)
+        os.dup2(block.fd, fd)
+        geometry = msgpack.packb({**msgpack.unpackb(block.geometry()), "fd": fd})
+        async with Receiver(transport, f"ipc://{tmp_path}/e.sock", "other->rx", 4) as rx:
+            peer = SPAWN.Process(target=hello_sender, args=(rx.endpoint, geometry))
+            peer.start()
+            try:
+                with anyio.fail_after(30):
+                    while rx.stats.bad < 1:
+                        await anyio.sleep(0.01)
+                assert f"peer 'other': hello refused: cannot open fd {fd} of process {peer.pid}" in rx.stats.last_error
+                assert not rx._blocks
+            finally:
+                peer.kill()
+                peer.join()
+        os.close(fd)
+        block.close()
+        transport.close()
+
+    anyio.run(main)
+
+
+def test_a_slot_hello_over_tcp_is_refused(tmp_path):
+    async def main():
+        transport = Transport(TransportConfig())
+        block = SlotBlock(1, 4096)
+        async with Receiver(transport, "tcp://127.0.0.1:*", "rogue->rx", 4) as rx:
+            rogue = transport.ctx.socket(zmq.DEALER)
+            rogue.routing_id = b"rogue"
+            rogue.connect(rx.endpoint)
+            await rogue.send_multipart([HELLO, block.geometry()])
+            with anyio.fail_after(5):
+                while rx.stats.bad < 1:
+                    await anyio.sleep(0.005)
+            assert "peer 'rogue': hello refused: the sender's process is unknown" in rx.stats.last_error
+            rogue.close(0)
+        block.close()
+        transport.close()
+
+    anyio.run(main)
+
+
+def test_a_sender_killed_with_sigkill_leaves_no_block_behind(tmp_path):
     config = TransportConfig(heartbeat_s=0.1, dead_after_s=0.8)
     ep = f"ipc://{tmp_path}/kill.sock"
 
@@ -218,12 +312,11 @@ def test_a_sender_killed_with_sigkill_leaves_nothing_in_dev_shm(tmp_path):
                 with anyio.fail_after(30):
                     msg = await rx.recv()
                 assert (msg.audio_tokens == 1).all() and rx.stats.slotted == 1
-                name = rx._blocks[b"slotted"].name
-                assert in_dev_shm(name)
+                assert rx._blocks[b"slotted"].pid == peer.pid and mapped_blocks() == 1 == mapped_blocks(peer.pid)
                 os.kill(peer.pid, signal.SIGKILL)
                 with pytest.raises(PeerDeadError, match="'slotted'"), anyio.fail_after(10):
                     await rx.recv()
-                assert not in_dev_shm(name)  # the receiver unlinked the dead sender's block
+                assert mapped_blocks() == 0  # ours was the last reference: the block's memory is freed
             finally:
                 peer.kill()
                 peer.join()
@@ -232,7 +325,7 @@ def test_a_sender_killed_with_sigkill_leaves_nothing_in_dev_shm(tmp_path):
     anyio.run(main)
 
 
-def test_a_receiver_closing_first_unlinks_and_the_sender_closes_cleanly(tmp_path):
+def test_a_receiver_closing_first_unmaps_and_the_sender_closes_cleanly(tmp_path):
     async def main():
         transport = Transport(TransportConfig())
         rx = Receiver(transport, f"ipc://{tmp_path}/e.sock", "a->b", 2)
@@ -241,8 +334,9 @@ def test_a_receiver_closing_first_unlinks_and_the_sender_closes_cleanly(tmp_path
                 await tx.send(cond(0, MB // 4))
                 with anyio.fail_after(5):
                     assert (await rx.recv()).chunk == 0
-                name = tx.block.shm.name
-            assert not in_dev_shm(name)  # the receiver could not know whether the sender was alive
+                assert mapped_blocks() == 2
+            assert mapped_blocks() == 1  # the receiver unmapped on close: only the sender's is left
+        assert mapped_blocks() == 0
         transport.close()
 
     anyio.run(main)

@@ -1,6 +1,6 @@
 import numpy as np
 
-from charstream.stages.ingest.tts import synthesize
+from charstream.stages.agents.tts import synthesize
 
 
 def test_espeak_speaks_with_phoneme_timing():

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
+from charstream.stages.agents.tts import synthesize
 from charstream.stages.ingest.resample import resample, to_int16
-from charstream.stages.ingest.tts import synthesize
 from charstream.stages.ingest.vad import UserAudioVAD
 from charstream.transport.messages import TurnKind
 

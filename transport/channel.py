@@ -40,7 +40,7 @@ from charstream.transport.codec import MessageError, decode, encode
 from charstream.transport.config import TransportConfig
 from charstream.transport.messages import Control, Message
 from charstream.transport.security import CurveKeys, Security
-from charstream.transport.slots import SlotBlock, SlotError, SlotView
+from charstream.transport.slots import SlotBlock, SlotError, SlotView, peer_pid
 
 HELLO, CREDIT, BEAT, BYE, DATA, SLOT, CTRL, GO = b"H", b"C", b"B", b"X", b"D", b"S", b"K", b"G"
 SEND_LINGER_MS = 200  # lets a closing sender flush what it already sent, without hanging on a dead peer
@@ -59,8 +59,12 @@ class ChannelError(RuntimeError):
 
     def __init__(self, problem: str, channel: str, peer: str = "?") -> None:
         super().__init__(f"channel {channel!r}, peer {peer!r}: {problem}")
+        self.problem = problem
         self.channel = channel
         self.peer = peer
+
+    def __reduce__(self):  # pickled by its fields: it crosses processes (a spawned consumer's result)
+        return type(self), (self.problem, self.channel, self.peer)
 
 
 class PeerDeadError(ChannelError):
@@ -233,6 +237,14 @@ def _bind(end: _Endpoint, sock: zmq.asyncio.Socket) -> None:
         end.endpoint = sock.last_endpoint.decode()
 
 
+def _sender_pid(frame: zmq.Frame) -> int | None:
+    """The sending process's pid, as the kernel gave it to ZeroMQ for this ipc connection."""
+    try:
+        return peer_pid(frame.get("Peer-Address"))
+    except zmq.ZMQError:  # no such property on this transport
+        return None
+
+
 class Receiver(_Endpoint):
     """The receiving end of a data edge: binds, grants credits, validates and queues messages."""
 
@@ -266,17 +278,17 @@ class Receiver(_Endpoint):
                             else f"slot message of {len(payload)} frames, expected 2")
         return [payload[1], *block.read(payload[0].bytes)]
 
-    def _release(self, peer: bytes, unlink: bool) -> None:
+    def _release(self, peer: bytes) -> None:
         block = self._blocks.pop(peer, None)
         if block is not None:
-            block.close(unlink)
+            block.close()
 
     def _forget_dead(self, peer: bytes) -> None:
-        self._release(peer, unlink=True)  # a sender killed with SIGKILL could not unlink its block
+        self._release(peer)  # our mapping was the last of a killed sender's block
 
     def _close(self) -> None:
         for peer in list(self._blocks):  # senders that never said BYE: maybe killed before detection
-            self._release(peer, unlink=True)
+            self._release(peer)
         super()._close()
 
     async def _on_frames(self, frames: list[zmq.Frame]) -> None:
@@ -304,11 +316,12 @@ class Receiver(_Endpoint):
             self.wakeup.notify()
         elif kind == HELLO:
             try:
-                block = SlotView(frames[2].bytes, self.transport.config.max_message_bytes) if len(frames) > 2 else None
+                block = SlotView(frames[2].bytes, self.transport.config.max_message_bytes,
+                                 _sender_pid(frames[2])) if len(frames) > 2 else None
             except SlotError as e:
                 self._count_bad(ChannelError(f"hello refused: {e}", self.name, name))
                 return
-            self._release(peer, unlink=True)  # a restarted sender's old block: nobody else will unlink it
+            self._release(peer)  # a restarted sender's old block
             if block is not None:
                 self._blocks[peer] = block
             # A new (or restarted) sender holds no credit: grant what its queued messages leave free.
@@ -318,7 +331,7 @@ class Receiver(_Endpoint):
         elif kind == BYE and known:
             del self._credit_out[peer]
             self.live.forget(peer)
-            self._release(peer, unlink=False)  # the sender unlinks its own block
+            self._release(peer)
         elif kind != BEAT or not known:
             problem = f"unexpected frame kind {kind[:8]!r}" if known else "message from a peer that never said hello"
             self._count_bad(ChannelError(f"{problem} ({len(frames) - 1} frames dropped)", self.name, name))
@@ -398,7 +411,7 @@ class Sender(_Endpoint):
             self.sock.send(BYE, flags=zmq.NOBLOCK)
         self.sock.close(linger=SEND_LINGER_MS)
         if self.block is not None:
-            self.block.close()  # unlinks; a receiver that already opened it keeps its descriptor
+            self.block.close()  # a receiver that mapped it keeps its mapping until it releases it
 
     async def _on_frames(self, frames: list[zmq.Frame]) -> None:
         self.live.seen(self.peer.encode())

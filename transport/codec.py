@@ -8,7 +8,9 @@ buffer (zero-copy; the resulting arrays are read-only, copy one before writing i
 ``decode`` trusts nothing: every problem (not msgpack, wrong version, unknown type, a field of the
 wrong type, an int outside int64 or a float that is not finite, a missing or extra frame, an array
 whose dtype/shape disagrees with its frame or declares more than the limit, a message over the size
-limit) raises ``MessageError`` naming the channel, the peer and the problem.
+limit) raises ``MessageError`` naming the channel, the peer and the problem. A control's payload
+travels as ``[payload type, {fields}]`` and is checked the same way, then against its kind and its
+own ranges (the payload dataclasses' checks).
 """
 
 from __future__ import annotations
@@ -24,12 +26,21 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from charstream.transport.messages import MESSAGE_TYPES, Message, TraceContext
+from charstream.transport.messages import (
+    CONTROL_PAYLOADS,
+    MESSAGE_TYPES,
+    Control,
+    ControlPayload,
+    Message,
+    TraceContext,
+)
 
 WIRE_VERSION = 1
 MAX_NDIM = 8
 INT_MIN, INT_MAX = -(2**63), 2**63 - 1  # int fields end up in numpy int64 and torch: nothing wider travels
 _TYPES: dict[str, type] = {cls.__name__: cls for cls in MESSAGE_TYPES}
+_PAYLOADS: dict[str, type] = {cls.__name__: cls for cls in CONTROL_PAYLOADS.values()}
+_PAYLOAD_HINT = ControlPayload | None
 # Plain numeric dtypes in either byte order; object/void/string dtypes never travel.
 _DTYPES: frozenset[str] = frozenset(
     np.dtype(code).newbyteorder(order).str for code in "?bBhHiIqQefd" for order in "<>"
@@ -45,6 +56,9 @@ class MessageError(ValueError):
         self.channel = channel
         self.peer = peer
 
+    def __reduce__(self):  # pickled by its fields, not by its message (which would be wrapped again)
+        return type(self), (self.problem, self.channel, self.peer)
+
 
 class _Mismatch(Exception):
     """A header value of the wrong type (internal; becomes a MessageError)."""
@@ -54,7 +68,7 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-_HINTS: dict[type, dict[str, Any]] = {cls: _hints(cls) for cls in (*MESSAGE_TYPES, TraceContext)}
+_HINTS: dict[type, dict[str, Any]] = {cls: _hints(cls) for cls in (*MESSAGE_TYPES, TraceContext, *_PAYLOADS.values())}
 _ARRAY_FIELDS: dict[type, tuple[str, ...]] = {
     cls: tuple(name for name, hint in _HINTS[cls].items() if hint is np.ndarray) for cls in MESSAGE_TYPES
 }
@@ -78,6 +92,11 @@ def encode(msg: Message, max_bytes: int | None = None) -> list[bytes | memoryvie
             buffers.append(memoryview(array.reshape(-1).view(np.uint8)))
         else:
             fields[name] = _plain(value)
+    if cls is Control:  # a payload built with values of the wrong type is refused here, not by the peer
+        try:
+            _payload(fields["payload"], "payload")
+        except _Mismatch as e:
+            raise MessageError(f"Control({msg.kind}): {e}") from None
     header = msgpack.packb({"v": WIRE_VERSION, "t": cls.__name__, "f": fields, "a": arrays})
     size = len(header) + sum(b.nbytes for b in buffers)
     if max_bytes is not None and size > max_bytes:
@@ -90,6 +109,8 @@ def _plain(value: Any) -> Any:
         return {"turn_id": value.turn_id, "stamps": dict(value.stamps)}
     if isinstance(value, enum.Enum):
         return value.value
+    if type(value) in _PAYLOADS.values():
+        return [type(value).__name__, {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}]
     return value
 
 
@@ -135,9 +156,9 @@ def _decode(views: list[memoryview], max_bytes: int) -> Message:
         raise MessageError(f"{cls.__name__}: missing array(s) {sorted(missing)}")
     try:
         values = _fields(cls, fields, set(_ARRAY_FIELDS[cls]))
-    except _Mismatch as e:
+        return cls(**values, **arrays)
+    except (_Mismatch, ValueError) as e:  # ValueError: a control whose payload is not its kind's
         raise MessageError(f"{cls.__name__}: {e}") from None
-    return cls(**values, **arrays)
 
 
 def _array(cls: type, spec: Any, view: memoryview, max_bytes: int) -> tuple[str, np.ndarray]:
@@ -184,6 +205,8 @@ def _fields(cls: type, data: dict[str, Any], skip: set[str], prefix: str = "") -
 
 def _convert(value: Any, hint: Any, path: str) -> Any:
     """``value`` checked against the type hint ``hint``; raises _Mismatch naming ``path``."""
+    if hint == _PAYLOAD_HINT:
+        return _payload(value, path)
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         for option in typing.get_args(hint):
@@ -219,3 +242,19 @@ def _convert(value: Any, hint: Any, path: str) -> Any:
         got = f"{type(value).__name__} {value!r}"[:60] if type(value) in (int, float) else type(value).__name__
         raise _Mismatch(f"{path}: expected {getattr(hint, '__name__', hint)}, got {got}")
     return float(value) if hint is float else value
+
+
+def _payload(value: Any, path: str) -> ControlPayload | None:
+    """A control's payload from ``[payload type, {fields}]`` (or None), its fields and ranges checked."""
+    if value is None:
+        return None
+    if not (isinstance(value, list) and len(value) == 2 and isinstance(value[1], dict)):
+        raise _Mismatch(f"{path}: expected [payload type, {{fields}}], got {type(value).__name__}")
+    cls = _PAYLOADS.get(value[0]) if isinstance(value[0], str) else None
+    if cls is None:
+        raise _Mismatch(f"{path}: unknown payload type {value[0]!r}")
+    values = _fields(cls, value[1], set(), f"{path}.")
+    try:
+        return cls(**values)
+    except ValueError as e:
+        raise _Mismatch(f"{path}: {cls.__name__}: {e}") from None

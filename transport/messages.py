@@ -5,11 +5,8 @@ Arrays are numpy (tensors are converted at the stage boundary); the codec sends 
 multipart frames. Audio on the media timeline is 48 kHz mono int16; chunk ``n`` covers media
 time ``[n * CHUNK_SECONDS, (n + 1) * CHUNK_SECONDS)``.
 
-Turn-start rollback (docs/ARCHITECTURE.md, Turn-start rollback): when agent speech can be placed,
-conditioning sends ``Control(TURN_START)``; playout keeps the unplayed chunks that play before the
-speech can be ready, drops the rest and broadcasts ``Control(ROLLBACK, chunk=last_kept, epoch=e+1)``;
-every stage then discards data of older epochs (all of it lies after ``last_kept``), conditioning restarts at
-``last_kept + 1`` with the speech, and diffusion rewinds its ring write pointer to match.
+The ``Control`` kinds ``TURN_START``, ``ROLLBACK`` and ``CLOCK`` and the data messages' ``epoch``
+carry the turn-start rollback: docs/ARCHITECTURE.md, Turn-start rollback.
 """
 
 from __future__ import annotations
@@ -20,7 +17,7 @@ from enum import StrEnum
 
 import numpy as np
 
-from charstream.timeline import TIMELINE_RATE
+from charstream.timeline import FRAMES_PER_CHUNK, TIMELINE_RATE
 
 
 @dataclass
@@ -106,23 +103,107 @@ class VideoChunk:
 class ControlKind(StrEnum):
     INTERRUPT = "interrupt"  # barge-in: drop unplayed speech, return to listening
     TURN_START = "turn_start"  # conditioning -> playout: agent speech is ready to place; ``chunk``: the next one it would emit
-    ROLLBACK = "rollback"  # playout -> all: last kept chunk in ``chunk``; the speech starts at ``detail['onset_frame']`` of the next
-    CLOCK = "clock"  # playout -> conditioning: chunk ``chunk`` is due at wall clock ``detail['due_at']`` (the pacing anchor)
+    ROLLBACK = "rollback"  # playout -> all: last kept chunk in ``chunk``; the speech starts at the payload's onset frame of the next
+    CLOCK = "clock"  # playout -> conditioning: chunk ``chunk`` is due at the payload's ``due_at`` (the pacing anchor)
     SHUTDOWN = "shutdown"
-    ERROR = "error"  # a stage failed; ``detail['stage']`` and ``detail['error']`` say which and why
+    ERROR = "error"  # a stage failed; the payload says which and why
+
+
+def _require(ok: bool, problem: str) -> None:
+    if not ok:
+        raise ValueError(problem)
+
+
+@dataclass(frozen=True)
+class TurnStartPayload:
+    """What playout places a turn's speech by (docs/ARCHITECTURE.md, Turn-start rollback)."""
+
+    earliest_chunk: int | None  # the furthest chunk a rewind undoes exactly (None: any)
+    last_emit_at: float | None  # wall clock of conditioning's last chunk: the step may still be busy with it
+    encode_s: float  # the first speaking chunk is encoded once placed
+
+    def __post_init__(self) -> None:
+        _require(self.encode_s >= 0, f"encode_s must be >= 0, got {self.encode_s}")
+        _require(self.last_emit_at is None or self.last_emit_at >= 0,
+                 f"last_emit_at must be a wall clock >= 0, got {self.last_emit_at}")
+
+
+@dataclass(frozen=True)
+class RollbackPayload:
+    """Where the speech starts after a rollback: frame ``onset_frame`` of chunk ``Control.chunk + 1``."""
+
+    reason: ControlKind  # TURN_START or INTERRUPT
+    onset_frame: int
+    dropped: int  # unplayed chunks dropped
+    kept: int  # unplayed chunks kept to play before the speech
+    placed_at: float | None = None  # wall clock of a speech placement (conditioning logs the control's hop)
+    due_at: float | None = None  # wall clock at which chunk ``Control.chunk + 1`` is due (a placement's)
+
+    def __post_init__(self) -> None:
+        _require(self.reason in (ControlKind.TURN_START, ControlKind.INTERRUPT),
+                 f"reason must be turn_start or interrupt, got {self.reason}")
+        _require(0 <= self.onset_frame < FRAMES_PER_CHUNK,
+                 f"onset_frame must be in [0, {FRAMES_PER_CHUNK}), got {self.onset_frame}")
+        _require(self.dropped >= 0 and self.kept >= 0, f"dropped and kept must be >= 0, got {self.dropped}, {self.kept}")
+        for name in ("placed_at", "due_at"):
+            value = getattr(self, name)
+            _require(value is None or value >= 0, f"{name} must be a wall clock >= 0, got {value}")
+
+
+@dataclass(frozen=True)
+class ClockPayload:
+    due_at: float  # wall clock at which chunk ``Control.chunk`` is due at playout
+
+    def __post_init__(self) -> None:
+        _require(self.due_at >= 0, f"due_at must be a wall clock >= 0, got {self.due_at}")
+
+
+@dataclass(frozen=True)
+class InterruptPayload:
+    at_sample: int  # media time of the barge-in (the turn is in ``Control.trace``)
+
+    def __post_init__(self) -> None:
+        _require(self.at_sample >= 0, f"at_sample must be >= 0, got {self.at_sample}")
+
+
+@dataclass(frozen=True)
+class ErrorPayload:
+    stage: str  # the stage that failed
+    error: str  # why
+
+    def __post_init__(self) -> None:
+        _require(bool(self.stage), "stage must not be empty")
+
+
+@dataclass(frozen=True)
+class ShutdownPayload:
+    reason: str  # what ended the session
+
+
+ControlPayload = TurnStartPayload | RollbackPayload | ClockPayload | InterruptPayload | ErrorPayload | ShutdownPayload
+CONTROL_PAYLOADS: dict[ControlKind, type] = {
+    ControlKind.TURN_START: TurnStartPayload, ControlKind.ROLLBACK: RollbackPayload, ControlKind.CLOCK: ClockPayload,
+    ControlKind.INTERRUPT: InterruptPayload, ControlKind.ERROR: ErrorPayload, ControlKind.SHUTDOWN: ShutdownPayload,
+}
 
 
 @dataclass
 class Control:
-    """Control messages travel on their own channel and overtake data."""
+    """Control messages travel on their own channel and overtake data. ``payload``: the kind's own
+    (``CONTROL_PAYLOADS``) or None (a bare control: a turn start with nothing to place by, say)."""
 
     session_id: str
     seq: int
     kind: ControlKind
     chunk: int | None = None
     epoch: int = 0
-    detail: dict[str, str | int | float | bool | None] = field(default_factory=dict)
+    payload: ControlPayload | None = None
     trace: TraceContext = field(default_factory=TraceContext)
+
+    def __post_init__(self) -> None:
+        expected = CONTROL_PAYLOADS[self.kind]
+        _require(self.payload is None or type(self.payload) is expected,
+                 f"a {self.kind} control carries a {expected.__name__}, got {type(self.payload).__name__}")
 
 
 Message = AgentAudio | TurnEvent | Conditioning | Latents | VideoChunk | Control

@@ -1,40 +1,54 @@
 """Per-edge shared-memory slots: large arrays cross ipc without going through a kernel socket.
 
-A ``Sender`` on ipc owns one block of ``slots`` × ``slot_bytes`` (POSIX shared memory). A message
-whose arrays fit a slot is copied into the next free slot and only a small reference frame travels:
-``<u32 slot><u64 length per array>``. Its receiver opens the block when the sender says HELLO
-(geometry frame: msgpack ``{"name", "slots", "slot_bytes"}``), validates every reference like any
-header field and copies the arrays out at once (``pread``: the receiver never maps a peer's block, so
-a block truncated under it is a bad message, not SIGBUS), so a slot is free again before its credit
-returns.
+A ``Sender`` on ipc owns one block of ``slots`` × ``slot_bytes``: a ``memfd`` sealed against
+shrinking and growing (``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``, as Wayland and PipeWire seal
+the shared memory of an untrusted client). A message whose arrays fit a slot is copied into the next
+free slot and only a small reference frame travels: ``<u32 slot><u64 length per array>``. Its
+receiver maps the block when the sender says HELLO (geometry frame: msgpack ``{"fd", "slots",
+"slot_bytes"}``), validates every reference like any header field and copies the arrays out of the
+mapping at once, so a slot is free again before its credit returns (credits come back when the
+consumer *takes* a message, and the consumer may keep its arrays for as long as it likes: one copy,
+into memory the consumer owns and may write, is the least that lets the sender reuse the slot).
 
-Lifetime: the sender unlinks its block on close or at interpreter exit, and its block stays
-registered with Python's resource tracker, a separate process that unlinks it even when every
-process of the session was killed. The receiver opens blocks without the tracker (on 3.11
-``SharedMemory(name)`` registers attached blocks too, and unregistering them would also drop the
-sender's registration when both ends share a process); it unlinks the block of a sender it declares
-dead (kill -9 of a sender leaves nothing in /dev/shm) and those it still holds when it closes.
+Why seals: a mapping of a file that its owner truncates gives SIGBUS on the next read past the new
+end, which kills the receiver. With SHRINK sealed, the kernel refuses ``ftruncate`` (EPERM) to the
+sender and to anyone else, and seals can neither be removed nor (SEAL sealed) changed, so a block
+whose seals and size the receiver checked before mapping stays mappable for as long as it is mapped.
+
+How the receiver gets the descriptor: it opens ``/proc/<pid>/fd/<fd>``, where ``fd`` is the
+number in HELLO and ``pid`` is *not* taken from the message but from the ZeroMQ connection itself:
+on ipc, libzmq reads the peer's ``SO_PEERCRED`` when it accepts the connection and reports it in
+every message's ``Peer-Address`` property (``...:uid:gid:pid``). So a peer can only point the
+receiver at one of its own descriptors, the HELLO stays one ZeroMQ message (no second socket to
+bind, find, clean up and match to the ZeroMQ peer, as ``SCM_RIGHTS`` would need: ZeroMQ passes no
+ancillary data), and it works between unrelated processes of one user (an engine and its
+front-ends), where ``pidfd_getfd`` needs ptrace-attach rights that Yama (``ptrace_scope`` 1) gives
+only to ancestors. Peers in different users or PID namespaces cannot open each other's descriptors:
+use tcp there, or ``slot_bytes = 0``.
+
+Lifetime: a memfd has no name, so nothing is ever left in /dev/shm. Its memory goes when the last
+descriptor and mapping of it go: the sender's on close or at exit (the kernel closes them even
+after kill -9), the receiver's when the sender says BYE, when the receiver declares it dead, or when
+the receiver closes.
 """
 
 from __future__ import annotations
 
-import _posixshmem
+import fcntl
+import mmap
 import os
-import re
-import secrets
+import stat
 import struct
 import weakref
 from collections.abc import Sequence
-from multiprocessing import resource_tracker
-from multiprocessing.shared_memory import SharedMemory
 
 import msgpack
+import numpy as np
 
 MAX_SLOTS = 4096
-NAME_PREFIX = "charstream-"
-# Only names we generate: a hostile peer must not make the receiver attach (and later unlink) another
-# program's block.
-_NAME = re.compile(rf"{NAME_PREFIX}[0-9a-f]{{16}}")
+MEMFD_NAME = "charstream-slots"  # shows as /memfd:charstream-slots in /proc/<pid>/maps
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+_MAX_FD = 2**31 - 1
 _SLOT = struct.Struct("<I")
 _LENGTH = struct.Struct("<Q")
 
@@ -43,80 +57,127 @@ class SlotError(ValueError):
     """A bad geometry, slot reference or block (the channel turns it into a counted bad message)."""
 
 
-def _release_owned(shm: SharedMemory) -> None:
-    shm.close()
-    try:
-        shm.unlink()  # also ends the resource tracker's watch
-    except FileNotFoundError:  # the receiver was first (it closed, or thought us dead)
-        resource_tracker.unregister(shm._name, "shared_memory")
+def _release_owned(buf: mmap.mmap, fd: int) -> None:
+    buf.close()
+    os.close(fd)
 
 
 class SlotBlock:
-    """The sender's block: ``slots`` slots of ``slot_bytes``, written in turn."""
+    """The sender's block: ``slots`` slots of ``slot_bytes`` in a sealed memfd, written in turn."""
 
     def __init__(self, slots: int, slot_bytes: int) -> None:
-        self.shm = SharedMemory(f"{NAME_PREFIX}{secrets.token_hex(8)}", create=True, size=slots * slot_bytes)
+        fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, slots * slot_bytes)  # sparse: a slot's pages are reserved on first use
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+            self.buf = mmap.mmap(fd, slots * slot_bytes)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
         self.slots = slots
         self.slot_bytes = slot_bytes
         self._reserved = [False] * slots
-        # The block goes with the sender on any exit path that runs Python (GC, atexit).
-        self._finalizer = weakref.finalize(self, _release_owned, self.shm)
+        # The block goes with the sender on any exit path that runs Python (GC, atexit); the kernel
+        # closes the rest.
+        self._finalizer = weakref.finalize(self, _release_owned, self.buf, fd)
 
     def geometry(self) -> bytes:
-        """The HELLO payload that lets the receiver attach."""
-        return msgpack.packb({"name": self.shm.name, "slots": self.slots, "slot_bytes": self.slot_bytes})
+        """The HELLO payload that lets the receiver map the block."""
+        return msgpack.packb({"fd": self.fd, "slots": self.slots, "slot_bytes": self.slot_bytes})
 
     def write(self, slot: int, buffers: Sequence[memoryview]) -> bytes | None:
-        """Copy ``buffers`` into ``slot``; the reference frame, or None if tmpfs has no room for it."""
+        """Copy ``buffers`` into ``slot``; the reference frame, or None if memory for it ran out."""
         if not self._reserved[slot]:
             try:
-                # Touching a page that tmpfs cannot back is SIGBUS, not an exception: reserve first.
-                os.posix_fallocate(self.shm._fd, slot * self.slot_bytes, self.slot_bytes)
+                # A page that shmem cannot back is SIGBUS or the OOM killer on first touch, not an
+                # exception: reserve the slot first (ENOMEM here means inline sending).
+                os.posix_fallocate(self.fd, slot * self.slot_bytes, self.slot_bytes)
             except OSError:
                 return None
             self._reserved[slot] = True
         offset = slot * self.slot_bytes
         for b in buffers:
-            self.shm.buf[offset:offset + b.nbytes] = b
+            self.buf[offset:offset + b.nbytes] = b
             offset += b.nbytes
         return _SLOT.pack(slot) + b"".join(_LENGTH.pack(b.nbytes) for b in buffers)
 
     def close(self) -> None:
-        """Unmap and unlink (idempotent); a receiver that opened the block keeps its own descriptor."""
+        """Unmap and close (idempotent); a receiver that mapped the block keeps its own mapping."""
         self._finalizer()
 
 
-class SlotView:
-    """The receiver's descriptor of a sender's block, from its HELLO geometry (never mapped)."""
+def mapped_blocks(pid: int | str = "self") -> int:
+    """Slot blocks mapped in a process (a memfd has no name in /dev/shm to count): for leak checks."""
+    with open(f"/proc/{pid}/maps") as f:
+        return sum(f"/memfd:{MEMFD_NAME}" in line for line in f)
 
-    def __init__(self, geometry: bytes, max_slot_bytes: int) -> None:
-        """Every geometry field is validated before anything is mapped; raises SlotError."""
+
+def peer_pid(peer_address: str | None) -> int | None:
+    """The pid in a ZeroMQ ipc ``Peer-Address`` property (``host:uid:gid:pid``), else None."""
+    fields = (peer_address or "").rsplit(":", 3)
+    return int(fields[3]) if len(fields) == 4 and fields[3].isdecimal() else None
+
+
+def _open_block(pid: int, fd: int) -> int:
+    """A read-only descriptor of the peer's ``fd``, if it is a regular file (never a FIFO or a
+    device: the peer chooses the number, and opening those can block or have side effects)."""
+    path = f"/proc/{pid}/fd/{fd}"
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise SlotError(f"fd {fd} of process {pid} is not a memfd")
+        own = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as e:
+        raise SlotError(f"cannot open fd {fd} of process {pid}: {e.strerror}") from None
+    if not stat.S_ISREG(os.fstat(own).st_mode):  # the peer swapped the descriptor in between
+        os.close(own)
+        raise SlotError(f"fd {fd} of process {pid} is not a memfd")
+    return own
+
+
+class SlotView:
+    """The receiver's read-only mapping of a sender's block, from its HELLO geometry."""
+
+    def __init__(self, geometry: bytes, max_slot_bytes: int, pid: int | None) -> None:
+        """Every geometry field, the block's seals and its size are checked before anything is
+        mapped; ``pid`` is the sender's, from its connection. Raises SlotError."""
         try:
             g = msgpack.unpackb(geometry, raw=False, strict_map_key=True)
         except Exception as e:  # msgpack raises several unrelated types for garbage
             raise SlotError(f"slot geometry is not msgpack ({type(e).__name__})") from None
-        if not isinstance(g, dict) or set(g) != {"name", "slots", "slot_bytes"}:
-            raise SlotError("slot geometry is not a map with keys name, slots, slot_bytes")
-        name, slots, slot_bytes = g["name"], g["slots"], g["slot_bytes"]
-        if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise SlotError(f"bad shared-memory name {name!r}")
-        for what, value, most in (("slots", slots, MAX_SLOTS), ("slot_bytes", slot_bytes, max_slot_bytes)):
-            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= most:
-                raise SlotError(f"bad {what} {value!r} (1..{most})")
+        if not isinstance(g, dict) or set(g) != {"fd", "slots", "slot_bytes"}:
+            raise SlotError("slot geometry is not a map with keys fd, slots, slot_bytes")
+        fd, slots, slot_bytes = g["fd"], g["slots"], g["slot_bytes"]
+        for what, value, least, most in (
+            ("fd", fd, 0, _MAX_FD), ("slots", slots, 1, MAX_SLOTS), ("slot_bytes", slot_bytes, 1, max_slot_bytes)
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or not least <= value <= most:
+                raise SlotError(f"bad {what} {value!r} ({least}..{most})")
+        if pid is None:
+            raise SlotError("the sender's process is unknown (slots need an ipc connection)")
+        own = _open_block(pid, fd)
         try:
-            fd = _posixshmem.shm_open("/" + name, os.O_RDONLY, mode=0o600)
-        except OSError as e:
-            raise SlotError(f"cannot attach shared memory {name!r}: {e}") from None
-        size = os.fstat(fd).st_size
-        if size < slots * slot_bytes:
-            os.close(fd)
-            raise SlotError(f"shared memory {name!r} holds {size} bytes, geometry says {slots} x {slot_bytes}")
-        self.name = name
+            try:
+                seals = fcntl.fcntl(own, fcntl.F_GET_SEALS)
+            except OSError:
+                raise SlotError(f"fd {fd} of process {pid} is not a memfd (it cannot be sealed)") from None
+            if seals & SEALS != SEALS:
+                raise SlotError(f"block (fd {fd} of process {pid}) is not sealed against shrink, grow and "
+                                f"reseal (seals {seals:#x}): it could be truncated under the mapping")
+            size = os.fstat(own).st_size
+            if size != slots * slot_bytes:
+                raise SlotError(f"block (fd {fd} of process {pid}) holds {size} bytes, geometry says "
+                                f"{slots} x {slot_bytes}")
+            mapping = mmap.mmap(own, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(own)  # the mapping keeps the memory
+        self.pid = pid
         self.slots = slots
         self.slot_bytes = slot_bytes
-        self._fd = fd
+        self._mmap = mapping
+        self._bytes = np.frombuffer(mapping, np.uint8)
 
-    def read(self, ref: bytes) -> list[bytes]:
+    def read(self, ref: bytes) -> list[np.ndarray]:
         """The arrays a reference frame points at, copied out of the slot (validated first)."""
         if len(ref) < _SLOT.size or (len(ref) - _SLOT.size) % _LENGTH.size:
             raise SlotError(f"slot reference of {len(ref)} bytes")
@@ -127,20 +188,11 @@ class SlotView:
         offset = slot * self.slot_bytes
         arrays = []
         for n in lengths:
-            # pread, not a mapping: a sender that truncated its block gives a short read here, where a
-            # mapped page past the end of the file would kill this process with SIGBUS.
-            data = os.pread(self._fd, n, offset)
-            if len(data) != n:
-                raise SlotError(f"shared memory {self.name!r} was truncated under slot {slot}")
-            arrays.append(data)
+            arrays.append(self._bytes[offset:offset + n].copy())  # the consumer's own, writable memory
             offset += n
         return arrays
 
-    def close(self, unlink: bool) -> None:
-        """Close; ``unlink`` also removes the name (for a sender that cannot do it any more)."""
-        os.close(self._fd)
-        if unlink:
-            try:
-                _posixshmem.shm_unlink("/" + self.name)
-            except FileNotFoundError:  # the sender (or its resource tracker) was first
-                pass
+    def close(self) -> None:
+        """Unmap (the memory goes once the sender's descriptor has gone too)."""
+        del self._bytes  # an exported buffer would keep the mapping from closing
+        self._mmap.close()

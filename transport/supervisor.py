@@ -120,11 +120,13 @@ class Supervisor:
         self._mp = multiprocessing.get_context("spawn")
         self.children: dict[str, Child] = {}
 
-    def launch(self, name: str, target: Callable[..., dict], *args: Any) -> Child:
-        """Run ``target(*args)`` in a spawned process; it returns a report dict (``error`` key)."""
+    def launch(self, name: str, target: Callable[..., dict], *args: Any, daemon: bool = False) -> Child:
+        """Run ``target(*args)`` in a spawned process; it returns a report dict (``error`` key).
+        ``daemon``: ended at this process's exit if still running (a child that cannot outlive its
+        work, e.g. a TP rank waiting in a collective), instead of waited for."""
         receive, send = self._mp.Pipe(duplex=False)
         process = self._mp.Process(
-            target=_child_entry, args=(os.getpid(), target, send, args), name=f"charstream-{name}"
+            target=_child_entry, args=(os.getpid(), target, send, args), name=f"charstream-{name}", daemon=daemon
         )
         with _sigint_ignored():
             process.start()
@@ -139,13 +141,17 @@ class Supervisor:
         return child.process.exitcode
 
     async def stop_all(self, grace_s: float) -> None:
-        """Wait up to ``grace_s`` for children to exit, then SIGTERM, then SIGKILL the rest. A
+        """``stop`` every child."""
+        await self.stop(list(self.children.values()), grace_s)
+
+    async def stop(self, children: list[Child], grace_s: float) -> None:
+        """Wait up to ``grace_s`` for ``children`` to exit, then SIGTERM, then SIGKILL the rest. A
         stopped child (SIGSTOP) can neither exit nor take SIGTERM: it is killed at once."""
-        for c in self.children.values():
+        for c in children:
             if c.process.is_alive() and _stopped(c.pid):
                 os.kill(c.pid, signal.SIGKILL)
         for sig, wait_s in ((None, grace_s), (signal.SIGTERM, 0.5), (signal.SIGKILL, 1.0)):
-            alive = [c for c in self.children.values() if c.process.is_alive()]
+            alive = [c for c in children if c.process.is_alive()]
             if sig is not None:
                 for c in alive:
                     os.kill(c.pid, sig)
@@ -155,14 +161,18 @@ class Supervisor:
                 alive = [c for c in alive if c.process.is_alive()]
             if not alive:
                 break
-        for c in self.children.values():
+        for c in children:
             c.process.join(timeout=0)
 
     def kill_all(self) -> None:
-        """Synchronous cleanup for error paths: SIGKILL anything still running and reap it."""
+        """``kill`` every child."""
         for c in self.children.values():
-            if c.process.is_alive():
-                c.process.kill()
-            c.process.join(timeout=1.0)
-            c.report()  # keep its last words before the pipe goes
-            c.results.close()
+            self.kill(c)
+
+    def kill(self, child: Child) -> None:
+        """Synchronous cleanup for error paths: SIGKILL the child if it still runs, and reap it."""
+        if child.process.is_alive():
+            child.process.kill()
+        child.process.join(timeout=1.0)
+        child.report()  # keep its last words before the pipe goes
+        child.results.close()

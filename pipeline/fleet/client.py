@@ -13,7 +13,7 @@ import json
 
 import aiohttp
 
-from charstream.stages.egress.client import EgressClient, SignalingError
+from charstream.pipeline.web.client import EgressClient, SignalingError
 
 
 class FullError(SignalingError):

@@ -11,7 +11,7 @@ from charstream.config_checks import CheckedSection, within
 class FleetConfig(CheckedSection):
     SECTION = "fleet"
 
-    layout: str = "cpu"  # each session's layout (pipeline/placement.py): a bundle per TP rank + one for the decoder
+    layout: str = "cpu"  # each session's layout (pipeline/runtime/layouts.py): a bundle per TP rank + one for the decoder
     cpu_device_resource: str = "charstream_cpu"  # what CPU layouts reserve per device (GPU layouts reserve GPU)
     max_sessions_per_node: int = field(default=2, metadata=within(1, 10_000))
     # A placement group on a node the accounting says is free, not placed by then: answer "full" (another

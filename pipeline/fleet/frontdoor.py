@@ -42,9 +42,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.fleet.health import FleetHealth
 from charstream.pipeline.fleet.host import SessionHost
-from charstream.pipeline.fleet.layout import layouts_that_fit, placement, session_bundles, session_demand
+from charstream.pipeline.fleet.layout import layouts_that_fit, session_bundles, session_demand, session_layout
 from charstream.pipeline.fleet.metrics import FleetCollector
-from charstream.stages.egress.server import EgressServer, OfferError
+from charstream.pipeline.web.server import EgressServer, OfferError
 
 log = structlog.get_logger("fleet")
 NODE_LABEL = "ray.io/node-id"  # every Ray node carries its id as this label
@@ -68,7 +68,9 @@ class NodeState:
 
 
 @dataclass
-class FleetSession:
+class SessionRecord:
+    """The front door's record of a session placed on a node: its reservation, actor and health."""
+
     session_id: str
     token: str
     node_id: str
@@ -98,12 +100,12 @@ class FrontDoor(EgressServer):
         self.pipeline_config = config
         self.fleet = config.fleet
         self.source = source
-        placement(self.fleet)  # fail fast on an unknown layout
+        session_layout(self.fleet)  # fail fast on an unknown layout
         self.bundles = session_bundles(self.fleet)
         self.demand = session_demand(self.fleet)
         self.nodes: dict[str, NodeState] = {}
-        self.sessions: dict[str, FleetSession] = {}  # type: ignore[assignment]  # they run on the nodes
-        self._by_token: dict[str, FleetSession] = {}  # type: ignore[assignment]
+        self.sessions: dict[str, SessionRecord] = {}  # type: ignore[assignment]  # they run on the nodes
+        self._by_token: dict[str, SessionRecord] = {}  # type: ignore[assignment]
         self.health = FleetHealth(self.fleet)
         self.admissions = {"admitted": 0, "full": 0, "failed": 0}
         self.registry = CollectorRegistry(auto_describe=False)
@@ -164,7 +166,7 @@ class FrontDoor(EgressServer):
             raise Full(f"fleet full: no node has a free {self.fleet.layout} layout")
         return max(candidates, key=lambda n: (self.free_layouts(n), -len(n.sessions), n.node_id))
 
-    async def admit(self, client: str | None = None) -> FleetSession:
+    async def admit(self, client: str | None = None) -> SessionRecord:
         node = self.pick_node()  # raises Full: no Ray call on the way to a 503
         if client is not None:
             self._admit(client)  # the per-client caps (OfferError 429)
@@ -190,7 +192,7 @@ class FrontDoor(EgressServer):
             raise
         node.sessions.discard(placeholder)
         node.sessions.add(info["session_id"])
-        session = FleetSession(info["session_id"], info["token"], node.node_id, pg, actor, info["url"], client)
+        session = SessionRecord(info["session_id"], info["token"], node.node_id, pg, actor, info["url"], client)
         self.sessions[session.session_id] = session
         self._by_token[session.token] = session
         session.watcher = asyncio.create_task(self._watch(session), name=f"fleet-watch-{session.session_id}")
@@ -205,7 +207,7 @@ class FrontDoor(EgressServer):
 
     # --- session ends ------------------------------------------------------------------------
 
-    async def _watch(self, session: FleetSession) -> None:
+    async def _watch(self, session: SessionRecord) -> None:
         try:
             result = await _awaitable(session.actor.ended.remote())
             session.played_s, session.average_fps = result["played_s"], result["average_fps"]
@@ -221,7 +223,7 @@ class FrontDoor(EgressServer):
             reason = f"the session's process died: {type(e).__name__}"
         await self._release(session, reason)
 
-    async def _release(self, session: FleetSession, reason: str) -> None:
+    async def _release(self, session: SessionRecord, reason: str) -> None:
         """Free the session's reservation and tell its page why it ended (idempotent)."""
         if self.sessions.pop(session.session_id, None) is None:
             return

@@ -20,9 +20,10 @@ from typing import Any
 import ray
 
 from charstream.pipeline.config import PipelineConfig
-from charstream.pipeline.placement import apply_placement
+from charstream.pipeline.runtime.layouts import apply_layout
+from charstream.pipeline.runtime.process import MemoryTrimmer
 from charstream.pipeline.serve import make_factory
-from charstream.stages.egress.server import EgressServer, PeerSession
+from charstream.pipeline.web.server import EgressServer, Peer
 
 FPS_SCAN_S = 0.25  # playout keeps 30 s of frame records: scanned well within that
 
@@ -32,7 +33,8 @@ class SessionHost:
         self.config = config
         self.source = source
         self.server: EgressServer | None = None
-        self.peer: PeerSession | None = None
+        self.trimmer: MemoryTrimmer | None = None  # the actor's process owns the serving loop
+        self.peer: Peer | None = None
         self._fresh_frames = 0
         self._scanned_to = 0
         self._scanner: asyncio.Task | None = None
@@ -43,12 +45,14 @@ class SessionHost:
         """Start the node's egress with one reserved session; its processes see only ``gpu_ids``."""
         if gpu_ids:  # before anything touches CUDA: the session's ranks see their bundles' GPUs as cuda:0..
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
-        config = apply_placement(copy.deepcopy(self.config), self.config.fleet.layout,
+        config = apply_layout(copy.deepcopy(self.config), self.config.fleet.layout,
                                  gpus_available=len(gpu_ids) if gpu_ids else None)
         egress = dataclasses.replace(config.egress, host=ray.util.get_node_ip_address(), port=0, max_sessions=1)
         config = dataclasses.replace(config, egress=egress)
         self.server = EgressServer(egress, make_factory(self.source, config))
         url = await self.server.start()
+        self.trimmer = MemoryTrimmer(egress.memory_trim_s)
+        self.trimmer.start()
         session_id, token = self.server.create_session()
         self.peer = self.server.sessions[session_id]
         self._scanner = asyncio.create_task(self._scan_forever())
@@ -61,6 +65,7 @@ class SessionHost:
         self._scanner.cancel()
         figures = self.figures()  # the clock stops with the session
         self._ended_at = time.monotonic()
+        await self.trimmer.stop()
         await self.server.stop()
         return {"reason": self.peer.end_reason, **figures}
 

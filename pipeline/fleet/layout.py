@@ -10,18 +10,18 @@ import math
 from collections import Counter
 
 from charstream.pipeline.fleet.config import FleetConfig
-from charstream.pipeline.placement import PLACEMENTS, Placement
+from charstream.pipeline.runtime.layouts import LAYOUTS, Layout
 
 
-def placement(config: FleetConfig) -> Placement:
+def session_layout(config: FleetConfig) -> Layout:
     try:
-        return PLACEMENTS[config.layout]
+        return LAYOUTS[config.layout]
     except KeyError:
-        raise ValueError(f"unknown fleet layout {config.layout!r}; known: {', '.join(PLACEMENTS)}") from None
+        raise ValueError(f"unknown fleet layout {config.layout!r}; known: {', '.join(LAYOUTS)}") from None
 
 
 def session_bundles(config: FleetConfig) -> list[dict[str, float]]:
-    layout = placement(config)
+    layout = session_layout(config)
     device = "GPU" if layout.gpus else config.cpu_device_resource
     bundles = [{device: 1.0} for _ in layout.diffusion]
     # Layout "3" decodes on the last rank's GPU: its decoder bundle holds a CPU, not a second GPU.

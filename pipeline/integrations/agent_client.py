@@ -18,8 +18,8 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
+from charstream.stages.agents.tts import synthesize
 from charstream.stages.ingest.resample import resample
-from charstream.stages.ingest.tts import synthesize
 
 FRAME_S = 0.02
 PING_S = 0.5

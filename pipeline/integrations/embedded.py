@@ -24,8 +24,8 @@ from typing import Any
 from charstream.pipeline.config import PipelineConfig
 from charstream.stages.ingest.adapters import PUSH_ADAPTERS
 from charstream.stages.ingest.push import PushAdapter
-from charstream.stages.metrics import serve_metrics
-from charstream.stages.playout import PlayoutClosed, ReleasedFrame
+from charstream.stages.playout.output import PlayoutClosed, ReleasedFrame
+from charstream.stages.shared.metrics import serve_metrics
 
 
 class EmbeddedSession:
@@ -42,7 +42,7 @@ class EmbeddedSession:
     async def start(self, timeout_s: float = 120.0) -> None:
         """Start the session; returns once every stage is set up (raises if the session failed).
         With ``tracing.prometheus_port`` set, metrics are served (once per process; a host that
-        serves its own registers ``charstream.stages.metrics.collector()`` instead)."""
+        serves its own registers ``charstream.stages.shared.metrics.collector()`` instead)."""
         tracing = self.live.config.tracing
         if tracing.prometheus_port is not None:
             serve_metrics(tracing.prometheus_port, tracing.prometheus_host)

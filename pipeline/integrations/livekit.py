@@ -56,7 +56,7 @@ from charstream.model.config import get_preset
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.integrations.embedded import EmbeddedSession
 from charstream.stages.ingest.adapters import AgentAudioFrame, AgentTurnEnd, AgentTurnStart
-from charstream.stages.playout import ReleasedFrame
+from charstream.stages.playout.output import ReleasedFrame
 from charstream.timeline import TIMELINE_RATE, VIDEO_FPS
 from charstream.transport.messages import TurnKind
 

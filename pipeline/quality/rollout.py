@@ -25,6 +25,7 @@ from charstream.model.character import MOUTH_BOX, Motion, make_identity, referen
 from charstream.model.config import get_preset
 from charstream.model.generator import Generator
 from charstream.model.naive import NaiveGenerator
+from charstream.model.step import StepOptions
 from charstream.model.vae import to_uint8_frames
 from charstream.model.weights import build_model, load_audio_encoder, load_vae, packaged_weights
 from charstream.pipeline.quality.lipsync import (
@@ -53,7 +54,7 @@ class GateConfig:
     weights: str | None = None  # default: the packaged model/assets/tiny.safetensors
     device: str = "cpu"
     identity: int = 0  # the character every clip is generated with (the demo's)
-    graphed: bool = False  # CUDA only: the step as CUDA graphs (model/step.py), as the GPU demo runs
+    graphed: bool = False  # CUDA only: the step as CUDA graphs (model/step/), as the GPU demo runs
 
     def __post_init__(self) -> None:
         if self.cache not in CACHES:
@@ -142,7 +143,7 @@ class Rollout:
             self.gen = NaiveGenerator(build_model(self.cfg, weights, device, torch.float32))
         else:
             self.gen = Generator(self.cfg, weights, device, dtype=dtype, fp8_cache=config.fp8,
-                                 fused=config.graphed, graphed=config.graphed)
+                                 options=StepOptions(fused=config.graphed, graphed=config.graphed))
             if config.fault:
                 _break_ring(self.gen, config.fault)
 

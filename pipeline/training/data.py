@@ -16,8 +16,8 @@ import torch
 
 from charstream.model.character import Motion, idle_motion, make_identity, render
 from charstream.pipeline.quality.lipsync import speech_envelope
+from charstream.stages.agents.tts import synthesize
 from charstream.stages.ingest.resample import resample, to_int16
-from charstream.stages.ingest.tts import synthesize
 from charstream.timeline import SAMPLES_PER_FRAME, TIMELINE_RATE, VIDEO_FPS
 
 VOICES = (

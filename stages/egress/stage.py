@@ -22,7 +22,7 @@ import anyio
 
 from charstream.stages.base import Stage, StageContext
 from charstream.stages.config import EgressConfig
-from charstream.transport.messages import Control, ControlKind, Message
+from charstream.transport.messages import Control, ControlKind, Message, ShutdownPayload
 
 EndPeer = Callable[[str], Awaitable[None]]  # tell the page why, then close its peer connection
 
@@ -87,7 +87,7 @@ class EgressStage(Stage):
             await self.link.gone.wait()
             tg.cancel_scope.cancel()
         ctx.log.info("peer_gone", reason=self.link.reason)
-        await ctx.send_control(Control(ctx.session_id, 0, ControlKind.SHUTDOWN, detail={"reason": self.link.reason}))
+        await ctx.send_control(Control(ctx.session_id, 0, ControlKind.SHUTDOWN, payload=ShutdownPayload(self.link.reason)))
 
     async def _keepalive(self) -> None:
         config = self.config

@@ -10,7 +10,7 @@ Protocol (JSON text messages on the ``timing`` data channel; times are wall-cloc
   frames it presented (``requestVideoFrameCallback``: ``metadata.rtpTimestamp`` and
   ``performance.timeOrigin + metadata.presentationTime``), ``FRAMES_PER_REPORT`` a message (at most
   ``MAX_FRAMES_PER_REPORT``): one message a frame took about a tenth of a server event loop's
-  samples in SCTP, DTLS, JSON and the report's handling (docs/PERF.md, issue 13). The server maps the
+  samples in SCTP, DTLS, JSON and the report's handling. The server maps the
   RTP timestamp to the output frame and its playout release time, so delivery = presented (server clock) −
   released. Reports of a chunk's first frame are kept; the first speaking frame of a turn gets
   ``client_first_speaking_frame``.
@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from charstream.stages.playout import FrameRecord, PlayoutOutput
+from charstream.stages.playout.output import FrameRecord, PlayoutOutput
 from charstream.timeline import VIDEO_FPS
 from charstream.transport.messages import TraceContext
 

@@ -124,8 +124,8 @@ class AgentAdapter(Protocol):
 # IngestConfig.adapter -> "module:Class" of the adapters ingest builds itself; a class takes
 # (IngestConfig, session_id). Imported on use: each pulls in its own dependencies (espeak, ZeroMQ).
 ADAPTERS: dict[str, str] = {
-    "listening": "charstream.stages.ingest.listening_agent:ListeningAgent",
-    "scripted": "charstream.stages.ingest.scripted:ScriptedAgent",
+    "listening": "charstream.stages.agents.listening:ListeningAgent",
+    "scripted": "charstream.stages.agents.scripted:ScriptedAgent",
     "zmq": "charstream.stages.ingest.external:ExternalAgent",
 }
 # pipecat and livekit drive charstream from inside their own pipelines: the integration creates the

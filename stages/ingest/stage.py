@@ -59,6 +59,7 @@ from charstream.transport.messages import (
     AgentAudio,
     Control,
     ControlKind,
+    InterruptPayload,
     Message,
     TraceContext,
     TurnEvent,
@@ -67,7 +68,7 @@ from charstream.transport.messages import (
 
 if TYPE_CHECKING:
     from charstream.stages.egress.mic import UserAudioQueue
-    from charstream.stages.tracing import TurnTracer
+    from charstream.stages.shared.tracing import TurnTracer
 
 KEEP_TRACES = 16  # traces of recent user turns not yet answered (bounded)
 CAPTURE_MAP_FRAMES = 256  # recent mic frames' (arrival, capture) times: ~5 s of 20 ms frames
@@ -256,7 +257,7 @@ class IngestStage(Stage):
         self.stats.interrupts += 1
         ctx.log.info("barge_in", turn_id=turn_id, user_speech_at=event.at, drop_from_chunk=drop_from)
         await ctx.send_control(Control(ctx.session_id, self._next_seq(), ControlKind.INTERRUPT, chunk=drop_from,
-                                       detail={"turn_id": turn_id, "at_sample": now}, trace=TraceContext(turn_id)))
+                                       payload=InterruptPayload(at_sample=now), trace=TraceContext(turn_id)))
         await ctx.emit(TurnEvent(ctx.session_id, self._next_seq(), TurnKind.INTERRUPT, turn_id, time.time(),
                                  TraceContext(turn_id)))
         await self.adapter.interrupt(turn.ref)

@@ -1,0 +1,1 @@
+"""SoulX-FlashHead (Pro, Lite): the model side of the family."""

@@ -1,0 +1,190 @@
+"""The playhead behind playout's 24 fps clock: which frame each tick releases, from a jitter buffer.
+
+Chunks wait in ``buffer``; the clock plays them frame by frame. Its state says what a tick does:
+
+- ``WAITING``: the buffer has not reached ``resume_depth`` (before the start, after running dry):
+  hold the last frame with silence;
+- ``PLAYING``: release the next frame of the chunk on screen, the next buffered chunk after it; an
+  empty buffer there is an underrun (-> ``WAITING``);
+- ``HOLDING_ONSET``: the chunk on screen reached the frame where the placed speech takes over
+  (docs/ARCHITECTURE.md, Turn-start rollback) and the speech's chunk is not there yet: hold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import dataclass
+from enum import Enum
+
+import numpy as np
+
+from charstream.stages.playout.onset import Onset
+from charstream.stages.playout.output import ReleasedFrame
+from charstream.stages.playout.stats import UnderrunCause
+from charstream.timeline import FRAMES_PER_CHUNK, SAMPLES_PER_FRAME
+from charstream.transport.messages import VideoChunk
+
+
+class ClockState(Enum):
+    WAITING = "waiting"
+    PLAYING = "playing"
+    HOLDING_ONSET = "holding_onset"
+
+
+@dataclass(frozen=True)
+class SpeechStart:
+    """Where the speech the last turn start placed begins: frame ``frame`` of chunk ``chunk`` of ``epoch``."""
+
+    epoch: int
+    chunk: int
+    frame: int
+
+
+@dataclass(frozen=True)
+class Tick:
+    """What one tick released, and what happened on the way."""
+
+    frame: ReleasedFrame
+    resumed: bool  # the clock started playing after waiting for chunks (conditioning's pacing anchor)
+    underrun: UnderrunCause | None  # the buffer ran dry at this frame, for this cause
+    held: UnderrunCause | None  # a hold frame, released for an underrun of this cause
+
+
+class PlayoutClock:
+    """The jitter buffer and the playhead: ``next_frame`` once per tick, ``rollback`` on a turn start."""
+
+    def __init__(self, target_depth_chunks: int) -> None:
+        self.target_depth_chunks = target_depth_chunks
+        self.state = ClockState.WAITING
+        self.epoch = 0  # bumped by each rollback; chunks of older epochs are stale
+        self.buffer: deque[VideoChunk] = deque()
+        self.playing: VideoChunk | None = None
+        self.position = 0  # next frame of ``playing``
+        self.last_committed: int | None = None  # last chunk whose frames started leaving
+        # Buffered chunks needed to leave WAITING: the target depth behind the first, or one where
+        # waiting would only lengthen a freeze (speech comes at the agent's pace; a rollback's speech).
+        self.resume_depth = target_depth_chunks + 1
+        self.speech: SpeechStart | None = None
+        self.speech_pending = False  # a turn start's speech has not begun playing yet
+        self._hold_cause = UnderrunCause.LISTENING  # of the underrun being held
+        self._last_image: np.ndarray | None = None
+        self._stamped_turns: set[int] = set()
+        self._changed = asyncio.Event()
+
+    # --- the buffer ----------------------------------------------------------------------------
+
+    def push(self, chunk: VideoChunk) -> None:
+        self.buffer.append(chunk)
+        self._notify()
+
+    async def wait_changed(self) -> None:
+        """Until a chunk is pushed, taken to play or dropped."""
+        event = self._changed
+        await event.wait()
+
+    def frames_left_on_screen(self) -> int:
+        """Frames of the playing chunk not released yet (0 with none playing)."""
+        return FRAMES_PER_CHUNK - self.position if self.playing is not None else 0
+
+    def chunk_on_screen(self) -> int | None:
+        return self.playing.chunk if self.playing is not None and self.position < FRAMES_PER_CHUNK else None
+
+    def rollback(self, place: Onset | None, turn_start: bool) -> tuple[list[VideoChunk], list[VideoChunk], int]:
+        """Keep the unplayed chunks before ``place`` (with an onset frame: its chunk's listening frames
+        before it too), drop the rest and bump the epoch; no ``place``: every unplayed chunk goes.
+        Returns the kept and dropped chunks and the last chunk kept whole (upstream regenerates after it)."""
+        keep = 0 if place is None else place.kept + (place.onset > 0 and place.chunk != self.chunk_on_screen())
+        kept = [self.buffer.popleft() for _ in range(min(keep, len(self.buffer)))]
+        dropped = list(self.buffer)
+        self.buffer = deque(kept)
+        self.epoch += 1
+        self.resume_depth = 1  # speech should start as soon as its first chunk exists, not after a re-buffer
+        if self.state is ClockState.HOLDING_ONSET:  # an earlier placement's speech: its chunk is gone
+            self.state = ClockState.PLAYING
+        self.speech_pending = turn_start
+        if place is None:
+            last = self.last_committed if self.last_committed is not None else -1
+            self.speech = SpeechStart(self.epoch, last + 1, 0)
+        else:
+            last = place.chunk - 1
+            self.speech = SpeechStart(self.epoch, place.chunk, place.onset)
+        self._notify()
+        return kept, dropped, last
+
+    # --- the ticks -----------------------------------------------------------------------------
+
+    def next_frame(self, index: int, now: float) -> Tick:
+        """The frame at output ``index`` (released at wall clock ``now``)."""
+        resumed, underrun = False, None
+        if self.playing is None or self.position == FRAMES_PER_CHUNK:
+            ended, self.playing = self.playing, None
+            if self.state is ClockState.WAITING and len(self.buffer) >= self.resume_depth:
+                self.state, resumed = ClockState.PLAYING, True
+            if self.state is ClockState.PLAYING and self.buffer:
+                self._play(self.buffer.popleft())
+                self.position = 0
+                self.last_committed = self.playing.chunk
+            elif self.state is ClockState.PLAYING:
+                self.state = ClockState.WAITING
+                if ended is not None and ended.speaking:
+                    # Speech comes at the agent's pace: waiting for depth would only make the freeze
+                    # longer. Its next chunk plays as it lands; the hold becomes the turn's slack.
+                    self.resume_depth = 1
+                speaking = ended is not None and ended.speaking and ended.epoch == self.epoch
+                underrun = UnderrunCause.ONSET if self.speech_pending else \
+                    UnderrunCause.SPEECH if speaking else UnderrunCause.LISTENING
+        elif self._onset_due():  # the placed speech takes over its chunk at the onset frame
+            speech = self.speech
+            if self.buffer and (self.buffer[0].epoch, self.buffer[0].chunk) == (speech.epoch, speech.chunk):
+                self._play(self.buffer.popleft())
+                self.state = ClockState.PLAYING
+            elif self.state is not ClockState.HOLDING_ONSET:
+                self.state = ClockState.HOLDING_ONSET
+                underrun = UnderrunCause.ONSET
+        if underrun is not None:
+            self._hold_cause = underrun
+        if self.state is not ClockState.PLAYING:  # hold the last frame, play silence
+            image = self._last_image if self._last_image is not None else np.zeros((16, 16, 3), np.uint8)
+            frame = ReleasedFrame(index, image, np.zeros(SAMPLES_PER_FRAME, np.int16), None, 0, False, self.epoch,
+                                  None, False, now)
+            return Tick(frame, resumed, underrun, self._hold_cause)
+        return Tick(self._fresh_frame(index, now), resumed, underrun, None)
+
+    def _fresh_frame(self, index: int, now: float) -> ReleasedFrame:
+        chunk, position = self.playing, self.position
+        assert chunk is not None
+        self.position += 1
+        image = chunk.frames[position]
+        self._last_image = image
+        audio = chunk.audio[position * SAMPLES_PER_FRAME:(position + 1) * SAMPLES_PER_FRAME]
+        # The speech a rollback placed starts at its onset frame; the frames before it are silent.
+        speech = self.speech
+        onset = speech.frame if speech is not None and (speech.epoch, speech.chunk) == (chunk.epoch, chunk.chunk) else 0
+        speaking = chunk.speaking and position >= onset
+        first_speaking = False
+        turn = chunk.trace.turn_id
+        if position == onset and speaking and turn is not None and turn not in self._stamped_turns:
+            self._stamped_turns.add(turn)
+            chunk.trace.stamp("playout_first_speaking_frame", now)
+            first_speaking = True
+        return ReleasedFrame(index, image, audio, chunk.chunk, position, speaking, chunk.epoch, chunk.trace,
+                             first_speaking, now)
+
+    def _play(self, chunk: VideoChunk) -> None:
+        self.playing = chunk
+        if chunk.epoch == self.epoch:  # the rollback's speech has begun (the chunks it kept are of the epoch before)
+            self.resume_depth = self.target_depth_chunks + 1
+            self.speech_pending = False
+        self._notify()
+
+    def _onset_due(self) -> bool:
+        """The listening version of the placed speech's chunk is at the onset frame."""
+        speech, playing = self.speech, self.playing
+        return speech is not None and speech.frame > 0 and playing is not None and playing.epoch < speech.epoch \
+            and playing.chunk == speech.chunk and self.position == speech.frame
+
+    def _notify(self) -> None:
+        # One event per change: waiters of this change wake, later waiters wait on the new one.
+        self._changed.set()
+        self._changed = asyncio.Event()
