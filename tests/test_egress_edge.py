@@ -283,7 +283,7 @@ from charstream.logs import configure_logging
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.session import session_factory
 from charstream.stages.config import EgressConfig
-from charstream.stages.egress.server import EgressServer
+from charstream.pipeline.web.server import EgressServer
 
 async def main():
     configure_logging()
