@@ -1,6 +1,6 @@
 """A short, seeded fuzz of every network-reading socket (the long run is ``charstream bench fuzz``).
 
-Hypothesis draws each input's seed and bytes; ``pipeline.bench_fuzz`` turns them into frames or a
+Hypothesis draws each input's seed and bytes; ``pipeline.bench.fuzz`` turns them into frames or a
 raw HTTP request for the real component, and a valid message must get through after every input.
 """
 
