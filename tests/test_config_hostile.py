@@ -15,6 +15,7 @@ import time
 import psutil
 import pytest
 
+from charstream.pipeline.bench.fuzz import config_keys, config_table
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.session import session_factory
 from charstream.pipeline.web.client import EgressClient
@@ -37,28 +38,14 @@ ACCEPTED = {
 }
 
 
-def numeric_keys(obj=None, section: str = "") -> list[tuple[str, str]]:
-    """(section, field) of every number in the pipeline config ("" for the root; "diffusion.step" nested)."""
-    obj = PipelineConfig() if obj is None else obj
-    found = []
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if dataclasses.is_dataclass(value):
-            found += numeric_keys(value, f"{section}.{f.name}" if section else f.name)
-        elif any(word in str(f.type) for word in ("int", "float")) and "bool" not in str(f.type):
-            found.append((section, f.name))
-    return found
-
-
 def build(section: str, name: str, value) -> PipelineConfig:
-    data = {name: {"edge": value} if name == "capacities" else value}
-    for part in reversed(section.split(".") if section else []):
-        data = {part: data}
+    data: dict = {}
+    config_table(data, section)[name] = {"edge": value} if name == "capacities" else value
     return PipelineConfig.from_dict(data)
 
 
 def test_every_number_of_every_section_refuses_hostile_values_naming_the_key():
-    keys = numeric_keys()
+    keys = config_keys()
     assert len(keys) > 50 and ("egress", "ping_interval_s") in keys and ("", "gil_switch_interval_ms") in keys
     assert ("diffusion.step", "window_splits") in keys
     accepted = {}

@@ -652,17 +652,25 @@ CONFIG_VALUES = [float("nan"), float("inf"), float("-inf"), -1, 0, 1e-9, -1e-9, 
                  -(2**70), 0.5, 1, 3, True, False, None, "", "nan", "1", [], {}]
 
 
-def config_keys() -> list[tuple[str, str]]:
-    """(section, field) of every number in the pipeline config ("" for the root)."""
+def config_keys(obj: Any = None, section: str = "") -> list[tuple[str, str]]:
+    """(section, field) of every number in the pipeline config ("" for the root, "diffusion.step" nested)."""
     from charstream.pipeline.config import PipelineConfig
 
-    root, keys = PipelineConfig(), []
-    for section in ["", *(f.name for f in dataclasses.fields(root) if dataclasses.is_dataclass(getattr(root, f.name)))]:
-        obj = getattr(root, section) if section else root
-        for f in dataclasses.fields(obj):
-            if any(word in str(f.type) for word in ("int", "float")) and "bool" not in str(f.type):
-                keys.append((section, f.name))
+    obj, keys = PipelineConfig() if obj is None else obj, []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            keys += config_keys(value, f"{section}.{f.name}" if section else f.name)
+        elif any(word in str(f.type) for word in ("int", "float")) and "bool" not in str(f.type):
+            keys.append((section, f.name))
     return keys
+
+
+def config_table(config: dict[str, Any], section: str) -> dict[str, Any]:
+    """The table of ``config`` that holds ``section``'s keys (made on the way)."""
+    for part in section.split(".") if section else []:
+        config = config.setdefault(part, {})
+    return config
 
 
 def hostile_value(rng: random.Random) -> Any:
@@ -693,7 +701,7 @@ class ConfigTarget:
         for section, name in picked:
             value = hostile_value(rng)
             value = {"edge": value} if name == "capacities" else value
-            (config.setdefault(section, {}) if section else config)[name] = value
+            config_table(config, section)[name] = value
         given = [f"{section}.{name}" if section else name for section, name in picked]
         via_cli = rng.random() < 0.5
         self.counts["via_cli"] += via_cli
