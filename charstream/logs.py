@@ -5,6 +5,11 @@ event loop, even when nobody drains stderr (a full pipe froze a whole server tha
 synchronously). Past ``QUEUE_LINES`` waiting lines, new ones are dropped and counted; the count is
 written once the writer catches up. At exit the queue is drained for up to ``DRAIN_S``.
 
+What a peer can trigger at will (a refused request, a malformed message) goes through a ``LogLimit``:
+at most ``LIMITED_LINES`` lines of one event per ``LIMITED_PER_S``, the next one allowed saying how
+many were left out. The standard library's loggers (aiohttp's "Error handling request" with its
+traceback, asyncio's) come out as the same JSON lines, one per record, rate-limited the same way.
+
 Every process (the parent and each spawned stage process) calls ``configure_logging`` once at start;
 later calls are no-ops, so library code may call it defensively. Loggers carry ``session_id`` and
 ``stage`` bound by the runner; a stage binds ``turn_id`` when a turn starts (``log.bind(turn_id=..)``)
@@ -20,12 +25,17 @@ import os
 import queue
 import sys
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import structlog
 
 QUEUE_LINES = 10_000
 DRAIN_S = 1.0
+LIMITED_LINES = 10  # lines of one limited event per window
+LIMITED_PER_S = 10.0  # the window
 _configured = False
 
 
@@ -77,6 +87,67 @@ class _BackgroundStderr:
                 pass
 
 
+class LogLimit:
+    """Per event: up to ``lines`` lines a window of ``per_s`` seconds; then counted until the next window.
+
+    ``log_limited`` is the process's own; a session's or a channel's parts hold one each, so one noisy
+    peer does not silence another's lines."""
+
+    def __init__(self, lines: int = LIMITED_LINES, per_s: float = LIMITED_PER_S) -> None:
+        self.lines, self.per_s = lines, per_s
+        self._windows: dict[str, list] = {}  # event -> [window start, lines written, lines left out]
+        self._lock = threading.Lock()  # stdlib records come from any thread
+
+    def admit(self, key: str) -> int | None:
+        """None: leave this line out; else the lines left out before it (0 when none)."""
+        now = time.monotonic()
+        with self._lock:
+            window = self._windows.get(key)
+            left_out = 0
+            if window is None or now - window[0] >= self.per_s:
+                left_out = window[2] if window is not None else 0
+                if window is None and len(self._windows) >= QUEUE_LINES:  # keys are code's names: a guard only
+                    self._windows.clear()
+                window = self._windows[key] = [now, 0, 0]
+            if window[1] >= self.lines:
+                window[2] += 1
+                return None
+            window[1] += 1
+            return left_out
+
+
+    def __call__(self, emit: Callable[..., Any], event: str, *, key: str | None = None, **fields: Any) -> None:
+        """``emit(event, **fields)`` (e.g. ``log.warning``) unless this event (or ``key``) has had its lines
+        this window; the first line of a later window carries ``left_out``: how many were not written."""
+        left_out = self.admit(key or event)
+        if left_out is None:
+            return
+        if left_out:
+            fields["left_out"] = left_out
+        emit(event, **fields)
+
+
+log_limited = LogLimit()
+
+
+class _StdlibRecords(logging.Handler):
+    """A library's log record as one JSON line (its exception as type and message), rate-limited per
+    message template: a flood of malformed requests logs a few lines and a count, not a traceback each."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            fields: dict[str, Any] = {"logger": record.name}
+            if record.exc_info and record.exc_info[1] is not None:
+                error = record.exc_info[1]
+                fields["error"] = " ".join(f"{type(error).__name__}: {error}".split())[:300]  # aiohttp's spans lines
+            level = record.levelname.lower()
+            logger = structlog.get_logger()
+            emit = getattr(logger, level if level in ("debug", "info", "warning", "error", "critical") else "error")
+            log_limited(emit, record.getMessage()[:300], key=f"{record.name}:{record.msg}", **fields)
+        except Exception:  # a logging failure must not reach the code that logged
+            self.handleError(record)
+
+
 def configure_logging(level: str | None = None) -> None:
     """JSON lines to stderr at ``level`` (default: $CHARSTREAM_LOG_LEVEL or ``info``)."""
     global _configured
@@ -96,6 +167,7 @@ def configure_logging(level: str | None = None) -> None:
         logger_factory=structlog.WriteLoggerFactory(_BackgroundStderr()),
         cache_logger_on_first_use=True,
     )
+    logging.getLogger().addHandler(_StdlibRecords(logging.WARNING))  # records below WARNING stay out, as before
     _configured = True
 
 

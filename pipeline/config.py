@@ -13,6 +13,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from charstream.config_checks import CheckedSection, within
 from charstream.model.config import ModelConfig, get_preset
 from charstream.pipeline.fleet.config import FleetConfig
 from charstream.stages.config import (
@@ -31,7 +32,7 @@ HOSTINGS = ("inproc", "processes", "engine")  # PipelineConfig.hosting
 
 
 @dataclass
-class PipelineConfig:
+class PipelineConfig(CheckedSection):
     preset: str = "tiny"
     # inproc (one process) | processes (edge, diffusion ranks, decoder) | engine (the model stages in a
     # running engine process shared by many sessions: pipeline/runtime/engine.py, `charstream engine`)
@@ -40,7 +41,7 @@ class PipelineConfig:
     # How long a thread running Python keeps the GIL from one that asks for it (sys.setswitchinterval),
     # set by the process that serves sessions: a model thread retakes the GIL after each CUDA call of
     # its step (~15), and at Python's 5 ms each retake waits for the event loop's thread to be forced off.
-    gil_switch_interval_ms: float = 0.5
+    gil_switch_interval_ms: float = field(default=0.5, metadata=within(0.01, 1000))
     # Every serving process (the server, each stage process, an engine) imports what its sessions run,
     # then freezes its heap out of Python's full collections (pipeline/runtime/heap.py): one walked ~285,000
     # objects holding the GIL 110-156 ms.
@@ -55,7 +56,7 @@ class PipelineConfig:
     tracing: TracingConfig = field(default_factory=TracingConfig)
     fleet: FleetConfig = field(default_factory=FleetConfig)  # charstream serve --cluster
 
-    def __post_init__(self) -> None:
+    def check_together(self) -> None:
         if self.hosting not in HOSTINGS:  # anything else would run as "processes"
             raise ValueError(f"hosting must be one of {', '.join(HOSTINGS)}, got {self.hosting!r}")
         _ = self.timeline  # an unknown preset or model is refused now, not at a session's start
@@ -74,9 +75,8 @@ class PipelineConfig:
 
     def apply_gil_switch_interval(self) -> None:
         """Set this process's GIL switch interval from ``gil_switch_interval_ms``: every process that runs
-        a session's threads calls it (the serving process, each stage process)."""
-        if self.gil_switch_interval_ms <= 0:
-            raise ValueError(f"gil_switch_interval_ms must be > 0, got {self.gil_switch_interval_ms}")
+        a session's threads calls it (the serving process, each stage process). The value was checked
+        when set: a NaN here aborted the interpreter (its GIL wait on a NaN deadline)."""
         sys.setswitchinterval(self.gil_switch_interval_ms / 1e3)
 
     @classmethod

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
 import pytest
+from waiting import until
 
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.session import session_factory
+from charstream.pipeline.web.client import EgressClient
 from charstream.pipeline.web.server import EgressServer
 from charstream.stages.config import EgressConfig
 
@@ -138,3 +141,201 @@ def test_a_one_time_code_gives_the_key_once():
 
     first, again, wrong = run(EgressConfig(port=0), scenario)
     assert first == (200, b'{"key": "k"}') and again[0] == 403 and wrong[0] == 403
+
+
+# --- one address, every slot; a large offer; a response nobody reads; floods of refusals ---------------------
+
+def test_one_address_opening_page_after_page_leaves_slots_for_another_client():
+    """One address reserved and connected session after session until the server was full (the cap
+    counted only reservations without an offer); another address then got 503."""
+
+    async def reserve(url, address):  # a page's reservation, from ``address`` (127.0.0.x reach the loopback listener)
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port), local_addr=(address, 0))
+        writer.write(post("/session", b"{}", headers=b"X-Charstream-Key: k\r\n"))
+        response = await reader.read()
+        writer.close()
+        head, _, body = response.partition(b"\r\n\r\n")
+        return int(head.split(b" ", 2)[1]), json.loads(body)
+
+    async def scenario(server, url):
+        clients, statuses = [], []
+        for _ in range(12):  # pages opened at once by one address: each that gets a token connects
+            status, body = await reserve(url, "127.0.0.2")
+            statuses.append(status)
+            if status == 200:
+                clients.append(EgressClient())
+                await clients[-1].connect(url, body["token"])
+        other_status, other = await reserve(url, "127.0.0.3")
+        other_client = EgressClient()
+        if other_status == 200:
+            await other_client.connect(url, other["token"])
+            await other_client.wait_for_video(12, timeout=30)
+        for client in [*clients, other_client]:
+            await client.close()
+        return statuses, other_status, other_client.video_frames
+
+    statuses, other_status, other_frames = run(EgressConfig(port=0, max_sessions=6), scenario)
+    assert statuses.count(200) == 4 and set(statuses[4:]) == {429}, statuses  # sessions_per_client's default
+    assert other_status == 200 and other_frames >= 12
+
+
+def offer_with_candidates(count: int, port: int) -> str:
+    """A real aiortc offer (audio, video, data channel) listing ``count`` more host candidates, all
+    at 127.0.0.1: the first at ``port``, the rest at the ports after it."""
+    from aiortc import RTCPeerConnection
+
+    async def make() -> str:
+        pc = RTCPeerConnection()
+        pc.addTransceiver("video", direction="recvonly")
+        pc.addTransceiver("audio", direction="recvonly")
+        pc.createDataChannel("timing")
+        await pc.setLocalDescription(await pc.createOffer())
+        text = pc.localDescription.sdp
+        await pc.close()
+        return text
+
+    text = asyncio.run(make())
+    extra = "".join(f"a=candidate:{9000 + i} 1 udp {2130706431 - i} 127.0.0.1 {port + i} typ host\r\n"
+                    for i in range(count))
+    first_media = text.index("m=", text.index("m=") + 1)  # after the first media section's lines
+    return text[:first_media] + extra + text[first_media:]
+
+
+def test_an_offer_listing_thousands_of_candidates_is_refused_without_stalling_or_probing_them():
+    """3,000 candidates (178 KB) held the loop ~2 s and made the server send STUN to each address."""
+    import socket
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.setblocking(False)
+    sdp_text = offer_with_candidates(3000, listener.getsockname()[1])
+
+    async def scenario(server, url):
+        _, token = server.create_session()
+        body = json.dumps({"token": token, "sdp": sdp_text, "type": "offer"}).encode()
+        offer = asyncio.create_task(raw_request(url, post("/offer", body)))
+        page_s = []
+        while not offer.done():  # the page keeps loading while the offer is handled
+            started = time.monotonic()
+            await raw_request(url, b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+            page_s.append(time.monotonic() - started)
+        await asyncio.sleep(1.0)  # connectivity checks would have started by now
+        return await offer, max(page_s)
+
+    (status, text), slowest_page = run(EgressConfig(port=0), scenario)
+    probed = []
+    try:
+        while True:
+            probed.append(listener.recv(2048))
+    except BlockingIOError:
+        pass
+    listener.close()
+    assert len(sdp_text) > 170_000
+    assert status == 400 and (b"ICE candidates" in text or b"characters" in text), text[:200]
+    assert probed == [] and slowest_page < 0.5, (len(probed), slowest_page)
+
+
+def test_an_offer_over_the_candidate_cap_is_refused_and_one_under_it_accepted():
+    offers = [offer_with_candidates(count, 9) for count in (40, 20)]
+
+    async def scenario(server, url):
+        out = []
+        for text in offers:
+            _, token = server.create_session()
+            body = json.dumps({"token": token, "sdp": text, "type": "offer"}).encode()
+            out.append(await raw_request(url, post("/offer", body)))
+        return out
+
+    (over, over_text), (under, _) = run(EgressConfig(port=0), scenario)
+    assert over == 400 and b"offer lists 4" in over_text and b"ICE candidates (most 32)" in over_text
+    assert under == 200
+
+
+def test_a_client_that_never_reads_its_responses_is_dropped():
+    """Pipelined page requests, never read: the server's writes waited on a full socket for good."""
+    import socket
+
+    async def scenario(server, url):
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
+        sock.connect((host, int(port)))
+        sock.setblocking(False)
+        request = b"GET /static/app.js HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+        async def send() -> None:  # the server stops reading once its writes wait: this may never finish
+            with contextlib.suppress(OSError):
+                await asyncio.get_running_loop().sock_sendall(sock, request * 2000)  # ~20 MB asked for, none read
+
+        sender = asyncio.create_task(send())
+        await asyncio.sleep(0.5)
+        dropped = await until(lambda: not server._runner.server.connections, timeout=6)  # (a fresh list each time)
+        sender.cancel()
+        sock.close()
+        return dropped
+
+    assert run(EgressConfig(port=0, write_timeout_s=0.5, idle_timeout_s=30), scenario)
+
+
+SERVE_FROM_A_PROCESS = """
+import asyncio, sys
+from charstream.logs import configure_logging
+from charstream.pipeline.config import PipelineConfig
+from charstream.pipeline.session import session_factory
+from charstream.stages.config import EgressConfig
+from charstream.pipeline.web.server import EgressServer
+
+async def main():
+    configure_logging()
+    server = EgressServer(EgressConfig(port=0), session_factory(PipelineConfig(), testcard=True), access_key="k")
+    print(await server.start(), flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until stdin closes
+    await server.stop()
+
+asyncio.run(main())
+"""
+
+
+def test_a_flood_of_malformed_requests_logs_a_few_json_lines_not_a_traceback_each():
+    """20,000 malformed requests (no key needed) wrote 4,894 plaintext tracebacks, 4 MB of stderr."""
+    import socket
+    import subprocess
+    import sys
+
+    server = subprocess.Popen([sys.executable, "-c", SERVE_FROM_A_PROCESS], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        port = int(server.stdout.readline().rsplit(b":", 1)[1])
+        bad = [b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+               b"POST /offer HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n",
+               b"GET /\x00 HTTP/1.1\r\nHost: x\r\n\r\n"]
+        for i in range(2000):
+            with socket.create_connection(("127.0.0.1", port)) as s:
+                s.sendall(bad[i % len(bad)])
+                s.recv(4096)
+        _, err = server.communicate(b"", timeout=60)
+    finally:
+        server.kill()
+    lines = err.decode().splitlines()
+    events = [json.loads(line) for line in lines]  # every line is one JSON object
+    handled = [e for e in events if e["event"].startswith("Error handling request")]
+    assert 0 < len(handled) <= 3 * 10 and len(err) < 50_000, (len(handled), len(err))
+
+
+def test_a_flood_of_malformed_data_channel_messages_logs_a_few_lines(capsys):
+    async def scenario(server, url):
+        _, token = server.create_session()
+        client = EgressClient()
+        await client.connect(url, token)
+        await client.wait_for_video(6, timeout=30)
+        session = next(iter(server.sessions.values()))
+        for i in range(300):
+            client.channel.send(f"not json {i}")
+        received = await until(lambda: session.bad_messages >= 300, timeout=20)
+        await client.close()
+        await asyncio.sleep(0.5)  # the log writer's thread catches up
+        return received
+
+    assert run(EgressConfig(port=0), scenario)
+    logged = [line for line in capsys.readouterr().err.splitlines() if "datachannel_message_dropped" in line]
+    assert 0 < len(logged) <= 10, len(logged)

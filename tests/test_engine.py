@@ -342,8 +342,10 @@ def _other(value: object) -> object:
     """A value of ``value``'s kind that differs from it."""
     if isinstance(value, bool):
         return not value
-    if isinstance(value, int | float):
+    if isinstance(value, int):
         return value + 1
+    if isinstance(value, float):  # halved, not raised: a window or wait stays within its field's bounds
+        return value / 2 if value else 0.5
     if isinstance(value, str):
         return value + "-other"
     if isinstance(value, list):

@@ -99,9 +99,9 @@ def test_prep_reference_writes_q_codes_and_the_ring_codes_into_an_fp8_window():
 
 
 def test_window_splits_without_the_fp8_window_are_refused():
-    with pytest.raises(ValueError, match="step.window_splits splits the FP8 window's keys: it needs step.attention"):
+    with pytest.raises(ValueError, match="diffusion.step.window_splits: splits the FP8 window's keys: it needs diffusion.step.attention"):
         StepOptions(fused=True, window_splits=4)
-    with pytest.raises(ValueError, match="step.attention must be one of ring, gathered, fp8_window"):
+    with pytest.raises(ValueError, match="diffusion.step.attention: must be one of ring, gathered, fp8_window"):
         StepOptions(attention="fp8")
 
 

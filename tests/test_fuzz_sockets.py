@@ -1,6 +1,6 @@
 """A short, seeded fuzz of every network-reading socket (the long run is ``charstream bench fuzz``).
 
-Hypothesis draws each input's seed and bytes; ``pipeline.bench_fuzz`` turns them into frames or a
+Hypothesis draws each input's seed and bytes; ``pipeline.bench.fuzz`` turns them into frames or a
 raw HTTP request for the real component, and a valid message must get through after every input.
 """
 
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from charstream.pipeline.bench.fuzz import AgentTarget, ChannelTarget, HttpTarget, fuzz
+from charstream.pipeline.bench.fuzz import AgentTarget, ChannelTarget, ConfigTarget, HttpTarget, fuzz
 
 EXAMPLES = 300
 FUZZ = settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None,
@@ -85,3 +85,16 @@ def test_the_fuzz_run_reports_every_count(tmp_path):
         target.close()
     assert report["inputs"] == 200 and report["probes_sent"] == 22 and report["valid_lost"] == 0
     assert report["bad"] + report["accepted"] == 200 and report["escapes"] == report["hangs"] == 0
+
+
+def test_hostile_configuration_is_refused_naming_a_key_or_serves():
+    """Hostile numbers through ``PipelineConfig.from_dict`` and ``serve``'s command line: every refusal
+    names a key it was given, nothing else escapes, and what is accepted for serving serves."""
+    target = ConfigTarget(sessions=2)
+    try:
+        report = fuzz(target, 400, seed=18, probe_every=10)
+    finally:
+        target.close()
+    assert report["escapes"] == 0, report["escape_examples"]
+    assert report["wrongly_accepted"] == 0, report["wrong_examples"]
+    assert report["bad"] > 300 and report["accepted"] > 0 and report["via_cli"] > 100 and report["served"] > 0, report

@@ -26,10 +26,11 @@ def test_session_factory_sets_the_configured_switch_interval_and_rejects_a_bad_o
         config = PipelineConfig.from_dict({"gil_switch_interval_ms": 2.0})
         session_factory(config)
         assert sys.getswitchinterval() == pytest.approx(0.002)
-        config.gil_switch_interval_ms = 0
-        with pytest.raises(ValueError, match="gil_switch_interval_ms must be > 0"):
-            session_factory(config)
-        assert sys.getswitchinterval() == pytest.approx(0.002)  # a rejected config changes nothing
+        for bad in (0, float("nan")):  # a NaN once reached sys.setswitchinterval and aborted the interpreter
+            with pytest.raises(ValueError, match="gil_switch_interval_ms: .* is not"):
+                config.gil_switch_interval_ms = bad
+        session_factory(config)
+        assert sys.getswitchinterval() == pytest.approx(0.002)  # a rejected value changes nothing
     finally:
         sys.setswitchinterval(before)
 

@@ -310,5 +310,5 @@ def test_dry_in_the_middle_of_speech_resumes_with_the_next_chunk(speaking):
 def test_a_first_turn_is_placed_with_the_configured_allowance_and_a_negative_one_is_refused():
     assert PlayoutStage(PlayoutConfig())._estimator.allowance_s == pytest.approx(4 / 24)  # one chunk by default
     assert PlayoutStage(PlayoutConfig(initial_allowance_s=0.05))._estimator.allowance_s == pytest.approx(0.05)
-    with pytest.raises(ValueError, match="initial allowance"):
+    with pytest.raises(ValueError, match="playout.initial_allowance_s: -0.01 is not"):
         PlayoutStage(PlayoutConfig(initial_allowance_s=-0.01))

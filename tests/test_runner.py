@@ -257,3 +257,24 @@ def test_plan_gives_both_ends_of_an_edge_its_capacity(tmp_path):
     outputs = {edge.name: (endpoint, capacity) for s in specs for edge, endpoint, capacity in s.outputs}
     assert outputs == inputs  # the sender's slot ring is sized like the receiver's credits
     assert sorted(c for _, c in inputs.values()) == [2, 3]
+
+
+def test_a_stage_process_with_a_large_heap_exits_within_its_grace():
+    """At a long session's end the diffusion process missed its 1 s grace and needed SIGTERM: after its
+    report it ran the interpreter's teardown, collecting and freeing its whole heap."""
+
+    async def main():
+        graph = Graph([Node("hoard", f"{STAGES}:Hoard", {"objects": 3_000_000}, "big"),
+                       Node("sink", f"{STAGES}:Sink", {})], [Edge("hoard", "sink")])
+        session = SessionRunner(graph, PipelineConfig(hosting="processes"), "s-heap")
+        async with anyio.create_task_group() as tg:
+
+            async def stop_soon():
+                await session.started.wait()
+                session.stop("session over")
+
+            tg.start_soon(stop_soon)
+            return await session.run()
+
+    result = anyio.run(main)
+    assert result.ok and result.exit_codes == {"big": 0}, result.exit_codes  # not -15: SIGTERM

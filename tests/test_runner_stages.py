@@ -125,3 +125,15 @@ class GateSink(Stage):
     async def control(self, msg: Control, ctx: StageContext) -> None:
         self.controls.append(msg.kind)
         self.opened.set()
+
+
+class Hoard(Stage):
+    """Holds ``objects`` small Python objects until shut down: the heap a model process has at the end
+    of a long session (the interpreter's teardown collects and frees each)."""
+
+    def __init__(self, objects: int) -> None:
+        self.objects = objects
+
+    async def setup(self, ctx: StageContext) -> None:
+        # built off the event loop, so the channels' heartbeats go on meanwhile
+        self.heap = await anyio.to_thread.run_sync(lambda: [[i] for i in range(self.objects)])

@@ -222,7 +222,7 @@ def test_a_payload_that_cannot_travel_is_refused_by_the_sender():
 # --- property-based fuzz: decode returns a valid message or raises MessageError, nothing else ---
 
 # Hypothesis draws one blob (seed, bytes) so 10,000 examples stay fast; the seed then builds frames
-# from pools of plausible and hostile values (bench_fuzz.codec_frames), reaching deep validator paths.
+# from pools of plausible and hostile values (pipeline/bench/fuzz.py, codec_frames), reaching deep validator paths.
 @settings(max_examples=10_000, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(st.binary(min_size=5, max_size=100))  # one draw: hypothesis's per-draw cost dominates otherwise
 def test_fuzz_decoder_never_fails_unclearly(blob):

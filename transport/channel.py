@@ -35,7 +35,7 @@ import anyio.abc
 import zmq
 import zmq.asyncio
 
-from charstream.logs import get_logger
+from charstream.logs import LogLimit, get_logger
 from charstream.transport.codec import MessageError, decode, encode
 from charstream.transport.config import TransportConfig
 from charstream.transport.messages import Control, Message
@@ -156,6 +156,7 @@ class _Endpoint:
         self.error: ChannelError | None = None
         self.live = _Liveness(transport.config.dead_after_s, not endpoint.startswith("inproc://"))
         self.log = get_logger(channel=name, endpoint=endpoint)
+        self._log_limit = LogLimit()  # a peer sending garbage logs a few lines and a count
         self.sock: zmq.asyncio.Socket | None = None
         self._tg: anyio.abc.TaskGroup | None = None
 
@@ -180,7 +181,7 @@ class _Endpoint:
     def _count_bad(self, error: Exception) -> None:
         self.stats.bad += 1
         self.stats.last_error = str(error)
-        self.log.warning("bad_message", error=str(error), bad=self.stats.bad)
+        self._log_limit(self.log.warning, "bad_message", error=str(error)[:300], bad=self.stats.bad)
 
     async def __aenter__(self):
         self.sock = self.transport.ctx.socket(self.socket_type)

@@ -4,18 +4,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from charstream.config_checks import CheckedSection, within
+
+MESSAGE_BYTES = within(4096, 2**31)  # zmq's size limit is twice max_message_bytes: it stays an int64
+
 
 @dataclass
-class TransportConfig:
-    default_capacity: int = 4  # credits per edge, in messages
-    capacities: dict[str, int] = field(default_factory=dict)  # per edge name, overrides the default
-    max_message_bytes: int = 64 * 1024 * 1024
-    heartbeat_s: float = 0.25
-    dead_after_s: float = 1.5  # a peer silent this long is dead (kill -9 ends the session within 2 s)
+class TransportConfig(CheckedSection):
+    SECTION = "transport"
+
+    default_capacity: int = field(default=4, metadata=within(1, 1024))  # credits per edge, in messages
+    # per edge name, overrides the default
+    capacities: dict[str, int] = field(default_factory=dict, metadata=within(1, 1024))
+    max_message_bytes: int = field(default=64 * 1024 * 1024, metadata=MESSAGE_BYTES)
+    heartbeat_s: float = field(default=0.25, metadata=within(0.01, 60))
+    # a peer silent this long is dead (kill -9 ends the session within 2 s)
+    dead_after_s: float = field(default=1.5, metadata=within(0.05, 86_400))
     cross_process: str = "ipc"  # endpoints between processes: ipc (one host) | tcp
     tcp_host: str = "127.0.0.1"  # address tcp endpoints bind to; not loopback => CURVE is required
     curve: bool = False  # force CURVE on tcp even on loopback
     # ipc only: arrays of a message in [slot_min_bytes, slot_bytes] cross in a shared-memory slot
     # (capacity slots per edge); smaller ones are cheaper inline, larger ones go inline. 0 = off.
-    slot_bytes: int = 16 * 1024 * 1024
-    slot_min_bytes: int = 64 * 1024
+    slot_bytes: int = field(default=16 * 1024 * 1024, metadata=within(4096, 2**31, off=0))
+    slot_min_bytes: int = field(default=64 * 1024, metadata=within(0, 2**31))
+
+    def check_together(self) -> None:
+        if self.dead_after_s <= self.heartbeat_s:  # every peer would be dead between two beats
+            self.refuse("dead_after_s", f"{self.dead_after_s:g} must exceed {self.key('heartbeat_s')} "
+                                        f"({self.heartbeat_s:g})")

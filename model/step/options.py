@@ -6,7 +6,9 @@ Plain data (no torch): the config reads it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from charstream.config_checks import CheckedSection, within
 
 # The full window's attention backends (model/step/attention.py); while the window fills every step
 # attends in place over the ring.
@@ -14,7 +16,9 @@ ATTENTIONS = ("ring", "gathered", "fp8_window")
 
 
 @dataclass(frozen=True)
-class StepOptions:
+class StepOptions(CheckedSection):
+    SECTION = "diffusion.step"
+
     # the fused FP8 body (model/step/fused.py); None: where it was built for -- CUDA, a bf16 model, an FP8 ring
     fused: bool | None = None
     # the fused body as CUDA graphs wherever it runs on CUDA; false: eager
@@ -24,16 +28,13 @@ class StepOptions:
     # ring's e4m3 codes, cuDNN's FP8 SDPA: needs nvidia-cudnn-frontend and an FP8 ring)
     attention: str = "gathered"
     # fp8_window: the window's keys in this many partitions (None: chosen from the device's SM count)
-    window_splits: int | None = None
+    window_splits: int | None = field(default=None, metadata=within(1, 1024))
 
-    def __post_init__(self) -> None:
+    def check_together(self) -> None:
         if self.attention not in ATTENTIONS:
-            raise ValueError(f"step.attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
-        if self.window_splits is not None:
-            if self.attention != "fp8_window":
-                raise ValueError("step.window_splits splits the FP8 window's keys: it needs step.attention = 'fp8_window'")
-            if self.window_splits < 1:
-                raise ValueError(f"step.window_splits must be >= 1, got {self.window_splits}")
+            self.refuse("attention", f"must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
+        if self.window_splits is not None and self.attention != "fp8_window":
+            self.refuse("window_splits", f"splits the FP8 window's keys: it needs {self.key('attention')} = 'fp8_window'")
 
 
 DEFAULTS = StepOptions()  # what serves unless the config says otherwise

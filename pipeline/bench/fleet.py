@@ -111,7 +111,8 @@ async def bench(args: argparse.Namespace) -> dict:
     counts = args.sessions
     config = PipelineConfig.from_dict({
         "preset": args.preset,
-        "egress": {"port": 0, "reservations_per_client": max(counts), "reservations_per_minute": 10 * sum(counts)},
+        "egress": {"port": 0, "max_sessions": max(counts), "sessions_per_client": max(counts),
+                   "reservations_per_client": max(counts), "reservations_per_minute": 10 * sum(counts)},
         "fleet": {"max_sessions_per_node": args.max_sessions_per_node, "layout": args.layout}})
     devices = args.nodes
     cluster = None

@@ -13,6 +13,13 @@ Targets (each served by the real component in a background event loop of this pr
 * **http** — the signaling server (``EgressServer``): raw HTTP/1.1 requests on fresh connections,
   every endpoint, hostile Host/key/length headers and bodies (deep JSON, long numbers, garbage),
   requests that stop half-way.
+* **config** — the configuration: one to three numbers of any section set to a hostile value (NaN,
+  ±inf, negative, zero, tiny, beyond int64, strings, booleans), through ``PipelineConfig.from_dict``
+  and, every other input, through ``serve``'s command line (a JSON config file and its options). A
+  refusal must be one line naming a key it was given (else an escape, as is any other exception); an
+  accepted config that touches what a served session runs (the root, egress, playout, transport) is
+  served, up to ``CONFIG_SESSIONS`` distinct ones: a test-card session must stream and the idle server
+  stay under ``IDLE_CPU`` of a core (else wrongly accepted).
 
 Between inputs a well-behaved peer (a real ``Sender``; for http a keyed ``POST /session`` +
 ``/hangup``) sends a valid message every ``--probe-every`` inputs: all of them must arrive.
@@ -30,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import dataclasses
 import gc
 import json
 import logging
@@ -404,8 +412,9 @@ class HttpTarget:
 
         # aiohttp logs each request its parser refuses (a 400, counted here) with a traceback.
         logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
-        config = EgressConfig(port=0, idle_timeout_s=0.1, body_timeout_s=0.1, max_sessions=10**6,
-                              reservations_per_client=10**6, reservations_per_minute=10**9)
+        config = EgressConfig(port=0, idle_timeout_s=0.1, body_timeout_s=0.1, max_sessions=10_000,
+                              sessions_per_client=10_000, reservations_per_client=10_000,
+                              reservations_per_minute=1_000_000)
         self.server = EgressServer(config, session_factory(PipelineConfig(), testcard=True), access_key=KEY)
         self._loop = _Loop()
         self.port = int(self._loop.call(self.server.start()).rsplit(":", 1)[1])
@@ -634,8 +643,178 @@ class AgentTarget:
         self._ctx.term()
 
 
+# --- the configuration -----------------------------------------------------------------------------
+
+CONFIG_SESSIONS = 8  # accepted serving configs that are served (each a session of a few seconds)
+IDLE_CPU = 0.2  # cores an idle server may use after its session
+SERVING_SECTIONS = ("", "egress", "playout", "transport")
+CONFIG_VALUES = [float("nan"), float("inf"), float("-inf"), -1, 0, 1e-9, -1e-9, 1e300, 2**63, 2**64, 2**70,
+                 -(2**70), 0.5, 1, 3, True, False, None, "", "nan", "1", [], {}]
+
+
+def config_keys(obj: Any = None, section: str = "") -> list[tuple[str, str]]:
+    """(section, field) of every number in the pipeline config ("" for the root, "diffusion.step" nested)."""
+    from charstream.pipeline.config import PipelineConfig
+
+    obj, keys = PipelineConfig() if obj is None else obj, []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            keys += config_keys(value, f"{section}.{f.name}" if section else f.name)
+        elif any(word in str(f.type) for word in ("int", "float")) and "bool" not in str(f.type):
+            keys.append((section, f.name))
+    return keys
+
+
+def config_table(config: dict[str, Any], section: str) -> dict[str, Any]:
+    """The table of ``config`` that holds ``section``'s keys (made on the way)."""
+    for part in section.split(".") if section else []:
+        config = config.setdefault(part, {})
+    return config
+
+
+def hostile_value(rng: random.Random) -> Any:
+    if rng.random() < 0.6:
+        return rng.choice(CONFIG_VALUES)
+    magnitude = 10 ** rng.uniform(-12, 20)  # any scale, either sign, int or float
+    value = rng.choice([1, -1]) * magnitude
+    return int(value) if rng.random() < 0.5 else value
+
+
+class ConfigTarget:
+    """``PipelineConfig.from_dict`` and ``serve``'s option parsing, fed hostile numbers."""
+
+    def __init__(self, sessions: int = CONFIG_SESSIONS) -> None:
+        self.keys = config_keys()
+        self.sessions = sessions
+        self.counts = {"accepted": 0, "wrongly_accepted": 0, "bad": 0, "escapes": 0, "hangs": 0, "probes_delivered": 0,
+                       "probes_sent": 0, "via_cli": 0, "served": 0}
+        self.escape_examples: list[str] = []
+        self.wrong_examples: list[str] = []
+        self._served: set[str] = set()
+        self._dir = tempfile.TemporaryDirectory(prefix="charstream-fuzz-config-")
+        self._loop = _Loop()
+
+    def send(self, rng: random.Random, data: bytes) -> None:
+        picked = rng.sample(self.keys, rng.choice([1, 1, 2, 3]))
+        config: dict[str, Any] = {}
+        for section, name in picked:
+            value = hostile_value(rng)
+            value = {"edge": value} if name == "capacities" else value
+            config_table(config, section)[name] = value
+        given = [f"{section}.{name}" if section else name for section, name in picked]
+        via_cli = rng.random() < 0.5
+        self.counts["via_cli"] += via_cli
+        try:
+            built = self._through_cli(config) if via_cli else self._from_dict(config)
+        except ValueError as e:
+            text = str(e)
+            if "\n" in text or not any(key in text for key in given):
+                self._escape(f"unclear refusal of {config}: {text[:200]}")
+            else:
+                self.counts["bad"] += 1
+            return
+        except Exception as e:  # anything else is the config's bug
+            self._escape(f"{type(e).__name__} for {config}: {e}"[:300])
+            return
+        self.counts["accepted"] += 1
+        if any(section in SERVING_SECTIONS for section, _ in picked):
+            self._serve_once(built, json.dumps(config, sort_keys=True))
+
+    @staticmethod
+    def _from_dict(config: dict[str, Any]):
+        from charstream.pipeline.config import PipelineConfig
+
+        return PipelineConfig.from_dict(config)
+
+    def _through_cli(self, config: dict[str, Any]):
+        """``serve --config FILE`` (+ ``--port``/``--batch-sessions`` when picked), parsed and built as
+        ``charstream serve`` does before it starts anything; a usage error is a ValueError here."""
+        import contextlib
+        import io
+
+        from charstream.pipeline import serve
+
+        path = os.path.join(self._dir.name, "config.json")
+        with open(path, "w") as f:
+            json.dump(config, f)
+        argv = ["--config", path]
+        port = config.get("egress", {}).get("port")
+        if port is not None:  # the option as typed, over the file's key
+            argv += ["--port", str(port)]
+        parser = argparse.ArgumentParser(prog="charstream serve", exit_on_error=False)
+        serve.add_arguments(parser)
+        try:
+            with contextlib.redirect_stderr(io.StringIO()):
+                args = parser.parse_args(argv)
+        except (argparse.ArgumentError, SystemExit) as e:
+            raise ValueError(f"egress.port: {e}") from None
+        return serve.load_config(args)
+
+    def _serve_once(self, config: Any, label: str) -> None:
+        """A session on an accepted serving config (each distinct one once, up to CONFIG_SESSIONS)."""
+        if label in self._served or len(self._served) >= self.sessions:
+            return
+        self._served.add(label)
+        self.counts["served"] += 1
+        try:
+            problem = self._loop.call(_session_problem(config), timeout=120)
+        except Exception as e:
+            problem = f"{type(e).__name__}: {e}"
+        if problem is not None:
+            self.counts["wrongly_accepted"] += 1
+            if len(self.wrong_examples) < 3:
+                self.wrong_examples.append(f"{label}: {problem}"[:300])
+
+    def _escape(self, text: str) -> None:
+        self.counts["escapes"] += 1
+        if len(self.escape_examples) < 3:
+            self.escape_examples.append(text)
+
+    def probe(self) -> bool:
+        """The default config still builds (nothing an input did is kept)."""
+        self.counts["probes_sent"] += 1
+        ok = self._from_dict({}) == self._from_dict({"egress": {}})
+        self.counts["probes_delivered"] += ok
+        return ok
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.counts, "escape_examples": self.escape_examples, "wrong_examples": self.wrong_examples}
+
+    def close(self) -> None:
+        self._loop.close()
+        self._dir.cleanup()
+
+
+async def _session_problem(config: Any) -> str | None:
+    """None when a test-card session streams on ``config`` and its server then idles; else what went wrong."""
+    from charstream.pipeline.session import session_factory
+    from charstream.pipeline.web.client import EgressClient
+    from charstream.pipeline.web.server import EgressServer
+
+    config.egress.port, config.egress.host = 0, "127.0.0.1"  # the fuzzed port is the option's, checked above
+    server = EgressServer(config.egress, session_factory(config, testcard=True))
+    url = await server.start()
+    client = EgressClient()
+    try:
+        _, token = server.create_session()
+        await client.connect(url, token)
+        await client.wait_for_video(24, timeout=60)
+    except Exception as e:
+        return f"session: {type(e).__name__}: {e}"
+    finally:
+        await client.close()
+    await asyncio.sleep(1.0)  # the session's teardown
+    me = psutil.Process()
+    before, started = sum(me.cpu_times()[:2]), time.monotonic()
+    await asyncio.sleep(2.0)
+    idle = (sum(me.cpu_times()[:2]) - before) / (time.monotonic() - started)
+    await server.stop()
+    return None if idle < IDLE_CPU else f"idle server used {idle:.2f} cores"
+
+
 TARGETS: dict[str, Callable[[], Any]] = {"ipc": lambda: ChannelTarget("ipc"), "tcp": lambda: ChannelTarget("tcp"),
-                                          "http": HttpTarget, "agent": AgentTarget}
+                                          "http": HttpTarget, "agent": AgentTarget, "config": ConfigTarget}
 
 
 def fuzz(target: Any, inputs: int, seed: int, probe_every: int) -> dict[str, Any]:
@@ -673,8 +852,8 @@ def table(report: dict[str, Any]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--inputs", type=int, default=100_000, help="generated inputs per target")
-    parser.add_argument("--targets", type=arguments.names(TARGETS), default="ipc,tcp,http,agent")
+    parser.add_argument("--inputs", type=arguments.positive_int, default=100_000, help="generated inputs per target")
+    parser.add_argument("--targets", type=arguments.names(TARGETS), default="ipc,tcp,http,agent,config")
     parser.add_argument("--seed", type=int, default=18)
     parser.add_argument("--probe-every", type=int, default=10, help="a valid message after every N inputs")
     parser.add_argument("--json", action="store_true", help="print the report as JSON (the table goes to stderr)")

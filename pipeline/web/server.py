@@ -8,11 +8,15 @@ HTTP API (JSON; errors are ``{"error": "..."}`` with a 4xx/5xx status):
   scrollback, proxy logs). A code works once.
 * ``POST /session`` with header ``X-Charstream-Key: <server key>`` → ``{"session_id", "token"}``:
   reserves a session; the token admits exactly one offer, within ``offer_timeout_s``. Each client
-  address holds at most ``reservations_per_client`` reservations without an offer and makes at most
-  ``reservations_per_minute`` (429 past either), so one key holder cannot take every slot.
+  address holds at most ``sessions_per_client`` live sessions (reserved or connected), of them at
+  most ``reservations_per_client`` without an offer, and makes at most ``reservations_per_minute``
+  (429 past any), so one key holder cannot take every slot while ``sessions_per_client`` is below
+  ``max_sessions``.
 * ``POST /offer`` with ``{"token", "sdp", "type": "offer"}`` → the SDP answer. A wrong token is
-  403, a token already used (replayed offer) 409, a malformed body or SDP 400, too many sessions
-  503. On success the session factory builds the session's media (``SessionMedia``).
+  403, a token already used (replayed offer) 409, a malformed body or SDP 400 (so is an offer
+  listing more than ``max_offer_candidates`` ICE candidates: the server would check connectivity
+  to each, or an SDP over ``MAX_SDP_CHARS``), too many sessions 503. The offer is parsed off the event loop. On success the session
+  factory builds the session's media (``SessionMedia``).
 * ``POST /hangup`` with ``{"token"}`` — closes the session.
 
 Each session is a graph run by the runner whose egress node (``stage.EgressStage``) holds the
@@ -26,7 +30,9 @@ another or the server.
 Every request's ``Host`` must be an IP literal, ``localhost``, the bound host or one of
 ``allowed_hosts`` (403 otherwise): a DNS-rebinding page reaches a local server under its own name.
 A connection without a complete request for ``idle_timeout_s`` is closed, a body must arrive within
-``body_timeout_s``, and JSON is parsed within depth and number limits (``json_limits``).
+``body_timeout_s``, a response the client does not take within ``write_timeout_s`` drops its
+connection, and JSON is parsed within depth and number limits (``json_limits``). What a client
+can make the server log (refusals, aiohttp's own errors) is rate-limited (``charstream.logs.log_limited``).
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from aiohttp import web
 from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCRtpSender, RTCSessionDescription, sdp
 from aiortc.mediastreams import MediaStreamTrack
 
+from charstream.logs import LogLimit, log_limited
 from charstream.pipeline.web.json_limits import loads
 from charstream.stages.config import EgressConfig
 from charstream.stages.egress.mic import CaptureClock, UserAudioQueue, pump_microphone, watch_sender_reports
@@ -59,8 +66,10 @@ from charstream.transport.messages import TraceContext
 
 log = structlog.get_logger("egress")
 STATIC_DIR = Path(__file__).parent / "static"
+CONTENT_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css"}
 CODECS = {"VP8": "video/VP8", "H264": "video/H264"}
-MAX_OFFER_BYTES = 256 * 1024
+MAX_OFFER_BYTES = 256 * 1024  # every HTTP body
+MAX_SDP_CHARS = 64 * 1024  # a browser's offer SDP is 3-12 KB
 LINGER_S = 1.0
 MAX_CODES = 16  # one-time codes waiting to be used; issuing more drops the oldest
 OPUS = [c for c in RTCRtpSender.getCapabilities("audio").codecs if c.mimeType == "audio/opus"]
@@ -110,6 +119,7 @@ class Peer:
         self.channel = None
         self.tasks: list[asyncio.Task] = []
         self.bad_messages = 0
+        self._log_limit = LogLimit()  # what the client sends on the data channel
         self.turn_segments: dict[int, dict[str, float]] = {}
         self.closed = asyncio.Event()
         self.session_ended = False  # the session ended before the peer (set by its egress node)
@@ -119,7 +129,8 @@ class Peer:
     async def answer(self, offer: RTCSessionDescription) -> RTCSessionDescription:
         config = self.server.config
         self.state = "active"
-        _check_offer(offer.sdp)  # before the factory: a bad offer must not start a pipeline
+        # before the factory: a bad offer must not start a pipeline; parsed off the loop (up to 64 KB)
+        await asyncio.to_thread(_check_offer, offer.sdp, config.max_offer_candidates)
         self.media = await self.server.factory(self.session_id)
         start = TrackStart(self.media.output)
         self.video = PlayoutVideoTrack(start)
@@ -169,7 +180,7 @@ class Peer:
 
     def _on_datachannel(self, channel) -> None:
         if self.channel is not None:
-            self.log.warning("extra_datachannel_ignored", label=channel.label)
+            self._log_limit(self.log.warning, "extra_datachannel_ignored", label=str(channel.label)[:100])
             return
         self.channel = channel
         channel.on("message", self._on_message)
@@ -197,7 +208,7 @@ class Peer:
                 raise BadReport(f"unknown message type {kind!r}")
         except BadReport as e:
             self.bad_messages += 1
-            self.log.warning("datachannel_message_dropped", error=str(e), raw=str(raw)[:120])
+            self._log_limit(self.log.warning, "datachannel_message_dropped", error=str(e)[:200], raw=str(raw)[:120])
         except Exception:  # our bug, not the client's: log it, keep the channel and the session
             self.bad_messages += 1
             self.log.exception("datachannel_message_failed", raw=str(raw)[:120])
@@ -269,10 +280,14 @@ class EgressServer:
         self._codes: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._reserved_at: dict[str, collections.deque[float]] = {}  # per client: reservations in the last minute
         self._hosts = {"localhost", config.host.lower(), *(h.lower() for h in config.allowed_hosts)}
-        self.app = web.Application(client_max_size=MAX_OFFER_BYTES, middlewares=[self._check_host])
+        # The page's few small files, held in memory: each response is a plain one, written within
+        # write_timeout_s like any other (a file response is written by aiohttp after the middleware)
+        self._files = {p.name: (p.read_bytes(), CONTENT_TYPES[p.suffix]) for p in STATIC_DIR.iterdir()
+                       if p.suffix in CONTENT_TYPES}
+        self.app = web.Application(client_max_size=MAX_OFFER_BYTES, middlewares=[self._bound_write, self._check_host])
         self.app.add_routes([
             web.get("/", self._index),
-            web.static("/static", STATIC_DIR),
+            web.get("/static/{name}", self._static),
             web.post("/code", self._redeem_code),
             web.post("/session", self._create_session),
             web.post("/offer", self._offer),
@@ -300,7 +315,11 @@ class EgressServer:
 
     def _admit(self, client: str) -> None:
         config = self.config
-        waiting = sum(s.client == client and s.state == "reserved" for s in self.sessions.values())
+        mine = [s for s in self.sessions.values() if s.client == client]
+        most = min(config.sessions_per_client, config.max_sessions)
+        if len(mine) >= most:
+            raise OfferError(429, f"{client} already holds {len(mine)} sessions (most {most} per client address)")
+        waiting = sum(s.state == "reserved" for s in mine)
         if waiting >= config.reservations_per_client:
             raise OfferError(429, f"{client} already holds {waiting} reservations without an offer "
                                   f"(most {config.reservations_per_client})")
@@ -361,15 +380,40 @@ class EgressServer:
     # --- handlers ------------------------------------------------------------------------------
 
     @web.middleware
+    async def _bound_write(self, request: web.Request, handler) -> web.StreamResponse:
+        """The response is written here, within ``write_timeout_s``: a client that does not read it
+        (its socket's buffers full) would otherwise hold the connection and its handler forever."""
+        try:
+            response = await handler(request)
+        except web.HTTPException as e:  # the router's 404/405: written here too
+            response = web.Response(status=e.status, reason=e.reason, text=e.text, headers=e.headers)
+        try:
+            async with asyncio.timeout(self.config.write_timeout_s):
+                await response.prepare(request)
+                await response.write_eof()
+        except TimeoutError:
+            log_limited(log.warning, "response_not_read", timeout_s=self.config.write_timeout_s, peer=request.remote)
+            if request.transport is not None:
+                request.transport.abort()  # what aiohttp writes next raises ConnectionError, which it expects
+        return response
+
+    @web.middleware
     async def _check_host(self, request: web.Request, handler) -> web.StreamResponse:
         host = _hostname(request.headers.get("Host", ""))
         if host not in self._hosts and not _is_ip(host):
-            log.warning("host_refused", host=request.headers.get("Host", "")[:200], peer=request.remote)
+            log_limited(log.warning, "host_refused", host=request.headers.get("Host", "")[:200], peer=request.remote)
             return _error(403, f"Host {host[:100]!r} is not served here (add it to egress.allowed_hosts)")
         return await handler(request)
 
     async def _index(self, request: web.Request) -> web.StreamResponse:
-        return web.FileResponse(STATIC_DIR / "index.html")
+        body, kind = self._files["index.html"]
+        return web.Response(body=body, content_type=kind, charset="utf-8")
+
+    async def _static(self, request: web.Request) -> web.StreamResponse:
+        found = self._files.get(request.match_info["name"])
+        if found is None:
+            return _error(404, "no such file")
+        return web.Response(body=found[0], content_type=found[1], charset="utf-8")
 
     async def _redeem_code(self, request: web.Request) -> web.Response:
         try:
@@ -389,7 +433,7 @@ class EgressServer:
         try:
             session_id, token = self.create_session(request.remote or "?")
         except OfferError as e:
-            log.warning("reservation_refused", status=e.status, error=str(e))
+            log_limited(log.warning, "reservation_refused", status=e.status, error=str(e))
             return _error(e.status, str(e))
         return web.json_response({"session_id": session_id, "token": token})
 
@@ -405,13 +449,13 @@ class EgressServer:
             if session.state != "reserved":
                 raise OfferError(409, "this session already has a connection (replayed offer?)")
         except OfferError as e:
-            log.warning("offer_rejected", status=e.status, error=str(e), peer=request.remote)
+            log_limited(log.warning, "offer_rejected", status=e.status, error=str(e), peer=request.remote)
             return _error(e.status, str(e))
         try:
             answer = await session.answer(RTCSessionDescription(sdp=sdp, type="offer"))
         except OfferError as e:
             await self.close_session(session.session_id, f"offer rejected: {e}")
-            log.warning("offer_rejected", status=e.status, error=str(e), session_id=session.session_id)
+            log_limited(log.warning, "offer_rejected", status=e.status, error=str(e), session_id=session.session_id)
             return _error(e.status, str(e))
         except Exception as e:
             await self.close_session(session.session_id, f"session setup failed: {e}")
@@ -451,7 +495,14 @@ class EgressServer:
         return body
 
 
-def _check_offer(text: str) -> None:
+def _check_offer(text: str, max_candidates: int) -> None:
+    if len(text) > MAX_SDP_CHARS:
+        raise OfferError(400, f"offer SDP of {len(text)} characters (most {MAX_SDP_CHARS})")
+    # Counted before parsing: aiortc sends connectivity checks to every candidate an offer lists.
+    # Distinct ones: a browser repeats its candidates in each media section.
+    candidates = {line.strip() for line in text.splitlines() if line.startswith("a=candidate:")}
+    if len(candidates) > max_candidates:
+        raise OfferError(400, f"offer lists {len(candidates)} ICE candidates (most {max_candidates})")
     try:
         kinds = sorted(m.kind for m in sdp.SessionDescription.parse(text).media)
     except Exception as e:  # aiortc's parser raises whatever the malformed line triggers

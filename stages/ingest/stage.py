@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import numpy as np
 
+from charstream.logs import LogLimit
 from charstream.stages.base import Stage, StageContext
 from charstream.stages.config import IngestConfig
 from charstream.stages.ingest.adapters import (
@@ -110,6 +111,7 @@ class IngestStage(Stage):
         self.tracer = tracer  # the session's: what the agent heard and answered goes with each turn
         self.media_t0 = media_t0
         self.stats = IngestStats()
+        self._log_limit = LogLimit()  # an agent repeating a protocol error logs a few lines and a count
         self._ctx: StageContext | None = None
         self._vad: UserAudioVAD | None = None
         self._seq = 0
@@ -399,7 +401,7 @@ class IngestStage(Stage):
 
     def _protocol_error(self, problem: str, turn_id: int | None, **extra: Any) -> None:
         self.stats.protocol_errors += 1
-        self._ctx.log.error("agent_protocol_error", turn_id=turn_id, problem=problem, **extra)
+        self._log_limit(self._ctx.log.error, "agent_protocol_error", turn_id=turn_id, problem=problem, **extra)
 
 
 def _copy(trace: TraceContext) -> TraceContext:
