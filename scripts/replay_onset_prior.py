@@ -68,7 +68,9 @@ def replay(log: Path, initial_allowance_s: float) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("logs", nargs="+", type=Path)
-    parser.add_argument("--initial-allowance-ms", type=float, default=PlayoutConfig().initial_allowance_s * 1e3)
+    allowance = PlayoutConfig().initial_allowance_s
+    allowance = CHARACTERS.chunk_seconds if allowance is None else allowance  # None: one chunk (the logs' timeline)
+    parser.add_argument("--initial-allowance-ms", type=float, default=allowance * 1e3)
     parser.add_argument("--json", type=Path, help="write every onset's row here")
     args = parser.parse_args()
     results = [replay(log, args.initial_allowance_ms / 1e3) for log in args.logs]
