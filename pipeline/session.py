@@ -267,9 +267,6 @@ def session_factory(config: PipelineConfig, weights: str | None = "packaged",
     prepare_process("serving", config, ["ingest", *(MODEL_STAGES if here else ())])
     started = 0
     sessions: dict[str, LiveSession] = {}
-    for section in ("diffusion", "decode"):
-        if (n := getattr(config, section).batch_sessions) < 1:
-            raise ValueError(f"{section}.batch_sessions must be >= 1 (1 = off), got {n}")
     batch = config.diffusion.batch_sessions > 1 and here
     batcher = StepBatcher(config.diffusion, config.preset, weights) if batch else None
     batch = config.decode.batch_sessions > 1 and here

@@ -175,8 +175,7 @@ def check_engine_config(config: PipelineConfig, max_sessions: int) -> None:
     if max_sessions < 1:
         raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
     for section in ("diffusion", "decode"):
-        if (n := getattr(config, section).batch_sessions) < 1:
-            raise ValueError(f"{section}.batch_sessions must be >= 1 (1 = off), got {n}")
+        n = getattr(config, section).batch_sessions  # >= 1: the section's bounds
         if 1 < n < max_sessions:  # a batcher takes at most batch_sessions sessions
             raise ValueError(f"{section}.batch_sessions {n} serves fewer than max_sessions {max_sessions}")
 
