@@ -31,6 +31,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "ingest"), "charstream.pipeline.bench.ingest", "VAD end-of-speech error and cost, and the resampler's quality"),
     (("bench", "mic-sessions"), "charstream.pipeline.bench.mic_sessions", "browser sessions on a fake microphone: heard, answered, the user's wait"),
     (("bench", "asr"), "charstream.pipeline.bench.asr", "the agent's speech recognisers on held-out speech: WER and time to the final transcript"),
+    (("bench", "chunk"), "charstream.pipeline.bench.chunk", "a chunk-motion model's (FlashHead's) whole chunk by part, and sessions side by side"),
     (("bench", "batch"), "charstream.pipeline.bench.batch", "GPU: one batched diffusion forward for K sessions against K separate steps"),
     (("model", "info"), "charstream.pipeline.model_info", "parameters, per-rank memory and FLOPs of a preset; a model family's weights folder checked"),
     (("trace", "report"), "charstream.pipeline.trace_report", "median/p90 per trace segment and a waterfall PNG"),

@@ -76,6 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--agent-pace", choices=AGENT_PACES, default="realtime",
                         help="how the scripted agent streams its reply: realtime (20 ms per 20 ms, default) or "
                              "synthesized (as TTS services push it: up to ingest's max_ahead_s ahead of real time)")
+    parser.add_argument("--hear", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the scripted user's speech through the agent's recogniser (default); "
+                             "--no-hear: the agent hears the script's line, and no recogniser is loaded")
     parser.add_argument("--verbose", action="store_true", help="structured logs (info) on stderr")
 
 
@@ -178,6 +181,7 @@ def plan(args: argparse.Namespace) -> DemoPlan:
     config.tracing.prometheus_host = args.metrics_host
     config.ingest.script = script
     config.ingest.agent_pace = args.agent_pace
+    config.ingest.scripted_recognizer = args.hear
     # In-process, the user is scripted (and heard by the recogniser); with --serve the browser's
     # user talks to the built-in agent.
     config.ingest.adapter = "listening" if args.serve else "scripted"

@@ -265,6 +265,11 @@ def session_factory(config: PipelineConfig, weights: str | None = "packaged",
     animates, each session encoding it once."""
     here = not testcard and config.hosting != "engine"  # the engine batches its sessions' model stages itself
     prepare_process("serving", config, ["ingest", *(MODEL_STAGES if here else ())])
+    if here and config.diffusion.device.startswith("cuda"):
+        from charstream.model.families import get_family
+
+        get_family(config.preset).warm_up(None if weights in (None, "random") else weights, config.diffusion.device,
+                                          config.diffusion.seed)
     started = 0
     sessions: dict[str, LiveSession] = {}
     batch = config.diffusion.batch_sessions > 1 and here

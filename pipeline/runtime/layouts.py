@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from charstream.model.families import get_family
 from charstream.pipeline.config import PipelineConfig
 
 
@@ -48,20 +49,26 @@ LAYOUTS: dict[str, Layout] = {
 
 
 def apply_layout(config: PipelineConfig, name: str, gpus_available: int | None = None) -> PipelineConfig:
-    """A copy of ``config`` with the layout's devices; diffusion and decode in their own processes."""
+    """A copy of ``config`` with the layout's devices; diffusion and decode in their own processes, except
+    for a model that generates whole chunks (FlashHead): its diffusion and decode share one chunk stream,
+    so they stay in the session's process (``stages/diffusion/chunks.py``), on one GPU."""
     try:
         layout = LAYOUTS[name]
     except KeyError:
         raise ValueError(f"unknown layout {name!r}; known: {', '.join(LAYOUTS)}") from None
     if gpus_available is not None and layout.gpus > gpus_available:
         raise ValueError(f"layout {name!r} needs {layout.gpus} GPUs, this host has {gpus_available}")
-    config.model.validate(layout.tp)  # heads and ffn must split over the ranks
     diffusion = dataclasses.replace(config.diffusion, tp=layout.tp, device=layout.diffusion[0],
                                     devices=list(layout.diffusion), fp8_cache=layout.decoder != "cpu")
     decode = dataclasses.replace(config.decode, device=layout.decoder)
     # The audio encoder beside the decoder: on the edge's CPU, among egress and playout, a 14b chunk's
     # encode took 47-155 ms on the H200 host (docs/PERF.md), a wait every turn's first chunk pays.
     conditioning = dataclasses.replace(config.conditioning, device=layout.decoder)
-    hosting = "inproc" if name == "cpu" else "processes"
+    chunked = get_family(config.preset).generation_mode == "chunk_motion"
+    if chunked and layout.tp > 1:
+        raise ValueError(f"layout {name!r}: model {config.preset!r} runs on one GPU (layout 1)")
+    if not chunked:
+        config.model.validate(layout.tp)  # heads and ffn must split over the ranks
+    hosting = "inproc" if name == "cpu" or chunked else "processes"
     return dataclasses.replace(config, conditioning=conditioning, diffusion=diffusion, decode=decode,
                                hosting=hosting)

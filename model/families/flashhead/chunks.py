@@ -47,17 +47,24 @@ def portrait_tensor(image: np.ndarray, height: int, width: int) -> Tensor:
 
 
 class ChunkMotionStream:
-    def __init__(self, model: FlashHeadModel, vae: WanVAE, portrait: Tensor, seed: int = 0) -> None:
+    def __init__(self, model: FlashHeadModel, vae: WanVAE, portrait: Tensor, seed: int = 0,
+                 compiled: bool = False) -> None:
+        """``model`` and ``vae`` may be shared with other sessions' streams: a stream keeps its state (motion
+        latents, noise, colour reference) to itself. ``compiled``: the DiT and the VAE's decode and encode
+        through ``torch.compile`` (one compilation per process: later streams reuse it)."""
         cfg = model.cfg
         if tuple(portrait.shape) != (1, 3, 1, cfg.height, cfg.width):
             raise ValueError(f"portrait must be (1, 3, 1, {cfg.height}, {cfg.width}), got {tuple(portrait.shape)}")
         self.model, self.vae, self.cfg = model, vae, cfg
+        self.dit = torch.compile(model.dit, dynamic=False) if compiled else model.dit
+        self._decode = torch.compile(vae.decode_chunk, dynamic=False) if compiled else vae.decode_chunk
+        self._encode = torch.compile(vae.encode_motion, dynamic=False) if compiled else vae.encode_motion
         device = next(model.dit.parameters()).device
         self.dtype = next(model.dit.parameters()).dtype
         self.generator = torch.Generator(device).manual_seed(seed)
         with torch.no_grad():
             still = portrait.to(device).expand(-1, -1, cfg.frames_per_chunk, -1, -1)
-            self.reference = vae.encode_motion(still).to(self.dtype)  # (1, C, latents, h, w), once per session
+            self.reference = self._encode(still).to(self.dtype)  # (1, C, latents, h, w), once per session
         self.colours: ColourReference = colour_reference(portrait.to(device))
         self.motion = self.reference[:, :, :cfg.motion_latents].clone()  # the first chunk continues the portrait
         self.initial_motion = self.motion
@@ -80,16 +87,16 @@ class ChunkMotionStream:
         if chunk is not None:
             self.motion = self._motion_after.get(chunk - 1, self.motion)
         audio = torch.as_tensor(audio_tokens)[None].to(self.reference.device, self.dtype)
-        return sample_chunk(self.model.dit, self.reference, audio, self.motion, self.generator)
+        return sample_chunk(self.dit, self.reference, audio, self.motion, self.generator)
 
     @torch.no_grad()
     def decode(self, latents: Tensor, chunk: int | None = None) -> np.ndarray:
         """The chunk's new frames, uint8 (new_frames_per_chunk, H, W, 3); its last frames become the next
         chunk's motion latents."""
         cfg = self.cfg
-        frames = self.vae.decode_chunk(latents.to(self.vae.post_quant_conv.weight.dtype))  # (1, 3, F, H, W)
+        frames = self._decode(latents.to(self.vae.post_quant_conv.weight.dtype))  # (1, 3, F, H, W)
         tail = match_colours(frames[:, :, -cfg.motion_frames:].float(), self.colours)
-        self.motion = self.vae.encode_motion(tail).to(self.dtype)
+        self.motion = self._encode(tail).to(self.dtype)
         if chunk is not None:
             self._motion_after[chunk] = self.motion
             while len(self._motion_after) > KEEP_MOTION:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,6 +17,7 @@ from charstream.model.families.flashhead.loader import (
     WAV_VAE,
     FlashHeadModel,
     inspect_folder,
+    load_audio_side,
     load_flashhead,
     used_shapes,
 )
@@ -21,6 +25,7 @@ from charstream.timeline import Timeline
 
 if TYPE_CHECKING:
     from charstream.model.families.flashhead.chunks import ChunkMotionStream
+    from charstream.model.families.flashhead.vae_wan import WanVAE
 
 
 class FlashHeadFamily(ModelFamily):
@@ -63,30 +68,67 @@ class FlashHeadFamily(ModelFamily):
                           graphed: bool = True) -> AudioConditioner:
         from charstream.model.families.flashhead.conditioner import ChunkSpeechEncoder
 
-        # the adapter comes with the DiT's checkpoint; the DiT itself is dropped here (diffusion loads its own)
-        model = self.load(_weights(weights), device, seed=seed)
-        encoder = ChunkSpeechEncoder(self._config, model.speech, model.adapter)
+        adapter, speech = load_audio_side(_weights(weights), self.variant, device, seed, self.audio_encoder, self._config)
+        encoder = ChunkSpeechEncoder(self._config, speech, adapter)
         return AudioConditioner(encoder.encode, encoder.context_ms, 0.0)
 
-    def chunk_stream(self, weights: str | None, portrait: np.ndarray, device: str = "cpu", seed: int = 0) -> ChunkMotionStream:
-        """One session's chunk stream (``chunks.py``): the DiT and wav2vec2 of ``weights`` (a released folder,
-        or None / ``"random"``: seeded random weights of this config), the Wan VAE of the folder's
-        ``VAE_Wan/Wan2.1_VAE.pth`` (random: seeded), the ``portrait`` (RGB uint8) encoded once."""
+    def chunk_stream(self, weights: str | None, portrait: np.ndarray, device: str = "cpu", seed: int = 0,
+                     compiled: bool | None = None) -> ChunkMotionStream:
+        """One session's chunk stream (``chunks.py``) over this process's shared model (``shared_model``):
+        the ``portrait`` (RGB uint8) encoded once, the session's own noise stream from ``seed``.
+        ``compiled``: the DiT pass and the VAE through ``torch.compile`` (None: on CUDA)."""
         from charstream.model.families.flashhead.chunks import ChunkMotionStream, portrait_tensor
-        from charstream.model.families.flashhead.vae_wan import WanVAE, load_wan_vae
 
         if self.variant != "pro":
             raise ValueError(f"{self.name}: only FlashHead Pro (the Wan2.1 VAE) streams chunks so far")
-        weights = _weights(weights)
-        model = self.load(weights, device, seed=seed)
-        if weights == "random":
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed)
-                vae = WanVAE().to(device).eval().requires_grad_(False)
-        else:
-            vae = load_wan_vae(Path(weights) / WAV_VAE, device)
+        shared = self.shared_model(weights, device, seed)
         cfg = self._config
-        return ChunkMotionStream(model, vae, portrait_tensor(portrait, cfg.height, cfg.width), seed)
+        compiled = str(device).startswith("cuda") if compiled is None else compiled
+        return ChunkMotionStream(shared.model, shared.vae, portrait_tensor(portrait, cfg.height, cfg.width), seed,
+                                 compiled=compiled)
+
+    def warm_up(self, weights: str | None, device: str, seed: int = 0) -> float:
+        """The shared model loaded and, on CUDA, compiled: one chunk of silence through a grey portrait
+        (torch.compile's first calls take minutes; later streams reuse what it built)."""
+        if self.variant != "pro" or not str(device).startswith("cuda"):
+            return 0.0
+        started = time.perf_counter()
+        cfg = self._config
+        stream = self.chunk_stream(weights, np.full((cfg.height, cfg.width, 3), 128, np.uint8), device, seed)
+        stream.decode(stream.denoise(np.zeros((cfg.latents_per_chunk, cfg.audio_tokens, cfg.dim), np.float32)))
+        stream.close()
+        return time.perf_counter() - started
+
+    def shared_model(self, weights: str | None, device: str = "cpu", seed: int = 0) -> SharedModel:
+        """The DiT, wav2vec2 and Wan VAE of ``weights`` (a released folder, or None / ``"random"``: seeded
+        random weights of this config; the VAE from the folder's ``VAE_Wan/Wan2.1_VAE.pth``), loaded once
+        per process and device: bf16 on CUDA, fp32 elsewhere. Sessions share them (a chunk's passes keep
+        no state in the modules), so a second session costs its latents, not another 1.3 B parameters."""
+        from charstream.model.families.flashhead.vae_wan import load_wan_vae, random_wan_vae
+
+        weights = _weights(weights)
+        key = (self._config, str(weights), str(device), seed if weights == "random" else None)
+        with _SHARED_LOCK:
+            shared = _SHARED.get(key)
+            if shared is None:
+                if str(device).startswith("cuda"):
+                    torch.backends.cudnn.benchmark = True  # cuDNN's fastest conv per VAE shape, chosen once
+                dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+                model = self.load(weights, device, dtype, seed=seed)
+                vae = (random_wan_vae(seed, device, dtype) if weights == "random"
+                       else load_wan_vae(Path(weights) / WAV_VAE, device, dtype))
+                shared = _SHARED[key] = SharedModel(model, vae)
+        return shared
+
+
+@dataclass(frozen=True)
+class SharedModel:
+    model: FlashHeadModel
+    vae: WanVAE
+
+
+_SHARED: dict[tuple, SharedModel] = {}  # one per (config, weights, device, seed) in this process
+_SHARED_LOCK = threading.Lock()
 
 
 def _weights(weights: str | Path | None) -> str | Path:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -300,14 +300,22 @@ class FlashHeadModel:
 def build(cfg: FlashHeadConfig, state: Mapping[str, Tensor], device: torch.device | str, dtype: torch.dtype) -> tuple[FlashHeadDiT, AudioAdapter]:
     """The DiT and the adapter, allocated once on ``device`` in ``dtype`` and filled from ``state``."""
     with torch.device("meta"):
-        dit, adapter = FlashHeadDiT(cfg), AudioAdapter(cfg)
-    dit, adapter = dit.to(dtype).to_empty(device=device), adapter.to(dtype).to_empty(device=device)
+        dit = FlashHeadDiT(cfg)
+    dit = dit.to(dtype).to_empty(device=device)
     dit.load_checkpoint_state(state)
+    return dit.eval(), build_adapter(cfg, state, device, dtype)
+
+
+def build_adapter(cfg: FlashHeadConfig, state: Mapping[str, Tensor], device: torch.device | str, dtype: torch.dtype) -> AudioAdapter:
+    """The audio adapter alone (the conditioning stage's part of the DiT checkpoint), filled from ``state``."""
+    with torch.device("meta"):
+        adapter = AudioAdapter(cfg)
+    adapter = adapter.to(dtype).to_empty(device=device)
     with torch.no_grad():
         params = dict(adapter.named_parameters())
         for ours, theirs in ADAPTER_KEY_MAP.items():
             params[ours].copy_(state[theirs])
-    return dit.eval(), adapter.eval()
+    return adapter.eval()
 
 
 def load_wav2vec2(folder: Path, device: torch.device | str) -> SpeechFeatures:
@@ -341,14 +349,34 @@ def load_flashhead(
 ) -> FlashHeadModel:
     """The model from a released weights folder (checked first), or ``weights="random"``: seeded random
     weights of ``cfg`` (default: the variant's real config)."""
+    cfg, state, speech = _sources(weights, variant, device, seed, audio_encoder, cfg)
+    dit, adapter = build(cfg, state, device, dtype)
+    return FlashHeadModel(cfg, dit, adapter, speech())
+
+
+def load_audio_side(
+    weights: str | Path,
+    variant: str,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    audio_encoder: str | Path | None = None,
+    cfg: FlashHeadConfig | None = None,
+) -> tuple[AudioAdapter, SpeechFeatures]:
+    """What the conditioning stage runs, without the DiT: the adapter (fp32) and wav2vec2, from the same
+    folder or seeded random weights as ``load_flashhead`` (the same adapter for the same seed)."""
+    cfg, state, speech = _sources(weights, variant, device, seed, audio_encoder, cfg)
+    return build_adapter(cfg, state, device, torch.float32), speech()
+
+
+def _sources(weights: str | Path, variant: str, device: torch.device | str, seed: int,
+             audio_encoder: str | Path | None, cfg: FlashHeadConfig | None,
+             ) -> tuple[FlashHeadConfig, Mapping[str, Tensor], Callable[[], SpeechFeatures]]:
+    """The config, the DiT checkpoint's tensors (read on demand from files) and a wav2vec2 loader."""
     if str(weights) == "random":
         cfg = cfg or VARIANTS[variant]
-        dit, adapter = build(cfg, random_checkpoint(cfg, seed, device), device, dtype)
-        return FlashHeadModel(cfg, dit, adapter, random_wav2vec2(seed, device))
+        return cfg, random_checkpoint(cfg, seed, device), lambda: random_wav2vec2(seed, device)
     report, cfg = inspect_folder(weights, variant, audio_encoder)
     if not report.ok:
         raise CheckpointError(report.weights, report.problem())
-    specs = read_weight_files(Path(report.weights))
-    dit, adapter = build(cfg, SafetensorsState(specs), device, dtype)
-    speech = load_wav2vec2(find_wav2vec2(Path(weights), audio_encoder), device)
-    return FlashHeadModel(cfg, dit, adapter, speech)
+    folder = find_wav2vec2(Path(weights), audio_encoder)
+    return cfg, SafetensorsState(read_weight_files(Path(report.weights))), lambda: load_wav2vec2(folder, device)

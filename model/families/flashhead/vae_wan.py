@@ -301,3 +301,14 @@ def load_wan_vae(path: str | Path, device: str | torch.device = "cpu", dtype: to
     vae.latent_mean = torch.tensor(LATENT_MEAN, device=device).view(1, Z_DIM, 1, 1, 1)
     vae.latent_std = torch.tensor(LATENT_STD, device=device).view(1, Z_DIM, 1, 1, 1)
     return _channels_last(vae.eval().requires_grad_(False))
+
+
+def random_wan_vae(seed: int, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> WanVAE:
+    """Seeded random weights of the Wan VAE (PyTorch's initialisation), laid out as ``load_wan_vae``'s."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        vae = WanVAE().to(device, dtype)
+    vae.latent_mean = torch.tensor(LATENT_MEAN, device=device).view(1, Z_DIM, 1, 1, 1)  # statistics stay float32
+    vae.latent_std = torch.tensor(LATENT_STD, device=device).view(1, Z_DIM, 1, 1, 1)
+    return _channels_last(vae.eval().requires_grad_(False))
+

@@ -1,0 +1,192 @@
+"""``charstream bench chunk``: a chunk-motion model's (FlashHead's) whole chunk through the objects that serve it.
+
+One chunk is what the stages do for it, in order: the conditioning stage's encode of the 8 s audio window
+(wav2vec2 + adapter, tokens to the host), the diffusion stage's ``denoise`` (4 DiT passes) and the decode
+stage's ``decode`` (the VAE decode of 33 frames, the colour match and re-encode of the last 5 into the next
+chunk's motion latents, the 28 new frames to the host as uint8). Each part is timed with the device
+synchronised around it, over ``--chunks`` chunks after ``--warmup`` (the first calls compile).
+
+Then sessions side by side: K chunk streams sharing the process's model, each on a thread of its own as
+the stages run them, chunk after chunk for ``--seconds``. A session keeps up when its chunks come at
+least as fast as they play (28 frames at 25 fps: one every 1.12 s); the report gives each K's per-session
+chunk period (median, p90) and the frames a second generated in all. This is the model's side of capacity
+(no WebRTC, no playout): the sessions a GPU can feed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from charstream.pipeline.bench.output import commit_id, emit_report, text_table
+from charstream.timeline import TIMELINE_RATE
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="flashhead-pro", choices=("flashhead-pro",))
+    parser.add_argument("--weights", default="random", help="a released weights folder, or 'random' (seeded)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--chunks", type=int, default=10, help="timed chunks of the one-session run")
+    parser.add_argument("--warmup", type=int, default=2, help="chunks before timing (the first compile)")
+    parser.add_argument("--sessions", default="1,2,3", help="comma-separated session counts run side by side")
+    parser.add_argument("--seconds", type=float, default=20.0, help="how long each session count runs")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="torch.compile the DiT and the VAE (default: on CUDA, as served)")
+    parser.add_argument("--blocks", type=int, default=None, help="fewer DiT blocks (a CPU check of the bench)")
+    parser.add_argument("--size", type=int, default=None, help="another square video size (a CPU check)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON (the table goes to stderr)")
+    parser.add_argument("--out", default=None, help="also write the JSON report here")
+
+
+def _synchronise(device: str) -> Callable[[], None]:
+    import torch
+
+    return torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+
+class Session:
+    """One session's conditioner and chunk stream, fed a rolling window of speech-like noise."""
+
+    def __init__(self, family, weights: str, device: str, seed: int, compiled: bool | None) -> None:
+        cfg = family.config
+        portrait = np.random.default_rng(seed).integers(0, 256, (cfg.height, cfg.width, 3), dtype=np.uint8)
+        self.stream = family.chunk_stream(weights, portrait, device, seed, compiled)
+        self.encode = family.audio_conditioner(weights, device, seed).encode
+        self.rng = np.random.default_rng(seed + 1)
+        self.window = np.zeros(cfg.audio_context_s * TIMELINE_RATE, np.int16)
+        self.hop = cfg.new_frames_per_chunk * TIMELINE_RATE // cfg.fps
+        self.chunk = 0
+
+    def next_window(self) -> np.ndarray:
+        new = (self.rng.standard_normal(self.hop) * 3000).astype(np.int16)
+        self.window = np.concatenate([self.window[self.hop:], new])
+        return self.window
+
+    def run_chunk(self, sync: Callable[[], None]) -> dict[str, float]:
+        """One chunk, part by part: seconds for encode, denoise and decode."""
+        t0 = time.perf_counter()
+        tokens = self.encode(self.next_window())
+        t1 = time.perf_counter()
+        latents = self.stream.denoise(tokens, self.chunk)
+        sync()
+        t2 = time.perf_counter()
+        frames = self.stream.decode(latents, self.chunk)
+        t3 = time.perf_counter()
+        assert frames.dtype == np.uint8  # on the host: the decode's copy is inside the timing
+        self.chunk += 1
+        return {"encode": t1 - t0, "denoise": t2 - t1, "decode": t3 - t2, "chunk": t3 - t0}
+
+
+def one_session(session: Session, chunks: int, warmup: int, sync: Callable[[], None]) -> dict:
+    for _ in range(warmup):
+        session.run_chunk(sync)
+    runs = [session.run_chunk(sync) for _ in range(chunks)]
+    return {part: {"median_ms": 1e3 * statistics.median(r[part] for r in runs),
+                   "min_ms": 1e3 * min(r[part] for r in runs),
+                   "max_ms": 1e3 * max(r[part] for r in runs)} for part in runs[0]}
+
+
+def side_by_side(sessions: list[Session], seconds: float, chunk_s: float, frames_per_chunk: int,
+                 sync: Callable[[], None]) -> dict:
+    """Every session on its own thread, chunk after chunk, for ``seconds``: per-session periods."""
+    periods: list[list[float]] = [[] for _ in sessions]
+    ended = [0.0] * len(sessions)
+    start = threading.Barrier(len(sessions) + 1)
+    stop = float("inf")  # set once every thread is ready
+
+    def loop(i: int) -> None:
+        start.wait()
+        last = time.perf_counter()
+        while last < stop:
+            sessions[i].run_chunk(sync)
+            now = time.perf_counter()
+            periods[i].append(now - last)
+            last = now
+        ended[i] = last
+
+    threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(len(sessions))]
+    for t in threads:
+        t.start()
+    began = time.perf_counter()
+    stop = began + seconds
+    start.wait()
+    for t in threads:
+        t.join()
+    every = [p for ps in periods for p in ps]
+    p90 = [float(np.percentile(ps, 90)) for ps in periods]
+    return {
+        "sessions": len(sessions),
+        "chunks": len(every),
+        "period_median_ms": 1e3 * statistics.median(every),
+        "period_p90_worst_session_ms": 1e3 * max(p90),
+        "generated_fps": frames_per_chunk * len(every) / (max(ended) - began),
+        "keeps_up": max(p90) <= chunk_s,
+    }
+
+
+def measure(args: argparse.Namespace) -> dict:
+    import torch
+
+    from charstream.model.families import get_family
+    from charstream.model.families.flashhead.family import FlashHeadFamily
+
+    family = get_family(args.model)
+    assert isinstance(family, FlashHeadFamily)
+    cfg = family.config
+    if args.blocks or args.size:
+        cfg = cfg.with_(n_blocks=args.blocks or cfg.n_blocks, height=args.size or cfg.height,
+                        width=args.size or cfg.width)
+        family = FlashHeadFamily(family.variant, config=cfg)
+    sync = _synchronise(args.device)
+    chunk_s = cfg.new_frames_per_chunk / cfg.fps
+    began = time.perf_counter()
+    first = Session(family, args.weights, args.device, 0, args.compile)
+    load_s = time.perf_counter() - began
+    parts = one_session(first, args.chunks, args.warmup, sync)
+    counts = [int(k) for k in args.sessions.split(",") if k.strip()]
+    streams = [first]
+    ladder = []
+    for k in counts:
+        while len(streams) < k:
+            streams.append(Session(family, args.weights, args.device, len(streams), args.compile))
+            streams[-1].run_chunk(sync)  # its first chunk outside the timing
+        ladder.append(side_by_side(streams[:k], args.seconds, chunk_s, cfg.new_frames_per_chunk, sync))
+    return {
+        "model": args.model, "weights": args.weights, "device": args.device,
+        "gpu": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else platform.processor(),
+        "torch": torch.__version__, "commit": commit_id(), "compiled": first.stream.dit is not first.stream.model.dit,
+        "size": [cfg.height, cfg.width], "blocks": cfg.n_blocks, "new_frames_per_chunk": cfg.new_frames_per_chunk,
+        "fps": cfg.fps, "chunk_seconds": chunk_s, "load_and_first_compile_s": load_s,
+        "one_session": parts, "side_by_side": ladder,
+        "peak_memory_gib": torch.cuda.max_memory_allocated(args.device) / 2**30 if args.device.startswith("cuda") else None,
+    }
+
+
+def table(report: dict) -> str:
+    rows = [["part of a chunk", "median ms", "min", "max"]]
+    for part, t in report["one_session"].items():
+        rows.append([part, f"{t['median_ms']:.1f}", f"{t['min_ms']:.1f}", f"{t['max_ms']:.1f}"])
+    chunk_ms = report["one_session"]["chunk"]["median_ms"]
+    lines = [text_table(rows),
+             f"one session: {report['new_frames_per_chunk'] / chunk_ms * 1e3:.1f} generated fps "
+             f"({report['chunk_seconds'] * 1e3 / chunk_ms:.2f}x real time at {report['fps']} fps)", ""]
+    rows = [["sessions", "chunks", "period median ms", "worst session p90 ms", "generated fps", "keeps up"]]
+    for r in report["side_by_side"]:
+        rows.append([str(r["sessions"]), str(r["chunks"]), f"{r['period_median_ms']:.0f}",
+                     f"{r['period_p90_worst_session_ms']:.0f}", f"{r['generated_fps']:.1f}", str(r["keeps_up"])])
+    lines += [text_table(rows),
+              f"{report['model']} ({report['weights']} weights), {report['size'][0]}x{report['size'][1]}, "
+              f"{report['blocks']} blocks, compiled {report['compiled']}, on {report['gpu']}; torch {report['torch']}, "
+              f"commit {report['commit']}"]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> None:
+    report = measure(args)
+    emit_report(report, table(report), args.out, args.json)
