@@ -36,12 +36,25 @@ def http():
     target.close()
 
 
+def _survives(target, blob: bytes) -> None:
+    """``blob`` sent to ``target`` (its first 4 bytes seed how it is framed); a valid message still gets through."""
+    target.send(random.Random(blob[:4]), blob[4:])
+    assert target.probe(), target.stats()
+    assert target.stats()["escapes"] == 0, target.stats()["escape_examples"]
+
+
+def _fuzzed(target, inputs: int) -> dict:
+    """The report of a seeded ``fuzz`` run of ``inputs`` inputs, a probe every 10; ``target`` closed after."""
+    try:
+        return fuzz(target, inputs, seed=18, probe_every=10)
+    finally:
+        target.close()
+
+
 @FUZZ
 @given(st.binary(min_size=4, max_size=300))
 def test_channel_receiver_survives_any_frames(channel, blob):
-    channel.send(random.Random(blob[:4]), blob[4:])
-    assert channel.probe(), channel.stats()  # the valid message after it arrived
-    assert channel.stats()["escapes"] == 0, channel.stats()["escape_examples"]
+    _survives(channel, blob)
 
 
 @pytest.fixture(scope="module")
@@ -54,17 +67,11 @@ def agent():
 @FUZZ
 @given(st.binary(min_size=4, max_size=300))
 def test_agent_socket_survives_any_message(agent, blob):
-    agent.send(random.Random(blob[:4]), blob[4:])
-    assert agent.probe(), agent.stats()  # a whole valid turn after it came through
-    assert agent.stats()["escapes"] == 0, agent.stats()["escape_examples"]
+    _survives(agent, blob)  # the valid message: a whole turn
 
 
 def test_agent_socket_accepts_only_finite_audio():
-    target = AgentTarget()
-    try:
-        report = fuzz(target, 1000, seed=18, probe_every=10)
-    finally:
-        target.close()
+    report = _fuzzed(AgentTarget(), 1000)
     assert report["wrongly_accepted"] == 0, report["wrong_examples"]
 
 
@@ -78,11 +85,7 @@ def test_signaling_server_survives_any_request(http, blob):
 
 
 def test_the_fuzz_run_reports_every_count(tmp_path):
-    target = HttpTarget()
-    try:
-        report = fuzz(target, 200, seed=18, probe_every=10)
-    finally:
-        target.close()
+    report = _fuzzed(HttpTarget(), 200)
     assert report["inputs"] == 200 and report["probes_sent"] == 22 and report["valid_lost"] == 0
     assert report["bad"] + report["accepted"] == 200 and report["escapes"] == report["hangs"] == 0
 
@@ -90,11 +93,7 @@ def test_the_fuzz_run_reports_every_count(tmp_path):
 def test_hostile_configuration_is_refused_naming_a_key_or_serves():
     """Hostile numbers through ``PipelineConfig.from_dict`` and ``serve``'s command line: every refusal
     names a key it was given, nothing else escapes, and what is accepted for serving serves."""
-    target = ConfigTarget(sessions=2)
-    try:
-        report = fuzz(target, 400, seed=18, probe_every=10)
-    finally:
-        target.close()
+    report = _fuzzed(ConfigTarget(sessions=2), 400)
     assert report["escapes"] == 0, report["escape_examples"]
     assert report["wrongly_accepted"] == 0, report["wrong_examples"]
     assert report["bad"] > 300 and report["accepted"] > 0 and report["via_cli"] > 100 and report["served"] > 0, report
