@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import multiprocessing
 import os
 import pickle
 import signal
@@ -16,7 +15,7 @@ import psutil
 import pytest
 import zmq
 import zmq.asyncio
-from test_transport_peers import idle_sender, slow_consumer
+from test_transport_peers import SPAWN, idle_sender, slow_consumer, spawned
 
 from charstream.transport.channel import (
     BEAT,
@@ -36,8 +35,6 @@ from charstream.transport.codec import WIRE_VERSION, MessageError, encode
 from charstream.transport.config import TransportConfig
 from charstream.transport.messages import ClockPayload, Conditioning, Control, ControlKind
 from charstream.transport.security import CurveKeys, curve_required, is_loopback
-
-SPAWN = multiprocessing.get_context("spawn")
 
 
 def endpoint(kind: str, tmp_path) -> str:
@@ -290,9 +287,7 @@ def test_a_killed_peer_process_is_detected_by_heartbeats(tmp_path):
     async def main():
         transport = Transport(config)
         async with Receiver(transport, ep, "idle->rx", 2) as rx:
-            peer = SPAWN.Process(target=idle_sender, args=(ep, config))
-            peer.start()
-            try:
+            with spawned(idle_sender, ep, config) as peer:
                 with anyio.fail_after(30):
                     while b"idle" not in rx._credit_out:
                         await anyio.sleep(0.02)
@@ -304,9 +299,6 @@ def test_a_killed_peer_process_is_detected_by_heartbeats(tmp_path):
                     await rx.recv()
                 assert "no heartbeat" in str(info.value)
                 assert time.monotonic() - killed < 5 * config.dead_after_s
-            finally:
-                peer.kill()
-                peer.join()
         transport.close()
 
     anyio.run(main)

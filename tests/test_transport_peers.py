@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
+from collections.abc import Callable, Iterator
+
 import anyio
 import numpy as np
 import zmq
@@ -9,6 +13,20 @@ import zmq
 from charstream.transport.channel import HELLO, Receiver, Sender, Transport
 from charstream.transport.config import TransportConfig
 from charstream.transport.messages import Conditioning
+
+SPAWN = multiprocessing.get_context("spawn")
+
+
+@contextlib.contextmanager
+def spawned(target: Callable[..., object], *args: object) -> Iterator[multiprocessing.Process]:
+    """``target(*args)`` in a spawned process, killed and reaped on the way out."""
+    peer = SPAWN.Process(target=target, args=args)
+    peer.start()
+    try:
+        yield peer
+    finally:
+        peer.kill()
+        peer.join()
 
 
 def slow_consumer(endpoint: str, config: TransportConfig, capacity: int, count: int, delay_s: float) -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import fcntl
-import multiprocessing
 import os
 import signal
 import struct
@@ -15,7 +14,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-from test_transport_peers import hello_sender, slot_sender
+from test_transport_peers import hello_sender, slot_sender, spawned
 
 from charstream.transport.channel import CREDIT, DATA, HELLO, SLOT, PeerDeadError, Receiver, Sender, Transport
 from charstream.transport.codec import encode
@@ -23,7 +22,6 @@ from charstream.transport.config import TransportConfig
 from charstream.transport.messages import Conditioning
 from charstream.transport.slots import SEALS, SlotBlock, mapped_blocks
 
-SPAWN = multiprocessing.get_context("spawn")
 MB = 1 << 20
 
 
@@ -261,17 +259,12 @@ def test_a_peer_can_only_point_at_its_own_descriptors(tmp_path):
         os.dup2(block.fd, fd)
         geometry = msgpack.packb({**msgpack.unpackb(block.geometry()), "fd": fd})
         async with Receiver(transport, f"ipc://{tmp_path}/e.sock", "other->rx", 4) as rx:
-            peer = SPAWN.Process(target=hello_sender, args=(rx.endpoint, geometry))
-            peer.start()
-            try:
+            with spawned(hello_sender, rx.endpoint, geometry) as peer:
                 with anyio.fail_after(30):
                     while rx.stats.bad < 1:
                         await anyio.sleep(0.01)
                 assert f"peer 'other': hello refused: cannot open fd {fd} of process {peer.pid}" in rx.stats.last_error
                 assert not rx._blocks
-            finally:
-                peer.kill()
-                peer.join()
         os.close(fd)
         block.close()
         transport.close()
@@ -306,9 +299,7 @@ def test_a_sender_killed_with_sigkill_leaves_no_block_behind(tmp_path):
     async def main():
         transport = Transport(config)
         async with Receiver(transport, ep, "slotted->rx", 2) as rx:
-            peer = SPAWN.Process(target=slot_sender, args=(ep, config, MB))
-            peer.start()
-            try:
+            with spawned(slot_sender, ep, config, MB) as peer:
                 with anyio.fail_after(30):
                     msg = await rx.recv()
                 assert (msg.audio_tokens == 1).all() and rx.stats.slotted == 1
@@ -317,9 +308,6 @@ def test_a_sender_killed_with_sigkill_leaves_no_block_behind(tmp_path):
                 with pytest.raises(PeerDeadError, match="'slotted'"), anyio.fail_after(10):
                     await rx.recv()
                 assert mapped_blocks() == 0  # ours was the last reference: the block's memory is freed
-            finally:
-                peer.kill()
-                peer.join()
         transport.close()
 
     anyio.run(main)
