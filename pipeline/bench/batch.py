@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -51,6 +52,36 @@ def _wall_ms(fn, reps: int) -> float:
         fn()
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
+
+
+def _rows(batch: BatchedStep | BatchedDecoder, forward: Callable[[int], Callable[[bool | None], object]], unit: str,
+          sessions: tuple[int, ...], single_wall: float, single_gpu: float, reps: int) -> list[dict]:
+    """Per K in ``sessions``: the batched forward ``forward(K)(graphed)`` timed graphed (wall, and its replay
+    alone on the GPU) and eager, beside K separate ``unit``s of ``single_wall`` / ``single_gpu`` ms each."""
+    rows = []
+    for k in sessions:
+        run = forward(k)  # its inputs sliced here, outside the timing
+        wall = _wall_ms(lambda: run(None), reps)  # noqa: B023 -- called at once
+        eager = _wall_ms(lambda: run(False), reps)  # noqa: B023
+        gpu = cuda_median_ms(batch.graphs[batch.bucket(k)].replay, reps)
+        rows.append({
+            "sessions": k, "bucket": batch.bucket(k),
+            "batched_wall_ms": wall, "batched_gpu_ms": gpu, "batched_eager_wall_ms": eager,
+            f"batched_wall_ms_per_{unit}": wall / k, f"batched_gpu_ms_per_{unit}": gpu / k,
+            "separate_wall_ms": single_wall * k, "separate_gpu_ms": single_gpu * k,
+            "speedup_wall": single_wall * k / wall, "speedup_gpu": single_gpu * k / gpu,
+        })
+    return rows
+
+
+def _table(rows: list[dict], unit: str) -> str:
+    head = ["K", "batched wall ms", "GPU ms", f"GPU ms/{unit}", f"wall ms/{unit}", "eager wall ms",
+            "K separate wall ms", "K separate GPU ms", "speedup wall", "speedup GPU"]
+    return text_table([head] + [[str(r["sessions"]), f"{r['batched_wall_ms']:.3f}", f"{r['batched_gpu_ms']:.3f}",
+                                 f"{r[f'batched_gpu_ms_per_{unit}']:.4f}", f"{r[f'batched_wall_ms_per_{unit}']:.4f}",
+                                 f"{r['batched_eager_wall_ms']:.3f}", f"{r['separate_wall_ms']:.3f}",
+                                 f"{r['separate_gpu_ms']:.3f}", f"{r['speedup_wall']:.1f}x", f"{r['speedup_gpu']:.1f}x"]
+                                for r in rows])
 
 
 def bench_batch(preset: str, sessions: tuple[int, ...], reps: int, seed: int = 0) -> dict:
@@ -78,20 +109,11 @@ def bench_batch(preset: str, sessions: tuple[int, ...], reps: int, seed: int = 0
     single_wall = _wall_ms(lambda: single.step(audio, 0).cpu(), reps)
     single_gpu = cuda_median_ms(single.diffusion.run, reps)
 
-    rows = []
-    for k in sessions:
+    def forward(k: int) -> Callable[[bool | None], object]:
         due, tokens, seeds = steps[:k], [audio] * k, list(range(k))
-        graph = batch.graphs[batch.bucket(k)]
-        wall = _wall_ms(lambda: batch.step(due, tokens, seeds).cpu(), reps)  # noqa: B023 -- called at once
-        eager = _wall_ms(lambda: batch.step(due, tokens, seeds, graphed=False).cpu(), reps)  # noqa: B023
-        gpu = cuda_median_ms(graph.replay, reps)
-        rows.append({
-            "sessions": k, "bucket": batch.bucket(k),
-            "batched_wall_ms": wall, "batched_gpu_ms": gpu, "batched_eager_wall_ms": eager,
-            "batched_wall_ms_per_step": wall / k, "batched_gpu_ms_per_step": gpu / k,
-            "separate_wall_ms": single_wall * k, "separate_gpu_ms": single_gpu * k,
-            "speedup_wall": single_wall * k / wall, "speedup_gpu": single_gpu * k / gpu,
-        })
+        return lambda graphed: batch.step(due, tokens, seeds, graphed=graphed).cpu()
+
+    rows = _rows(batch, forward, "step", sessions, single_wall, single_gpu, reps)
     return {
         "bench": "batch", "preset": preset, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
         "commit": commit_id(), "reps": reps, "capture_s": capture_s, "buckets": batch.buckets,
@@ -122,20 +144,11 @@ def bench_decode(preset: str, sessions: tuple[int, ...], reps: int, seed: int = 
     single_wall = _wall_ms(single_chunk, reps)
     single_gpu = cuda_median_ms(single.graph.replay, reps)
 
-    rows = []
-    for k in sessions:
+    def forward(k: int) -> Callable[[bool | None], object]:
         z, due = latents[:k], states[:k]
-        graph = batch.graphs[batch.bucket(k)]
-        wall = _wall_ms(lambda: batch.decode(z, due)[0].cpu(), reps)  # noqa: B023 -- called at once
-        eager = _wall_ms(lambda: batch.decode(z, due, graphed=False)[0].cpu(), reps)  # noqa: B023
-        gpu = cuda_median_ms(graph.replay, reps)
-        rows.append({
-            "sessions": k, "bucket": batch.bucket(k),
-            "batched_wall_ms": wall, "batched_gpu_ms": gpu, "batched_eager_wall_ms": eager,
-            "batched_wall_ms_per_chunk": wall / k, "batched_gpu_ms_per_chunk": gpu / k,
-            "separate_wall_ms": single_wall * k, "separate_gpu_ms": single_gpu * k,
-            "speedup_wall": single_wall * k / wall, "speedup_gpu": single_gpu * k / gpu,
-        })
+        return lambda graphed: batch.decode(z, due, graphed=graphed)[0].cpu()
+
+    rows = _rows(batch, forward, "chunk", sessions, single_wall, single_gpu, reps)
     return {"capture_s": capture_s, "buckets": batch.buckets,
             "state_bytes_per_session": sum(c.numel() * c.element_size() for c in batch.zeros),
             "single_chunk": {"wall_ms": single_wall, "gpu_ms": single_gpu, "body": "GraphedDecoder, bf16"},
@@ -143,28 +156,14 @@ def bench_decode(preset: str, sessions: tuple[int, ...], reps: int, seed: int = 
 
 
 def table(report: dict) -> str:
-    head = ["K", "batched wall ms", "GPU ms", "GPU ms/step", "wall ms/step", "eager wall ms",
-            "K separate wall ms", "K separate GPU ms", "speedup wall", "speedup GPU"]
-    rows = [head] + [[str(r["sessions"]), f"{r['batched_wall_ms']:.3f}", f"{r['batched_gpu_ms']:.3f}",
-                      f"{r['batched_gpu_ms_per_step']:.4f}", f"{r['batched_wall_ms_per_step']:.4f}",
-                      f"{r['batched_eager_wall_ms']:.3f}", f"{r['separate_wall_ms']:.3f}",
-                      f"{r['separate_gpu_ms']:.3f}", f"{r['speedup_wall']:.1f}x", f"{r['speedup_gpu']:.1f}x"]
-                     for r in report["rows"]]
     s, d = report["single_step"], report["decode"]
     c = d["single_chunk"]
-    decode = [["K", "batched wall ms", "GPU ms", "GPU ms/chunk", "wall ms/chunk", "eager wall ms",
-               "K separate wall ms", "K separate GPU ms", "speedup wall", "speedup GPU"]]
-    decode += [[str(r["sessions"]), f"{r['batched_wall_ms']:.3f}", f"{r['batched_gpu_ms']:.3f}",
-                f"{r['batched_gpu_ms_per_chunk']:.4f}", f"{r['batched_wall_ms_per_chunk']:.4f}",
-                f"{r['batched_eager_wall_ms']:.3f}", f"{r['separate_wall_ms']:.3f}",
-                f"{r['separate_gpu_ms']:.3f}", f"{r['speedup_wall']:.1f}x", f"{r['speedup_gpu']:.1f}x"]
-               for r in d["rows"]]
     return (f"{report['preset']} on {report['device']}, torch {report['torch']}, commit {report['commit']}; "
             f"one session's step ({s['body']}): {s['wall_ms']:.3f} ms wall, {s['gpu_ms']:.3f} ms GPU; "
-            f"graphs for buckets {report['buckets']} captured in {report['capture_s']:.2f} s\n" + text_table(rows)
+            f"graphs for buckets {report['buckets']} captured in {report['capture_s']:.2f} s\n" + _table(report["rows"], "step")
             + f"\ndecoder: one session's chunk ({c['body']}): {c['wall_ms']:.3f} ms wall, {c['gpu_ms']:.3f} ms GPU; "
             f"graphs for buckets {d['buckets']} captured in {d['capture_s']:.2f} s; "
-            f"{d['state_bytes_per_session'] / 1e6:.2f} MB of history per session state\n" + text_table(decode))
+            f"{d['state_bytes_per_session'] / 1e6:.2f} MB of history per session state\n" + _table(d["rows"], "chunk"))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
