@@ -30,17 +30,22 @@ def conversation():
     config = IngestConfig(think_delay_s=THINK_S, lead_in_s=0.3)
     agent = ScriptedAgent(config, script=SCRIPT)
     stage = IngestStage(config, agent)
+    return stage, agent, _run(stage, 30)
+
+
+def _run(stage: IngestStage, timeout_s: float) -> Recorder:
+    """What ``stage`` emits from setup to the end of its script (a hang guard: ``timeout_s``)."""
     rec = Recorder()
 
     async def main():
         ctx = rec.context()
         await stage.setup(ctx)
-        with anyio.fail_after(30):
+        with anyio.fail_after(timeout_s):
             await stage.run(ctx)
         await stage.teardown()
 
     anyio.run(main)
-    return stage, agent, rec
+    return rec
 
 
 def _truth(agent, what, line):
@@ -137,16 +142,8 @@ def test_synthesized_pace_pushes_the_reply_ahead_as_far_as_ingest_takes_it():
     arrive at once, then it stays that far ahead of the media clock -- the same audio, contiguous."""
     config = IngestConfig(think_delay_s=0.1, lead_in_s=0.2, agent_pace="synthesized")
     agent = ScriptedAgent(config, script=[ScriptLine("Hello there.", "Hi! Nice to meet you.")])
-    stage, rec = IngestStage(config, agent), Recorder()
-
-    async def main():
-        ctx = rec.context()
-        await stage.setup(ctx)
-        with anyio.fail_after(20):
-            await stage.run(ctx)
-        await stage.teardown()
-
-    anyio.run(main)
+    stage = IngestStage(config, agent)
+    rec = _run(stage, 20)
     [turn_id] = {a.trace.turn_id for a in rec.audio()}
     audio = rec.audio(turn_id)
     ids = {id(a) for a in audio}
