@@ -39,13 +39,9 @@ def realtime_source(chunks: int, stall_after: int | None = None, stall_s: float 
 
 
 async def collect(output, count: int) -> list:
-    frames, index = [], 0
+    """The first ``count`` frames the output releases."""
     await output.wait_started()
-    while len(frames) < count:
-        frame = await output.frame_at(index)
-        frames.append(frame)
-        index = frame.index + 1
-    return frames
+    return await collect_from(output, 0, count)
 
 
 def test_frames_leave_on_the_clock_with_exactly_their_audio():
@@ -117,6 +113,7 @@ def test_underrun_holds_the_last_frame_with_silence_and_counts():
 
 
 async def collect_from(output, index: int, count: int) -> list:
+    """``count`` frames from frame ``index`` on (held frames among them; skipped ones are not waited for)."""
     frames = []
     while len(frames) < count:
         frame = await output.frame_at(index)
