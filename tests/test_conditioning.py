@@ -53,6 +53,15 @@ class Harness:
         with anyio.fail_after(timeout):
             return await self.receive.receive()
 
+    async def of_epoch(self, epoch: int, count: int) -> list[Conditioning]:
+        """The next ``count`` chunks of ``epoch``, passing over the others (stale ones still queued)."""
+        chunks = []
+        while len(chunks) < count:
+            c = await self.next()
+            if c.epoch == epoch:
+                chunks.append(c)
+        return chunks
+
     async def speech(self, turn_id: int, samples: np.ndarray, start: int = 0, pace_s: float = 0.0) -> None:
         for i in range(0, len(samples), FRAME):
             trace = TraceContext(turn_id, {"agent_first_audio": time.time()} if i == 0 else {})
@@ -202,11 +211,7 @@ async def test_speech_starts_at_the_onset_frame_playout_chose_and_the_rewind_sta
         [heard] = [e for e in logs if e["event"] == "conditioning_rollback"]
         assert heard["onset_frame"] == onset and 20 <= heard["hop_ms"] < 500  # the placement's control, in transit
         await h.stage.process(TurnEvent("sess", 1, TurnKind.AGENT_TURN_END, 2, at=time.time()), h.ctx)
-        chunks = []
-        while len(chunks) < 5:
-            c = await h.next()
-            if c.epoch == 1:
-                chunks.append(c)
+        chunks = await h.of_epoch(1, 5)
         assert [c.chunk for c in chunks] == [2, 3, 4, 5, 6] and [c.speaking for c in chunks] == [True] * 4 + [False]
         lead = onset * CHARACTERS.samples_per_frame
         timeline = np.concatenate([np.zeros(lead, np.int16), speech, np.zeros(2 * CHARACTERS.samples_per_chunk - lead, np.int16)])
@@ -250,21 +255,13 @@ async def test_barge_in_returns_to_listening_at_the_next_chunk_and_drops_late_sp
         h = await started(stage(), tg)
         await h.speech(2, speech[:4 * CHARACTERS.samples_per_chunk])
         await h.stage.control(Control("sess", 1, ControlKind.ROLLBACK, chunk=0, epoch=1), h.ctx)
-        spoken = []
-        while len(spoken) < 2:
-            c = await h.next()
-            if c.epoch == 1:
-                spoken.append(c)
+        spoken = await h.of_epoch(1, 2)
         assert [(c.chunk, c.speaking) for c in spoken] == [(1, True), (2, True)]
         # The user talks over the character: ingest interrupts, playout rolls back to the chunk on screen.
         await h.stage.process(TurnEvent("sess", 2, TurnKind.INTERRUPT, 2, at=time.time()), h.ctx)
         await h.speech(2, speech[4 * CHARACTERS.samples_per_chunk:], start=4 * CHARACTERS.samples_per_chunk)  # arrives too late
         await h.stage.control(Control("sess", 2, ControlKind.ROLLBACK, chunk=1, epoch=2), h.ctx)
-        after = []
-        while len(after) < 4:
-            c = await h.next()
-            if c.epoch == 2:
-                after.append(c)
+        after = await h.of_epoch(2, 4)
         assert [c.chunk for c in after] == [2, 3, 4, 5]
         assert not any(c.speaking or c.audio.any() for c in after)
         assert len(h.controls) == 1  # the late audio of the interrupted turn started nothing
