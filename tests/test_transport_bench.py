@@ -7,13 +7,18 @@ import json
 from charstream.pipeline.cli import main
 
 
-def test_bench_transport_json_report(tmp_path, capsys):
+def _report(tmp_path, capsys, *args: str) -> dict:
+    """The JSON report of ``bench transport --json`` with ``args``: printed, and the same in its ``--out`` file."""
     out = tmp_path / "bench.json"
-    argv = ["bench", "transport", "--json", "--transports", "inproc", "--small", "30", "--large", "5",
-            "--backpressure", "12", "--capacity", "3", "--out", str(out)]
-    assert main(argv) == 0
+    assert main(["bench", "transport", "--json", *args, "--out", str(out)]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed == json.loads(out.read_text())
+    return printed
+
+
+def test_bench_transport_json_report(tmp_path, capsys):
+    printed = _report(tmp_path, capsys, "--transports", "inproc", "--small", "30", "--large", "5",
+                      "--backpressure", "12", "--capacity", "3")
     result = printed["transports"]["inproc"]
     for name in ("conditioning", "video_chunk"):
         assert result[name]["p99_ms"] >= result[name]["p50_ms"] > 0 and result[name]["msgs_per_s"] > 0
@@ -25,11 +30,8 @@ def test_bench_transport_json_report(tmp_path, capsys):
 
 
 def test_bench_transport_ipc_sends_video_through_slots_beside_raw_zeromq(tmp_path, capsys):
-    out = tmp_path / "bench.json"
-    argv = ["bench", "transport", "--json", "--transports", "ipc", "--small", "20", "--large", "6",
-            "--backpressure", "8", "--capacity", "2", "--out", str(out)]
-    assert main(argv) == 0
-    printed = json.loads(capsys.readouterr().out)
+    printed = _report(tmp_path, capsys, "--transports", "ipc", "--small", "20", "--large", "6",
+                      "--backpressure", "8", "--capacity", "2")
     result = printed["transports"]["ipc"]
     assert result["video_chunk"]["slotted"] == 6 and result["conditioning"]["slotted"] == 0  # 53 kB: inline
     for name in ("conditioning", "video_chunk"):
