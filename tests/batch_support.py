@@ -19,6 +19,7 @@ from charstream.pipeline.session import LiveSession
 from charstream.stages.base import StageContext
 from charstream.stages.decode.batcher import DecodeBatcher
 from charstream.stages.diffusion.batcher import StepBatcher
+from charstream.stages.shared.batcher import SessionBatcher
 
 
 def seeded_configs(steps: int, decodes: int, seeds: tuple[int, ...] = (1, 2, 3)) -> list[PipelineConfig]:
@@ -107,3 +108,11 @@ def assert_emitted_alike(alone: dict[str, list], together: dict[str, list]) -> N
         assert [(c, e) for c, e, _ in together[name]] == [(c, e) for c, e, _ in alone[name]], name
         for (_, _, got), (_, _, want) in zip(together[name], alone[name], strict=True):
             np.testing.assert_array_equal(got, want)
+
+
+def worker_ended(b: SessionBatcher) -> bool:
+    """The worker thread ends with the last session (it may still be leaving its loop when that one left)."""
+    worker = b._worker
+    if worker is not None:
+        worker.join(10)
+    return b._worker is None

@@ -20,6 +20,7 @@ from batch_support import (
     recording_context,
     released_frames,
     seeded_configs,
+    worker_ended,
 )
 
 from charstream.model.config import TINY
@@ -53,20 +54,17 @@ class _Doubler(SessionBatcher):
         return [2 * i for i in items]
 
 
-def _worker_ended(b: SessionBatcher) -> bool:
-    """The worker thread ends with the last session (it may still be leaving its loop when that one left)."""
-    worker = b._worker
-    if worker is not None:
-        worker.join(10)
-    return b._worker is None
+def _opened(window_s: float, sessions: int) -> tuple[_Doubler, list[object]]:
+    """A doubler with ``sessions`` sessions open, and a key for each."""
+    b = _Doubler(window_s)
+    for _ in range(sessions):
+        b.opened()
+    return b, [object() for _ in range(sessions)]
 
 
 def test_the_scheduler_batches_what_is_due_and_routes_each_failure_to_its_sessions():
     async def main():
-        b = _Doubler(window_s=30.0)
-        keys = [object() for _ in range(3)]
-        for _ in keys:
-            b.opened()
+        b, keys = _opened(30.0, 3)
         # every open session has one in: one forward at once, not after the 30 s window
         with anyio.fail_after(10):
             got = await asyncio.gather(*(b.submit(k, i) for i, k in enumerate(keys)))
@@ -96,17 +94,14 @@ def test_the_scheduler_batches_what_is_due_and_routes_each_failure_to_its_sessio
         return b
 
     b = asyncio.run(main())
-    assert b._open == 0 and _worker_ended(b)
+    assert b._open == 0 and worker_ended(b)
     assert len(b.batches) == 4 and b.batches[2] == [3, -1]  # the refused item never reached a forward
     assert b.stats.forwards == 3 and b.stats.steps == 8  # the failed forward served no one
 
 
 def test_a_full_forward_goes_at_once_when_more_sessions_are_open_than_it_takes():
     async def main():
-        b = _Doubler(window_s=30.0)  # takes 4 per forward
-        keys = [object() for _ in range(6)]
-        for _ in keys:
-            b.opened()
+        b, keys = _opened(30.0, 6)  # takes 4 per forward
         with anyio.fail_after(10):  # 5 of 6 in: the first 4 go at once, not after the window
             first = [asyncio.ensure_future(b.submit(k, i)) for i, k in enumerate(keys[:5])]
             while sum(f.done() for f in first) < 4:
@@ -126,10 +121,7 @@ def test_a_full_forward_goes_at_once_when_more_sessions_are_open_than_it_takes()
 
 def test_the_window_lets_a_forward_go_without_a_silent_session():
     async def main():
-        b = _Doubler(window_s=0.2)
-        keys = [object() for _ in range(3)]
-        for _ in keys:
-            b.opened()
+        b, keys = _opened(0.2, 3)
         started = asyncio.get_running_loop().time()
         got = await asyncio.gather(b.submit(keys[0], 1), b.submit(keys[1], 2))  # keys[2] stays silent
         waited = asyncio.get_running_loop().time() - started
@@ -188,7 +180,7 @@ def test_decode_stages_sharing_a_batcher_emit_their_unbatched_frames():
     assert not np.array_equal(alone["b"][3][2], alone["b"][5][2])  # chunk 3 again, from other latents
     assert batcher.stats.largest == 3 and batcher.stats.steps == sum(len(v) for v in together.values())
     assert batcher.stats.forwards < batcher.stats.steps  # chunks really shared forwards
-    assert batcher._open == 0 and _worker_ended(batcher)
+    assert batcher._open == 0 and worker_ended(batcher)
     with pytest.raises(ValueError, match="decode batcher serves tiny"):
         DecodeStage(batched, "tiny", weights=None, batcher=batcher)
 

@@ -18,6 +18,7 @@ from batch_support import (
     recording_context,
     released_frames,
     seeded_configs,
+    worker_ended,
 )
 
 from charstream.model.config import TINY
@@ -72,10 +73,7 @@ def test_stages_sharing_a_batcher_emit_their_unbatched_latents():
     assert not np.allclose(alone["a"][0][2], alone["b"][0][2])  # sessions differ: seeds, identities, audio
     assert batcher.stats.largest == 3 and batcher.stats.steps == sum(len(v) for v in together.values())
     assert batcher.stats.forwards < batcher.stats.steps  # steps really shared forwards
-    worker = batcher._worker  # the last leave wakes the worker, which then ends on its own thread
-    if worker is not None:
-        worker.join(5)
-    assert batcher._open == 0 and batcher._worker is None and not batcher.batch.sessions  # all left, worker gone
+    assert batcher._open == 0 and worker_ended(batcher) and not batcher.batch.sessions  # all left, worker gone
 
 
 def test_a_step_refused_on_its_own_fails_only_its_session():
