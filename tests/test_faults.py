@@ -19,7 +19,7 @@ import anyio
 import psutil
 import pytest
 from ingest_support import Recorder
-from test_ingest_external import _ended, _run_until, _spawn
+from test_ingest_external import _cut_off, _ended, _run_until
 from test_ingest_external import _stage as _agent_stage
 from waiting import until
 
@@ -144,17 +144,7 @@ def test_an_agent_killed_or_frozen_mid_turn_ends_its_turn_and_the_character_list
     procs, timing = [], {}
 
     async def clients(stage):
-        endpoint = stage.adapter.bound_endpoint
-        procs.append(_spawn(endpoint, "--line", "I will stop in the middle of this rather long sentence of mine.",
-                            "--pause", "0.1"))
-        while not rec.audio(1):
-            await anyio.sleep(0.02)
-        os.kill(procs[0].pid, getattr(signal, fault))
-        hit = time.monotonic()
-        while not _ended(rec, 1):
-            await anyio.sleep(0.01)
-        timing["ended_after"] = time.monotonic() - hit
-        procs.append(_spawn(endpoint, "--line", "I am the new agent.", "--pause", "0.1"))
+        timing["ended_after"] = await _cut_off(stage, rec, procs, getattr(signal, fault))
 
     try:
         anyio.run(_run_until, stage, rec, lambda: _ended(rec, 2), clients)

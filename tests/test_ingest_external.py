@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import anyio
@@ -110,20 +111,28 @@ def test_barge_in_interrupts_the_external_agent():
     assert '"type": "user_speech_start"' in out  # the agent hears what the VAD heard
 
 
+async def _cut_off(stage, rec, procs: list[subprocess.Popen], fault: signal.Signals) -> float:
+    """An agent speaks a long line and gets ``fault`` mid-turn; once its turn has ended a new agent
+    speaks (``procs``: both). Returns the seconds from the fault to the end of its turn."""
+    endpoint = stage.adapter.bound_endpoint
+    procs.append(_spawn(endpoint, "--line", "I will be cut off in the middle of this long sentence.", "--pause", "0.1"))
+    while not rec.audio(1):
+        await anyio.sleep(0.02)
+    os.kill(procs[0].pid, fault)
+    hit = time.monotonic()
+    while not _ended(rec, 1):
+        await anyio.sleep(0.01)
+    ended_after = time.monotonic() - hit
+    procs.append(_spawn(endpoint, "--line", "I am the new agent.", "--pause", "0.1"))
+    return ended_after
+
+
 def test_killed_agent_ends_its_turn_and_a_new_agent_takes_over():
     stage, rec = _stage(zmq_dead_after_s=0.5), Recorder()
     procs = []
 
     async def clients(stage):
-        endpoint = stage.adapter.bound_endpoint
-        procs.append(_spawn(endpoint, "--line", "I will be cut off in the middle of this long sentence.",
-                            "--pause", "0.1"))
-        while not rec.audio(1):
-            await anyio.sleep(0.02)
-        os.kill(procs[0].pid, signal.SIGKILL)  # mid-turn
-        while not _ended(rec, 1):
-            await anyio.sleep(0.02)
-        procs.append(_spawn(endpoint, "--line", "I am the new agent.", "--pause", "0.1"))
+        await _cut_off(stage, rec, procs, signal.SIGKILL)
 
     anyio.run(_run_until, stage, rec, lambda: _ended(rec, 2), clients)
     procs[0].wait(timeout=5)
