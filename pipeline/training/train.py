@@ -20,6 +20,7 @@ import argparse
 import json
 import multiprocessing
 import time
+from collections.abc import Iterable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -77,6 +78,16 @@ def render_babble_pool(n_clips: int, n_frames: int, seed: int, device: torch.dev
     return torch.stack(pool)
 
 
+def _update(opt: torch.optim.Optimizer, params: Iterable[torch.Tensor], loss: torch.Tensor, lr: float) -> None:
+    """One optimiser step on ``loss`` at learning rate ``lr``, the gradients of ``params`` clipped to norm 1."""
+    for g in opt.param_groups:
+        g["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+
+
 def train_vae(vae: VideoVAE, cfg: ModelConfig, args: argparse.Namespace, device: torch.device,
               deadline: float, log: LossLog) -> None:
     pool = render_babble_pool(args.vae_clips, args.vae_clip_frames, args.seed, device)
@@ -99,12 +110,8 @@ def train_vae(vae: VideoVAE, cfg: ModelConfig, args: argparse.Namespace, device:
         rec = ((recon.float() - video).abs() * weights).mean()
         kl = 0.5 * (mean.float().square() + logvar.float().exp() - 1.0 - logvar.float()).mean()
         loss = rec + VAE_KL_WEIGHT * kl
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
-        for g in opt.param_groups:  # cosine decay over the planned steps
-            g["lr"] = args.vae_lr * 0.5 * (1 + np.cos(np.pi * min(1.0, step / args.vae_steps)))
-        opt.step()
+        lr = args.vae_lr * 0.5 * (1 + np.cos(np.pi * min(1.0, step / args.vae_steps)))  # cosine decay over the steps
+        _update(opt, vae.parameters(), loss, lr)
         log.add("vae_recon", step, rec.item())
         step += 1
         bar.update(1)
@@ -198,13 +205,10 @@ def train_dit(dit: DiT, audio_encoder: AudioEncoder, corpus: Corpus, cfg: ModelC
     while step < args.dit_steps and (step == 0 or time.monotonic() < deadline):
         progress = max(step / args.dit_steps, (time.monotonic() - t0) / stage_s)
         warm = min(1.0, (step + 1) / 200)
-        for g in opt.param_groups:  # warm-up, then cosine decay over whichever ends first: steps or time
-            g["lr"] = args.dit_lr * warm * (0.05 + 0.95 * 0.5 * (1 + np.cos(np.pi * min(1.0, progress))))
+        # warm-up, then cosine decay over whichever ends first: steps or time
+        lr = args.dit_lr * warm * (0.05 + 0.95 * 0.5 * (1 + np.cos(np.pi * min(1.0, progress))))
         loss = dit_loss(dit, audio_encoder, corpus, cfg, args, gen, weights)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        _update(opt, params, loss, lr)
         with torch.no_grad():
             decay = min(EMA_DECAY, (step + 1) / (step + 10))
             for e, p in zip(ema.parameters(), dit.parameters(), strict=True):
