@@ -88,6 +88,15 @@ def _update(opt: torch.optim.Optimizer, params: Iterable[torch.Tensor], loss: to
     opt.step()
 
 
+def _logged(log: LossLog, bar: tqdm, name: str, step: int, value: float) -> int:
+    """``value`` of the series ``name`` at ``step`` logged, and shown on ``bar`` every 50 steps; the next step."""
+    log.add(name, step, value)
+    bar.update(1)
+    if (step + 1) % 50 == 0:
+        bar.set_postfix({name: f"{value:.4f}"})
+    return step + 1
+
+
 def train_vae(vae: VideoVAE, cfg: ModelConfig, args: argparse.Namespace, device: torch.device,
               deadline: float, log: LossLog) -> None:
     pool = render_babble_pool(args.vae_clips, args.vae_clip_frames, args.seed, device)
@@ -112,11 +121,7 @@ def train_vae(vae: VideoVAE, cfg: ModelConfig, args: argparse.Namespace, device:
         loss = rec + VAE_KL_WEIGHT * kl
         lr = args.vae_lr * 0.5 * (1 + np.cos(np.pi * min(1.0, step / args.vae_steps)))  # cosine decay over the steps
         _update(opt, vae.parameters(), loss, lr)
-        log.add("vae_recon", step, rec.item())
-        step += 1
-        bar.update(1)
-        if step % 50 == 0:
-            bar.set_postfix(recon=f"{rec.item():.4f}")
+        step = _logged(log, bar, "vae_recon", step, rec.item())
     bar.close()
     # Latent statistics over the pool: the DiT works in per-channel unit scale.
     vae.eval()
@@ -213,11 +218,7 @@ def train_dit(dit: DiT, audio_encoder: AudioEncoder, corpus: Corpus, cfg: ModelC
             decay = min(EMA_DECAY, (step + 1) / (step + 10))
             for e, p in zip(ema.parameters(), dit.parameters(), strict=True):
                 e.lerp_(p, 1 - decay)
-        log.add("dit_loss", step, loss.item())
-        step += 1
-        bar.update(1)
-        if step % 50 == 0:
-            bar.set_postfix(loss=f"{loss.item():.4f}")
+        step = _logged(log, bar, "dit_loss", step, loss.item())
     bar.close()
     print(f"dit: {step} steps in {time.monotonic() - t0:.0f} s, final loss {log.series['dit_loss'][-1][1]:.4f}",
           flush=True)
