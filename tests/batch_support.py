@@ -16,10 +16,11 @@ import structlog
 
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.session import LiveSession
-from charstream.stages.base import StageContext
+from charstream.stages.base import Stage, StageContext
 from charstream.stages.decode.batcher import DecodeBatcher
 from charstream.stages.diffusion.batcher import StepBatcher
 from charstream.stages.shared.batcher import SessionBatcher
+from charstream.transport.messages import Control, ControlKind, Message
 
 
 def seeded_configs(steps: int, decodes: int, seeds: tuple[int, ...] = (1, 2, 3)) -> list[PipelineConfig]:
@@ -76,6 +77,21 @@ def recording_context(stage: str, session: str, out: list) -> StageContext:
         pass
 
     return StageContext(stage, session, emit, send_control, structlog.get_logger())
+
+
+async def play_plan(stage: Stage, ctx: StageContext, plan: list[tuple[str, int, int]],
+                    message: Callable[[int, int], Message]) -> None:
+    """``plan`` through ``stage``, set up before and torn down after: ("r", last committed, epoch) a
+    ROLLBACK, any other (kind, chunk, epoch) the data ``message(chunk, epoch)``."""
+    await stage.setup(ctx)
+    try:
+        for kind, chunk, epoch in plan:
+            if kind == "r":
+                await stage.control(Control(ctx.session_id, 0, ControlKind.ROLLBACK, chunk=chunk, epoch=epoch), ctx)
+            else:
+                await stage.process(message(chunk, epoch), ctx)
+    finally:
+        await stage.teardown()
 
 
 async def alone_then_together(play: Callable[[str, Any, Any], Awaitable[list]], plans: dict, batcher: Any,

@@ -17,6 +17,7 @@ from batch_support import (
     alone_then_together,
     assert_emitted_alike,
     assert_same_frames,
+    play_plan,
     recording_context,
     released_frames,
     seeded_configs,
@@ -31,7 +32,7 @@ from charstream.stages.decode.stage import DecodeStage
 from charstream.stages.diffusion.batcher import StepBatcher
 from charstream.stages.shared.batcher import SessionBatcher
 from charstream.timeline import CHARACTERS
-from charstream.transport.messages import Control, ControlKind, Latents
+from charstream.transport.messages import Latents
 
 # -- the scheduler ------------------------------------------------------------------------------------
 
@@ -155,16 +156,8 @@ PLANS = {
 
 async def _decode_plan(name: str, batcher: DecodeBatcher | None, config: DecodeConfig) -> list[tuple[int, int, np.ndarray]]:
     stage, out = DecodeStage(config, "tiny", batcher=batcher), []
-    ctx = recording_context("decode", name, out)
-    await stage.setup(ctx)
-    try:
-        for kind, chunk, epoch in PLANS[name]:
-            if kind == "l":
-                await stage.process(_latents(name, chunk, epoch), ctx)
-            else:
-                await stage.control(Control(name, 0, ControlKind.ROLLBACK, chunk=chunk, epoch=epoch), ctx)
-    finally:
-        await stage.teardown()
+    await play_plan(stage, recording_context("decode", name, out), PLANS[name],
+                    lambda chunk, epoch: _latents(name, chunk, epoch))
     assert stage.stats.gaps == 0
     return [(m.chunk, m.epoch, m.frames) for m in out]
 

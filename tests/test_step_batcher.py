@@ -15,6 +15,7 @@ from batch_support import (
     alone_then_together,
     assert_emitted_alike,
     assert_same_frames,
+    play_plan,
     recording_context,
     released_frames,
     seeded_configs,
@@ -26,7 +27,7 @@ from charstream.stages.config import DiffusionConfig
 from charstream.stages.diffusion.batcher import StepBatcher
 from charstream.stages.diffusion.stage import DiffusionStage
 from charstream.timeline import CHARACTERS
-from charstream.transport.messages import Conditioning, Control, ControlKind
+from charstream.transport.messages import Conditioning
 
 
 def _conditioning(name: str, chunk: int, epoch: int) -> Conditioning:
@@ -49,16 +50,8 @@ PLANS = {
 async def _play(name: str, batcher: StepBatcher | None, config: DiffusionConfig) -> list[tuple[int, int, np.ndarray]]:
     seed, identity, plan = PLANS[name]
     stage, out = DiffusionStage(dataclasses.replace(config, seed=seed), "tiny", identity=identity, batcher=batcher), []
-    ctx = recording_context("diffusion", name, out)
-    await stage.setup(ctx)
-    try:
-        for kind, chunk, epoch in plan:
-            if kind == "c":
-                await stage.process(_conditioning(name, chunk, epoch), ctx)
-            else:
-                await stage.control(Control(name, 0, ControlKind.ROLLBACK, chunk=chunk, epoch=epoch), ctx)
-    finally:
-        await stage.teardown()
+    await play_plan(stage, recording_context("diffusion", name, out), plan,
+                    lambda chunk, epoch: _conditioning(name, chunk, epoch))
     return [(m.chunk, m.epoch, m.latents) for m in out]
 
 
