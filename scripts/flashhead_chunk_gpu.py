@@ -74,6 +74,25 @@ def write_release(root: Path, seed: int) -> None:
         "padding_side": "right", "padding_value": 0.0, "return_attention_mask": False, "sampling_rate": 16000}))
 
 
+class HiddenStates(torch.nn.Module):
+    """The model's wav2vec2 subclass under transformers 5, which collects hidden states through hooks of the
+    library's own forward, not the subclass's: the same forward, its layers' outputs gathered by hooks."""
+
+    def __init__(self, encoder: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = encoder
+        self.outputs: list[torch.Tensor] = []
+        for layer in encoder.encoder.layers:
+            layer.register_forward_hook(lambda _m, _i, out: self.outputs.append(out[0] if isinstance(out, tuple) else out))
+
+    def forward(self, *args, **kwargs):
+        self.outputs.clear()
+        result = self.inner(*args, **kwargs)
+        from transformers.modeling_outputs import BaseModelOutput
+
+        return BaseModelOutput(last_hidden_state=result.last_hidden_state, hidden_states=(result.last_hidden_state, *self.outputs))
+
+
 class Theirs:
     """The released streaming loop, one chunk per call."""
 
@@ -89,6 +108,7 @@ class Theirs:
             os.chdir(here)
         self.inference = inference
         self.pipeline = inference.get_pipeline(1, str(release), "pro", str(release / "wav2vec2-base-960h"))
+        self.pipeline.audio_encoder = HiddenStates(self.pipeline.audio_encoder)
         inference.get_base_data(self.pipeline, str(portrait), 42, False)
         p = inference.get_infer_params()
         self.motion_frames = p["motion_frames_num"]

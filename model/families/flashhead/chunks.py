@@ -94,7 +94,8 @@ class ChunkMotionStream:
         """The chunk's new frames, uint8 (new_frames_per_chunk, H, W, 3); its last frames become the next
         chunk's motion latents."""
         cfg = self.cfg
-        frames = self._decode(latents.to(self.vae.post_quant_conv.weight.dtype))  # (1, 3, F, H, W)
+        weight = self.vae.post_quant_conv.weight
+        frames = self._decode(torch.as_tensor(latents).to(weight.device, weight.dtype))  # (1, 3, F, H, W)
         tail = match_colours(frames[:, :, -cfg.motion_frames:].float(), self.colours)
         self.motion = self._encode(tail).to(self.dtype)
         if chunk is not None:
