@@ -32,7 +32,7 @@ class IngestConfig(CheckedSection):
                                                                 what="a speech probability in (0, 1)"))
     vad_silence_ms: int = field(default=300, metadata=within(1, 10_000))  # end of speech is back-dated by this window
     vad_start_ms: int = field(default=64, metadata=within(1, 10_000))  # speech this long (consecutive 32 ms windows) starts a user turn / barge-in
-    max_ahead_s: float = field(default=0.25, metadata=within(0.02, 60))  # agent audio is emitted at most this far ahead of the media clock
+    max_ahead_s: float = field(default=0.25, metadata=within(0.02, 60))  # agent audio is emitted at most this far ahead of the media clock (or one chunk, if longer)
     playout_tail_s: float = field(default=1.0, metadata=within(0, 10))  # user speech this long after the agent's audio ended still barges in (pipeline latency)
     zmq_endpoint: str = "tcp://127.0.0.1:5790"
     zmq_dead_after_s: float = field(default=1.5, metadata=within(0.1, 86_400))  # an external agent silent this long (no audio, no ping) is gone

@@ -10,15 +10,15 @@ from charstream.stages.config import IngestConfig
 from charstream.stages.ingest.adapters import AgentAudioFrame, AgentDisconnected, AgentTurnEnd, AgentTurnStart
 from charstream.stages.ingest.push import PushAdapter
 from charstream.stages.ingest.stage import IngestStage
-from charstream.timeline import TIMELINE_RATE
+from charstream.timeline import CHARACTERS, TIMELINE_RATE, Timeline
 from charstream.transport.messages import TurnKind
 
 
-def _run(events, max_ahead_s: float = 30.0):
+def _run(events, max_ahead_s: float = 30.0, timeline: Timeline = CHARACTERS):
     """Push ``events`` through an ingest stage; returns (stage, recorder)."""
     config = IngestConfig(max_ahead_s=max_ahead_s)
     adapter = PushAdapter()
-    stage = IngestStage(config, adapter)
+    stage = IngestStage(config, adapter, timeline=timeline)
     rec = Recorder()
 
     async def main():
@@ -125,3 +125,17 @@ def test_a_burst_is_paced_to_the_media_clock():
             assert msg.start_sample / TIMELINE_RATE <= sent_at - stage.media_t0 + 0.2 + 0.02
     audio = rec.audio(1)
     assert sum(len(a.samples) for a in audio) == TIMELINE_RATE
+
+
+def test_a_burst_fills_a_whole_long_chunk_at_once():
+    """Where a chunk is longer than max_ahead_s (25 fps, 28 frames: 1.12 s), a faster-than-real-time
+    agent's first chunk of audio goes out at once: conditioning builds a chunk only once it is all in."""
+    timeline = Timeline(fps=25, frames_per_chunk=28)
+    frames = [AgentAudioFrame(_tone(24_000, 0.02), 24_000) for _ in range(100)]  # 2 s pushed at once
+    stage, rec = _run([AgentTurnStart(), *frames, AgentTurnEnd()], max_ahead_s=0.2, timeline=timeline)
+    first_chunk = [(at, m) for at, m in rec.data if hasattr(m, "start_sample")
+                   and m.start_sample - rec.audio(1)[0].start_sample < timeline.samples_per_chunk]
+    assert first_chunk[-1][0] - first_chunk[0][0] < 0.2  # not paced over the chunk's 1.12 s
+    for sent_at, msg in rec.data:  # and no further ahead than one chunk
+        if hasattr(msg, "start_sample"):
+            assert msg.start_sample / TIMELINE_RATE <= sent_at - stage.media_t0 + timeline.chunk_seconds + 0.02

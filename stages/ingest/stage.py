@@ -379,8 +379,11 @@ class IngestStage(Stage):
         ctx = self._ctx
         if turn.next_sample is None:
             turn.next_sample = max(self.media_now(), self._speech_until)
-        # pace: wait while this audio would start more than max_ahead_s ahead of the media clock
-        ahead = (turn.next_sample - self.media_now()) / TIMELINE_RATE - self.config.max_ahead_s
+        # pace: wait while this audio would start more than max_ahead_s ahead of the media clock -- or a
+        # chunk, where chunks are longer: a faster-than-real-time agent then fills a whole chunk (FlashHead's
+        # is 1.12 s) without waiting for the clock, and conditioning can build it as soon as it is said
+        limit = max(self.config.max_ahead_s, self.timeline.chunk_seconds)
+        ahead = (turn.next_sample - self.media_now()) / TIMELINE_RATE - limit
         if ahead > 0:
             self._wake = anyio.Event()
             with anyio.move_on_after(ahead):
