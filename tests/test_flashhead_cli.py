@@ -40,3 +40,17 @@ def test_flashhead_options_are_checked_in_one_line(command, tmp_path, capsys):
         assert main([command, "--model", "flashhead-pro", *options]) == 2
         lines = capsys.readouterr().out.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"charstream {command}: ") and said in lines[0], lines
+
+
+def test_demo_hears_the_scripted_user_unless_told_not_to(tmp_path):
+    import argparse
+
+    from charstream.pipeline import demo
+
+    write_png(tmp_path / "face.png", np.zeros((32, 32, 3), np.uint8))
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    common = ["--model", "flashhead-pro", "--weights", "random", "--portrait", str(tmp_path / "face.png")]
+    assert demo.plan(parser.parse_args(common)).config.ingest.scripted_recognizer
+    plan = demo.plan(parser.parse_args([*common, "--no-hear"]))
+    assert not plan.config.ingest.scripted_recognizer and plan.portrait.shape == (32, 32, 3)

@@ -27,3 +27,11 @@ def test_bad_layouts_fail_clearly():
         apply_layout(PipelineConfig(), "4+1", gpus_available=4)
     with pytest.raises(ValueError, match="unknown layout"):
         apply_layout(PipelineConfig(), "5+1")
+
+
+def test_a_chunk_model_stays_in_the_session_process_on_one_gpu():
+    """FlashHead's diffusion and decode share one chunk stream: layout 1 puts it on cuda:0, in process."""
+    cfg = apply_layout(PipelineConfig(preset="flashhead-pro"), "1")
+    assert cfg.hosting == "inproc" and cfg.diffusion.device == "cuda:0" and cfg.conditioning.device == "cuda:0"
+    with pytest.raises(ValueError, match="runs on one GPU"):
+        apply_layout(PipelineConfig(preset="flashhead-pro"), "3+1")

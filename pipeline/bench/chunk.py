@@ -53,12 +53,13 @@ def _synchronise(device: str) -> Callable[[], None]:
 class Session:
     """One session's conditioner and chunk stream, fed a rolling window of speech-like noise."""
 
-    def __init__(self, family, weights: str, device: str, seed: int, compiled: bool | None) -> None:
+    def __init__(self, family, weights: str, device: str, index: int, compiled: bool | None) -> None:
+        """Session ``index``'s own portrait and speech; the model's seed is every session's (one model)."""
         cfg = family.config
-        portrait = np.random.default_rng(seed).integers(0, 256, (cfg.height, cfg.width, 3), dtype=np.uint8)
-        self.stream = family.chunk_stream(weights, portrait, device, seed, compiled)
-        self.encode = family.audio_conditioner(weights, device, seed).encode
-        self.rng = np.random.default_rng(seed + 1)
+        portrait = np.random.default_rng(index).integers(0, 256, (cfg.height, cfg.width, 3), dtype=np.uint8)
+        self.stream = family.chunk_stream(weights, portrait, device, 0, compiled)
+        self.encode = family.audio_conditioner(weights, device, 0).encode
+        self.rng = np.random.default_rng(index + 1)
         self.window = np.zeros(cfg.audio_context_s * TIMELINE_RATE, np.int16)
         self.hop = cfg.new_frames_per_chunk * TIMELINE_RATE // cfg.fps
         self.chunk = 0

@@ -330,12 +330,23 @@ def load_wav2vec2(folder: Path, device: torch.device | str) -> SpeechFeatures:
 
 
 def random_wav2vec2(seed: int, device: torch.device | str) -> SpeechFeatures:
+    """wav2vec2-base's sizes with seeded random weights: N(0, 1/fan_in) matrices, unit norm gains, small
+    biases (drawn directly: the library's own initialisation takes seconds on a CPU)."""
     from transformers import Wav2Vec2Config, Wav2Vec2Model
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with torch.device("meta"):
         model = Wav2Vec2Model(Wav2Vec2Config())  # the defaults are wav2vec2-base's sizes
-    return SpeechFeatures(model.to(device, torch.float32))
+    model = model.to_empty(device=device)
+    generator = torch.Generator(device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.state_dict(keep_vars=True).items()):
+            if p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=generator, device=device) / math.sqrt(p[0].numel()))
+            elif "norm" in name and name.endswith("weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(0.02 * torch.randn(p.shape, generator=generator, device=device))
+    return SpeechFeatures(model.to(torch.float32))
 
 
 def load_flashhead(

@@ -1,0 +1,23 @@
+"""``charstream bench chunk`` on the CPU at a reduced size: the parts of a chunk timed through the serving
+objects, sessions side by side sharing one model, the table and JSON."""
+
+import json
+
+from charstream.model.families.flashhead import family as flashhead_family
+from charstream.pipeline.cli import main
+
+
+def test_bench_chunk_times_the_parts_and_runs_sessions_side_by_side(tmp_path, capsys):
+    out = tmp_path / "chunk.json"
+    before = len(flashhead_family._SHARED)
+    assert main(["bench", "chunk", "--device", "cpu", "--blocks", "1", "--size", "32", "--chunks", "1",
+                 "--warmup", "0", "--sessions", "2", "--seconds", "0.2", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    parts = report["one_session"]
+    assert set(parts) == {"encode", "denoise", "decode", "chunk"}
+    assert parts["chunk"]["median_ms"] >= parts["denoise"]["median_ms"] > 0
+    (ladder,) = report["side_by_side"]
+    assert ladder["sessions"] == 2 and ladder["chunks"] >= 2 and ladder["generated_fps"] > 0
+    assert report["compiled"] is False and report["size"] == [32, 32] and report["blocks"] == 1
+    assert len(flashhead_family._SHARED) == before + 1  # two sessions, one model
+    assert "keeps up" in capsys.readouterr().out
