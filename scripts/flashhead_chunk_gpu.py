@@ -33,7 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from flashhead_support import model_config_json, write_sharded  # noqa: E402
+from flashhead_support import model_config_json, write_sharded, write_wav2vec2  # noqa: E402
 from test_flashhead_vae_wan import random_wan_state  # noqa: E402
 
 from charstream.model.families import get_family  # noqa: E402
@@ -45,9 +45,6 @@ from charstream.pipeline.bench.chunk import Session  # noqa: E402
 
 def write_release(root: Path, seed: int) -> None:
     """The released layout with seeded random weights (bf16 DiT, fp32 VAE and wav2vec2)."""
-    from safetensors.torch import save_file
-    from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
-
     model = root / "Model_Pro"
     model.mkdir(parents=True)
     (model / "config.json").write_text(json.dumps(model_config_json(PRO)))
@@ -55,23 +52,7 @@ def write_release(root: Path, seed: int) -> None:
     write_sharded(model, state)
     (root / "VAE_Wan").mkdir()
     torch.save(random_wan_state(seed), root / "VAE_Wan" / "Wan2.1_VAE.pth")
-    w2v = root / "wav2vec2-base-960h"
-    w2v.mkdir()
-    config = Wav2Vec2Config(vocab_size=32, architectures=["Wav2Vec2ForCTC"])
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in Wav2Vec2ForCTC(config).state_dict().items()}
-    g = torch.Generator().manual_seed(seed)
-    w = {}
-    for name, shape in shapes.items():
-        if len(shape) >= 2:
-            w[name] = torch.randn(shape, generator=g) / shape[1:].numel() ** 0.5
-        else:
-            w[name] = torch.ones(shape) if "norm" in name and name.endswith("weight") else 0.02 * torch.randn(shape, generator=g)
-    save_file(w, str(w2v / "model.safetensors"), metadata={"format": "pt"})
-    config.save_pretrained(w2v)
-    (w2v / "preprocessor_config.json").write_text(json.dumps({
-        "do_normalize": True, "feature_extractor_type": "Wav2Vec2FeatureExtractor", "feature_size": 1,
-        "padding_side": "right", "padding_value": 0.0, "return_attention_mask": False, "sampling_rate": 16000}))
+    write_wav2vec2(root / "wav2vec2-base-960h", seed)
 
 
 class HiddenStates(torch.nn.Module):

@@ -98,3 +98,29 @@ def write_header_only_folder(root: Path, cfg: FlashHeadConfig, model_dir: str | 
     write_header_only(folder / f"{STEM}.safetensors", specs if specs is not None else checkpoint_specs(cfg))
     write_extras(root, cfg)
     return folder
+
+
+def write_wav2vec2(folder: Path, seed: int) -> Path:
+    """Seeded random wav2vec2-base-960h weights in transformers' format: a CTC model's names (as released)
+    in model.safetensors beside its config.json and feature extractor config. Weights N(0, 1/fan_in), norms
+    1 (quicker than the library's own initialisation, and as well-scaled)."""
+    import transformers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config = transformers.Wav2Vec2Config(vocab_size=32, architectures=["Wav2Vec2ForCTC"])
+    with torch.device("meta"):
+        names = {k: v.shape for k, v in transformers.Wav2Vec2ForCTC(config).state_dict().items()}
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, shape in names.items():
+        if len(shape) >= 2:
+            state[name] = torch.randn(shape, generator=g) / shape[1:].numel() ** 0.5
+        else:
+            state[name] = torch.ones(shape) if "norm" in name and name.endswith("weight") else 0.02 * torch.randn(shape, generator=g)
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(folder)
+    (folder / "preprocessor_config.json").write_text(json.dumps({
+        "do_normalize": True, "feature_extractor_type": "Wav2Vec2FeatureExtractor", "feature_size": 1,
+        "padding_side": "right", "padding_value": 0.0, "return_attention_mask": False, "sampling_rate": 16000}))
+    return folder
+

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from charstream.model.families import get_family
 from charstream.model.families.base import CheckpointError
@@ -26,6 +26,7 @@ from tests.flashhead_support import (
     write_header_only,
     write_header_only_folder,
     write_sharded,
+    write_wav2vec2,
 )
 
 diffusers = pytest.importorskip("diffusers")
@@ -38,23 +39,7 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def wav2vec2_dir(tmp_path_factory):
-    """Seeded random wav2vec2-base-960h weights in transformers' format: a CTC model's names (as released)
-    in model.safetensors beside its config.json. Weights N(0, 1/fan_in), norms 1 (quicker than the
-    library's own initialisation, and as well-scaled)."""
-    folder = tmp_path_factory.mktemp("wav2vec2-base-960h")
-    config = transformers.Wav2Vec2Config(vocab_size=32, architectures=["Wav2Vec2ForCTC"])
-    with torch.device("meta"):
-        names = {k: v.shape for k, v in transformers.Wav2Vec2ForCTC(config).state_dict().items()}
-    g = torch.Generator().manual_seed(3)
-    state = {}
-    for name, shape in names.items():
-        if len(shape) >= 2:
-            state[name] = torch.randn(shape, generator=g) / shape[1:].numel() ** 0.5
-        else:
-            state[name] = torch.ones(shape) if "norm" in name and name.endswith("weight") else 0.02 * torch.randn(shape, generator=g)
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    config.save_pretrained(folder)
-    return folder
+    return write_wav2vec2(tmp_path_factory.mktemp("wav2vec2-base-960h"), seed=3)
 
 
 @pytest.fixture(scope="module")
