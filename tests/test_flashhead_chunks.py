@@ -15,7 +15,8 @@ from test_flashhead_vae_wan import random_wan_state
 from charstream.model.families import get_family
 from charstream.model.families.flashhead.chunks import ChunkMotionStream, portrait_tensor
 from charstream.model.families.flashhead.colour import colour_reference, match_colours
-from charstream.model.families.flashhead.config import TEST
+from charstream.model.families.flashhead.config import LITE, TEST
+from charstream.model.families.flashhead.vae_ltx import random_ltx_vae
 from charstream.model.families.flashhead.vae_wan import load_wan_vae
 
 SMALL = TEST.with_(height=32, width=32)
@@ -42,11 +43,12 @@ def test_chunks_continue_through_recoded_motion_latents(parts):
     stream = ChunkMotionStream(model, vae, portrait_tensor(portrait(), 32, 32), seed=4)
     assert stream.reference.shape == (1, 16, 9, 4, 4)
     first_motion = stream.motion.clone()
-    assert torch.equal(first_motion, stream.reference[:, :, :2])  # the first chunk continues the portrait
+    # the first chunk continues the portrait from its first latent (as the released pipeline starts)
+    assert torch.equal(first_motion, stream.reference[:, :, :1])
     tokens = np.random.default_rng(1).normal(size=(9, SMALL.audio_tokens, SMALL.dim)).astype(np.float32)
 
     latents = stream.denoise(tokens)
-    assert torch.equal(latents[:, :, :2], first_motion)
+    assert torch.equal(latents[:, :, :1], first_motion)
     frames = stream.decode(latents)
     assert frames.shape == (28, 32, 32, 3) and frames.dtype == np.uint8
     # the next motion: the chunk's last 5 frames, colour-matched to the portrait, re-encoded
@@ -83,3 +85,21 @@ def test_a_regenerated_chunk_continues_the_chunk_before_it_not_the_dropped_ones(
     assert not torch.allclose(left[1], left[2], atol=1e-3)
     again = stream.denoise(tokens, 2)
     assert torch.equal(again[:, :, :2], left[1])
+
+
+def test_lite_streams_24_new_frames_through_its_ltx_posterior_samples():
+    """FlashHead Lite: 5 latents of the LTX VAE a chunk (x8 in time, x32 in space), the last 9 decoded
+    frames colour-matched and re-encoded as a sample of the posterior drawn from the session's noise."""
+    lite = get_family("flashhead-lite", config=LITE.with_(n_blocks=1, height=32, width=32))
+    model = lite.load("random", seed=2)
+    vae = random_ltx_vae(3)
+    stream = ChunkMotionStream(model, vae, portrait_tensor(portrait(), 32, 32), seed=4)
+    assert stream.reference.shape == (1, 128, 5, 1, 1) and stream.motion.shape == (1, 128, 1, 1, 1)
+    tokens = np.random.default_rng(1).normal(size=(5, lite.config.audio_tokens, lite.config.dim)).astype(np.float32)
+    frames = stream.decode(stream.denoise(tokens, 0), 0)
+    assert frames.shape == (24, 32, 32, 3) and lite.timeline.frames_per_chunk == 24
+    assert stream.motion.shape == (1, 128, 2, 1, 1)  # the next chunk's 2 motion latents from 9 frames
+    again = ChunkMotionStream(model, vae, portrait_tensor(portrait(), 32, 32), seed=4)
+    again.decode(again.denoise(tokens, 0), 0)
+    torch.testing.assert_close(again.motion, stream.motion)  # the posterior's samples follow the seed
+

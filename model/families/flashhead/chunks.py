@@ -1,12 +1,13 @@
 """One session's FlashHead stream (generation mode ``chunk_motion``): chunk after chunk, each continued from
 the last through motion latents.
 
-A chunk is ``frames_per_chunk`` decoded frames (33 for Pro = 9 latents). Its first ``motion_latents``
-latents are pinned by the sampler to the motion latents: the previous chunk's last ``motion_frames``
-(5) decoded frames, colour-matched to the portrait (LAB mean/std) and re-encoded by the VAE; for the
-first chunk, the portrait's own. So the chunk's first ``motion_frames`` frames repeat what was shown and
-its last ``new_frames_per_chunk`` (28) are new. The portrait is encoded once per session: repeated over
-a chunk it is the reference latent the DiT reads beside the noise (16 extra channels).
+A chunk is ``frames_per_chunk`` decoded frames (33: 9 latents for Pro's Wan VAE, 5 for Lite's LTX VAE).
+Its first ``motion_latents`` latents are pinned by the sampler to the motion latents: the previous
+chunk's last ``motion_frames`` (5 for Pro, 9 for Lite) decoded frames, colour-matched to the portrait
+(LAB mean/std) and re-encoded by the VAE (Lite: a sample of the posterior); for the first chunk, the
+portrait's first latent. So the chunk's first ``motion_frames`` frames repeat what was shown and its last
+``new_frames_per_chunk`` (28 for Pro, 24 for Lite) are new. The portrait is encoded once per session:
+repeated over a chunk it is the reference latent the DiT reads beside the noise.
 
 Why one object holds both the denoising and the motion re-encode: chunk n + 1 cannot start before
 chunk n is decoded, so a chunk-motion session is serial by construction and nothing is gained by
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from functools import partial
 
 import numpy as np
 import torch
@@ -32,6 +34,7 @@ from torch import Tensor
 from charstream.model.families.flashhead.colour import ColourReference, colour_reference, match_colours
 from charstream.model.families.flashhead.loader import FlashHeadModel
 from charstream.model.families.flashhead.sampler import sample_chunk
+from charstream.model.families.flashhead.vae_ltx import LtxVAE
 from charstream.model.families.flashhead.vae_wan import WanVAE
 
 KEEP_MOTION = 16  # chunks whose motion latents are kept: more than playout holds unplayed
@@ -47,7 +50,7 @@ def portrait_tensor(image: np.ndarray, height: int, width: int) -> Tensor:
 
 
 class ChunkMotionStream:
-    def __init__(self, model: FlashHeadModel, vae: WanVAE, portrait: Tensor, seed: int = 0,
+    def __init__(self, model: FlashHeadModel, vae: WanVAE | LtxVAE, portrait: Tensor, seed: int = 0,
                  compiled: bool = False) -> None:
         """``model`` and ``vae`` may be shared with other sessions' streams: a stream keeps its state (motion
         latents, noise, colour reference) to itself. ``compiled``: the DiT and the VAE's decode and encode
@@ -56,17 +59,21 @@ class ChunkMotionStream:
         if tuple(portrait.shape) != (1, 3, 1, cfg.height, cfg.width):
             raise ValueError(f"portrait must be (1, 3, 1, {cfg.height}, {cfg.width}), got {tuple(portrait.shape)}")
         self.model, self.vae, self.cfg = model, vae, cfg
-        self.dit = torch.compile(model.dit, dynamic=False) if compiled else model.dit
-        self._decode = torch.compile(vae.decode_chunk, dynamic=False) if compiled else vae.decode_chunk
-        self._encode = torch.compile(vae.encode_motion, dynamic=False) if compiled else vae.encode_motion
         device = next(model.dit.parameters()).device
         self.dtype = next(model.dit.parameters()).dtype
         self.generator = torch.Generator(device).manual_seed(seed)
+        self.dit = torch.compile(model.dit, dynamic=False) if compiled else model.dit
+        self._decode = torch.compile(vae.decode_chunk, dynamic=False) if compiled else vae.decode_chunk
+        if cfg.variant == "lite":  # Lite feeds back a sample of the LTX posterior, drawn from the session's noise
+            self._encode = partial(vae.encode_motion, generator=self.generator)
+        else:
+            self._encode = torch.compile(vae.encode_motion, dynamic=False) if compiled else vae.encode_motion
         with torch.no_grad():
             still = portrait.to(device).expand(-1, -1, cfg.frames_per_chunk, -1, -1)
             self.reference = self._encode(still).to(self.dtype)  # (1, C, latents, h, w), once per session
         self.colours: ColourReference = colour_reference(portrait.to(device))
-        self.motion = self.reference[:, :, :cfg.motion_latents].clone()  # the first chunk continues the portrait
+        # the first chunk continues the portrait: its first latent, as the released pipeline starts
+        self.motion = self.reference[:, :, :1].clone()
         self.initial_motion = self.motion
         self.chunks = 0
         self._motion_after: OrderedDict[int, Tensor] = OrderedDict()  # chunk -> the motion latents it left
@@ -94,7 +101,7 @@ class ChunkMotionStream:
         """The chunk's new frames, uint8 (new_frames_per_chunk, H, W, 3); its last frames become the next
         chunk's motion latents."""
         cfg = self.cfg
-        weight = self.vae.post_quant_conv.weight
+        weight = next(self.vae.parameters())
         frames = self._decode(torch.as_tensor(latents).to(weight.device, weight.dtype))  # (1, 3, F, H, W)
         tail = match_colours(frames[:, :, -cfg.motion_frames:].float(), self.colours)
         self.motion = self._encode(tail).to(self.dtype)

@@ -14,6 +14,7 @@ import torch
 from charstream.model.families.base import AudioConditioner, CheckpointReport, GenerationMode, ModelFamily
 from charstream.model.families.flashhead.config import VARIANTS, FlashHeadConfig
 from charstream.model.families.flashhead.loader import (
+    LTX_VAE_DIR,
     WAV_VAE,
     FlashHeadModel,
     inspect_folder,
@@ -25,6 +26,7 @@ from charstream.timeline import Timeline
 
 if TYPE_CHECKING:
     from charstream.model.families.flashhead.chunks import ChunkMotionStream
+    from charstream.model.families.flashhead.vae_ltx import LtxVAE
     from charstream.model.families.flashhead.vae_wan import WanVAE
 
 
@@ -79,8 +81,6 @@ class FlashHeadFamily(ModelFamily):
         ``compiled``: the DiT pass and the VAE through ``torch.compile`` (None: on CUDA)."""
         from charstream.model.families.flashhead.chunks import ChunkMotionStream, portrait_tensor
 
-        if self.variant != "pro":
-            raise ValueError(f"{self.name}: only FlashHead Pro (the Wan2.1 VAE) streams chunks so far")
         shared = self.shared_model(weights, device, seed)
         cfg = self._config
         compiled = str(device).startswith("cuda") if compiled is None else compiled
@@ -90,7 +90,7 @@ class FlashHeadFamily(ModelFamily):
     def warm_up(self, weights: str | None, device: str, seed: int = 0) -> float:
         """The shared model loaded and, on CUDA, compiled: one chunk of silence through a grey portrait
         (torch.compile's first calls take minutes; later streams reuse what it built)."""
-        if self.variant != "pro" or not str(device).startswith("cuda"):
+        if not str(device).startswith("cuda"):
             return 0.0
         started = time.perf_counter()
         cfg = self._config
@@ -101,9 +101,10 @@ class FlashHeadFamily(ModelFamily):
 
     def shared_model(self, weights: str | None, device: str = "cpu", seed: int = 0) -> SharedModel:
         """The DiT, wav2vec2 and Wan VAE of ``weights`` (a released folder, or None / ``"random"``: seeded
-        random weights of this config; the VAE from the folder's ``VAE_Wan/Wan2.1_VAE.pth``), loaded once
+        random weights of this config; the VAE from the folder's ``VAE_Wan/Wan2.1_VAE.pth`` for Pro, ``VAE_LTX/`` for Lite), loaded once
         per process and device: bf16 on CUDA, fp32 elsewhere. Sessions share them (a chunk's passes keep
         no state in the modules), so a second session costs its latents, not another 1.3 B parameters."""
+        from charstream.model.families.flashhead.vae_ltx import load_ltx_vae, random_ltx_vae
         from charstream.model.families.flashhead.vae_wan import load_wan_vae, random_wan_vae
 
         weights = _weights(weights)
@@ -115,8 +116,12 @@ class FlashHeadFamily(ModelFamily):
                     torch.backends.cudnn.benchmark = True  # cuDNN's fastest conv per VAE shape, chosen once
                 dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
                 model = self.load(weights, device, dtype, seed=seed)
-                vae = (random_wan_vae(seed, device, dtype) if weights == "random"
-                       else load_wan_vae(Path(weights) / WAV_VAE, device, dtype))
+                if self.variant == "lite":
+                    vae = (random_ltx_vae(seed, device, dtype) if weights == "random"
+                           else load_ltx_vae(Path(weights) / LTX_VAE_DIR, device, dtype))
+                else:
+                    vae = (random_wan_vae(seed, device, dtype) if weights == "random"
+                           else load_wan_vae(Path(weights) / WAV_VAE, device, dtype))
                 shared = _SHARED[key] = SharedModel(model, vae)
         return shared
 
@@ -124,7 +129,7 @@ class FlashHeadFamily(ModelFamily):
 @dataclass(frozen=True)
 class SharedModel:
     model: FlashHeadModel
-    vae: WanVAE
+    vae: WanVAE | LtxVAE
 
 
 _SHARED: dict[tuple, SharedModel] = {}  # one per (config, weights, device, seed) in this process

@@ -261,3 +261,14 @@ def load_ltx_vae(folder: str | Path, device: str | torch.device = "cpu", dtype: 
     vae.load_state_dict({k: v.to(dtype=torch.float32 if k in stats else dtype) for k, v in state.items()},
                         strict=True, assign=True)
     return vae.eval().requires_grad_(False)
+
+
+def random_ltx_vae(seed: int, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> LtxVAE:
+    """Seeded random weights of the LTX VAE (PyTorch's initialisation), zero-mean unit-std latent statistics."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        vae = LtxVAE()
+    vae = vae.to(device, dtype)
+    vae.latents_mean, vae.latents_std = vae.latents_mean.float(), vae.latents_std.float()
+    return vae.eval().requires_grad_(False)
+
