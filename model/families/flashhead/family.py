@@ -70,7 +70,13 @@ class FlashHeadFamily(ModelFamily):
                           graphed: bool = True) -> AudioConditioner:
         from charstream.model.families.flashhead.conditioner import ChunkSpeechEncoder
 
-        adapter, speech = load_audio_side(_weights(weights), self.variant, device, seed, self.audio_encoder, self._config)
+        weights = _weights(weights)
+        key = ("audio", self._config, str(weights), str(device), seed if weights == "random" else None)
+        with _SHARED_LOCK:  # one wav2vec2 and adapter per process and device, shared like the DiT
+            if key not in _SHARED_AUDIO:
+                _SHARED_AUDIO[key] = load_audio_side(weights, self.variant, device, seed, self.audio_encoder,
+                                                     self._config)
+            adapter, speech = _SHARED_AUDIO[key]
         encoder = ChunkSpeechEncoder(self._config, speech, adapter)
         return AudioConditioner(encoder.encode, encoder.context_ms, 0.0)
 
@@ -133,6 +139,7 @@ class SharedModel:
 
 
 _SHARED: dict[tuple, SharedModel] = {}  # one per (config, weights, device, seed) in this process
+_SHARED_AUDIO: dict[tuple, tuple] = {}  # the conditioners' (adapter, wav2vec2), likewise
 _SHARED_LOCK = threading.Lock()
 
 
