@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -268,8 +269,11 @@ def session_factory(config: PipelineConfig, weights: str | None = "packaged",
     if here and config.diffusion.device.startswith("cuda"):
         from charstream.model.families import get_family
 
-        get_family(config.preset).warm_up(None if weights in (None, "random") else weights, config.diffusion.device,
-                                          config.diffusion.seed)
+        took = get_family(config.preset).warm_up(None if weights in (None, "random") else weights,
+                                                 config.diffusion.device, config.diffusion.seed)
+        if took:
+            print(f"charstream: {config.preset} loaded and compiled on {config.diffusion.device} in {took:.0f} s "
+                  "(minutes on a first run, seconds once torch's compile cache holds it)", file=sys.stderr, flush=True)
     started = 0
     sessions: dict[str, LiveSession] = {}
     batch = config.diffusion.batch_sessions > 1 and here
