@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 
@@ -26,6 +25,7 @@ import torch
 from charstream.model.families.flashhead.config import PRO
 from charstream.model.families.flashhead.loader import build, random_checkpoint
 from charstream.model.families.flashhead.sampler import chunk_timesteps, sample_chunk
+from charstream.pipeline.bench.output import cuda_median_ms
 
 BF16 = torch.bfloat16
 
@@ -71,20 +71,6 @@ def released_chunk(model, reference, audio, motion, generator, timesteps, record
         record.append((x_in, flow, noise.clone()))
     noise[:, : motion.shape[1]] = motion
     return noise
-
-
-def pass_ms(fn, warmup: int = 3, repeat: int = 10) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -148,8 +134,8 @@ def main() -> None:
     step = ours_steps[1].expand(1)
     timing = {}
     with torch.no_grad():
-        timing["theirs_eager_ms"] = pass_ms(lambda: theirs(x=x, timestep=timesteps[1], context=audio, y=reference[None]))
-        timing["ours_eager_ms"] = pass_ms(lambda: dit(x, reference[None], step, tokens))
+        timing["theirs_eager_ms"] = cuda_median_ms(lambda: theirs(x=x, timestep=timesteps[1], context=audio, y=reference[None]), reps=10, warmup=3)
+        timing["ours_eager_ms"] = cuda_median_ms(lambda: dit(x, reference[None], step, tokens), reps=10, warmup=3)
         results["timing"] = timing
         save()
         for name, model, call in (
@@ -164,7 +150,7 @@ def main() -> None:
             call(compiled)
             torch.cuda.synchronize()
             timing[f"{name}_compile_s"] = time.perf_counter() - t0
-            timing[f"{name}_compiled_ms"] = pass_ms(lambda c=compiled, f=call: f(c))
+            timing[f"{name}_compiled_ms"] = cuda_median_ms(lambda c=compiled, f=call: f(c), reps=10, warmup=3)
             save()
     timing["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
     results["wall_s"] = time.perf_counter() - began
