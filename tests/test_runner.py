@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -278,3 +279,37 @@ def test_a_stage_process_with_a_large_heap_exits_within_its_grace():
 
     result = anyio.run(main)
     assert result.ok and result.exit_codes == {"big": 0}, result.exit_codes  # not -15: SIGTERM
+
+
+def _stop_after_start(graph: Graph, session_id: str):
+    async def main():
+        session = SessionRunner(graph, PipelineConfig(hosting="processes"), session_id)
+        async with anyio.create_task_group() as tg:
+
+            async def stop_soon():
+                await session.started.wait()
+                session.stop("session over")
+
+            tg.start_soon(stop_soon)
+            return await session.run()
+
+    return anyio.run(main)
+
+
+def test_a_stage_process_that_ignores_the_stop_is_killed_and_reported(capfd):
+    """Escalation is not silent: the result and a warning name the process, the signal and the time."""
+    graph = Graph([Node("stuck", f"{STAGES}:Stubborn", {}, "stubborn"),
+                   Node("idle", f"{STAGES}:Idle", {}, "willing"), Node("sink", f"{STAGES}:Sink", {})],
+                  [Edge("stuck", "sink"), Edge("idle", "sink")])
+    started = time.monotonic()
+    result = _stop_after_start(graph, "s-stubborn")
+    assert time.monotonic() - started < 30  # not the 30 s it would hold
+    stuck, willing = result.stops["stubborn"], result.stops["willing"]
+    # SIGTERM is ignored, so SIGKILL: after the 1 s grace and SIGTERM's 0.5 s.
+    assert stuck["signal"] == "SIGKILL" and stuck["why"] == "grace exceeded" and stuck["exitcode"] == -9, stuck
+    assert 1.5 <= stuck["exit_s"] < 3.0, stuck
+    assert willing["signal"] is None and willing["exit_s"] < willing["grace_s"] and willing["exitcode"] == 0, willing
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("{")]
+    warnings = [e for e in map(json.loads, lines) if e.get("event") == "stage_process_signalled"]
+    assert [(w["process"], w["signal"]) for w in warnings] == [("stubborn", "SIGKILL")], warnings
+    assert warnings[0]["level"] == "warning" and warnings[0]["exit_s"] == stuck["exit_s"]

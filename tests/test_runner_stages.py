@@ -5,7 +5,9 @@ from __future__ import annotations
 import gc
 import json
 import os
+import signal
 import sys
+import time
 
 import anyio
 import numpy as np
@@ -137,3 +139,17 @@ class Hoard(Stage):
     async def setup(self, ctx: StageContext) -> None:
         # built off the event loop, so the channels' heartbeats go on meanwhile
         self.heap = await anyio.to_thread.run_sync(lambda: [[i] for i in range(self.objects)])
+
+
+class Stubborn(Stage):
+    """Ignores the stop: SIGTERM ignored from setup on, and its teardown holds the process ``hold_s``
+    (a model process stuck in a blocking call at the session's end)."""
+
+    def __init__(self, hold_s: float = 30.0) -> None:
+        self.hold_s = hold_s
+
+    async def setup(self, ctx: StageContext) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    async def teardown(self) -> None:
+        time.sleep(self.hold_s)  # blocks the event loop: nothing in the process can answer

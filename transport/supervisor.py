@@ -8,7 +8,8 @@
   within milliseconds; its last words (a report dict) come back over a one-way pipe.
 * Children ignore SIGINT from birth (Ctrl-C reaches the whole process group; the parent
   coordinates); SIGTERM stops a child cleanly. Stopping escalates: wait ``grace`` for a clean
-  exit, then SIGTERM, then SIGKILL. A child that sent its report runs its exit handlers and exits
+  exit, then SIGTERM, then SIGKILL. Each stopped child's ``StopOutcome`` says how long it took and
+  which signal, if any, it needed; a signal is also a ``stage_process_signalled`` warning. A child that sent its report runs its exit handlers and exits
   without the interpreter's teardown (seconds of collecting and unloading a model's heap).
 """
 
@@ -30,7 +31,11 @@ from typing import Any
 
 import anyio
 
+from charstream.logs import get_logger
+
 PR_SET_PDEATHSIG = 1
+TERM_WAIT_S = 0.5  # after SIGTERM, before SIGKILL
+KILL_WAIT_S = 1.0  # after SIGKILL, for the kernel to reap it
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -92,12 +97,28 @@ def _sigint_ignored():
 
 
 @dataclass
+class StopOutcome:
+    """How one child ended when it was stopped."""
+
+    exit_s: float | None  # from the stop's start to its exit as seen (10 ms polls); None: still running
+    grace_s: float
+    signal: str | None = None  # the strongest signal it needed: None (left by itself), SIGTERM, SIGKILL
+    why: str | None = None  # why the signal: "grace exceeded", "frozen", "stopped (SIGSTOP)"
+    exitcode: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"exit_s": None if self.exit_s is None else round(self.exit_s, 3), "grace_s": self.grace_s,
+                "signal": self.signal, "why": self.why, "exitcode": self.exitcode}
+
+
+@dataclass
 class Child:
     name: str
     process: multiprocessing.process.BaseProcess
     results: multiprocessing.connection.Connection
 
     _report: dict[str, Any] | None = None
+    stopped: StopOutcome | None = None  # set by ``Supervisor.stop``
 
     @property
     def pid(self) -> int:
@@ -144,25 +165,49 @@ class Supervisor:
         """``stop`` every child."""
         await self.stop(list(self.children.values()), grace_s)
 
-    async def stop(self, children: list[Child], grace_s: float) -> None:
+    async def stop(self, children: list[Child], grace_s: float, frozen: bool = False) -> None:
         """Wait up to ``grace_s`` for ``children`` to exit, then SIGTERM, then SIGKILL the rest. A
-        stopped child (SIGSTOP) can neither exit nor take SIGTERM: it is killed at once."""
+        stopped child (SIGSTOP) can neither exit nor take SIGTERM, nor can a ``frozen`` one (it stopped
+        answering): it is killed at once. Each child's ``stopped`` says how it went; a child that needed
+        a signal is a warning naming it, the signal and how long it took."""
+        started = time.monotonic()
+        outcomes = {id(c): StopOutcome(None, grace_s) for c in children}
+
+        def signal_child(c: Child, sig: signal.Signals, why: str) -> None:
+            os.kill(c.pid, sig)
+            if outcomes[id(c)].signal != signal.SIGKILL.name:  # the strongest one sent is what it needed
+                outcomes[id(c)].signal, outcomes[id(c)].why = sig.name, why
+
         for c in children:
-            if c.process.is_alive() and _stopped(c.pid):
-                os.kill(c.pid, signal.SIGKILL)
-        for sig, wait_s in ((None, grace_s), (signal.SIGTERM, 0.5), (signal.SIGKILL, 1.0)):
-            alive = [c for c in children if c.process.is_alive()]
+            if c.process.is_alive() and (frozen or _stopped(c.pid)):
+                signal_child(c, signal.SIGKILL, "frozen" if frozen else "stopped (SIGSTOP)")
+        alive = list(children)
+        for sig, wait_s in ((None, grace_s), (signal.SIGTERM, TERM_WAIT_S), (signal.SIGKILL, KILL_WAIT_S)):
             if sig is not None:
                 for c in alive:
-                    os.kill(c.pid, sig)
+                    with contextlib.suppress(ProcessLookupError):  # it exited between the poll and now
+                        signal_child(c, sig, "grace exceeded")
             deadline = time.monotonic() + wait_s
-            while alive and time.monotonic() < deadline:
+            while True:
+                now = time.monotonic()
+                for c in alive:
+                    if not c.process.is_alive():
+                        outcomes[id(c)].exit_s = now - started
+                alive = [c for c in alive if outcomes[id(c)].exit_s is None]
+                if not alive or now >= deadline:
+                    break
                 await anyio.sleep(0.01)
-                alive = [c for c in alive if c.process.is_alive()]
             if not alive:
                 break
         for c in children:
             c.process.join(timeout=0)
+            c.stopped = outcome = outcomes[id(c)]
+            outcome.exitcode = c.process.exitcode
+            if outcome.signal is not None:
+                get_logger(process=c.name, pid=c.pid).warning(
+                    "stage_process_signalled", signal=outcome.signal, why=outcome.why, grace_s=grace_s,
+                    exit_s=None if outcome.exit_s is None else round(outcome.exit_s, 3),
+                    exit=describe_exit(outcome.exitcode))
 
     def kill_all(self) -> None:
         """``kill`` every child."""

@@ -121,6 +121,7 @@ class Harness:
         self.server = EgressServer(config.egress, self.factory)
         self.trimmer = MemoryTrimmer(config.egress.memory_trim_s)  # this process owns the serving loop
         self.url = ""
+        self.fps = config.timeline.fps
 
     async def start(self) -> None:
         self.url = await self.server.start()
@@ -133,7 +134,7 @@ class Harness:
         from charstream.pipeline.demo import ClientThread
 
         session_id, token = self.server.create_session()
-        client = ClientThread(None)
+        client = ClientThread(None, self.fps)
         await client.connect(self.url, token)
         live = self.factory.sessions[session_id]
         await client._call(client.client.wait_for_video(1, timeout=120))  # the model loads first
@@ -148,8 +149,10 @@ class Harness:
         deadline = time.monotonic() + 30
         while (self.server.sessions or self.factory.sessions) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        # Each stage process's exit after the session's stop began, and the signal it needed, if any.
+        stops = live.result.stops if live.result is not None else {}
         return {"playout": stats, "received": received, "ended_early": ended_early,
-                "released": not (self.server.sessions or self.factory.sessions)}
+                "released": not (self.server.sessions or self.factory.sessions), "stage_processes": stops}
 
     async def stop(self) -> None:
         await self.trimmer.stop()
@@ -160,13 +163,15 @@ async def soak_sessions(source: str, config: PipelineConfig, count: int, seconds
     harness = Harness(source, config)
     await harness.start()
     baseline = sample()
-    samples, unreleased, ended_early = [], 0, 0
+    samples, unreleased, ended_early, stops = [], 0, 0, {}
     try:
         for i in range(count):
             result = await harness.session(seconds)
             unreleased += not result["released"]
             ended_early += result["ended_early"]
-            samples.append({"session": i + 1, **sample()})
+            for group, outcome in result["stage_processes"].items():
+                stops.setdefault(group, []).append(outcome)
+            samples.append({"session": i + 1, **sample(), "stage_processes": result["stage_processes"]})
     finally:
         await harness.stop()
     warm = max(1, int(count * WARMUP_FRACTION))
@@ -184,6 +189,9 @@ async def soak_sessions(source: str, config: PipelineConfig, count: int, seconds
         "fds_growth": before_trim["fds"] - fit[0]["fds"], "threads_growth": before_trim["threads"] - fit[0]["threads"],
         "shm_segments_left": before_trim["shm_segments"], "children_left": before_trim["children"],
         "sessions_not_released": unreleased, "sessions_ended_early": ended_early,
+        "stage_processes": {group: {"exit_s_max": max((o["exit_s"] or math.inf) for o in outcomes),
+                                    "signalled": sum(o["signal"] is not None for o in outcomes),
+                                    "stops": len(outcomes)} for group, outcomes in stops.items()},
         "samples": samples,
     }
 
@@ -244,6 +252,7 @@ async def soak_session(source: str, config: PipelineConfig, minutes: float, ever
         "frames_released": playout["frames_released"], "frames_received": result["received"],
         "frames_lost_clock": owed - playout["frames_released"],
         "frames_lost_network": playout["frames_released"] - result["received"],
+        "stage_processes": result["stage_processes"],
         "playout": playout, "samples": samples,
     }
 
@@ -269,7 +278,16 @@ def table(report: dict[str, Any]) -> str:
                  " -> ".join(map(str, r["malloc_free_mb_first_last"] or [])),
                  " -> ".join(map(str, r["malloc_arenas_first_last"] or [])),
                  f"{r['gc_pauses']['gen2']['collections']} ({r['gc_pauses']['gen2']['max_ms']})", str(r["sample_ms_max"])]]
-    return text_table(rows) + f"\nload avg 1/5/15 min at end: {report['load_avg_at_end']}"
+    text = text_table(rows)
+    processes = r.get("stage_processes") or {}  # hosting processes: how each stage process ended when stopped
+    if processes and r["mode"] == "sessions":
+        text += "\n" + text_table([["stage process", "exit after stop, max s", "stops that needed a signal"]] + [
+            [group, str(p["exit_s_max"]), f"{p['signalled']} of {p['stops']}"] for group, p in processes.items()])
+    elif processes:
+        text += "\n" + text_table([["stage process", "exit after stop s", "grace s", "needed a signal", "exit code"]] + [
+            [group, str(p["exit_s"]), str(p["grace_s"]), f"{p['signal']} ({p['why']})" if p["signal"] else "no",
+             str(p["exitcode"])] for group, p in processes.items()])
+    return text + f"\nload avg 1/5/15 min at end: {report['load_avg_at_end']}"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -17,8 +17,6 @@ resort, and ``report`` for the group's edges. Which host a group gets is decided
 from __future__ import annotations
 
 import abc
-import os
-import signal
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -63,6 +61,11 @@ class GroupHost(abc.ABC):
     def stages(self) -> dict[str, Stage]:
         """The group's stage objects, as they are built, when they run in this process."""
         return {}
+
+    @property
+    def stop_outcome(self) -> dict[str, Any] | None:
+        """How the spawned process ended once stopped (``StopOutcome.as_dict``; None: none of its own)."""
+        return None
 
     def start(self) -> None:  # noqa: B027 -- only a child host has something to start
         """Begin hosting (a child is spawned here, so its pid is known at once)."""
@@ -150,6 +153,10 @@ class ChildHost(GroupHost):
     def exit_code(self) -> int | None:
         return None if self.child is None else self.child.process.exitcode
 
+    @property
+    def stop_outcome(self) -> dict[str, Any] | None:
+        return None if self.child is None or self.child.stopped is None else self.child.stopped.as_dict()
+
     def start(self) -> None:
         self.child = self.supervisor.launch(self.group, self.target, self.spec)
 
@@ -159,9 +166,7 @@ class ChildHost(GroupHost):
                            f"(process group {self.group!r}, pid {self.child.pid}) died: {describe_exit(code)}")
 
     async def stop(self, grace_s: float, frozen: bool) -> None:
-        if frozen and self.child.process.is_alive():  # a frozen process cannot shut down
-            os.kill(self.child.pid, signal.SIGKILL)
-        await self.supervisor.stop([self.child], grace_s)
+        await self.supervisor.stop([self.child], grace_s, frozen=frozen)  # a frozen process cannot shut down
 
     def kill(self) -> None:
         if self.child is not None:

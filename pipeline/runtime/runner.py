@@ -125,6 +125,7 @@ class SessionResult:
     edges: dict[str, dict[str, Any]] = field(default_factory=dict)  # edge -> {"sender": .., "receiver": ..}
     processes: dict[str, int] = field(default_factory=dict)  # group -> pid (spawned groups)
     exit_codes: dict[str, int | None] = field(default_factory=dict)  # group -> exit code (0: clean)
+    stops: dict[str, dict[str, Any]] = field(default_factory=dict)  # group -> how its process ended when stopped
     stages: dict[str, Stage] = field(default_factory=dict)  # stage objects that ran in this process
 
 
@@ -507,6 +508,7 @@ class SessionRunner:
         result.duration_s = time.monotonic() - start
         result.processes = dict(self.pids)
         result.exit_codes = {h.group: h.exit_code for h in self._hosts if h.child_pid is not None}
+        result.stops = {h.group: h.stop_outcome for h in self._hosts if h.stop_outcome is not None}
         result.stages = self.stages
         for host in self._hosts:
             report = host.report()
