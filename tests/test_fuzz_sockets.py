@@ -7,12 +7,22 @@ raw HTTP request for the real component, and a valid message must get through af
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from charstream.pipeline.bench.fuzz import AgentTarget, ChannelTarget, ConfigTarget, HttpTarget, fuzz
+from charstream.pipeline.bench.fuzz import (
+    HANG_S,
+    METHODS,
+    AgentTarget,
+    ChannelTarget,
+    ConfigTarget,
+    HttpTarget,
+    fuzz,
+    hang_verdict,
+)
 
 EXAMPLES = 300
 FUZZ = settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None,
@@ -97,3 +107,37 @@ def test_hostile_configuration_is_refused_naming_a_key_or_serves():
     assert report["escapes"] == 0, report["escape_examples"]
     assert report["wrongly_accepted"] == 0, report["wrong_examples"]
     assert report["bad"] > 300 and report["accepted"] > 0 and report["via_cli"] > 100 and report["served"] > 0, report
+
+
+def test_a_hang_names_its_input_and_tells_a_stalled_server_from_a_starved_process():
+    """A request not answered in time is recorded with its class, and a server loop blocked by a call
+    (the GIL released: the rest of the process runs on) is told apart from a starved process."""
+    target = HttpTarget()
+    try:
+        # Something on the server's loop blocks it past HANG_S; time.sleep lets this process's threads run.
+        target._loop.loop.call_soon_threadsafe(time.sleep, HANG_S + 1.5)
+        target.send(random.Random(3), b"{}")
+        assert target.probe()  # after that input is settled: by then the loop runs again
+        records = target.hang_records
+        assert target.counts["hangs"] == 1 and len(records) == 1, records
+        record = records[0]
+        assert record["input"].split()[0] in METHODS and "body=" in record["input"], record
+        assert record["phase"] == "answer" and record["waited_s"] >= HANG_S, record
+        assert record["verdict"] == "server loop stalled", record
+        assert record["server_loop_late_s"][0] >= HANG_S - 0.5 > 1.0 > record["fuzz_thread_late_s"][0], record
+        assert record["retry"].endswith(" s") and not record["retry"].startswith("hang"), record  # answered once free
+    finally:
+        target.close()
+
+
+@pytest.mark.parametrize(("loop", "thread", "retry", "verdict"), [
+    ((4.8, 4.8), (4.7, 4.7), "200 in 0.01 s", "process starved"),
+    ((0.2, 3.0), (0.2, 2.9), "hang (answer)", "process starved"),
+    ((4.8, 4.8), (0.01, 0.05), "200 in 0.01 s", "server loop stalled"),
+    ((0.05, 0.2), (1.5, 2.0), "200 in 0.01 s", "fuzz client starved"),
+    ((0.05, 0.2), (0.05, 0.2), "hang (answer)", "server holds the request"),
+    ((0.05, 0.2), (0.05, 0.2), "400 in 0.02 s", "unexplained: no lag, answered on retry"),
+])
+def test_hang_verdicts(loop, thread, retry, verdict):
+    record = {"waited_s": 5.0, "server_loop_late_s": list(loop), "fuzz_thread_late_s": list(thread), "retry": retry}
+    assert hang_verdict(record) == verdict

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
 import gc
@@ -62,6 +63,7 @@ import zmq
 from charstream.logs import configure_logging
 from charstream.pipeline import arguments
 from charstream.pipeline.bench.output import commit_id, emit_report, text_table
+from charstream.pipeline.runtime.loop_lag import LAG_INTERVAL_S, RECENT_S, LoopLag, late_between
 from charstream.transport.channel import BEAT, BYE, CREDIT, DATA, HELLO, SLOT, Receiver, Sender, Transport
 from charstream.transport.codec import INT_MAX, INT_MIN, WIRE_VERSION, encode
 from charstream.transport.config import TransportConfig
@@ -82,6 +84,7 @@ from charstream.transport.messages import (
 from charstream.transport.slots import SlotBlock
 
 HANG_S = 5.0
+RSS_CHECKPOINTS = 10  # RSS samples over a run
 HTTP_WORKERS = 16  # concurrent fuzz connections
 MAX_MESSAGE_BYTES = 1 << 20
 SLOT_BYTES = 64 * 1024
@@ -357,37 +360,111 @@ PATHS = ["/", "/session", "/offer", "/hangup", "/code", "/static/app.js", "/stat
 METHODS = ["GET", "POST", "POST", "POST", "PUT", "DELETE", "OPTIONS", "HEAD", "G\x00T", "CONNECT"]
 
 
-def http_request(rng: random.Random, data: bytes, port: int) -> tuple[bytes, bool]:
-    """A raw request and whether it has a right to a 2xx (a keyed reservation or the page, from a good Host)."""
+BODIES = {"empty": b"", "{}": b"{}", "broken-json": b"{nope", "random": None, "deep-array": b"[" * 100_000 + b"]" * 100_000,
+          "long-number": b'{"token": ' + b"9" * 200_000 + b"}", "nan": b'{"token": NaN}', "offer": None, "code": None,
+          "token-list": b'{"token": []}', "not-utf8": b"\xff\xfe", "json-list": json.dumps([1] * 50).encode(),
+          "deep-object": b'{"a":' * 5000 + b"1" + b"}" * 5000}
+
+
+@dataclasses.dataclass
+class HttpInput:
+    raw: bytes
+    entitled: bool  # a right to a 2xx: a keyed reservation or the page, from a good Host
+    kind: str  # its class, for the report: method, path, host, key, body, declared length, cut
+
+
+def http_request(rng: random.Random, data: bytes, port: int) -> HttpInput:
+    """A raw request, whether it has a right to a 2xx, and its class."""
     method, path = rng.choice(METHODS), rng.choice(PATHS)
     good_host = rng.random() < 0.7
     host = f"127.0.0.1:{port}" if good_host else rng.choice(["evil.example", "evil.example:80", "", "\xe4", "x" * 9000,
                                                                 "localhost.evil.example", "127.0.0.1.nip.io"])
     key = rng.choice([KEY, KEY, "", "wrong", "k\xe4y", KEY + " ", "\x00", "x" * 9000])
-    body = rng.choice([
-        b"", b"{}", b"{nope", data, b"[" * 100_000 + b"]" * 100_000, b'{"token": ' + b"9" * 200_000 + b"}",
-        b'{"token": NaN}', json.dumps({"token": data.hex(), "sdp": "v=0", "type": "offer"}).encode(),
-        json.dumps({"code": data.hex()}).encode(), b'{"token": []}', b"\xff\xfe", json.dumps([1] * 50).encode(),
-        b'{"a":' * 5000 + b"1" + b"}" * 5000,
-    ])
+    body_kind = rng.choice(list(BODIES))
+    body = {"random": data, "offer": json.dumps({"token": data.hex(), "sdp": "v=0", "type": "offer"}).encode(),
+            "code": json.dumps({"code": data.hex()}).encode()}.get(body_kind, BODIES[body_kind])
     headers = [f"Host: {host}"] if rng.random() < 0.95 else []
     if rng.random() < 0.6:
         headers.append(f"X-Charstream-Key: {key}")
     length = rng.choice([len(body)] * 6 + [0, len(body) + 10, -1, 2**63, "x"])
     headers.append(f"Content-Length: {length}")
-    if rng.random() < 0.1:
+    chunked = rng.random() < 0.1
+    if chunked:
         headers.append("Transfer-Encoding: chunked")
     headers.append("Connection: close")
     head = f"{method} {path} HTTP/1.1\r\n" + "".join(h + "\r\n" for h in headers) + "\r\n"
     raw = head.encode("utf-8", "surrogateescape") + body
-    if rng.random() < 0.05:
+    cut = rng.random() < 0.05
+    if cut:
         raw = raw[: rng.randrange(len(raw))]  # the request stops half-way
     # The handlers of these never read the body: a complete head from a good Host is all it takes.
     keyed = "X-Charstream-Key" in head and key.strip() == KEY
     entitled = (good_host and len(raw) >= len(head) and "Transfer-Encoding" not in head
                 and ((method == "POST" and path.split("?")[0] == "/session" and keyed)
                      or (method in ("GET", "HEAD") and path in ("/", "/static/app.js"))))
-    return raw, entitled
+    declared = ("exact" if length == len(body) else "short" if length == len(body) + 10 else
+                "zero" if length == 0 else str(length)[:8])
+    kind = " ".join([ascii(method)[1:-1], ascii(path[:24])[1:-1], "host=" + ("good" if good_host else "bad"),
+                     "key=" + ("none" if "X-Charstream-Key" not in head else "good" if keyed else "bad"),
+                     f"body={body_kind}/{len(body)}", f"length={declared}", *(["chunked"] if chunked else []),
+                     *([f"cut={len(raw)}<{len(head)}" if len(raw) < len(head) else f"cut={len(raw)}"] if cut else [])])
+    return HttpInput(raw, entitled, kind)
+
+
+STARVED_SHARE = 0.5  # a hang whose wait the loop (or thread) spent this late, in total, is starvation
+STALL_S = 1.0  # one late wake-up this long is a stall
+
+
+def hang_verdict(record: dict[str, Any]) -> str:
+    """Who a hang was: the server's loop stalled on its own, the whole process was starved (the server's
+    loop and a plain thread late alike: CPU or GIL, the fuzz client with them), or the server held a
+    request its loop was free to answer (the same request held again on a retry)."""
+    share = STARVED_SHARE * record["waited_s"]
+    loop_max, loop_total = record["server_loop_late_s"]
+    thread_max, thread_total = record["fuzz_thread_late_s"]
+    loop_late = loop_max >= STALL_S or loop_total >= share
+    thread_late = thread_max >= STALL_S or thread_total >= share
+    if loop_late and thread_late:
+        return "process starved"
+    if loop_late:
+        return "server loop stalled"
+    if thread_late:
+        return "fuzz client starved"
+    if record["retry"].startswith("hang"):
+        return "server holds the request"
+    return "unexplained: no lag, answered on retry"
+
+
+class ThreadLag:
+    """How late a plain daemon thread of this process wakes from ``LAG_INTERVAL_S`` sleeps: the share of
+    the CPU and the GIL any thread here (the fuzz's own client threads) gets."""
+
+    def __init__(self) -> None:
+        self.recent: collections.deque[tuple[float, float]] = collections.deque(maxlen=int(RECENT_S / LAG_INTERVAL_S))
+        self._stop = threading.Event()
+        threading.Thread(target=self._probe, name="fuzz-thread-lag", daemon=True).start()
+
+    def _probe(self) -> None:
+        while True:
+            asked = time.monotonic()
+            if self._stop.wait(LAG_INTERVAL_S):
+                return
+            woke = time.monotonic()
+            self.recent.append((woke, max(0.0, woke - asked - LAG_INTERVAL_S)))
+
+    def late_between(self, start: float, end: float) -> tuple[float, float]:
+        return late_between(list(self.recent), start, end)
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+class Hang(Exception):
+    """No answer within ``HANG_S``: where the exchange stood."""
+
+    def __init__(self, phase: str, received: int) -> None:
+        super().__init__(phase)
+        self.phase, self.received = phase, received
 
 
 def _complete(response: bytes) -> bool:
@@ -423,31 +500,43 @@ class HttpTarget:
         self.escape_examples: list[str] = []
         self.wrong_examples: list[str] = []
         self.probe_failures: list[str] = []
+        self.hang_records: list[dict[str, Any]] = []  # every hang, diagnosed (``_diagnose``)
+        self.loop_lag = LoopLag()  # the server's event loop: how late it ran, when
+        self._loop.loop.call_soon_threadsafe(self.loop_lag.start)
+        self.thread_lag = ThreadLag()  # a plain thread of this process: the process's (and client's) own starvation
+        self.started = time.monotonic()
         self._lock = threading.Lock()
         self._slots = threading.Semaphore(HTTP_WORKERS)  # one per request in flight
         self.workers = concurrent.futures.ThreadPoolExecutor(HTTP_WORKERS)
 
-    def _exchange(self, raw: bytes) -> int | None:
-        """The response status (None: closed without one); raises TimeoutError past HANG_S.
+    def _exchange(self, raw: bytes, sock: socket.socket | None = None) -> int | None:
+        """The response status (None: closed without one); raises ``Hang`` past HANG_S, naming the phase.
 
         Reads the head and ``Content-Length`` bytes, then closes (not waiting for the server to)."""
-        with socket.create_connection(("127.0.0.1", self.port), timeout=HANG_S) as s:
-            try:
-                s.sendall(raw)
-            except OSError:  # the server closed on us mid-request: a refusal
-                return None
-            response = b""
-            deadline = time.monotonic() + HANG_S
-            while not _complete(response):
-                if time.monotonic() > deadline:
-                    raise TimeoutError
+        phase, response = "connect", b""
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=HANG_S) as s:
+                phase = "send"
                 try:
-                    chunk = s.recv(65536)
-                except ConnectionResetError:
-                    break
-                if not chunk:
-                    break
-                response += chunk
+                    s.sendall(raw)
+                except TimeoutError:
+                    raise
+                except OSError:  # the server closed on us mid-request: a refusal
+                    return None
+                phase = "answer"
+                deadline = time.monotonic() + HANG_S
+                while not _complete(response):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError
+                    try:
+                        chunk = s.recv(65536)
+                    except ConnectionResetError:
+                        break
+                    if not chunk:
+                        break
+                    response += chunk
+        except TimeoutError:
+            raise Hang(phase if phase != "answer" or not response else "rest of the answer", len(response)) from None
         if not response.startswith(b"HTTP/1.1 "):
             return None
         return int(response[9:12])
@@ -455,30 +544,57 @@ class HttpTarget:
     def send(self, rng: random.Random, data: bytes) -> None:
         """Start one request on the worker pool (inputs overlap: slow ones must not serialise the run)."""
         self._slots.acquire()
-        self.workers.submit(self._one, *http_request(rng, data, self.port))
+        self.workers.submit(self._one, http_request(rng, data, self.port))
 
-    def _one(self, raw: bytes, entitled: bool) -> None:
+    def _one(self, request: HttpInput) -> None:
+        started = time.monotonic()
         try:
-            status = self._exchange(raw)
-        except TimeoutError:
+            status = self._exchange(request.raw)
+        except Hang as hang:
             status = "hang"
+            record = self._diagnose(request.kind, request.raw, hang, started)
+        except OSError as e:  # no connection to the server at all (refused, reset on connect): its failure
+            status = 500
+            request.raw = f"{type(e).__name__} on connect: ".encode() + request.raw
         finally:
             self._slots.release()
         with self._lock:
             if status == "hang":
                 self.counts["hangs"] += 1
+                self.hang_records.append(record)
             elif status is not None and status >= 500:
                 self.counts["escapes"] += 1
                 if len(self.escape_examples) < 3:
-                    self.escape_examples.append(f"{status}: {raw[:160]!r}")
+                    self.escape_examples.append(f"{status}: {request.raw[:160]!r}")
             elif status is not None and status < 300:
                 self.counts["accepted"] += 1
-                if not entitled:
+                if not request.entitled:
                     self.counts["wrongly_accepted"] += 1
                     if len(self.wrong_examples) < 3:
-                        self.wrong_examples.append(f"{status}: {raw[:160]!r}")
+                        self.wrong_examples.append(f"{status}: {request.raw[:160]!r}")
             else:
                 self.counts["bad"] += 1
+
+    def _diagnose(self, kind: str, raw: bytes, hang: Hang, started: float) -> dict[str, Any]:
+        """What a hang was: its input's class, where the exchange stood, how late the server's loop and a
+        plain thread of this process ran meanwhile, and whether the same request is answered when
+        repeated now (a server that holds such a request hangs again; a starved one answers)."""
+        ended = time.monotonic()
+        loop_max, loop_total = self.loop_lag.late_between(started, ended)
+        thread_max, thread_total = self.thread_lag.late_between(started, ended)
+        record = {"input": kind, "phase": hang.phase, "received_bytes": hang.received,
+                  "waited_s": round(ended - started, 2), "at_s": round(started - self.started, 1),
+                  "load_1m": round(os.getloadavg()[0], 2),
+                  "server_loop_late_s": [round(loop_max, 3), round(loop_total, 3)],  # longest, total
+                  "fuzz_thread_late_s": [round(thread_max, 3), round(thread_total, 3)]}
+        retried = time.monotonic()
+        try:
+            status = self._exchange(raw)
+            record["retry"] = f"{status} in {time.monotonic() - retried:.2f} s"
+        except Hang as again:
+            record["retry"] = f"hang ({again.phase})"
+        record["verdict"] = hang_verdict(record)
+        return record
 
     async def _release(self) -> None:
         for session_id in list(self.server.sessions):
@@ -494,10 +610,13 @@ class HttpTarget:
         self.counts["probes_sent"] += 1
         raw = (f"POST /session HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\nX-Charstream-Key: {KEY}\r\n"
                "Content-Length: 2\r\nConnection: close\r\n\r\n{}").encode()
+        started = time.monotonic()
         try:
             status = self._exchange(raw)
-        except TimeoutError as e:
-            status = f"{type(e).__name__} after {HANG_S} s"
+        except Hang as hang:
+            status = f"no answer in {HANG_S} s"
+            with self._lock:
+                self.hang_records.append(self._diagnose("probe: keyed POST /session", raw, hang, started))
         ok = status == 200
         if not ok and len(self.probe_failures) < 3:
             self.probe_failures.append(f"probe {self.counts['probes_sent']}: {status}")
@@ -506,11 +625,15 @@ class HttpTarget:
 
     def stats(self) -> dict[str, Any]:
         self.workers.shutdown(wait=True)
+        verdicts = collections.Counter(r["verdict"] for r in self.hang_records)
         return {**self.counts, "escape_examples": self.escape_examples, "wrong_examples": self.wrong_examples,
-                "probe_failures": self.probe_failures}
+                "probe_failures": self.probe_failures, "hang_verdicts": dict(verdicts), "hang_records": self.hang_records,
+                "server_loop_lag": self.loop_lag.summary()}
 
     def close(self) -> None:
         self.workers.shutdown(wait=True)
+        self.thread_lag.close()
+        self._loop.call(self.loop_lag.stop())
         self._loop.call(self.server.stop())
         self._loop.close()
 
@@ -824,11 +947,17 @@ def fuzz(target: Any, inputs: int, seed: int, probe_every: int) -> dict[str, Any
     rss_start, blocks_start = _rss_mb(), sys.getallocatedblocks()
     started = time.monotonic()
     hangs = 0
+    # RSS (after a collection) at every tenth of the run: flat after the first tenths is warm-up (first
+    # imports, caches, the allocator's pools), growth with the count is a leak.
+    checkpoints = {max(1, inputs * k // RSS_CHECKPOINTS) for k in range(1, RSS_CHECKPOINTS + 1)}
+    rss_at: list[list[float]] = [[0, round(rss_start, 1)]]
     for i in range(inputs):
         data = rng.randbytes(rng.choice([0, 1, 8, 64, 300]))
         target.send(rng, data)
         if (i + 1) % probe_every == 0 and not target.probe():
             hangs += 1
+        if i + 1 in checkpoints:
+            rss_at.append([i + 1, round(_rss_mb(), 1)])
     target.probe()
     elapsed = time.monotonic() - started
     stats = target.stats()
@@ -836,6 +965,11 @@ def fuzz(target: Any, inputs: int, seed: int, probe_every: int) -> dict[str, Any
     stats.update(inputs=inputs, seed=seed, seconds=round(elapsed, 1), inputs_per_s=round(inputs / elapsed),
                  rss_start_mb=round(rss_start, 1), rss_end_mb=round(_rss_mb(), 1))
     stats["rss_growth_mb"] = round(stats["rss_end_mb"] - stats["rss_start_mb"], 1)
+    stats["rss_mb_at_inputs"] = rss_at
+    # MB per 1,000 inputs over the second half: ~0 when the growth is the first inputs' warm-up
+    half = [point for point in rss_at if point[0] >= inputs // 2]
+    stats["rss_mb_per_1000_second_half"] = round(
+        1000 * (half[-1][1] - half[0][1]) / max(1, half[-1][0] - half[0][0]), 3) if len(half) > 1 else None
     # Python objects still allocated, against the start: flat means RSS growth is the allocator's, not a leak.
     stats["py_blocks_growth"] = sys.getallocatedblocks() - blocks_start
     stats["valid_lost"] = stats["probes_sent"] - stats["probes_delivered"]
@@ -844,11 +978,13 @@ def fuzz(target: Any, inputs: int, seed: int, probe_every: int) -> dict[str, Any
 
 def table(report: dict[str, Any]) -> str:
     cols = ["inputs", "bad", "accepted", "wrongly_accepted", "escapes", "hangs", "valid_lost", "probes_sent",
-            "rss_growth_mb", "py_blocks_growth", "inputs_per_s"]
+            "rss_growth_mb", "rss_mb_per_1000_second_half", "py_blocks_growth", "inputs_per_s"]
     rows = [["target", *cols]]
     for name, r in report["targets"].items():
         rows.append([name, *(str(r[c]) for c in cols)])
-    return text_table(rows) + f"\ncrashes: {report['crashes']} (the targets run in this process)"
+    lines = [f"{name} hangs: " + ", ".join(f"{n} {verdict}" for verdict, n in r["hang_verdicts"].items())
+             for name, r in report["targets"].items() if r.get("hang_verdicts")]
+    return "\n".join([text_table(rows), *lines, f"crashes: {report['crashes']} (the targets run in this process)"])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

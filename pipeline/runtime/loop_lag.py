@@ -1,4 +1,5 @@
-"""How late an event loop runs: ``LoopLag`` (the capacity bench's workers and the model engine report it)."""
+"""How late an event loop runs: ``LoopLag`` (the capacity bench's workers, the model engine and the
+HTTP fuzz report it)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numpy as np
 
 LAG_INTERVAL_S = 0.05  # the lag probe's sleep: its overshoot is how late the loop runs callbacks
 MAX_LAG_SAMPLES = 20_000  # ~17 minutes of probes per window
+RECENT_S = 120.0  # how far back ``worst_between`` can look
 
 
 class LoopLag:
@@ -17,6 +19,8 @@ class LoopLag:
 
     def __init__(self) -> None:
         self.samples: deque[float] = deque(maxlen=MAX_LAG_SAMPLES)
+        # (woke at, lag) on the monotonic clock, for asking how late the loop ran around a given moment
+        self.recent: deque[tuple[float, float]] = deque(maxlen=int(RECENT_S / LAG_INTERVAL_S))
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -27,7 +31,15 @@ class LoopLag:
         while True:
             asked = loop.time()
             await asyncio.sleep(LAG_INTERVAL_S)
-            self.samples.append(max(0.0, loop.time() - asked - LAG_INTERVAL_S))
+            woke = loop.time()  # time.monotonic(): asyncio's clock
+            lag = max(0.0, woke - asked - LAG_INTERVAL_S)
+            self.samples.append(lag)
+            self.recent.append((woke, lag))
+
+    def late_between(self, start: float, end: float) -> tuple[float, float]:
+        """(longest, total) seconds the loop ran late in ``[start, end]`` (``time.monotonic()``); a stall
+        still going on at ``end`` counts up to ``end``. Safe to call from another thread."""
+        return late_between(list(self.recent), start, end)
 
     def summary(self) -> dict[str, float | int]:
         lag = np.asarray(self.samples, float) * 1e3
@@ -40,3 +52,12 @@ class LoopLag:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+
+
+def late_between(recent: list[tuple[float, float]], start: float, end: float) -> tuple[float, float]:
+    """(longest, total) lag of ``(woke at, lag)`` samples of a ``LAG_INTERVAL_S`` probe overlapping
+    ``[start, end]``, with the wait since the last sample if it overshoots by ``end``."""
+    lags = [lag for woke, lag in recent if woke >= start and woke - lag - LAG_INTERVAL_S <= end]
+    last = recent[-1][0] if recent else start
+    ongoing = max(0.0, end - max(last, start) - LAG_INTERVAL_S)
+    return max([*lags, ongoing]), sum(lags) + ongoing
