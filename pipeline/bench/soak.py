@@ -19,6 +19,9 @@ repeated), so the character talks through the whole model path without a microph
   Also the process's CPU seconds per minute and page faults per second after the warm-up (what the
   allocator's settings cost), and glibc's free pool and arenas at the first and last fitted sample.
 
+With ``--hosting processes`` both runs also report each stage process's exit after its session's stop
+began and whether it needed a signal (``Supervisor.stop``: grace, then SIGTERM, then SIGKILL).
+
     charstream bench soak --sessions 200 --seconds 1 --out bench-soak-sessions.json
     charstream bench soak --minutes 30 --out bench-soak-session.json
     charstream bench soak --sessions 20 --hosting processes --out bench-soak-processes.json
