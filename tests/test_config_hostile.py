@@ -10,12 +10,10 @@ import asyncio
 import dataclasses
 import subprocess
 import sys
-import time
 
-import psutil
 import pytest
 
-from charstream.pipeline.bench.fuzz import config_keys, config_table
+from charstream.pipeline.bench.fuzz import config_keys, config_table, idle_cores
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.session import session_factory
 from charstream.pipeline.web.client import EgressClient
@@ -111,11 +109,7 @@ def test_the_accepted_values_together_still_serve_a_session_and_leave_the_server
         await client.connect(url, token)
         await client.wait_for_video(24, timeout=30)
         await client.close()
-        await asyncio.sleep(1.0)  # the session's teardown
-        me = psutil.Process()
-        before, started = sum(me.cpu_times()[:2]), time.monotonic()
-        await asyncio.sleep(3.0)
-        idle_cpu = (sum(me.cpu_times()[:2]) - before) / (time.monotonic() - started)
+        idle_cpu = await idle_cores(3.0)
         await server.stop()
         return idle_cpu
 

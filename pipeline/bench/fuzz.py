@@ -927,13 +927,18 @@ async def _session_problem(config: Any) -> str | None:
         return f"session: {type(e).__name__}: {e}"
     finally:
         await client.close()
-    await asyncio.sleep(1.0)  # the session's teardown
-    me = psutil.Process()
-    before, started = sum(me.cpu_times()[:2]), time.monotonic()
-    await asyncio.sleep(2.0)
-    idle = (sum(me.cpu_times()[:2]) - before) / (time.monotonic() - started)
+    idle = await idle_cores(2.0)
     await server.stop()
     return None if idle < IDLE_CPU else f"idle server used {idle:.2f} cores"
+
+
+async def idle_cores(seconds: float) -> float:
+    """Cores this process uses over ``seconds`` once a session's teardown has had a second."""
+    await asyncio.sleep(1.0)
+    me = psutil.Process()
+    before, started = sum(me.cpu_times()[:2]), time.monotonic()
+    await asyncio.sleep(seconds)
+    return (sum(me.cpu_times()[:2]) - before) / (time.monotonic() - started)
 
 
 TARGETS: dict[str, Callable[[], Any]] = {"ipc": lambda: ChannelTarget("ipc"), "tcp": lambda: ChannelTarget("tcp"),
