@@ -59,6 +59,27 @@ def test_recogniser_hears_a_held_out_sentence_while_it_is_spoken():
         recogniser.feed(audio[:960])
 
 
+def test_nothing_is_decoded_in_the_pause_after_the_guess():
+    """Once the guess covers the speech, the silence before the VAD's end starts no partial decode:
+    the end would wait for it. The guess is handed on as soon as it is made."""
+    recogniser = WhisperRecognizer(48_000)
+    guesses: list[str] = []
+    recogniser.on_guess = guesses.append
+    speech = mic_audio(HELD_OUT)[:-12_000]  # the speech and 0.25 s of the silence after it
+    recogniser.begin()
+    for i in range(0, len(speech), 960):
+        recogniser.feed(speech[i:i + 960])
+        recogniser.settle()
+    assert len(guesses) == 1 and heard_content(guesses[0]) >= 4, guesses
+    decodes = recogniser.decodes
+    for _ in range(100):  # 2 s more silence: more than two partials' worth of new audio
+        recogniser.feed(np.zeros(960, np.int16))
+        recogniser.settle()
+    assert recogniser.decodes == decodes
+    assert recogniser.end().text == guesses[0] and recogniser.guessed == 1
+    assert recogniser.decodes == decodes  # the guess was the final transcript: no decode at the end
+
+
 def test_recogniser_decodes_at_the_end_when_no_pause_was_seen():
     recogniser = WhisperRecognizer(48_000, partials=False)
     audio = mic_audio(HELD_OUT)

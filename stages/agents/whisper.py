@@ -28,6 +28,7 @@ import hashlib
 import importlib.metadata
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -177,6 +178,7 @@ class WhisperRecognizer:
 
     language_model = "whisper tiny.en"
     hold_s = 0.0  # it finds the end of speech itself: the turn's audio comes without delay
+    feeds_inline = True  # ``feed`` only stores the audio (~0.1 ms): no worker thread needed for it
 
     def __init__(self, sample_rate: int = 48_000, threads: int = 2, partials: bool = True) -> None:
         self._model, self._vocabulary, self._prompt = _loaded_model(threads)
@@ -189,6 +191,9 @@ class WhisperRecognizer:
         self._last: _Utterance | None = None
         self._busy = False  # the worker is decoding
         self.guessed = 0  # finals served by the guess made in the pause (for the benchmark)
+        self.decodes = 0  # decoder runs, partial, guess or final
+        # called on the worker thread with each guess's text, so a reply can be readied in the pause
+        self.on_guess: Callable[[str], None] | None = None
 
     @property
     def in_utterance(self) -> bool:
@@ -268,9 +273,11 @@ class WhisperRecognizer:
         far) when due, else None. Called with the state locked."""
         audio = utterance.audio()
         speech = _trimmed(audio)
-        if speech is not None and len(audio) - speech[0] >= PAUSE_S * SAMPLE_RATE \
-                and (utterance.guess is None or speech[0] > utterance.guess[0] + SAME_END):
-            return "guess", *speech
+        if speech is not None and len(audio) - speech[0] >= PAUSE_S * SAMPLE_RATE:
+            if utterance.guess is None or speech[0] > utterance.guess[0] + SAME_END:
+                return "guess", *speech
+            # no partial in a pause the guess covers: the VAD's end would wait for it (~0.1-0.4 s)
+            return None
         if (self.partials and len(audio) >= MIN_PARTIAL_S * SAMPLE_RATE
                 and len(audio) - utterance.partial_at >= PARTIAL_EVERY_S * SAMPLE_RATE):
             return "partial", 0, audio
@@ -302,11 +309,14 @@ class WhisperRecognizer:
                     utterance.stable = tokens[:agreed] if agreed == len(tokens) else tokens[:max(agreed - 1, 0)]
                     utterance.previous, utterance.partial_at = tokens, len(audio)
                     utterance.partial_text = self._vocabulary.text(tokens).strip()
+            if kind == "guess" and self.on_guess is not None:
+                self.on_guess(self._vocabulary.text(tokens).strip())
 
     def _decode(self, audio: np.ndarray, prefix: list[int]) -> list[int]:
         """Greedy transcript of ``audio`` (16 kHz), forced to start with ``prefix``; its tokens."""
         import ctranslate2
 
+        self.decodes += 1
         audio = audio[:int(MAX_UTTERANCE_S * SAMPLE_RATE)]
         features = log_mel(np.concatenate([audio, np.zeros(int(PAD_S * SAMPLE_RATE), np.float32)]))
         features = np.ascontiguousarray(features[None, :, :features.shape[1] // 2 * 2])  # the encoder halves it
