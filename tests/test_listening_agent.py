@@ -150,3 +150,35 @@ def test_agent_hears_the_user_through_the_vad_and_answers_with_speech():
     [turn] = agent.turns
     # a stall bound only: the audio came faster than real time, so the final decode ran after the end
     assert turn.turn_id == 7 and turn.heard == start.heard and turn.finalize_s < 5.0
+
+
+def test_the_answer_is_ready_when_the_turn_ends():
+    """Audio at the microphone's pace: the recogniser's guess in the pause after the speech readies
+    the answer's first sentence, so its audio is not synthesised after the VAD's end."""
+
+    async def main():
+        agent = ListeningAgent(IngestConfig())
+        await agent.start()
+        vad = UserAudioVAD(sample_rate=48_000)
+        audio = mic_audio("Could you tell me a story?")
+        first = None
+        t0 = time.time()
+        for i in range(0, len(audio), 960):
+            frame = UserAudioFrame(audio[i:i + 960], 48_000, t0 + i / 48_000)
+            await agent.hear(frame)
+            for e in vad.feed(frame.samples, frame.at):
+                await agent.notify(TurnEvent("s", i, e.kind, 3, e.at, TraceContext(3)))
+            await anyio.sleep(max(0.0, t0 + (i + 960) / 48_000 - time.time()))
+            if agent.turns:
+                break
+        async for event in agent.events():
+            if isinstance(event, AgentAudioFrame):
+                first = event
+                break
+        await agent.close()
+        return agent, first
+
+    agent, first = anyio.run(main)
+    [turn] = agent.turns
+    assert "story" in turn.heard.lower() and turn.answer.startswith("Once there was")
+    assert first is not None and agent.ready_used == 1

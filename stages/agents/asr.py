@@ -212,7 +212,13 @@ class TurnRecognizer:
             self._recent.push(samples)
             return
         older = self._held.push(samples)
-        if len(older):
+        if not len(older):
+            return
+        if getattr(self.recogniser, "feeds_inline", False) and not self._worker.borrowed_tokens:
+            # a thread hop per 20 ms frame costs more than storing it, and on a busy machine its
+            # wake-up delay holds up the VAD behind it; in order: no decoder call is in flight
+            self.recogniser.feed(older)
+        else:
             await anyio.to_thread.run_sync(self.recogniser.feed, older, limiter=self._worker)
 
     async def speech_started(self) -> None:

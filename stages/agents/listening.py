@@ -24,7 +24,7 @@ import anyio
 
 from charstream.stages.agents.asr import TurnRecognizer
 from charstream.stages.agents.reply_policy import reply
-from charstream.stages.agents.tts import synthesize
+from charstream.stages.agents.tts import Speech, synthesize
 from charstream.stages.config import IngestConfig
 from charstream.stages.ingest.adapters import (
     AgentAudioFrame,
@@ -68,11 +68,27 @@ class ListeningAgent:
         self._interrupted: set[TurnRef] = set()
         self.turns: deque[HeardTurn] = deque(maxlen=KEEP_TURNS)
         self.unanswered = 0  # utterances dropped because PENDING_TURNS were already waiting
+        self._ready: tuple[str, Speech] | None = None  # the answer's first sentence, spoken in the pause
+        self.ready_used = 0  # answers whose first sentence was ready when the turn ended
 
     async def start(self) -> None:
         # espeak's first call loads its voice data: done now, not in the first turn
         await anyio.to_thread.run_sync(synthesize, "ready", self.config.agent_voice)
         self._ears = await TurnRecognizer.load(self.config.recognizer)
+        if hasattr(self._ears.recogniser, "on_guess"):
+            self._ears.recogniser.on_guess = self._prepare
+
+    def _prepare(self, guess: str) -> None:
+        """The recogniser's guess at the transcript, made in a pause before the VAD ends the turn
+        (its worker thread): the answer's first sentence is synthesised now, so if the guess stands
+        its audio is ready when the turn ends."""
+        first = sentences(reply(guess))[0]
+        if self._ready is not None and self._ready[0] == first:
+            return
+        try:
+            self._ready = (first, synthesize(first, self.config.agent_voice))
+        except Exception:  # noqa: BLE001 - only a head start: _speak synthesises it again and reports
+            self._ready = None
 
     async def hear(self, frame: UserAudioFrame) -> None:
         await self._ears.hear(frame.samples)
@@ -107,7 +123,12 @@ class ListeningAgent:
         ref = turn.turn_id
         yield AgentTurnStart(ref, heard=turn.heard, answer=turn.answer)
         for sentence in sentences(turn.answer):
-            speech = await anyio.to_thread.run_sync(synthesize, sentence, self.config.agent_voice)
+            ready = self._ready
+            if ready is not None and ready[0] == sentence:
+                speech, self._ready = ready[1], None
+                self.ready_used += 1
+            else:
+                speech = await anyio.to_thread.run_sync(synthesize, sentence, self.config.agent_voice)
             step = int(round(speech.sample_rate * FRAME_S))
             for i in range(0, len(speech.samples), step):
                 if ref in self._interrupted or self._utterance != utterance:
