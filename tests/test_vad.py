@@ -47,6 +47,23 @@ def test_end_of_speech_within_100ms_of_the_true_end(text, voice):
     assert not vad.speaking
 
 
+@pytest.mark.parametrize("voice", ["en-us", "en+f3", "en+m3"])
+def test_a_pause_inside_a_sentence_does_not_end_the_turn(voice):
+    """Two halves of a sentence with 250 ms of silence between them (a breath, a comma) are one
+    turn; it ends 300 ms after the last loud sample, when silero has agreed it is quiet (3 windows)."""
+    halves = []
+    for text in ("My sister lives in Boston", "but she works in New York."):
+        signal, start, end = _speech_48k(text, voice)
+        halves.append(signal[int(start * 48_000):int(end * 48_000) + 1])
+    lead, pause = np.zeros(int(LEAD_S * 48_000), np.int16), np.zeros(12_000, np.int16)
+    signal = np.concatenate([lead, halves[0], pause, halves[1], np.zeros(48_000, np.int16)])
+    true_end = (len(lead) + len(halves[0]) + len(pause) + len(halves[1])) / 48_000
+    events = _feed(UserAudioVAD(threshold=0.5, silence_ms=300), signal)
+    assert [e.kind for e in events] == [TurnKind.USER_SPEECH_START, TurnKind.USER_SPEECH_END], events
+    assert abs(events[1].at - T0 - true_end) <= 0.040
+    assert 0.300 <= events[1].detected_at - T0 - true_end <= 0.300 + 0.064
+
+
 def test_block_size_does_not_change_the_decision():
     signal, _, true_end = _speech_48k("Tell me a story about a dragon.", "en-us")
     ends = []

@@ -44,6 +44,7 @@ WINDOW = 512  # samples per silero window at 16 kHz (32 ms)
 WINDOW_S = WINDOW / VAD_RATE
 MAX_DECAY_WINDOWS = 4  # silero's probability falls within ~100 ms of the end of speech
 SPEECH_LEVEL = 0.01  # -40 dBFS: the benchmarks' definition of the end of speech (last sample above it)
+MIN_QUIET_WINDOWS = 3  # silero agrees it is quiet this many windows before the silence may end a turn
 KEEP_WINDOWS = 32  # recent audio kept for the refinement (~1 s)
 
 _load_lock = threading.Lock()
@@ -100,6 +101,7 @@ class UserAudioVAD:
         self.threshold = threshold
         self.decay_threshold = min(0.95, threshold + 0.2)
         self.silence_windows = max(1, round(silence_ms / (WINDOW_S * 1000)))
+        self.silence_samples = round(silence_ms * VAD_RATE / 1000)
         self.start_windows = max(1, round(start_ms / (WINDOW_S * 1000)))
         self.sample_rate = sample_rate
         self._model = load_silero()
@@ -197,14 +199,23 @@ class UserAudioVAD:
             if self._run == 0:
                 self._run_start = i
             self._run += 1
+            began = self._run_start
+            if self._decay_start is not None:  # at most MAX_DECAY_WINDOWS earlier: a decay, not quiet speech
+                began = max(min(self._decay_start, began), began - MAX_DECAY_WINDOWS)
             if self._run >= self.silence_windows:
-                self._speaking, self._run = False, 0
-                began = self._run_start
-                if self._decay_start is not None:  # at most MAX_DECAY_WINDOWS earlier: a decay, not quiet speech
-                    began = max(min(self._decay_start, began), began - MAX_DECAY_WINDOWS)
                 end = self._refined_end(began, i) if self.refine_end else began * WINDOW
-                return VadEvent(TurnKind.USER_SPEECH_END, self._wall_sample(end), self._wall(i + 1), p,
-                                self._input_sample(end))
+            elif self.refine_end and self._run >= MIN_QUIET_WINDOWS:
+                # the silence is counted from the last loud sample, not from the window where silero's
+                # probability fell below the threshold, ~30-100 ms later: the turn ends silence_ms after
+                # the user stopped, and a pause shorter than silence_ms still never ends it
+                end = self._refined_end(began, i)
+                if (i + 1) * WINDOW - end < self.silence_samples:
+                    return None
+            else:
+                return None
+            self._speaking, self._run = False, 0
+            return VadEvent(TurnKind.USER_SPEECH_END, self._wall_sample(end), self._wall(i + 1), p,
+                            self._input_sample(end))
         return None
 
 
