@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from charstream.pipeline.bench.asr import bench, eval_sentences, microphone, opus_round_trip
+from charstream.pipeline.bench.asr import (
+    DEV_SENTENCES_FILE,
+    bench,
+    eval_sentences,
+    microphone,
+    opus_round_trip,
+)
 from charstream.pipeline.bench.wer import normalise, number_words, word_errors
 from charstream.stages.agents.domain_lm import corpus_lines, words
 from charstream.stages.agents.reply_policy import RULES
@@ -20,6 +26,19 @@ def test_evaluation_sentences_are_in_no_corpus_or_reply_rule():
         assert not any(sentence in line for line in corpus), sentence
         assert not any(sentence in text for text in rule_texts), sentence
         # nor a whole corpus line of several words inside an evaluation sentence
+        assert not any(f" {line} " in f" {sentence} " for line in corpus if len(line.split()) >= 4), sentence
+
+
+def test_development_sentences_are_in_neither_the_evaluation_set_nor_a_corpus():
+    dev = [" ".join(words(s)) for s in eval_sentences(DEV_SENTENCES_FILE)]
+    assert len(dev) >= 12 and len(set(dev)) == len(dev)
+    held_out = {" ".join(words(s)) for s in eval_sentences()}
+    corpus = [" ".join(line) for line in corpus_lines()]
+    rule_texts = [" ".join(words(text)) for rule in RULES for text in (*rule.any_of, rule.reply)]
+    for sentence in dev:
+        assert sentence not in held_out, sentence
+        assert not any(sentence in line for line in corpus), sentence
+        assert not any(sentence in text for text in rule_texts), sentence
         assert not any(f" {line} " in f" {sentence} " for line in corpus if len(line.split()) >= 4), sentence
 
 

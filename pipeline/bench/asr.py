@@ -2,10 +2,11 @@
 agent's recognisers, on speech the system never saw.
 
     charstream bench asr [--json asr-bench.json] [--recognizers whisper,pocketsphinx-domain]
-                         [--sentences 32] [--realtime 32]
+                         [--sentences 32] [--realtime 32] [--dev]
 
 The sentences are ``pipeline/bench/asr_sentences.txt``: written for this benchmark and used for
-nothing else (no language model, grammar or reply rule has them: tests/test_asr_eval_set.py). Each
+nothing else (no language model, grammar or reply rule has them: tests/test_asr_eval_set.py); settings
+are chosen on ``asr_dev_sentences.txt`` (``--dev``), a separate set held out the same way. Each
 is spoken by each espeak-ng voice, put between silences at 48 kHz (the microphone's rate), mixed
 with seeded white noise at 20 and 10 dB below the speech's power or not, and sent or not through
 the Opus round trip a browser's microphone takes (libopus through PyAV, 48 kHz mono, 20 ms frames,
@@ -52,6 +53,7 @@ from charstream.stages.ingest.vad import UserAudioVAD
 from charstream.transport.messages import TurnKind
 
 SENTENCES_FILE = Path(__file__).with_name("asr_sentences.txt")
+DEV_SENTENCES_FILE = Path(__file__).with_name("asr_dev_sentences.txt")  # for choosing settings, not reporting
 VOICES = ["en-us", "en+m3", "en+f3"]
 NOISE = {"clean": None, "20 dB": 20.0, "10 dB": 10.0}  # SNR: speech power over white noise power
 RATE = 48_000
@@ -213,16 +215,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated, of {', '.join(RECOGNIZERS)}")
     parser.add_argument("--sentences", type=arguments.positive_int, default=None,
                         help="only the first N evaluation sentences")
+    parser.add_argument("--dev", action="store_true",
+                        help="the development sentences instead (for choosing settings; report the evaluation set)")
     parser.add_argument("--voices", type=arguments.positive_int, default=len(VOICES), help=f"how many of {VOICES}")
     parser.add_argument("--realtime", type=int, default=0,
                         help="also feed the first N sentences per voice at real time (clean, Opus) for latency")
 
 
 def run(args: argparse.Namespace) -> int:
-    sentences = eval_sentences()[:args.sentences]
+    sentences = eval_sentences(DEV_SENTENCES_FILE if args.dev else SENTENCES_FILE)[:args.sentences]
     results = bench(args.recognizers, sentences, VOICES[:args.voices], args.realtime)
     m = results["machine_at_start"]
-    print(f"{len(sentences)} held-out sentences x {len(results['voices'])} voices; {m['cores']} cores, "
+    print(f"{len(sentences)} {'development' if args.dev else 'held-out'} sentences x {len(results['voices'])} voices; {m['cores']} cores, "
           f"load {m['load_1min']:.1f} -> {results['machine_at_end']['load_1min']:.1f}, commit {m['commit']}")
     print(f"{'recogniser | voice | noise | channel':<52} {'WER':>6} {'after VAD end p50':>18} {'p90':>7}"
           f" {'after true end p50':>19}")
