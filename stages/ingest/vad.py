@@ -6,8 +6,10 @@ int16 from the WebRTC track, or any supported rate — resamples it to 16 kHz, r
 
 - start: ``start_ms`` of consecutive windows with probability ≥ ``threshold``; ``at`` is the wall
   time the first of them began.
-- end: after speech, ``silence_ms`` of consecutive windows below ``threshold``; ``at`` is back-dated
-  by the silence window to when the silence began, the convention of Pipecat and LiveKit, so
+- end: after speech, ``silence_ms`` since the last loud sample (the refined end below) once at least
+  ``MIN_QUIET_WINDOWS`` consecutive windows are below ``threshold``, or ``silence_ms`` of such
+  windows (without refinement); ``at`` is back-dated to when the silence began (Pipecat's and
+  LiveKit's convention), so
   ``user_speech_end`` measures the user, not the detector. ``detected_at`` says when it was known.
   silero's probability decays over ~30-100 ms after speech stops, so the silence is dated from the
   start of that decay: the first window below ``threshold + 0.2`` from which the probability fell
