@@ -80,6 +80,16 @@ def test_nothing_is_decoded_in_the_pause_after_the_guess():
     assert recogniser.decodes == decodes  # the guess was the final transcript: no decode at the end
 
 
+def test_beam_search_only_over_a_loud_background():
+    """Greedy in a quiet room (fast, and accurate there); a beam when noise is above -40 dBFS."""
+    speech = resample(mic_audio(HELD_OUT).astype(np.float32) / 32768.0, 48_000, 16_000)
+    noise = np.random.default_rng(0).standard_normal(len(speech)).astype(np.float32)
+    power = float(np.mean(speech[np.abs(speech) > 0.01] ** 2))
+    assert whisper_asr.beam_size(speech) == 1
+    assert whisper_asr.beam_size(speech + noise * np.sqrt(power / 100)) == whisper_asr.BEAM_SIZE  # 20 dB SNR
+    assert whisper_asr.beam_size(speech + noise * 0.001) == 1  # a -60 dBFS hiss is a quiet room
+
+
 def test_recogniser_decodes_at_the_end_when_no_pause_was_seen():
     recogniser = WhisperRecognizer(48_000, partials=False)
     audio = mic_audio(HELD_OUT)

