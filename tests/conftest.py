@@ -1,5 +1,6 @@
 """Shared pytest fixtures."""
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,3 +29,14 @@ def user_folder(tmp_path_factory) -> Path:
         path.parent.mkdir(exist_ok=True)
         path.write_text(f"raise ImportError('the user\\'s own {relative} was imported')\n")
     return folder
+
+
+@pytest.fixture(autouse=True, scope="module")
+def release_shared_models():
+    """A serving process keeps the FlashHead models its sessions share for its lifetime; the test process
+    lets them go after each module, as it would the models a test built itself."""
+    yield
+    family = sys.modules.get("charstream.model.families.flashhead.family")
+    if family is not None:
+        family._SHARED.clear()
+        family._SHARED_AUDIO.clear()
