@@ -9,7 +9,7 @@ match and re-encode of the last 5 frames, the 28 new frames to the host. Theirs:
 objects the stages call (``charstream bench chunk``'s ``Session``). The two alternate chunk by chunk after
 their warm-up chunks. Prints a table, writes ``flashhead_chunk_gpu.json``.
 
-    python scripts/flashhead_chunk_gpu.py --theirs DIR --out DIR [--chunks 10] [--attention default,cudnn,flash]
+    python scripts/flashhead_chunk_gpu.py --theirs DIR --out DIR [--chunks 10]
 
 DIR for --theirs is a snapshot of the model's repository (its ``flash_head/`` package), with stand-ins for
 the modules it imports only for multi-GPU runs or face cropping (``xfuser``, ``mediapipe``, ``pyloudnorm``).
@@ -37,7 +37,6 @@ from flashhead_support import model_config_json, write_sharded, write_wav2vec2  
 from test_flashhead_vae_wan import random_wan_state  # noqa: E402
 
 from charstream.model.families import get_family  # noqa: E402
-from charstream.model.families.flashhead import dit as dit_module  # noqa: E402
 from charstream.model.families.flashhead.config import PRO  # noqa: E402
 from charstream.model.families.flashhead.loader import random_checkpoint  # noqa: E402
 from charstream.pipeline.bench.chunk import Session  # noqa: E402
@@ -119,8 +118,6 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--seed", type=int, default=5)
-    parser.add_argument("--attention", default="default,cudnn,flash",
-                        help="our DiT's SDPA backends to time, one after the other (the first is the served one)")
     parser.add_argument("--skip-theirs", action="store_true")
     args = parser.parse_args()
     out = Path(args.out)
@@ -157,36 +154,20 @@ def main() -> None:
     results["ours_load_and_compile_s"] = time.perf_counter() - t
     print(f"ours ready in {results['ours_load_and_compile_s']:.0f} s", flush=True)
 
-    rows = []
-    for backend in args.attention.split(","):
-        dit_module.ATTENTION_BACKEND = backend
-        if backend != args.attention.split(",")[0]:
-            torch._dynamo.reset()  # the compiled DiT is traced again with this backend
-            ours = Session(get_family("flashhead-pro"), str(release), "cuda", 0, None)
-            for _ in range(args.warmup):
-                ours.run_chunk(sync)
-        mine, others = [], []
-        for _ in range(args.chunks):
-            if theirs is not None and backend == args.attention.split(",")[0]:
-                others.append(theirs.run_chunk())
-            mine.append(ours.run_chunk(sync))
-        row = {"attention": backend}
-        for part in mine[0]:
-            row[f"ours_{part}_ms"] = 1e3 * statistics.median(r[part] for r in mine)
-        if others:
-            row["theirs_chunk_ms"] = 1e3 * statistics.median(others)
-            row["speedup"] = row["theirs_chunk_ms"] / row["ours_chunk_ms"]
-        rows.append(row)
-        results["rows"] = rows
-        save()
-        print(json.dumps(row), flush=True)
-    results["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    mine, others = [], []
+    for _ in range(args.chunks):
+        if theirs is not None:
+            others.append(theirs.run_chunk())
+        mine.append(ours.run_chunk(sync))
+    row = {f"ours_{part}_ms": 1e3 * statistics.median(r[part] for r in mine) for part in mine[0]}
+    if others:
+        row["theirs_chunk_ms"] = 1e3 * statistics.median(others)
+        row["speedup"] = row["theirs_chunk_ms"] / row["ours_chunk_ms"]
+    results |= row | {"peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30}
     save()
-    print("attention  ours chunk ms  (encode / denoise / decode)  theirs chunk ms  speedup")
-    for r in rows:
-        print(f"{r['attention']:<10} {r['ours_chunk_ms']:>13.1f}  ({r['ours_encode_ms']:.1f} / {r['ours_denoise_ms']:.1f} / "
-              f"{r['ours_decode_ms']:.1f})  {r.get('theirs_chunk_ms', float('nan')):>15.1f}  {r.get('speedup', float('nan')):.2f}")
-
+    print("ours chunk ms  (encode / denoise / decode)  theirs chunk ms  speedup")
+    print(f"{row['ours_chunk_ms']:>13.1f}  ({row['ours_encode_ms']:.1f} / {row['ours_denoise_ms']:.1f} / "
+          f"{row['ours_decode_ms']:.1f})  {row.get('theirs_chunk_ms', float('nan')):>15.1f}  {row.get('speedup', float('nan')):.2f}")
 
 if __name__ == "__main__":
     main()

@@ -19,14 +19,8 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from charstream.model.families.flashhead.config import FlashHeadConfig
-
-# The attention kernel on CUDA: "default" is PyTorch's choice (FlashAttention-2 for bf16); "cudnn" and
-# "flash" pin one. Read at trace time: a compiled DiT keeps the kernel it was compiled with.
-ATTENTION_BACKEND = "default"
-_BACKENDS = {"cudnn": [SDPBackend.CUDNN_ATTENTION], "flash": [SDPBackend.FLASH_ATTENTION]}
 
 
 class RMSNorm(nn.Module):
@@ -94,12 +88,7 @@ class Attention(nn.Module):
         v = self.to_v(source).unflatten(-1, (self.n_heads, -1))
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if ATTENTION_BACKEND == "default" or not q.is_cuda:
-            out = F.scaled_dot_product_attention(q, k, v)
-        else:
-            with sdpa_kernel(_BACKENDS[ATTENTION_BACKEND]):
-                out = F.scaled_dot_product_attention(q, k, v)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.to_out(out.transpose(1, 2).flatten(2))
 
 
