@@ -39,4 +39,3 @@ def release_shared_models():
     family = sys.modules.get("charstream.model.families.flashhead.family")
     if family is not None:
         family._SHARED.clear()
-        family._SHARED_AUDIO.clear()

@@ -16,6 +16,7 @@ from charstream.model.families import get_family
 from charstream.model.families.flashhead.chunks import ChunkMotionStream, portrait_tensor
 from charstream.model.families.flashhead.colour import colour_reference, match_colours
 from charstream.model.families.flashhead.config import LITE, TEST
+from charstream.model.families.flashhead.loader import load_dit
 from charstream.model.families.flashhead.vae_ltx import random_ltx_vae
 from charstream.model.families.flashhead.vae_wan import load_wan_vae
 
@@ -33,14 +34,13 @@ def parts(tmp_path_factory):
     path = tmp_path_factory.mktemp("VAE_Wan") / "Wan2.1_VAE.pth"
     torch.save(random_wan_state(5), path)
     vae = load_wan_vae(path)
-    model = get_family("flashhead-pro", config=SMALL).load("random", seed=2)
-    return model, vae
+    return load_dit("random", "pro", seed=2, cfg=SMALL), vae
 
 
 def test_chunks_continue_through_recoded_motion_latents(parts):
-    model, vae = parts
+    dit, vae = parts
     torch.manual_seed(0)
-    stream = ChunkMotionStream(model, vae, portrait_tensor(portrait(), 32, 32), seed=4)
+    stream = ChunkMotionStream(dit, vae, portrait_tensor(portrait(), 32, 32), seed=4)
     assert stream.reference.shape == (1, 16, 9, 4, 4)
     first_motion = stream.motion.clone()
     # the first chunk continues the portrait from its first latent (as the released pipeline starts)
@@ -63,10 +63,10 @@ def test_chunks_continue_through_recoded_motion_latents(parts):
 
 
 def test_audio_tokens_move_the_chunk_and_a_bad_portrait_is_refused(parts):
-    model, vae = parts
+    dit, vae = parts
     rng = np.random.default_rng(2)
     tokens = [rng.normal(size=(9, SMALL.audio_tokens, SMALL.dim)).astype(np.float32) for _ in range(2)]
-    chunks = [ChunkMotionStream(model, vae, portrait_tensor(portrait(), 32, 32), seed=4).denoise(t) for t in tokens]
+    chunks = [ChunkMotionStream(dit, vae, portrait_tensor(portrait(), 32, 32), seed=4).denoise(t) for t in tokens]
     assert (chunks[0][:, :, 2:] - chunks[1][:, :, 2:]).abs().mean() > 1e-4
     with pytest.raises(ValueError, match="RGB uint8"):
         portrait_tensor(np.zeros((8, 8), np.uint8), 32, 32)
@@ -75,8 +75,8 @@ def test_audio_tokens_move_the_chunk_and_a_bad_portrait_is_refused(parts):
 def test_a_regenerated_chunk_continues_the_chunk_before_it_not_the_dropped_ones(parts):
     """After a rollback to chunk 1 (chunk 2 decoded, then dropped at playout), chunk 2 is made again from
     the motion latents chunk 1 left."""
-    model, vae = parts
-    stream = ChunkMotionStream(model, vae, portrait_tensor(portrait(), 32, 32), seed=4)
+    dit, vae = parts
+    stream = ChunkMotionStream(dit, vae, portrait_tensor(portrait(), 32, 32), seed=4)
     tokens = np.random.default_rng(3).normal(size=(9, SMALL.audio_tokens, SMALL.dim)).astype(np.float32)
     left = {}
     for chunk in range(3):
@@ -91,15 +91,15 @@ def test_lite_streams_24_new_frames_through_its_ltx_posterior_samples():
     """FlashHead Lite: 5 latents of the LTX VAE a chunk (x8 in time, x32 in space), the last 9 decoded
     frames colour-matched and re-encoded as a sample of the posterior drawn from the session's noise."""
     lite = get_family("flashhead-lite", config=LITE.with_(n_blocks=1, height=32, width=32))
-    model = lite.load("random", seed=2)
+    dit = load_dit("random", "lite", seed=2, cfg=lite.config)
     vae = random_ltx_vae(3)
-    stream = ChunkMotionStream(model, vae, portrait_tensor(portrait(), 32, 32), seed=4)
+    stream = ChunkMotionStream(dit, vae, portrait_tensor(portrait(), 32, 32), seed=4)
     assert stream.reference.shape == (1, 128, 5, 1, 1) and stream.motion.shape == (1, 128, 1, 1, 1)
     tokens = np.random.default_rng(1).normal(size=(5, lite.config.audio_tokens, lite.config.dim)).astype(np.float32)
     frames = stream.decode(stream.denoise(tokens, 0), 0)
     assert frames.shape == (24, 32, 32, 3) and lite.timeline.frames_per_chunk == 24
     assert stream.motion.shape == (1, 128, 2, 1, 1)  # the next chunk's 2 motion latents from 9 frames
-    again = ChunkMotionStream(model, vae, portrait_tensor(portrait(), 32, 32), seed=4)
+    again = ChunkMotionStream(dit, vae, portrait_tensor(portrait(), 32, 32), seed=4)
     again.decode(again.denoise(tokens, 0), 0)
     torch.testing.assert_close(again.motion, stream.motion)  # the posterior's samples follow the seed
 

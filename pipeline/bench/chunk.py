@@ -24,12 +24,13 @@ from collections.abc import Callable
 
 import numpy as np
 
+from charstream.model.families import FLASHHEAD_NAMES
 from charstream.pipeline.bench.output import commit_id, emit_report, text_table
 from charstream.timeline import TIMELINE_RATE
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="flashhead-pro", choices=("flashhead-pro",))
+    parser.add_argument("--model", default="flashhead-pro", choices=FLASHHEAD_NAMES)
     parser.add_argument("--weights", default="random", help="a released weights folder, or 'random' (seeded)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--chunks", type=int, default=10, help="timed chunks of the one-session run")
@@ -61,7 +62,7 @@ class Session:
         self.encode = family.audio_conditioner(weights, device, 0).encode
         self.rng = np.random.default_rng(index + 1)
         self.window = np.zeros(cfg.audio_context_s * TIMELINE_RATE, np.int16)
-        self.hop = cfg.new_frames_per_chunk * TIMELINE_RATE // cfg.fps
+        self.hop = family.timeline.samples_per_chunk
         self.chunk = 0
 
     def next_window(self) -> np.ndarray:
@@ -135,17 +136,14 @@ def measure(args: argparse.Namespace) -> dict:
     import torch
 
     from charstream.model.families import get_family
-    from charstream.model.families.flashhead.family import FlashHeadFamily
 
-    family = get_family(args.model)
-    assert isinstance(family, FlashHeadFamily)
-    cfg = family.config
-    if args.blocks or args.size:
+    cfg = get_family(args.model).config
+    if args.blocks or args.size:  # the same family at another size
         cfg = cfg.with_(n_blocks=args.blocks or cfg.n_blocks, height=args.size or cfg.height,
                         width=args.size or cfg.width)
-        family = FlashHeadFamily(family.variant, config=cfg)
+    family = get_family(args.model, config=cfg)
     sync = _synchronise(args.device)
-    chunk_s = cfg.new_frames_per_chunk / cfg.fps
+    chunk_s = family.timeline.chunk_seconds
     began = time.perf_counter()
     first = Session(family, args.weights, args.device, 0, args.compile)
     load_s = time.perf_counter() - began
@@ -161,9 +159,9 @@ def measure(args: argparse.Namespace) -> dict:
     return {
         "model": args.model, "weights": args.weights, "device": args.device,
         "gpu": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else platform.processor(),
-        "torch": torch.__version__, "commit": commit_id(), "compiled": first.stream.dit is not first.stream.model.dit,
+        "torch": torch.__version__, "commit": commit_id(), "compiled": first.stream.compiled,
         "size": [cfg.height, cfg.width], "blocks": cfg.n_blocks, "new_frames_per_chunk": cfg.new_frames_per_chunk,
-        "fps": cfg.fps, "chunk_seconds": chunk_s, "load_and_first_compile_s": load_s,
+        "fps": cfg.fps, "chunk_seconds": chunk_s, "first_session_load_s": load_s,
         "one_session": parts, "side_by_side": ladder,
         "peak_memory_gib": torch.cuda.max_memory_allocated(args.device) / 2**30 if args.device.startswith("cuda") else None,
     }

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from charstream.model.families.flashhead.colour import ColourReference, colour_reference, match_colours
-from charstream.model.families.flashhead.loader import FlashHeadModel
+from charstream.model.families.flashhead.dit import FlashHeadDiT
 from charstream.model.families.flashhead.sampler import sample_chunk
 from charstream.model.families.flashhead.vae_ltx import LtxVAE
 from charstream.model.families.flashhead.vae_wan import WanVAE
@@ -50,19 +50,19 @@ def portrait_tensor(image: np.ndarray, height: int, width: int) -> Tensor:
 
 
 class ChunkMotionStream:
-    def __init__(self, model: FlashHeadModel, vae: WanVAE | LtxVAE, portrait: Tensor, seed: int = 0,
+    def __init__(self, dit: FlashHeadDiT, vae: WanVAE | LtxVAE, portrait: Tensor, seed: int = 0,
                  compiled: bool = False) -> None:
-        """``model`` and ``vae`` may be shared with other sessions' streams: a stream keeps its state (motion
+        """``dit`` and ``vae`` may be shared with other sessions' streams: a stream keeps its state (motion
         latents, noise, colour reference) to itself. ``compiled``: the DiT and the VAE's decode and encode
         through ``torch.compile`` (one compilation per process: later streams reuse it)."""
-        cfg = model.cfg
+        cfg = dit.cfg
         if tuple(portrait.shape) != (1, 3, 1, cfg.height, cfg.width):
             raise ValueError(f"portrait must be (1, 3, 1, {cfg.height}, {cfg.width}), got {tuple(portrait.shape)}")
-        self.model, self.vae, self.cfg = model, vae, cfg
-        device = next(model.dit.parameters()).device
-        self.dtype = next(model.dit.parameters()).dtype
+        self.vae, self.cfg, self.compiled = vae, cfg, compiled
+        device = next(dit.parameters()).device
+        self.dtype = next(dit.parameters()).dtype
         self.generator = torch.Generator(device).manual_seed(seed)
-        self.dit = torch.compile(model.dit, dynamic=False) if compiled else model.dit
+        self.dit = torch.compile(dit, dynamic=False) if compiled else dit
         self._decode = torch.compile(vae.decode_chunk, dynamic=False) if compiled else vae.decode_chunk
         if cfg.variant == "lite":  # Lite feeds back a sample of the LTX posterior, drawn from the session's noise
             self._encode = partial(vae.encode_motion, generator=self.generator)

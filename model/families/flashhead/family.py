@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -19,6 +19,7 @@ from charstream.model.families.flashhead.loader import (
     FlashHeadModel,
     inspect_folder,
     load_audio_side,
+    load_dit,
     load_flashhead,
     used_shapes,
 )
@@ -26,6 +27,7 @@ from charstream.timeline import Timeline
 
 if TYPE_CHECKING:
     from charstream.model.families.flashhead.chunks import ChunkMotionStream
+    from charstream.model.families.flashhead.dit import FlashHeadDiT
     from charstream.model.families.flashhead.vae_ltx import LtxVAE
     from charstream.model.families.flashhead.vae_wan import WanVAE
 
@@ -70,32 +72,26 @@ class FlashHeadFamily(ModelFamily):
                           graphed: bool = True) -> AudioConditioner:
         from charstream.model.families.flashhead.conditioner import ChunkSpeechEncoder
 
-        weights = _weights(weights)
-        key = ("audio", self._config, str(weights), str(device), seed if weights == "random" else None)
-        with _SHARED_LOCK:  # one wav2vec2 and adapter per process and device, shared like the DiT
-            if key not in _SHARED_AUDIO:
-                _SHARED_AUDIO[key] = load_audio_side(weights, self.variant, device, seed, self.audio_encoder,
-                                                     self._config)
-            adapter, speech = _SHARED_AUDIO[key]
+        adapter, speech = self._shared("audio", weights, device, seed, lambda w: load_audio_side(
+            w, self.variant, device, seed, self.audio_encoder, self._config))
         encoder = ChunkSpeechEncoder(self._config, speech, adapter)
         return AudioConditioner(encoder.encode, encoder.context_ms, 0.0)
 
     def chunk_stream(self, weights: str | None, portrait: np.ndarray, device: str = "cpu", seed: int = 0,
                      compiled: bool | None = None) -> ChunkMotionStream:
-        """One session's chunk stream (``chunks.py``) over this process's shared model (``shared_model``):
-        the ``portrait`` (RGB uint8) encoded once, the session's own noise stream from ``seed``.
-        ``compiled``: the DiT pass and the VAE through ``torch.compile`` (None: on CUDA)."""
+        """One session's chunk stream (``chunks.py``) over this process's DiT and VAE (``generator``): the
+        ``portrait`` (RGB uint8) encoded once, the session's own noise stream from ``seed``. ``compiled``:
+        the DiT pass and the VAE through ``torch.compile`` (None: on CUDA)."""
         from charstream.model.families.flashhead.chunks import ChunkMotionStream, portrait_tensor
 
-        shared = self.shared_model(weights, device, seed)
+        dit, vae = self.generator(weights, device, seed)
         cfg = self._config
         compiled = str(device).startswith("cuda") if compiled is None else compiled
-        return ChunkMotionStream(shared.model, shared.vae, portrait_tensor(portrait, cfg.height, cfg.width), seed,
-                                 compiled=compiled)
+        return ChunkMotionStream(dit, vae, portrait_tensor(portrait, cfg.height, cfg.width), seed, compiled=compiled)
 
     def warm_up(self, weights: str | None, device: str, seed: int = 0) -> float:
-        """The shared model loaded and, on CUDA, compiled: one chunk of silence through a grey portrait
-        (torch.compile's first calls take minutes; later streams reuse what it built)."""
+        """The shared DiT and VAE loaded and, on CUDA, compiled: one chunk of silence through a grey
+        portrait (torch.compile's first calls are slow; later streams reuse what it built)."""
         if not str(device).startswith("cuda"):
             return 0.0
         started = time.perf_counter()
@@ -105,41 +101,40 @@ class FlashHeadFamily(ModelFamily):
         stream.close()
         return time.perf_counter() - started
 
-    def shared_model(self, weights: str | None, device: str = "cpu", seed: int = 0) -> SharedModel:
-        """The DiT, wav2vec2 and Wan VAE of ``weights`` (a released folder, or None / ``"random"``: seeded
-        random weights of this config; the VAE from the folder's ``VAE_Wan/Wan2.1_VAE.pth`` for Pro, ``VAE_LTX/`` for Lite), loaded once
-        per process and device: bf16 on CUDA, fp32 elsewhere. Sessions share them (a chunk's passes keep
-        no state in the modules), so a second session costs its latents, not another 1.3 B parameters."""
-        from charstream.model.families.flashhead.vae_ltx import load_ltx_vae, random_ltx_vae
-        from charstream.model.families.flashhead.vae_wan import load_wan_vae, random_wan_vae
+    def generator(self, weights: str | None, device: str = "cpu", seed: int = 0) -> tuple[FlashHeadDiT, WanVAE | LtxVAE]:
+        """The DiT and the VAE of ``weights`` (a released folder, or None / ``"random"``: seeded random
+        weights of this config; the VAE from ``VAE_Wan/Wan2.1_VAE.pth`` for Pro, ``VAE_LTX/`` for Lite), bf16
+        on CUDA, fp32 elsewhere. Shared by the process's sessions (a chunk's passes keep no state in the
+        modules), so a second session costs its latents, not another 1.3 B parameters."""
 
+        def load(weights: str | Path) -> tuple[FlashHeadDiT, WanVAE | LtxVAE]:
+            from charstream.model.families.flashhead.vae_ltx import load_ltx_vae, random_ltx_vae
+            from charstream.model.families.flashhead.vae_wan import load_wan_vae, random_wan_vae
+
+            cuda = str(device).startswith("cuda")
+            if cuda:
+                torch.backends.cudnn.benchmark = True  # cuDNN's fastest conv per VAE shape, chosen once
+            dtype = torch.bfloat16 if cuda else torch.float32
+            dit = load_dit(weights, self.variant, device, dtype, seed, self.audio_encoder, self._config)
+            if self.variant == "lite":
+                return dit, (random_ltx_vae(seed, device, dtype) if weights == "random"
+                             else load_ltx_vae(Path(weights) / LTX_VAE_DIR, device, dtype))
+            return dit, (random_wan_vae(seed, device, dtype) if weights == "random"
+                         else load_wan_vae(Path(weights) / WAV_VAE, device, dtype))
+
+        return self._shared("generator", weights, device, seed, load)
+
+    def _shared(self, part: str, weights: str | None, device: str, seed: int, load: Callable[[str | Path], Any]) -> Any:
+        """``load(weights)`` once per process for this config, weights and device (and seed, for random ones)."""
         weights = _weights(weights)
-        key = (self._config, str(weights), str(device), seed if weights == "random" else None)
+        key = (part, self._config, str(weights), str(device), seed if weights == "random" else None)
         with _SHARED_LOCK:
-            shared = _SHARED.get(key)
-            if shared is None:
-                if str(device).startswith("cuda"):
-                    torch.backends.cudnn.benchmark = True  # cuDNN's fastest conv per VAE shape, chosen once
-                dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
-                model = self.load(weights, device, dtype, seed=seed)
-                if self.variant == "lite":
-                    vae = (random_ltx_vae(seed, device, dtype) if weights == "random"
-                           else load_ltx_vae(Path(weights) / LTX_VAE_DIR, device, dtype))
-                else:
-                    vae = (random_wan_vae(seed, device, dtype) if weights == "random"
-                           else load_wan_vae(Path(weights) / WAV_VAE, device, dtype))
-                shared = _SHARED[key] = SharedModel(model, vae)
-        return shared
+            if key not in _SHARED:
+                _SHARED[key] = load(weights)
+            return _SHARED[key]
 
 
-@dataclass(frozen=True)
-class SharedModel:
-    model: FlashHeadModel
-    vae: WanVAE | LtxVAE
-
-
-_SHARED: dict[tuple, SharedModel] = {}  # one per (config, weights, device, seed) in this process
-_SHARED_AUDIO: dict[tuple, tuple] = {}  # the conditioners' (adapter, wav2vec2), likewise
+_SHARED: dict[tuple, Any] = {}  # a serving process's FlashHead modules, by part, config, weights, device
 _SHARED_LOCK = threading.Lock()
 
 

@@ -299,11 +299,16 @@ class FlashHeadModel:
 
 def build(cfg: FlashHeadConfig, state: Mapping[str, Tensor], device: torch.device | str, dtype: torch.dtype) -> tuple[FlashHeadDiT, AudioAdapter]:
     """The DiT and the adapter, allocated once on ``device`` in ``dtype`` and filled from ``state``."""
+    return build_dit(cfg, state, device, dtype), build_adapter(cfg, state, device, dtype)
+
+
+def build_dit(cfg: FlashHeadConfig, state: Mapping[str, Tensor], device: torch.device | str, dtype: torch.dtype) -> FlashHeadDiT:
+    """The DiT alone (the diffusion stage's part of the checkpoint), filled from ``state``."""
     with torch.device("meta"):
         dit = FlashHeadDiT(cfg)
     dit = dit.to(dtype).to_empty(device=device)
     dit.load_checkpoint_state(state)
-    return dit.eval(), build_adapter(cfg, state, device, dtype)
+    return dit.eval()
 
 
 def build_adapter(cfg: FlashHeadConfig, state: Mapping[str, Tensor], device: torch.device | str, dtype: torch.dtype) -> AudioAdapter:
@@ -363,6 +368,21 @@ def load_flashhead(
     cfg, state, speech = _sources(weights, variant, device, seed, audio_encoder, cfg)
     dit, adapter = build(cfg, state, device, dtype)
     return FlashHeadModel(cfg, dit, adapter, speech())
+
+
+def load_dit(
+    weights: str | Path,
+    variant: str,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    audio_encoder: str | Path | None = None,
+    cfg: FlashHeadConfig | None = None,
+) -> FlashHeadDiT:
+    """What the diffusion stage runs: the DiT alone, from the same folder or seeded random weights as
+    ``load_flashhead`` (no wav2vec2: the conditioning stage loads that, ``load_audio_side``)."""
+    cfg, state, _ = _sources(weights, variant, device, seed, audio_encoder, cfg)
+    return build_dit(cfg, state, device, dtype)
 
 
 def load_audio_side(
