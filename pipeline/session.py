@@ -273,7 +273,7 @@ def session_factory(config: PipelineConfig, weights: str | None = "packaged",
                                                  config.diffusion.device, config.diffusion.seed)
         if took:
             print(f"charstream: {config.preset} loaded and compiled on {config.diffusion.device} in {took:.0f} s "
-                  "(minutes on a first run, seconds once torch's compile cache holds it)", file=sys.stderr, flush=True)
+                  "(longer on a first run, before torch's compile cache holds it)", file=sys.stderr, flush=True)
     started = 0
     sessions: dict[str, LiveSession] = {}
     batch = config.diffusion.batch_sessions > 1 and here
