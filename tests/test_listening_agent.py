@@ -30,6 +30,21 @@ def mic_audio(text: str, voice: str = "en-us", lead_s: float = 0.5, tail_s: floa
     return to_int16(np.concatenate([np.zeros(int(lead_s * 48_000)), audio, np.zeros(int(tail_s * 48_000))]))
 
 
+async def speak(agent: ListeningAgent, vad: UserAudioVAD, audio: np.ndarray, turn: int, paced: bool = False) -> None:
+    """The microphone's 20 ms frames to the agent, the VAD's events on them as turn ``turn``'s; ``paced``: at
+    real time, stopping once the agent has taken the turn."""
+    t0 = time.time()
+    for i in range(0, len(audio), 960):
+        frame = UserAudioFrame(audio[i:i + 960], 48_000, t0 + i / 48_000)
+        await agent.hear(frame)
+        for e in vad.feed(frame.samples, frame.at):
+            await agent.notify(TurnEvent("s", i, e.kind, turn, e.at, TraceContext(turn)))
+        if paced:
+            await anyio.sleep(max(0.0, t0 + (i + 960) / 48_000 - time.time()))
+            if agent.turns:
+                return
+
+
 def test_recogniser_hears_in_domain_speech_streamed_in_20ms_frames():
     recogniser = SpeechRecognizer("domain")
     audio = mic_audio("please stop talking", tail_s=0.3)
@@ -118,13 +133,7 @@ def test_agent_hears_the_user_through_the_vad_and_answers_with_speech():
         events: list = []
 
         async def user():
-            t0 = time.time()
-            for i in range(0, len(audio), 960):
-                frame = UserAudioFrame(audio[i:i + 960], 48_000, t0 + i / 48_000)
-                await agent.hear(frame)
-                for e in vad.feed(frame.samples, frame.at):
-                    await agent.notify(TurnEvent("s", i, e.kind, 7, e.at, TraceContext(7)))
-            # the reply is already being streamed while the user is silent
+            await speak(agent, vad, audio, 7)  # faster than real time: the reply streams while it is fed
 
         async def agent_side():
             async for event in agent.events():
@@ -162,15 +171,7 @@ def test_the_answer_is_ready_when_the_turn_ends():
         vad = UserAudioVAD(sample_rate=48_000)
         audio = mic_audio("Could you tell me a story?")
         first = None
-        t0 = time.time()
-        for i in range(0, len(audio), 960):
-            frame = UserAudioFrame(audio[i:i + 960], 48_000, t0 + i / 48_000)
-            await agent.hear(frame)
-            for e in vad.feed(frame.samples, frame.at):
-                await agent.notify(TurnEvent("s", i, e.kind, 3, e.at, TraceContext(3)))
-            await anyio.sleep(max(0.0, t0 + (i + 960) / 48_000 - time.time()))
-            if agent.turns:
-                break
+        await speak(agent, vad, audio, 3, paced=True)
         async for event in agent.events():
             if isinstance(event, AgentAudioFrame):
                 first = event

@@ -264,20 +264,9 @@ def test_a_stage_process_with_a_large_heap_exits_within_its_grace():
     """At a long session's end the diffusion process missed its 1 s grace and needed SIGTERM: after its
     report it ran the interpreter's teardown, collecting and freeing its whole heap."""
 
-    async def main():
-        graph = Graph([Node("hoard", f"{STAGES}:Hoard", {"objects": 3_000_000}, "big"),
-                       Node("sink", f"{STAGES}:Sink", {})], [Edge("hoard", "sink")])
-        session = SessionRunner(graph, PipelineConfig(hosting="processes"), "s-heap")
-        async with anyio.create_task_group() as tg:
-
-            async def stop_soon():
-                await session.started.wait()
-                session.stop("session over")
-
-            tg.start_soon(stop_soon)
-            return await session.run()
-
-    result = anyio.run(main)
+    graph = Graph([Node("hoard", f"{STAGES}:Hoard", {"objects": 3_000_000}, "big"),
+                   Node("sink", f"{STAGES}:Sink", {})], [Edge("hoard", "sink")])
+    result = _stop_after_start(graph, "s-heap")
     assert result.ok and result.exit_codes == {"big": 0}, result.exit_codes  # not -15: SIGTERM
 
 
