@@ -171,12 +171,13 @@ class Supervisor:
         answering): it is killed at once. Each child's ``stopped`` says how it went; a child that needed
         a signal is a warning naming it, the signal and how long it took."""
         started = time.monotonic()
-        outcomes = {id(c): StopOutcome(None, grace_s) for c in children}
+        for c in children:
+            c.stopped = StopOutcome(None, grace_s)
 
         def signal_child(c: Child, sig: signal.Signals, why: str) -> None:
             os.kill(c.pid, sig)
-            if outcomes[id(c)].signal != signal.SIGKILL.name:  # the strongest one sent is what it needed
-                outcomes[id(c)].signal, outcomes[id(c)].why = sig.name, why
+            if c.stopped.signal != signal.SIGKILL.name:  # the strongest one sent is what it needed
+                c.stopped.signal, c.stopped.why = sig.name, why
 
         for c in children:
             if c.process.is_alive() and (frozen or _stopped(c.pid)):
@@ -192,8 +193,8 @@ class Supervisor:
                 now = time.monotonic()
                 for c in alive:
                     if not c.process.is_alive():
-                        outcomes[id(c)].exit_s = now - started
-                alive = [c for c in alive if outcomes[id(c)].exit_s is None]
+                        c.stopped.exit_s = now - started
+                alive = [c for c in alive if c.stopped.exit_s is None]
                 if not alive or now >= deadline:
                     break
                 await anyio.sleep(0.01)
@@ -201,7 +202,7 @@ class Supervisor:
                 break
         for c in children:
             c.process.join(timeout=0)
-            c.stopped = outcome = outcomes[id(c)]
+            outcome = c.stopped
             outcome.exitcode = c.process.exitcode
             if outcome.signal is not None:
                 get_logger(process=c.name, pid=c.pid).warning(
