@@ -2,11 +2,9 @@
 feature, activations quantized per row on the fly (``kernels/quantize_rows``).
 
 On CUDA the product is one ``torch._scaled_mm`` with row-wise scales (A: one scale per token,
-B: one per output feature), accumulating in fp32 and writing bf16. Eagerly the activations go
-through the Triton row quantizer; inside ``torch.compile`` through its plain-PyTorch reference, which
-the compiler fuses into the op that produced them (a norm, a modulation), saving a pass over them.
-On the CPU it falls back to a plain matmul on the dequantized weights in the activation's dtype (the
-tiny model's path), so the same module serves both.
+B: one per output feature), accumulating in fp32 and writing bf16. On the CPU it falls back to a
+plain matmul on the dequantized weights in the activation's dtype (the tiny model's path), so the
+same module serves both.
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from charstream.kernels.fp8 import FP8_DTYPE, FP8_MAX
-from charstream.kernels.quantize_rows import quantize_rows, quantize_rows_reference
+from charstream.kernels.quantize_rows import quantize_rows
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,11 +25,9 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Fp8Linear(nn.Module):
-    """A linear layer whose weight lives in FP8 with per-output-feature scales; ``bias`` stays in the
-    activations' dtype, added after the GEMM."""
+    """A linear layer whose weight lives in FP8 with per-output-feature scales (no bias)."""
 
-    def __init__(self, weight_fp8: torch.Tensor, scale: torch.Tensor, fast_accum: bool = True,
-                 bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight_fp8: torch.Tensor, scale: torch.Tensor, fast_accum: bool = True) -> None:
         super().__init__()
         if weight_fp8.dtype != FP8_DTYPE or scale.shape != weight_fp8.shape[:1]:
             raise ValueError("Fp8Linear needs an fp8 (out, in) weight and a float32 (out,) scale")
@@ -40,17 +36,11 @@ class Fp8Linear(nn.Module):
             raise ValueError(f"FP8 GEMM needs in/out features divisible by 16, got {in_features}x{out_features}")
         self.register_buffer("weight", weight_fp8)
         self.register_buffer("scale", scale.float().reshape(1, out_features).contiguous())
-        self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self.fast_accum = fast_accum  # Hopper's faster fp8 accumulation (1,315 TFLOP/s at 8192^3 on an H200)
 
     @classmethod
-    def from_weight(cls, weight: torch.Tensor, fast_accum: bool = True, bias: torch.Tensor | None = None) -> Fp8Linear:
-        return cls(*quantize_weight(weight), fast_accum=fast_accum, bias=bias)
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, fast_accum: bool = True) -> Fp8Linear:
-        """``linear``'s weight quantized, its bias kept in its dtype."""
-        return cls.from_weight(linear.weight, fast_accum, linear.bias)
+    def from_weight(cls, weight: torch.Tensor, fast_accum: bool = True) -> Fp8Linear:
+        return cls(*quantize_weight(weight), fast_accum=fast_accum)
 
     @property
     def in_features(self) -> int:
@@ -64,14 +54,11 @@ class Fp8Linear(nn.Module):
         """x (..., in); ``act_from``: GELU (tanh) on input columns from there on, fused into quantization."""
         rows = x.reshape(-1, self.in_features)
         if x.is_cuda:
-            quantize = quantize_rows_reference if torch.compiler.is_compiling() else quantize_rows
-            y = self.forward_quantized(*quantize(rows, act_from), out_dtype=x.dtype)
+            y = self.forward_quantized(*quantize_rows(rows, act_from), out_dtype=x.dtype)
         else:
             if act_from is not None and act_from < self.in_features:
                 rows = torch.cat([rows[:, :act_from], F.gelu(rows[:, act_from:], approximate="tanh")], dim=1)
             y = rows @ (self.weight.to(x.dtype) * self.scale.to(x.dtype).t()).t()
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def forward_quantized(

@@ -99,7 +99,7 @@ def chunk_nodes(config: PipelineConfig, family: ModelFamily, weights: str | None
         raise ValueError(f"model {family.name!r} runs inproc only so far, not hosting {config.hosting!r}")
     weights = None if weights in (None, "random") else weights
     seed = config.diffusion.seed
-    stream = family.chunk_stream(weights, portrait, config.diffusion.device, seed, fp8=config.diffusion.fp8_gemms)
+    stream = family.chunk_stream(weights, portrait, config.diffusion.device, seed)
     cfg = family.config
     return [Node("conditioning", build_conditioning, {"preset": config.preset, "weights": weights,
                                                       "config": config.conditioning, "seed": seed, "family": family}),
@@ -270,8 +270,7 @@ def session_factory(config: PipelineConfig, weights: str | None = "packaged",
         from charstream.model.families import get_family
 
         took = get_family(config.preset).warm_up(None if weights in (None, "random") else weights,
-                                                 config.diffusion.device, config.diffusion.seed,
-                                                 fp8=config.diffusion.fp8_gemms)
+                                                 config.diffusion.device, config.diffusion.seed)
         if took:
             print(f"charstream: {config.preset} loaded and compiled on {config.diffusion.device} in {took:.0f} s "
                   "(longer on a first run, before torch's compile cache holds it)", file=sys.stderr, flush=True)

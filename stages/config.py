@@ -73,8 +73,6 @@ class DiffusionConfig(CheckedSection):
     devices: list[str] = field(default_factory=list)  # one per TP rank; empty = ``device`` for every rank
     seed: int = field(default=0, metadata=within(0, 2**63 - 1))
     fp8_cache: bool | None = None  # FP8 e4m3 ring; None: on CUDA devices (the CPU keeps the model's dtype)
-    # a chunk model's (FlashHead's) DiT linears as FP8 GEMMs; None: on CUDA devices (the presets' FP8 is step.fused)
-    fp8_gemms: bool | None = None
     threads: int | None = field(default=None, metadata=within(1, 1024))  # CPU intra-op threads; None: half the cores (decode runs beside it)
     # every rank's step: fused body, CUDA graphs, the full window's attention (model/step/options.py)
     step: StepOptions = field(default_factory=StepOptions)

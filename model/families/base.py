@@ -127,9 +127,8 @@ class ModelFamily(ABC):
     def load(self, weights: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0) -> Any:
         """The model from a weights folder, or seeded random weights of the real config (``weights="random"``)."""
 
-    def warm_up(self, weights: str | None, device: str, seed: int = 0, fp8: bool | None = None) -> float:
+    def warm_up(self, weights: str | None, device: str, seed: int = 0) -> float:
         """Load and compile what a serving process's sessions share before its first session, so that
-        session's first chunk is not late; seconds spent (default: nothing is shared, 0). ``fp8``: the
-        ``diffusion.fp8_gemms`` the sessions will run with."""
+        session's first chunk is not late; seconds spent (default: nothing is shared, 0)."""
         return 0.0
 

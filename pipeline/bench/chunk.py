@@ -39,8 +39,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=float, default=20.0, help="how long each session count runs")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="torch.compile the DiT and the VAE (default: on CUDA, as served)")
-    parser.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=None,
-                        help="the DiT's linears as FP8 GEMMs (default: on CUDA, as served)")
     parser.add_argument("--blocks", type=int, default=None, help="fewer DiT blocks (a CPU check of the bench)")
     parser.add_argument("--size", type=int, default=None, help="another square video size (a CPU check)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON (the table goes to stderr)")
@@ -56,12 +54,11 @@ def _synchronise(device: str) -> Callable[[], None]:
 class Session:
     """One session's conditioner and chunk stream, fed a rolling window of speech-like noise."""
 
-    def __init__(self, family, weights: str, device: str, index: int, compiled: bool | None,
-                 fp8: bool | None = None) -> None:
+    def __init__(self, family, weights: str, device: str, index: int, compiled: bool | None) -> None:
         """Session ``index``'s own portrait and speech; the model's seed is every session's (one model)."""
         cfg = family.config
         portrait = np.random.default_rng(index).integers(0, 256, (cfg.height, cfg.width, 3), dtype=np.uint8)
-        self.stream = family.chunk_stream(weights, portrait, device, 0, compiled, fp8)
+        self.stream = family.chunk_stream(weights, portrait, device, 0, compiled)
         self.encode = family.audio_conditioner(weights, device, 0).encode
         self.rng = np.random.default_rng(index + 1)
         self.window = np.zeros(cfg.audio_context_s * TIMELINE_RATE, np.int16)
@@ -139,7 +136,6 @@ def measure(args: argparse.Namespace) -> dict:
     import torch
 
     from charstream.model.families import get_family
-    from charstream.model.fp8_linear import Fp8Linear
 
     cfg = get_family(args.model).config
     if args.blocks or args.size:  # the same family at another size
@@ -149,7 +145,7 @@ def measure(args: argparse.Namespace) -> dict:
     sync = _synchronise(args.device)
     chunk_s = family.timeline.chunk_seconds
     began = time.perf_counter()
-    first = Session(family, args.weights, args.device, 0, args.compile, args.fp8)
+    first = Session(family, args.weights, args.device, 0, args.compile)
     load_s = time.perf_counter() - began
     parts = one_session(first, args.chunks, args.warmup, sync)
     counts = [int(k) for k in args.sessions.split(",") if k.strip()]
@@ -157,14 +153,13 @@ def measure(args: argparse.Namespace) -> dict:
     ladder = []
     for k in counts:
         while len(streams) < k:
-            streams.append(Session(family, args.weights, args.device, len(streams), args.compile, args.fp8))
+            streams.append(Session(family, args.weights, args.device, len(streams), args.compile))
             streams[-1].run_chunk(sync)  # its first chunk outside the timing
         ladder.append(side_by_side(streams[:k], args.seconds, chunk_s, cfg.new_frames_per_chunk, sync))
     return {
         "model": args.model, "weights": args.weights, "device": args.device,
         "gpu": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else platform.processor(),
         "torch": torch.__version__, "commit": commit_id(), "compiled": first.stream.compiled,
-        "fp8": any(isinstance(m, Fp8Linear) for m in first.stream.dit.modules()),
         "size": [cfg.height, cfg.width], "blocks": cfg.n_blocks, "new_frames_per_chunk": cfg.new_frames_per_chunk,
         "fps": cfg.fps, "chunk_seconds": chunk_s, "first_session_load_s": load_s,
         "one_session": parts, "side_by_side": ladder,
@@ -186,7 +181,7 @@ def table(report: dict) -> str:
                      f"{r['period_p90_worst_session_ms']:.0f}", f"{r['generated_fps']:.1f}", str(r["keeps_up"])])
     lines += [text_table(rows),
               f"{report['model']} ({report['weights']} weights), {report['size'][0]}x{report['size'][1]}, "
-              f"{report['blocks']} blocks, compiled {report['compiled']}, FP8 GEMMs {report['fp8']}, on {report['gpu']}; torch {report['torch']}, "
+              f"{report['blocks']} blocks, compiled {report['compiled']}, on {report['gpu']}; torch {report['torch']}, "
               f"commit {report['commit']}"]
     return "\n".join(lines)
 

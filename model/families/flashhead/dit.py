@@ -19,10 +19,8 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from charstream.model.families.flashhead.config import FlashHeadConfig
-from charstream.model.fp8_linear import Fp8Linear
 
 
 class RMSNorm(nn.Module):
@@ -70,12 +68,6 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return rotated.flatten(-2).to(x.dtype)
 
 
-# cuDNN's fused attention first where it applies: on an H200 it beats PyTorch's default choice at a chunk's
-# 9,216 tokens (docs/PERF.md); the usual order after it, so the CPU and other devices are unchanged.
-ATTENTION_ORDER = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                   SDPBackend.MATH]
-
-
 class Attention(nn.Module):
     """Multi-head attention with q/k RMSNorm across heads; self-attention when ``context`` is None."""
 
@@ -96,8 +88,7 @@ class Attention(nn.Module):
         v = self.to_v(source).unflatten(-1, (self.n_heads, -1))
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        with sdpa_kernel(ATTENTION_ORDER, set_priority=True):
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.to_out(out.transpose(1, 2).flatten(2))
 
 
@@ -214,17 +205,3 @@ def checkpoint_key_map(n_blocks: int) -> dict[str, str]:
             if not ours.endswith("_norm"):
                 keys[f"blocks.{i}.{ours}.bias"] = f"blocks.{i}.{theirs}.bias"
     return keys
-
-
-def fp8_gemms(dit: FlashHeadDiT, fast_accum: bool = True) -> FlashHeadDiT:
-    """``dit`` with its blocks' linears over the image tokens -- self-attention q, k, v, out; cross-attention
-    q, out; the FFN -- as FP8 weight GEMMs (``model/fp8_linear.py``: e4m3 weights with a scale per output
-    feature, activations quantized per token), in place. The audio tokens' k and v (288 rows a chunk), the
-    time embedding and the head keep the model's dtype: they are under 1% of a pass's FLOPs."""
-    for block in dit.blocks:
-        for attention, names in ((block.self_attn, ("to_q", "to_k", "to_v", "to_out")), (block.cross_attn, ("to_q", "to_out"))):
-            for name in names:
-                setattr(attention, name, Fp8Linear.from_linear(getattr(attention, name), fast_accum))
-        block.ffn_in = Fp8Linear.from_linear(block.ffn_in, fast_accum)
-        block.ffn_out = Fp8Linear.from_linear(block.ffn_out, fast_accum)
-    return dit

@@ -78,59 +78,51 @@ class FlashHeadFamily(ModelFamily):
         return AudioConditioner(encoder.encode, encoder.context_ms, 0.0)
 
     def chunk_stream(self, weights: str | None, portrait: np.ndarray, device: str = "cpu", seed: int = 0,
-                     compiled: bool | None = None, fp8: bool | None = None) -> ChunkMotionStream:
+                     compiled: bool | None = None) -> ChunkMotionStream:
         """One session's chunk stream (``chunks.py``) over this process's DiT and VAE (``generator``): the
         ``portrait`` (RGB uint8) encoded once, the session's own noise stream from ``seed``. ``compiled``:
-        the DiT pass and the VAE through ``torch.compile`` (None: on CUDA); ``fp8``: see ``generator``."""
+        the DiT pass and the VAE through ``torch.compile`` (None: on CUDA)."""
         from charstream.model.families.flashhead.chunks import ChunkMotionStream, portrait_tensor
 
-        dit, vae = self.generator(weights, device, seed, fp8)
+        dit, vae = self.generator(weights, device, seed)
         cfg = self._config
         compiled = str(device).startswith("cuda") if compiled is None else compiled
         return ChunkMotionStream(dit, vae, portrait_tensor(portrait, cfg.height, cfg.width), seed, compiled=compiled)
 
-    def warm_up(self, weights: str | None, device: str, seed: int = 0, fp8: bool | None = None) -> float:
+    def warm_up(self, weights: str | None, device: str, seed: int = 0) -> float:
         """The shared DiT and VAE loaded and, on CUDA, compiled: one chunk of silence through a grey
         portrait (torch.compile's first calls are slow; later streams reuse what it built)."""
         if not str(device).startswith("cuda"):
             return 0.0
         started = time.perf_counter()
         cfg = self._config
-        stream = self.chunk_stream(weights, np.full((cfg.height, cfg.width, 3), 128, np.uint8), device, seed, fp8=fp8)
+        stream = self.chunk_stream(weights, np.full((cfg.height, cfg.width, 3), 128, np.uint8), device, seed)
         stream.decode(stream.denoise(np.zeros((cfg.latents_per_chunk, cfg.audio_tokens, cfg.dim), np.float32)))
         stream.close()
         return time.perf_counter() - started
 
-    def generator(self, weights: str | None, device: str = "cpu", seed: int = 0,
-                  fp8: bool | None = None) -> tuple[FlashHeadDiT, WanVAE | LtxVAE]:
+    def generator(self, weights: str | None, device: str = "cpu", seed: int = 0) -> tuple[FlashHeadDiT, WanVAE | LtxVAE]:
         """The DiT and the VAE of ``weights`` (a released folder, or None / ``"random"``: seeded random
         weights of this config; the VAE from ``VAE_Wan/Wan2.1_VAE.pth`` for Pro, ``VAE_LTX/`` for Lite), bf16
-        on CUDA, fp32 elsewhere; ``fp8``: the DiT's image-token linears as FP8 GEMMs (``dit.fp8_gemms``;
-        None: on CUDA). Shared by the process's sessions (a chunk's passes keep no state in the modules),
-        so a second session costs its latents, not another 1.3 B parameters."""
-        cuda = str(device).startswith("cuda")
-        fp8 = cuda if fp8 is None else fp8
-        if fp8 and not cuda:
-            raise ValueError(f"FP8 GEMMs run on CUDA devices only, not {device!r}")
+        on CUDA, fp32 elsewhere. Shared by the process's sessions (a chunk's passes keep no state in the
+        modules), so a second session costs its latents, not another 1.3 B parameters."""
 
         def load(weights: str | Path) -> tuple[FlashHeadDiT, WanVAE | LtxVAE]:
-            from charstream.model.families.flashhead.dit import fp8_gemms
             from charstream.model.families.flashhead.vae_ltx import load_ltx_vae, random_ltx_vae
             from charstream.model.families.flashhead.vae_wan import load_wan_vae, random_wan_vae
 
+            cuda = str(device).startswith("cuda")
             if cuda:
                 torch.backends.cudnn.benchmark = True  # cuDNN's fastest conv per VAE shape, chosen once
             dtype = torch.bfloat16 if cuda else torch.float32
             dit = load_dit(weights, self.variant, device, dtype, seed, self.audio_encoder, self._config)
-            if fp8:
-                dit = fp8_gemms(dit)
             if self.variant == "lite":
                 return dit, (random_ltx_vae(seed, device, dtype) if weights == "random"
                              else load_ltx_vae(Path(weights) / LTX_VAE_DIR, device, dtype))
             return dit, (random_wan_vae(seed, device, dtype) if weights == "random"
                          else load_wan_vae(Path(weights) / WAV_VAE, device, dtype))
 
-        return self._shared("generator-fp8" if fp8 else "generator", weights, device, seed, load)
+        return self._shared("generator", weights, device, seed, load)
 
     def _shared(self, part: str, weights: str | None, device: str, seed: int, load: Callable[[str | Path], Any]) -> Any:
         """``load(weights)`` once per process for this config, weights and device (and seed, for random ones)."""
