@@ -75,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-host", default="127.0.0.1", help="the metrics listener's address")
     parser.add_argument("--agent-pace", choices=AGENT_PACES, default="realtime",
                         help="how the scripted agent streams its reply: realtime (20 ms per 20 ms, default) or "
-                             "synthesized (as TTS services push it: up to ingest's max_ahead_s ahead of real time)")
+                             "synthesized (as TTS services push it: up to ingest's horizon ahead of real time -- max_ahead_s, or a chunk where longer)")
     parser.add_argument("--hear", action=argparse.BooleanOptionalAction, default=True,
                         help="run the scripted user's speech through the agent's recogniser (default); "
                              "--no-hear: the agent hears the script's line, and no recogniser is loaded")

@@ -51,9 +51,14 @@ def test_chunks_continue_through_recoded_motion_latents(parts):
     assert torch.equal(latents[:, :, :1], first_motion)
     frames = stream.decode(latents)
     assert frames.shape == (28, 32, 32, 3) and frames.dtype == np.uint8
-    # the next motion: the chunk's last 5 frames, colour-matched to the portrait, re-encoded
+    # what is shown: the 28 new frames colour-matched to the portrait, as the released pipeline shows them
     decoded = vae.decode_chunk(latents)
-    expected = vae.encode_motion(match_colours(decoded[:, :, -5:].float(), colour_reference(portrait_tensor(portrait(), 32, 32))))
+    matched = match_colours(decoded[:, :, 5:].float(), colour_reference(portrait_tensor(portrait(), 32, 32)))
+    shown = torch.from_numpy(frames).permute(3, 0, 1, 2).float() / 127.5 - 1
+    assert (shown - matched[0]).abs().max() <= 1 / 127.5 + 1e-5
+    assert (shown - decoded[0, :, 5:]).abs().max() > 0.05  # not the raw decode
+    # the next motion: the chunk's last 5 frames, colour-matched to the portrait, re-encoded
+    expected = vae.encode_motion(matched[:, :, -5:])
     torch.testing.assert_close(stream.motion, expected, rtol=1e-4, atol=1e-4)
     assert stream.motion.abs().mean() > 1e-3 and not torch.allclose(stream.motion, first_motion, atol=1e-3)
 

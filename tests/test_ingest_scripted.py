@@ -159,3 +159,26 @@ def test_synthesized_pace_pushes_the_reply_ahead_as_far_as_ingest_takes_it():
     assert max(ahead) <= config.max_ahead_s + 0.01 and np.median(ahead) >= config.max_ahead_s - 0.08, ahead
     with pytest.raises(ValueError, match="agent_pace"):
         ScriptedAgent(IngestConfig(agent_pace="fast"))
+
+
+def test_synthesized_pace_fills_a_whole_chunk_where_chunks_are_longer():
+    """Where a chunk is longer than max_ahead_s (25 fps, 28 frames: 1.12 s), ingest's horizon is a chunk, and
+    the scripted agent it builds pushes that far: the first speaking chunk's audio all comes at once, so
+    conditioning can build it without waiting for the clock."""
+    from charstream.timeline import Timeline
+
+    timeline = Timeline(fps=25, frames_per_chunk=28)
+    config = IngestConfig(adapter="scripted", think_delay_s=0.1, lead_in_s=0.2, agent_pace="synthesized",
+                          scripted_recognizer=False, script=[{"user": "Hello there.",
+                                                              "agent": "Hi! Nice to meet you, it is a lovely day."}])
+    stage = IngestStage(config, timeline=timeline)
+    rec = _run(stage, 20)
+    [turn_id] = {a.trace.turn_id for a in rec.audio()}
+    audio = rec.audio(turn_id)
+    ids = {id(a) for a in audio}
+    sent_at = [t for t, m in rec.data if id(m) in ids]
+    first = audio[0].start_sample
+    within = sum(len(a.samples) for t, a in zip(sent_at, audio, strict=True) if t - sent_at[0] <= 0.05)
+    assert within >= timeline.samples_per_chunk - 1920, (within, first)  # a chunk at once, bar the last frame
+    ahead = [a.start_sample / TIMELINE_RATE - (t - stage.media_t0) for t, a in zip(sent_at, audio, strict=True)]
+    assert max(ahead) <= timeline.chunk_seconds + 0.01, ahead  # and no further

@@ -7,7 +7,7 @@ microphone (48 kHz, speech or silence: ingest's VAD listens to it) and, while re
 the reply at espeak's own 22,050 Hz (ingest resamples it, as for any agent): its next 20 ms
 (``agent_pace = "realtime"``), or, as a TTS service pushes audio, all that ingest takes -- up to its
 ``max_ahead_s`` ahead of real time (``"synthesized"``: espeak makes the whole line at once, so the
-first frame holds 0.25 s, each later one 20 ms).
+first frame holds 0.25 s -- ingest's horizon: one chunk where chunks are longer -- each later one 20 ms).
 
 A turn: the user speaks → ingest's VAD detects the end of speech and ``notify``s the agent →
 the agent "thinks" for ``think_delay_s`` (standing for an LLM) → it streams the reply. The user's

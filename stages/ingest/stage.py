@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -106,6 +106,10 @@ class IngestStage(Stage):
                  tracer: TurnTracer | None = None, timeline: Timeline = CHARACTERS) -> None:
         self.config = config
         self.timeline = timeline  # the session's: a barge-in drops from its next chunk boundary
+        # how far ahead of the media clock agent audio goes out: max_ahead_s, or a chunk where chunks are
+        # longer -- a faster-than-real-time agent then fills a whole chunk (FlashHead's is 1.12 s) without
+        # waiting for the clock, and conditioning can build it as soon as it is said
+        self.ahead_s = max(config.max_ahead_s, timeline.chunk_seconds)
         self.adapter = adapter
         self.user_audio = user_audio  # egress's microphone queue; None: this session has no microphone
         self.tracer = tracer  # the session's: what the agent heard and answered goes with each turn
@@ -134,7 +138,8 @@ class IngestStage(Stage):
         if self.media_t0 is None:
             self.media_t0 = time.time()
         if self.adapter is None:
-            self.adapter = create_adapter(self.config, ctx.session_id)
+            # an agent that paces itself by ingest's horizon (the scripted one, "synthesized") gets this one's
+            self.adapter = create_adapter(replace(self.config, max_ahead_s=self.ahead_s), ctx.session_id)
         self._vad = await anyio.to_thread.run_sync(
             lambda: UserAudioVAD(self.config.vad_threshold, self.config.vad_silence_ms, self.config.vad_start_ms)
         )
@@ -379,11 +384,8 @@ class IngestStage(Stage):
         ctx = self._ctx
         if turn.next_sample is None:
             turn.next_sample = max(self.media_now(), self._speech_until)
-        # pace: wait while this audio would start more than max_ahead_s ahead of the media clock -- or a
-        # chunk, where chunks are longer: a faster-than-real-time agent then fills a whole chunk (FlashHead's
-        # is 1.12 s) without waiting for the clock, and conditioning can build it as soon as it is said
-        limit = max(self.config.max_ahead_s, self.timeline.chunk_seconds)
-        ahead = (turn.next_sample - self.media_now()) / TIMELINE_RATE - limit
+        # pace: wait while this audio would start more than ahead_s ahead of the media clock
+        ahead = (turn.next_sample - self.media_now()) / TIMELINE_RATE - self.ahead_s
         if ahead > 0:
             self._wake = anyio.Event()
             with anyio.move_on_after(ahead):

@@ -64,6 +64,7 @@ class ChunkMotionStream:
         self.generator = torch.Generator(device).manual_seed(seed)
         self.dit = torch.compile(dit, dynamic=False) if compiled else dit
         self._decode = torch.compile(vae.decode_chunk, dynamic=False) if compiled else vae.decode_chunk
+        self._match = torch.compile(match_colours, dynamic=False) if compiled else match_colours
         if cfg.variant == "lite":  # Lite feeds back a sample of the LTX posterior, drawn from the session's noise
             self._encode = partial(vae.encode_motion, generator=self.generator)
         else:
@@ -98,21 +99,21 @@ class ChunkMotionStream:
 
     @torch.no_grad()
     def decode(self, latents: Tensor, chunk: int | None = None) -> np.ndarray:
-        """The chunk's new frames, uint8 (new_frames_per_chunk, H, W, 3); its last frames become the next
-        chunk's motion latents."""
+        """The chunk's new frames colour-matched to the portrait, uint8 (new_frames_per_chunk, H, W, 3); its
+        last frames become the next chunk's motion latents."""
         cfg = self.cfg
         weight = next(self.vae.parameters())
         frames = self._decode(torch.as_tensor(latents).to(weight.device, weight.dtype))  # (1, 3, F, H, W)
-        tail = match_colours(frames[:, :, -cfg.motion_frames:].float(), self.colours)
-        self.motion = self._encode(tail).to(self.dtype)
+        # what is shown is colour-matched, as the released pipeline shows it; its last frames feed the next chunk
+        new = self._match(frames[:, :, cfg.motion_frames:].float(), self.colours)
+        self.motion = self._encode(new[:, :, -cfg.motion_frames:]).to(self.dtype)
         if chunk is not None:
             self._motion_after[chunk] = self.motion
             while len(self._motion_after) > KEEP_MOTION:
                 self._motion_after.popitem(last=False)
         self.chunks += 1
         self._decoded.set()
-        new = frames[0, :, cfg.motion_frames:].float()  # (3, new, H, W)
-        return ((new.permute(1, 2, 3, 0) + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).cpu().numpy()
+        return ((new[0].permute(1, 2, 3, 0) + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).cpu().numpy()
 
     def close(self) -> None:
         """The session ends: a ``denoise`` waiting for a decode that will not come returns (raising)."""
