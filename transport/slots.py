@@ -11,10 +11,9 @@ consumer *takes* a message, and the consumer may keep its arrays for as long as 
 into memory the consumer owns and may write, is the least that lets the sender reuse the slot).
 That memory comes from a bounded pool of receive buffers (``ReceiveBuffers``): a buffer whose arrays
 every consumer has dropped is copied into again, its pages already faulted in, whatever the allocator
-did with freed memory meanwhile (a fresh 9.2 MB array after ``malloc_trim`` faults in 2,250 pages).
-Zero-copy views of the
-mapping are not offered: the sender writes that memory, so the consumer could not own what it reads,
-and a held view would hold the slot past its credit.
+did with freed memory meanwhile (a fresh 9.2 MB array after ``malloc_trim``, or with glibc's thresholds
+fixed, faults in 2,250 pages). Zero-copy views of the mapping are not offered: the sender writes that
+memory, so the consumer could not own what it reads, and a held view would hold the slot past its credit.
 
 Why seals: a mapping of a file that its owner truncates gives SIGBUS on the next read past the new
 end, which kills the receiver. With SHRINK sealed, the kernel refuses ``ftruncate`` (EPERM) to the

@@ -61,9 +61,9 @@ MAX_UTTERANCE_S = 24.0  # with PAD_S, within Whisper's 30 s positional table: la
 PAD_S = 6.0
 # The encoder's input is padded further, to whole seconds: oneDNN (inside CTranslate2) builds a convolution
 # primitive for every input length it meets and keeps it in a cache of 1,024 by default, ~1 MB each. Exact
-# lengths made a serving process grow ~1 MB per new utterance length for as long as it ran (a 30-minute
-# scripted session: ~55 MB over 20 minutes, until its few lines' lengths had all been seen); whole seconds
-# are at most 24 lengths.
+# lengths made a serving process grow ~1 MB per new utterance length (a 30-minute scripted session's heap in
+# use: +28 MB from minute 3 to 20, until its few lines' lengths had all been seen; flat with whole seconds,
+# which are at most 24 lengths: docs/PERF.md).
 ENCODER_STEP_S = 1.0
 # Beam search, not greedy, when the background is loud (above the VAD's -40 dBFS speech level), in every
 # decode of the utterance (the partials' agreed tokens start the final's): on a development set of 16
