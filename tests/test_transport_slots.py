@@ -20,7 +20,7 @@ from charstream.transport.channel import CREDIT, DATA, HELLO, SLOT, PeerDeadErro
 from charstream.transport.codec import encode
 from charstream.transport.config import TransportConfig
 from charstream.transport.messages import Conditioning
-from charstream.transport.slots import SEALS, SlotBlock, mapped_blocks
+from charstream.transport.slots import SEALS, ReceiveBuffers, SlotBlock, mapped_blocks
 
 MB = 1 << 20
 
@@ -65,6 +65,69 @@ def test_large_arrays_cross_in_slots_and_outlive_slot_reuse(tmp_path):
     anyio.run(main)
 
 
+def address(array: np.ndarray) -> int:
+    return array.__array_interface__["data"][0]
+
+
+def test_receive_buffers_are_reused_only_once_nothing_refers_to_them():
+    pool = ReceiveBuffers(2)
+    a = pool.take(4096)
+    view = np.frombuffer(memoryview(a[64:128]), np.float32).reshape(4, 4)  # as the codec builds arrays
+    b = pool.take(4096)
+    assert address(b) != address(a)  # a is held through a view of a view
+    del a, b
+    c = pool.take(4096)  # b was referred to by nothing but the pool
+    assert pool.reused == 1 and pool.fresh == 2
+    held = [c, pool.take(4096)]  # every pooled buffer held: a fresh one, the pool does not grow
+    assert pool.fresh == 3 and len(pool) == 2
+    view[:] = 7  # the consumer's memory stays its own: nothing handed out shares it
+    assert not any(np.shares_memory(view, h) for h in held[1:])
+    del held, c, view
+    assert pool.take(8192).nbytes == 8192 and pool.fresh == 4 and len(pool) == 2  # a free one gave its place
+    assert pool.take(8192).nbytes == 8192 and pool.reused == 2 and pool.fresh == 4
+
+
+def test_a_received_buffer_is_reused_after_the_consumer_drops_it_and_never_while_held(tmp_path):
+    """The receiver copies each slot into a pooled buffer: reused once the consumer let go (no fresh
+    pages to fault in), never while any array of the message is held, and the pool stays bounded."""
+    capacity, floats = 2, MB // 4
+
+    async def main():
+        transport = Transport(TransportConfig())
+        async with Receiver(transport, f"ipc://{tmp_path}/e.sock", "a->b", capacity) as rx:
+            async with Sender(transport, rx.endpoint, "a->b", "a", capacity=capacity) as tx:
+                seen = set()
+                with anyio.fail_after(20):
+                    for i in range(6):  # taken and dropped: the pool's buffers come round again
+                        await tx.send(cond(i, floats))
+                        msg = await rx.recv()
+                        assert msg.chunk == i and (msg.audio_tokens == i).all()
+                        assert msg.audio_tokens.flags.writeable and msg.audio_tokens.flags.aligned
+                        seen.add(address(msg.audio_tokens))
+                        del msg
+                    pool = rx._blocks[b"a"].buffers
+                    assert pool.reused >= 4 and len(seen) <= 2
+                    held = []
+                    for i in range(6, 6 + 3 * (capacity + 2)):  # held: each must stay intact
+                        await tx.send(cond(i, floats))
+                        msg = await rx.recv()
+                        held.append(torch_like(msg.audio_tokens) if i % 2 else msg.audio_tokens[1:])
+                        del msg
+                    assert len(pool) == capacity + 2
+            await anyio.sleep(0)
+        transport.close()
+        for i, kept in enumerate(held, 6):
+            assert (kept == i).all()  # none overwritten while held, through a view or a derived array
+        assert len({address(k) for k in held}) == len(held)
+
+    anyio.run(main)
+
+
+def torch_like(array: np.ndarray) -> np.ndarray:
+    """What a consumer that wraps an array without copying keeps: a reshaped view of a view."""
+    return array.reshape(-1, 1)[:, 0]
+
+
 def test_in_flight_never_exceeds_the_slots(tmp_path):
     count, capacity = 30, 3
     config = TransportConfig(slot_min_bytes=1024)
@@ -105,6 +168,7 @@ def test_bad_slot_references_are_counted_and_the_channel_keeps_working(tmp_path)
             ("slot index out of range", [struct.pack("<I", 2) + good[4:], header], "outside 2 slots"),
             ("length over the slot", [slot + struct.pack("<Q", 4097), header], "outside 2 slots"),
             ("truncated reference", [slot + total[:3], header], "slot reference of 7 bytes"),
+            ("more arrays than a message has", [slot + struct.pack("<Q", 1) * 65, header], "slot reference of 524 bytes"),
             ("length that disagrees with the header", [slot + total + total, header], "frame has"),
             ("missing header", [good], "expected 2"),
         ]

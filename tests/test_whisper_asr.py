@@ -14,8 +14,14 @@ from charstream.pipeline.bench.wer import normalise
 from charstream.stages.agents import whisper as whisper_asr
 from charstream.stages.agents.asr import make_recognizer
 from charstream.stages.agents.listening import ListeningAgent
+from charstream.stages.agents.log_mel import HOP, SAMPLE_RATE
 from charstream.stages.agents.tts import synthesize
-from charstream.stages.agents.whisper import ModelFileError, WhisperRecognizer, verify_model_files
+from charstream.stages.agents.whisper import (
+    ModelFileError,
+    WhisperRecognizer,
+    encoder_input,
+    verify_model_files,
+)
 from charstream.stages.config import IngestConfig
 from charstream.stages.ingest.resample import resample, to_int16
 
@@ -57,6 +63,20 @@ def test_recogniser_hears_a_held_out_sentence_while_it_is_spoken():
     assert abs(transcript.audio_s - len(audio) / 48_000) < 0.01
     with pytest.raises(RuntimeError, match="outside an utterance"):
         recogniser.feed(audio[:960])
+
+
+def test_the_encoder_sees_few_input_lengths_however_long_the_speech():
+    """Every input length costs the process a cached convolution primitive: utterances of any length
+    reach the encoder in whole seconds, each with at least PAD_S of silence after the speech."""
+    lengths = set()
+    for samples in range(int(0.3 * SAMPLE_RATE), int(whisper_asr.MAX_UTTERANCE_S * SAMPLE_RATE) + 1, 2_917):
+        features = encoder_input(np.full(samples, 0.1, np.float32))
+        frames = features.shape[2]
+        assert features.shape[:2] == (1, 80) and frames % 2 == 0
+        assert frames * HOP >= samples + whisper_asr.PAD_S * SAMPLE_RATE
+        assert frames * HOP <= 30 * SAMPLE_RATE  # within Whisper's positional table
+        lengths.add(frames)
+    assert len(lengths) <= whisper_asr.MAX_UTTERANCE_S + 1  # 130 utterance lengths, whole seconds
 
 
 def test_nothing_is_decoded_in_the_pause_after_the_guess():

@@ -316,8 +316,9 @@ class Receiver(_Endpoint):
             self.wakeup.notify()
         elif kind == HELLO:
             try:
+                # Receive buffers: up to capacity queued, the one the consumer works on, the one arriving.
                 block = SlotView(frames[2].bytes, self.transport.config.max_message_bytes,
-                                 _sender_pid(frames[2])) if len(frames) > 2 else None
+                                 _sender_pid(frames[2]), self.capacity + 2) if len(frames) > 2 else None
             except SlotError as e:
                 self._count_bad(ChannelError(f"hello refused: {e}", self.name, name))
                 return

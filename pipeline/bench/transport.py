@@ -13,7 +13,9 @@ Per transport (inproc: both ends in this process; ipc/tcp: the consumer in a spa
   one-way time from just before ``send`` (encode included) to ``recv`` returning (decode included),
   on the shared monotonic clock; p50/p99 over the messages after a warm-up. On ipc the arrays of a
   message from 64 kB to a slot cross in a shared-memory slot (``slotted`` counts them): copied
-  into the slot, and out of the receiver's mapping into memory the consumer owns.
+  into the slot, and out of the receiver's mapping into memory the consumer owns (a pooled receive
+  buffer the consumer has let go of). ``receiver_faults_per_message``: the consuming process's page
+  faults per message after the warm-up (fresh memory faults in once per page).
 * **throughput** — capacity ``--capacity``, the producer sends as fast as credits allow;
   msgs/s = messages / (last arrival - first send).
 * **backpressure** — the consumer takes a 9.2 MB chunk every 10 ms, the producer tries every 1 ms
@@ -31,6 +33,7 @@ import argparse
 import concurrent.futures
 import multiprocessing
 import platform
+import resource
 import struct
 import tempfile
 import time
@@ -80,15 +83,16 @@ MESSAGES = {"conditioning": conditioning, "video_chunk": video_chunk}
 
 async def _consume(transport: Transport, endpoint: str, capacity: int, count: int, delay_s: float) -> dict:
     """Take ``count`` messages; return one-way latencies and take times (monotonic seconds)."""
-    latencies, taken = [], []
+    latencies, taken, faults = [], [], []
     async with Receiver(transport, endpoint, "producer->consumer", capacity) as rx:
         for _ in range(count):
             msg = await rx.recv()
             latencies.append(time.monotonic() - msg.trace.stamps[STAMP])
             taken.append(rx.last_taken_at)
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
             if delay_s:
                 await anyio.sleep(delay_s)
-    return {"latencies": latencies, "taken": taken, "slotted": rx.stats.slotted}
+    return {"latencies": latencies, "taken": taken, "slotted": rx.stats.slotted, "faults": faults}
 
 
 def consume_in_process(endpoint: str, config: TransportConfig, capacity: int, count: int, delay_s: float) -> dict:
@@ -220,6 +224,7 @@ async def bench_transport(kind: str, counts: dict[str, int], capacity: int, back
             count = counts[name]
             _, consumer, _ = await _phase(kind, pool, transport, make, count + WARMUP, 1)
             latencies = np.array(consumer["latencies"][WARMUP:]) * 1e3
+            faults = consumer["faults"]
             producer, consumer, _ = await _phase(kind, pool, transport, make, count, capacity)
             elapsed = consumer["taken"][-1] - producer["sent"][0]
             size = sum(memoryview(f).nbytes for f in encode(make(0)))
@@ -231,6 +236,7 @@ async def bench_transport(kind: str, counts: dict[str, int], capacity: int, back
                 "msgs_per_s": round(count / elapsed, 1),
                 "mb_per_s": round(count * size / elapsed / 1e6, 1),
                 "slotted": consumer["slotted"],
+                "receiver_faults_per_message": round((faults[-1] - faults[WARMUP - 1]) / count, 1),
                 "raw_zmq": raw_zmq_latency(kind, size, count),
             }
             if pool is not None:
@@ -267,13 +273,14 @@ def _versions() -> dict[str, str]:
 
 def table(report: dict) -> str:
     lines = [f"{'transport':<9} {'message':<13} {'MB':>6} {'p50 ms':>8} {'p99 ms':>8} {'msgs/s':>9} {'MB/s':>8} "
-             f"{'slotted':>7}  raw zmq p50/p99 ms (in-thread; cross-process: channel p50 / its p50)"]
+             f"{'slotted':>7} {'faults':>6}  raw zmq p50/p99 ms (in-thread; cross-process: channel p50 / its p50)"]
     for kind, res in report["transports"].items():
         for name in MESSAGES:
             r = res[name]
             xproc = r.get("raw_zmq_xproc")
             lines.append(f"{kind:<9} {name:<13} {r['bytes'] / 1e6:>6.2f} {r['p50_ms']:>8.3f} {r['p99_ms']:>8.3f} "
-                         f"{r['msgs_per_s']:>9.1f} {r['mb_per_s']:>8.1f} {r['slotted']:>7}  "
+                         f"{r['msgs_per_s']:>9.1f} {r['mb_per_s']:>8.1f} {r['slotted']:>7} "
+                         f"{r['receiver_faults_per_message']:>6}  "
                          f"{r['raw_zmq']['p50_ms']:.3f}/{r['raw_zmq']['p99_ms']:.3f}"
                          + (f"; {xproc['p50_ms']:.3f}/{xproc['p99_ms']:.3f}: {r['p50_vs_raw_zmq_xproc']:.2f}x"
                             if xproc else ""))

@@ -59,6 +59,12 @@ MAX_UTTERANCE_S = 24.0  # with PAD_S, within Whisper's 30 s positional table: la
 # repeats the transcript until its length limit (91.8% WER on 36 held-out utterances); with 5-6 s it is as
 # accurate as the full 30 s window (14.6% / 14.0%) at a third of the encoder's time (pipeline/bench/asr.py).
 PAD_S = 6.0
+# The encoder's input is padded further, to whole seconds: oneDNN (inside CTranslate2) builds a convolution
+# primitive for every input length it meets and keeps it in a cache of 1,024 by default, ~1 MB each. Exact
+# lengths made a serving process grow ~1 MB per new utterance length (a 30-minute scripted session's heap in
+# use: +28 MB from minute 3 to 20, until its few lines' lengths had all been seen; flat with whole seconds,
+# which are at most 24 lengths: docs/PERF.md).
+ENCODER_STEP_S = 1.0
 # Beam search, not greedy, when the background is loud (above the VAD's -40 dBFS speech level), in every
 # decode of the utterance (the partials' agreed tokens start the final's): on a development set of 16
 # sentences x 3 voices through Opus, 10 dB SNR 32.0% -> 24.9% WER (clean 15.4% -> 11.0%); a beam in the
@@ -166,6 +172,17 @@ class _Utterance:
         if len(self.chunks) > 1:
             self.chunks = [np.concatenate(self.chunks)]
         return self.chunks[0] if self.chunks else np.zeros(0, np.float32)
+
+
+def encoder_input(audio: np.ndarray) -> np.ndarray:
+    """(1, N_MELS, frames) features of ``audio`` (16 kHz float32, at most ``MAX_UTTERANCE_S``) followed
+    by at least ``PAD_S`` of silence, in whole ``ENCODER_STEP_S`` (an even number of frames: the
+    encoder halves it)."""
+    step = int(ENCODER_STEP_S * SAMPLE_RATE)
+    padded = np.zeros(-(-(len(audio) + int(PAD_S * SAMPLE_RATE)) // step) * step, np.float32)
+    padded[:len(audio)] = audio
+    features = log_mel(padded)
+    return np.ascontiguousarray(features[None, :, :features.shape[1] // 2 * 2])
 
 
 def beam_size(audio: np.ndarray) -> int:
@@ -332,9 +349,7 @@ class WhisperRecognizer:
 
         self.decodes += 1
         audio = audio[:int(MAX_UTTERANCE_S * SAMPLE_RATE)]
-        features = log_mel(np.concatenate([audio, np.zeros(int(PAD_S * SAMPLE_RATE), np.float32)]))
-        features = np.ascontiguousarray(features[None, :, :features.shape[1] // 2 * 2])  # the encoder halves it
-        result = self._model.generate(ctranslate2.StorageView.from_array(features), [self._prompt + prefix],
+        result = self._model.generate(ctranslate2.StorageView.from_array(encoder_input(audio)), [self._prompt + prefix],
                                       beam_size=beam_size(audio),
                                       max_length=int(TOKENS_PER_S * len(audio) / SAMPLE_RATE) + 10)[0]
         return [t for t in result.sequences_ids[0] if t < self._vocabulary.first_special]  # prefix included
