@@ -3,7 +3,8 @@ configuration (the DiT at full size; the compiled stream at 2 blocks and 256 x 2
 
 Tolerances are the parity target's (<= 2% relative per pass against the model's own bf16 code) applied to what
 a GPU changes: a bf16 pass against our fp32 one (measured 1.8%), the bf16 VAE decode against fp32 (1.3-1.6%
-on the lab's latents, 2.8% on these), and the compiled stream against the eager one on the same noise."""
+on the lab's latents, 2.8% on these), and the compiled stream against the eager one on the same noise
+(in fp32 to rounding; in bf16 no further from fp32 than the eager bf16 stream)."""
 
 from __future__ import annotations
 
@@ -53,23 +54,40 @@ def test_bf16_vae_decode_within_tolerance_of_fp32():
 
 def test_compiled_stream_matches_eager():
     """The served stream (compiled DiT, VAE and colour match) against the same stream eager: same weights,
-    same portrait, same noise, 2 chunks (the second from the first's re-encoded motion latents)."""
+    same portrait, same noise, 2 chunks (the second from the first's re-encoded motion latents).
+
+    In fp32 (TF32 off) compiled = eager to rounding. In bf16 they cannot be: inductor keeps a fused
+    kernel's intermediates in fp32 where eager rounds each op to bf16, so compiled bf16 is another bf16
+    rounding of the fp32 stream; it must be no further from fp32 than eager bf16 is."""
     cfg = TEST.with_(height=256, width=256)
     state = random_checkpoint(cfg, 4, "cuda")
-    dit = build(cfg, state, "cuda", torch.bfloat16)[0]
-    vae = random_wan_vae(5, "cuda", torch.bfloat16)
     y, x = np.mgrid[0:256, 0:256]
     face = ((x - 128) ** 2 + (y - 135) ** 2 < 75**2)[..., None]
     portrait = portrait_tensor(np.where(face, [210, 160, 130], [40, 60, 90]).astype(np.uint8), 256, 256)
     tokens = np.random.default_rng(0).normal(size=(cfg.latents_per_chunk, cfg.audio_tokens, cfg.dim)).astype(np.float32)
-    outputs = {}
-    for compiled in (False, True):
-        stream = ChunkMotionStream(dit, vae, portrait, seed=9, compiled=compiled)
-        chunks = []
-        for chunk in range(2):
-            latents = stream.denoise(tokens, chunk)
-            chunks.append((latents.float(), stream.decode(latents, chunk).astype(np.float32)))
-        outputs[compiled] = chunks
-    for chunk, ((eager_latents, eager_frames), (latents, frames)) in enumerate(zip(outputs[False], outputs[True], strict=True)):
-        apart, levels = relative(latents, eager_latents), float(np.abs(frames - eager_frames).mean())
-        assert apart <= 0.02 and levels <= 2.0, f"chunk {chunk}: latents {apart:.2%} apart, frames {levels:.2f} levels"
+    runs = {}
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    with torch.backends.cudnn.flags(enabled=True, benchmark=False, allow_tf32=False):
+        torch.backends.cuda.matmul.allow_tf32 = False
+        try:
+            for dtype in (torch.float32, torch.bfloat16):
+                dit, vae = build(cfg, state, "cuda", dtype)[0], random_wan_vae(5, "cuda", dtype)
+                for compiled in (False, True):
+                    stream = ChunkMotionStream(dit, vae, portrait, seed=9, compiled=compiled)
+                    runs[dtype, compiled] = [(latents.float(), stream.decode(latents, chunk).astype(np.float32))
+                                             for chunk in range(2) for latents in [stream.denoise(tokens, chunk)]]
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+
+    def apart(run: tuple, chunk: int) -> tuple[float, float]:
+        (latents, frames), (latents32, frames32) = runs[run][chunk], runs[torch.float32, False][chunk]
+        return relative(latents, latents32), float(np.abs(frames - frames32).mean())
+
+    for chunk in range(2):
+        exact, eager16, compiled16 = (apart(run, chunk) for run in
+                                      [(torch.float32, True), (torch.bfloat16, False), (torch.bfloat16, True)])
+        print(f"chunk {chunk} from eager fp32 (latents, frame levels): compiled fp32 {exact[0]:.2e} {exact[1]:.3f}, "
+              f"eager bf16 {eager16[0]:.2%} {eager16[1]:.2f}, compiled bf16 {compiled16[0]:.2%} {compiled16[1]:.2f}")
+        assert exact[0] <= 1e-3 and exact[1] <= 0.1, f"chunk {chunk}: compiled fp32 {exact} from eager"
+        assert compiled16[0] <= 1.25 * eager16[0] + 0.005 and compiled16[1] <= 1.25 * eager16[1] + 0.5, \
+            f"chunk {chunk}: compiled bf16 {compiled16} from fp32, eager bf16 {eager16}"

@@ -3,11 +3,12 @@
 One chunk is what the stages do for it, in order: the conditioning stage's encode of the 8 s audio window
 (wav2vec2 + adapter, tokens to the host), the diffusion stage's ``denoise`` (4 DiT passes) and the decode
 stage's ``decode`` (the VAE decode of 33 frames, the colour match and re-encode of the last 5 into the next
-chunk's motion latents, the 28 new frames to the host as uint8). Each part is timed with the device
-synchronised around it, over ``--chunks`` chunks after ``--warmup`` (the first calls compile).
+chunk's motion latents, the 28 new frames to the host as uint8). Each part is timed as the stage sees it:
+it returns once its session's CUDA stream is done (tokens and frames on the host, latents complete), over
+``--chunks`` chunks after ``--warmup`` (the first calls compile).
 
 Then sessions side by side: K chunk streams sharing the process's model, each on a thread of its own as
-the stages run them, chunk after chunk for ``--seconds``. A session keeps up when its chunks come at
+the stages run them, chunk after chunk for ``--seconds``; each session waits only for its own stream. A session keeps up when its chunks come at
 least as fast as they play (28 frames at 25 fps: one every 1.12 s); the report gives each K's per-session
 chunk period (median, p90) and the frames a second generated in all. This is the model's side of capacity
 (no WebRTC, no playout): the sessions a GPU can feed.
@@ -20,7 +21,6 @@ import platform
 import statistics
 import threading
 import time
-from collections.abc import Callable
 
 import numpy as np
 
@@ -45,12 +45,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="also write the JSON report here")
 
 
-def _synchronise(device: str) -> Callable[[], None]:
-    import torch
-
-    return torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-
-
 class Session:
     """One session's conditioner and chunk stream, fed a rolling window of speech-like noise."""
 
@@ -70,13 +64,12 @@ class Session:
         self.window = np.concatenate([self.window[self.hop:], new])
         return self.window
 
-    def run_chunk(self, sync: Callable[[], None]) -> dict[str, float]:
+    def run_chunk(self) -> dict[str, float]:
         """One chunk, part by part: seconds for encode, denoise and decode."""
         t0 = time.perf_counter()
         tokens = self.encode(self.next_window())
         t1 = time.perf_counter()
         latents = self.stream.denoise(tokens, self.chunk)
-        sync()
         t2 = time.perf_counter()
         frames = self.stream.decode(latents, self.chunk)
         t3 = time.perf_counter()
@@ -85,17 +78,16 @@ class Session:
         return {"encode": t1 - t0, "denoise": t2 - t1, "decode": t3 - t2, "chunk": t3 - t0}
 
 
-def one_session(session: Session, chunks: int, warmup: int, sync: Callable[[], None]) -> dict:
+def one_session(session: Session, chunks: int, warmup: int) -> dict:
     for _ in range(warmup):
-        session.run_chunk(sync)
-    runs = [session.run_chunk(sync) for _ in range(chunks)]
+        session.run_chunk()
+    runs = [session.run_chunk() for _ in range(chunks)]
     return {part: {"median_ms": 1e3 * statistics.median(r[part] for r in runs),
                    "min_ms": 1e3 * min(r[part] for r in runs),
                    "max_ms": 1e3 * max(r[part] for r in runs)} for part in runs[0]}
 
 
-def side_by_side(sessions: list[Session], seconds: float, chunk_s: float, frames_per_chunk: int,
-                 sync: Callable[[], None]) -> dict:
+def side_by_side(sessions: list[Session], seconds: float, chunk_s: float, frames_per_chunk: int) -> dict:
     """Every session on its own thread, chunk after chunk, for ``seconds``: per-session periods."""
     periods: list[list[float]] = [[] for _ in sessions]
     ended = [0.0] * len(sessions)
@@ -106,7 +98,7 @@ def side_by_side(sessions: list[Session], seconds: float, chunk_s: float, frames
         start.wait()
         last = time.perf_counter()
         while last < stop:
-            sessions[i].run_chunk(sync)
+            sessions[i].run_chunk()
             now = time.perf_counter()
             periods[i].append(now - last)
             last = now
@@ -142,20 +134,19 @@ def measure(args: argparse.Namespace) -> dict:
         cfg = cfg.with_(n_blocks=args.blocks or cfg.n_blocks, height=args.size or cfg.height,
                         width=args.size or cfg.width)
     family = get_family(args.model, config=cfg)
-    sync = _synchronise(args.device)
     chunk_s = family.timeline.chunk_seconds
     began = time.perf_counter()
     first = Session(family, args.weights, args.device, 0, args.compile)
     load_s = time.perf_counter() - began
-    parts = one_session(first, args.chunks, args.warmup, sync)
+    parts = one_session(first, args.chunks, args.warmup)
     counts = [int(k) for k in args.sessions.split(",") if k.strip()]
     streams = [first]
     ladder = []
     for k in counts:
         while len(streams) < k:
             streams.append(Session(family, args.weights, args.device, len(streams), args.compile))
-            streams[-1].run_chunk(sync)  # its first chunk outside the timing
-        ladder.append(side_by_side(streams[:k], args.seconds, chunk_s, cfg.new_frames_per_chunk, sync))
+            streams[-1].run_chunk()  # its first chunk outside the timing
+        ladder.append(side_by_side(streams[:k], args.seconds, chunk_s, cfg.new_frames_per_chunk))
     return {
         "model": args.model, "weights": args.weights, "device": args.device,
         "gpu": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else platform.processor(),

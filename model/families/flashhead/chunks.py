@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
 
 import numpy as np
@@ -61,6 +63,9 @@ class ChunkMotionStream:
         self.vae, self.cfg, self.compiled = vae, cfg, compiled
         device = next(dit.parameters()).device
         self.dtype = next(dit.parameters()).dtype
+        # A CUDA stream of its own: sessions sharing the model on threads wait only for their own work
+        # (a copy to the host synchronises this stream, not the device).
+        self.cuda_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.generator = torch.Generator(device).manual_seed(seed)
         self.dit = torch.compile(dit, dynamic=False) if compiled else dit
         self._decode = torch.compile(vae.decode_chunk, dynamic=False) if compiled else vae.decode_chunk
@@ -69,7 +74,7 @@ class ChunkMotionStream:
             self._encode = partial(vae.encode_motion, generator=self.generator)
         else:
             self._encode = torch.compile(vae.encode_motion, dynamic=False) if compiled else vae.encode_motion
-        with torch.no_grad():
+        with torch.no_grad(), self._on_stream():
             still = portrait.to(device).expand(-1, -1, cfg.frames_per_chunk, -1, -1)
             self.reference = self._encode(still).to(self.dtype)  # (1, C, latents, h, w), once per session
         self.colours: ColourReference = colour_reference(portrait.to(device))
@@ -82,11 +87,22 @@ class ChunkMotionStream:
         self._decoded.set()
         self.closed = False
 
+    @contextmanager
+    def _on_stream(self) -> Iterator[None]:
+        """Work on the session's stream, after what the calling thread's stream has queued (its inputs)."""
+        if self.cuda_stream is None:
+            yield
+            return
+        self.cuda_stream.wait_stream(torch.cuda.current_stream(self.cuda_stream.device))
+        with torch.cuda.stream(self.cuda_stream):
+            yield
+
     @torch.no_grad()
     def denoise(self, audio_tokens: np.ndarray | Tensor, chunk: int | None = None, timeout: float | None = None) -> Tensor:
         """Chunk ``chunk``'s latents (1, C, latents, h, w) from its audio tokens (latents, tokens, d), once the
         last chunk given is decoded; it starts from the motion latents chunk ``chunk - 1`` left (after a
-        rollback, an earlier chunk than the last decoded), else from the last ones."""
+        rollback, an earlier chunk than the last decoded), else from the last ones. The latents are complete
+        when it returns (its stream synchronised), so any thread may read them."""
         if not self._decoded.wait(timeout):
             raise TimeoutError(f"the previous chunk was not decoded within {timeout} s")
         if self.closed:
@@ -94,13 +110,21 @@ class ChunkMotionStream:
         self._decoded.clear()
         if chunk is not None:
             self.motion = self._motion_after.get(chunk - 1, self.motion)
-        audio = torch.as_tensor(audio_tokens)[None].to(self.reference.device, self.dtype)
-        return sample_chunk(self.dit, self.reference, audio, self.motion, self.generator)
+        with self._on_stream():
+            audio = torch.as_tensor(audio_tokens)[None].to(self.reference.device, self.dtype)
+            latents = sample_chunk(self.dit, self.reference, audio, self.motion, self.generator)
+        if self.cuda_stream is not None:
+            self.cuda_stream.synchronize()
+        return latents
 
     @torch.no_grad()
     def decode(self, latents: Tensor, chunk: int | None = None) -> np.ndarray:
         """The chunk's new frames colour-matched to the portrait, uint8 (new_frames_per_chunk, H, W, 3); its
         last frames become the next chunk's motion latents."""
+        with self._on_stream():
+            return self._decode_on_stream(latents, chunk)
+
+    def _decode_on_stream(self, latents: Tensor, chunk: int | None) -> np.ndarray:
         cfg = self.cfg
         weight = next(self.vae.parameters())
         frames = self._decode(torch.as_tensor(latents).to(weight.device, weight.dtype))  # (1, 3, F, H, W)
