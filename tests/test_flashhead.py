@@ -16,6 +16,7 @@ from charstream.model.families import get_family
 from charstream.model.families.base import CheckpointError
 from charstream.model.families.flashhead.audio import RollingSpeech, frame_windows
 from charstream.model.families.flashhead.config import LITE, PRO, TEST
+from charstream.model.families.flashhead.dit import round_to_bf16
 from charstream.model.families.flashhead.loader import load_flashhead, random_checkpoint
 from charstream.model.families.flashhead.sampler import sample_chunk
 from charstream.pipeline.cli import main
@@ -303,3 +304,14 @@ def test_model_info_cli(tmp_path, capsys):
         main(["model", "info", "--model", "flashhead-lite", "--weights", str(tmp_path / "ok")])
     assert main(["model", "info", "--preset", "tiny", "--json"]) == 0  # the presets' report is unchanged
     assert json.loads(capsys.readouterr().out)["preset"] == "tiny"
+
+
+def test_timestep_rounding_is_bf16s_and_survives_compile():
+    """The DiT sees its timestep rounded to bf16 (1000/936/832/624): exactly a cast's rounding, also compiled
+    (where a cast down and back up would be elided on CUDA)."""
+    x = torch.cat([torch.tensor([1000.0, 937.5, 833.3333, 625.0, 0.0]), torch.rand(10_000) * 2000,
+                   torch.randn(10_000) * 1e3])
+    cast = x.to(torch.bfloat16).float()
+    assert torch.equal(round_to_bf16(x), cast)
+    assert round_to_bf16(torch.tensor([937.5, 833.3333, 625.0])).tolist() == [936.0, 832.0, 624.0]
+    assert torch.equal(torch.compile(round_to_bf16)(x), cast)

@@ -45,6 +45,13 @@ def timestep_embedding(timestep: Tensor, dim: int) -> Tensor:
     return torch.cat([torch.cos(angles), torch.sin(angles)], dim=1)
 
 
+def round_to_bf16(x: Tensor) -> Tensor:
+    """``x`` rounded to the nearest bf16 value (ties to even), as fp32. Integer arithmetic, not a cast down
+    and back up: inductor elides such a cast pair inside a fused kernel on CUDA, and the rounding with it."""
+    bits = x.float().contiguous().view(torch.int32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -0x10000).view(torch.float32)
+
+
 def rope_tables(split: tuple[int, int, int], grid: tuple[int, int, int], device: torch.device) -> tuple[Tensor, Tensor]:
     """cos and sin (tokens, head_dim / 2) of the 3-D RoPE over a (frames, rows, columns) token grid,
     frame-major; each axis rotates its own channel pairs with theta 10,000."""
@@ -145,7 +152,7 @@ class FlashHeadDiT(nn.Module):
         The timestep is rounded to bf16 first: the released model ran in bf16 and cast its timestep to the
         activations' dtype, so it saw 1000/936/832/624 for the sampler's 1000/937.5/833.3/625 -- at fp32
         without the rounding the output moves ~13% (most of the bf16-vs-fp32 difference)."""
-        rounded = timestep.to(torch.bfloat16)
+        rounded = round_to_bf16(timestep)
         dtype = self.time_in.weight.dtype
         emb = self.time_out(F.silu(self.time_in(timestep_embedding(rounded, self.cfg.freq_dim).to(dtype))))
         return emb, self.time_modulation(F.silu(emb)).unflatten(1, (6, -1))
