@@ -77,9 +77,9 @@ class ChunkMotionStream:
         with torch.no_grad(), self._on_stream():
             still = portrait.to(device).expand(-1, -1, cfg.frames_per_chunk, -1, -1)
             self.reference = self._encode(still).to(self.dtype)  # (1, C, latents, h, w), once per session
-        self.colours: ColourReference = colour_reference(portrait.to(device))
-        # the first chunk continues the portrait: its first latent, as the released pipeline starts
-        self.motion = self.reference[:, :, :1].clone()
+            self.colours: ColourReference = colour_reference(portrait.to(device))
+            # the first chunk continues the portrait: its first latent, as the released pipeline starts
+            self.motion = self.reference[:, :, :1].clone()
         self.initial_motion = self.motion
         self.chunks = 0
         self._motion_after: OrderedDict[int, Tensor] = OrderedDict()  # chunk -> the motion latents it left
@@ -122,22 +122,19 @@ class ChunkMotionStream:
         """The chunk's new frames colour-matched to the portrait, uint8 (new_frames_per_chunk, H, W, 3); its
         last frames become the next chunk's motion latents."""
         with self._on_stream():
-            return self._decode_on_stream(latents, chunk)
-
-    def _decode_on_stream(self, latents: Tensor, chunk: int | None) -> np.ndarray:
-        cfg = self.cfg
-        weight = next(self.vae.parameters())
-        frames = self._decode(torch.as_tensor(latents).to(weight.device, weight.dtype))  # (1, 3, F, H, W)
-        # what is shown is colour-matched, as the released pipeline shows it; its last frames feed the next chunk
-        new = self._match(frames[:, :, cfg.motion_frames:].float(), self.colours)
-        self.motion = self._encode(new[:, :, -cfg.motion_frames:]).to(self.dtype)
-        if chunk is not None:
-            self._motion_after[chunk] = self.motion
-            while len(self._motion_after) > KEEP_MOTION:
-                self._motion_after.popitem(last=False)
-        self.chunks += 1
-        self._decoded.set()
-        return ((new[0].permute(1, 2, 3, 0) + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).cpu().numpy()
+            cfg = self.cfg
+            weight = next(self.vae.parameters())
+            frames = self._decode(torch.as_tensor(latents).to(weight.device, weight.dtype))  # (1, 3, F, H, W)
+            # what is shown is colour-matched, as the released pipeline shows it; its last frames feed the next chunk
+            new = self._match(frames[:, :, cfg.motion_frames:].float(), self.colours)
+            self.motion = self._encode(new[:, :, -cfg.motion_frames:]).to(self.dtype)
+            if chunk is not None:
+                self._motion_after[chunk] = self.motion
+                while len(self._motion_after) > KEEP_MOTION:
+                    self._motion_after.popitem(last=False)
+            self.chunks += 1
+            self._decoded.set()
+            return ((new[0].permute(1, 2, 3, 0) + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).cpu().numpy()
 
     def close(self) -> None:
         """The session ends: a ``denoise`` waiting for a decode that will not come returns (raising)."""
