@@ -33,9 +33,8 @@
 #                                                   realtime; docs/ARCHITECTURE.md, Turn-start rollback), >= 2 min each
 #               scripts/gpu_run.sh flashhead DIR [PART...]   FlashHead on seeded random weights, by part (default: all):
 #                                                   tests (its GPU tests), pro (`bench chunk` of Pro: one session by
-#                                                   part, then 1-3 sessions side by side), lite (the same for Lite),
-#                                                   live (a `charstream demo` Pro session, faster-than-real-time
-#                                                   agent, 10 turns); needs whl-a and whl-b for live
+#                                                   part, then 1-3 sessions side by side), lite (the same for Lite);
+#                                                   needs whl-a
 #               scripts/gpu_run.sh capacity DIR [BATCH...]   `charstream bench capacity --gpus 1` (~5 min): concurrent
 #                                                   tiny sessions (CAPACITY_SESSIONS, default 32 48; 8 16 32 48
 #                                                   with one ladder), one ladder per batch_sessions value (default
@@ -198,7 +197,7 @@ elif [ "$cmd" = live ]; then
     done
   done
 elif [ "$cmd" = flashhead ]; then
-  [ $# -gt 0 ] || set -- tests pro lite live
+  [ $# -gt 0 ] || set -- tests pro lite
   for part in "$@"; do
     case $part in
       tests) section "flashhead gpu tests" 300 flashhead-tests.log python3 -m pytest -q -s -m gpu -p no:cacheprovider \
@@ -206,16 +205,7 @@ elif [ "$cmd" = flashhead ]; then
       pro|lite) section "bench chunk flashhead-$part" 330 "bench-chunk-$part.log" python3 -m charstream.pipeline.cli \
                   bench chunk --model "flashhead-$part" --sessions "${CHUNK_SESSIONS:-1,2,3}" --seconds 12 --chunks 6 \
                   --warmup 2 --out "$OUT/bench_chunk_$part.json" ;;
-      live)
-        python3 -c 'import av, numpy as n; y, x = n.mgrid[0:512, 0:512]; f = ((x - 256)**2 + (y - 270)**2 < 150**2)[..., None]
-c = av.open("/tmp/portrait.png", "w"); s = c.add_stream("png"); s.width = s.height = 512; s.pix_fmt = "rgb24"
-c.mux(s.encode(av.VideoFrame.from_ndarray(n.where(f, [210, 160, 130], [40, 60, 90]).astype(n.uint8), format="rgb24"))); c.close()'
-        section "live flashhead-pro, synthesized pace" 330 live-flashhead-pro.log python3 -m charstream.pipeline.cli demo \
-          --model flashhead-pro --weights random --portrait /tmp/portrait.png --gpus 1 --no-hear --agent-pace synthesized \
-          --turns 10 --timeout 300 --out /tmp/demo-flashhead
-        cp /tmp/demo-flashhead/report.md "$OUT/report-flashhead-pro.md" 2>/dev/null
-        cp /tmp/demo-flashhead/trace.jsonl "$OUT/trace-flashhead-pro.jsonl" 2>/dev/null ;;
-      *) echo "unknown flashhead part $part (tests pro lite live)"; exit 2 ;;
+      *) echo "unknown flashhead part $part (tests pro lite)"; exit 2 ;;
     esac
   done
 elif [ "$cmd" = capacity ]; then

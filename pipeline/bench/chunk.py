@@ -149,7 +149,7 @@ def measure(args: argparse.Namespace) -> dict:
     for k in counts:
         while len(streams) < k:
             streams.append(Session(family, args.weights, args.device, len(streams), args.compile))
-            streams[-1].run_chunk()  # its first chunk outside the timing
+            streams[-1].run_chunk()  # its first calls through the compiled code, one session at a time
         ladder.append(side_by_side(streams[:k], args.seconds, chunk_s, cfg.new_frames_per_chunk))
     return {
         "model": args.model, "weights": args.weights, "device": args.device,
