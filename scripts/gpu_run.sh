@@ -30,7 +30,9 @@
 #               [GPUS=3+1] [PACES="realtime synthesized"] scripts/gpu_run.sh live DIR [PRESET...]
 #                                                   one `charstream demo --gpus $GPUS` (default 1) session per
 #                                                   preset (default: characters-14b tiny) and agent pace (default:
-#                                                   realtime; docs/ARCHITECTURE.md, Turn-start rollback), >= 2 min each
+#                                                   realtime; docs/ARCHITECTURE.md, Turn-start rollback), >= 2 min each;
+#                                                   flashhead-pro / flashhead-lite: seeded random weights animating
+#                                                   examples/portrait.png, without the recogniser (needs whl-a, whl-b)
 #               scripts/gpu_run.sh flashhead DIR [PART...]   FlashHead on seeded random weights, by part (default: all):
 #                                                   tests (its GPU tests), pro (`bench chunk` of Pro: one session by
 #                                                   part, then 1-3 sessions side by side), lite (the same for Lite);
@@ -184,13 +186,18 @@ elif [ "$cmd" = live ]; then
   [ $# -gt 0 ] || set -- characters-14b tiny
   gpus=${GPUS:-1}  # a layout of pipeline/runtime/layouts.py: 1, 3+1, 4+1, ...
   for preset in "$@"; do
-    weights=random
-    [ "$preset" = tiny ] && weights=packaged
+    model=(--model "$preset" --weights random)
+    [ "$preset" = tiny ] && model=(--model tiny --weights packaged)
+    # a portrait model (FlashHead) animates the example portrait; no recogniser on the host (whl-c)
+    [[ "$preset" = flashhead-* ]] && model+=(--portrait examples/portrait.png --no-hear)
     for pace in ${PACES:-realtime}; do  # how the scripted agent streams its reply (--agent-pace)
       tag=$preset-$pace
-      # 14 turns of the built-in script: a little over 2 minutes of media (11 gave 101 s).
-      section "live $preset --gpus $gpus --agent-pace $pace" 300 "live-$tag.log" python3 -m charstream.pipeline.cli demo \
-        --preset "$preset" --gpus "$gpus" --weights "$weights" --agent-pace "$pace" --turns 14 --timeout 270 --verbose \
+      # 14 turns of the built-in script: a little over 2 minutes of media (11 gave 101 s); FlashHead's
+      # 25 fps chunks: 16 (10 gave 88 s).
+      turns=14
+      [[ "$preset" = flashhead-* ]] && turns=16
+      section "live $preset --gpus $gpus --agent-pace $pace" 330 "live-$tag.log" python3 -m charstream.pipeline.cli demo \
+        "${model[@]}" --gpus "$gpus" --agent-pace "$pace" --turns $turns --timeout 300 --verbose \
         --out "/tmp/demo-$tag"
       cp "/tmp/demo-$tag/report.md" "$OUT/report-$tag.md" 2>/dev/null
       cp "/tmp/demo-$tag/trace.jsonl" "$OUT/trace-$tag.jsonl" 2>/dev/null
