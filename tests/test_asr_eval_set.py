@@ -3,10 +3,14 @@ words, and a small run of the benchmark itself (real espeak speech, real Opus, r
 
 from __future__ import annotations
 
+import argparse
+
 import numpy as np
+import pytest
 
 from charstream.pipeline.bench.asr import (
     DEV_SENTENCES_FILE,
+    add_arguments,
     bench,
     eval_sentences,
     microphone,
@@ -74,3 +78,15 @@ def test_a_small_benchmark_run_reports_every_condition():
     assert clean["wer"] <= 0.25, clean["errors"]
     assert set(results["summary"]) == {f"whisper | all voices | {noise} | {channel}"
                                        for noise in ("clean", "20 dB", "10 dB") for channel in ("raw", "opus")}
+
+
+def test_a_benchmark_run_of_some_conditions_runs_only_those():
+    results = bench(["whisper"], eval_sentences()[:1], ["en-us"], realtime=0, noises=["10 dB"], channels=["opus"])
+    assert list(results["runs"]) == ["whisper | en-us | 10 dB | opus"]
+    assert list(results["summary"]) == ["whisper | all voices | 10 dB | opus"]
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--noise", "clean,10 dB", "--channel", "opus"])
+    assert args.noise == ["clean", "10 dB"] and args.channel == ["opus"]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--noise", "5 dB"])

@@ -2,7 +2,7 @@
 agent's recognisers, on speech the system never saw.
 
     charstream bench asr [--json asr-bench.json] [--recognizers whisper,pocketsphinx-domain]
-                         [--sentences 32] [--realtime 32] [--dev]
+                         [--sentences 32] [--realtime 32] [--dev] [--noise "10 dB"] [--channel opus]
 
 The sentences are ``pipeline/bench/asr_sentences.txt``: written for this benchmark and used for
 nothing else (no language model, grammar or reply rule has them: tests/test_asr_eval_set.py); settings
@@ -25,6 +25,10 @@ built-in agent hears the microphone: silero-vad decides the utterance and the ag
   time (one frame per 20 ms), so decoding in the background competes with the speech as it would
   live: the final transcript's time after the VAD's end, and after the true end of speech (the
   VAD's detection delay in stream time + that), median and p90. These figures depend on the load.
+
+``--noise`` and ``--channel`` run only some conditions. A voice's utterances are synthesised once per
+run, before its conditions, in the same order whichever conditions run, so a filtered run hears the
+same audio as the full one (espeak-ng's output depends on what the process synthesised before).
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ SENTENCES_FILE = Path(__file__).with_name("asr_sentences.txt")
 DEV_SENTENCES_FILE = Path(__file__).with_name("asr_dev_sentences.txt")  # for choosing settings, not reporting
 VOICES = ["en-us", "en+m3", "en+f3"]
 NOISE = {"clean": None, "20 dB": 20.0, "10 dB": 10.0}  # SNR: speech power over white noise power
+CHANNELS = ("raw", "opus")  # the microphone's samples as they are, or after the Opus round trip
 RATE = 48_000
 FRAME = 960  # 20 ms
 OPUS_BITRATE = 32_000
@@ -170,14 +175,23 @@ def machine() -> dict:
             "load_1min": os.getloadavg()[0], "commit": commit}
 
 
-def bench(recognizers: list[str], sentences: list[str], voices: list[str], realtime: int) -> dict:
+def bench(recognizers: list[str], sentences: list[str], voices: list[str], realtime: int,
+          noises: list[str] | None = None, channels: list[str] | None = None) -> dict:
+    """Every recogniser over every voice x noise (of ``noises``, default all) x channel (of
+    ``channels``: "raw", "opus"; default both), plus the real-time feed if ``realtime``."""
     results: dict = {"sentences": len(sentences), "voices": voices, "machine_at_start": machine(), "runs": {}}
     vad = UserAudioVAD(sample_rate=RATE)
     for name in recognizers:
         ears = TurnRecognizer(make_recognizer(name, RATE))
         for voice in voices:
+            for text in sentences:  # one order of synthesis, whichever conditions run
+                spoken(text, voice)
             for noise, snr in NOISE.items():
+                if noises is not None and noise not in noises:
+                    continue
                 for opus in (False, True):
+                    if channels is not None and ("opus" if opus else "raw") not in channels:
+                        continue
                     key = f"{name} | {voice} | {noise} | {'opus' if opus else 'raw'}"
                     results["runs"][key] = {"recognizer": name, "voice": voice, "noise": noise, "opus": opus,
                                             "mode": "settled",
@@ -220,11 +234,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--voices", type=arguments.positive_int, default=len(VOICES), help=f"how many of {VOICES}")
     parser.add_argument("--realtime", type=int, default=0,
                         help="also feed the first N sentences per voice at real time (clean, Opus) for latency")
+    parser.add_argument("--noise", type=arguments.names(NOISE), default=None,
+                        help=f"only these noise conditions, comma-separated, of {', '.join(NOISE)} (default all)")
+    parser.add_argument("--channel", type=arguments.names(CHANNELS), default=None,
+                        help=f"only these channels, comma-separated, of {', '.join(CHANNELS)} (default both)")
 
 
 def run(args: argparse.Namespace) -> int:
     sentences = eval_sentences(DEV_SENTENCES_FILE if args.dev else SENTENCES_FILE)[:args.sentences]
-    results = bench(args.recognizers, sentences, VOICES[:args.voices], args.realtime)
+    results = bench(args.recognizers, sentences, VOICES[:args.voices], args.realtime, args.noise, args.channel)
     m = results["machine_at_start"]
     print(f"{len(sentences)} {'development' if args.dev else 'held-out'} sentences x {len(results['voices'])} voices; {m['cores']} cores, "
           f"load {m['load_1min']:.1f} -> {results['machine_at_end']['load_1min']:.1f}, commit {m['commit']}")
