@@ -182,3 +182,22 @@ def test_synthesized_pace_fills_a_whole_chunk_where_chunks_are_longer():
     assert within >= timeline.samples_per_chunk - 1920, (within, first)  # a chunk at once, bar the last frame
     ahead = [a.start_sample / TIMELINE_RATE - (t - stage.media_t0) for t, a in zip(sent_at, audio, strict=True)]
     assert max(ahead) <= timeline.chunk_seconds + 0.01, ahead  # and no further
+
+
+def test_synthesized_pace_the_user_waits_until_the_reply_is_said():
+    """However far ahead the reply's audio is pushed, the simulated user starts the next line only
+    ``turn_gap_s`` after the reply, said at its own pace, ends: no line without ``barge_in_after_s`` talks
+    over the character (with a chunk-long horizon the push ends 1.12 s before the speech does)."""
+    from charstream.timeline import Timeline
+
+    timeline = Timeline(fps=25, frames_per_chunk=28)
+    config = IngestConfig(adapter="scripted", think_delay_s=0.1, lead_in_s=0.2,
+                          agent_pace="synthesized", scripted_recognizer=False,
+                          script=[{"user": "Hello there.", "agent": "Hi! Nice to meet you, it is a lovely day."},
+                                  {"user": "It is.", "agent": "Yes."}])
+    stage = IngestStage(config, timeline=timeline)
+    _run(stage, 30)
+    agent = stage.adapter
+    said_by = _truth(agent, "agent_turn_start", 0) + agent._lines[0].agent.duration
+    assert stage.stats.interrupts == 0
+    assert _truth(agent, "user_speech_start", 1) >= said_by + config.turn_gap_s - 0.03

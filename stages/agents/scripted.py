@@ -15,7 +15,9 @@ speech also goes through the built-in agent's recogniser (``stages.agents.asr``)
 it over (``hear``) and the VAD cuts it, so each turn's trace says what was really recognised
 (the reply is the script's, whatever was heard). So the end
 of speech is detected, never assumed. A line with ``barge_in_after_s`` starts the user speaking that
-long into the previous reply: the VAD hears it, ingest interrupts, and the agent drops the rest.
+long into the previous reply: the VAD hears it, ingest interrupts, and the agent drops the rest. Any
+other line starts ``turn_gap_s`` after the reply has been said (at its own pace, however far ahead its
+audio was pushed).
 """
 
 from __future__ import annotations
@@ -197,7 +199,10 @@ class ScriptedAgent:
                 sent = until
                 if sent >= len(reply.samples):
                     yield AgentTurnEnd(reply_line)
-                    reply_line, next_user_at = None, now + config.turn_gap_s
+                    # the user waits until the reply has been said, however far ahead its audio was pushed:
+                    # only a line with barge_in_after_s talks over the character
+                    said_by = reply_started + len(reply.samples) / reply.sample_rate
+                    reply_line, next_user_at = None, max(now, said_by) + config.turn_gap_s
             if user_line == len(lines) - 1 and mic_speech is None and user_done_at is None \
                     and think_until is None and reply_line is None:
                 return  # the last line is answered (or was interrupted and nothing follows)
