@@ -108,3 +108,57 @@ def test_lite_streams_24_new_frames_through_its_ltx_posterior_samples():
     again.decode(again.denoise(tokens, 0), 0)
     torch.testing.assert_close(again.motion, stream.motion)  # the posterior's samples follow the seed
 
+
+
+def test_chunk_stages_drop_what_a_rollback_made_stale(parts):
+    """After a rollback, diffusion drops conditioning of the old epoch unmade, and decode drops old-epoch
+    latents undecoded and releases the stream: a turn's first speech chunk waits for no chunk that would
+    never be shown, and starts from the motion latents of the chunk kept before it."""
+    import asyncio
+
+    from ingest_support import Recorder
+
+    from charstream.stages.config import DecodeConfig, DiffusionConfig
+    from charstream.stages.decode.chunks import ChunkDecodeStage
+    from charstream.stages.diffusion.chunks import ChunkDiffusionStage
+    from charstream.transport.messages import Conditioning, Control, ControlKind, Latents, VideoChunk
+
+    dit, vae = parts
+    stream = ChunkMotionStream(dit, vae, portrait_tensor(portrait(), 32, 32), seed=4)
+    shape = (9, SMALL.audio_tokens, SMALL.dim)
+    tokens = np.random.default_rng(1).normal(size=shape).astype(np.float32)
+    audio = np.zeros(28 * 1_920, np.int16)
+    diffusion = ChunkDiffusionStage(DiffusionConfig(threads=1), stream, shape)
+    decode = ChunkDecodeStage(DecodeConfig(threads=1), stream)
+    rec = Recorder()
+    ctx = rec.context()
+
+    def emitted(kind: type) -> list:
+        return [m for _, m in rec.data if isinstance(m, kind)]
+
+    def conditioning(chunk: int, epoch: int) -> Conditioning:
+        return Conditioning("s1", chunk, tokens, audio, False, epoch)
+
+    async def main() -> torch.Tensor:
+        await diffusion.process(conditioning(0, 0), ctx)
+        await decode.process(emitted(Latents)[-1], ctx)  # chunk 0 shown; the motion latents it left kept
+        after_0 = stream.motion
+        await diffusion.process(conditioning(1, 0), ctx)  # in flight when the rollback comes
+        rollback = Control("s1", 1, ControlKind.ROLLBACK, chunk=0, epoch=1)
+        await diffusion.control(rollback, ctx)
+        await decode.control(rollback, ctx)
+        await diffusion.process(conditioning(2, 0), ctx)  # queued before the rollback: dropped unmade
+        await decode.process(emitted(Latents)[-1], ctx)  # chunk 1 of the old epoch: dropped undecoded
+        assert stream._decoded.is_set()  # the next denoise need not wait for it
+        await asyncio.wait_for(diffusion.process(conditioning(1, 1), ctx), 60)  # chunk 1 again
+        await decode.process(emitted(Latents)[-1], ctx)
+        await diffusion.teardown()
+        await decode.teardown()
+        return after_0
+
+    after_0 = asyncio.run(main())
+    assert diffusion.stale == 1 and decode.stale == 1
+    assert [(m.chunk, m.epoch) for m in emitted(Latents)] == [(0, 0), (1, 0), (1, 1)]
+    assert [(m.chunk, m.epoch) for m in emitted(VideoChunk)] == [(0, 0), (1, 1)] and stream.chunks == 2
+    pinned = after_0.shape[2]  # the new chunk 1 continues chunk 0, not the dropped chunk 1
+    assert torch.equal(torch.from_numpy(emitted(Latents)[-1].latents[:, :pinned]), after_0[0].float())

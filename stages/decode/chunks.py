@@ -1,6 +1,7 @@
 """Decode for ``chunk_motion`` families (SoulX-FlashHead): ``Latents`` (one chunk's latents) -> ``VideoChunk``
 (its new frames + the chunk's audio span), by the session's chunk stream, which also re-encodes the chunk's
-last frames as the next chunk's motion latents (``model/families/flashhead/chunks.py``)."""
+last frames as the next chunk's motion latents (``model/families/flashhead/chunks.py``). Latents of an
+epoch a rollback ended are not decoded; the stream is told, so its next chunk starts without them."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 from charstream.stages.base import Stage, StageContext
 from charstream.stages.config import DecodeConfig, cpu_threads
 from charstream.stages.shared.worker import StageWorker
-from charstream.transport.messages import Latents, Message, VideoChunk
+from charstream.transport.messages import Control, ControlKind, Latents, Message, VideoChunk
 
 
 class ChunkDecodeStage(Stage):
@@ -21,8 +22,10 @@ class ChunkDecodeStage(Stage):
     def __init__(self, config: DecodeConfig, stream: Any) -> None:
         self.stream = stream
         self.worker = StageWorker("decode", cpu_threads(config.threads) if config.device == "cpu" else None)
+        self.epoch = 0
         self.decoded = 0
         self.bad = 0
+        self.stale = 0  # latents of an older epoch, not decoded
         self.last_decode_s = 0.0
 
     async def process(self, msg: Message, ctx: StageContext) -> None:
@@ -31,6 +34,12 @@ class ChunkDecodeStage(Stage):
             ctx.log.error("decode_bad_latents", chunk=getattr(msg, "chunk", None),
                           problem=f"expected (C, latents, h, w) latents, got {type(msg).__name__}")
             return
+        if msg.epoch < self.epoch:
+            self.stale += 1
+            self.stream.skip()
+            ctx.log.debug("decode_stale", chunk=msg.chunk, epoch=msg.epoch, current=self.epoch)
+            return
+        self.epoch = msg.epoch
         import torch
 
         started = time.perf_counter()
@@ -39,6 +48,10 @@ class ChunkDecodeStage(Stage):
         self.decoded += 1
         msg.trace.stamp("decode_done")
         await ctx.emit(VideoChunk(msg.session_id, msg.chunk, frames, msg.audio, msg.speaking, msg.epoch, msg.trace))
+
+    async def control(self, msg: Control, ctx: StageContext) -> None:
+        if msg.kind == ControlKind.ROLLBACK:
+            self.epoch = max(self.epoch, msg.epoch)
 
     async def teardown(self) -> None:
         self.stream.close()  # releases a denoise waiting for a decode that will not come

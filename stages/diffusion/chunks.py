@@ -3,7 +3,9 @@
 
 The stream is shared with the decode stage: its ``denoise`` waits until the previous chunk is decoded,
 because that chunk's last frames, re-encoded, are this chunk's motion latents. Both stages therefore run
-in the session's process (group ``main``), where live objects are handed in, never pickled.
+in the session's process (group ``main``), where live objects are handed in, never pickled. Conditioning
+of an epoch a rollback ended is dropped unmade: a turn's first speech chunk would otherwise wait for the
+whole chunks (denoise and decode) queued before it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class ChunkDiffusionStage(Stage):
         self.epoch = 0
         self.generated = 0
         self.bad = 0
+        self.stale = 0  # conditioning of an older epoch, dropped
         self.last_step_s = 0.0
 
     async def process(self, msg: Message, ctx: StageContext) -> None:
@@ -40,7 +43,11 @@ class ChunkDiffusionStage(Stage):
                           problem=f"expected finite audio tokens {self.token_shape}, got "
                                   f"{type(msg).__name__} {getattr(tokens, 'shape', None)}")
             return
-        self.epoch = max(self.epoch, msg.epoch)
+        if msg.epoch < self.epoch:
+            self.stale += 1
+            ctx.log.debug("diffusion_stale", chunk=msg.chunk, epoch=msg.epoch, current=self.epoch)
+            return
+        self.epoch = msg.epoch
         started = time.perf_counter()
         latents = await self.worker.run(self.stream.denoise, tokens, msg.chunk)
         self.last_step_s = time.perf_counter() - started

@@ -101,14 +101,16 @@ class ChunkMotionStream:
     def denoise(self, audio_tokens: np.ndarray | Tensor, chunk: int | None = None, timeout: float | None = None) -> Tensor:
         """Chunk ``chunk``'s latents (1, C, latents, h, w) from its audio tokens (latents, tokens, d), once the
         last chunk given is decoded; it starts from the motion latents chunk ``chunk - 1`` left (after a
-        rollback, an earlier chunk than the last decoded), else from the last ones. The latents are complete
+        rollback, an earlier chunk than the last decoded; chunk 0: the portrait's), else from the last ones. The latents are complete
         when it returns (its stream synchronised), so any thread may read them."""
         if not self._decoded.wait(timeout):
             raise TimeoutError(f"the previous chunk was not decoded within {timeout} s")
         if self.closed:
             raise RuntimeError("the chunk stream is closed")
         self._decoded.clear()
-        if chunk is not None:
+        if chunk == 0:  # the session's first chunk (again, after a rollback to the start) continues the portrait
+            self.motion = self.initial_motion
+        elif chunk is not None:
             self.motion = self._motion_after.get(chunk - 1, self.motion)
         with self._on_stream():
             audio = torch.as_tensor(audio_tokens)[None].to(self.reference.device, self.dtype)
@@ -135,6 +137,11 @@ class ChunkMotionStream:
             self.chunks += 1
             self._decoded.set()
             return ((new[0].permute(1, 2, 3, 0) + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).cpu().numpy()
+
+    def skip(self) -> None:
+        """The last chunk denoised will not be decoded (a rollback made it stale): the next ``denoise`` may
+        start, from the motion latents of the chunk before its own."""
+        self._decoded.set()
 
     def close(self) -> None:
         """The session ends: a ``denoise`` waiting for a decode that will not come returns (raising)."""
