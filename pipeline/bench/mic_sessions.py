@@ -67,10 +67,16 @@ def chromium_args(fake_mic_wav: Path) -> list[str]:
 
 
 def write_speech_wav(path: Path, text: str = SENTENCE, lead_s: float = LEAD_S, tail_s: float = TAIL_S) -> float:
-    """espeak-ng speech between silences; returns where its last sample above -40 dBFS is (s)."""
+    """espeak-ng speech between silences; returns where its last sample above -40 dBFS is (s). Synthesised
+    in a fresh interpreter: espeak-ng's output drifts with each call in a process, so the microphone says
+    the same samples whatever this process synthesised before."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
     from charstream.stages.agents.tts import synthesize
 
-    speech = synthesize(text)
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        speech = pool.submit(synthesize, text).result()
     rate = speech.sample_rate
     samples = np.concatenate([np.zeros(int(lead_s * rate), np.int16), speech.samples,
                               np.zeros(int(tail_s * rate), np.int16)])
