@@ -15,6 +15,8 @@ import functools
 import numpy as np
 import torch
 
+from charstream.stages.agents.background import suppress_background
+
 SAMPLE_RATE = 16_000
 N_FFT = 400
 HOP = 160
@@ -52,11 +54,17 @@ def _window() -> torch.Tensor:
     return torch.hann_window(N_FFT)
 
 
-def log_mel(audio: np.ndarray) -> np.ndarray:
-    """(N_MELS, frames) float32 features of mono float32 16 kHz ``audio``."""
+def log_mel(audio: np.ndarray, background_frames: int = 0) -> np.ndarray:
+    """(N_MELS, frames) float32 features of mono float32 16 kHz ``audio``. With ``background_frames``,
+    the first that many frames are the utterance (the rest padding), and a loud steady background
+    estimated over them is suppressed (``background.suppress_background``)."""
     spectrum = torch.stft(torch.from_numpy(np.ascontiguousarray(audio, np.float32)), N_FFT, HOP,
                           window=_window(), center=True, pad_mode="reflect", return_complex=True)
     power = spectrum[:, :-1].abs() ** 2  # the last frame only covers the reflected padding
-    log_power = torch.clamp(mel_filters() @ power, min=1e-10).log10()
+    if background_frames:
+        mel_power = suppress_background(power, mel_filters(), min(background_frames, power.shape[1]), _window())
+    else:
+        mel_power = mel_filters() @ power
+    log_power = torch.clamp(mel_power, min=1e-10).log10()
     log_power = torch.maximum(log_power, log_power.max() - 8.0)
     return ((log_power + 4.0) / 4.0).numpy()

@@ -181,7 +181,7 @@ def encoder_input(audio: np.ndarray) -> np.ndarray:
     step = int(ENCODER_STEP_S * SAMPLE_RATE)
     padded = np.zeros(-(-(len(audio) + int(PAD_S * SAMPLE_RATE)) // step) * step, np.float32)
     padded[:len(audio)] = audio
-    features = log_mel(padded)
+    features = log_mel(padded, len(audio) // HOP)
     return np.ascontiguousarray(features[None, :, :features.shape[1] // 2 * 2])
 
 
