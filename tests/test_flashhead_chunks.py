@@ -152,13 +152,17 @@ def test_chunk_stages_drop_what_a_rollback_made_stale(parts):
         assert stream._decoded.is_set()  # the next denoise need not wait for it
         await asyncio.wait_for(diffusion.process(conditioning(1, 1), ctx), 60)  # chunk 1 again
         await decode.process(emitted(Latents)[-1], ctx)
+        await diffusion.process(conditioning(2, 1), ctx)
+        made = emitted(Latents)[-1]
+        await decode.process(Latents("s1", 2, made.latents[0], audio, False, 1), ctx)  # malformed: one latent
+        assert stream._decoded.is_set()  # refused, and the stream may go on
         await diffusion.teardown()
         await decode.teardown()
         return after_0
 
     after_0 = asyncio.run(main())
-    assert diffusion.stale == 1 and decode.stale == 1
-    assert [(m.chunk, m.epoch) for m in emitted(Latents)] == [(0, 0), (1, 0), (1, 1)]
+    assert diffusion.stale == 1 and decode.stale == 1 and decode.bad == 1
+    assert [(m.chunk, m.epoch) for m in emitted(Latents)] == [(0, 0), (1, 0), (1, 1), (2, 1)]
     assert [(m.chunk, m.epoch) for m in emitted(VideoChunk)] == [(0, 0), (1, 1)] and stream.chunks == 2
     pinned = after_0.shape[2]  # the new chunk 1 continues chunk 0, not the dropped chunk 1
-    assert torch.equal(torch.from_numpy(emitted(Latents)[-1].latents[:, :pinned]), after_0[0].float())
+    assert torch.equal(torch.from_numpy(emitted(Latents)[2].latents[:, :pinned]), after_0[0].float())

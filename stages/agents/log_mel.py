@@ -61,10 +61,7 @@ def log_mel(audio: np.ndarray, background_frames: int = 0) -> np.ndarray:
     spectrum = torch.stft(torch.from_numpy(np.ascontiguousarray(audio, np.float32)), N_FFT, HOP,
                           window=_window(), center=True, pad_mode="reflect", return_complex=True)
     power = spectrum[:, :-1].abs() ** 2  # the last frame only covers the reflected padding
-    if background_frames:
-        mel_power = suppress_background(power, mel_filters(), min(background_frames, power.shape[1]), _window())
-    else:
-        mel_power = mel_filters() @ power
+    mel_power = suppress_background(power, mel_filters(), min(background_frames, power.shape[1]), _window())
     log_power = torch.clamp(mel_power, min=1e-10).log10()
     log_power = torch.maximum(log_power, log_power.max() - 8.0)
     return ((log_power + 4.0) / 4.0).numpy()

@@ -1,7 +1,8 @@
 """Decode for ``chunk_motion`` families (SoulX-FlashHead): ``Latents`` (one chunk's latents) -> ``VideoChunk``
 (its new frames + the chunk's audio span), by the session's chunk stream, which also re-encodes the chunk's
 last frames as the next chunk's motion latents (``model/families/flashhead/chunks.py``). Latents of an
-epoch a rollback ended are not decoded; the stream is told, so its next chunk starts without them."""
+epoch a rollback ended, or malformed, are not decoded; the stream is told, so its next chunk starts
+without them."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ class ChunkDecodeStage(Stage):
             self.bad += 1
             ctx.log.error("decode_bad_latents", chunk=getattr(msg, "chunk", None),
                           problem=f"expected (C, latents, h, w) latents, got {type(msg).__name__}")
+            self.stream.skip()  # what it stood for will not be decoded: the next chunk may start
             return
         if msg.epoch < self.epoch:
             self.stale += 1

@@ -82,7 +82,9 @@ class ChunkMotionStream:
             self.motion = self.reference[:, :, :1].clone()
         self.initial_motion = self.motion
         self.chunks = 0
-        self._motion_after: OrderedDict[int, Tensor] = OrderedDict()  # chunk -> the motion latents it left
+        # chunk -> the motion latents it left; "chunk -1" left the portrait's, so a rollback to the start
+        # continues the portrait as the first chunk does
+        self._motion_after: OrderedDict[int, Tensor] = OrderedDict({-1: self.motion})
         self._decoded = threading.Event()  # the motion latents of the last chunk are in place
         self._decoded.set()
         self.closed = False
@@ -108,9 +110,7 @@ class ChunkMotionStream:
         if self.closed:
             raise RuntimeError("the chunk stream is closed")
         self._decoded.clear()
-        if chunk == 0:  # the session's first chunk (again, after a rollback to the start) continues the portrait
-            self.motion = self.initial_motion
-        elif chunk is not None:
+        if chunk is not None:
             self.motion = self._motion_after.get(chunk - 1, self.motion)
         with self._on_stream():
             audio = torch.as_tensor(audio_tokens)[None].to(self.reference.device, self.dtype)
@@ -139,8 +139,8 @@ class ChunkMotionStream:
             return ((new[0].permute(1, 2, 3, 0) + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).cpu().numpy()
 
     def skip(self) -> None:
-        """The last chunk denoised will not be decoded (a rollback made it stale): the next ``denoise`` may
-        start, from the motion latents of the chunk before its own."""
+        """The last chunk denoised will not be decoded (a rollback made it stale, or its message came
+        malformed): the next ``denoise`` may start, from the motion latents of the chunk before its own."""
         self._decoded.set()
 
     def close(self) -> None:
