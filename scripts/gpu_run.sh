@@ -186,16 +186,14 @@ elif [ "$cmd" = live ]; then
   [ $# -gt 0 ] || set -- characters-14b tiny
   gpus=${GPUS:-1}  # a layout of pipeline/runtime/layouts.py: 1, 3+1, 4+1, ...
   for preset in "$@"; do
-    model=(--model "$preset" --weights random)
+    # 14 turns of the built-in script: a little over 2 minutes of media (11 gave 101 s)
+    model=(--model "$preset" --weights random) turns=14
     [ "$preset" = tiny ] && model=(--model tiny --weights packaged)
-    # a portrait model (FlashHead) animates the example portrait; no recogniser on the host (whl-c)
-    [[ "$preset" = flashhead-* ]] && model+=(--portrait examples/portrait.png --no-hear)
+    if [[ "$preset" = flashhead-* ]]; then  # the example portrait, no recogniser (whl-c); 10 turns gave 88 s
+      model+=(--portrait examples/portrait.png --no-hear) turns=16
+    fi
     for pace in ${PACES:-realtime}; do  # how the scripted agent streams its reply (--agent-pace)
       tag=$preset-$pace
-      # 14 turns of the built-in script: a little over 2 minutes of media (11 gave 101 s); FlashHead's
-      # 25 fps chunks: 16 (10 gave 88 s).
-      turns=14
-      [[ "$preset" = flashhead-* ]] && turns=16
       section "live $preset --gpus $gpus --agent-pace $pace" 330 "live-$tag.log" python3 -m charstream.pipeline.cli demo \
         "${model[@]}" --gpus "$gpus" --agent-pace "$pace" --turns $turns --timeout 300 --verbose \
         --out "/tmp/demo-$tag"
