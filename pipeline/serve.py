@@ -69,9 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(pipeline/runtime/layouts.py); sets devices and spawns one process per rank; "
                              "with --cluster, the layout each session reserves on a node")
     parser.add_argument("--batch-sessions", type=int, metavar="N",
-                        help="batch the diffusion steps, and the decoding, of up to N sessions of this process "
-                             "into one forward each (diffusion.batch_sessions and decode.batch_sessions; default "
-                             "from config: 1 = off)")
+                        help="batch the diffusion steps (FlashHead: chunks), and the decoding, of up to N sessions "
+                             "of this process into one forward each (diffusion.batch_sessions and "
+                             "decode.batch_sessions; default from config: 1 = off)")
     parser.add_argument("--engine", metavar="ENDPOINT",
                         help="host each session's model stages in the model engine running at ENDPOINT "
                              "(`charstream engine`, hosting engine: its devices and batching)")

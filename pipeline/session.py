@@ -38,9 +38,11 @@ from charstream.pipeline.web.server import SessionFactory, SessionMedia
 from charstream.stages.base import Stage
 from charstream.stages.conditioning.stage import build as build_conditioning
 from charstream.stages.decode.batcher import DecodeBatcher
+from charstream.stages.decode.chunk_batcher import ChunkDecodeBatcher
 from charstream.stages.decode.chunks import ChunkDecodeStage
 from charstream.stages.decode.stage import DecodeStage
 from charstream.stages.diffusion.batcher import StepBatcher
+from charstream.stages.diffusion.chunk_batcher import ChunkDenoiseBatcher
 from charstream.stages.diffusion.chunks import ChunkDiffusionStage
 from charstream.stages.diffusion.stage import DiffusionStage
 from charstream.stages.egress.mic import UserAudioQueue
@@ -59,8 +61,9 @@ if TYPE_CHECKING:
     from charstream.model.families.base import ModelFamily
 
 
-def model_nodes(config: PipelineConfig, weights: str | None = "packaged", batcher: StepBatcher | None = None,
-                decode_batcher: DecodeBatcher | None = None, family: ModelFamily | None = None,
+def model_nodes(config: PipelineConfig, weights: str | None = "packaged",
+                batcher: StepBatcher | ChunkDenoiseBatcher | None = None,
+                decode_batcher: DecodeBatcher | ChunkDecodeBatcher | None = None, family: ModelFamily | None = None,
                 portrait: np.ndarray | None = None) -> list[Node]:
     """The model stages (conditioning, diffusion, decode), each built from its config
     section. Their process groups: the caller's (``main``) for conditioning and for a stage with the
@@ -69,12 +72,12 @@ def model_nodes(config: PipelineConfig, weights: str | None = "packaged", batche
 
     ``family``: the session's model (default: the one ``config.preset`` names). A ``chunk_motion`` family
     (FlashHead) runs its chunk stages over one chunk stream made here from ``portrait`` (RGB uint8),
-    all three in the caller's process (``inproc``)."""
+    all three in the caller's process (``inproc``), with the process's chunk batchers when given."""
     from charstream.model.families import get_family
 
     family = family or get_family(config.preset)
     if family.generation_mode == "chunk_motion":
-        return chunk_nodes(config, family, weights, portrait)
+        return chunk_nodes(config, family, weights, portrait, batcher, decode_batcher)
     model = {"preset": config.preset, "weights": weights}
     diffusion = Node("diffusion", DiffusionStage, dict(model, config=config.diffusion), group="diffusion")
     if batcher is not None:
@@ -89,8 +92,8 @@ def model_nodes(config: PipelineConfig, weights: str | None = "packaged", batche
     return nodes
 
 
-def chunk_nodes(config: PipelineConfig, family: ModelFamily, weights: str | None,
-                portrait: np.ndarray | None) -> list[Node]:
+def chunk_nodes(config: PipelineConfig, family: ModelFamily, weights: str | None, portrait: np.ndarray | None,
+                batcher: ChunkDenoiseBatcher | None = None, decode_batcher: ChunkDecodeBatcher | None = None) -> list[Node]:
     """Conditioning, diffusion and decode of a ``chunk_motion`` family: the family's audio conditioner, then
     one chunk stream (``family.chunk_stream``) shared by the chunk diffusion and decode stages."""
     if portrait is None:
@@ -103,16 +106,16 @@ def chunk_nodes(config: PipelineConfig, family: ModelFamily, weights: str | None
     cfg = family.config
     return [Node("conditioning", build_conditioning, {"preset": config.preset, "weights": weights,
                                                       "config": config.conditioning, "seed": seed, "family": family}),
-            Node("diffusion", ChunkDiffusionStage, {"config": config.diffusion, "stream": stream,
+            Node("diffusion", ChunkDiffusionStage, {"config": config.diffusion, "stream": stream, "batcher": batcher,
                                                     "token_shape": (cfg.latents_per_chunk, cfg.audio_tokens, cfg.dim)}),
-            Node("decode", ChunkDecodeStage, {"config": config.decode, "stream": stream})]
+            Node("decode", ChunkDecodeStage, {"config": config.decode, "stream": stream, "batcher": decode_batcher})]
 
 
 def build_graph(config: PipelineConfig, output: PlayoutOutput, tracer: TurnTracer | None = None,
                 user_audio: UserAudioQueue | None = None, agent: AgentAdapter | None = None,
                 weights: str | None = "packaged", link: PeerLink | None = None,
-                batcher: StepBatcher | None = None, decode_batcher: DecodeBatcher | None = None,
-                family: ModelFamily | None = None, portrait: np.ndarray | None = None) -> Graph:
+                batcher: StepBatcher | ChunkDenoiseBatcher | None = None,
+                decode_batcher: DecodeBatcher | ChunkDecodeBatcher | None = None, family: ModelFamily | None = None, portrait: np.ndarray | None = None) -> Graph:
     """The session's stages and edges, each stage built from its config section. ``weights``: a
     weights file, ``"packaged"`` (the trained weights shipped for the preset, when present) or None
     (seeded random weights). The live objects — playout's ``output``, the ``tracer``, the user's
@@ -173,7 +176,8 @@ class LiveSession:
     def __init__(self, config: PipelineConfig, session_id: str, weights: str | None = "packaged",
                  on_turn: Callable[[TurnRecord], None] | None = None, *, peer: bool = True,
                  testcard: bool | Node = False, agent_hub: AgentHub | None = None,
-                 batcher: StepBatcher | None = None, decode_batcher: DecodeBatcher | None = None,
+                 batcher: StepBatcher | ChunkDenoiseBatcher | None = None,
+                 decode_batcher: DecodeBatcher | ChunkDecodeBatcher | None = None,
                  family: ModelFamily | None = None, portrait: np.ndarray | None = None) -> None:
         self.config = config
         self.session_id = session_id
@@ -259,27 +263,39 @@ def session_factory(config: PipelineConfig, weights: str | None = "packaged",
     name when several sessions share a config: ``<stem>-<session>.jsonl`` after the first).
     ``factory.sessions`` holds the running ones by session id. With ``diffusion.batch_sessions`` > 1
     its sessions share one model and batch their diffusion steps (``factory.batcher``); with
-    ``decode.batch_sessions`` > 1 one decoder and their chunks (``factory.decode_batcher``). Prepares
+    ``decode.batch_sessions`` > 1 one decoder and their chunks (``factory.decode_batcher``); a
+    ``chunk_motion`` family's sessions their chunks' denoising and decoding (``stages/*/chunk_batcher.py``). Prepares
     the serving process (``pipeline/runtime/process.py``): its GIL switch interval
     (``config.gil_switch_interval_ms``: its sessions' threads share it), the imports of what its sessions
     run and the frozen heap (``config.freeze_heap``). ``portrait``: the face a portrait model (FlashHead)
     animates, each session encoding it once."""
+    from charstream.model.families import get_family
+
     here = not testcard and config.hosting != "engine"  # the engine batches its sessions' model stages itself
     prepare_process("serving", config, ["ingest", *(MODEL_STAGES if here else ())])
+    family = get_family(config.preset)
+    chunks = family.generation_mode == "chunk_motion"
+    batch_steps = config.diffusion.batch_sessions > 1 and here
+    batch_decodes = config.decode.batch_sessions > 1 and here
     if here and config.diffusion.device.startswith("cuda"):
-        from charstream.model.families import get_family
-
-        took = get_family(config.preset).warm_up(None if weights in (None, "random") else weights,
-                                                 config.diffusion.device, config.diffusion.seed)
+        took = family.warm_up(None if weights in (None, "random") else weights, config.diffusion.device,
+                              config.diffusion.seed, batched=batch_steps or batch_decodes)
         if took:
             print(f"charstream: {config.preset} loaded and compiled on {config.diffusion.device} in {took:.0f} s "
                   "(longer on a first run, before torch's compile cache holds it)", file=sys.stderr, flush=True)
     started = 0
     sessions: dict[str, LiveSession] = {}
-    batch = config.diffusion.batch_sessions > 1 and here
-    batcher = StepBatcher(config.diffusion, config.preset, weights) if batch else None
-    batch = config.decode.batch_sessions > 1 and here
-    decode_batcher = DecodeBatcher(config.decode, config.preset, weights, config.diffusion.seed) if batch else None
+    if chunks:  # the sessions' chunks through shared runners (FlashHead: one model, shared already)
+        def runner() -> Any:  # each batcher its own, on a CUDA stream of its own
+            return family.chunk_runner(None if weights in (None, "random") else weights, config.diffusion.device,
+                                       config.diffusion.seed, batched=True)
+
+        batcher = ChunkDenoiseBatcher(config.diffusion, runner()) if batch_steps else None
+        decode_batcher = ChunkDecodeBatcher(config.decode, runner()) if batch_decodes else None
+    else:
+        batcher = StepBatcher(config.diffusion, config.preset, weights) if batch_steps else None
+        decode_batcher = (DecodeBatcher(config.decode, config.preset, weights, config.diffusion.seed)
+                          if batch_decodes else None)
 
     async def factory(session_id: str) -> SessionMedia:
         nonlocal started

@@ -35,7 +35,9 @@
 #                                                   examples/portrait.png, without the recogniser (needs whl-a, whl-b)
 #               scripts/gpu_run.sh flashhead DIR [PART...]   FlashHead on seeded random weights, by part (default: all):
 #                                                   tests (its GPU tests), pro (`bench chunk` of Pro: one session by
-#                                                   part, then 1-3 sessions side by side), lite (the same for Lite);
+#                                                   part, then 1-3 sessions side by side, each count on threads and
+#                                                   batched; CHUNK_SESSIONS_PRO), lite (the same for Lite at 1, 4, 8,
+#                                                   16 sessions; CHUNK_SESSIONS_LITE); CHUNK_SECONDS a count (12);
 #                                                   needs whl-a
 #               scripts/gpu_run.sh capacity DIR [BATCH...]   `charstream bench capacity --gpus 1` (~5 min): concurrent
 #                                                   tiny sessions (CAPACITY_SESSIONS, default 32 48; 8 16 32 48
@@ -207,8 +209,9 @@ elif [ "$cmd" = flashhead ]; then
     case $part in
       tests) section "flashhead gpu tests" 300 flashhead-tests.log python3 -m pytest -q -s -m gpu -p no:cacheprovider \
                --timeout=280 tests/test_flashhead_gpu.py ;;
-      pro|lite) section "bench chunk flashhead-$part" 330 "bench-chunk-$part.log" python3 -m charstream.pipeline.cli \
-                  bench chunk --model "flashhead-$part" --sessions "${CHUNK_SESSIONS:-1,2,3}" --seconds 12 --chunks 6 \
+      pro|lite) counts=$([ "$part" = pro ] && echo "${CHUNK_SESSIONS_PRO:-1,2,3}" || echo "${CHUNK_SESSIONS_LITE:-1,4,8,16}")
+                section "bench chunk flashhead-$part" 330 "bench-chunk-$part.log" python3 -m charstream.pipeline.cli \
+                  bench chunk --model "flashhead-$part" --sessions "$counts" --seconds "${CHUNK_SECONDS:-12}" --chunks 6 \
                   --warmup 2 --out "$OUT/bench_chunk_$part.json" ;;
       *) echo "unknown flashhead part $part (tests pro lite)"; exit 2 ;;
     esac

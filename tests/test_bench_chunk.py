@@ -1,5 +1,6 @@
 """``charstream bench chunk`` on the CPU at a reduced size: the parts of a chunk timed through the serving
-objects, sessions side by side sharing one model, the table and JSON."""
+objects, sessions side by side sharing one model -- each on its own stream, then batched by the stages'
+batchers -- the table and JSON."""
 
 import json
 
@@ -16,8 +17,11 @@ def test_bench_chunk_times_the_parts_and_runs_sessions_side_by_side(tmp_path, ca
     parts = report["one_session"]
     assert set(parts) == {"encode", "denoise", "decode", "chunk"}
     assert parts["chunk"]["median_ms"] >= parts["denoise"]["median_ms"] > 0
-    (ladder,) = report["side_by_side"]
-    assert ladder["sessions"] == 2 and ladder["chunks"] >= 2 and ladder["generated_fps"] > 0
+    threads, batched = report["side_by_side"]
+    assert threads["mode"] == "threads" and batched["mode"] == "batched"
+    for ladder in (threads, batched):
+        assert ladder["sessions"] == 2 and ladder["chunks"] >= 2 and ladder["generated_fps"] > 0
+    assert threads["largest_batch"] is None and batched["largest_batch"] in (1, 2)
     assert report["compiled"] is False and report["size"] == [32, 32] and report["blocks"] == 1
     # two sessions, one DiT + VAE and one audio encoder
     assert sorted(key[0] for key in set(flashhead_family._SHARED) - before) == ["audio", "generator"]

@@ -91,3 +91,37 @@ def test_compiled_stream_matches_eager():
         assert exact[0] <= 1e-3 and exact[1] <= 0.1, f"chunk {chunk}: compiled fp32 {exact} from eager"
         assert compiled16[0] <= 1.25 * eager16[0] + 0.005 and compiled16[1] <= 1.25 * eager16[1] + 0.5, \
             f"chunk {chunk}: compiled bf16 {compiled16} from fp32, eager bf16 {eager16}"
+
+
+def test_batched_sessions_match_each_stream_alone():
+    """Three sessions' chunks through one batched runner (compiled, bf16, as the batchers serve them) against
+    each session's own compiled stream: same weights, portraits, noise. A batch changes only the GEMMs'
+    bf16 rounding; then a batch of two reuses the compilation of three (one for every size above one)."""
+    from charstream.model.families.flashhead.chunks import ChunkRunner
+
+    cfg = TEST.with_(height=256, width=256)
+    dit, vae = build(cfg, random_checkpoint(cfg, 4, "cuda"), "cuda", torch.bfloat16)[0], random_wan_vae(5, "cuda", torch.bfloat16)
+    rng = np.random.default_rng(3)
+    faces = [portrait_tensor(rng.integers(0, 256, (256, 256, 3), dtype=np.uint8), 256, 256) for _ in range(3)]
+    tokens = [rng.normal(size=(cfg.latents_per_chunk, cfg.audio_tokens, cfg.dim)).astype(np.float32) for _ in range(3)]
+    alone = []
+    for i, face in enumerate(faces):
+        stream = ChunkMotionStream(dit, vae, face, seed=i, compiled=True)
+        alone.append([(latents.float(), stream.decode(latents, chunk).astype(np.float32))
+                      for chunk in range(2) for latents in [stream.denoise(tokens[i], chunk)]])
+    runner = ChunkRunner(dit, vae, compiled=True, batched=True)
+    streams = [ChunkMotionStream(dit, vae, face, seed=i, compiled=True) for i, face in enumerate(faces)]
+    for chunk in range(2):
+        for s in streams:
+            s.ready(chunk)
+        latents = runner.denoise(streams, tokens)
+        frames, motions = runner.decode(streams, latents)
+        for i, s in enumerate(streams):
+            s.decoded(motions[i], chunk)
+            apart = relative(latents[i], alone[i][chunk][0]), float(np.abs(frames[i] - alone[i][chunk][1]).mean())
+            print(f"session {i} chunk {chunk}: batched from alone {apart[0]:.2%} latents, {apart[1]:.2f} frame levels")
+            assert apart[0] <= 0.02 and apart[1] <= 2.0, (i, chunk, apart)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for s in streams[:2]:
+            s.ready(2)
+        runner.decode(streams[:2], runner.denoise(streams[:2], tokens[:2]))

@@ -127,8 +127,9 @@ class ModelFamily(ABC):
     def load(self, weights: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0) -> Any:
         """The model from a weights folder, or seeded random weights of the real config (``weights="random"``)."""
 
-    def warm_up(self, weights: str | None, device: str, seed: int = 0) -> float:
+    def warm_up(self, weights: str | None, device: str, seed: int = 0, batched: bool = False) -> float:
         """Load and compile what a serving process's sessions share before its first session, so that
-        session's first chunk is not late; seconds spent (default: nothing is shared, 0)."""
+        session's first chunk is not late (``batched``: the sessions' work batched too); seconds spent
+        (default: nothing is shared, 0)."""
         return 0.0
 

@@ -8,11 +8,13 @@ it returns once its session's CUDA stream is done (tokens and frames on the host
 ``--chunks`` chunks after ``--warmup`` (the first calls compile).
 
 Then sessions side by side: K chunk streams sharing the process's model, each on a thread of its own as
-the stages run them, chunk after chunk for ``--seconds`` after one untimed chunk on that thread; each
-session waits only for its own stream. A session keeps up when its chunks come at
-least as fast as they play (28 frames at 25 fps: one every 1.12 s); the report gives each K's per-session
-chunk period (median, p90) and the frames a second generated in all. This is the model's side of capacity
-(no WebRTC, no playout): the sessions a GPU can feed.
+the stages run them, chunk after chunk for ``--seconds`` after one untimed chunk on that thread. Two ways,
+each K run both ways in the same process (``--modes``): ``threads``, each session's chunk on its own
+stream (``diffusion/decode.batch_sessions`` 1), and ``batched``, the sessions' due chunks denoised and
+decoded together by the stages' batchers (``stages/*/chunk_batcher.py``, ``batch_sessions`` K). A session
+keeps up when its chunks come at least as fast as they play (28 frames at 25 fps: one every 1.12 s); the
+report gives each K's per-session chunk period (median, p90) and the frames a second generated in all.
+This is the model's side of capacity (no WebRTC, no playout): the sessions a GPU can feed.
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ import platform
 import statistics
 import threading
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
 from charstream.model.families import FLASHHEAD_NAMES
 from charstream.pipeline.bench.output import commit_id, emit_report, text_table
+from charstream.stages.decode.chunk_batcher import ChunkDecodeBatcher
+from charstream.stages.diffusion.chunk_batcher import ChunkDenoiseBatcher
 from charstream.timeline import TIMELINE_RATE
 
 
@@ -38,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="chunks before timing (the first compile)")
     parser.add_argument("--sessions", default="1,2,3", help="comma-separated session counts run side by side")
     parser.add_argument("--seconds", type=float, default=20.0, help="how long each session count runs")
+    parser.add_argument("--modes", default="threads,batched",
+                        help="comma-separated: threads (a stream per session), batched (the stages' batchers)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="torch.compile the DiT and the VAE (default: on CUDA, as served)")
     parser.add_argument("--blocks", type=int, default=None, help="fewer DiT blocks (a CPU check of the bench)")
@@ -65,14 +72,21 @@ class Session:
         self.window = np.concatenate([self.window[self.hop:], new])
         return self.window
 
-    def run_chunk(self) -> dict[str, float]:
-        """One chunk, part by part: seconds for encode, denoise and decode."""
+    def run_chunk(self, batchers: Batchers | None = None) -> dict[str, float]:
+        """One chunk, part by part: seconds for encode, denoise and decode (by the ``batchers``, if given)."""
         t0 = time.perf_counter()
         tokens = self.encode(self.next_window())
         t1 = time.perf_counter()
-        latents = self.stream.denoise(tokens, self.chunk)
+        if batchers is None:
+            latents = self.stream.denoise(tokens, self.chunk)
+        else:
+            self.stream.ready(self.chunk)
+            latents = batchers.denoise.enqueue(self.stream, tokens).result()
         t2 = time.perf_counter()
-        frames = self.stream.decode(latents, self.chunk)
+        if batchers is None:
+            frames = self.stream.decode(latents, self.chunk)
+        else:
+            frames = batchers.decode.enqueue(self.stream, (latents, self.chunk)).result()
         t3 = time.perf_counter()
         assert frames.dtype == np.uint8  # on the host: the decode's copy is inside the timing
         self.chunk += 1
@@ -88,8 +102,37 @@ def one_session(session: Session, chunks: int, warmup: int) -> dict:
                    "max_ms": 1e3 * max(r[part] for r in runs)} for part in runs[0]}
 
 
-def side_by_side(sessions: list[Session], seconds: float, chunk_s: float, frames_per_chunk: int) -> dict:
-    """Every session on its own thread, chunk after chunk, for ``seconds``: per-session periods."""
+@dataclass
+class Batchers:
+    """The stages' chunk batchers, as a serving process with ``batch_sessions`` K makes them."""
+
+    denoise: ChunkDenoiseBatcher
+    decode: ChunkDecodeBatcher
+
+    @classmethod
+    def make(cls, family, weights: str, device: str, sessions: int) -> Batchers:
+        from charstream.stages.config import DecodeConfig, DiffusionConfig
+
+        def runner():
+            return family.chunk_runner(weights, device, 0, batched=True)
+
+        batchers = cls(ChunkDenoiseBatcher(DiffusionConfig(device=device, batch_sessions=sessions), runner()),
+                       ChunkDecodeBatcher(DecodeConfig(device=device, batch_sessions=sessions), runner()))
+        for _ in range(sessions):
+            batchers.denoise.opened()
+            batchers.decode.opened()
+        return batchers
+
+    def close(self, sessions: list[Session]) -> None:
+        for s in sessions:
+            self.denoise.closed(s.stream)
+            self.decode.closed(s.stream)
+
+
+def side_by_side(sessions: list[Session], seconds: float, chunk_s: float, frames_per_chunk: int,
+                 batchers: Batchers | None = None) -> dict:
+    """Every session on its own thread, chunk after chunk, for ``seconds``: per-session periods; with
+    ``batchers``, the sessions' chunks through them."""
     periods: list[list[float]] = [[] for _ in sessions]
     ended = [0.0] * len(sessions)
     start = threading.Barrier(len(sessions) + 1)
@@ -98,11 +141,11 @@ def side_by_side(sessions: list[Session], seconds: float, chunk_s: float, frames
     def loop(i: int) -> None:
         # one chunk first, untimed: cuDNN's benchmark cache is per thread (PyTorch keeps its conv plans
         # thread-local), so a thread's first decode re-times every convolution, as a stage thread's does once
-        sessions[i].run_chunk()
+        sessions[i].run_chunk(batchers)
         start.wait()
         last = time.perf_counter()
         while last < stop:
-            sessions[i].run_chunk()
+            sessions[i].run_chunk(batchers)
             now = time.perf_counter()
             periods[i].append(now - last)
             last = now
@@ -119,12 +162,14 @@ def side_by_side(sessions: list[Session], seconds: float, chunk_s: float, frames
     every = [p for ps in periods for p in ps]
     p90 = [float(np.percentile(ps, 90)) for ps in periods]
     return {
+        "mode": "threads" if batchers is None else "batched",
         "sessions": len(sessions),
         "chunks": len(every),
         "period_median_ms": 1e3 * statistics.median(every),
         "period_p90_worst_session_ms": 1e3 * max(p90),
         "generated_fps": frames_per_chunk * len(every) / (max(ended) - began),
         "keeps_up": max(p90) <= chunk_s,
+        "largest_batch": None if batchers is None else batchers.denoise.stats.largest,
     }
 
 
@@ -144,13 +189,20 @@ def measure(args: argparse.Namespace) -> dict:
     load_s = time.perf_counter() - began
     parts = one_session(first, args.chunks, args.warmup)
     counts = [int(k) for k in args.sessions.split(",") if k.strip()]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or set(modes) - {"threads", "batched"}:
+        raise ValueError(f"--modes: threads and/or batched, got {args.modes!r}")
     streams = [first]
     ladder = []
     for k in counts:
         while len(streams) < k:
             streams.append(Session(family, args.weights, args.device, len(streams), args.compile))
             streams[-1].run_chunk()  # its first calls through the compiled code, one session at a time
-        ladder.append(side_by_side(streams[:k], args.seconds, chunk_s, cfg.new_frames_per_chunk))
+        for mode in modes:
+            batchers = Batchers.make(family, args.weights, args.device, k) if mode == "batched" else None
+            ladder.append(side_by_side(streams[:k], args.seconds, chunk_s, cfg.new_frames_per_chunk, batchers))
+            if batchers is not None:
+                batchers.close(streams[:k])
     return {
         "model": args.model, "weights": args.weights, "device": args.device,
         "gpu": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else platform.processor(),
@@ -170,10 +222,12 @@ def table(report: dict) -> str:
     lines = [text_table(rows),
              f"one session: {report['new_frames_per_chunk'] / chunk_ms * 1e3:.1f} generated fps "
              f"({report['chunk_seconds'] * 1e3 / chunk_ms:.2f}x real time at {report['fps']} fps)", ""]
-    rows = [["sessions", "chunks", "period median ms", "worst session p90 ms", "generated fps", "keeps up"]]
+    rows = [["sessions", "mode", "chunks", "period median ms", "worst session p90 ms", "generated fps", "keeps up",
+             "largest batch"]]
     for r in report["side_by_side"]:
-        rows.append([str(r["sessions"]), str(r["chunks"]), f"{r['period_median_ms']:.0f}",
-                     f"{r['period_p90_worst_session_ms']:.0f}", f"{r['generated_fps']:.1f}", str(r["keeps_up"])])
+        rows.append([str(r["sessions"]), r["mode"], str(r["chunks"]), f"{r['period_median_ms']:.0f}",
+                     f"{r['period_p90_worst_session_ms']:.0f}", f"{r['generated_fps']:.1f}", str(r["keeps_up"]),
+                     "-" if r["largest_batch"] is None else str(r["largest_batch"])])
     lines += [text_table(rows),
               f"{report['model']} ({report['weights']} weights), {report['size'][0]}x{report['size'][1]}, "
               f"{report['blocks']} blocks, compiled {report['compiled']}, on {report['gpu']}; torch {report['torch']}, "

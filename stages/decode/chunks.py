@@ -2,12 +2,13 @@
 (its new frames + the chunk's audio span), by the session's chunk stream, which also re-encodes the chunk's
 last frames as the next chunk's motion latents (``model/families/flashhead/chunks.py``). Latents of an
 epoch a rollback ended, or malformed, are not decoded; the stream is told, so its next chunk starts
-without them."""
+without them. With a ``batcher`` (``decode.batch_sessions`` > 1, ``chunk_batcher.py``) the chunk is
+decoded in a batch with other sessions'."""
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -16,18 +17,29 @@ from charstream.stages.config import DecodeConfig, cpu_threads
 from charstream.stages.shared.worker import StageWorker
 from charstream.transport.messages import Control, ControlKind, Latents, Message, VideoChunk
 
+if TYPE_CHECKING:
+    from charstream.stages.decode.chunk_batcher import ChunkDecodeBatcher
+
 
 class ChunkDecodeStage(Stage):
     name = "decode"
 
-    def __init__(self, config: DecodeConfig, stream: Any) -> None:
+    def __init__(self, config: DecodeConfig, stream: Any, batcher: ChunkDecodeBatcher | None = None) -> None:
+        """``batcher``: the process's shared chunk decode batcher (session_factory makes it)."""
         self.stream = stream
+        self.batcher = batcher
+        self.joined = False  # counted by the batcher's open sessions
         self.worker = StageWorker("decode", cpu_threads(config.threads) if config.device == "cpu" else None)
         self.epoch = 0
         self.decoded = 0
         self.bad = 0
         self.stale = 0  # latents of an older epoch, not decoded
         self.last_decode_s = 0.0
+
+    async def setup(self, ctx: StageContext) -> None:
+        if self.batcher is not None:
+            self.batcher.opened()
+            self.joined = True
 
     async def process(self, msg: Message, ctx: StageContext) -> None:
         if not isinstance(msg, Latents) or not isinstance(msg.latents, np.ndarray) or msg.latents.ndim != 4:
@@ -45,7 +57,11 @@ class ChunkDecodeStage(Stage):
         import torch
 
         started = time.perf_counter()
-        frames = await self.worker.run(self.stream.decode, torch.from_numpy(msg.latents)[None], msg.chunk)
+        latents = torch.from_numpy(msg.latents)[None]
+        if self.batcher is None:
+            frames = await self.worker.run(self.stream.decode, latents, msg.chunk)
+        else:
+            frames = await self.batcher.decode(self.stream, latents, msg.chunk)
         self.last_decode_s = time.perf_counter() - started
         self.decoded += 1
         msg.trace.stamp("decode_done")
@@ -57,4 +73,6 @@ class ChunkDecodeStage(Stage):
 
     async def teardown(self) -> None:
         self.stream.close()  # releases a denoise waiting for a decode that will not come
+        if self.joined:
+            self.batcher.closed(self.stream)
         self.worker.close()

@@ -5,13 +5,14 @@ The stream is shared with the decode stage: its ``denoise`` waits until the prev
 because that chunk's last frames, re-encoded, are this chunk's motion latents. Both stages therefore run
 in the session's process (group ``main``), where live objects are handed in, never pickled. Conditioning
 of an epoch a rollback ended is dropped unmade: a turn's first speech chunk would otherwise wait for the
-whole chunks (denoise and decode) queued before it.
+whole chunks (denoise and decode) queued before it. With a ``batcher`` (``diffusion.batch_sessions`` > 1,
+``chunk_batcher.py``) the chunk, once its stream is ready, is denoised in a batch with other sessions'.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -20,12 +21,19 @@ from charstream.stages.config import DiffusionConfig, cpu_threads
 from charstream.stages.shared.worker import StageWorker
 from charstream.transport.messages import Conditioning, Control, ControlKind, Latents, Message
 
+if TYPE_CHECKING:
+    from charstream.stages.diffusion.chunk_batcher import ChunkDenoiseBatcher
+
 
 class ChunkDiffusionStage(Stage):
     name = "diffusion"
 
-    def __init__(self, config: DiffusionConfig, stream: Any, token_shape: tuple[int, ...]) -> None:
+    def __init__(self, config: DiffusionConfig, stream: Any, token_shape: tuple[int, ...],
+                 batcher: ChunkDenoiseBatcher | None = None) -> None:
+        """``batcher``: the process's shared chunk batcher (session_factory makes it)."""
         self.stream = stream
+        self.batcher = batcher
+        self.joined = False  # counted by the batcher's open sessions
         self.token_shape = tuple(token_shape)  # (latents, audio tokens, d) a chunk
         self.worker = StageWorker("diffusion", cpu_threads(config.threads) if config.device == "cpu" else None)
         self.epoch = 0
@@ -33,6 +41,11 @@ class ChunkDiffusionStage(Stage):
         self.bad = 0
         self.stale = 0  # conditioning of an older epoch, dropped
         self.last_step_s = 0.0
+
+    async def setup(self, ctx: StageContext) -> None:
+        if self.batcher is not None:
+            self.batcher.opened()
+            self.joined = True
 
     async def process(self, msg: Message, ctx: StageContext) -> None:
         tokens = getattr(msg, "audio_tokens", None)
@@ -49,7 +62,11 @@ class ChunkDiffusionStage(Stage):
             return
         self.epoch = msg.epoch
         started = time.perf_counter()
-        latents = await self.worker.run(self.stream.denoise, tokens, msg.chunk)
+        if self.batcher is None:
+            latents = await self.worker.run(self.stream.denoise, tokens, msg.chunk)
+        else:
+            await self.worker.run(self.stream.ready, msg.chunk)
+            latents = await self.batcher.denoise(self.stream, tokens)
         self.last_step_s = time.perf_counter() - started
         self.generated += 1
         msg.trace.stamp("diffusion_done")
@@ -62,4 +79,6 @@ class ChunkDiffusionStage(Stage):
 
     async def teardown(self) -> None:
         self.stream.close()  # releases a denoise waiting for a decode that will not come
+        if self.joined:
+            self.batcher.closed(self.stream)
         self.worker.close()

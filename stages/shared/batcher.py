@@ -92,13 +92,17 @@ class SessionBatcher(abc.ABC):
 
     async def submit(self, key: Any, item: Any) -> Any:
         """``item``'s result, from the next forward that takes it."""
+        return await asyncio.wrap_future(self.enqueue(key, item))
+
+    def enqueue(self, key: Any, item: Any) -> concurrent.futures.Future:
+        """``submit`` for a caller on a thread: the future of ``item``'s result."""
         due = _Due(key, item)
         with self._wake:
             if any(d.key is key for d in self._pending):
                 raise RuntimeError("a session submitted while its previous item is pending")
             self._pending.append(due)
             self._wake.notify()
-        return await asyncio.wrap_future(due.result)
+        return due.result
 
     # -- the worker ---------------------------------------------------------------------------------
 

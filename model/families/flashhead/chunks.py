@@ -19,21 +19,27 @@ worker thread) until the previous chunk's ``decode`` has set the motion latents.
 A turn start or barge-in drops the unplayed chunks at playout and regenerates from the chunk after the
 last one played: the motion latents after each of the last ``KEEP_MOTION`` decoded chunks are kept by
 chunk index, so the regenerated chunk continues the frames on screen, not the dropped ones.
+
+The model's work is a ``ChunkRunner``'s, over a list of streams: a stream alone runs its chunks through a
+runner of its own (a batch of one, on its own CUDA stream); the batchers (``stages/*/chunk_batcher.py``)
+run several sessions' chunks through one shared runner in one batch. A stream's state and noise are its
+own either way, so its frames do not depend on the batch it was in.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from functools import partial
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from charstream.model.families.flashhead.colour import ColourReference, colour_reference, match_colours
+from charstream.model.families.flashhead.config import FlashHeadConfig
 from charstream.model.families.flashhead.dit import FlashHeadDiT
 from charstream.model.families.flashhead.sampler import sample_chunk
 from charstream.model.families.flashhead.vae_ltx import LtxVAE
@@ -51,36 +57,131 @@ def portrait_tensor(image: np.ndarray, height: int, width: int) -> Tensor:
     return x.clamp(-1, 1)[:, :, None]
 
 
+class _BatchSizes:
+    """A function compiled twice: for one row, as a stream alone compiles it (the same compilation), and
+    for every batch size above one, its tensors' batch dimension marked dynamic (one compilation for all
+    of them). ``cfg`` passes through (the sampler reads the DiT's)."""
+
+    def __init__(self, fn: Callable, cfg: FlashHeadConfig | None = None) -> None:
+        self.one, self.many, self.cfg = torch.compile(fn, dynamic=False), torch.compile(fn, dynamic=None), cfg
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        tensors = [t for arg in args for t in ((arg.mean, arg.std) if isinstance(arg, ColourReference) else (arg,))
+                   if isinstance(t, Tensor) and t.ndim]
+        if tensors[0].shape[0] == 1:
+            return self.one(*args, **kwargs)
+        for t in tensors:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        return self.many(*args, **kwargs)
+
+
+class ChunkRunner:
+    """The model's part of a chunk for one or more sessions' streams at once: the DiT's passes (``denoise``);
+    the VAE decode, colour match and motion re-encode (``decode``). Work runs on the runner's CUDA stream,
+    after what each stream has queued on its own; results are complete when a call returns.
+
+    ``compiled``: the DiT and the VAE through ``torch.compile`` (one compilation per process and shape:
+    other runners reuse it). ``batched``: batches larger than one are compiled with a dynamic batch
+    dimension, so every size above one shares one compilation."""
+
+    def __init__(self, dit: FlashHeadDiT, vae: WanVAE | LtxVAE, compiled: bool = False, batched: bool = False) -> None:
+        self.cfg, self.vae, self.compiled, self.batched = dit.cfg, vae, compiled, batched
+        device = next(dit.parameters()).device
+        self.dtype = next(dit.parameters()).dtype
+        self.cuda_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+        def compile_(fn: Callable) -> Callable:
+            if not compiled:
+                return fn
+            return _BatchSizes(fn, getattr(fn, "cfg", None)) if batched else torch.compile(fn, dynamic=False)
+
+        self.dit = compile_(dit)
+        self._decode = compile_(vae.decode_chunk)
+        self._match = compile_(match_colours)
+        # Lite feeds back a sample of the LTX posterior, drawn from each session's noise: not compiled
+        self._encode = vae.encode_motion if self.cfg.variant == "lite" else compile_(vae.encode_motion)
+
+    @contextmanager
+    def on_stream(self, waits: list[torch.cuda.Stream | None] = ()) -> Iterator[None]:
+        """Work on the runner's stream, after what the calling thread's stream and ``waits`` have queued."""
+        if self.cuda_stream is None:
+            yield
+            return
+        self.cuda_stream.wait_stream(torch.cuda.current_stream(self.cuda_stream.device))
+        for other in waits:
+            if other is not None and other is not self.cuda_stream:
+                self.cuda_stream.wait_stream(other)
+        with torch.cuda.stream(self.cuda_stream):
+            yield
+        self.cuda_stream.synchronize()
+
+    @torch.no_grad()
+    def encode(self, frames: Tensor, generators: list[torch.Generator]) -> Tensor:
+        """Frames (batch, 3, 1 + stride k, H, W) -> latents in the DiT's dtype (Lite: a posterior sample per row)."""
+        if self.cfg.variant == "lite":
+            return self._encode(frames, generator=generators).to(self.dtype)
+        return self._encode(frames).to(self.dtype)
+
+    @torch.no_grad()
+    def denoise(self, streams: list[ChunkMotionStream], tokens: list[np.ndarray | Tensor]) -> list[Tensor]:
+        """Each stream's next chunk (1, C, latents, h, w) from its audio tokens (latents, tokens, d), denoised in
+        one batch per motion length (a first chunk continues one latent, later ones ``motion_latents``)."""
+        out: list[Tensor | None] = [None] * len(streams)
+        with self.on_stream([s.cuda_stream for s in streams]):
+            device = streams[0].reference.device
+            audio = [torch.as_tensor(t)[None].to(device, self.dtype) for t in tokens]
+            for length in sorted({s.motion.shape[2] for s in streams}):
+                rows = [i for i, s in enumerate(streams) if s.motion.shape[2] == length]
+                reference = torch.cat([streams[i].reference for i in rows])
+                batch_audio = torch.cat([audio[i] for i in rows])
+                motion = torch.cat([streams[i].motion for i in rows])
+                generators = [streams[i].generator for i in rows]
+                latents = sample_chunk(self.dit, reference, batch_audio, motion,
+                                       generators[0] if len(rows) == 1 else generators)
+                for row, i in enumerate(rows):
+                    out[i] = latents[row:row + 1]
+        return out
+
+    @torch.no_grad()
+    def decode(self, streams: list[ChunkMotionStream], latents: list[Tensor]) -> tuple[list[np.ndarray], list[Tensor]]:
+        """Each stream's chunk decoded: its new frames colour-matched to its portrait, uint8 (new frames, H, W,
+        3), and its next motion latents (from its last ``motion_frames`` frames, re-encoded)."""
+        cfg = self.cfg
+        with self.on_stream([s.cuda_stream for s in streams]):
+            weight = next(self.vae.parameters())
+            batch = torch.cat([torch.as_tensor(x).to(weight.device, weight.dtype) for x in latents])
+            frames = self._decode(batch)  # (batch, 3, F, H, W)
+            colours = ColourReference(torch.cat([s.colours.mean for s in streams]),
+                                      torch.cat([s.colours.std for s in streams]))
+            # what is shown is colour-matched, as the released pipeline shows it; its last frames feed the next chunk
+            new = self._match(frames[:, :, cfg.motion_frames:].float(), colours)
+            motion = self.encode(new[:, :, -cfg.motion_frames:], [s.generator for s in streams])
+            pixels = ((new.permute(0, 2, 3, 4, 1) + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).cpu().numpy()
+        return list(pixels), [motion[i:i + 1] for i in range(len(streams))]
+
+
 class ChunkMotionStream:
     def __init__(self, dit: FlashHeadDiT, vae: WanVAE | LtxVAE, portrait: Tensor, seed: int = 0,
                  compiled: bool = False) -> None:
         """``dit`` and ``vae`` may be shared with other sessions' streams: a stream keeps its state (motion
-        latents, noise, colour reference) to itself. ``compiled``: the DiT and the VAE's decode and encode
-        through ``torch.compile`` (one compilation per process: later streams reuse it)."""
+        latents, noise, colour reference) to itself. ``compiled``: its runner's DiT and VAE through
+        ``torch.compile`` (one compilation per process: later streams reuse it)."""
         cfg = dit.cfg
         if tuple(portrait.shape) != (1, 3, 1, cfg.height, cfg.width):
             raise ValueError(f"portrait must be (1, 3, 1, {cfg.height}, {cfg.width}), got {tuple(portrait.shape)}")
-        self.vae, self.cfg, self.compiled = vae, cfg, compiled
+        self.cfg, self.compiled = cfg, compiled
+        # a runner and CUDA stream of its own: sessions sharing the model on threads wait only for their own
+        # work (a copy to the host synchronises this stream, not the device)
+        self.runner = ChunkRunner(dit, vae, compiled)
+        self.cuda_stream = self.runner.cuda_stream
         device = next(dit.parameters()).device
-        self.dtype = next(dit.parameters()).dtype
-        # A CUDA stream of its own: sessions sharing the model on threads wait only for their own work
-        # (a copy to the host synchronises this stream, not the device).
-        self.cuda_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.generator = torch.Generator(device).manual_seed(seed)
-        self.dit = torch.compile(dit, dynamic=False) if compiled else dit
-        self._decode = torch.compile(vae.decode_chunk, dynamic=False) if compiled else vae.decode_chunk
-        self._match = torch.compile(match_colours, dynamic=False) if compiled else match_colours
-        if cfg.variant == "lite":  # Lite feeds back a sample of the LTX posterior, drawn from the session's noise
-            self._encode = partial(vae.encode_motion, generator=self.generator)
-        else:
-            self._encode = torch.compile(vae.encode_motion, dynamic=False) if compiled else vae.encode_motion
-        with torch.no_grad(), self._on_stream():
+        with torch.no_grad(), self.runner.on_stream():
             still = portrait.to(device).expand(-1, -1, cfg.frames_per_chunk, -1, -1)
-            self.reference = self._encode(still).to(self.dtype)  # (1, C, latents, h, w), once per session
+            self.reference = self.runner.encode(still, [self.generator])  # (1, C, latents, h, w), once per session
             self.colours: ColourReference = colour_reference(portrait.to(device))
-            # the first chunk continues the portrait: its first latent, as the released pipeline starts
-            self.motion = self.reference[:, :, :1].clone()
-        self.initial_motion = self.motion
+        # the first chunk continues the portrait: its first latent, as the released pipeline starts
+        self.motion = self.reference[:, :, :1].clone()
         self.chunks = 0
         # chunk -> the motion latents it left; "chunk -1" left the portrait's, so a rollback to the start
         # continues the portrait as the first chunk does
@@ -89,22 +190,10 @@ class ChunkMotionStream:
         self._decoded.set()
         self.closed = False
 
-    @contextmanager
-    def _on_stream(self) -> Iterator[None]:
-        """Work on the session's stream, after what the calling thread's stream has queued (its inputs)."""
-        if self.cuda_stream is None:
-            yield
-            return
-        self.cuda_stream.wait_stream(torch.cuda.current_stream(self.cuda_stream.device))
-        with torch.cuda.stream(self.cuda_stream):
-            yield
-
-    @torch.no_grad()
-    def denoise(self, audio_tokens: np.ndarray | Tensor, chunk: int | None = None, timeout: float | None = None) -> Tensor:
-        """Chunk ``chunk``'s latents (1, C, latents, h, w) from its audio tokens (latents, tokens, d), once the
-        last chunk given is decoded; it starts from the motion latents chunk ``chunk - 1`` left (after a
-        rollback, an earlier chunk than the last decoded; chunk 0: the portrait's), else from the last ones. The latents are complete
-        when it returns (its stream synchronised), so any thread may read them."""
+    def ready(self, chunk: int | None = None, timeout: float | None = None) -> None:
+        """Wait until the last chunk given is decoded, then take the motion latents chunk ``chunk`` continues:
+        those chunk ``chunk - 1`` left (after a rollback, an earlier chunk than the last decoded; chunk 0: the
+        portrait's), else the last ones. Then the chunk may be denoised (here or in a batch)."""
         if not self._decoded.wait(timeout):
             raise TimeoutError(f"the previous chunk was not decoded within {timeout} s")
         if self.closed:
@@ -112,31 +201,30 @@ class ChunkMotionStream:
         self._decoded.clear()
         if chunk is not None:
             self.motion = self._motion_after.get(chunk - 1, self.motion)
-        with self._on_stream():
-            audio = torch.as_tensor(audio_tokens)[None].to(self.reference.device, self.dtype)
-            latents = sample_chunk(self.dit, self.reference, audio, self.motion, self.generator)
-        if self.cuda_stream is not None:
-            self.cuda_stream.synchronize()
-        return latents
 
-    @torch.no_grad()
+    def denoise(self, audio_tokens: np.ndarray | Tensor, chunk: int | None = None, timeout: float | None = None) -> Tensor:
+        """Chunk ``chunk``'s latents (1, C, latents, h, w) from its audio tokens (latents, tokens, d), by this
+        stream's runner, once ready (``ready``). The latents are complete when it returns, so any thread may
+        read them."""
+        self.ready(chunk, timeout)
+        return self.runner.denoise([self], [audio_tokens])[0]
+
     def decode(self, latents: Tensor, chunk: int | None = None) -> np.ndarray:
-        """The chunk's new frames colour-matched to the portrait, uint8 (new_frames_per_chunk, H, W, 3); its
-        last frames become the next chunk's motion latents."""
-        with self._on_stream():
-            cfg = self.cfg
-            weight = next(self.vae.parameters())
-            frames = self._decode(torch.as_tensor(latents).to(weight.device, weight.dtype))  # (1, 3, F, H, W)
-            # what is shown is colour-matched, as the released pipeline shows it; its last frames feed the next chunk
-            new = self._match(frames[:, :, cfg.motion_frames:].float(), self.colours)
-            self.motion = self._encode(new[:, :, -cfg.motion_frames:]).to(self.dtype)
-            if chunk is not None:
-                self._motion_after[chunk] = self.motion
-                while len(self._motion_after) > KEEP_MOTION:
-                    self._motion_after.popitem(last=False)
-            self.chunks += 1
-            self._decoded.set()
-            return ((new[0].permute(1, 2, 3, 0) + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).cpu().numpy()
+        """The chunk's new frames colour-matched to the portrait, uint8 (new_frames_per_chunk, H, W, 3), by this
+        stream's runner; its last frames become the next chunk's motion latents."""
+        (frames,), (motion,) = self.runner.decode([self], [latents])
+        self.decoded(motion, chunk)
+        return frames
+
+    def decoded(self, motion: Tensor, chunk: int | None = None) -> None:
+        """Chunk ``chunk`` is decoded and left ``motion``: the next chunk may start from it."""
+        self.motion = motion
+        if chunk is not None:
+            self._motion_after[chunk] = motion
+            while len(self._motion_after) > KEEP_MOTION:
+                self._motion_after.popitem(last=False)
+        self.chunks += 1
+        self._decoded.set()
 
     def skip(self) -> None:
         """The last chunk denoised will not be decoded (a rollback made it stale, or its message came

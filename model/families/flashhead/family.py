@@ -26,7 +26,7 @@ from charstream.model.families.flashhead.loader import (
 from charstream.timeline import Timeline
 
 if TYPE_CHECKING:
-    from charstream.model.families.flashhead.chunks import ChunkMotionStream
+    from charstream.model.families.flashhead.chunks import ChunkMotionStream, ChunkRunner
     from charstream.model.families.flashhead.dit import FlashHeadDiT
     from charstream.model.families.flashhead.vae_ltx import LtxVAE
     from charstream.model.families.flashhead.vae_wan import WanVAE
@@ -89,16 +89,39 @@ class FlashHeadFamily(ModelFamily):
         compiled = str(device).startswith("cuda") if compiled is None else compiled
         return ChunkMotionStream(dit, vae, portrait_tensor(portrait, cfg.height, cfg.width), seed, compiled=compiled)
 
-    def warm_up(self, weights: str | None, device: str, seed: int = 0) -> float:
+    def chunk_runner(self, weights: str | None, device: str = "cpu", seed: int = 0, compiled: bool | None = None,
+                     batched: bool = False) -> ChunkRunner:
+        """A runner of chunks over this process's DiT and VAE, on a CUDA stream of its own: ``batched``, one
+        that several sessions' streams share (the batchers'), compiled for every batch size."""
+        from charstream.model.families.flashhead.chunks import ChunkRunner
+
+        dit, vae = self.generator(weights, device, seed)
+        compiled = str(device).startswith("cuda") if compiled is None else compiled
+        return ChunkRunner(dit, vae, compiled, batched)
+
+    def warm_up(self, weights: str | None, device: str, seed: int = 0, batched: bool = False) -> float:
         """The shared DiT and VAE loaded and, on CUDA, compiled: one chunk of silence through a grey
-        portrait (torch.compile's first calls are slow; later streams reuse what it built)."""
+        portrait (torch.compile's first calls are slow; later streams reuse what it built); ``batched``:
+        then batches of one and two through a batched runner, as the batchers run them."""
         if not str(device).startswith("cuda"):
             return 0.0
         started = time.perf_counter()
         cfg = self._config
-        stream = self.chunk_stream(weights, np.full((cfg.height, cfg.width, 3), 128, np.uint8), device, seed)
-        stream.decode(stream.denoise(np.zeros((cfg.latents_per_chunk, cfg.audio_tokens, cfg.dim), np.float32)))
-        stream.close()
+        grey = np.full((cfg.height, cfg.width, 3), 128, np.uint8)
+        silence = np.zeros((cfg.latents_per_chunk, cfg.audio_tokens, cfg.dim), np.float32)
+        streams = [self.chunk_stream(weights, grey, device, seed) for _ in range(2 if batched else 1)]
+        streams[0].decode(streams[0].denoise(silence))
+        if batched:
+            runner = self.chunk_runner(weights, device, seed, batched=True)
+            for size in (1, 2):  # a first chunk (one motion latent), then later ones (two)
+                for chunk in range(2):
+                    for s in streams[:size]:
+                        s.ready(chunk)
+                    latents = runner.denoise(streams[:size], [silence] * size)
+                    for s, motion in zip(streams[:size], runner.decode(streams[:size], latents)[1], strict=True):
+                        s.decoded(motion, chunk)
+        for s in streams:
+            s.close()
         return time.perf_counter() - started
 
     def generator(self, weights: str | None, device: str = "cpu", seed: int = 0) -> tuple[FlashHeadDiT, WanVAE | LtxVAE]:

@@ -8,13 +8,14 @@ frames re-encoded (or, for the first chunk, the reference image's latent) -- so 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from charstream.model.families.flashhead.config import FlashHeadConfig
 from charstream.model.families.flashhead.dit import FlashHeadDiT
+from charstream.model.families.flashhead.noise import randn_rows
 
 
 def chunk_timesteps(cfg: FlashHeadConfig) -> Tensor:
@@ -28,7 +29,7 @@ def sample_chunk(
     reference: Tensor,
     audio: Tensor,
     motion: Tensor,
-    generator: torch.Generator,
+    generator: torch.Generator | Sequence[torch.Generator],
     on_pass: Callable[[int, Tensor], None] | None = None,
 ) -> Tensor:
     """Denoise one chunk.
@@ -42,7 +43,7 @@ def sample_chunk(
     cfg = dit.cfg
     timesteps = chunk_timesteps(cfg).to(reference.device)
     batch = reference.shape[0]
-    x = torch.randn(reference.shape, generator=generator, dtype=reference.dtype, device=reference.device)
+    x = randn_rows(reference.shape, generator, reference.dtype, reference.device)
     m = motion.shape[2]
     for i in range(len(cfg.sigmas)):
         x[:, :, :m] = motion
@@ -51,7 +52,7 @@ def sample_chunk(
         sigma = (timesteps[i] / cfg.num_timesteps).to(x.dtype)
         sigma_next = (timesteps[i + 1] / cfg.num_timesteps).to(x.dtype)
         clean = x - velocity * sigma
-        noise = torch.randn(clean.shape, generator=generator, dtype=clean.dtype, device=clean.device)
+        noise = randn_rows(clean.shape, generator, clean.dtype, clean.device)
         x = (1 - sigma_next) * clean + sigma_next * noise
         if on_pass is not None:
             on_pass(i, x)

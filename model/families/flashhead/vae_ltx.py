@@ -19,6 +19,7 @@ Weights load from the diffusers-style ``VAE_LTX/`` folder (``config.json`` +
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -27,6 +28,7 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from charstream.model.families.flashhead.errors import CheckpointError
+from charstream.model.families.flashhead.noise import randn_rows
 from charstream.model.families.flashhead.vae_files import check_shapes, safetensors_shapes
 
 LATENT_CHANNELS = 128
@@ -214,10 +216,10 @@ class LtxVAE(nn.Module):
         z = (latents.float() * std + mean).to(self.decoder.conv_in.conv.weight.dtype)
         return self.decoder(z)
 
-    def encode_motion(self, frames: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    def encode_motion(self, frames: Tensor, generator: torch.Generator | Sequence[torch.Generator] | None = None) -> Tensor:
         """Frames ``(B, 3, 1 + 8k, H, W)`` in [-1, 1] -> normalised latents ``(B, 128, 1 + k, H / 32, W / 32)`` in
-        float32: the posterior mean, or with ``generator`` a sample from the posterior (what FlashHead Lite feeds
-        back as motion latents)."""
+        float32: the posterior mean, or with ``generator`` (or one per batch row) a sample from the posterior (what
+        FlashHead Lite feeds back as motion latents)."""
         f = frames.shape[2] if frames.ndim == 5 else 0
         if frames.ndim != 5 or frames.shape[1] != 3 or f % TEMPORAL_STRIDE != 1:
             raise ValueError(f"frames must be (B, 3, 1 + 8k, H, W), got {tuple(frames.shape)}")
@@ -227,7 +229,7 @@ class LtxVAE(nn.Module):
         z = out[:, :LATENT_CHANNELS]
         if generator is not None:
             std = torch.exp(0.5 * out[:, LATENT_CHANNELS:].clamp(-30.0, 20.0))
-            z = z + std * torch.randn(z.shape, generator=generator, device=z.device)
+            z = z + std * randn_rows(z.shape, generator, torch.float32, z.device)
         mean, std = self._stats()
         return (z - mean) / std
 

@@ -1,0 +1,150 @@
+"""FlashHead sessions batched (CPU, fp32, the 2-block DiT at the real width, 32 x 32): several sessions'
+chunks denoised and decoded in one batch are the chunks each session makes alone -- its motion latents,
+portrait, colour reference and noise stay its own -- and the stages' batchers run them together."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+from test_flashhead_chunks import SMALL, parts, portrait  # noqa: F401 -- the module's fixture
+
+from charstream.model.families.flashhead.chunks import ChunkMotionStream, ChunkRunner, portrait_tensor
+from charstream.model.families.flashhead.config import LITE
+from charstream.model.families.flashhead.loader import load_dit
+from charstream.model.families.flashhead.vae_ltx import random_ltx_vae
+
+
+def faces(n: int) -> list[torch.Tensor]:
+    """``n`` different portraits (the example face, its colours turned)."""
+    return [portrait_tensor(np.roll(portrait(), i, axis=2), 32, 32) for i in range(n)]
+
+
+def run_alone(dit, vae, portraits, seeds, tokens, chunks):
+    """Each session's chunks by its own stream: [(latents, frames)] per session per chunk."""
+    out = []
+    for face, seed, session_tokens, session_chunks in zip(portraits, seeds, tokens, chunks, strict=True):
+        stream = ChunkMotionStream(dit, vae, face, seed)
+        made = []
+        for t, chunk in zip(session_tokens, session_chunks, strict=True):
+            latents = stream.denoise(t, chunk)
+            made.append((latents, stream.decode(latents, chunk)))
+        out.append(made)
+    return out
+
+
+def run_batched(dit, vae, portraits, seeds, tokens, chunks):
+    """The same sessions, every step of theirs in one batch through one shared runner."""
+    runner = ChunkRunner(dit, vae, batched=True)
+    streams = [ChunkMotionStream(dit, vae, face, seed) for face, seed in zip(portraits, seeds, strict=True)]
+    out = [[] for _ in streams]
+    for step in range(len(tokens[0])):
+        for stream, session_chunks in zip(streams, chunks, strict=True):
+            stream.ready(session_chunks[step])
+        latents = runner.denoise(streams, [t[step] for t in tokens])
+        frames, motions = runner.decode(streams, latents)
+        for i, stream in enumerate(streams):
+            stream.decoded(motions[i], chunks[i][step])
+            out[i].append((latents[i], frames[i]))
+    return out
+
+
+def assert_same(alone, batched):
+    for session_alone, session_batched in zip(alone, batched, strict=True):
+        for (latents, frames), (b_latents, b_frames) in zip(session_alone, session_batched, strict=True):
+            torch.testing.assert_close(b_latents, latents, rtol=1e-4, atol=1e-4)
+            assert np.abs(b_frames.astype(int) - frames.astype(int)).max() <= 1
+
+
+def test_pro_chunks_in_one_batch_are_each_sessions_own(parts):  # noqa: F811
+    dit, vae = parts
+    rng = np.random.default_rng(7)
+    tokens = [[rng.normal(size=(9, SMALL.audio_tokens, SMALL.dim)).astype(np.float32) for _ in range(2)]
+              for _ in range(3)]
+    # session 2 rolls back to its start at its second step: a first chunk (one motion latent) batched
+    # beside later ones (two)
+    chunks = [[0, 1], [0, 1], [0, 0]]
+    portraits, seeds = faces(3), [4, 5, 6]
+    alone = run_alone(dit, vae, portraits, seeds, tokens, chunks)
+    batched = run_batched(dit, vae, portraits, seeds, tokens, chunks)
+    assert_same(alone, batched)
+    # the sessions' chunks differ: a batch does not mix them
+    assert (alone[0][1][0] - alone[1][1][0]).abs().max() > 1e-2
+
+
+def test_lite_chunks_in_one_batch_draw_each_sessions_posterior_noise():
+    cfg = LITE.with_(n_blocks=1, height=32, width=32)
+    dit, vae = load_dit("random", "lite", seed=2, cfg=cfg), random_ltx_vae(3)
+    rng = np.random.default_rng(8)
+    tokens = [[rng.normal(size=(5, cfg.audio_tokens, cfg.dim)).astype(np.float32) for _ in range(2)]
+              for _ in range(2)]
+    chunks = [[0, 1], [0, 1]]
+    portraits, seeds = faces(2), [4, 9]
+    assert_same(run_alone(dit, vae, portraits, seeds, tokens, chunks),
+                run_batched(dit, vae, portraits, seeds, tokens, chunks))
+
+
+def test_stage_batchers_run_two_sessions_chunks_together(parts):  # noqa: F811
+    """Two sessions' chunk stages on the process's batchers: their chunks go through one batch (the
+    batchers' largest forward holds both) and each session gets the frames its stream makes alone."""
+    from ingest_support import Recorder
+
+    from charstream.stages.config import DecodeConfig, DiffusionConfig
+    from charstream.stages.decode.chunk_batcher import ChunkDecodeBatcher
+    from charstream.stages.decode.chunks import ChunkDecodeStage
+    from charstream.stages.diffusion.chunk_batcher import ChunkDenoiseBatcher
+    from charstream.stages.diffusion.chunks import ChunkDiffusionStage
+    from charstream.transport.messages import Conditioning, Latents, VideoChunk
+
+    dit, vae = parts
+    shape = (9, SMALL.audio_tokens, SMALL.dim)
+    rng = np.random.default_rng(9)
+    tokens = [[rng.normal(size=shape).astype(np.float32) for _ in range(2)] for _ in range(2)]
+    audio = np.zeros(28 * 1_920, np.int16)
+    # a forward waits up to 1 s for both sessions' items
+    denoiser = ChunkDenoiseBatcher(DiffusionConfig(threads=1, batch_sessions=2, batch_window_s=1),
+                                   ChunkRunner(dit, vae, batched=True))
+    decoder = ChunkDecodeBatcher(DecodeConfig(threads=1, batch_sessions=2, batch_window_s=1),
+                                 ChunkRunner(dit, vae, batched=True))
+    portraits, seeds = faces(2), [4, 5]
+    streams = [ChunkMotionStream(dit, vae, face, seed) for face, seed in zip(portraits, seeds, strict=True)]
+    stages = [(ChunkDiffusionStage(DiffusionConfig(threads=1), s, shape, denoiser),
+               ChunkDecodeStage(DecodeConfig(threads=1), s, decoder), Recorder()) for s in streams]
+
+    async def session(i: int) -> list[np.ndarray]:
+        diffusion, decode, rec = stages[i]
+        ctx = rec.context()
+        await diffusion.setup(ctx)
+        await decode.setup(ctx)
+        for chunk in range(2):
+            await diffusion.process(Conditioning(f"s{i}", chunk, tokens[i][chunk], audio, False, 0), ctx)
+            await decode.process([m for _, m in rec.data if isinstance(m, Latents)][-1], ctx)
+        await diffusion.teardown()
+        await decode.teardown()
+        return [m.frames for _, m in rec.data if isinstance(m, VideoChunk)]
+
+    async def main() -> list[list[np.ndarray]]:
+        return await asyncio.wait_for(asyncio.gather(session(0), session(1)), 120)
+
+    frames = asyncio.run(main())
+    assert denoiser.stats.largest == 2 and denoiser.stats.forwards == 2
+    assert decoder.stats.largest == 2 and decoder.stats.forwards == 2
+    alone = run_alone(dit, vae, portraits, seeds, tokens, [[0, 1], [0, 1]])
+    for session_frames, session_alone in zip(frames, alone, strict=True):
+        assert len(session_frames) == 2
+        for got, (_, expected) in zip(session_frames, session_alone, strict=True):
+            assert np.abs(got.astype(int) - expected.astype(int)).max() <= 1
+
+
+@pytest.mark.parametrize("generators", [2, 4])
+def test_noise_rows_follow_their_own_generators(generators):
+    from charstream.model.families.flashhead.noise import randn_rows
+
+    gens = [torch.Generator().manual_seed(s) for s in range(generators)]
+    batch = randn_rows((generators, 3, 5), gens, torch.float32, "cpu")
+    for s in range(generators):
+        assert torch.equal(batch[s:s + 1], torch.randn((1, 3, 5), generator=torch.Generator().manual_seed(s)))
+    with pytest.raises(ValueError, match="3 generators for a batch of 2"):
+        randn_rows((2, 3), gens[:1] * 3, torch.float32, "cpu")
