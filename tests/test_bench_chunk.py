@@ -12,12 +12,13 @@ def test_bench_chunk_times_the_parts_and_runs_sessions_side_by_side(tmp_path, ca
     out = tmp_path / "chunk.json"
     before = set(flashhead_family._SHARED)
     assert main(["bench", "chunk", "--device", "cpu", "--blocks", "1", "--size", "32", "--chunks", "1",
-                 "--warmup", "0", "--sessions", "2", "--seconds", "0.2", "--out", str(out)]) == 0
+                 "--warmup", "0", "--sessions", "1,2", "--seconds", "0.2", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     parts = report["one_session"]
     assert set(parts) == {"encode", "denoise", "decode", "chunk"}
     assert parts["chunk"]["median_ms"] >= parts["denoise"]["median_ms"] > 0
-    threads, batched = report["side_by_side"]
+    alone, threads, batched = report["side_by_side"]
+    assert (alone["mode"], alone["sessions"]) == ("threads", 1)  # one session: on its own stream only
     assert threads["mode"] == "threads" and batched["mode"] == "batched"
     for ladder in (threads, batched):
         assert ladder["sessions"] == 2 and ladder["chunks"] >= 2 and ladder["generated_fps"] > 0

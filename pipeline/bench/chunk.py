@@ -198,7 +198,7 @@ def measure(args: argparse.Namespace) -> dict:
         while len(streams) < k:
             streams.append(Session(family, args.weights, args.device, len(streams), args.compile))
             streams[-1].run_chunk()  # its first calls through the compiled code, one session at a time
-        for mode in modes:
+        for mode in modes if k > 1 else [m for m in modes if m == "threads"]:  # a batch of one is a stream alone
             batchers = Batchers.make(family, args.weights, args.device, k) if mode == "batched" else None
             ladder.append(side_by_side(streams[:k], args.seconds, chunk_s, cfg.new_frames_per_chunk, batchers))
             if batchers is not None:
