@@ -3,6 +3,7 @@ objects, sessions side by side sharing one model -- each on its own stream, then
 batchers -- the table and JSON."""
 
 import json
+import time
 
 from charstream.model.families.flashhead import family as flashhead_family
 from charstream.pipeline.cli import main
@@ -27,3 +28,24 @@ def test_bench_chunk_times_the_parts_and_runs_sessions_side_by_side(tmp_path, ca
     # two sessions, one DiT + VAE and one audio encoder
     assert sorted(key[0] for key in set(flashhead_family._SHARED) - before) == ["audio", "generator"]
     assert "keeps up" in capsys.readouterr().out
+
+
+def test_a_failing_session_stops_the_side_by_side_run_with_its_error():
+    """A session whose chunk raises ends the run with that error, not a wait for its first chunk."""
+    import pytest
+
+    from charstream.pipeline.bench.chunk import side_by_side
+
+    class Session:
+        def __init__(self, fails: bool) -> None:
+            self.fails = fails
+
+        def run_chunk(self, batchers=None) -> dict:
+            if self.fails:
+                raise ValueError("the chunk failed")
+            time.sleep(0.01)
+            return {}
+
+    with pytest.raises(RuntimeError, match="1 of 2 sessions") as raised:
+        side_by_side([Session(False), Session(True)], 0.1, 1.0, 28)
+    assert isinstance(raised.value.__cause__, ValueError)

@@ -110,11 +110,11 @@ class Batchers:
     decode: ChunkDecodeBatcher
 
     @classmethod
-    def make(cls, family, weights: str, device: str, sessions: int) -> Batchers:
+    def make(cls, family, weights: str, device: str, sessions: int, compiled: bool) -> Batchers:
         from charstream.stages.config import DecodeConfig, DiffusionConfig
 
         def runner():
-            return family.chunk_runner(weights, device, 0, batched=True)
+            return family.chunk_runner(weights, device, 0, compiled, batched=True)
 
         batchers = cls(ChunkDenoiseBatcher(DiffusionConfig(device=device, batch_sessions=sessions), runner()),
                        ChunkDecodeBatcher(DecodeConfig(device=device, batch_sessions=sessions), runner()))
@@ -138,27 +138,39 @@ def side_by_side(sessions: list[Session], seconds: float, chunk_s: float, frames
     start = threading.Barrier(len(sessions) + 1)
     stop = float("inf")  # set once every thread has run its first chunk
 
+    errors: list[BaseException] = []
+
     def loop(i: int) -> None:
-        # one chunk first, untimed: cuDNN's benchmark cache is per thread (PyTorch keeps its conv plans
-        # thread-local), so a thread's first decode re-times every convolution, as a stage thread's does once
-        sessions[i].run_chunk(batchers)
-        start.wait()
-        last = time.perf_counter()
-        while last < stop:
+        try:
+            # one chunk first, untimed: cuDNN's benchmark cache is per thread (PyTorch keeps its conv plans
+            # thread-local), so a thread's first decode re-times every convolution, as a stage thread's does once
             sessions[i].run_chunk(batchers)
-            now = time.perf_counter()
-            periods[i].append(now - last)
-            last = now
-        ended[i] = last
+            start.wait()
+            last = time.perf_counter()
+            while last < stop:
+                sessions[i].run_chunk(batchers)
+                now = time.perf_counter()
+                periods[i].append(now - last)
+                last = now
+            ended[i] = last
+        except BaseException as e:  # noqa: BLE001 -- re-raised by the caller; the others stop waiting for it
+            errors.append(e)
+            start.abort()
 
     threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(len(sessions))]
     for t in threads:
         t.start()
-    start.wait()  # every thread has run its first chunk
+    try:
+        start.wait()  # every thread has run its first chunk
+    except threading.BrokenBarrierError:
+        pass
     began = time.perf_counter()
     stop = began + seconds
     for t in threads:
         t.join()
+    failed = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
+    if failed:
+        raise RuntimeError(f"a session's chunk failed ({len(failed)} of {len(sessions)} sessions)") from failed[0]
     every = [p for ps in periods for p in ps]
     p90 = [float(np.percentile(ps, 90)) for ps in periods]
     return {
@@ -194,12 +206,19 @@ def measure(args: argparse.Namespace) -> dict:
         raise ValueError(f"--modes: threads and/or batched, got {args.modes!r}")
     streams = [first]
     ladder = []
+    warmed = False
     for k in counts:
         while len(streams) < k:
             streams.append(Session(family, args.weights, args.device, len(streams), args.compile))
             streams[-1].run_chunk()  # its first calls through the compiled code, one session at a time
         for mode in modes if k > 1 else [m for m in modes if m == "threads"]:  # a batch of one is a stream alone
-            batchers = Batchers.make(family, args.weights, args.device, k) if mode == "batched" else None
+            if mode == "batched" and first.stream.compiled and not warmed:
+                # as a serving process does before its first session: torch.compile's tracing is not
+                # thread-safe (a compiled call on one thread fails while another thread compiles)
+                family.warm_up(args.weights, args.device, 0, batched=True)
+                warmed = True
+            batchers = Batchers.make(family, args.weights, args.device, k, first.stream.compiled) \
+                if mode == "batched" else None
             ladder.append(side_by_side(streams[:k], args.seconds, chunk_s, cfg.new_frames_per_chunk, batchers))
             if batchers is not None:
                 batchers.close(streams[:k])
