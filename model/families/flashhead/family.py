@@ -102,7 +102,8 @@ class FlashHeadFamily(ModelFamily):
     def warm_up(self, weights: str | None, device: str, seed: int = 0, batched: bool = False) -> float:
         """The shared DiT and VAE loaded and, on CUDA, compiled: one chunk of silence through a grey
         portrait (torch.compile's first calls are slow; later streams reuse what it built); ``batched``:
-        then batches of one and two through a batched runner, as the batchers run them."""
+        then batches of one and two through a batched runner, as the batchers run them. Later calls reuse
+        what these compiled and never compile again in this process."""
         if not str(device).startswith("cuda"):
             return 0.0
         started = time.perf_counter()
@@ -122,6 +123,10 @@ class FlashHeadFamily(ModelFamily):
                         s.decoded(motion, chunk)
         for s in streams:
             s.close()
+        # Nothing compiles after this: an unforeseen shape runs eager. The sessions call the compiled code on
+        # their threads, and torch.compile's tracing is process-wide: a compiled call on one thread fails
+        # while another thread compiles (and a compile would stall every session for a minute).
+        torch.compiler.set_stance("eager_on_recompile")
         return time.perf_counter() - started
 
     def generator(self, weights: str | None, device: str = "cpu", seed: int = 0) -> tuple[FlashHeadDiT, WanVAE | LtxVAE]:
