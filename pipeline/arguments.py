@@ -5,10 +5,14 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from charstream.stages.config import check_port
+
+if TYPE_CHECKING:
+    from charstream.model.families.base import ModelFamily
 
 
 def _whole_number(text: str) -> int:
@@ -94,6 +98,21 @@ def model_choice(name: str, weights: str | None, portrait: str | None) -> tuple[
         if not report.ok:
             raise ValueError(f"--weights {weights}: {report.problem()}")
     return (None if weights == "random" else weights), read_portrait(portrait)
+
+
+def sized_family(name: str, blocks: int | None = None, size: int | None = None) -> ModelFamily:
+    """The family ``name``, with fewer DiT blocks or another square video size when given (a FlashHead
+    model on the CPU, to check a bench end to end); a ValueError for a family that has no such sizes."""
+    from charstream.model.families import get_family
+
+    family = get_family(name)
+    if not blocks and not size:
+        return family
+    if family.generation_mode != "chunk_motion":
+        raise ValueError(f"--blocks and --size resize a FlashHead model, not {name!r}")
+    cfg = family.config
+    return get_family(name, config=cfg.with_(n_blocks=blocks or cfg.n_blocks, height=size or cfg.height,
+                                            width=size or cfg.width))
 
 
 def renamed(parser: argparse.ArgumentParser, old: str, new: str) -> None:

@@ -257,7 +257,8 @@ class LiveSession:
 def session_factory(config: PipelineConfig, weights: str | None = "packaged",
                     on_session: Callable[[LiveSession], Any] | None = None,
                     testcard: bool | Node = False, out_dir: Path | None = None,
-                    agent_hub: AgentHub | None = None, portrait: np.ndarray | None = None) -> SessionFactory:
+                    agent_hub: AgentHub | None = None, portrait: np.ndarray | None = None,
+                    family: ModelFamily | None = None) -> SessionFactory:
     """An egress ``SessionFactory``: each new peer gets its own ``LiveSession``. Its trace goes to
     ``out_dir/<session>/trace.jsonl`` when ``out_dir`` is given, else to the config's file (own
     name when several sessions share a config: ``<stem>-<session>.jsonl`` after the first).
@@ -268,12 +269,13 @@ def session_factory(config: PipelineConfig, weights: str | None = "packaged",
     the serving process (``pipeline/runtime/process.py``): its GIL switch interval
     (``config.gil_switch_interval_ms``: its sessions' threads share it), the imports of what its sessions
     run and the frozen heap (``config.freeze_heap``). ``portrait``: the face a portrait model (FlashHead)
-    animates, each session encoding it once."""
+    animates, each session encoding it once. ``family``: the sessions' model (default: the one
+    ``config.preset`` names; another size of it, e.g. a CPU check)."""
     from charstream.model.families import get_family
 
     here = not testcard and config.hosting != "engine"  # the engine batches its sessions' model stages itself
     prepare_process("serving", config, ["ingest", *(MODEL_STAGES if here else ())])
-    family = get_family(config.preset)
+    family = family or get_family(config.preset)
     chunks = family.generation_mode == "chunk_motion"
     batch_steps = config.diffusion.batch_sessions > 1 and here
     batch_decodes = config.decode.batch_sessions > 1 and here
@@ -308,7 +310,7 @@ def session_factory(config: PipelineConfig, weights: str | None = "packaged",
             session_config.tracing.jsonl_path = f"{stem}-{session_id}.{ext}" if stem else f"{path}-{session_id}"
         started += 1
         session = LiveSession(session_config, session_id, weights, testcard=testcard, agent_hub=agent_hub,
-                              batcher=batcher, decode_batcher=decode_batcher, portrait=portrait)
+                              batcher=batcher, decode_batcher=decode_batcher, portrait=portrait, family=family)
         sessions[session_id] = session
         session.start()
         session._task.add_done_callback(lambda _: sessions.pop(session_id, None))

@@ -38,7 +38,9 @@
 #                                                   part, then 1-3 sessions side by side, each count on threads and
 #                                                   batched; CHUNK_SESSIONS_PRO), lite (the same for Lite at 1, 4, 8,
 #                                                   16 sessions; CHUNK_SESSIONS_LITE); CHUNK_SECONDS a count (12);
-#                                                   needs whl-a
+#                                                   needs whl-a; capacity (not by default: `bench capacity` of Lite,
+#                                                   live sessions to aiortc clients, FH_CAPACITY_SESSIONS 4 8 16,
+#                                                   one ladder at FH_CAPACITY_BATCH 16; needs whl-a and whl-b)
 #               scripts/gpu_run.sh capacity DIR [BATCH...]   `charstream bench capacity --gpus 1` (~5 min): concurrent
 #                                                   tiny sessions (CAPACITY_SESSIONS, default 32 48; 8 16 32 48
 #                                                   with one ladder), one ladder per batch_sessions value (default
@@ -213,7 +215,14 @@ elif [ "$cmd" = flashhead ]; then
                 section "bench chunk flashhead-$part" 330 "bench-chunk-$part.log" python3 -m charstream.pipeline.cli \
                   bench chunk --model "flashhead-$part" --sessions "$counts" --seconds "${CHUNK_SECONDS:-12}" --chunks 6 \
                   --warmup 2 --out "$OUT/bench_chunk_$part.json" ;;
-      *) echo "unknown flashhead part $part (tests pro lite)"; exit 2 ;;
+      # live Lite sessions through WebRTC to aiortc clients, one worker process (its sessions share the model
+      # and, batch > 1, batch their chunks); its start compiles the model (minutes): needs whl-a and whl-b
+      capacity) # shellcheck disable=SC2086
+                section "capacity flashhead-lite" 560 capacity-lite.log python3 -m charstream.pipeline.cli bench capacity \
+                  --preset flashhead-lite --weights random --portrait examples/portrait.png --gpus 1 --workers 1 \
+                  --clients "${CAPACITY_CLIENTS:-4}" --sessions ${FH_CAPACITY_SESSIONS:-4 8 16} \
+                  --batch-sessions "${FH_CAPACITY_BATCH:-16}" --hold 15 --start-timeout 450 --out "$OUT/capacity_lite.json" ;;
+      *) echo "unknown flashhead part $part (tests pro lite capacity)"; exit 2 ;;
     esac
   done
 elif [ "$cmd" = capacity ]; then

@@ -161,7 +161,8 @@ def test_chunk_stages_drop_what_a_rollback_made_stale(parts):
         return after_0
 
     after_0 = asyncio.run(main())
-    assert diffusion.stale == 1 and decode.stale == 1 and decode.bad == 1
+    assert diffusion.stats.stale == 1 and diffusion.stats.rollbacks == 1 and decode.stale == 1 and decode.bad == 1
+    assert diffusion.stats.generated == 4 and len(diffusion.stats.step_s) == 4
     assert [(m.chunk, m.epoch) for m in emitted(Latents)] == [(0, 0), (1, 0), (1, 1), (2, 1)]
     assert [(m.chunk, m.epoch) for m in emitted(VideoChunk)] == [(0, 0), (1, 1)] and stream.chunks == 2
     pinned = after_0.shape[2]  # the new chunk 1 continues chunk 0, not the dropped chunk 1

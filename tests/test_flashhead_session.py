@@ -42,14 +42,19 @@ def test_flashhead_session_through_every_stage():
                               family=FlashHeadFamily("pro", config=SMALL), portrait=portrait())
         stream = next(n for n in session.runner.graph.nodes if n.name == "decode").kwargs["stream"]
         used: list[tuple[int, torch.Tensor]] = []  # each chunk made, and the motion latents it started from
-        denoise = stream.denoise
+        ready, denoise = stream.ready, stream.runner.denoise
+        chunks: list[int] = []
 
-        def recording(tokens, chunk=None, timeout=None):
-            latents = denoise(tokens, chunk, timeout)
-            used.append((chunk, latents[:, :, :SMALL.motion_latents].clone()))
+        def readying(chunk=None, timeout=None):
+            ready(chunk, timeout)
+            chunks.append(chunk)
+
+        def recording(streams, tokens):
+            latents = denoise(streams, tokens)
+            used.append((chunks[-1], latents[0][:, :, :SMALL.motion_latents].clone()))
             return latents
 
-        stream.denoise = recording
+        stream.ready, stream.runner.denoise = readying, recording
         session.start()
         frames, index = [], 0
         try:

@@ -3,6 +3,8 @@
     charstream bench capacity --gpus 1 --sessions 8 16 32 48 --workers 16 --clients 4 --out capacity.json
     charstream bench capacity --sessions 1 2 --workers 2 --clients 1 --hold 10     (CPU)
     charstream bench capacity --gpus 1 --engines 1 --batch-sessions 1 48 --sessions 32 48 --workers 16 --clients 4
+    charstream bench capacity --preset flashhead-lite --weights DIR --portrait face.png --gpus 1 --workers 1 \
+        --clients 4 --batch-sessions 1 16 --sessions 4 8 16
 
 Every session is the whole stage graph (``pipeline.session``): the built-in scripted agent
 (espeak-ng voices, silero-vad on its simulated user's microphone; its recogniser off unless
@@ -35,6 +37,11 @@ lagging more than a frame). ``--batch-sessions 1 8`` runs the whole ladder once 
 processes (``diffusion.batch_sessions`` and ``decode.batch_sessions``, as ``serve --batch-sessions``:
 the most sessions of a process one batched forward serves; 1 is off). ``--budget-s`` bounds one ladder's wall time: a count that would not fit is not
 started. The JSON (``--out``) is rewritten after each count, so a run cut short keeps what it measured.
+
+A FlashHead preset (``--portrait`` the face every session animates; its weights folder or ``random``)
+holds its own rate (25 fps); its sessions share their worker's model (``inproc``), and with
+``--batch-sessions`` their chunks are batched. ``--blocks`` / ``--size`` make it small enough to check the
+bench on a CPU.
 """
 
 from __future__ import annotations
@@ -92,7 +99,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sessions", type=int, nargs="+", default=[8, 16, 32, 48],
                         help="concurrent session counts, in order (default: 8 16 32 48)")
     parser.add_argument("--preset", default="tiny", help="model preset (default: tiny)")
-    parser.add_argument("--weights", default="packaged", help="'packaged' (the trained weights shipped) or 'random'")
+    parser.add_argument("--weights", default="packaged",
+                        help="'packaged' (the trained weights shipped), 'random', or a FlashHead weights folder")
+    parser.add_argument("--portrait", help="the face a FlashHead preset animates (every session's)")
+    parser.add_argument("--blocks", type=int, default=None, help="fewer FlashHead DiT blocks (a CPU check of the bench)")
+    parser.add_argument("--size", type=int, default=None, help="another square FlashHead video size (a CPU check)")
     arguments.renamed(parser, "--placement", "--hosting")
     parser.add_argument("--gpus", metavar="LAYOUT", default=None,
                         help="GPU layout of every session (pipeline/runtime/layouts.py), e.g. 1; default: CPU")
@@ -112,7 +123,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="one ladder per value: diffusion and decode batch_sessions (1: no cross-session batching)")
     parser.add_argument("--hold", type=float, default=30.0, help="measured seconds at each count (default 30)")
     parser.add_argument("--warmup", type=float, default=5.0, help="seconds between a count's start and its window")
-    parser.add_argument("--min-fps", type=float, default=24.0, help="the rate every session must hold (default 24)")
+    parser.add_argument("--min-fps", type=float, default=None,
+                        help="the rate every session must hold (default: the model's, 24 or 25)")
     parser.add_argument("--spread-s", type=float, default=0.0,
                         help="start a count's new sessions evenly over this many seconds, so that their scripted "
                              "turns are out of phase as real users' are (default 0: all at once, every session's "
@@ -673,7 +685,7 @@ async def ladder(args: argparse.Namespace, batch_sessions: int, budget_s: float 
             if engines is not None:  # its sessions' model stages in its engine
                 worker_config = dataclasses.replace(config, engine_endpoint=engines.endpoints[engine_of(i, args.engines)])
             procs.launch(f"worker-{i}", run_worker, procs.endpoint, f"worker-{i}", worker_config, weights,
-                         args.log_level)
+                         args.log_level, args.family, args.portrait_image)
         for i in range(args.clients):
             procs.launch(f"client-{i}", run_clients, procs.endpoint, f"client-{i}", args.start_timeout, args.client_nice)
         await procs.wait_hello(args.start_timeout)
@@ -816,6 +828,15 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"charstream bench capacity: --client-nice must be 0-19, got {args.client_nice}")
     if args.engines < 0 or args.engines > args.workers:
         raise SystemExit("charstream bench capacity: --engines must be 0..--workers (each worker's sessions use one engine)")
+    try:  # the model (FlashHead: its weights folder checked from the headers, and the portrait)
+        args.family = arguments.sized_family(args.preset, args.blocks, args.size)
+        _, args.portrait_image = arguments.model_choice(args.preset, args.weights, args.portrait)
+    except ValueError as e:
+        raise SystemExit(f"charstream bench capacity: {e}") from None
+    if args.family.generation_mode == "chunk_motion" and (args.engines or hosting(args) != "inproc"):
+        raise SystemExit(f"charstream bench capacity: {args.preset} runs its sessions' model stages inproc only")
+    if args.min_fps is None:
+        args.min_fps = float(args.family.timeline.fps)
     per = per_process(args)
     where = "engine" if args.engines else "worker"
     for k in args.batch_sessions:
@@ -831,6 +852,7 @@ def run(args: argparse.Namespace) -> int:
     configure_logging("error")
     report: dict[str, Any] = {
         "bench": "capacity", "preset": args.preset, "weights": args.weights, "gpus": args.gpus,
+        "blocks": args.blocks, "size": args.size,
         "hosting": hosting(args), "engines": args.engines, "workers": args.workers, "clients": args.clients,
         "client_nice": args.client_nice, "sessions": args.sessions,
         "hold_s": args.hold, "warmup_s": args.warmup, "min_fps": args.min_fps, "budget_s": args.budget_s,

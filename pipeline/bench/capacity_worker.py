@@ -25,14 +25,18 @@ import os
 import signal
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import zmq
 import zmq.asyncio
 
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.runtime.loop_lag import LoopLag
 from charstream.stages.playout.stats import UNDERRUN_CAUSES
+
+if TYPE_CHECKING:
+    from charstream.model.families.base import ModelFamily
 
 CONNECTS_AT_ONCE = 4  # offers in flight per client process (each starts a session on its worker)
 
@@ -101,14 +105,15 @@ def _stop_on_sigterm(stop: asyncio.Event) -> None:
 # -- the server worker ---------------------------------------------------------------------------------
 
 
-def run_worker(endpoint: str, name: str, config: PipelineConfig, weights: str | None,
-               log_level: str = "error") -> dict[str, Any]:
-    """A server worker's process (a ``Supervisor`` target): returns its report."""
+def run_worker(endpoint: str, name: str, config: PipelineConfig, weights: str | None, log_level: str = "error",
+               family: ModelFamily | None = None, portrait: np.ndarray | None = None) -> dict[str, Any]:
+    """A server worker's process (a ``Supervisor`` target): returns its report. ``family`` and ``portrait``:
+    the sessions' model, when not the one ``config.preset`` names at its size, and the face it animates."""
     from charstream.logs import configure_logging
 
     configure_logging(log_level)
     try:
-        asyncio.run(_worker(endpoint, name, config, weights))
+        asyncio.run(_worker(endpoint, name, config, weights, family, portrait))
     except Exception as e:
         return {"error": f"{name}: {type(e).__name__}: {e}"}
     return {}
@@ -134,13 +139,14 @@ def device_info(config: PipelineConfig, weights: str | None) -> dict[str, Any]:
 
 
 class Worker:
-    def __init__(self, config: PipelineConfig, weights: str | None) -> None:
+    def __init__(self, config: PipelineConfig, weights: str | None, family: ModelFamily | None = None,
+                 portrait: np.ndarray | None = None) -> None:
         from charstream.pipeline.runtime.process import MemoryTrimmer
         from charstream.pipeline.session import session_factory
         from charstream.pipeline.web.server import EgressServer
 
         self.sessions: dict[str, Any] = {}  # every LiveSession started here, ended ones too
-        self.factory = session_factory(config, weights, on_session=self._started)
+        self.factory = session_factory(config, weights, on_session=self._started, portrait=portrait, family=family)
         self.server = EgressServer(config.egress, self.factory)
         self.trimmer = MemoryTrimmer(config.egress.memory_trim_s)  # this process owns the serving loop
         self.lag = LoopLag()
@@ -205,14 +211,15 @@ class Worker:
         return snapshot
 
 
-async def _worker(endpoint: str, name: str, config: PipelineConfig, weights: str | None) -> None:
+async def _worker(endpoint: str, name: str, config: PipelineConfig, weights: str | None,
+                  family: ModelFamily | None, portrait: np.ndarray | None) -> None:
     link = Link(endpoint, name)
     stop = asyncio.Event()
     _stop_on_sigterm(stop)
     worker, quit_id = None, None
     try:
         info = await asyncio.to_thread(device_info, config, weights)
-        worker = Worker(config, weights)
+        worker = Worker(config, weights, family, portrait)
         url = await worker.server.start()
         worker.trimmer.start()
         worker.lag.start()

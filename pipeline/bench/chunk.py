@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from charstream.model.families import FLASHHEAD_NAMES
+from charstream.pipeline.arguments import sized_family
 from charstream.pipeline.bench.output import commit_id, emit_report, text_table
 from charstream.stages.decode.chunk_batcher import ChunkDecodeBatcher
 from charstream.stages.diffusion.chunk_batcher import ChunkDenoiseBatcher
@@ -188,13 +189,8 @@ def side_by_side(sessions: list[Session], seconds: float, chunk_s: float, frames
 def measure(args: argparse.Namespace) -> dict:
     import torch
 
-    from charstream.model.families import get_family
-
-    cfg = get_family(args.model).config
-    if args.blocks or args.size:  # the same family at another size
-        cfg = cfg.with_(n_blocks=args.blocks or cfg.n_blocks, height=args.size or cfg.height,
-                        width=args.size or cfg.width)
-    family = get_family(args.model, config=cfg)
+    family = sized_family(args.model, args.blocks, args.size)
+    cfg = family.config
     chunk_s = family.timeline.chunk_seconds
     began = time.perf_counter()
     first = Session(family, args.weights, args.device, 0, args.compile)

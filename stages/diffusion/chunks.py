@@ -18,6 +18,7 @@ import numpy as np
 
 from charstream.stages.base import Stage, StageContext
 from charstream.stages.config import DiffusionConfig, cpu_threads
+from charstream.stages.diffusion.stage import DiffusionStats
 from charstream.stages.shared.worker import StageWorker
 from charstream.transport.messages import Conditioning, Control, ControlKind, Latents, Message
 
@@ -37,10 +38,7 @@ class ChunkDiffusionStage(Stage):
         self.token_shape = tuple(token_shape)  # (latents, audio tokens, d) a chunk
         self.worker = StageWorker("diffusion", cpu_threads(config.threads) if config.device == "cpu" else None)
         self.epoch = 0
-        self.generated = 0
-        self.bad = 0
-        self.stale = 0  # conditioning of an older epoch, dropped
-        self.last_step_s = 0.0
+        self.stats = DiffusionStats()  # a step is a chunk's denoising here
 
     async def setup(self, ctx: StageContext) -> None:
         if self.batcher is not None:
@@ -51,24 +49,25 @@ class ChunkDiffusionStage(Stage):
         tokens = getattr(msg, "audio_tokens", None)
         if not isinstance(msg, Conditioning) or not isinstance(tokens, np.ndarray) \
                 or tokens.shape != self.token_shape or not np.isfinite(tokens).all():
-            self.bad += 1
+            self.stats.bad += 1
             ctx.log.error("diffusion_bad_conditioning", chunk=getattr(msg, "chunk", None),
                           problem=f"expected finite audio tokens {self.token_shape}, got "
                                   f"{type(msg).__name__} {getattr(tokens, 'shape', None)}")
             return
         if msg.epoch < self.epoch:
-            self.stale += 1
+            self.stats.stale += 1
             ctx.log.debug("diffusion_stale", chunk=msg.chunk, epoch=msg.epoch, current=self.epoch)
             return
         self.epoch = msg.epoch
+        await self.worker.run(self.stream.ready, msg.chunk)  # its previous chunk decoded: not the step's time
         started = time.perf_counter()
         if self.batcher is None:
-            latents = await self.worker.run(self.stream.denoise, tokens, msg.chunk)
+            (latents,) = await self.worker.run(self.stream.runner.denoise, [self.stream], [tokens])
         else:
-            await self.worker.run(self.stream.ready, msg.chunk)
             latents = await self.batcher.denoise(self.stream, tokens)
-        self.last_step_s = time.perf_counter() - started
-        self.generated += 1
+        self.stats.last_step_s = time.perf_counter() - started
+        self.stats.step_s.append(self.stats.last_step_s)
+        self.stats.generated += 1
         msg.trace.stamp("diffusion_done")
         await ctx.emit(Latents(msg.session_id, msg.chunk, latents[0].float().cpu().numpy(), msg.audio, msg.speaking,
                                msg.epoch, msg.trace))
@@ -76,6 +75,7 @@ class ChunkDiffusionStage(Stage):
     async def control(self, msg: Control, ctx: StageContext) -> None:
         if msg.kind == ControlKind.ROLLBACK:  # the chunks to come carry the new epoch; the stream continues
             self.epoch = max(self.epoch, msg.epoch)
+            self.stats.rollbacks += 1
 
     async def teardown(self) -> None:
         self.stream.close()  # releases a denoise waiting for a decode that will not come
