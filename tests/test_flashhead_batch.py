@@ -150,20 +150,18 @@ def test_noise_rows_follow_their_own_generators(generators):
         randn_rows((2, 3), gens[:1] * 3, torch.float32, "cpu")
 
 
-def test_a_serving_process_with_batch_sessions_batches_its_flashhead_chunks(monkeypatch):
+def test_a_serving_process_with_batch_sessions_batches_its_flashhead_chunks():
     """``serve --batch-sessions N`` on a FlashHead model: the session factory hands its sessions the chunk
     batchers (over runners compiled for every batch size), not the characters' step batchers."""
-    from charstream.model import families
     from charstream.model.families.flashhead.family import FlashHeadFamily
     from charstream.pipeline.config import PipelineConfig
     from charstream.pipeline.session import session_factory
     from charstream.stages.decode.chunk_batcher import ChunkDecodeBatcher
     from charstream.stages.diffusion.chunk_batcher import ChunkDenoiseBatcher
 
-    monkeypatch.setattr(families, "get_family", lambda name, **_: FlashHeadFamily("pro", config=SMALL))
     config = PipelineConfig(preset="flashhead-pro")
     config.diffusion.batch_sessions = config.decode.batch_sessions = 4
-    factory = session_factory(config, weights="random", portrait=portrait())
+    factory = session_factory(config, weights="random", portrait=portrait(), family=FlashHeadFamily("pro", config=SMALL))
     assert isinstance(factory.batcher, ChunkDenoiseBatcher) and isinstance(factory.decode_batcher, ChunkDecodeBatcher)
     assert factory.batcher.max_sessions == 4 and factory.batcher.runner.batched
     assert factory.batcher.runner is not factory.decode_batcher.runner  # each on a stream of its own
