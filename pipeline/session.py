@@ -38,11 +38,9 @@ from charstream.pipeline.web.server import SessionFactory, SessionMedia
 from charstream.stages.base import Stage
 from charstream.stages.conditioning.stage import build as build_conditioning
 from charstream.stages.decode.batcher import DecodeBatcher
-from charstream.stages.decode.chunk_batcher import ChunkDecodeBatcher
 from charstream.stages.decode.chunks import ChunkDecodeStage
 from charstream.stages.decode.stage import DecodeStage
 from charstream.stages.diffusion.batcher import StepBatcher
-from charstream.stages.diffusion.chunk_batcher import ChunkDenoiseBatcher
 from charstream.stages.diffusion.chunks import ChunkDiffusionStage
 from charstream.stages.diffusion.stage import DiffusionStage
 from charstream.stages.egress.mic import UserAudioQueue
@@ -54,11 +52,13 @@ from charstream.stages.ingest.push import PushAdapter
 from charstream.stages.ingest.stage import IngestStage
 from charstream.stages.playout.output import PlayoutOutput
 from charstream.stages.playout.stage import PlayoutStage
+from charstream.stages.shared.chunk_batcher import ChunkDecodeBatcher, ChunkDenoiseBatcher
 from charstream.stages.shared.metrics import forget_processes
 from charstream.stages.shared.tracing import TurnRecord, TurnTracer
 
 if TYPE_CHECKING:
     from charstream.model.families.base import ModelFamily
+    from charstream.model.families.flashhead.chunks import ChunkRunner
 
 
 def model_nodes(config: PipelineConfig, weights: str | None = "packaged",
@@ -115,7 +115,8 @@ def build_graph(config: PipelineConfig, output: PlayoutOutput, tracer: TurnTrace
                 user_audio: UserAudioQueue | None = None, agent: AgentAdapter | None = None,
                 weights: str | None = "packaged", link: PeerLink | None = None,
                 batcher: StepBatcher | ChunkDenoiseBatcher | None = None,
-                decode_batcher: DecodeBatcher | ChunkDecodeBatcher | None = None, family: ModelFamily | None = None, portrait: np.ndarray | None = None) -> Graph:
+                decode_batcher: DecodeBatcher | ChunkDecodeBatcher | None = None, family: ModelFamily | None = None,
+                portrait: np.ndarray | None = None) -> Graph:
     """The session's stages and edges, each stage built from its config section. ``weights``: a
     weights file, ``"packaged"`` (the trained weights shipped for the preset, when present) or None
     (seeded random weights). The live objects — playout's ``output``, the ``tracer``, the user's
@@ -265,7 +266,8 @@ def session_factory(config: PipelineConfig, weights: str | None = "packaged",
     ``factory.sessions`` holds the running ones by session id. With ``diffusion.batch_sessions`` > 1
     its sessions share one model and batch their diffusion steps (``factory.batcher``); with
     ``decode.batch_sessions`` > 1 one decoder and their chunks (``factory.decode_batcher``); a
-    ``chunk_motion`` family's sessions their chunks' denoising and decoding (``stages/*/chunk_batcher.py``). Prepares
+    ``chunk_motion`` family's sessions their chunks' denoising and decoding
+    (``stages/shared/chunk_batcher.py``). Prepares
     the serving process (``pipeline/runtime/process.py``): its GIL switch interval
     (``config.gil_switch_interval_ms``: its sessions' threads share it), the imports of what its sessions
     run and the frozen heap (``config.freeze_heap``). ``portrait``: the face a portrait model (FlashHead)
@@ -279,18 +281,18 @@ def session_factory(config: PipelineConfig, weights: str | None = "packaged",
     chunks = family.generation_mode == "chunk_motion"
     batch_steps = config.diffusion.batch_sessions > 1 and here
     batch_decodes = config.decode.batch_sessions > 1 and here
+    model_weights = None if weights in (None, "random") else weights  # a family's: None = seeded random
     if here and config.diffusion.device.startswith("cuda"):
-        took = family.warm_up(None if weights in (None, "random") else weights, config.diffusion.device,
-                              config.diffusion.seed, batched=batch_steps or batch_decodes)
+        took = family.warm_up(model_weights, config.diffusion.device, config.diffusion.seed,
+                              batched=batch_steps or batch_decodes)
         if took:
             print(f"charstream: {config.preset} loaded and compiled on {config.diffusion.device} in {took:.0f} s "
                   "(longer on a first run, before torch's compile cache holds it)", file=sys.stderr, flush=True)
     started = 0
     sessions: dict[str, LiveSession] = {}
     if chunks:  # the sessions' chunks through shared runners (FlashHead: one model, shared already)
-        def runner() -> Any:  # each batcher its own, on a CUDA stream of its own
-            return family.chunk_runner(None if weights in (None, "random") else weights, config.diffusion.device,
-                                       config.diffusion.seed, batched=True)
+        def runner() -> ChunkRunner:  # each batcher its own, on a CUDA stream of its own
+            return family.chunk_runner(model_weights, config.diffusion.device, config.diffusion.seed, batched=True)
 
         batcher = ChunkDenoiseBatcher(config.diffusion, runner()) if batch_steps else None
         decode_batcher = ChunkDecodeBatcher(config.decode, runner()) if batch_decodes else None

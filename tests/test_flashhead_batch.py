@@ -63,8 +63,8 @@ def test_pro_chunks_in_one_batch_are_each_sessions_own(parts):  # noqa: F811
     rng = np.random.default_rng(7)
     tokens = [[rng.normal(size=(9, SMALL.audio_tokens, SMALL.dim)).astype(np.float32) for _ in range(2)]
               for _ in range(2)]
-    # session 1 rolls back to its start at its second step: a first chunk (one motion latent) batched
-    # beside a later one (two)
+    # the second session rolls back to its start at its second step: a first chunk (one motion latent)
+    # batched beside a later one (two)
     chunks = [[0, 1], [0, 0]]
     portraits, seeds = faces(2), [4, 5]
     alone = run_alone(dit, vae, portraits, seeds, tokens, chunks)
@@ -92,10 +92,9 @@ def test_stage_batchers_run_two_sessions_chunks_together(parts):  # noqa: F811
     from ingest_support import Recorder
 
     from charstream.stages.config import DecodeConfig, DiffusionConfig
-    from charstream.stages.decode.chunk_batcher import ChunkDecodeBatcher
     from charstream.stages.decode.chunks import ChunkDecodeStage
-    from charstream.stages.diffusion.chunk_batcher import ChunkDenoiseBatcher
     from charstream.stages.diffusion.chunks import ChunkDiffusionStage
+    from charstream.stages.shared.chunk_batcher import ChunkDecodeBatcher, ChunkDenoiseBatcher
     from charstream.transport.messages import Conditioning, Latents, VideoChunk
 
     dit, vae = parts
@@ -156,8 +155,7 @@ def test_a_serving_process_with_batch_sessions_batches_its_flashhead_chunks():
     from charstream.model.families.flashhead.family import FlashHeadFamily
     from charstream.pipeline.config import PipelineConfig
     from charstream.pipeline.session import session_factory
-    from charstream.stages.decode.chunk_batcher import ChunkDecodeBatcher
-    from charstream.stages.diffusion.chunk_batcher import ChunkDenoiseBatcher
+    from charstream.stages.shared.chunk_batcher import ChunkDecodeBatcher, ChunkDenoiseBatcher
 
     config = PipelineConfig(preset="flashhead-pro")
     config.diffusion.batch_sessions = config.decode.batch_sessions = 4

@@ -11,7 +11,7 @@ Then sessions side by side: K chunk streams sharing the process's model, each on
 the stages run them, chunk after chunk for ``--seconds`` after one untimed chunk on that thread. Two ways,
 each K run both ways in the same process (``--modes``): ``threads``, each session's chunk on its own
 stream (``diffusion/decode.batch_sessions`` 1), and ``batched``, the sessions' due chunks denoised and
-decoded together by the stages' batchers (``stages/*/chunk_batcher.py``, ``batch_sessions`` K). A session
+decoded together by the stages' batchers (``stages/shared/chunk_batcher.py``, ``batch_sessions`` K). A session
 keeps up when its chunks come at least as fast as they play (28 frames at 25 fps: one every 1.12 s); the
 report gives each K's per-session chunk period (median, p90) and the frames a second generated in all.
 This is the model's side of capacity (no WebRTC, no playout): the sessions a GPU can feed.
@@ -31,8 +31,7 @@ import numpy as np
 from charstream.model.families import FLASHHEAD_NAMES
 from charstream.pipeline.arguments import sized_family
 from charstream.pipeline.bench.output import commit_id, emit_report, text_table
-from charstream.stages.decode.chunk_batcher import ChunkDecodeBatcher
-from charstream.stages.diffusion.chunk_batcher import ChunkDenoiseBatcher
+from charstream.stages.shared.chunk_batcher import ChunkDecodeBatcher, ChunkDenoiseBatcher
 from charstream.timeline import TIMELINE_RATE
 
 

@@ -2,7 +2,7 @@
 (its new frames + the chunk's audio span), by the session's chunk stream, which also re-encodes the chunk's
 last frames as the next chunk's motion latents (``model/families/flashhead/chunks.py``). Latents of an
 epoch a rollback ended, or malformed, are not decoded; the stream is told, so its next chunk starts
-without them. With a ``batcher`` (``decode.batch_sessions`` > 1, ``chunk_batcher.py``) the chunk is
+without them. With a ``batcher`` (``decode.batch_sessions`` > 1, ``stages/shared/chunk_batcher.py``) the chunk is
 decoded in a batch with other sessions'."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from charstream.stages.shared.worker import StageWorker
 from charstream.transport.messages import Control, ControlKind, Latents, Message, VideoChunk
 
 if TYPE_CHECKING:
-    from charstream.stages.decode.chunk_batcher import ChunkDecodeBatcher
+    from charstream.stages.shared.chunk_batcher import ChunkDecodeBatcher
 
 
 class ChunkDecodeStage(Stage):

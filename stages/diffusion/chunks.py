@@ -6,7 +6,7 @@ because that chunk's last frames, re-encoded, are this chunk's motion latents. B
 in the session's process (group ``main``), where live objects are handed in, never pickled. Conditioning
 of an epoch a rollback ended is dropped unmade: a turn's first speech chunk would otherwise wait for the
 whole chunks (denoise and decode) queued before it. With a ``batcher`` (``diffusion.batch_sessions`` > 1,
-``chunk_batcher.py``) the chunk, once its stream is ready, is denoised in a batch with other sessions'.
+``stages/shared/chunk_batcher.py``) the chunk, once its stream is ready, is denoised in a batch with other sessions'.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from charstream.stages.shared.worker import StageWorker
 from charstream.transport.messages import Conditioning, Control, ControlKind, Latents, Message
 
 if TYPE_CHECKING:
-    from charstream.stages.diffusion.chunk_batcher import ChunkDenoiseBatcher
+    from charstream.stages.shared.chunk_batcher import ChunkDenoiseBatcher
 
 
 class ChunkDiffusionStage(Stage):

@@ -21,7 +21,7 @@ last one played: the motion latents after each of the last ``KEEP_MOTION`` decod
 chunk index, so the regenerated chunk continues the frames on screen, not the dropped ones.
 
 The model's work is a ``ChunkRunner``'s, over a list of streams: a stream alone runs its chunks through a
-runner of its own (a batch of one, on its own CUDA stream); the batchers (``stages/*/chunk_batcher.py``)
+runner of its own (a batch of one, on its own CUDA stream); the batchers (``stages/shared/chunk_batcher.py``)
 run several sessions' chunks through one shared runner in one batch. A stream's state and noise are its
 own either way, so its frames do not depend on the batch it was in.
 """
@@ -85,7 +85,7 @@ class ChunkRunner:
     dimension, so every size above one shares one compilation."""
 
     def __init__(self, dit: FlashHeadDiT, vae: WanVAE | LtxVAE, compiled: bool = False, batched: bool = False) -> None:
-        self.cfg, self.vae, self.compiled, self.batched = dit.cfg, vae, compiled, batched
+        self.cfg, self.vae, self.batched = dit.cfg, vae, batched
         device = next(dit.parameters()).device
         self.dtype = next(dit.parameters()).dtype
         self.cuda_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -135,9 +135,7 @@ class ChunkRunner:
                 reference = torch.cat([streams[i].reference for i in rows])
                 batch_audio = torch.cat([audio[i] for i in rows])
                 motion = torch.cat([streams[i].motion for i in rows])
-                generators = [streams[i].generator for i in rows]
-                latents = sample_chunk(self.dit, reference, batch_audio, motion,
-                                       generators[0] if len(rows) == 1 else generators)
+                latents = sample_chunk(self.dit, reference, batch_audio, motion, [streams[i].generator for i in rows])
                 for row, i in enumerate(rows):
                     out[i] = latents[row:row + 1]
         return out

@@ -102,7 +102,7 @@ class FlashHeadFamily(ModelFamily):
     def warm_up(self, weights: str | None, device: str, seed: int = 0, batched: bool = False) -> float:
         """The shared DiT and VAE loaded and, on CUDA, compiled: one chunk of silence through a grey
         portrait (torch.compile's first calls are slow; later streams reuse what it built); ``batched``:
-        then batches of one and two through a batched runner, as the batchers run them. Later calls reuse
+        then a batch of two through a batched runner, as the batchers run them. Later calls reuse
         what these compiled and never compile again in this process."""
         if not str(device).startswith("cuda"):
             return 0.0
@@ -114,13 +114,12 @@ class FlashHeadFamily(ModelFamily):
         streams[0].decode(streams[0].denoise(silence))
         if batched:
             runner = self.chunk_runner(weights, device, seed, batched=True)
-            for size in (1, 2):  # a first chunk (one motion latent), then later ones (two)
-                for chunk in range(2):
-                    for s in streams[:size]:
-                        s.ready(chunk)
-                    latents = runner.denoise(streams[:size], [silence] * size)
-                    for s, motion in zip(streams[:size], runner.decode(streams[:size], latents)[1], strict=True):
-                        s.decoded(motion, chunk)
+            for chunk in range(2):  # a batch of two (one row is the stream's compilation), as the batchers run them
+                for s in streams:
+                    s.ready(chunk)
+                latents = runner.denoise(streams, [silence] * 2)
+                for s, motion in zip(streams, runner.decode(streams, latents)[1], strict=True):
+                    s.decoded(motion, chunk)
         for s in streams:
             s.close()
         # Nothing compiles after this: an unforeseen shape runs eager. The sessions call the compiled code on
