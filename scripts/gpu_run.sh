@@ -37,7 +37,8 @@
 #                                                   tests (its GPU tests), pro (`bench chunk` of Pro: one session by
 #                                                   part, then 1-3 sessions side by side, each count on threads and
 #                                                   batched; CHUNK_SESSIONS_PRO), lite (the same for Lite at 1, 4, 8,
-#                                                   16 sessions; CHUNK_SESSIONS_LITE); CHUNK_SECONDS a count (12);
+#                                                   16 sessions; CHUNK_SESSIONS_LITE); CHUNK_SECONDS a count (12),
+#                                                   CHUNK_LIMIT the bench's limit (330 s); FH_TESTS_K: pytest -k;
 #                                                   needs whl-a; capacity (not by default: `bench capacity` of Lite,
 #                                                   live sessions to aiortc clients, FH_CAPACITY_SESSIONS 4 8 16,
 #                                                   one ladder at FH_CAPACITY_BATCH 16; needs whl-a and whl-b)
@@ -210,9 +211,9 @@ elif [ "$cmd" = flashhead ]; then
   for part in "$@"; do
     case $part in
       tests) section "flashhead gpu tests" 300 flashhead-tests.log python3 -m pytest -q -s -m gpu -p no:cacheprovider \
-               --timeout=280 tests/test_flashhead_gpu.py ;;
+               --timeout=280 tests/test_flashhead_gpu.py ${FH_TESTS_K:+-k "$FH_TESTS_K"} ;;
       pro|lite) counts=$([ "$part" = pro ] && echo "${CHUNK_SESSIONS_PRO:-1,2,3}" || echo "${CHUNK_SESSIONS_LITE:-1,4,8,16}")
-                section "bench chunk flashhead-$part" 330 "bench-chunk-$part.log" python3 -m charstream.pipeline.cli \
+                section "bench chunk flashhead-$part" "${CHUNK_LIMIT:-330}" "bench-chunk-$part.log" python3 -m charstream.pipeline.cli \
                   bench chunk --model "flashhead-$part" --sessions "$counts" --seconds "${CHUNK_SECONDS:-12}" --chunks 6 \
                   --warmup 2 --out "$OUT/bench_chunk_$part.json" ;;
       # live Lite sessions through WebRTC to aiortc clients, one worker process (its sessions share the model

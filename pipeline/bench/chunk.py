@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -195,6 +196,7 @@ def measure(args: argparse.Namespace) -> dict:
     first = Session(family, args.weights, args.device, 0, args.compile)
     load_s = time.perf_counter() - began
     parts = one_session(first, args.chunks, args.warmup)
+    print(f"one session: chunk median {parts['chunk']['median_ms']:.1f} ms", file=sys.stderr, flush=True)
     counts = [int(k) for k in args.sessions.split(",") if k.strip()]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or set(modes) - {"threads", "batched"}:
@@ -215,6 +217,7 @@ def measure(args: argparse.Namespace) -> dict:
             batchers = Batchers.make(family, args.weights, args.device, k, first.stream.compiled) \
                 if mode == "batched" else None
             ladder.append(side_by_side(streams[:k], args.seconds, chunk_s, cfg.new_frames_per_chunk, batchers))
+            print(ladder_line(ladder[-1]), file=sys.stderr, flush=True)  # a long ladder's rows as they come
             if batchers is not None:
                 batchers.close(streams[:k])
     return {
@@ -226,6 +229,12 @@ def measure(args: argparse.Namespace) -> dict:
         "one_session": parts, "side_by_side": ladder,
         "peak_memory_gib": torch.cuda.max_memory_allocated(args.device) / 2**30 if args.device.startswith("cuda") else None,
     }
+
+
+def ladder_line(r: dict) -> str:
+    return (f"{r['sessions']} sessions, {r['mode']}: {r['chunks']} chunks, period median "
+            f"{r['period_median_ms']:.0f} ms, worst p90 {r['period_p90_worst_session_ms']:.0f} ms, "
+            f"{r['generated_fps']:.1f} generated fps, keeps up {r['keeps_up']}")
 
 
 def table(report: dict) -> str:
