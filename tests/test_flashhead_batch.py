@@ -11,7 +11,12 @@ import pytest
 import torch
 from test_flashhead_chunks import SMALL, parts, portrait  # noqa: F401 -- the module's fixture
 
-from charstream.model.families.flashhead.chunks import ChunkMotionStream, ChunkRunner, portrait_tensor
+from charstream.model.families.flashhead.chunks import (
+    ChunkMotionStream,
+    ChunkRunner,
+    batch_groups,
+    portrait_tensor,
+)
 from charstream.model.families.flashhead.config import LITE
 from charstream.model.families.flashhead.loader import load_dit
 from charstream.model.families.flashhead.vae_ltx import random_ltx_vae
@@ -135,6 +140,13 @@ def test_stage_batchers_run_two_sessions_chunks_together(parts):  # noqa: F811
         assert len(session_frames) == 2
         for got, (_, expected) in zip(session_frames, session_alone, strict=True):
             assert np.abs(got.astype(int) - expected.astype(int)).max() <= 1
+
+
+@pytest.mark.parametrize(("rows", "sizes"), [(1, [1]), (3, [2, 1]), (8, [8]), (13, [8, 4, 1]), (16, [16])])
+def test_a_batch_runs_in_power_of_two_groups_in_order(rows, sizes):
+    groups = batch_groups(list(range(rows)))
+    assert [len(g) for g in groups] == sizes
+    assert [i for g in groups for i in g] == list(range(rows))
 
 
 @pytest.mark.parametrize("generators", [2, 4])

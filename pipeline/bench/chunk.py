@@ -11,9 +11,11 @@ Then sessions side by side: K chunk streams sharing the process's model, each on
 the stages run them, chunk after chunk for ``--seconds`` after one untimed chunk on that thread. Two ways,
 each K run both ways in the same process (``--modes``): ``threads``, each session's chunk on its own
 stream (``diffusion/decode.batch_sessions`` 1), and ``batched``, the sessions' due chunks denoised and
-decoded together by the stages' batchers (``stages/shared/chunk_batcher.py``, ``batch_sessions`` K). A session
+decoded together by the stages' batchers (``stages/shared/chunk_batcher.py``, ``batch_sessions`` K; first a
+batch of each size they run, untimed). A session
 keeps up when its chunks come at least as fast as they play (28 frames at 25 fps: one every 1.12 s); the
-report gives each K's per-session chunk period (median, p90) and the frames a second generated in all.
+report gives each K's per-session chunk period (median, p90), the frames a second generated in all and
+how long a session waits for each part of its chunk.
 This is the model's side of capacity (no WebRTC, no playout): the sessions a GPU can feed.
 """
 
@@ -124,6 +126,23 @@ class Batchers:
             batchers.decode.opened()
         return batchers
 
+    def warm(self, sessions: list[Session]) -> None:
+        """A batch of every size the runners run (``batch_groups``: powers of two) through the batchers'
+        threads, untimed: cuDNN times a convolution once per shape and thread."""
+        size = 1
+        while size <= len(sessions):
+            group = sessions[:size]
+            tokens = [s.encode(s.next_window()) for s in group]
+            for s in group:
+                s.stream.ready(s.chunk)
+            futures = [self.denoise.enqueue(s.stream, t) for s, t in zip(group, tokens, strict=True)]
+            latents = [f.result() for f in futures]
+            futures = [self.decode.enqueue(s.stream, (x, s.chunk)) for s, x in zip(group, latents, strict=True)]
+            for s, f in zip(group, futures, strict=True):
+                f.result()
+                s.chunk += 1
+            size *= 2
+
     def close(self, sessions: list[Session]) -> None:
         for s in sessions:
             self.denoise.closed(s.stream)
@@ -135,6 +154,7 @@ def side_by_side(sessions: list[Session], seconds: float, chunk_s: float, frames
     """Every session on its own thread, chunk after chunk, for ``seconds``: per-session periods; with
     ``batchers``, the sessions' chunks through them."""
     periods: list[list[float]] = [[] for _ in sessions]
+    parts: list[dict[str, float]] = []
     ended = [0.0] * len(sessions)
     start = threading.Barrier(len(sessions) + 1)
     stop = float("inf")  # set once every thread has run its first chunk
@@ -149,7 +169,7 @@ def side_by_side(sessions: list[Session], seconds: float, chunk_s: float, frames
             start.wait()
             last = time.perf_counter()
             while last < stop:
-                sessions[i].run_chunk(batchers)
+                parts.append(sessions[i].run_chunk(batchers))
                 now = time.perf_counter()
                 periods[i].append(now - last)
                 last = now
@@ -183,6 +203,8 @@ def side_by_side(sessions: list[Session], seconds: float, chunk_s: float, frames
         "generated_fps": frames_per_chunk * len(every) / (max(ended) - began),
         "keeps_up": max(p90) <= chunk_s,
         "largest_batch": None if batchers is None else batchers.denoise.stats.largest,
+        # as a session waits for each: its encode, its chunk's denoising (in a batch: the batch's), its decode
+        "part_median_ms": {part: 1e3 * statistics.median(p[part] for p in parts) for part in ("encode", "denoise", "decode")},
     }
 
 
@@ -214,8 +236,10 @@ def measure(args: argparse.Namespace) -> dict:
                 # thread-safe (a compiled call on one thread fails while another thread compiles)
                 family.warm_up(args.weights, args.device, 0, batched=True)
                 warmed = True
-            batchers = Batchers.make(family, args.weights, args.device, k, first.stream.compiled) \
-                if mode == "batched" else None
+            batchers = None
+            if mode == "batched":
+                batchers = Batchers.make(family, args.weights, args.device, k, first.stream.compiled)
+                batchers.warm(streams[:k])
             ladder.append(side_by_side(streams[:k], args.seconds, chunk_s, cfg.new_frames_per_chunk, batchers))
             print(ladder_line(ladder[-1]), file=sys.stderr, flush=True)  # a long ladder's rows as they come
             if batchers is not None:
@@ -234,7 +258,8 @@ def measure(args: argparse.Namespace) -> dict:
 def ladder_line(r: dict) -> str:
     return (f"{r['sessions']} sessions, {r['mode']}: {r['chunks']} chunks, period median "
             f"{r['period_median_ms']:.0f} ms, worst p90 {r['period_p90_worst_session_ms']:.0f} ms, "
-            f"{r['generated_fps']:.1f} generated fps, keeps up {r['keeps_up']}")
+            f"{r['generated_fps']:.1f} generated fps, keeps up {r['keeps_up']}; a session waits for encode / "
+            f"denoise / decode " + " / ".join(f"{v:.0f}" for v in r["part_median_ms"].values()) + " ms")
 
 
 def table(report: dict) -> str:
@@ -246,11 +271,12 @@ def table(report: dict) -> str:
              f"one session: {report['new_frames_per_chunk'] / chunk_ms * 1e3:.1f} generated fps "
              f"({report['chunk_seconds'] * 1e3 / chunk_ms:.2f}x real time at {report['fps']} fps)", ""]
     rows = [["sessions", "mode", "chunks", "period median ms", "worst session p90 ms", "generated fps", "keeps up",
-             "largest batch"]]
+             "largest batch", "encode / denoise / decode ms"]]
     for r in report["side_by_side"]:
         rows.append([str(r["sessions"]), r["mode"], str(r["chunks"]), f"{r['period_median_ms']:.0f}",
                      f"{r['period_p90_worst_session_ms']:.0f}", f"{r['generated_fps']:.1f}", str(r["keeps_up"]),
-                     "-" if r["largest_batch"] is None else str(r["largest_batch"])])
+                     "-" if r["largest_batch"] is None else str(r["largest_batch"]),
+                     " / ".join(f"{v:.0f}" for v in r["part_median_ms"].values())])
     lines += [text_table(rows),
               f"{report['model']} ({report['weights']} weights), {report['size'][0]}x{report['size'][1]}, "
               f"{report['blocks']} blocks, compiled {report['compiled']}, on {report['gpu']}; torch {report['torch']}, "
