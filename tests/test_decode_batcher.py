@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import threading
 
 import anyio
 import numpy as np
@@ -61,6 +62,42 @@ def _opened(window_s: float, sessions: int) -> tuple[_Doubler, list[object]]:
     for _ in range(sessions):
         b.opened()
     return b, [object() for _ in range(sessions)]
+
+
+def test_prepare_runs_on_each_new_worker_thread_before_its_first_forward():
+    class Prepared(_Doubler):
+        def prepare(self) -> None:
+            self.batches.append(["prepared", threading.current_thread().name])
+
+    async def main():
+        b = Prepared(0.0)
+        b.opened()
+        key = object()
+        with anyio.fail_after(10):
+            assert await b.submit(key, 3) == 6
+        b.closed(key)
+        assert worker_ended(b)
+        b.opened()  # a new worker thread prepares again
+        with anyio.fail_after(10):
+            assert await b.submit(key, 4) == 8
+        b.closed(key)
+        assert b.batches == [["prepared", "batcher"], [3], ["prepared", "batcher"], [4]]
+
+    asyncio.run(main())
+
+
+def test_a_failed_prepare_leaves_the_forwards_to_run():
+    class Unprepared(_Doubler):
+        def prepare(self) -> None:
+            raise RuntimeError("no warm-up")
+
+    async def main():
+        b = Unprepared(0.0)
+        b.opened()
+        with anyio.fail_after(10):
+            assert await b.submit(object(), 5) == 10
+
+    asyncio.run(main())
 
 
 def test_the_scheduler_batches_what_is_due_and_routes_each_failure_to_its_sessions():

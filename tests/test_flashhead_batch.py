@@ -142,6 +142,22 @@ def test_stage_batchers_run_two_sessions_chunks_together(parts):  # noqa: F811
             assert np.abs(got.astype(int) - expected.astype(int)).max() <= 1
 
 
+def test_a_runner_warms_every_batch_size_it_will_run(parts):  # noqa: F811
+    dit, vae = parts
+    runner = ChunkRunner(dit, vae, batched=True)
+    sizes = []
+    hook = dit.register_forward_pre_hook(lambda _, args: sizes.append(args[0].shape[0]))
+    decode = runner._decode
+    runner._decode = lambda latents: sizes.append(-latents.shape[0]) or decode(latents)
+    try:
+        runner.warm("denoise", 3)
+        runner.warm("decode", 3)
+    finally:
+        hook.remove()
+    # 3 sessions run in groups of 2 and 1: each size once (4 passes each), then each decode
+    assert sizes == [1] * 4 + [2] * 4 + [-1, -2]
+
+
 @pytest.mark.parametrize(("rows", "sizes"), [(1, [1]), (3, [2, 1]), (8, [8]), (13, [8, 4, 1]), (16, [16])])
 def test_a_batch_runs_in_power_of_two_groups_in_order(rows, sizes):
     groups = batch_groups(list(range(rows)))

@@ -11,8 +11,8 @@ Then sessions side by side: K chunk streams sharing the process's model, each on
 the stages run them, chunk after chunk for ``--seconds`` after one untimed chunk on that thread. Two ways,
 each K run both ways in the same process (``--modes``): ``threads``, each session's chunk on its own
 stream (``diffusion/decode.batch_sessions`` 1), and ``batched``, the sessions' due chunks denoised and
-decoded together by the stages' batchers (``stages/shared/chunk_batcher.py``, ``batch_sessions`` K; first a
-batch of each size they run, untimed). A session
+decoded together by the stages' batchers (``stages/shared/chunk_batcher.py``, ``batch_sessions`` K; on CUDA
+their threads first run a batch of each size, as served). A session
 keeps up when its chunks come at least as fast as they play (28 frames at 25 fps: one every 1.12 s); the
 report gives each K's per-session chunk period (median, p90), the frames a second generated in all and
 how long a session waits for each part of its chunk.
@@ -126,23 +126,6 @@ class Batchers:
             batchers.decode.opened()
         return batchers
 
-    def warm(self, sessions: list[Session]) -> None:
-        """A batch of every size the runners run (``batch_groups``: powers of two) through the batchers'
-        threads, untimed: cuDNN times a convolution once per shape and thread."""
-        size = 1
-        while size <= len(sessions):
-            group = sessions[:size]
-            tokens = [s.encode(s.next_window()) for s in group]
-            for s in group:
-                s.stream.ready(s.chunk)
-            futures = [self.denoise.enqueue(s.stream, t) for s, t in zip(group, tokens, strict=True)]
-            latents = [f.result() for f in futures]
-            futures = [self.decode.enqueue(s.stream, (x, s.chunk)) for s, x in zip(group, latents, strict=True)]
-            for s, f in zip(group, futures, strict=True):
-                f.result()
-                s.chunk += 1
-            size *= 2
-
     def close(self, sessions: list[Session]) -> None:
         for s in sessions:
             self.denoise.closed(s.stream)
@@ -236,10 +219,8 @@ def measure(args: argparse.Namespace) -> dict:
                 # thread-safe (a compiled call on one thread fails while another thread compiles)
                 family.warm_up(args.weights, args.device, 0, batched=True)
                 warmed = True
-            batchers = None
-            if mode == "batched":
-                batchers = Batchers.make(family, args.weights, args.device, k, first.stream.compiled)
-                batchers.warm(streams[:k])
+            batchers = Batchers.make(family, args.weights, args.device, k, first.stream.compiled) \
+                if mode == "batched" else None
             ladder.append(side_by_side(streams[:k], args.seconds, chunk_s, cfg.new_frames_per_chunk, batchers))
             print(ladder_line(ladder[-1]), file=sys.stderr, flush=True)  # a long ladder's rows as they come
             if batchers is not None:

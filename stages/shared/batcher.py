@@ -17,7 +17,8 @@ pending item per session (a second is a clear error). A session that ends while 
 ends while its item is in a forward leaves the forward to finish (nobody awaits its result). An item
 that ``check`` refuses fails its session only; a forward that raises fails the future of every
 session in it. A subclass supplies ``check`` and ``forward``; ``forward`` runs under ``self.model_lock``,
-which its own joins and leaves take too when they touch the model.
+which its own joins and leaves take too when they touch the model. ``prepare``, if a subclass has one,
+runs on each new worker thread before its first forward (what the model does once per thread).
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+import structlog
+
+log = structlog.get_logger("batcher")
 
 
 @dataclass
@@ -65,6 +70,10 @@ class SessionBatcher(abc.ABC):
     def check(self, key: Any, item: Any) -> None:
         """Raise if ``item`` cannot run (it fails its own session only, before any forward); by
         default every item can."""
+        return None
+
+    def prepare(self) -> None:
+        """Once per worker thread, before its first forward; by default nothing."""
         return None
 
     @abc.abstractmethod
@@ -112,6 +121,11 @@ class SessionBatcher(abc.ABC):
             from charstream.model.threads import set_intra_op_threads
 
             set_intra_op_threads(self.threads)
+        try:
+            with self.model_lock:
+                self.prepare()
+        except Exception:  # noqa: BLE001 -- a forward that still fails tells its sessions
+            log.warning("batcher_prepare_failed", batcher=self.name, exc_info=True)
         while True:
             with self._wake:
                 while not self._pending and self._open > 0:

@@ -6,7 +6,9 @@ matrix units partly idle; the sessions of one serving process share the model, s
 as one batch through a shared ``ChunkRunner`` (``model/families/flashhead/chunks.py``), each batcher's on
 a CUDA stream of its own (a batch decodes while the next denoises). Each session's stream keeps its
 motion latents, portrait, colour reference and noise, so its chunk is the one it would make alone. The
-scheduling -- window, bounded pending, worker thread, failures -- is ``batcher.py``'s.
+scheduling -- window, bounded pending, worker thread, failures -- is ``batcher.py``'s. On CUDA a batcher's
+worker thread first runs a batch of every size it will run (``prepare``: cuDNN's per-thread timing), so
+the first session of a process waits for that once.
 
     denoiser = ChunkDenoiseBatcher(config.diffusion, runner)   # one each per process: session_factory
     decoder = ChunkDecodeBatcher(config.decode, runner)
@@ -33,13 +35,24 @@ if TYPE_CHECKING:
 
 
 class _ChunkBatcher(SessionBatcher):
+    part: str  # the runner's method: denoise or decode
+
     def __init__(self, config: DiffusionConfig | DecodeConfig, runner: ChunkRunner, name: str) -> None:
         super().__init__(config.batch_sessions, config.batch_window_s,
                          cpu_threads(config.threads) if config.device == "cpu" else None, name)
         self.runner = runner
 
+    def prepare(self) -> None:
+        """On CUDA, a batch of every size this thread will run, before the first session's chunk: cuDNN
+        times each convolution once per shape and thread (seconds for a large batch), which would otherwise
+        stall every session in the batch that first meets a size."""
+        if self.runner.cuda_stream is not None:
+            self.runner.warm(self.part, self.max_sessions)
+
 
 class ChunkDenoiseBatcher(_ChunkBatcher):
+    part = "denoise"
+
     def __init__(self, config: DiffusionConfig, runner: ChunkRunner) -> None:
         super().__init__(config, runner, "chunk-denoise-batcher")
 
@@ -52,6 +65,8 @@ class ChunkDenoiseBatcher(_ChunkBatcher):
 
 
 class ChunkDecodeBatcher(_ChunkBatcher):
+    part = "decode"
+
     def __init__(self, config: DecodeConfig, runner: ChunkRunner) -> None:
         super().__init__(config, runner, "chunk-decode-batcher")
 

@@ -85,7 +85,7 @@ class ChunkRunner:
     dimension, so every size above one shares one compilation."""
 
     def __init__(self, dit: FlashHeadDiT, vae: WanVAE | LtxVAE, compiled: bool = False, batched: bool = False) -> None:
-        self.cfg, self.vae, self.batched = dit.cfg, vae, batched
+        self.cfg, self.model, self.vae, self.batched = dit.cfg, dit, vae, batched
         device = next(dit.parameters()).device
         self.dtype = next(dit.parameters()).dtype
         self.cuda_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -171,6 +171,20 @@ class ChunkRunner:
             for row, i in enumerate(rows):
                 frames_out[i], motion_out[i] = host[row].numpy(), motion[row:row + 1]
         return frames_out, motion_out
+
+    @torch.no_grad()
+    def warm(self, part: str, rows: int) -> None:
+        """A batch of every size ``denoise`` or ``decode`` (``part``) runs for up to ``rows`` streams, on a grey
+        portrait, results dropped: cuDNN's benchmark mode times a convolution once per shape and thread, and
+        the calling thread is then done with it before sessions wait on it."""
+        cfg = self.cfg
+        stream = ChunkMotionStream(self.model, self.vae, torch.zeros(1, 3, 1, cfg.height, cfg.width))
+        tokens = np.zeros((cfg.latents_per_chunk, cfg.audio_tokens, cfg.dim), np.float32)
+        for size in sorted({len(g) for n in range(1, rows + 1) for g in batch_groups(list(range(n)))}):
+            if part == "denoise":
+                self.denoise([stream] * size, [tokens] * size)
+            else:  # the reference latents have a chunk's shape
+                self.decode([stream] * size, [stream.reference] * size)
 
 
 def batch_groups(rows: list[int]) -> list[list[int]]:
