@@ -44,8 +44,8 @@ class _ChunkBatcher(SessionBatcher):
 
     def prepare(self) -> None:
         """On CUDA, a batch of every size this thread will run, before the first session's chunk: cuDNN
-        times each convolution once per shape and thread (seconds for a large batch), which would otherwise
-        stall every session in the batch that first meets a size."""
+        times each convolution once per shape and thread, which would otherwise stall every session in the
+        batch that first meets a size."""
         if self.runner.cuda_stream is not None:
             self.runner.warm(self.part, self.max_sessions)
 

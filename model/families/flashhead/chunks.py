@@ -180,7 +180,7 @@ class ChunkRunner:
         cfg = self.cfg
         stream = ChunkMotionStream(self.model, self.vae, torch.zeros(1, 3, 1, cfg.height, cfg.width))
         tokens = np.zeros((cfg.latents_per_chunk, cfg.audio_tokens, cfg.dim), np.float32)
-        for size in sorted({len(g) for n in range(1, rows + 1) for g in batch_groups(list(range(n)))}):
+        for size in (1 << k for k in range(rows.bit_length())):  # batch_groups' sizes: 1, 2, 4, ... <= rows
             if part == "denoise":
                 self.denoise([stream] * size, [tokens] * size)
             else:  # the reference latents have a chunk's shape
