@@ -240,7 +240,12 @@ def ladder_line(r: dict) -> str:
     return (f"{r['sessions']} sessions, {r['mode']}: {r['chunks']} chunks, period median "
             f"{r['period_median_ms']:.0f} ms, worst p90 {r['period_p90_worst_session_ms']:.0f} ms, "
             f"{r['generated_fps']:.1f} generated fps, keeps up {r['keeps_up']}; a session waits for encode / "
-            f"denoise / decode " + " / ".join(f"{v:.0f}" for v in r["part_median_ms"].values()) + " ms")
+            f"denoise / decode {part_waits(r)} ms")
+
+
+def part_waits(r: dict) -> str:
+    """A ladder row's median waits for encode / denoise / decode, in ms."""
+    return " / ".join(f"{v:.0f}" for v in r["part_median_ms"].values())
 
 
 def table(report: dict) -> str:
@@ -257,7 +262,7 @@ def table(report: dict) -> str:
         rows.append([str(r["sessions"]), r["mode"], str(r["chunks"]), f"{r['period_median_ms']:.0f}",
                      f"{r['period_p90_worst_session_ms']:.0f}", f"{r['generated_fps']:.1f}", str(r["keeps_up"]),
                      "-" if r["largest_batch"] is None else str(r["largest_batch"]),
-                     " / ".join(f"{v:.0f}" for v in r["part_median_ms"].values())])
+                     part_waits(r)])
     lines += [text_table(rows),
               f"{report['model']} ({report['weights']} weights), {report['size'][0]}x{report['size'][1]}, "
               f"{report['blocks']} blocks, compiled {report['compiled']}, on {report['gpu']}; torch {report['torch']}, "
