@@ -69,9 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(pipeline/runtime/layouts.py); sets devices and spawns one process per rank; "
                              "with --cluster, the layout each session reserves on a node")
     parser.add_argument("--batch-sessions", type=int, metavar="N",
-                        help="batch the diffusion steps (FlashHead: chunks), and the decoding, of up to N sessions "
-                             "of this process into one forward each (diffusion.batch_sessions and "
-                             "decode.batch_sessions; default from config: 1 = off)")
+                        help="batch the diffusion steps (FlashHead: chunks), the decoding and FlashHead's audio "
+                             "encodes of up to N sessions of this process into one forward each "
+                             "(diffusion, decode and conditioning.batch_sessions; default from config: 1 = off)")
     parser.add_argument("--engine", metavar="ENDPOINT",
                         help="host each session's model stages in the model engine running at ENDPOINT "
                              "(`charstream engine`, hosting engine: its devices and batching)")
@@ -102,7 +102,8 @@ def load_config(args: argparse.Namespace) -> PipelineConfig:
         raise ValueError("--model and --preset name the same thing: give one")
     overrides = {"preset": args.model or args.preset, "ingest.adapter": args.adapter, "egress.host": args.host,
                  "egress.port": args.port, "egress.codec": args.codec, "diffusion.batch_sessions": args.batch_sessions,
-                 "decode.batch_sessions": args.batch_sessions, "tracing.prometheus_port": args.metrics_port,
+                 "decode.batch_sessions": args.batch_sessions,
+                 "conditioning.batch_sessions": args.batch_sessions, "tracing.prometheus_port": args.metrics_port,
                  "tracing.prometheus_host": args.metrics_host, "engine_endpoint": args.engine,
                  "hosting": None if args.engine is None else "engine"}
     for key, value in overrides.items():

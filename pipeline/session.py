@@ -36,6 +36,7 @@ from charstream.pipeline.runtime.process import MODEL_STAGES, prepare_process
 from charstream.pipeline.runtime.runner import ENGINE_GROUP, Edge, Graph, Node, SessionResult, SessionRunner
 from charstream.pipeline.web.server import SessionFactory, SessionMedia
 from charstream.stages.base import Stage
+from charstream.stages.conditioning.batcher import EncodeBatcher
 from charstream.stages.conditioning.stage import build as build_conditioning
 from charstream.stages.decode.batcher import DecodeBatcher
 from charstream.stages.decode.chunks import ChunkDecodeStage
@@ -64,7 +65,7 @@ if TYPE_CHECKING:
 def model_nodes(config: PipelineConfig, weights: str | None = "packaged",
                 batcher: StepBatcher | ChunkDenoiseBatcher | None = None,
                 decode_batcher: DecodeBatcher | ChunkDecodeBatcher | None = None, family: ModelFamily | None = None,
-                portrait: np.ndarray | None = None) -> list[Node]:
+                portrait: np.ndarray | None = None, encode_batcher: EncodeBatcher | None = None) -> list[Node]:
     """The model stages (conditioning, diffusion, decode), each built from its config
     section. Their process groups: the caller's (``main``) for conditioning and for a stage with the
     process's shared ``batcher`` / ``decode_batcher``, else ``diffusion`` / ``decoder``; all three
@@ -72,12 +73,13 @@ def model_nodes(config: PipelineConfig, weights: str | None = "packaged",
 
     ``family``: the session's model (default: the one ``config.preset`` names). A ``chunk_motion`` family
     (FlashHead) runs its chunk stages over one chunk stream made here from ``portrait`` (RGB uint8),
-    all three in the caller's process (``inproc``), with the process's chunk batchers when given."""
+    all three in the caller's process (``inproc``), with the process's chunk batchers and its
+    ``encode_batcher`` when given."""
     from charstream.model.families import get_family
 
     family = family or get_family(config.preset)
     if family.generation_mode == "chunk_motion":
-        return chunk_nodes(config, family, weights, portrait, batcher, decode_batcher)
+        return chunk_nodes(config, family, weights, portrait, batcher, decode_batcher, encode_batcher)
     model = {"preset": config.preset, "weights": weights}
     diffusion = Node("diffusion", DiffusionStage, dict(model, config=config.diffusion), group="diffusion")
     if batcher is not None:
@@ -93,7 +95,8 @@ def model_nodes(config: PipelineConfig, weights: str | None = "packaged",
 
 
 def chunk_nodes(config: PipelineConfig, family: ModelFamily, weights: str | None, portrait: np.ndarray | None,
-                batcher: ChunkDenoiseBatcher | None = None, decode_batcher: ChunkDecodeBatcher | None = None) -> list[Node]:
+                batcher: ChunkDenoiseBatcher | None = None, decode_batcher: ChunkDecodeBatcher | None = None,
+                encode_batcher: EncodeBatcher | None = None) -> list[Node]:
     """Conditioning, diffusion and decode of a ``chunk_motion`` family: the family's audio conditioner, then
     one chunk stream (``family.chunk_stream``) shared by the chunk diffusion and decode stages."""
     if portrait is None:
@@ -105,7 +108,8 @@ def chunk_nodes(config: PipelineConfig, family: ModelFamily, weights: str | None
     stream = family.chunk_stream(weights, portrait, config.diffusion.device, seed)
     cfg = family.config
     return [Node("conditioning", build_conditioning, {"preset": config.preset, "weights": weights,
-                                                      "config": config.conditioning, "seed": seed, "family": family}),
+                                                      "config": config.conditioning, "seed": seed, "family": family,
+                                                      "batcher": encode_batcher}),
             Node("diffusion", ChunkDiffusionStage, {"config": config.diffusion, "stream": stream, "batcher": batcher,
                                                     "token_shape": (cfg.latents_per_chunk, cfg.audio_tokens, cfg.dim)}),
             Node("decode", ChunkDecodeStage, {"config": config.decode, "stream": stream, "batcher": decode_batcher})]
@@ -116,18 +120,20 @@ def build_graph(config: PipelineConfig, output: PlayoutOutput, tracer: TurnTrace
                 weights: str | None = "packaged", link: PeerLink | None = None,
                 batcher: StepBatcher | ChunkDenoiseBatcher | None = None,
                 decode_batcher: DecodeBatcher | ChunkDecodeBatcher | None = None, family: ModelFamily | None = None,
-                portrait: np.ndarray | None = None) -> Graph:
+                portrait: np.ndarray | None = None, encode_batcher: EncodeBatcher | None = None) -> Graph:
     """The session's stages and edges, each stage built from its config section. ``weights``: a
     weights file, ``"packaged"`` (the trained weights shipped for the preset, when present) or None
     (seeded random weights). The live objects — playout's ``output``, the ``tracer``, the user's
     microphone (``user_audio``; None: no microphone), a pushed ``agent`` adapter, the peer
-    ``link`` (None: no browser, e.g. a framework reads ``output``), the process's step ``batcher`` and
-    its ``decode_batcher`` (then diffusion, or decode, runs in the caller's process too) — are handed to
+    ``link`` (None: no browser, e.g. a framework reads ``output``), the process's step ``batcher``, its
+    ``decode_batcher`` (then diffusion, or decode, runs in the caller's process too) and its
+    ``encode_batcher`` (a chunk model's conditioning) — are handed to
     the nodes of the caller's process (group ``main``), never pickled."""
     from charstream.model.families import get_family
 
     family = family or get_family(config.preset)
-    conditioning, diffusion, decode = model_nodes(config, weights, batcher, decode_batcher, family, portrait)
+    conditioning, diffusion, decode = model_nodes(config, weights, batcher, decode_batcher, family, portrait,
+                                                  encode_batcher)
     nodes = [
         Node("ingest", IngestStage, {"config": config.ingest, "user_audio": user_audio, "adapter": agent,
                                      "tracer": tracer, "timeline": output.timeline}),
@@ -170,8 +176,8 @@ class LiveSession:
     ``peer=False``: no browser (a framework reads ``output`` itself), so no egress node. ``testcard``:
     the test card's graph (True, or the card's ``Node``) instead of the model's. ``agent_hub``: the
     server's shared agent socket, which a ``zmq`` session's external agent joins (with the
-    session's ``agent_token``) instead of binding one of its own. ``batcher`` / ``decode_batcher``: the
-    process's shared diffusion step and decode batchers (``session_factory`` makes them when
+    session's ``agent_token``) instead of binding one of its own. ``batcher`` / ``decode_batcher`` /
+    ``encode_batcher``: the process's shared diffusion step, decode and encode batchers (``session_factory`` makes them when
     ``diffusion.batch_sessions`` / ``decode.batch_sessions`` > 1)."""
 
     def __init__(self, config: PipelineConfig, session_id: str, weights: str | None = "packaged",
@@ -179,7 +185,8 @@ class LiveSession:
                  testcard: bool | Node = False, agent_hub: AgentHub | None = None,
                  batcher: StepBatcher | ChunkDenoiseBatcher | None = None,
                  decode_batcher: DecodeBatcher | ChunkDecodeBatcher | None = None,
-                 family: ModelFamily | None = None, portrait: np.ndarray | None = None) -> None:
+                 family: ModelFamily | None = None, portrait: np.ndarray | None = None,
+                 encode_batcher: EncodeBatcher | None = None) -> None:
         self.config = config
         self.session_id = session_id
         self.tracer = TurnTracer(session_id, config.tracing, on_turn=on_turn)
@@ -201,7 +208,7 @@ class LiveSession:
                 agent = ExternalAgent(config.ingest, session_id, hub=agent_hub)
                 self.agent_token = agent.token
             graph = build_graph(config, self.output, self.tracer, mic, agent, weights, self.link, batcher,
-                                decode_batcher, family, portrait)
+                                decode_batcher, family, portrait, encode_batcher)
         self.runner = SessionRunner(graph, config, session_id, handle_signals=False)
         self.result: SessionResult | None = None
         self.done = asyncio.Event()
@@ -267,7 +274,8 @@ def session_factory(config: PipelineConfig, weights: str | None = "packaged",
     its sessions share one model and batch their diffusion steps (``factory.batcher``); with
     ``decode.batch_sessions`` > 1 one decoder and their chunks (``factory.decode_batcher``); a
     ``chunk_motion`` family's sessions their chunks' denoising and decoding
-    (``stages/shared/chunk_batcher.py``). Prepares
+    (``stages/shared/chunk_batcher.py``) and, with ``conditioning.batch_sessions`` > 1, their audio encodes
+    (``factory.encode_batcher``, ``stages/conditioning/batcher.py``). Prepares
     the serving process (``pipeline/runtime/process.py``): its GIL switch interval
     (``config.gil_switch_interval_ms``: its sessions' threads share it), the imports of what its sessions
     run and the frozen heap (``config.freeze_heap``). ``portrait``: the face a portrait model (FlashHead)
@@ -296,7 +304,13 @@ def session_factory(config: PipelineConfig, weights: str | None = "packaged",
 
         batcher = ChunkDenoiseBatcher(config.diffusion, runner()) if batch_steps else None
         decode_batcher = ChunkDecodeBatcher(config.decode, runner()) if batch_decodes else None
+        encode_batcher = None
+        if config.conditioning.batch_sessions > 1 and here:  # the family's encoder, shared already
+            encode = family.audio_conditioner(model_weights, config.conditioning.device, config.diffusion.seed,
+                                              config.conditioning.graphed).encode_batch
+            encode_batcher = EncodeBatcher(config.conditioning, encode) if encode is not None else None
     else:
+        encode_batcher = None
         batcher = StepBatcher(config.diffusion, config.preset, weights) if batch_steps else None
         decode_batcher = (DecodeBatcher(config.decode, config.preset, weights, config.diffusion.seed)
                           if batch_decodes else None)
@@ -312,7 +326,8 @@ def session_factory(config: PipelineConfig, weights: str | None = "packaged",
             session_config.tracing.jsonl_path = f"{stem}-{session_id}.{ext}" if stem else f"{path}-{session_id}"
         started += 1
         session = LiveSession(session_config, session_id, weights, testcard=testcard, agent_hub=agent_hub,
-                              batcher=batcher, decode_batcher=decode_batcher, portrait=portrait, family=family)
+                              batcher=batcher, decode_batcher=decode_batcher, portrait=portrait, family=family,
+                              encode_batcher=encode_batcher)
         sessions[session_id] = session
         session.start()
         session._task.add_done_callback(lambda _: sessions.pop(session_id, None))
@@ -323,4 +338,5 @@ def session_factory(config: PipelineConfig, weights: str | None = "packaged",
     factory.sessions = sessions  # type: ignore[attr-defined]
     factory.batcher = batcher  # type: ignore[attr-defined]
     factory.decode_batcher = decode_batcher  # type: ignore[attr-defined]
+    factory.encode_batcher = encode_batcher  # type: ignore[attr-defined]
     return factory

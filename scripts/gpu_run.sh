@@ -38,6 +38,7 @@
 #                                                   part, then 1-3 sessions side by side, each count on threads and
 #                                                   batched; CHUNK_SESSIONS_PRO), lite (the same for Lite at 1, 4, 8,
 #                                                   16 sessions; CHUNK_SESSIONS_LITE); CHUNK_SECONDS a count (12),
+#                                                   CHUNK_MODES the bench's --modes (threads,batched),
 #                                                   CHUNK_LIMIT the bench's limit (330 s); FH_TESTS_K: pytest -k;
 #                                                   needs whl-a; capacity (not by default: `bench capacity` of Lite,
 #                                                   live sessions to aiortc clients, FH_CAPACITY_SESSIONS 4 8 16,
@@ -215,7 +216,7 @@ elif [ "$cmd" = flashhead ]; then
       pro|lite) counts=$([ "$part" = pro ] && echo "${CHUNK_SESSIONS_PRO:-1,2,3}" || echo "${CHUNK_SESSIONS_LITE:-1,4,8,16}")
                 section "bench chunk flashhead-$part" "${CHUNK_LIMIT:-330}" "bench-chunk-$part.log" python3 -m charstream.pipeline.cli \
                   bench chunk --model "flashhead-$part" --sessions "$counts" --seconds "${CHUNK_SECONDS:-12}" --chunks 6 \
-                  --warmup 2 --out "$OUT/bench_chunk_$part.json" ;;
+                  --warmup 2 --modes "${CHUNK_MODES:-threads,batched}" --out "$OUT/bench_chunk_$part.json" ;;
       # live Lite sessions through WebRTC to aiortc clients, one worker process (its sessions share the model
       # and, batch > 1, batch their chunks); its start compiles the model (minutes): needs whl-a and whl-b
       capacity) # shellcheck disable=SC2086

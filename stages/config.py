@@ -62,6 +62,10 @@ class ConditioningConfig(CheckedSection):
     idle_lead_chunks: int | None = field(default=4, metadata=within(1, 1000))  # listening chunks are emitted at most this far ahead of real time
     rollback_wait_s: float = field(default=0.5, metadata=within(0.01, 60))  # no ROLLBACK answer to a TURN_START this long: place the speech anyway
     stall_s: float = field(default=1.0, metadata=within(0.1, 600))  # a speaking turn whose agent sends nothing this long is ended
+    # > 1: the sessions of one serving process encode their due windows in one batch of up to this many
+    # (stages/conditioning/batcher.py; families whose conditioner has ``encode_batch``: FlashHead)
+    batch_sessions: int = field(default=1, metadata=within(1, 256))
+    batch_window_s: float = field(default=0.005, metadata=within(0, 1))  # a batch waits at most this long after its first window
 
 
 @dataclass

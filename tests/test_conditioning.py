@@ -319,6 +319,37 @@ async def test_an_agent_that_stops_mid_turn_is_ended_and_no_rollback_answer_stil
         tg.cancel_scope.cancel()
 
 
+@pytest.mark.anyio
+async def test_sessions_sharing_an_encode_batcher_get_their_own_tokens_from_one_batch():
+    """Two sessions' conditioning stages on the process's encode batcher: their windows are encoded in one
+    batch, each gets what its own encode makes, and a stage's teardown leaves the batcher."""
+    from charstream.stages.conditioning.batcher import EncodeBatcher
+
+    alone = stage()
+    sizes: list[int] = []
+
+    def encode_batch(windows: list[np.ndarray]) -> list[np.ndarray]:
+        sizes.append(len(windows))
+        return [alone.encode(w) for w in windows]
+
+    batcher = EncodeBatcher(ConditioningConfig(batch_sessions=2, batch_window_s=1.0), encode_batch)
+    config = ConditioningConfig(idle_lead_chunks=None)
+    stages = [build(config, "tiny", weights=None, batcher=batcher) for _ in range(2)]
+    async with anyio.create_task_group() as tg:
+        harnesses = [await started(s, tg) for s in stages]
+        firsts = [await h.next() for h in harnesses]
+        tg.cancel_scope.cancel()
+    for s in stages:
+        await s.teardown()
+    silence = np.zeros(CONTEXT + CHARACTERS.samples_per_chunk + LOOKAHEAD, np.int16)
+    for c in firsts:
+        assert c.chunk == 0 and np.array_equal(c.audio_tokens, alone.encode(silence))
+    assert sizes[0] == 2 and batcher.stats.largest == 2
+    assert batcher._open == 0  # both sessions left: its worker ends
+    with pytest.raises(ValueError, match="int16"):
+        batcher.check(None, np.zeros(4, np.float32))
+
+
 @pytest.fixture
 def anyio_backend():
     return "asyncio"

@@ -179,15 +179,36 @@ def test_noise_rows_follow_their_own_generators(generators):
 
 def test_a_serving_process_with_batch_sessions_batches_its_flashhead_chunks():
     """``serve --batch-sessions N`` on a FlashHead model: the session factory hands its sessions the chunk
-    batchers (over runners compiled for every batch size), not the characters' step batchers."""
+    batchers (over runners compiled for every batch size), not the characters' step batchers, and an
+    encode batcher over the family's conditioner."""
     from charstream.model.families.flashhead.family import FlashHeadFamily
     from charstream.pipeline.config import PipelineConfig
     from charstream.pipeline.session import session_factory
+    from charstream.stages.conditioning.batcher import EncodeBatcher
     from charstream.stages.shared.chunk_batcher import ChunkDecodeBatcher, ChunkDenoiseBatcher
 
     config = PipelineConfig(preset="flashhead-pro")
-    config.diffusion.batch_sessions = config.decode.batch_sessions = 4
+    config.diffusion.batch_sessions = config.decode.batch_sessions = config.conditioning.batch_sessions = 4
     factory = session_factory(config, weights="random", portrait=portrait(), family=FlashHeadFamily("pro", config=SMALL))
     assert isinstance(factory.batcher, ChunkDenoiseBatcher) and isinstance(factory.decode_batcher, ChunkDecodeBatcher)
+    assert isinstance(factory.encode_batcher, EncodeBatcher) and factory.encode_batcher.max_sessions == 4
     assert factory.batcher.max_sessions == 4 and factory.batcher.runner.batched
     assert factory.batcher.runner is not factory.decode_batcher.runner  # each on a stream of its own
+
+
+def test_sessions_windows_encoded_in_one_batch_are_each_windows_own_tokens():
+    """The conditioner's ``encode_batch`` over two sessions' 8 s windows, one quiet and one loud, gives each
+    the tokens its window's own ``encode`` gives: wav2vec2's normalisation, features and windows stay per row."""
+    from charstream.model.families.flashhead.family import FlashHeadFamily
+
+    conditioner = FlashHeadFamily("pro", config=SMALL).audio_conditioner(None, "cpu", 0)
+    rng = np.random.default_rng(3)
+    n = SMALL.audio_context_s * 48_000
+    windows = [(rng.standard_normal(n) * scale).astype(np.int16) for scale in (300, 9000)]
+    batched = conditioner.encode_batch(windows)
+    for window, tokens in zip(windows, batched, strict=True):
+        expected = conditioner.encode(window)
+        assert tokens.shape == expected.shape == (SMALL.latents_per_chunk, SMALL.audio_tokens, SMALL.dim)
+        np.testing.assert_allclose(tokens, expected, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="samples at 48000 Hz"):
+        conditioner.encode_batch([windows[0], windows[1][:-1]])

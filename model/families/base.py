@@ -43,6 +43,8 @@ class AudioConditioner:
     context_ms: float
     lookahead_ms: float
     rollback_frames: int | None = None  # how far a turn start may rewind the generator (None: no ring)
+    # several sessions' windows at once (the conditioning stage's batcher), where the family can
+    encode_batch: Callable[[list[np.ndarray]], list[np.ndarray]] | None = None
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ which processes hold a CUDA context. A session holds the rate when both of its f
 ``--min-fps`` less one frame over the window (the window's ends fall between frames). The ladder stops at the first count
 where a session does not, and says which resources were saturated there (≥ 90%, or an event loop
 lagging more than a frame). ``--batch-sessions 1 8`` runs the whole ladder once per value, on fresh
-processes (``diffusion.batch_sessions`` and ``decode.batch_sessions``, as ``serve --batch-sessions``:
+processes (``diffusion``, ``decode`` and ``conditioning.batch_sessions``, as ``serve --batch-sessions``:
 the most sessions of a process one batched forward serves; 1 is off). ``--budget-s`` bounds one ladder's wall time: a count that would not fit is not
 started. The JSON (``--out``) is rewritten after each count, so a run cut short keeps what it measured.
 
@@ -120,7 +120,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the client processes' niceness (default 10; 0: the servers' own): they stand in for "
                              "browsers on other machines, so the servers come first for this host's cores")
     parser.add_argument("--batch-sessions", type=int, nargs="+", default=[1],
-                        help="one ladder per value: diffusion and decode batch_sessions (1: no cross-session batching)")
+                        help="one ladder per value: diffusion, decode and conditioning batch_sessions (1: no cross-session batching)")
     parser.add_argument("--hold", type=float, default=30.0, help="measured seconds at each count (default 30)")
     parser.add_argument("--warmup", type=float, default=5.0, help="seconds between a count's start and its window")
     parser.add_argument("--min-fps", type=float, default=None,
@@ -184,6 +184,7 @@ def session_config(args: argparse.Namespace, batch_sessions: int) -> PipelineCon
     if batch_sessions < 1:
         raise ValueError(f"--batch-sessions must be >= 1 (1 = off), got {batch_sessions}")
     config.diffusion.batch_sessions = config.decode.batch_sessions = batch_sessions  # as serve --batch-sessions
+    config.conditioning.batch_sessions = batch_sessions
     longest = max(args.sessions)
     run_s = args.start_timeout + len(args.sessions) * (args.warmup + args.hold + args.start_timeout)
     repeats = max(1, math.ceil(run_s / (len(DEFAULT_SCRIPT) * MIN_TURN_S)))  # every text is synthesised once

@@ -8,11 +8,13 @@ it returns once its session's CUDA stream is done (tokens and frames on the host
 ``--chunks`` chunks after ``--warmup`` (the first calls compile).
 
 Then sessions side by side: K chunk streams sharing the process's model, each on a thread of its own as
-the stages run them, chunk after chunk for ``--seconds`` after one untimed chunk on that thread. Two ways,
-each K run both ways in the same process (``--modes``): ``threads``, each session's chunk on its own
-stream (``diffusion/decode.batch_sessions`` 1), and ``batched``, the sessions' due chunks denoised and
-decoded together by the stages' batchers (``stages/shared/chunk_batcher.py``, ``batch_sessions`` K; on CUDA
-their threads first run a batch of each size, as served). A session
+the stages run them, chunk after chunk for ``--seconds`` after one untimed chunk on that thread. Each K
+runs each way asked for, in the same process (``--modes``): ``threads``, each session's chunk on its own
+stream (``batch_sessions`` 1); ``batched``, the sessions' due windows encoded, and their chunks denoised
+and decoded, together by the stages' batchers (``stages/conditioning/batcher.py``,
+``stages/shared/chunk_batcher.py``, ``batch_sessions`` K; on CUDA the chunk batchers' threads first run a
+batch of each size, as served); ``chunks``, the same but each session encoding its own windows (what
+batching the encodes gains). A session
 keeps up when its chunks come at least as fast as they play (28 frames at 25 fps: one every 1.12 s); the
 report gives each K's per-session chunk period (median, p90), the frames a second generated in all and
 how long a session waits for each part of its chunk.
@@ -34,6 +36,7 @@ import numpy as np
 from charstream.model.families import FLASHHEAD_NAMES
 from charstream.pipeline.arguments import sized_family
 from charstream.pipeline.bench.output import commit_id, emit_report, text_table
+from charstream.stages.conditioning.batcher import EncodeBatcher
 from charstream.stages.shared.chunk_batcher import ChunkDecodeBatcher, ChunkDenoiseBatcher
 from charstream.timeline import TIMELINE_RATE
 
@@ -47,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sessions", default="1,2,3", help="comma-separated session counts run side by side")
     parser.add_argument("--seconds", type=float, default=20.0, help="how long each session count runs")
     parser.add_argument("--modes", default="threads,batched",
-                        help="comma-separated: threads (a stream per session), batched (the stages' batchers)")
+                        help="comma-separated: threads (a stream per session), batched (the stages' batchers), "
+                             "chunks (the chunk batchers, each session's own encodes)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="torch.compile the DiT and the VAE (default: on CUDA, as served)")
     parser.add_argument("--blocks", type=int, default=None, help="fewer DiT blocks (a CPU check of the bench)")
@@ -78,7 +82,10 @@ class Session:
     def run_chunk(self, batchers: Batchers | None = None) -> dict[str, float]:
         """One chunk, part by part: seconds for encode, denoise and decode (by the ``batchers``, if given)."""
         t0 = time.perf_counter()
-        tokens = self.encode(self.next_window())
+        if batchers is None or batchers.encode is None:
+            tokens = self.encode(self.next_window())
+        else:
+            tokens = batchers.encode.enqueue(self, self.next_window()).result()
         t1 = time.perf_counter()
         if batchers is None:
             latents = self.stream.denoise(tokens, self.chunk)
@@ -107,33 +114,40 @@ def one_session(session: Session, chunks: int, warmup: int) -> dict:
 
 @dataclass
 class Batchers:
-    """The stages' chunk batchers, as a serving process with ``batch_sessions`` K makes them."""
+    """The stages' batchers of a chunk model, as a serving process with ``batch_sessions`` K makes them."""
 
+    encode: EncodeBatcher | None  # None: each session encodes its own windows
     denoise: ChunkDenoiseBatcher
     decode: ChunkDecodeBatcher
 
     @classmethod
-    def make(cls, family, weights: str, device: str, sessions: int, compiled: bool) -> Batchers:
-        from charstream.stages.config import DecodeConfig, DiffusionConfig
+    def make(cls, family, weights: str, device: str, sessions: int, compiled: bool, encodes: bool = True) -> Batchers:
+        from charstream.stages.config import ConditioningConfig, DecodeConfig, DiffusionConfig
 
         def runner():
             return family.chunk_runner(weights, device, 0, compiled, batched=True)
 
-        batchers = cls(ChunkDenoiseBatcher(DiffusionConfig(device=device, batch_sessions=sessions), runner()),
+        encode = family.audio_conditioner(weights, device, 0).encode_batch
+        batchers = cls(EncodeBatcher(ConditioningConfig(device=device, batch_sessions=sessions), encode) if encodes else None,
+                       ChunkDenoiseBatcher(DiffusionConfig(device=device, batch_sessions=sessions), runner()),
                        ChunkDecodeBatcher(DecodeConfig(device=device, batch_sessions=sessions), runner()))
         for _ in range(sessions):
+            if batchers.encode is not None:
+                batchers.encode.opened()
             batchers.denoise.opened()
             batchers.decode.opened()
         return batchers
 
     def close(self, sessions: list[Session]) -> None:
         for s in sessions:
+            if self.encode is not None:
+                self.encode.closed(s)
             self.denoise.closed(s.stream)
             self.decode.closed(s.stream)
 
 
 def side_by_side(sessions: list[Session], seconds: float, chunk_s: float, frames_per_chunk: int,
-                 batchers: Batchers | None = None) -> dict:
+                 batchers: Batchers | None = None, mode: str = "threads") -> dict:
     """Every session on its own thread, chunk after chunk, for ``seconds``: per-session periods; with
     ``batchers``, the sessions' chunks through them."""
     periods: list[list[float]] = [[] for _ in sessions]
@@ -178,7 +192,7 @@ def side_by_side(sessions: list[Session], seconds: float, chunk_s: float, frames
     every = [p for ps in periods for p in ps]
     p90 = [float(np.percentile(ps, 90)) for ps in periods]
     return {
-        "mode": "threads" if batchers is None else "batched",
+        "mode": mode,
         "sessions": len(sessions),
         "chunks": len(every),
         "period_median_ms": 1e3 * statistics.median(every),
@@ -204,8 +218,8 @@ def measure(args: argparse.Namespace) -> dict:
     print(f"one session: chunk median {parts['chunk']['median_ms']:.1f} ms", file=sys.stderr, flush=True)
     counts = [int(k) for k in args.sessions.split(",") if k.strip()]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if not modes or set(modes) - {"threads", "batched"}:
-        raise ValueError(f"--modes: threads and/or batched, got {args.modes!r}")
+    if not modes or set(modes) - {"threads", "batched", "chunks"}:
+        raise ValueError(f"--modes: threads, batched and/or chunks, got {args.modes!r}")
     streams = [first]
     ladder = []
     warmed = False
@@ -214,14 +228,14 @@ def measure(args: argparse.Namespace) -> dict:
             streams.append(Session(family, args.weights, args.device, len(streams), args.compile))
             streams[-1].run_chunk()  # its first calls through the compiled code, one session at a time
         for mode in modes if k > 1 else [m for m in modes if m == "threads"]:  # a batch of one is a stream alone
-            if mode == "batched" and first.stream.compiled and not warmed:
+            if mode != "threads" and first.stream.compiled and not warmed:
                 # as a serving process does before its first session: torch.compile's tracing is not
                 # thread-safe (a compiled call on one thread fails while another thread compiles)
                 family.warm_up(args.weights, args.device, 0, batched=True)
                 warmed = True
-            batchers = Batchers.make(family, args.weights, args.device, k, first.stream.compiled) \
-                if mode == "batched" else None
-            ladder.append(side_by_side(streams[:k], args.seconds, chunk_s, cfg.new_frames_per_chunk, batchers))
+            batchers = None if mode == "threads" else \
+                Batchers.make(family, args.weights, args.device, k, first.stream.compiled, encodes=mode == "batched")
+            ladder.append(side_by_side(streams[:k], args.seconds, chunk_s, cfg.new_frames_per_chunk, batchers, mode))
             print(ladder_line(ladder[-1]), file=sys.stderr, flush=True)  # a long ladder's rows as they come
             if batchers is not None:
                 batchers.close(streams[:k])

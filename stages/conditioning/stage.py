@@ -52,6 +52,7 @@ from charstream.transport.messages import (
 
 if TYPE_CHECKING:
     from charstream.model.families.base import ModelFamily
+    from charstream.stages.conditioning.batcher import EncodeBatcher
 
 # int16 48 kHz window [chunk start - context, chunk end + look-ahead) -> (n_audio_tokens, audio_dim) float32
 EncodeFn = Callable[[np.ndarray], np.ndarray]
@@ -98,8 +99,13 @@ class ConditioningStage(Stage):
     name = "conditioning"
 
     def __init__(self, config: ConditioningConfig, encode: EncodeFn, lookahead_ms: float, context_ms: float = 0.0,
-                 rollback_frames: int | None = None, timeline: Timeline = CHARACTERS) -> None:
+                 rollback_frames: int | None = None, timeline: Timeline = CHARACTERS,
+                 batcher: EncodeBatcher | None = None) -> None:
+        """``batcher``: the process's shared encode batcher (session_factory makes it), which then encodes
+        this session's windows in place of ``encode``."""
         self.encode = encode
+        self.batcher = batcher
+        self.joined = False  # counted by the batcher's open sessions
         self.timeline = timeline  # the session's: its chunks' spans on the 48 kHz timeline
         cuda = config.device if config.device.startswith("cuda") else None
         self.worker = StageWorker("conditioning", ENCODE_THREADS, cuda_stream=cuda)
@@ -358,15 +364,23 @@ class ConditioningStage(Stage):
 
     async def _encode(self, window: np.ndarray) -> np.ndarray:
         started = time.perf_counter()
-        tokens = np.asarray(await self.worker.run(self.encode, window), np.float32)
+        if self.batcher is None:
+            tokens = np.asarray(await self.worker.run(self.encode, window), np.float32)
+        else:
+            tokens = np.asarray(await self.batcher.submit(self, window), np.float32)
         self._encode_s.append(time.perf_counter() - started)
         return tokens
 
     async def setup(self, ctx: StageContext) -> None:
         self._session = ctx.session_id
         self._changed = anyio.Event()
+        if self.batcher is not None:
+            self.batcher.opened()
+            self.joined = True
 
     async def teardown(self) -> None:
+        if self.joined:
+            self.batcher.closed(self)
         self.worker.close()
 
 
@@ -380,13 +394,14 @@ def _due(msg: Control) -> float:
 
 
 def build(config: ConditioningConfig, preset: str, weights: str | None = "packaged", seed: int = 0,
-          family: ModelFamily | None = None) -> ConditioningStage:
+          family: ModelFamily | None = None, batcher: EncodeBatcher | None = None) -> ConditioningStage:
     """The session graph's factory for this stage: the audio conditioner of the session's model
     (``family``, else the family named ``preset``) with its weights (``"packaged"``: shipped ones where
-    the package has them; None: seeded random weights), windows as wide as it reads, on its timeline."""
+    the package has them; None: seeded random weights), windows as wide as it reads, on its timeline;
+    its encodes through the process's ``batcher`` when given."""
     from charstream.model.families import get_family
 
     family = family or get_family(preset)
     conditioner = family.audio_conditioner(weights, config.device, seed, config.graphed)
     return ConditioningStage(config, conditioner.encode, conditioner.lookahead_ms, conditioner.context_ms,
-                             conditioner.rollback_frames, family.timeline)
+                             conditioner.rollback_frames, family.timeline, batcher)

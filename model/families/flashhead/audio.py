@@ -17,9 +17,11 @@ from charstream.model.families.flashhead.config import FlashHeadConfig
 
 
 def normalise_speech(samples: Tensor) -> Tensor:
-    """Zero mean, unit variance over the whole context, as wav2vec2-base-960h's feature extractor does."""
+    """Zero mean, unit variance over each whole context (the last dimension), as wav2vec2-base-960h's
+    feature extractor does."""
     samples = samples.double()
-    return ((samples - samples.mean()) / torch.sqrt(samples.var(unbiased=False) + 1e-7)).float()
+    mean = samples.mean(-1, keepdim=True)
+    return ((samples - mean) / torch.sqrt(samples.var(-1, unbiased=False, keepdim=True) + 1e-7)).float()
 
 
 class SpeechFeatures(nn.Module):
@@ -31,10 +33,12 @@ class SpeechFeatures(nn.Module):
 
     @torch.no_grad()
     def forward(self, samples: Tensor, n_frames: int) -> Tensor:
-        """samples (n,) at 16 kHz -> (n_frames, layers, 768): every hidden layer's output per video frame."""
+        """samples (n,) at 16 kHz -> (n_frames, layers, 768): every hidden layer's output per video frame;
+        a batch of contexts (batch, n) -> (batch, n_frames, layers, 768)."""
         model = self.wav2vec2
         dtype = model.feature_projection.projection.weight.dtype
-        conv = model.feature_extractor(normalise_speech(samples)[None].to(model.device, dtype))  # (1, 512, T)
+        batch = normalise_speech(samples.reshape(-1, samples.shape[-1]))
+        conv = model.feature_extractor(batch.to(model.device, dtype))  # (batch, 512, T)
         conv = F.interpolate(conv.float(), size=n_frames, mode="linear", align_corners=True).to(dtype)
         hidden, _ = model.feature_projection(conv.transpose(1, 2))
         encoder = model.encoder
@@ -42,16 +46,18 @@ class SpeechFeatures(nn.Module):
         layers = []
         for layer in encoder.layers:
             hidden = layer(hidden, attention_mask=None)
-            layers.append(hidden[0])
-        return torch.stack(layers, dim=1)
+            layers.append(hidden)
+        features = torch.stack(layers, dim=2)
+        return features[0] if samples.dim() == 1 else features
 
 
 def frame_windows(features: Tensor, start: int, end: int, window: int) -> Tensor:
-    """(end - start, window, ...) features of each frame in [start, end) and its neighbours, clamped to
-    [0, end - 1] (a frame at the context's newest edge repeats itself for the future it lacks)."""
+    """(end - start, window, layers, 768) features of each frame in [start, end) and its neighbours,
+    clamped to [0, end - 1] (a frame at the context's newest edge repeats itself for the future it lacks),
+    from (frames, layers, 768); from a batch (batch, frames, layers, 768), the same per row."""
     offsets = torch.arange(window, device=features.device) - window // 2
     index = (torch.arange(start, end, device=features.device)[:, None] + offsets).clamp(0, end - 1)
-    return features[index]
+    return features[..., index, :, :]
 
 
 class AudioAdapter(nn.Module):

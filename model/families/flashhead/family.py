@@ -75,7 +75,7 @@ class FlashHeadFamily(ModelFamily):
         adapter, speech = self._shared("audio", weights, device, seed, lambda w: load_audio_side(
             w, self.variant, device, seed, self.audio_encoder, self._config))
         encoder = ChunkSpeechEncoder(self._config, speech, adapter)
-        return AudioConditioner(encoder.encode, encoder.context_ms, 0.0)
+        return AudioConditioner(encoder.encode, encoder.context_ms, 0.0, encode_batch=encoder.encode_batch)
 
     def chunk_stream(self, weights: str | None, portrait: np.ndarray, device: str = "cpu", seed: int = 0,
                      compiled: bool | None = None) -> ChunkMotionStream:
