@@ -27,6 +27,7 @@ ACCEPTED = {
     "ingest.think_delay_s": [0, 1e-9], "ingest.vad_threshold": [1e-9], "ingest.playout_tail_s": [0, 1e-9],
     "ingest.lead_in_s": [0, 1e-9], "ingest.turn_gap_s": [0, 1e-9],
     "diffusion.seed": [0], "diffusion.batch_window_s": [0, 1e-9], "decode.batch_window_s": [0, 1e-9],
+    "conditioning.batch_window_s": [0, 1e-9],
     "playout.target_depth_chunks": [0], "playout.initial_allowance_s": [0, 1e-9],
     "egress.port": [0], "egress.memory_trim_s": [0],  # a free port; never trimmed
     "tracing.prometheus_port": [0],
