@@ -43,7 +43,7 @@
 #                                                   needs whl-a; capacity (not by default: `bench capacity` of Lite,
 #                                                   live sessions to aiortc clients, FH_CAPACITY_SESSIONS 4 8 16,
 #                                                   one ladder at FH_CAPACITY_BATCH 16, FH_CAPACITY_WORKERS server
-#                                                   processes (1); needs whl-a and whl-b)
+#                                                   processes (1), FH_CAPACITY_MODEL flashhead-pro for Pro; needs whl-a and whl-b)
 #               scripts/gpu_run.sh capacity DIR [BATCH...]   `charstream bench capacity --gpus 1` (~5 min): concurrent
 #                                                   tiny sessions (CAPACITY_SESSIONS, default 32 48; 8 16 32 48
 #                                                   with one ladder), one ladder per batch_sessions value (default
@@ -221,10 +221,11 @@ elif [ "$cmd" = flashhead ]; then
       # live Lite sessions through WebRTC to aiortc clients, one worker process (its sessions share the model
       # and, batch > 1, batch their chunks); its start compiles the model (minutes): needs whl-a and whl-b
       capacity) # shellcheck disable=SC2086
-                section "capacity flashhead-lite" 560 capacity-lite.log python3 -m charstream.pipeline.cli bench capacity \
-                  --preset flashhead-lite --weights random --portrait examples/portrait.png --gpus 1 --workers "${FH_CAPACITY_WORKERS:-1}" \
+                model=${FH_CAPACITY_MODEL:-flashhead-lite}
+                section "capacity $model" 560 "capacity-$model.log" python3 -m charstream.pipeline.cli bench capacity \
+                  --preset "$model" --weights random --portrait examples/portrait.png --gpus 1 --workers "${FH_CAPACITY_WORKERS:-1}" \
                   --clients "${CAPACITY_CLIENTS:-4}" --sessions ${FH_CAPACITY_SESSIONS:-4 8 16} \
-                  --batch-sessions "${FH_CAPACITY_BATCH:-16}" --hold 15 --start-timeout 450 --out "$OUT/capacity_lite.json" ;;
+                  --batch-sessions "${FH_CAPACITY_BATCH:-16}" --hold 15 --start-timeout 450 --out "$OUT/capacity_$model.json" ;;
       *) echo "unknown flashhead part $part (tests pro lite capacity)"; exit 2 ;;
     esac
   done
