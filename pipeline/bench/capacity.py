@@ -3,8 +3,8 @@
     charstream bench capacity --gpus 1 --sessions 8 16 32 48 --workers 16 --clients 4 --out capacity.json
     charstream bench capacity --sessions 1 2 --workers 2 --clients 1 --hold 10     (CPU)
     charstream bench capacity --gpus 1 --engines 1 --batch-sessions 1 48 --sessions 32 48 --workers 16 --clients 4
-    charstream bench capacity --preset flashhead-lite --weights DIR --portrait face.png --gpus 1 --workers 1 \
-        --clients 4 --batch-sessions 1 16 --sessions 4 8 16
+    charstream bench capacity --preset flashhead-lite --weights DIR --portrait face.png --gpus 1 --workers 4 \
+        --clients 4 --batch-sessions 4 --sessions 8 16
 
 Every session is the whole stage graph (``pipeline.session``): the built-in scripted agent
 (espeak-ng voices, silero-vad on its simulated user's microphone; its recogniser off unless
