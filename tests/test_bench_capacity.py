@@ -56,23 +56,23 @@ def test_bench_capacity_measures_frames_the_clients_received(tmp_path):
 
 
 def test_bench_capacity_serves_a_flashhead_session_to_its_client(tmp_path):
-    """A FlashHead session (1 block, 32 x 32: slower than real time on 2 cores, so not held) through the
-    whole bench: its portrait, its 25 fps as the rate to hold, its chunk steps, video at the client."""
+    """A FlashHead session (Lite, 1 block, 32 x 32: slower than real time on 2 cores, so not held) through
+    the whole bench: its portrait, its 25 fps as the rate to hold, its chunk steps, video at the client."""
     out = tmp_path / "capacity.json"
-    done = subprocess.run([sys.executable, "-m", "charstream", "bench", "capacity", "--preset", "flashhead-pro",
+    done = subprocess.run([sys.executable, "-m", "charstream", "bench", "capacity", "--preset", "flashhead-lite",
                            "--weights", "random", "--portrait", str(PORTRAIT), "--blocks", "1", "--size",
                            "32", "--sessions", "1", "--workers", "1", "--clients", "1", "--threads", "2",
                            "--warmup", "2", "--hold", "4", "--start-timeout", "90", "--out", str(out)],
                           capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert (report["preset"], report["blocks"], report["size"], report["min_fps"]) == ("flashhead-pro", 1, 32, 25.0)
+    assert (report["preset"], report["blocks"], report["size"], report["min_fps"]) == ("flashhead-lite", 1, 32, 25.0)
     [level] = report["ladders"][0]["levels"]
     [session] = level["per_session"]
     assert "problem" not in session and session["ended"] is None, session
     assert session["received_fps"] * level["window_s"] >= 25, session  # a second of video decoded by the client
     assert level["step_ms"]["steps"] >= 1 and level["step_ms"]["p50"] > 0  # chunks denoised in the window
-    assert "capacity: flashhead-pro sessions, CPU" in done.stdout
+    assert "capacity: flashhead-lite sessions, CPU" in done.stdout
 
 
 def test_a_flashhead_capacity_run_needs_its_portrait_and_runs_inproc():
