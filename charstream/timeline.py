@@ -18,6 +18,11 @@ from dataclasses import dataclass
 TIMELINE_RATE = 48_000  # audio on every session's timeline (Hz); the one rate WebRTC's Opus sends
 
 
+def ms_samples(ms: float) -> int:
+    """``ms`` milliseconds of the timeline, in samples (nearest)."""
+    return int(round(ms * TIMELINE_RATE / 1000))
+
+
 @dataclass(frozen=True)
 class Timeline:
     fps: int

@@ -306,9 +306,11 @@ def session_factory(config: PipelineConfig, weights: str | None = "packaged",
         decode_batcher = ChunkDecodeBatcher(config.decode, runner()) if batch_decodes else None
         encode_batcher = None
         if config.conditioning.batch_sessions > 1 and here:  # the family's encoder, shared already
-            encode = family.audio_conditioner(model_weights, config.conditioning.device, config.diffusion.seed,
-                                              config.conditioning.graphed).encode_batch
-            encode_batcher = EncodeBatcher(config.conditioning, encode) if encode is not None else None
+            conditioner = family.audio_conditioner(model_weights, config.conditioning.device, config.diffusion.seed,
+                                                   config.conditioning.graphed)
+            if conditioner.encode_batch is not None:
+                encode_batcher = EncodeBatcher(config.conditioning, conditioner.encode_batch,
+                                               conditioner.window_samples(family.timeline))
     else:
         encode_batcher = None
         batcher = StepBatcher(config.diffusion, config.preset, weights) if batch_steps else None

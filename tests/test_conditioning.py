@@ -332,7 +332,8 @@ async def test_sessions_sharing_an_encode_batcher_get_their_own_tokens_from_one_
         sizes.append(len(windows))
         return [alone.encode(w) for w in windows]
 
-    batcher = EncodeBatcher(ConditioningConfig(batch_sessions=2, batch_window_s=1.0), encode_batch)
+    window = CONTEXT + CHARACTERS.samples_per_chunk + LOOKAHEAD
+    batcher = EncodeBatcher(ConditioningConfig(batch_sessions=2, batch_window_s=1.0), encode_batch, window)
     config = ConditioningConfig(idle_lead_chunks=None)
     stages = [build(config, "tiny", weights=None, batcher=batcher) for _ in range(2)]
     async with anyio.create_task_group() as tg:
@@ -341,13 +342,16 @@ async def test_sessions_sharing_an_encode_batcher_get_their_own_tokens_from_one_
         tg.cancel_scope.cancel()
     for s in stages:
         await s.teardown()
-    silence = np.zeros(CONTEXT + CHARACTERS.samples_per_chunk + LOOKAHEAD, np.int16)
+    silence = np.zeros(window, np.int16)
     for c in firsts:
         assert c.chunk == 0 and np.array_equal(c.audio_tokens, alone.encode(silence))
     assert sizes[0] == 2 and batcher.stats.largest == 2
     assert batcher._open == 0  # both sessions left: its worker ends
-    with pytest.raises(ValueError, match="int16"):
+    # a window the batch cannot take fails its own session, before the batch
+    with pytest.raises(ValueError, match=f"{window} int16 samples"):
         batcher.check(None, np.zeros(4, np.float32))
+    with pytest.raises(ValueError, match=r"\(4,\)"):
+        batcher.check(None, np.zeros(4, np.int16))
 
 
 @pytest.fixture

@@ -192,6 +192,7 @@ def test_a_serving_process_with_batch_sessions_batches_its_flashhead_chunks():
     factory = session_factory(config, weights="random", portrait=portrait(), family=FlashHeadFamily("pro", config=SMALL))
     assert isinstance(factory.batcher, ChunkDenoiseBatcher) and isinstance(factory.decode_batcher, ChunkDecodeBatcher)
     assert isinstance(factory.encode_batcher, EncodeBatcher) and factory.encode_batcher.max_sessions == 4
+    assert factory.encode_batcher.window_samples == SMALL.audio_context_s * 48_000  # the 8 s context
     assert factory.batcher.max_sessions == 4 and factory.batcher.runner.batched
     assert factory.batcher.runner is not factory.decode_batcher.runner  # each on a stream of its own
 

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from charstream.timeline import Timeline
+from charstream.timeline import Timeline, ms_samples
 
 # How a family generates: "kv_ring" steps one latent frame at a time over a KV ring cache (the character
 # presets); "chunk_motion" denoises a whole chunk bidirectionally, continuing the previous chunk through
@@ -45,6 +45,10 @@ class AudioConditioner:
     rollback_frames: int | None = None  # how far a turn start may rewind the generator (None: no ring)
     # several sessions' windows at once (the conditioning stage's batcher), where the family can
     encode_batch: Callable[[list[np.ndarray]], list[np.ndarray]] | None = None
+
+    def window_samples(self, timeline: Timeline) -> int:
+        """A window's length in samples on the 48 kHz timeline, for chunks of ``timeline``."""
+        return ms_samples(self.context_ms) + timeline.samples_per_chunk + ms_samples(self.lookahead_ms)
 
 
 @dataclass(frozen=True)

@@ -29,17 +29,23 @@ from charstream.stages.shared.batcher import SessionBatcher
 
 
 class EncodeBatcher(SessionBatcher):
-    def __init__(self, config: ConditioningConfig, encode_batch: Callable[[list[np.ndarray]], list[np.ndarray]]) -> None:
+    def __init__(self, config: ConditioningConfig, encode_batch: Callable[[list[np.ndarray]], list[np.ndarray]],
+                 window_samples: int | None = None) -> None:
+        """``window_samples``: the windows' length (None: any), so a wrong one fails its own session only,
+        not the batch it would have joined."""
         self.device = config.device
         cuda = self.device.startswith("cuda")
         super().__init__(config.batch_sessions, config.batch_window_s, None if cuda else ENCODE_THREADS,
                          "encode-batcher")
         self.encode_batch = encode_batch
+        self.window_samples = window_samples
 
     def check(self, key: Any, item: Any) -> None:
-        if not isinstance(item, np.ndarray) or item.dtype != np.int16 or item.ndim != 1:
-            raise ValueError(f"an audio window is int16 samples, got {type(item).__name__} "
-                             f"{getattr(item, 'dtype', '')} {getattr(item, 'shape', '')}")
+        shape = None if self.window_samples is None else (self.window_samples,)
+        if not isinstance(item, np.ndarray) or item.dtype != np.int16 or item.ndim != 1 \
+                or item.shape != (shape or item.shape):
+            raise ValueError(f"an audio window is {self.window_samples or 'some'} int16 samples, got "
+                             f"{type(item).__name__} {getattr(item, 'dtype', '')} {getattr(item, 'shape', '')}")
 
     def prepare(self) -> None:
         """On CUDA, the worker thread's own stream (after what the default stream holds: the model's load)."""

@@ -35,7 +35,7 @@ import numpy as np
 from charstream.stages.base import Stage, StageContext
 from charstream.stages.config import ConditioningConfig
 from charstream.stages.shared.worker import StageWorker
-from charstream.timeline import CHARACTERS, TIMELINE_RATE, Timeline
+from charstream.timeline import CHARACTERS, TIMELINE_RATE, Timeline, ms_samples
 from charstream.transport.messages import (
     AgentAudio,
     ClockPayload,
@@ -109,8 +109,8 @@ class ConditioningStage(Stage):
         self.timeline = timeline  # the session's: its chunks' spans on the 48 kHz timeline
         cuda = config.device if config.device.startswith("cuda") else None
         self.worker = StageWorker("conditioning", ENCODE_THREADS, cuda_stream=cuda)
-        self.lookahead = int(round(lookahead_ms * TIMELINE_RATE / 1000))
-        self.context = int(round(context_ms * TIMELINE_RATE / 1000))
+        self.lookahead = ms_samples(lookahead_ms)
+        self.context = ms_samples(context_ms)
         self.rollback_wait_s = config.rollback_wait_s  # placement without a ROLLBACK answer after this long
         self.stall_s = config.stall_s  # a speaking turn with no new audio this long is ended
         # Listening chunks at most this many chunks ahead of playout (None: credit alone limits them).
