@@ -24,6 +24,7 @@ from batch_support import (
     seeded_configs,
     worker_ended,
 )
+from structlog.testing import capture_logs
 
 from charstream.model.config import TINY
 from charstream.pipeline.config import PipelineConfig
@@ -71,10 +72,12 @@ def test_prepare_runs_on_each_new_worker_thread_before_its_first_forward():
 
     async def main():
         b = Prepared(0.0)
-        b.opened()
         key = object()
-        with anyio.fail_after(10):
+        with capture_logs() as logs, anyio.fail_after(10):
+            b.opened()
             assert await b.submit(key, 3) == 6
+        [prepared] = [e for e in logs if e["event"] == "batcher_prepared"]  # how long the first session waited
+        assert prepared["batcher"] == "batcher" and prepared["seconds"] >= 0
         b.closed(key)
         assert worker_ended(b)
         b.opened()  # a new worker thread prepares again

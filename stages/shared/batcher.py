@@ -121,11 +121,15 @@ class SessionBatcher(abc.ABC):
             from charstream.model.threads import set_intra_op_threads
 
             set_intra_op_threads(self.threads)
-        try:
-            with self.model_lock:
-                self.prepare()
-        except Exception:  # noqa: BLE001 -- a forward that still fails tells its sessions
-            log.warning("batcher_prepare_failed", batcher=self.name, exc_info=True)
+        if type(self).prepare is not SessionBatcher.prepare:
+            started = time.monotonic()
+            try:
+                with self.model_lock:
+                    self.prepare()
+                # what the first session of this thread waited for, once
+                log.info("batcher_prepared", batcher=self.name, seconds=round(time.monotonic() - started, 3))
+            except Exception:  # noqa: BLE001 -- a forward that still fails tells its sessions
+                log.warning("batcher_prepare_failed", batcher=self.name, exc_info=True)
         while True:
             with self._wake:
                 while not self._pending and self._open > 0:
