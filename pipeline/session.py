@@ -177,8 +177,8 @@ class LiveSession:
     the test card's graph (True, or the card's ``Node``) instead of the model's. ``agent_hub``: the
     server's shared agent socket, which a ``zmq`` session's external agent joins (with the
     session's ``agent_token``) instead of binding one of its own. ``batcher`` / ``decode_batcher`` /
-    ``encode_batcher``: the process's shared diffusion step, decode and encode batchers (``session_factory`` makes them when
-    ``diffusion.batch_sessions`` / ``decode.batch_sessions`` > 1)."""
+    ``encode_batcher``: the process's shared diffusion step, decode and encode batchers
+    (``session_factory`` makes them when ``diffusion``, ``decode`` or ``conditioning.batch_sessions`` > 1)."""
 
     def __init__(self, config: PipelineConfig, session_id: str, weights: str | None = "packaged",
                  on_turn: Callable[[TurnRecord], None] | None = None, *, peer: bool = True,

@@ -366,8 +366,9 @@ class ConditioningStage(Stage):
         started = time.perf_counter()
         if self.batcher is None:
             tokens = np.asarray(await self.worker.run(self.encode, window), np.float32)
-        else:
-            tokens = np.asarray(await self.batcher.submit(self, window), np.float32)
+        else:  # shielded, as the worker's calls: a cancelled stage never leaves its window pending there
+            with anyio.CancelScope(shield=True):
+                tokens = np.asarray(await self.batcher.submit(self, window), np.float32)
         self._encode_s.append(time.perf_counter() - started)
         return tokens
 
