@@ -79,9 +79,17 @@ def test_pro_chunks_in_one_batch_are_each_sessions_own(parts):  # noqa: F811
     assert (alone[0][1][0] - alone[1][1][0]).abs().max() > 1e-2
 
 
-def test_lite_chunks_in_one_batch_draw_each_sessions_posterior_noise():
-    cfg = LITE.with_(n_blocks=1, height=32, width=32)
-    dit, vae = load_dit("random", "lite", seed=2, cfg=cfg), random_ltx_vae(3)
+LITE_SMALL = LITE.with_(n_blocks=1, height=32, width=32)
+
+
+@pytest.fixture(scope="module")
+def lite_parts():
+    return load_dit("random", "lite", seed=2, cfg=LITE_SMALL), random_ltx_vae(3)
+
+
+def test_lite_chunks_in_one_batch_draw_each_sessions_posterior_noise(lite_parts):
+    cfg = LITE_SMALL
+    dit, vae = lite_parts
     rng = np.random.default_rng(8)
     tokens = [[rng.normal(size=(5, cfg.audio_tokens, cfg.dim)).astype(np.float32) for _ in range(2)]
               for _ in range(2)]
@@ -91,9 +99,10 @@ def test_lite_chunks_in_one_batch_draw_each_sessions_posterior_noise():
                 run_batched(dit, vae, portraits, seeds, tokens, chunks))
 
 
-def test_stage_batchers_run_two_sessions_chunks_together(parts):  # noqa: F811
+def test_stage_batchers_run_two_sessions_chunks_together(lite_parts):
     """Two sessions' chunk stages on the process's batchers: their chunks go through one batch (the
-    batchers' largest forward holds both) and each session gets the frames its stream makes alone."""
+    batchers' largest forward holds both) and each session gets the frames its stream makes alone (Lite:
+    the batchers are the same for both variants, and its VAE is the quicker on a CPU)."""
     from ingest_support import Recorder
 
     from charstream.stages.config import DecodeConfig, DiffusionConfig
@@ -102,11 +111,12 @@ def test_stage_batchers_run_two_sessions_chunks_together(parts):  # noqa: F811
     from charstream.stages.shared.chunk_batcher import ChunkDecodeBatcher, ChunkDenoiseBatcher
     from charstream.transport.messages import Conditioning, Latents, VideoChunk
 
-    dit, vae = parts
-    shape = (9, SMALL.audio_tokens, SMALL.dim)
+    dit, vae = lite_parts
+    cfg = LITE_SMALL
+    shape = (cfg.latents_per_chunk, cfg.audio_tokens, cfg.dim)
     rng = np.random.default_rng(9)
     tokens = [[rng.normal(size=shape).astype(np.float32) for _ in range(2)] for _ in range(2)]
-    audio = np.zeros(28 * 1_920, np.int16)
+    audio = np.zeros(cfg.new_frames_per_chunk * 1_920, np.int16)
     # a forward waits up to 1 s for both sessions' items
     denoiser = ChunkDenoiseBatcher(DiffusionConfig(threads=1, batch_sessions=2, batch_window_s=1),
                                    ChunkRunner(dit, vae, batched=True))
@@ -142,8 +152,8 @@ def test_stage_batchers_run_two_sessions_chunks_together(parts):  # noqa: F811
             assert np.abs(got.astype(int) - expected.astype(int)).max() <= 1
 
 
-def test_a_runner_warms_every_batch_size_it_will_run(parts):  # noqa: F811
-    dit, vae = parts
+def test_a_runner_warms_every_batch_size_it_will_run(lite_parts):
+    dit, vae = lite_parts
     runner = ChunkRunner(dit, vae, batched=True)
     sizes = []
     hook = dit.register_forward_pre_hook(lambda _, args: sizes.append(args[0].shape[0]))
