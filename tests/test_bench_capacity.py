@@ -47,6 +47,9 @@ def test_bench_capacity_measures_frames_the_clients_received(tmp_path):
     assert ladder["clients_nice"] == {"client-0": min(19, psutil.Process().nice() + 7)} and report["client_nice"] == 7
     assert 0 <= level["host_cpu_steal"] <= level["host_cpu_busy"] <= 1  # steal counts busy: the VM's cores taken
     assert all(p["cores"] > 0 and p["loop_lag"]["samples"] > 0 for p in level["processes"] if p["sessions"])
+    for p in level["processes"]:  # a server's cores by thread: its event loop's among them, none past the total
+        if p["name"].startswith("worker"):
+            assert "MainThread" in p["threads_cores"] and sum(p["threads_cores"].values()) <= p["cores"] + 0.05, p
     # Clean shutdown: every worker and client exited by itself, none is left.
     assert all(e["exit"] == "exited with status 0" for e in ladder["process_exits"].values()), ladder["process_exits"]
     assert not any(psutil.pid_exists(pid) for pid in ladder["pids"].values())
@@ -91,7 +94,7 @@ def test_batch_sessions_sets_both_batchers_and_the_scripted_agent_needs_no_recog
     args = argparse.Namespace(preset="tiny", gpus=None, hosting="inproc", threads=1, sessions=[1], start_timeout=10,
                               warmup=1, hold=1, recognizer=False, agent_pace="synthesized")
     config = bench_capacity.session_config(args, 4)
-    assert config.diffusion.batch_sessions == config.decode.batch_sessions == 4
+    assert config.diffusion.batch_sessions == config.decode.batch_sessions == config.conditioning.batch_sessions == 4
     assert config.ingest.adapter == "scripted" and not config.ingest.scripted_recognizer
     assert config.ingest.agent_pace == "synthesized"
     with pytest.raises(ValueError, match="must be >= 1"):
@@ -108,6 +111,51 @@ def test_engines_place_every_session_in_an_engine_and_size_each_engine():
     args.hosting = "inproc"
     with pytest.raises(ValueError, match="hosting engine and --engines"):
         bench_capacity.session_config(args, 1)
+
+
+def test_a_starved_event_loop_names_the_busiest_threads_of_its_process():
+    process = {"name": "worker-0", "main_thread": 0.8, "cores": 2.8, "loop_lag": {"p99_ms": 117.0},
+               "threads_cores": {"chunk-denoise-batcher": 0.9, "MainThread": 0.8, "native": 0.6, "egress": 0.3,
+                                 "decode": 0.1}}
+    [sentence] = bench_capacity.saturated({"gpu": None, "host_cpu_busy": 0.2, "host_cpu_steal": 0.0,
+                                           "host_cores": 16, "processes": [process]})
+    assert "starved (of a core or the GIL)" in sentence
+    assert sentence.endswith("(busiest threads, cores: chunk-denoise-batcher 0.90, MainThread 0.80, native 0.60, "
+                             "egress 0.30)")
+
+
+def test_a_processs_cpu_is_told_by_thread_name_a_pools_threads_together():
+    import threading
+    import time
+
+    from charstream.pipeline.bench.capacity_worker import thread_cpu
+
+    def spin(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    spun, release = threading.Barrier(3), threading.Event()
+
+    def spinner() -> None:
+        spin(0.2)
+        spun.wait()
+        release.wait()  # alive until read: an ended thread leaves /proc, its CPU with it
+
+    before = thread_cpu()
+    spinners = [threading.Thread(target=spinner, name=f"spinner_{i}") for i in range(2)]
+    for t in spinners:
+        t.start()
+    spin(0.1)  # the main thread's own
+    spun.wait()
+    after = thread_cpu()
+    release.set()
+    for t in spinners:
+        t.join()
+    assert after["spinner"] >= 0.38  # both pool threads' 0.2 s, as one name (10 ms clock ticks)
+    assert after["MainThread"] - before["MainThread"] >= 0.08
+    cores = bench_capacity.thread_cores(before, after, 1.0)
+    assert list(cores)[0] == "spinner" and all(v >= 0.01 for v in cores.values())
 
 
 def test_a_window_whose_cores_the_hypervisor_took_says_so():

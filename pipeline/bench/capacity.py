@@ -28,7 +28,8 @@ per second: 24 when nothing stalled), the frames the client received per second,
 clock ticks, frames the video track skipped (a slow encoder) and the pipeline latency of the turns
 whose first speaking frame fell in the window (agent's first audio → first speaking frame); and
 where the host stands: GPU busy (``nvidia-smi`` utilization, sampled each second), CPU of every
-process (cores used, and its main thread, which runs the event loop) and the machine, and each
+process (cores used, its main thread, which runs the event loop, and for a server by thread name:
+its stages' workers, batchers, egress) and the machine, and each
 event loop's lag; per engine also the sessions it hosts and the sessions per batched forward, and
 which processes hold a CUDA context. A session holds the rate when both of its fps are at least
 ``--min-fps`` less one frame over the window (the window's ends fall between frames). The ladder stops at the first count
@@ -541,6 +542,13 @@ def _delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     return {k: b[k] - a[k] for k in a}
 
 
+def thread_cores(before: dict[str, float], after: dict[str, float], window: float) -> dict[str, float]:
+    """Cores each named group of a process's threads used over the window (``capacity_worker.thread_cpu``),
+    busiest first; those under 0.01 of a core left out."""
+    cores = {name: (after[name] - before.get(name, 0.0)) / window for name in after}
+    return {name: round(c, 2) for name, c in sorted(cores.items(), key=lambda kv: -kv[1]) if c >= 0.01}
+
+
 def summarise_level(count: int, added_from: int, start_s: float, first: dict, last: dict, placed: list[Placed],
                     failed: dict[str, str], gpu: dict | None, args: argparse.Namespace) -> dict[str, Any]:
     """One count's figures from the window's two snapshots."""
@@ -597,6 +605,8 @@ def summarise_level(count: int, added_from: int, start_s: float, first: dict, la
             entry["hosted"] = reply["hosted"]
         if "cuda_context" in reply:  # a server worker: whether it made a CUDA context (engine hosting: never)
             entry["cuda_context"] = reply["cuda_context"]
+        if "threads" in reply:  # a server worker: where its cores went, by thread
+            entry["threads_cores"] = thread_cores(first["replies"][name]["threads"], reply["threads"], window)
         for kind, now in reply.get("batchers", {}).items():  # sessions served per batched forward, in the window
             before = first["replies"][name]["batchers"][kind]
             forwards, served = now["forwards"] - before["forwards"], now["served"] - before["served"]
@@ -659,9 +669,11 @@ def saturated(level: dict[str, Any]) -> list[str]:
         if p["main_thread"] >= SATURATED:
             found.append(f"{what} {p['name']}: its thread {100 * p['main_thread']:.0f}% of a core, lag p99 {lag:.0f} ms")
         elif lag > 1e3 * FRAME_S:  # late, but its thread not busy: it waited for a core or for the GIL
+            busiest = ", ".join(f"{t} {c:.2f}" for t, c in list(p.get("threads_cores", {}).items())[:4])
             found.append(f"{what} {p['name']} late (lag p99 {lag:.0f} ms > a frame) at {100 * p['main_thread']:.0f}% "
                          f"of a core, the process's other threads {p['cores'] - p['main_thread']:.2f} cores: "
-                         "starved (of a core or the GIL), not busy")
+                         "starved (of a core or the GIL), not busy" + (f" (busiest threads, cores: {busiest})"
+                                                                       if busiest else ""))
     return found
 
 

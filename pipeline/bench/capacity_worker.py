@@ -22,9 +22,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import sys
+import threading
 import time
+from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -39,6 +42,27 @@ if TYPE_CHECKING:
     from charstream.model.families.base import ModelFamily
 
 CONNECTS_AT_ONCE = 4  # offers in flight per client process (each starts a session on its worker)
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds of this process's threads by name, a pool's numbered threads added up (``decode_0``,
+    ``decode_1``: ``decode``); threads Python did not start (torch's, a library's) as ``native``. A thread
+    that has ended is no longer counted. Linux (``/proc``); elsewhere nothing."""
+    names = {t.native_id: re.sub(r"([-_]\d+)+$", "", t.name) for t in threading.enumerate()}
+    ticks = os.sysconf("SC_CLK_TCK")
+    seconds: dict[str, float] = defaultdict(float)
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return {}
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after the command's name: state, ppid, ...
+        except OSError:  # the thread ended meanwhile
+            continue
+        seconds[names.get(int(tid), "native")] += (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
+    return dict(seconds)
 
 
 class Link:
@@ -184,10 +208,12 @@ class Worker:
 
     def snapshot(self) -> dict[str, Any]:
         # the process's cross-session batchers (batch_sessions > 1): forwards run, session steps / chunks served
-        batchers = {"diffusion": self.factory.batcher, "decode": self.factory.decode_batcher}
+        batchers = {"diffusion": self.factory.batcher, "decode": self.factory.decode_batcher,
+                    "encode": self.factory.encode_batcher}
         return {"now": time.monotonic(), "sessions": {sid: self._session(sid, s) for sid, s in self.sessions.items()},
                 "batchers": {kind: {"forwards": b.stats.forwards, "served": b.stats.steps}
-                             for kind, b in batchers.items() if b is not None}}
+                             for kind, b in batchers.items() if b is not None},
+                "threads": thread_cpu()}
 
     async def mark(self, request: dict[str, Any]) -> dict[str, Any]:
         self.lag.samples.clear()
