@@ -41,9 +41,10 @@
 #                                                   CHUNK_MODES the bench's --modes (threads,batched),
 #                                                   CHUNK_LIMIT the bench's limit (330 s); FH_TESTS_K: pytest -k;
 #                                                   needs whl-a; capacity (not by default: `bench capacity` of Lite,
-#                                                   live sessions to aiortc clients, FH_CAPACITY_SESSIONS 4 8 16,
-#                                                   one ladder at FH_CAPACITY_BATCH 16, FH_CAPACITY_WORKERS server
-#                                                   processes (1), FH_CAPACITY_MODEL flashhead-pro for Pro; needs whl-a and whl-b)
+#                                                   live sessions to aiortc clients, FH_CAPACITY_SESSIONS 8 16,
+#                                                   one ladder at FH_CAPACITY_BATCH 4 over FH_CAPACITY_WORKERS 4 server
+#                                                   processes (one process is starved of the GIL first),
+#                                                   FH_CAPACITY_MODEL flashhead-pro for Pro; needs whl-a and whl-b)
 #               scripts/gpu_run.sh capacity DIR [BATCH...]   `charstream bench capacity --gpus 1` (~5 min): concurrent
 #                                                   tiny sessions (CAPACITY_SESSIONS, default 32 48; 8 16 32 48
 #                                                   with one ladder), one ladder per batch_sessions value (default
@@ -223,9 +224,9 @@ elif [ "$cmd" = flashhead ]; then
       capacity) # shellcheck disable=SC2086
                 model=${FH_CAPACITY_MODEL:-flashhead-lite}
                 section "capacity $model" 560 "capacity-$model.log" python3 -m charstream.pipeline.cli bench capacity \
-                  --preset "$model" --weights random --portrait examples/portrait.png --gpus 1 --workers "${FH_CAPACITY_WORKERS:-1}" \
-                  --clients "${CAPACITY_CLIENTS:-4}" --sessions ${FH_CAPACITY_SESSIONS:-4 8 16} \
-                  --batch-sessions "${FH_CAPACITY_BATCH:-16}" --hold 15 --start-timeout 450 --out "$OUT/capacity_$model.json" ;;
+                  --preset "$model" --weights random --portrait examples/portrait.png --gpus 1 --workers "${FH_CAPACITY_WORKERS:-4}" \
+                  --clients "${CAPACITY_CLIENTS:-4}" --sessions ${FH_CAPACITY_SESSIONS:-8 16} \
+                  --batch-sessions "${FH_CAPACITY_BATCH:-4}" --hold 15 --start-timeout 450 --out "$OUT/capacity_$model.json" ;;
       *) echo "unknown flashhead part $part (tests pro lite capacity)"; exit 2 ;;
     esac
   done
