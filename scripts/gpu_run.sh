@@ -44,7 +44,8 @@
 #                                                   live sessions to aiortc clients, FH_CAPACITY_SESSIONS 8 16,
 #                                                   one ladder at FH_CAPACITY_BATCH 4 over FH_CAPACITY_WORKERS 4 server
 #                                                   processes (one process is starved of the GIL first),
-#                                                   FH_CAPACITY_MODEL flashhead-pro for Pro; needs whl-a and whl-b)
+#                                                   FH_CAPACITY_MODEL flashhead-pro for Pro; needs whl-a and whl-b);
+#                                                   ltx-layout (not by default: scripts/flashhead_ltx_layout_gpu.py)
 #               scripts/gpu_run.sh capacity DIR [BATCH...]   `charstream bench capacity --gpus 1` (~5 min): concurrent
 #                                                   tiny sessions (CAPACITY_SESSIONS, default 32 48; 8 16 32 48
 #                                                   with one ladder), one ladder per batch_sessions value (default
@@ -227,7 +228,9 @@ elif [ "$cmd" = flashhead ]; then
                   --preset "$model" --weights random --portrait examples/portrait.png --gpus 1 --workers "${FH_CAPACITY_WORKERS:-4}" \
                   --clients "${CAPACITY_CLIENTS:-4}" --sessions ${FH_CAPACITY_SESSIONS:-8 16} \
                   --batch-sessions "${FH_CAPACITY_BATCH:-4}" --hold 15 --start-timeout 450 --out "$OUT/capacity_$model.json" ;;
-      *) echo "unknown flashhead part $part (tests pro lite capacity)"; exit 2 ;;
+      # Lite's LTX decode in the default 3-D layout against channels-last (a lab: not served)
+      ltx-layout) section "LTX decode layouts" 300 ltx-layout.log python3 scripts/flashhead_ltx_layout_gpu.py --out "$OUT" ;;
+      *) echo "unknown flashhead part $part (tests pro lite capacity ltx-layout)"; exit 2 ;;
     esac
   done
 elif [ "$cmd" = capacity ]; then
