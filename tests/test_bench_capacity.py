@@ -60,12 +60,14 @@ def test_bench_capacity_measures_frames_the_clients_received(tmp_path):
 
 def test_bench_capacity_serves_a_flashhead_session_to_its_client(tmp_path):
     """A FlashHead session (Lite, 1 block, 32 x 32: slower than real time on 2 cores, so not held) through
-    the whole bench: its portrait, its 25 fps as the rate to hold, its chunk steps, video at the client."""
+    the whole bench: its portrait, its 25 fps as the rate to hold, its chunk steps through the process's
+    batchers (a batch of one), video at the client."""
     out = tmp_path / "capacity.json"
     done = subprocess.run([sys.executable, "-m", "charstream", "bench", "capacity", "--preset", "flashhead-lite",
                            "--weights", "random", "--portrait", str(PORTRAIT), "--blocks", "1", "--size",
                            "32", "--sessions", "1", "--workers", "1", "--clients", "1", "--threads", "2",
-                           "--warmup", "2", "--hold", "4", "--start-timeout", "90", "--out", str(out)],
+                           "--batch-sessions", "2", "--warmup", "2", "--hold", "4", "--start-timeout", "90",
+                           "--out", str(out)],
                           capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -75,6 +77,10 @@ def test_bench_capacity_serves_a_flashhead_session_to_its_client(tmp_path):
     assert "problem" not in session and session["ended"] is None, session
     assert session["received_fps"] * level["window_s"] >= 25, session  # a second of video decoded by the client
     assert level["step_ms"]["steps"] >= 1 and level["step_ms"]["p50"] > 0  # chunks denoised in the window
+    # --batch-sessions 2: its encodes, chunks and decodes went through the process's batchers
+    [server] = [p for p in level["processes"] if p["name"] == "worker-0"]
+    assert set(server["batched"]) == {"diffusion", "decode", "encode"}, server
+    assert all(b["forwards"] >= 1 and b["served"] == b["forwards"] for b in server["batched"].values()), server
     assert "capacity: flashhead-lite sessions, CPU" in done.stdout
 
 
