@@ -26,6 +26,7 @@ import numpy as np
 from charstream.stages.conditioning.stage import ENCODE_THREADS
 from charstream.stages.config import ConditioningConfig
 from charstream.stages.shared.batcher import SessionBatcher
+from charstream.stages.shared.worker import use_own_stream
 
 
 class EncodeBatcher(SessionBatcher):
@@ -48,13 +49,9 @@ class EncodeBatcher(SessionBatcher):
                              f"{type(item).__name__} {getattr(item, 'dtype', '')} {getattr(item, 'shape', '')}")
 
     def prepare(self) -> None:
-        """On CUDA, the worker thread's own stream (after what the default stream holds: the model's load)."""
+        """On CUDA, the worker thread's own stream."""
         if self.device.startswith("cuda"):
-            import torch
-
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.default_stream(self.device))
-            torch.cuda.set_stream(stream)
+            use_own_stream(self.device)
 
     def forward(self, keys: list[Any], items: list[Any]) -> list[Any]:
         return self.encode_batch(items)

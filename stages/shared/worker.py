@@ -34,6 +34,18 @@ import anyio
 T = TypeVar("T")
 
 
+def use_own_stream(device: str) -> None:
+    """The calling thread's GPU work on ``device`` goes on a new stream of its own from now on. What the
+    default stream holds (a build's uploads and captures end on it) runs before this stream's work,
+    ordered by an event: a device-wide synchronize would wait on, and so invalidate, another session's
+    graph capture in progress."""
+    import torch
+
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.default_stream(device))
+    torch.cuda.set_stream(stream)  # the calling thread's current stream
+
+
 class StageWorker:
     def __init__(self, name: str, threads: int | None = None, cuda_stream: str | None = None) -> None:
         """``threads``: the thread's torch intra-op threads (CPU work; None leaves torch's setting and
@@ -54,14 +66,7 @@ class StageWorker:
 
             set_intra_op_threads(self.threads)
         if self.cuda_stream is not None:
-            import torch
-
-            # What the default stream holds when the first call comes (the stage's build: its uploads and
-            # captures end on it) runs before this stream's work. Ordered by an event: a device-wide
-            # synchronize would wait on, and so invalidate, another session's graph capture in progress.
-            stream = torch.cuda.Stream(self.cuda_stream)
-            stream.wait_stream(torch.cuda.default_stream(self.cuda_stream))
-            torch.cuda.set_stream(stream)  # the calling thread's current stream
+            use_own_stream(self.cuda_stream)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on the worker's thread; its result, or its exception raised here."""
