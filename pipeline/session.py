@@ -309,8 +309,7 @@ def session_factory(config: PipelineConfig, weights: str | None = "packaged",
             conditioner = family.audio_conditioner(model_weights, config.conditioning.device, config.diffusion.seed,
                                                    config.conditioning.graphed)
             if conditioner.encode_batch is not None:
-                encode_batcher = EncodeBatcher(config.conditioning, conditioner.encode_batch,
-                                               conditioner.window_samples(family.timeline))
+                encode_batcher = EncodeBatcher(config.conditioning, conditioner, family.timeline)
     else:
         encode_batcher = None
         batcher = StepBatcher(config.diffusion, config.preset, weights) if batch_steps else None

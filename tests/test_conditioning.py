@@ -323,6 +323,7 @@ async def test_an_agent_that_stops_mid_turn_is_ended_and_no_rollback_answer_stil
 async def test_sessions_sharing_an_encode_batcher_get_their_own_tokens_from_one_batch():
     """Two sessions' conditioning stages on the process's encode batcher: their windows are encoded in one
     batch, each gets what its own encode makes, and a stage's teardown leaves the batcher."""
+    from charstream.model.families.base import AudioConditioner
     from charstream.stages.conditioning.batcher import EncodeBatcher
 
     alone = stage()
@@ -332,8 +333,10 @@ async def test_sessions_sharing_an_encode_batcher_get_their_own_tokens_from_one_
         sizes.append(len(windows))
         return [alone.encode(w) for w in windows]
 
+    conditioner = AudioConditioner(alone.encode, CONTEXT / 48, LOOKAHEAD / 48, encode_batch=encode_batch)
+    batcher = EncodeBatcher(ConditioningConfig(batch_sessions=2, batch_window_s=1.0), conditioner, CHARACTERS)
     window = CONTEXT + CHARACTERS.samples_per_chunk + LOOKAHEAD
-    batcher = EncodeBatcher(ConditioningConfig(batch_sessions=2, batch_window_s=1.0), encode_batch, window)
+    assert batcher.window_samples == window
     config = ConditioningConfig(idle_lead_chunks=None)
     stages = [build(config, "tiny", weights=None, batcher=batcher) for _ in range(2)]
     async with anyio.create_task_group() as tg:
@@ -352,6 +355,8 @@ async def test_sessions_sharing_an_encode_batcher_get_their_own_tokens_from_one_
         batcher.check(None, np.zeros(4, np.float32))
     with pytest.raises(ValueError, match=r"\(4,\)"):
         batcher.check(None, np.zeros(4, np.int16))
+    with pytest.raises(ValueError, match="one window at a time"):  # a family without encode_batch
+        EncodeBatcher(ConditioningConfig(batch_sessions=2), AudioConditioner(alone.encode, 0.0, 0.0), CHARACTERS)
 
 
 @pytest.fixture

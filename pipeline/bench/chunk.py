@@ -127,8 +127,9 @@ class Batchers:
         def runner():
             return family.chunk_runner(weights, device, 0, compiled, batched=True)
 
-        encode = family.audio_conditioner(weights, device, 0).encode_batch
-        batchers = cls(EncodeBatcher(ConditioningConfig(device=device, batch_sessions=sessions), encode) if encodes else None,
+        conditioner = family.audio_conditioner(weights, device, 0)
+        encode = EncodeBatcher(ConditioningConfig(device=device, batch_sessions=sessions), conditioner, family.timeline)
+        batchers = cls(encode if encodes else None,
                        ChunkDenoiseBatcher(DiffusionConfig(device=device, batch_sessions=sessions), runner()),
                        ChunkDecodeBatcher(DecodeConfig(device=device, batch_sessions=sessions), runner()))
         for _ in range(sessions):
