@@ -29,7 +29,8 @@ class ChunkSpeechEncoder:
             raise ValueError(f"{cfg.name}: {cfg.sample_rate} Hz speech does not divide the {TIMELINE_RATE} Hz timeline")
         self.cfg, self.speech, self.adapter = cfg, speech, adapter
         self.factor = TIMELINE_RATE // cfg.sample_rate
-        self.taps = lowpass_taps(self.factor).view(1, 1, -1).to(adapter.first_in.weight.device)
+        # float64: the decimation runs on the encoder's device, where cuDNN may take float32 convolutions in TF32
+        self.taps = lowpass_taps(self.factor).view(1, 1, -1).to(adapter.first_in.weight.device, torch.float64)
         self.window_samples = cfg.audio_context_s * TIMELINE_RATE
 
     @property
@@ -54,7 +55,7 @@ class ChunkSpeechEncoder:
         out: list[np.ndarray] = []
         device = self.taps.device
         for rows in batch_groups(list(range(len(windows)))):
-            x = torch.from_numpy(np.stack([windows[i] for i in rows])).to(device).float() / 32768.0
+            x = torch.from_numpy(np.stack([windows[i] for i in rows])).to(device, torch.float64) / 32768.0
             samples = F.conv1d(F.pad(x[:, None], (half, half)), self.taps, stride=self.factor)[:, 0]
             features = self.speech(samples, frames)  # (rows, frames, layers, 768)
             batch = frame_windows(features, frames - cfg.frames_per_chunk, frames, cfg.audio_window)
