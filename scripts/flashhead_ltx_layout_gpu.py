@@ -1,7 +1,7 @@
 """Lab: SoulX-FlashHead Lite's LTX VAE decode of a chunk in PyTorch's default 3-D layout against channels-last.
 
-The Wan VAE (Pro) runs its weights and activations channels-last (cuDNN's bf16 3-D convolutions read NDHWC); the
-LTX VAE (Lite) runs them in the default NCDHW layout. This times the decode of one Lite chunk (5 latents -> 33
+The Wan VAE (Pro) runs its weights and activations channels-last; the LTX VAE (Lite) runs them in the default
+NCDHW layout, which has not been measured against channels-last. This times the decode of one Lite chunk (5 latents -> 33
 frames at 512x512, seeded random weights, bf16) per batch size, both layouts, each through ``torch.compile`` as
 served, and the relative difference between the two layouts' frames (they do the same math: only rounding may
 differ). Prints a table and writes ``flashhead_ltx_layout_gpu.json``.
