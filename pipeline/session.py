@@ -299,11 +299,12 @@ def session_factory(config: PipelineConfig, weights: str | None = "packaged",
     started = 0
     sessions: dict[str, LiveSession] = {}
     if chunks:  # the sessions' chunks through shared runners (FlashHead: one model, shared already)
-        def runner() -> ChunkRunner:  # each batcher its own, on a CUDA stream of its own
-            return family.chunk_runner(model_weights, config.diffusion.device, config.diffusion.seed, batched=True)
+        def runner(graphed: bool) -> ChunkRunner:  # each batcher its own, on a CUDA stream of its own
+            return family.chunk_runner(model_weights, config.diffusion.device, config.diffusion.seed, batched=True,
+                                       graphed=graphed)
 
-        batcher = ChunkDenoiseBatcher(config.diffusion, runner()) if batch_steps else None
-        decode_batcher = ChunkDecodeBatcher(config.decode, runner()) if batch_decodes else None
+        batcher = ChunkDenoiseBatcher(config.diffusion, runner(config.diffusion.step.graphed)) if batch_steps else None
+        decode_batcher = ChunkDecodeBatcher(config.decode, runner(config.decode.graphed)) if batch_decodes else None
         encode_batcher = None
         if config.conditioning.batch_sessions > 1 and here:  # the family's encoder, shared already
             conditioner = family.audio_conditioner(model_weights, config.conditioning.device, config.diffusion.seed,

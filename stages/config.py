@@ -95,7 +95,8 @@ class DecodeConfig(CheckedSection):
     SECTION = "decode"
 
     device: str = "cpu"
-    graphed: bool = True  # on CUDA: the decoder as one CUDA graph per chunk (model/graphed_decoder.py)
+    # on CUDA: the decoder as one CUDA graph per chunk (model/graphed_decoder.py); FlashHead's batched decode, one per batch size
+    graphed: bool = True
     threads: int | None = field(default=None, metadata=within(1, 1024))  # CPU intra-op threads; None: half the cores (diffusion runs beside it)
     # > 1: the sessions of one serving process share one decoder and decode their due chunks in one
     # forward of up to this many (stages/decode/batcher.py; CUDA-graphed per batch size); decode then

@@ -164,8 +164,9 @@ def test_a_runner_warms_every_batch_size_it_will_run(lite_parts):
         runner.warm("decode", 3)
     finally:
         hook.remove()
-    # 3 sessions run in groups of 2 and 1: each size once (4 passes each), then each decode
-    assert sizes == [1] * 4 + [2] * 4 + [-1, -2]
+    # 3 sessions run in groups of 2 and 1: each size once per motion length, a first chunk's and a later
+    # one's (4 passes each), then each decode
+    assert sizes == [1] * 8 + [2] * 8 + [-1, -2]
 
 
 @pytest.mark.parametrize(("rows", "sizes"), [(1, [1]), (3, [2, 1]), (8, [8]), (13, [8, 4, 1]), (16, [16])])

@@ -126,3 +126,73 @@ def test_batched_sessions_match_each_stream_alone():
         for s in streams[:2]:
             s.ready(2)
         runner.decode(streams[:2], runner.denoise(streams[:2], tokens[:2]))
+
+
+@pytest.mark.parametrize("variant", ["pro", "lite"])
+def test_graphed_runner_matches_the_runner_it_graphs(variant):
+    """A batched runner's CUDA graphs (as the batchers serve) against the same runner without them: same
+    weights, portraits, noise, 3 sessions (groups of 2 and 1), 2 chunks (the second at the later motion
+    length). A replay runs the kernels the compiled calls run, so the chunks agree to rounding; what a
+    call returned stays as it was after the next replay rewrites the graph's outputs; ``warm`` captured
+    every graph the chunks replay (Lite: its posterior noise drawn per session outside the graph)."""
+    from charstream.model.families.flashhead.chunks import ChunkRunner
+    from charstream.model.families.flashhead.config import LITE
+    from charstream.model.families.flashhead.vae_ltx import random_ltx_vae
+
+    if variant == "pro":
+        cfg, make_vae = TEST.with_(height=256, width=256), random_wan_vae
+    else:
+        cfg, make_vae = LITE.with_(name="flashhead-lite-test", n_blocks=2, height=256, width=256), random_ltx_vae
+    dit, vae = build(cfg, random_checkpoint(cfg, 4, "cuda"), "cuda", torch.bfloat16)[0], make_vae(5, "cuda", torch.bfloat16)
+    rng = np.random.default_rng(3)
+    faces = [portrait_tensor(rng.integers(0, 256, (256, 256, 3), dtype=np.uint8), 256, 256) for _ in range(3)]
+    tokens = [rng.normal(size=(cfg.latents_per_chunk, cfg.audio_tokens, cfg.dim)).astype(np.float32) for _ in range(3)]
+    runs = {}
+    for graphed in (False, True):
+        runner = ChunkRunner(dit, vae, compiled=True, batched=True, graphed=graphed)
+        runner.warm("denoise", 3)
+        runner.warm("decode", 3)
+        captured = set(runner.graphs)
+        streams = [ChunkMotionStream(dit, vae, face, seed=i, compiled=True) for i, face in enumerate(faces)]
+        runs[graphed] = []
+        for chunk in range(2):
+            for s in streams:
+                s.ready(chunk)
+            latents = runner.denoise(streams, tokens)
+            frames, motions = runner.decode(streams, latents)
+            for s, motion in zip(streams, motions, strict=True):
+                s.decoded(motion, chunk)
+            runs[graphed].append((latents, frames, motions))
+        assert set(runner.graphs) == captured, "a chunk captured a graph warm had not"
+    assert len(captured) == 2 * 2 + 2  # sizes 1 and 2: denoise at two motion lengths, decode
+    for chunk in range(2):
+        for i in range(3):
+            (latents, frames, motion), (latents_g, frames_g, motion_g) = (
+                tuple(part[i] for part in runs[graphed][chunk]) for graphed in (False, True))
+            apart = (relative(latents_g, latents), relative(motion_g, motion),
+                     float(np.abs(frames_g.astype(np.float32) - frames).mean()))
+            print(f"{variant} session {i} chunk {chunk}: graphed from compiled {apart[0]:.1e} latents, "
+                  f"{apart[1]:.1e} motion, {apart[2]:.3f} frame levels")
+            assert apart[0] <= 1e-3 and apart[1] <= 1e-3 and apart[2] <= 0.05, (variant, i, chunk, apart)
+
+
+def test_speech_encoder_on_the_gpu_gives_the_cpus_tokens():
+    """FlashHead's conditioning (the 48 -> 16 kHz decimation in float64 on the encoder's device, wav2vec2, the
+    adapter; seeded random weights) on the GPU against the CPU, for fresh speech-like windows, alone and as
+    one batch of three: the GPU may differ by its TF32 convolutions only."""
+    from charstream.model.families.flashhead.family import FlashHeadFamily
+
+    family = FlashHeadFamily("pro", config=TEST)
+    cpu, gpu = (family.audio_conditioner(None, device, seed=6) for device in ("cpu", "cuda"))
+    n = cpu.window_samples(family.timeline)
+    rng = np.random.default_rng()
+    windows = [(rng.standard_normal(n) * 6000 * np.abs(np.sin(np.linspace(0, rng.uniform(2, 9), n)))).astype(np.int16)
+               for _ in range(3)]
+    batched = gpu.encode_batch(windows)
+    for window, together in zip(windows, batched, strict=True):
+        want, got = cpu.encode(window), gpu.encode(window)
+        rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+        rel_batch = float(np.linalg.norm(together - got) / np.linalg.norm(got))
+        print(f"FlashHead tokens, GPU from CPU {rel:.1e}, a batch of three from alone {rel_batch:.1e}")
+        assert got.shape == want.shape and np.isfinite(got).all()
+        assert rel < 5e-3 and rel_batch < 1e-3, (rel, rel_batch)

@@ -105,8 +105,9 @@ def test_encode_matches_diffusers(ours, oracle):
     assert latents.shape == (1, 128, 2, 1, 1)
     assert rel(latents, (posterior.mode() - mean) / std) < 1e-4
     # Sampling: the same noise through both gives the same latents.
-    sampled = ours.encode_motion(frames, generator=torch.Generator().manual_seed(3))
     noise = torch.randn(posterior.mean.shape, generator=torch.Generator().manual_seed(3))
+    assert ours.latent_shape(frames.shape) == tuple(noise.shape)
+    sampled = ours.encode_motion(frames, noise)
     assert rel(sampled, (posterior.mean + posterior.std * noise - mean) / std) < 1e-4
     assert rel(sampled, latents) > 1e-3
 

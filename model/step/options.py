@@ -21,7 +21,8 @@ class StepOptions(CheckedSection):
 
     # the fused FP8 body (model/step/fused.py); None: where it was built for -- CUDA, a bf16 model, an FP8 ring
     fused: bool | None = None
-    # the fused body as CUDA graphs wherever it runs on CUDA; false: eager
+    # the fused body as CUDA graphs wherever it runs on CUDA (FlashHead's batched denoise: one per batch size);
+    # false: eager
     graphed: bool = True
     # once the window is full, on CUDA: "gathered" (the window in bf16 beside the ring, cuDNN's SDPA; faster
     # on the H200, docs/PERF.md), "ring" (in place over the ring, as while it fills) or "fp8_window" (the

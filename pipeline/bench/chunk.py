@@ -13,8 +13,9 @@ runs each way asked for, in the same process (``--modes``): ``threads``, each se
 stream (``batch_sessions`` 1); ``batched``, the sessions' due windows encoded, and their chunks denoised
 and decoded, together by the stages' batchers (``stages/conditioning/batcher.py``,
 ``stages/shared/chunk_batcher.py``, ``batch_sessions`` K; on CUDA the chunk batchers' threads first run a
-batch of each size, as served); ``chunks``, the same but each session encoding its own windows (what
-batching the encodes gains). A session
+batch of each size and capture its CUDA graph, as served); ``chunks``, the same but each session encoding its
+own windows (what batching the encodes gains); ``ungraphed``, ``batched`` without the CUDA graphs (what they
+gain). A session
 keeps up when its chunks come at least as fast as they play (28 frames at 25 fps: one every 1.12 s); the
 report gives each K's per-session chunk period (median, p90), the frames a second generated in all and
 how long a session waits for each part of its chunk.
@@ -51,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=float, default=20.0, help="how long each session count runs")
     parser.add_argument("--modes", default="threads,batched",
                         help="comma-separated: threads (a stream per session), batched (the stages' batchers), "
-                             "chunks (the chunk batchers, each session's own encodes)")
+                             "chunks (the chunk batchers, each session's own encodes), ungraphed (batched "
+                             "without CUDA graphs)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="torch.compile the DiT and the VAE (default: on CUDA, as served)")
     parser.add_argument("--blocks", type=int, default=None, help="fewer DiT blocks (a CPU check of the bench)")
@@ -121,11 +123,12 @@ class Batchers:
     decode: ChunkDecodeBatcher
 
     @classmethod
-    def make(cls, family, weights: str, device: str, sessions: int, compiled: bool, encodes: bool = True) -> Batchers:
+    def make(cls, family, weights: str, device: str, sessions: int, compiled: bool, encodes: bool = True,
+             graphed: bool = True) -> Batchers:
         from charstream.stages.config import ConditioningConfig, DecodeConfig, DiffusionConfig
 
         def runner():
-            return family.chunk_runner(weights, device, 0, compiled, batched=True)
+            return family.chunk_runner(weights, device, 0, compiled, batched=True, graphed=graphed)
 
         conditioner = family.audio_conditioner(weights, device, 0)
         encode = EncodeBatcher(ConditioningConfig(device=device, batch_sessions=sessions), conditioner, family.timeline)
@@ -219,8 +222,8 @@ def measure(args: argparse.Namespace) -> dict:
     print(f"one session: chunk median {parts['chunk']['median_ms']:.1f} ms", file=sys.stderr, flush=True)
     counts = [int(k) for k in args.sessions.split(",") if k.strip()]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if not modes or set(modes) - {"threads", "batched", "chunks"}:
-        raise ValueError(f"--modes: threads, batched and/or chunks, got {args.modes!r}")
+    if not modes or set(modes) - {"threads", "batched", "chunks", "ungraphed"}:
+        raise ValueError(f"--modes: threads, batched, chunks and/or ungraphed, got {args.modes!r}")
     streams = [first]
     ladder = []
     warmed = False
@@ -235,7 +238,8 @@ def measure(args: argparse.Namespace) -> dict:
                 family.warm_up(args.weights, args.device, 0, batched=True)
                 warmed = True
             batchers = None if mode == "threads" else \
-                Batchers.make(family, args.weights, args.device, k, first.stream.compiled, encodes=mode == "batched")
+                Batchers.make(family, args.weights, args.device, k, first.stream.compiled, encodes=mode != "chunks",
+                              graphed=mode != "ungraphed")
             ladder.append(side_by_side(streams[:k], args.seconds, chunk_s, cfg.new_frames_per_chunk, batchers, mode))
             print(ladder_line(ladder[-1]), file=sys.stderr, flush=True)  # a long ladder's rows as they come
             if batchers is not None:

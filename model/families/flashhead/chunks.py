@@ -32,7 +32,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -41,9 +41,11 @@ from torch import Tensor
 from charstream.model.families.flashhead.colour import ColourReference, colour_reference, match_colours
 from charstream.model.families.flashhead.config import FlashHeadConfig
 from charstream.model.families.flashhead.dit import FlashHeadDiT
-from charstream.model.families.flashhead.sampler import sample_chunk
+from charstream.model.families.flashhead.noise import randn_rows
+from charstream.model.families.flashhead.sampler import chunk_noise, chunk_timesteps, denoise_chunk
 from charstream.model.families.flashhead.vae_ltx import LtxVAE
 from charstream.model.families.flashhead.vae_wan import WanVAE
+from charstream.model.graphs import capture_graph, one_capture_at_a_time
 
 KEEP_MOTION = 16  # chunks whose motion latents are kept: more than playout holds unplayed
 
@@ -82,13 +84,22 @@ class ChunkRunner:
 
     ``compiled``: the DiT and the VAE through ``torch.compile`` (one compilation per process and shape:
     other runners reuse it). ``batched``: batches larger than one are compiled with a dynamic batch
-    dimension, so every size above one shares one compilation."""
+    dimension, so every size above one shares one compilation. ``graphed`` (CUDA): each batch size's
+    denoise (per motion length) and decode is one CUDA graph, captured on its first call (``warm`` captures
+    them all), so a batch costs a few replays where it cost thousands of kernel launches from Python. Noise
+    is drawn from the sessions' generators before a replay, so a graph serves any sessions."""
 
-    def __init__(self, dit: FlashHeadDiT, vae: WanVAE | LtxVAE, compiled: bool = False, batched: bool = False) -> None:
+    def __init__(self, dit: FlashHeadDiT, vae: WanVAE | LtxVAE, compiled: bool = False, batched: bool = False,
+                 graphed: bool = False) -> None:
         self.cfg, self.model, self.vae, self.batched = dit.cfg, dit, vae, batched
         device = next(dit.parameters()).device
         self.dtype = next(dit.parameters()).dtype
         self.cuda_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.graphed = graphed and self.cuda_stream is not None
+        self.graphs: dict[tuple, _Graph] = {}
+        # one pool for this runner's graphs: they replay one at a time, on its one thread
+        self._pool = torch.cuda.graph_pool_handle() if self.graphed else None
+        self._timesteps = chunk_timesteps(self.cfg).to(device)
 
         def compile_(fn: Callable) -> Callable:
             if not compiled:
@@ -98,8 +109,7 @@ class ChunkRunner:
         self.dit = compile_(dit)
         self._decode = compile_(vae.decode_chunk)
         self._match = compile_(match_colours)
-        # Lite feeds back a sample of the LTX posterior, drawn from each session's noise: not compiled
-        self._encode = vae.encode_motion if self.cfg.variant == "lite" else compile_(vae.encode_motion)
+        self._encode = compile_(vae.encode_motion)
 
     @contextmanager
     def on_stream(self, waits: list[torch.cuda.Stream | None] = ()) -> Iterator[None]:
@@ -115,18 +125,46 @@ class ChunkRunner:
             yield
         self.cuda_stream.synchronize()
 
+    def _run(self, key: tuple, body: Callable[..., tuple[Tensor, ...]], inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        """``body(*inputs)``; graphed, a replay of ``key``'s graph with ``inputs`` copied into its static ones
+        (captured now if new). A replay's outputs are the graph's own tensors: the next replay rewrites them."""
+        if not self.graphed:
+            return body(*inputs)
+        graph = self.graphs.get(key) or self._capture(key, body, inputs)
+        for static, value in zip(graph.inputs, inputs, strict=True):
+            static.copy_(value)
+        graph.graph.replay()
+        return graph.outputs
+
+    @one_capture_at_a_time
+    def _capture(self, key: tuple, body: Callable[..., tuple[Tensor, ...]], inputs: tuple[Tensor, ...]) -> _Graph:
+        static = tuple(t.clone() for t in inputs)
+        graph, outputs = capture_graph(lambda: body(*static), self.cuda_stream, pool=self._pool)
+        self.graphs[key] = _Graph(graph, static, outputs)
+        return self.graphs[key]
+
     @torch.no_grad()
     def encode(self, frames: Tensor, generators: list[torch.Generator]) -> Tensor:
         """Frames (batch, 3, 1 + stride k, H, W) -> latents in the DiT's dtype (Lite: a posterior sample per row)."""
-        if self.cfg.variant == "lite":
-            return self._encode(frames, generator=generators).to(self.dtype)
-        return self._encode(frames).to(self.dtype)
+        return self._encode(frames, *self._posterior_noise(frames.shape, generators, frames.device)).to(self.dtype)
+
+    def _posterior_noise(self, frames_shape: tuple[int, ...], generators: list[torch.Generator],
+                         device: torch.device) -> tuple[Tensor, ...]:
+        """The encode's noise argument: Lite samples the LTX posterior (a draw per row from its session's
+        generator), Pro takes the Wan posterior's mean (none)."""
+        if self.cfg.variant != "lite":
+            return ()
+        return (randn_rows(self.vae.latent_shape(frames_shape), generators, torch.float32, device),)
 
     @torch.no_grad()
     def denoise(self, streams: list[ChunkMotionStream], tokens: list[np.ndarray | Tensor]) -> list[Tensor]:
         """Each stream's next chunk (1, C, latents, h, w) from its audio tokens (latents, tokens, d), denoised in
         batches by motion length (a first chunk continues one latent, later ones ``motion_latents``)."""
         out: list[Tensor | None] = [None] * len(streams)
+
+        def body(reference: Tensor, audio: Tensor, motion: Tensor, noise: Tensor) -> tuple[Tensor]:
+            return (denoise_chunk(self.dit, reference, audio, motion, noise, self._timesteps),)
+
         with self.on_stream([s.cuda_stream for s in streams]):
             device = streams[0].reference.device
             audio = [torch.as_tensor(t)[None].to(device, self.dtype) for t in tokens]
@@ -134,11 +172,11 @@ class ChunkRunner:
             for rows in (g for n in lengths for g in batch_groups([i for i, s in enumerate(streams)
                                                                   if s.motion.shape[2] == n])):
                 reference = torch.cat([streams[i].reference for i in rows])
-                batch_audio = torch.cat([audio[i] for i in rows])
-                motion = torch.cat([streams[i].motion for i in rows])
-                latents = sample_chunk(self.dit, reference, batch_audio, motion, [streams[i].generator for i in rows])
-                for row, i in enumerate(rows):
-                    out[i] = latents[row:row + 1]
+                noise = chunk_noise(self.cfg, reference.shape, [streams[i].generator for i in rows], reference.dtype, device)
+                inputs = (reference, torch.cat([audio[i] for i in rows]), torch.cat([streams[i].motion for i in rows]), noise)
+                (latents,) = self._run(("denoise", len(rows), inputs[2].shape[2]), body, inputs)
+                for row, i in enumerate(rows):  # copies: a replay rewrites a graph's outputs
+                    out[i] = latents[row:row + 1].clone()
         return out
 
     @torch.no_grad()
@@ -148,43 +186,58 @@ class ChunkRunner:
         cfg = self.cfg
         frames_out: list[np.ndarray | None] = [None] * len(streams)
         motion_out: list[Tensor | None] = [None] * len(streams)
+
+        def body(batch: Tensor, mean: Tensor, std: Tensor, *noise: Tensor) -> tuple[Tensor, Tensor]:
+            frames = self._decode(batch)  # (batch, 3, F, H, W)
+            # what is shown is colour-matched, as the released pipeline shows it; its last frames feed the next chunk
+            new = self._match(frames[:, :, cfg.motion_frames:].float(), ColourReference(mean, std))
+            motion = self._encode(new[:, :, -cfg.motion_frames:], *noise).to(self.dtype)
+            pixels = ((new.permute(0, 2, 3, 4, 1) + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
+            return pixels, motion
+
         with self.on_stream([s.cuda_stream for s in streams]):
             weight = next(self.vae.parameters())
             copies = []
             for rows in batch_groups(list(range(len(streams)))):
                 batch = torch.cat([torch.as_tensor(latents[i]).to(weight.device, weight.dtype) for i in rows])
-                frames = self._decode(batch)  # (batch, 3, F, H, W)
-                colours = ColourReference(torch.cat([streams[i].colours.mean for i in rows]),
-                                          torch.cat([streams[i].colours.std for i in rows]))
-                # what is shown is colour-matched, as the released pipeline shows it; its last frames feed the next chunk
-                new = self._match(frames[:, :, cfg.motion_frames:].float(), colours)
-                motion = self.encode(new[:, :, -cfg.motion_frames:], [streams[i].generator for i in rows])
-                pixels = ((new.permute(0, 2, 3, 4, 1) + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
+                shown = (len(rows), 3, cfg.motion_frames, cfg.height, cfg.width)  # the frames re-encoded
+                inputs = (batch, torch.cat([streams[i].colours.mean for i in rows]),
+                          torch.cat([streams[i].colours.std for i in rows]),
+                          *self._posterior_noise(shown, [streams[i].generator for i in rows], weight.device))
+                pixels, motion = self._run(("decode", len(rows)), body, inputs)
                 # to page-locked memory: a pageable copy runs at a tenth of the speed and blocks the thread
                 host = pixels
                 if pixels.is_cuda:
                     host = torch.empty(pixels.shape, dtype=torch.uint8, pin_memory=True)
                     host.copy_(pixels, non_blocking=True)
-                copies.append((rows, host, motion))
+                copies.append((rows, host, [motion[row:row + 1].clone() for row in range(len(rows))]))
         # on_stream's exit waited for the copies: the host tensors are complete
         for rows, host, motion in copies:
             for row, i in enumerate(rows):
-                frames_out[i], motion_out[i] = host[row].numpy(), motion[row:row + 1]
+                frames_out[i], motion_out[i] = host[row].numpy(), motion[row]
         return frames_out, motion_out
 
     @torch.no_grad()
     def warm(self, part: str, rows: int) -> None:
-        """A batch of every size ``denoise`` or ``decode`` (``part``) runs for up to ``rows`` streams, on a grey
-        portrait, results dropped: cuDNN's benchmark mode times a convolution once per shape and thread, and
-        the calling thread is then done with it before sessions wait on it."""
+        """A batch of every size ``denoise`` or ``decode`` (``part``) runs for up to ``rows`` streams (denoise: at
+        both motion lengths), on a grey portrait, results dropped: cuDNN's benchmark mode times a convolution
+        once per shape and thread, and graphed, each graph is captured, before sessions wait on them."""
         cfg = self.cfg
         stream = ChunkMotionStream(self.model, self.vae, torch.zeros(1, 3, 1, cfg.height, cfg.width))
         tokens = np.zeros((cfg.latents_per_chunk, cfg.audio_tokens, cfg.dim), np.float32)
         for size in (1 << k for k in range(rows.bit_length())):  # batch_groups' sizes: 1, 2, 4, ... <= rows
             if part == "denoise":
-                self.denoise([stream] * size, [tokens] * size)
+                for m in sorted({1, cfg.motion_latents}):  # a first chunk continues one latent
+                    stream.motion = stream.reference[:, :, :m]
+                    self.denoise([stream] * size, [tokens] * size)
             else:  # the reference latents have a chunk's shape
                 self.decode([stream] * size, [stream.reference] * size)
+
+
+class _Graph(NamedTuple):
+    graph: torch.cuda.CUDAGraph
+    inputs: tuple[Tensor, ...]  # static: copied into before each replay
+    outputs: tuple[Tensor, ...]  # static: rewritten by each replay
 
 
 def batch_groups(rows: list[int]) -> list[list[int]]:

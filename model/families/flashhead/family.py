@@ -90,14 +90,15 @@ class FlashHeadFamily(ModelFamily):
         return ChunkMotionStream(dit, vae, portrait_tensor(portrait, cfg.height, cfg.width), seed, compiled=compiled)
 
     def chunk_runner(self, weights: str | None, device: str = "cpu", seed: int = 0, compiled: bool | None = None,
-                     batched: bool = False) -> ChunkRunner:
+                     batched: bool = False, graphed: bool = False) -> ChunkRunner:
         """A runner of chunks over this process's DiT and VAE, on a CUDA stream of its own: ``batched``, one
-        that several sessions' streams share (the batchers'), compiled for every batch size."""
+        that several sessions' streams share (the batchers'), compiled for every batch size; ``graphed``, on
+        CUDA, a CUDA graph per batch size."""
         from charstream.model.families.flashhead.chunks import ChunkRunner
 
         dit, vae = self.generator(weights, device, seed)
         compiled = str(device).startswith("cuda") if compiled is None else compiled
-        return ChunkRunner(dit, vae, compiled, batched)
+        return ChunkRunner(dit, vae, compiled, batched, graphed)
 
     def warm_up(self, weights: str | None, device: str, seed: int = 0, batched: bool = False) -> float:
         """The shared DiT and VAE loaded and, on CUDA, compiled: one chunk of silence through a grey

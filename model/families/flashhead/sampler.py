@@ -23,7 +23,44 @@ def chunk_timesteps(cfg: FlashHeadConfig) -> Tensor:
     return torch.tensor([s * cfg.num_timesteps for s in cfg.sigmas] + [0.0], dtype=torch.float32)
 
 
+def chunk_noise(cfg: FlashHeadConfig, shape: Sequence[int], generator: torch.Generator | Sequence[torch.Generator],
+                dtype: torch.dtype, device: torch.device | str) -> Tensor:
+    """A chunk's noise, (passes + 1, *shape): its start, then one draw per pass (the last one too, scaled by 0),
+    drawn from ``generator`` (or one per batch row) in that order, so a seed's stream matches the released
+    sampler's chunk after chunk."""
+    return torch.stack([randn_rows(shape, generator, dtype, device) for _ in range(len(cfg.sigmas) + 1)])
+
+
 @torch.no_grad()
+def denoise_chunk(
+    dit: FlashHeadDiT,
+    reference: Tensor,
+    audio: Tensor,
+    motion: Tensor,
+    noise: Tensor,
+    timesteps: Tensor,
+    on_pass: Callable[[int, Tensor], None] | None = None,
+) -> Tensor:
+    """Denoise one chunk from its drawn ``noise`` (``chunk_noise``) at ``timesteps`` (``chunk_timesteps`` on the
+    latents' device): no host work, so a CUDA graph can hold it. Arguments and result as ``sample_chunk``'s."""
+    cfg = dit.cfg
+    batch = reference.shape[0]
+    x = noise[0].clone()
+    m = motion.shape[2]
+    for i in range(len(cfg.sigmas)):
+        x[:, :, :m] = motion
+        velocity = dit(x, reference, timesteps[i].expand(batch), audio)
+        # the update runs in the latents' dtype, as the released sampler's (sigma 0.8333 is 0.832 in bf16)
+        sigma = (timesteps[i] / cfg.num_timesteps).to(x.dtype)
+        sigma_next = (timesteps[i + 1] / cfg.num_timesteps).to(x.dtype)
+        clean = x - velocity * sigma
+        x = (1 - sigma_next) * clean + sigma_next * noise[i + 1]
+        if on_pass is not None:
+            on_pass(i, x)
+    x[:, :, :m] = motion
+    return x
+
+
 def sample_chunk(
     dit: FlashHeadDiT,
     reference: Tensor,
@@ -35,26 +72,10 @@ def sample_chunk(
     """Denoise one chunk.
 
     reference: (batch, C, latents, h, w) reference-image latents; audio: (batch, latents, tokens, d);
-    motion: (batch, C, m, h, w), m <= latents. Noise is drawn from ``generator`` on the latents' device
-    in their dtype: the chunk's start, then one draw per pass (the last one too, scaled by 0), so a
-    seed's stream matches the released sampler's chunk after chunk. ``on_pass(i, x)``, if given, sees the
-    latents after each pass. Returns the denoised latents, motion latents in place.
+    motion: (batch, C, m, h, w), m <= latents. Noise is drawn from ``generator`` (or one per batch row) on the
+    latents' device in their dtype (``chunk_noise``). ``on_pass(i, x)``, if given, sees the latents after each
+    pass. Returns the denoised latents, motion latents in place.
     """
     cfg = dit.cfg
-    timesteps = chunk_timesteps(cfg).to(reference.device)
-    batch = reference.shape[0]
-    x = randn_rows(reference.shape, generator, reference.dtype, reference.device)
-    m = motion.shape[2]
-    for i in range(len(cfg.sigmas)):
-        x[:, :, :m] = motion
-        velocity = dit(x, reference, timesteps[i].expand(batch), audio)
-        # the update runs in the latents' dtype, as the released sampler's (sigma 0.8333 is 0.832 in bf16)
-        sigma = (timesteps[i] / cfg.num_timesteps).to(x.dtype)
-        sigma_next = (timesteps[i + 1] / cfg.num_timesteps).to(x.dtype)
-        clean = x - velocity * sigma
-        noise = randn_rows(clean.shape, generator, clean.dtype, clean.device)
-        x = (1 - sigma_next) * clean + sigma_next * noise
-        if on_pass is not None:
-            on_pass(i, x)
-    x[:, :, :m] = motion
-    return x
+    noise = chunk_noise(cfg, reference.shape, generator, reference.dtype, reference.device)
+    return denoise_chunk(dit, reference, audio, motion, noise, chunk_timesteps(cfg).to(reference.device), on_pass)

@@ -10,7 +10,7 @@ The net: 4x4 pixel patches (48 channels) at the input and output, residual block
 then depth-to-space up, dropping the first frame). The encoder is causal, its time padding the first frame
 repeated; the decoder is not, padding with the first and last frames. Both run over the whole clip (FlashHead
 encodes and decodes each chunk on its own). The encoder's posterior has one log-variance for all channels; Lite
-samples from it when it re-encodes the motion frames (``encode_motion(..., generator=)``).
+samples from it when it re-encodes the motion frames (``encode_motion(..., noise=)``).
 
 Weights load from the diffusers-style ``VAE_LTX/`` folder (``config.json`` +
 ``diffusion_pytorch_model.safetensors``); module names are diffusers', so no key map is needed.
@@ -28,7 +28,6 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from charstream.model.families.flashhead.errors import CheckpointError
-from charstream.model.families.flashhead.noise import randn_rows
 from charstream.model.families.flashhead.vae_files import check_shapes, safetensors_shapes
 
 LATENT_CHANNELS = 128
@@ -216,10 +215,15 @@ class LtxVAE(nn.Module):
         z = (latents.float() * std + mean).to(self.decoder.conv_in.conv.weight.dtype)
         return self.decoder(z)
 
-    def encode_motion(self, frames: Tensor, generator: torch.Generator | Sequence[torch.Generator] | None = None) -> Tensor:
+    def latent_shape(self, frames_shape: Sequence[int]) -> tuple[int, int, int, int, int]:
+        """The latents' shape ``(B, 128, 1 + k, H / 32, W / 32)`` of frames shaped ``(B, 3, 1 + 8k, H, W)``."""
+        b, _, f, h, w = frames_shape
+        return b, LATENT_CHANNELS, 1 + (f - 1) // TEMPORAL_STRIDE, h // SPATIAL_STRIDE, w // SPATIAL_STRIDE
+
+    def encode_motion(self, frames: Tensor, noise: Tensor | None = None) -> Tensor:
         """Frames ``(B, 3, 1 + 8k, H, W)`` in [-1, 1] -> normalised latents ``(B, 128, 1 + k, H / 32, W / 32)`` in
-        float32: the posterior mean, or with ``generator`` (or one per batch row) a sample from the posterior (what
-        FlashHead Lite feeds back as motion latents)."""
+        float32: the posterior mean, or with ``noise`` (standard normal, ``latent_shape(frames.shape)``) a sample
+        from the posterior (what FlashHead Lite feeds back as motion latents)."""
         f = frames.shape[2] if frames.ndim == 5 else 0
         if frames.ndim != 5 or frames.shape[1] != 3 or f % TEMPORAL_STRIDE != 1:
             raise ValueError(f"frames must be (B, 3, 1 + 8k, H, W), got {tuple(frames.shape)}")
@@ -227,9 +231,8 @@ class LtxVAE(nn.Module):
             raise ValueError(f"frame height and width must be multiples of {SPATIAL_STRIDE}, got {tuple(frames.shape)}")
         out = self.encoder(frames.to(self.encoder.conv_in.conv.weight.dtype)).float()
         z = out[:, :LATENT_CHANNELS]
-        if generator is not None:
-            std = torch.exp(0.5 * out[:, LATENT_CHANNELS:].clamp(-30.0, 20.0))
-            z = z + std * randn_rows(z.shape, generator, torch.float32, z.device)
+        if noise is not None:
+            z = z + torch.exp(0.5 * out[:, LATENT_CHANNELS:].clamp(-30.0, 20.0)) * noise
         mean, std = self._stats()
         return (z - mean) / std
 
