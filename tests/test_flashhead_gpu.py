@@ -178,13 +178,18 @@ def test_graphed_runner_matches_the_runner_it_graphs(variant):
 
 def test_speech_encoder_on_the_gpu_gives_the_cpus_tokens():
     """FlashHead's conditioning (the 48 -> 16 kHz decimation in float64 on the encoder's device, wav2vec2, the
-    adapter; seeded random weights) on the GPU against the CPU, for fresh speech-like windows, alone and as
-    one batch of three: the GPU may differ by its TF32 convolutions only."""
-    from charstream.model.families.flashhead.family import FlashHeadFamily
+    adapter) on the GPU against the CPU with the same seeded random weights (made on the CPU, copied over),
+    for fresh speech-like windows, alone and as one batch of three: the GPU may differ by its TF32
+    convolutions only."""
+    import copy
 
-    family = FlashHeadFamily("pro", config=TEST)
-    cpu, gpu = (family.audio_conditioner(None, device, seed=6) for device in ("cpu", "cuda"))
-    n = cpu.window_samples(family.timeline)
+    from charstream.model.families.flashhead.conditioner import ChunkSpeechEncoder
+    from charstream.model.families.flashhead.loader import load_audio_side
+
+    adapter, speech = load_audio_side("random", "pro", "cpu", seed=6, cfg=TEST)
+    cpu = ChunkSpeechEncoder(TEST, speech, adapter)
+    gpu = ChunkSpeechEncoder(TEST, copy.deepcopy(speech).to("cuda"), copy.deepcopy(adapter).to("cuda"))
+    n = cpu.window_samples
     rng = np.random.default_rng()
     windows = [(rng.standard_normal(n) * 6000 * np.abs(np.sin(np.linspace(0, rng.uniform(2, 9), n)))).astype(np.int16)
                for _ in range(3)]

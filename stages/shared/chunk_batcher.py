@@ -6,9 +6,10 @@ matrix units partly idle; the sessions of one serving process share the model, s
 as one batch through a shared ``ChunkRunner`` (``model/families/flashhead/chunks.py``), each batcher's on
 a CUDA stream of its own (a batch decodes while the next denoises). Each session's stream keeps its
 motion latents, portrait, colour reference and noise, so its chunk is the one it would make alone. The
-scheduling -- window, bounded pending, worker thread, failures -- is ``batcher.py``'s. On CUDA a batcher's
-worker thread first runs a batch of every size it will run (``prepare``: cuDNN's per-thread timing), so
-the first session of a process waits for that once.
+scheduling -- window, bounded pending, worker thread, failures -- is ``batcher.py``'s. On CUDA a graphed
+runner (the default) captures a CUDA graph for every batch size when its batcher is made, on the making
+thread, before any session runs GPU work beside the capture; an ungraphed one's worker thread first runs
+a batch of every size (``prepare``: cuDNN's per-thread timing), so the first session waits for that once.
 
     denoiser = ChunkDenoiseBatcher(config.diffusion, runner)   # one each per process: session_factory
     decoder = ChunkDecodeBatcher(config.decode, runner)
@@ -41,12 +42,14 @@ class _ChunkBatcher(SessionBatcher):
         super().__init__(config.batch_sessions, config.batch_window_s,
                          cpu_threads(config.threads) if config.device == "cpu" else None, name)
         self.runner = runner
+        if runner.graphed:  # replays time no convolution: the worker thread has nothing to prepare
+            runner.warm(self.part, self.max_sessions)
 
     def prepare(self) -> None:
-        """On CUDA, a batch of every size this thread will run, before the first session's chunk: cuDNN
-        times each convolution once per shape and thread, which would otherwise stall every session in the
-        batch that first meets a size."""
-        if self.runner.cuda_stream is not None:
+        """On CUDA without graphs, a batch of every size this thread will run, before the first session's
+        chunk: cuDNN times each convolution once per shape and thread, which would otherwise stall every
+        session in the batch that first meets a size."""
+        if self.runner.cuda_stream is not None and not self.runner.graphed:
             self.runner.warm(self.part, self.max_sessions)
 
 

@@ -85,9 +85,11 @@ class ChunkRunner:
     ``compiled``: the DiT and the VAE through ``torch.compile`` (one compilation per process and shape:
     other runners reuse it). ``batched``: batches larger than one are compiled with a dynamic batch
     dimension, so every size above one shares one compilation. ``graphed`` (CUDA): each batch size's
-    denoise (per motion length) and decode is one CUDA graph, captured on its first call (``warm`` captures
-    them all), so a batch costs a few replays where it cost thousands of kernel launches from Python. Noise
-    is drawn from the sessions' generators before a replay, so a graph serves any sessions."""
+    denoise (per motion length) and decode is one CUDA graph, captured by ``warm``, so a batch costs a few
+    replays where it cost thousands of kernel launches from Python; a batch no graph was captured for runs
+    as ungraphed. Noise is drawn from the sessions' generators before a replay, so a graph serves any
+    sessions. Capture while no other thread of the process runs GPU work: a device-wide synchronise
+    elsewhere (cuDNN timing a new convolution shape does one) invalidates a capture in progress."""
 
     def __init__(self, dit: FlashHeadDiT, vae: WanVAE | LtxVAE, compiled: bool = False, batched: bool = False,
                  graphed: bool = False) -> None:
@@ -97,6 +99,7 @@ class ChunkRunner:
         self.cuda_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.graphed = graphed and self.cuda_stream is not None
         self.graphs: dict[tuple, _Graph] = {}
+        self._capturing = False  # inside ``warm``: a new batch shape is captured
         # one pool for this runner's graphs: they replay one at a time, on its one thread
         self._pool = torch.cuda.graph_pool_handle() if self.graphed else None
         self._timesteps = chunk_timesteps(self.cfg).to(device)
@@ -127,10 +130,13 @@ class ChunkRunner:
 
     def _run(self, key: tuple, body: Callable[..., tuple[Tensor, ...]], inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         """``body(*inputs)``; graphed, a replay of ``key``'s graph with ``inputs`` copied into its static ones
-        (captured now if new). A replay's outputs are the graph's own tensors: the next replay rewrites them."""
-        if not self.graphed:
+        (captured now inside ``warm``). A replay's outputs are the graph's own tensors: the next replay
+        rewrites them."""
+        graph = self.graphs.get(key)
+        if graph is None and self.graphed and self._capturing:
+            graph = self._capture(key, body, inputs)
+        if graph is None:
             return body(*inputs)
-        graph = self.graphs.get(key) or self._capture(key, body, inputs)
         for static, value in zip(graph.inputs, inputs, strict=True):
             static.copy_(value)
         graph.graph.replay()
@@ -221,17 +227,21 @@ class ChunkRunner:
     def warm(self, part: str, rows: int) -> None:
         """A batch of every size ``denoise`` or ``decode`` (``part``) runs for up to ``rows`` streams (denoise: at
         both motion lengths), on a grey portrait, results dropped: cuDNN's benchmark mode times a convolution
-        once per shape and thread, and graphed, each graph is captured, before sessions wait on them."""
+        once per shape and thread, and graphed, each batch's graph is captured, before sessions wait on them."""
         cfg = self.cfg
         stream = ChunkMotionStream(self.model, self.vae, torch.zeros(1, 3, 1, cfg.height, cfg.width))
         tokens = np.zeros((cfg.latents_per_chunk, cfg.audio_tokens, cfg.dim), np.float32)
-        for size in (1 << k for k in range(rows.bit_length())):  # batch_groups' sizes: 1, 2, 4, ... <= rows
-            if part == "denoise":
-                for m in sorted({1, cfg.motion_latents}):  # a first chunk continues one latent
-                    stream.motion = stream.reference[:, :, :m]
-                    self.denoise([stream] * size, [tokens] * size)
-            else:  # the reference latents have a chunk's shape
-                self.decode([stream] * size, [stream.reference] * size)
+        self._capturing = True
+        try:
+            for size in (1 << k for k in range(rows.bit_length())):  # batch_groups' sizes: 1, 2, 4, ... <= rows
+                if part == "denoise":
+                    for m in sorted({1, cfg.motion_latents}):  # a first chunk continues one latent
+                        stream.motion = stream.reference[:, :, :m]
+                        self.denoise([stream] * size, [tokens] * size)
+                else:  # the reference latents have a chunk's shape
+                    self.decode([stream] * size, [stream.reference] * size)
+        finally:
+            self._capturing = False
 
 
 class _Graph(NamedTuple):

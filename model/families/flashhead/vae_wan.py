@@ -140,7 +140,13 @@ class AttentionBlock(nn.Module):
 # Nearest x2 then a 3x3 conv == per output phase (row parity a, column parity b) a 2x2 conv of the input: along
 # each axis the 3 taps fall on 2 input pixels, phase 0 on (i-1, i) with taps (0 | 1+2), phase 1 on (i, i+1) with
 # taps (0+1 | 2). One 2x2 conv (padding 1) computes all four phases; phase (a, b) sits at offset (a, b).
-_PHASE_TAPS = torch.tensor([[[1.0, 0.0, 0.0], [0.0, 1.0, 1.0]], [[1.0, 1.0, 0.0], [0.0, 0.0, 1.0]]])
+
+
+def phase_taps(device: torch.device) -> Tensor:
+    """(phase a, input pixel y, tap k) -> 1 where tap k falls on pixel y: pixel 0 takes taps k <= a, pixel 1 the
+    rest. Made on ``device`` (no host tensor to copy: the decode may run inside a CUDA graph)."""
+    first = (torch.arange(3, device=device)[None] <= torch.arange(2, device=device)[:, None]).float()
+    return torch.stack([first, 1 - first], dim=1)
 
 
 class Upsample(nn.Module):
@@ -156,7 +162,7 @@ class Upsample(nn.Module):
 
     def _spatial(self, x: Tensor) -> Tensor:
         w = self.conv.weight
-        taps = _PHASE_TAPS.to(device=w.device, dtype=torch.float32)
+        taps = phase_taps(w.device)
         # (a, b, out, in, 2, 2): row taps of phase a, column taps of phase b, summed in float32.
         phases = torch.einsum("ayk,oikl,bxl->aboiyx", taps, w.float(), taps).flatten(0, 2).to(w.dtype)
         y = F.conv2d(x, phases.contiguous(memory_format=torch.channels_last), self.conv.bias.repeat(4), padding=1)
