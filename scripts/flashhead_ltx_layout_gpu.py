@@ -3,8 +3,9 @@
 The Wan VAE (Pro) runs its weights and activations channels-last; the LTX VAE (Lite) runs them in the default
 NCDHW layout, which has not been measured against channels-last. This times the decode of one Lite chunk (5 latents -> 33
 frames at 512x512, seeded random weights, bf16) per batch size, both layouts, each through ``torch.compile`` as
-served, and the relative difference between the two layouts' frames (they do the same math: only rounding may
-differ). Prints a table and writes ``flashhead_ltx_layout_gpu.json``.
+served, the relative difference between the two layouts' frames (they do the same math: only rounding may
+differ) and each one's from an fp32 decode (default layout, TF32 off: the reference a served layout must stay
+as close to as the other). Prints a table and writes ``flashhead_ltx_layout_gpu.json``.
 
     python scripts/flashhead_ltx_layout_gpu.py --out DIR [--batches 1,16] [--size 512] [--no-compile]
 """
@@ -62,6 +63,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     torch.backends.cudnn.benchmark = True  # as served (family.warm_up)
     layouts = {"default": random_ltx_vae(3, DEVICE, LOW), "channels_last": channels_last(random_ltx_vae(3, DEVICE, LOW))}
+    exact = random_ltx_vae(3, DEVICE, torch.float32)
     side = args.size // 32
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
@@ -78,6 +80,16 @@ def main() -> None:
         a, b = frames["channels_last"].double(), frames["default"].double()
         rows[-1]["rel_to_default"] = float(((a - b).norm() / b.norm()).item())
         print(f"batch {batch:>3} channels_last vs default: {rows[-1]['rel_to_default']:.2e} relative", flush=True)
+        tf32 = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        try:
+            with torch.no_grad(), torch.backends.cudnn.flags(enabled=True, benchmark=False, allow_tf32=False):
+                reference = exact.decode_chunk(z).double()
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+        for row, name in zip(rows[-2:], layouts, strict=True):
+            row["rel_to_fp32"] = float(((frames[name].double() - reference).norm() / reference.norm()).item())
+            print(f"batch {batch:>3} {name:<14} vs fp32: {row['rel_to_fp32']:.2e} relative", flush=True)
     report = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
               "dtype": str(LOW), "size": args.size, "compiled": not args.no_compile, "rows": rows}
     (args.out / "flashhead_ltx_layout_gpu.json").write_text(json.dumps(report, indent=2))

@@ -43,7 +43,7 @@
 #                                                   needs whl-a; capacity (not by default: `bench capacity` of Lite,
 #                                                   live sessions to aiortc clients, FH_CAPACITY_SESSIONS 8 16,
 #                                                   one ladder at FH_CAPACITY_BATCH 4 over FH_CAPACITY_WORKERS 4 server
-#                                                   processes (one process is starved of the GIL first),
+#                                                   processes (one process of 8 sends its video at ~20 fps),
 #                                                   FH_CAPACITY_MODEL flashhead-pro for Pro; needs whl-a and whl-b);
 #                                                   ltx-layout (not by default: scripts/flashhead_ltx_layout_gpu.py)
 #               scripts/gpu_run.sh capacity DIR [BATCH...]   `charstream bench capacity --gpus 1` (~5 min): concurrent
