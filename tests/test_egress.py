@@ -372,3 +372,17 @@ def test_a_frames_report_is_checked_whole_before_any_frame_is_used():
                 ["12"], [[1, 2, 3]], {"rtp": 1}):
         with pytest.raises(BadReport):
             presented_frames({"type": "frames", "frames": bad})
+
+
+def test_track_bench_reads_every_frame_both_ways(tmp_path):
+    """``bench egress track`` runs the serving track over frames released with and without their yuv420p
+    planes, and the converter that makes them (its figures are the benchmark's, not asserted here)."""
+    import json
+
+    from charstream.pipeline.cli import main
+
+    out = tmp_path / "track.json"
+    assert main(["bench", "egress", "track", "--frames", "12", "--size", "64", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "egress_track" and result["size"] == 64
+    assert result["converted"]["n"] == result["rgb"]["n"] == 8 and result["conversion_per_frame_ms"] > 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -309,3 +310,38 @@ def test_a_first_turn_is_placed_with_the_configured_allowance_and_a_negative_one
     assert PlayoutStage(PlayoutConfig(initial_allowance_s=0.05))._estimator.allowance_s == pytest.approx(0.05)
     with pytest.raises(ValueError, match="playout.initial_allowance_s: -0.01 is not"):
         PlayoutStage(PlayoutConfig(initial_allowance_s=-0.01))
+
+
+@pytest.mark.parametrize("reader_format", [None, "yuv420p"])
+def test_frames_come_in_the_video_readers_format_when_it_asks(reader_format):
+    """A reader that encodes yuv420p (the WebRTC video track sets ``video_format``) gets each released frame's
+    planes too, converted off the event loop as its chunk arrived: PyAV's conversion of the frame's image
+    exactly (what the track would make itself); hold frames repeat the last one's. No reader, no
+    conversion. The source stalls after chunk 6, so the clock holds a frame."""
+    from av import VideoFrame
+    from av.video.reformatter import VideoReformatter
+
+    async def main():
+        output = PlayoutOutput(timeline=CHARACTERS)
+        output.video_format = reader_format
+        session = await start_playout("yuv", PlayoutStage(PlayoutConfig(target_depth_chunks=1), output),
+                                      realtime_source(12, stall_after=6, stall_s=0.5))
+        frames = await collect(output, 60)
+        stats = session.playout.stats
+        await session.close()
+        return frames, stats
+
+    frames, stats = asyncio.run(main())
+    fresh = [f for f in frames if f.chunk is not None]
+    if reader_format is None:
+        assert all(f.video is None for f in frames)
+        return
+    scaler = VideoReformatter()
+    converted = [f for f in fresh if f.video is not None]
+    assert len(converted) >= len(fresh) - 4  # a chunk's first frames may leave before its conversion is done
+    for f in converted:
+        want = scaler.reformat(VideoFrame.from_ndarray(f.image, format="rgb24"), format="yuv420p").to_ndarray()
+        assert np.array_equal(f.video, want)
+    held = [(before, f) for before, f in pairwise(frames) if f.chunk is None and before.video is not None]
+    assert stats.underruns >= 1 and held, "the stall made no hold frame after a converted one"
+    assert all(f.video is before.video for before, f in held)

@@ -1,7 +1,9 @@
-"""Egress benchmarks: delivery (playout → presented in Chromium) and software encode cost.
+"""Egress benchmarks: delivery (playout → presented in Chromium), software encode cost and the video
+track's event-loop time.
 
     charstream bench egress delivery [--seconds 20] [--size 128] [--codec VP8]
     charstream bench egress encode [--frames 48] [--height 1088] [--width 704]
+    charstream bench egress track [--frames 96] [--size 512]
 
 *delivery*: a test-card session served to headless Chromium (Debian ``chromium``, Playwright) on
 loopback; for every chunk's first frame, the page reports when it was presented
@@ -9,7 +11,10 @@ loopback; for every chunk's first frame, the page reports when it was presented
 time playout released it. The in-process aiortc client is measured the same way for comparison
 (its figure includes aiortc's receive jitter buffer, which holds each frame until the next one
 starts). *encode*: aiortc's own VP8 (libvpx) and H.264 (libx264) encoders, per frame, on moving
-test-card frames, including the RGB → YUV conversion aiortc does.
+test-card frames, including the RGB → YUV conversion aiortc does. *track*: what each released frame costs
+the event loop in the WebRTC video track's ``recv`` (the loop that also runs the session's stages and
+aiortc's send loops), for frames released with their yuv420p planes (as playout makes them, on a worker
+thread, for a WebRTC reader) and without (the track converts them itself), and the worker's conversion.
 
 Each prints a table and writes JSON (``--json``).
 """
@@ -130,6 +135,37 @@ def encode(frames: int, height: int, width: int) -> dict:
     return {"benchmark": "egress_encode", "height": height, "width": width, "frames": frames, **results}
 
 
+async def track(frames: int, size: int) -> dict:
+    from charstream.stages.egress.tracks import PlayoutVideoTrack, TrackStart
+    from charstream.stages.playout.output import PlayoutOutput, ReleasedFrame
+    from charstream.stages.playout.yuv import Yuv420Converter
+    from charstream.timeline import CHARACTERS
+
+    images = np.stack(_moving_texture(frames, size, size))
+    converter = Yuv420Converter()
+    converter.convert(images[:4])
+    start = time.perf_counter()
+    planes = converter.convert(images)
+    results = {"conversion_per_frame_ms": round((time.perf_counter() - start) * 1e3 / frames, 3)}
+    silence = np.zeros(CHARACTERS.samples_per_frame, np.int16)
+    for mode in ("converted", "rgb"):
+        output = PlayoutOutput(history_frames=frames, timeline=CHARACTERS)
+        begins = TrackStart(output)
+        begins.index = 0  # the frames are all released already: read them from the first
+        video = PlayoutVideoTrack(begins)
+        for i in range(frames):
+            output.publish(ReleasedFrame(i, images[i], silence, 0, i, False, 0, None, False, time.time(),
+                                         planes[i] if mode == "converted" else None))
+        output.start(time.monotonic())
+        times = []
+        for _ in range(frames):
+            begin = time.perf_counter()
+            await video.recv()
+            times.append((time.perf_counter() - begin) * 1e3)
+        results[mode] = _percentiles(times[4:])
+    return {"benchmark": "egress_track", "size": size, "frames": frames, **results}
+
+
 def _moving_texture(frames: int, height: int, width: int) -> list[np.ndarray]:
     """Camera-like content: smooth random texture with fine grain, panning 3 px per frame."""
     rng = np.random.default_rng(0)
@@ -157,6 +193,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--height", type=int, default=1088)
     e.add_argument("--width", type=int, default=704)
     e.add_argument("--json", default="test-artifacts/bench_egress_encode.json")
+    t = sub.add_parser("track")
+    t.add_argument("--frames", type=int, default=96)
+    t.add_argument("--size", type=int, default=512)
+    t.add_argument("--json", default="test-artifacts/bench_egress_track.json")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -170,6 +210,13 @@ def run(args: argparse.Namespace) -> int:
             print(f"{client:<16}{r['n']:>8}{r['median_ms']:>11}{r['p10_ms']:>9}{r['p90_ms']:>9}")
         for kind, stats in result["chromium"]["receiver"].items():
             print(f"chromium {kind}: " + ", ".join(f"{k} {v:.1f}" for k, v in stats.items() if isinstance(v, float)))
+    elif args.which == "track":
+        result = asyncio.run(track(args.frames, args.size))
+        print(f"the video track's event-loop time per released frame, {args.size}x{args.size}, this CPU")
+        print(f"{'frames released':<34}{'median ms':>11}{'p90 ms':>9}")
+        for mode, label in (("converted", "with their yuv420p planes"), ("rgb", "RGB only (the track converts)")):
+            print(f"{label:<34}{result[mode]['median_ms']:>11}{result[mode]['p90_ms']:>9}")
+        print(f"playout's conversion on its worker thread: {result['conversion_per_frame_ms']} ms a frame")
     else:
         result = encode(args.frames, args.height, args.width)
         print(f"software encode per frame at {args.width}x{args.height} (aiortc encoders, this CPU)")

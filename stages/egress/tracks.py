@@ -27,6 +27,7 @@ from av import AudioFrame, VideoFrame
 from av.video.reformatter import VideoReformatter
 
 from charstream.stages.playout.output import PlayoutClosed, PlayoutOutput
+from charstream.stages.playout.yuv import FORMAT as YUV
 from charstream.timeline import TIMELINE_RATE, Timeline
 
 VIDEO_CLOCK_RATE = 90_000
@@ -83,12 +84,13 @@ class PlayoutVideoTrack(MediaStreamTrack):
         self.sender: RTCRtpSender | None = None  # set by the server; used to learn the RTP origin
         self.rtp_origin: int | None = None  # RTP timestamp = origin + pts (mod 2**32)
         self.skipped_frames = 0  # frames this track fell behind on (slow encoder)
+        self.output.video_format = YUV  # playout converts the frames off the event loop (ReleasedFrame.video)
         self._next: int | None = None
         self._last_index: int | None = None
         self._packets_seen = 0
         # The encoders take yuv420p and would convert each RGB frame with a scaler context made for
-        # that frame alone (PyAV's VideoFrame.reformat): most of their threads' CPU at 128 x 128. One
-        # kept here is made once (0.36 -> 0.12 ms a 128 x 128 frame).
+        # that frame alone (PyAV's VideoFrame.reformat): most of their threads' CPU at 128 x 128. Frames
+        # playout released without their yuv420p planes are converted here, with one kept scaler.
         self._to_yuv = VideoReformatter()
 
     async def recv(self) -> VideoFrame:
@@ -103,8 +105,11 @@ class PlayoutVideoTrack(MediaStreamTrack):
         self.skipped_frames += frame.index - self._next
         self._next = frame.index + 1
         self._last_index = frame.index
-        rgb = VideoFrame.from_ndarray(np.ascontiguousarray(frame.image), format="rgb24")
-        video = self._to_yuv.reformat(rgb, format="yuv420p")
+        if frame.video is not None:  # converted off the event loop: wrapped, not copied
+            video = VideoFrame.from_numpy_buffer(frame.video, format=YUV)
+        else:
+            rgb = VideoFrame.from_ndarray(np.ascontiguousarray(frame.image), format="rgb24")
+            video = self._to_yuv.reformat(rgb, format=YUV)
         video.pts = frame.index * self.pts_per_frame
         video.time_base = VIDEO_TIME_BASE
         return video

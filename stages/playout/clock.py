@@ -70,6 +70,10 @@ class PlayoutClock:
         self.speech_pending = False  # a turn start's speech has not begun playing yet
         self._hold_cause = UnderrunCause.LISTENING  # of the underrun being held
         self._last_image: np.ndarray | None = None
+        # chunks' frames as yuv420p (``add_video``), by buffered chunk; the playing chunk's; the last released
+        self._videos: dict[int, np.ndarray] = {}
+        self._playing_video: np.ndarray | None = None
+        self._last_video: np.ndarray | None = None
         self._stamped_turns: set[int] = set()
         self._changed = asyncio.Event()
 
@@ -78,6 +82,14 @@ class PlayoutClock:
     def push(self, chunk: VideoChunk) -> None:
         self.buffer.append(chunk)
         self._notify()
+
+    def add_video(self, chunk: VideoChunk, video: np.ndarray) -> None:
+        """``chunk``'s frames as yuv420p, converted after it was pushed: its frames released from now on carry
+        them. A chunk dropped or played out meanwhile has no use for them."""
+        if chunk is self.playing:
+            self._playing_video = video
+        elif any(c is chunk for c in self.buffer):
+            self._videos[id(chunk)] = video
 
     async def wait_changed(self) -> None:
         """Until a chunk is pushed, taken to play or dropped."""
@@ -99,6 +111,8 @@ class PlayoutClock:
         kept = [self.buffer.popleft() for _ in range(min(keep, len(self.buffer)))]
         dropped = list(self.buffer)
         self.buffer = deque(kept)
+        for chunk in dropped:
+            self._videos.pop(id(chunk), None)
         self.epoch += 1
         self.resume_depth = 1  # speech should start as soon as its first chunk exists, not after a re-buffer
         if self.state is ClockState.HOLDING_ONSET:  # an earlier placement's speech: its chunk is gone
@@ -149,7 +163,7 @@ class PlayoutClock:
             image = self._last_image if self._last_image is not None else np.zeros((16, 16, 3), np.uint8)
             silence = np.zeros(self.timeline.samples_per_frame, np.int16)
             frame = ReleasedFrame(index, image, silence, None, 0, False, self.epoch,
-                                  None, False, now)
+                                  None, False, now, self._last_video if self._last_image is not None else None)
             return Tick(frame, resumed, underrun, self._hold_cause)
         return Tick(self._fresh_frame(index, now), resumed, underrun, None)
 
@@ -159,6 +173,7 @@ class PlayoutClock:
         self.position += 1
         image = chunk.frames[position]
         self._last_image = image
+        self._last_video = None if self._playing_video is None else self._playing_video[position]
         span = self.timeline.samples_per_frame
         audio = chunk.audio[position * span:(position + 1) * span]
         # The speech a rollback placed starts at its onset frame; the frames before it are silent.
@@ -172,10 +187,11 @@ class PlayoutClock:
             chunk.trace.stamp("playout_first_speaking_frame", now)
             first_speaking = True
         return ReleasedFrame(index, image, audio, chunk.chunk, position, speaking, chunk.epoch, chunk.trace,
-                             first_speaking, now)
+                             first_speaking, now, self._last_video)
 
     def _play(self, chunk: VideoChunk) -> None:
         self.playing = chunk
+        self._playing_video = self._videos.pop(id(chunk), None)
         if chunk.epoch == self.epoch:  # the rollback's speech has begun (the chunks it kept are of the epoch before)
             self.resume_depth = self.target_depth_chunks + 1
             self.speech_pending = False

@@ -31,6 +31,9 @@ class ReleasedFrame:
     trace: TraceContext | None
     first_speaking: bool  # the frame that got the turn's playout_first_speaking_frame stamp
     released_at: float  # wall clock (time.time()) of the release
+    # the frame as yuv420p planes, uint8 (H * 3 / 2, W), where the output's reader asked for them
+    # (``PlayoutOutput.video_format``) and playout had converted its chunk by then; else None
+    video: np.ndarray | None = None
 
 
 @dataclass
@@ -62,6 +65,9 @@ class PlayoutOutput:
         self._records: deque[FrameRecord] = deque(maxlen=record_frames)
         self.next_index = 0
         self.t0: float | None = None  # monotonic deadline of frame 0
+        # the pixel format the video reader encodes ("yuv420p"), set by it: playout then converts each
+        # chunk's frames off the event loop and releases them in it too (``ReleasedFrame.video``)
+        self.video_format: str | None = None
         self.closed = False
         self._changed = asyncio.Event()
         self._started = asyncio.Event()

@@ -34,6 +34,7 @@ from charstream.stages.playout.onset import Onset, Playhead, place_speech
 from charstream.stages.playout.output import PlayoutOutput, ReleasedFrame
 from charstream.stages.playout.speech_estimate import SpeechEstimator
 from charstream.stages.playout.stats import PlayoutStats, UnderrunCause
+from charstream.stages.playout.yuv import FORMAT, Yuv420Converter
 from charstream.stages.shared.metrics import SessionMetrics
 from charstream.stages.shared.tracing import TurnTracer
 from charstream.timeline import CHARACTERS, TIMELINE_RATE, Timeline
@@ -89,6 +90,9 @@ class PlayoutStage(Stage):
         self._speech_due: float | None = None  # monotonic deadline of the placed speech chunk's first frame
         self._metrics: SessionMetrics | None = None
         self._ctx: StageContext | None = None
+        self._yuv = Yuv420Converter()
+        self._converting = asyncio.Lock()  # one conversion at a time: the converter keeps one scaler
+        self._conversions: set[asyncio.Task] = set()
 
     @property
     def epoch(self) -> int:
@@ -130,6 +134,22 @@ class PlayoutStage(Stage):
             self.stats.late_chunks += 1
         clock.push(msg)
         self._set_depth()
+        if self.output.video_format == FORMAT and Yuv420Converter.fits(msg.frames):
+            task = asyncio.create_task(self._convert(msg))
+            self._conversions.add(task)
+            task.add_done_callback(self._conversions.discard)
+
+    async def _convert(self, chunk: VideoChunk) -> None:
+        """The chunk's frames in the video reader's format, on a worker thread; its frames released before
+        they are ready go without (the reader converts those itself)."""
+        async with self._converting:
+            try:
+                video = await asyncio.to_thread(self._yuv.convert, chunk.frames)
+            except Exception as e:  # noqa: BLE001 -- the reader converts the frames itself
+                if self._ctx is not None:
+                    self._ctx.log.warning("playout_conversion_failed", chunk=chunk.chunk, error=repr(e))
+                return
+        self.clock.add_video(chunk, video)
 
     async def control(self, msg: Control, ctx: StageContext) -> None:
         if msg.kind in (ControlKind.TURN_START, ControlKind.INTERRUPT):
@@ -292,6 +312,8 @@ class PlayoutStage(Stage):
             self._metrics.set_depth(self.stats.depth)
 
     async def teardown(self) -> None:
+        for task in list(self._conversions):
+            task.cancel()
         self._end_turn(self._ctx)
         self.output.close()
         if self._metrics is not None:
