@@ -163,7 +163,7 @@ class PlayoutClock:
             image = self._last_image if self._last_image is not None else np.zeros((16, 16, 3), np.uint8)
             silence = np.zeros(self.timeline.samples_per_frame, np.int16)
             frame = ReleasedFrame(index, image, silence, None, 0, False, self.epoch,
-                                  None, False, now, self._last_video if self._last_image is not None else None)
+                                  None, False, now, self._last_video)
             return Tick(frame, resumed, underrun, self._hold_cause)
         return Tick(self._fresh_frame(index, now), resumed, underrun, None)
 

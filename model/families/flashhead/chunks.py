@@ -181,8 +181,9 @@ class ChunkRunner:
                 noise = chunk_noise(self.cfg, reference.shape, [streams[i].generator for i in rows], reference.dtype, device)
                 inputs = (reference, torch.cat([audio[i] for i in rows]), torch.cat([streams[i].motion for i in rows]), noise)
                 (latents,) = self._run(("denoise", len(rows), inputs[2].shape[2]), body, inputs)
-                for row, i in enumerate(rows):  # copies: a replay rewrites a graph's outputs
-                    out[i] = latents[row:row + 1].clone()
+                latents = latents.clone()  # a replay rewrites a graph's outputs; the sessions keep these
+                for row, i in enumerate(rows):
+                    out[i] = latents[row:row + 1]
         return out
 
     @torch.no_grad()
@@ -216,11 +217,12 @@ class ChunkRunner:
                 if pixels.is_cuda:
                     host = torch.empty(pixels.shape, dtype=torch.uint8, pin_memory=True)
                     host.copy_(pixels, non_blocking=True)
-                copies.append((rows, host, [motion[row:row + 1].clone() for row in range(len(rows))]))
+                # the pixels' copy is queued before any later replay; the motion latents are kept
+                copies.append((rows, host, motion.clone()))
         # on_stream's exit waited for the copies: the host tensors are complete
         for rows, host, motion in copies:
             for row, i in enumerate(rows):
-                frames_out[i], motion_out[i] = host[row].numpy(), motion[row]
+                frames_out[i], motion_out[i] = host[row].numpy(), motion[row:row + 1]
         return frames_out, motion_out
 
     @torch.no_grad()
