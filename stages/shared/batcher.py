@@ -19,21 +19,33 @@ that ``check`` refuses fails its session only; a forward that raises fails the f
 session in it. A subclass supplies ``check`` and ``forward``; ``forward`` runs under ``self.model_lock``,
 which its own joins and leaves take too when they touch the model. ``prepare``, if a subclass has one,
 runs on each new worker thread before its first forward (what the model does once per thread).
+At the process's exit a forward still running ends first (the worker is a daemon thread: one stopped
+inside torch's C++ by the interpreter's finalisation aborts the process), and no other starts.
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
+import atexit
 import concurrent.futures
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 
 log = structlog.get_logger("batcher")
+
+EXIT_WAIT_S = 30.0  # at exit, a forward still running gets this long to end
+
+
+def _at_exit(ref: weakref.ref) -> None:
+    batcher = ref()
+    if batcher is not None:
+        batcher.model_lock.acquire(timeout=EXIT_WAIT_S)  # kept: no forward starts after this
 
 
 @dataclass
@@ -64,6 +76,7 @@ class SessionBatcher(abc.ABC):
         self._pending: list[_Due] = []
         self._open = 0
         self._worker: threading.Thread | None = None
+        atexit.register(_at_exit, weakref.ref(self))
 
     # -- the subclass's part (called by the worker) -------------------------------------------------
 
