@@ -25,6 +25,8 @@ from charstream.transport.messages import Conditioning, Control, ControlKind, La
 if TYPE_CHECKING:
     from charstream.stages.shared.chunk_batcher import ChunkDenoiseBatcher
 
+READY_POLL_S = 0.25  # a stopping session's diffusion waits at most this long for a decode that will not come
+
 
 class ChunkDiffusionStage(Stage):
     name = "diffusion"
@@ -59,7 +61,7 @@ class ChunkDiffusionStage(Stage):
             ctx.log.debug("diffusion_stale", chunk=msg.chunk, epoch=msg.epoch, current=self.epoch)
             return
         self.epoch = msg.epoch
-        await self.worker.run(self.stream.ready, msg.chunk)  # its previous chunk decoded: not the step's time
+        await self._ready(msg.chunk)  # its previous chunk decoded: not the step's time
         started = time.perf_counter()
         if self.batcher is None:
             (latents,) = await self.worker.run(self.stream.runner.denoise, [self.stream], [tokens])
@@ -71,6 +73,16 @@ class ChunkDiffusionStage(Stage):
         msg.trace.stamp("diffusion_done")
         await ctx.emit(Latents(msg.session_id, msg.chunk, latents[0].float().cpu().numpy(), msg.audio, msg.speaking,
                                msg.epoch, msg.trace))
+
+    async def _ready(self, chunk: int) -> None:
+        """The stream ready for ``chunk``, waited for in short turns of the worker: a call on it is shielded
+        from cancellation (torch work is never abandoned), and the decode a stopping session waits for may
+        never come (its stream is closed only at teardown, after this returns)."""
+        while True:
+            try:
+                return await self.worker.run(self.stream.ready, chunk, READY_POLL_S)
+            except TimeoutError:
+                continue
 
     async def control(self, msg: Control, ctx: StageContext) -> None:
         if msg.kind == ControlKind.ROLLBACK:  # the chunks to come carry the new epoch; the stream continues
