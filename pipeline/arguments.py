@@ -89,15 +89,28 @@ def model_choice(name: str, weights: str | None, portrait: str | None) -> tuple[
         if portrait is not None:
             raise ValueError(f"--portrait: model {name!r} animates its own character, not a portrait")
         return weights, None
-    if weights in (None, "packaged"):
-        raise ValueError(f"--model {name} needs --weights DIR (its released folder) or --weights random")
+    weights = model_weights(name, weights)
     if portrait is None:
         raise ValueError(f"--model {name} needs --portrait IMAGE (the face it animates)")
+    return weights, read_portrait(portrait)
+
+
+def model_weights(name: str, weights: str | None) -> str | None:
+    """``--weights`` of model ``name`` as its sessions load them: a chunk-motion model's (FlashHead) folder,
+    checked from its file headers, or None for ``random`` (seeded random weights); another model's as
+    given (``packaged``, ``random`` or a file). A ValueError names what is wrong."""
+    from charstream.model.families import get_family
+
+    family = get_family(name)
+    if family.generation_mode != "chunk_motion":
+        return None if weights == "random" else weights
+    if weights in (None, "packaged"):
+        raise ValueError(f"--model {name} needs --weights DIR (its released folder) or --weights random")
     if weights != "random":
         report = family.inspect(weights)  # a missing or truncated file raises, naming it
         if not report.ok:
             raise ValueError(f"--weights {weights}: {report.problem()}")
-    return (None if weights == "random" else weights), read_portrait(portrait)
+    return None if weights == "random" else weights
 
 
 def sized_family(name: str, blocks: int | None = None, size: int | None = None) -> ModelFamily:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,7 +34,15 @@ import numpy as np
 
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.runtime.process import MODEL_STAGES, prepare_process
-from charstream.pipeline.runtime.runner import ENGINE_GROUP, Edge, Graph, Node, SessionResult, SessionRunner
+from charstream.pipeline.runtime.runner import (
+    ENGINE_GROUP,
+    LOCAL_GROUP,
+    Edge,
+    Graph,
+    Node,
+    SessionResult,
+    SessionRunner,
+)
 from charstream.pipeline.web.server import SessionFactory, SessionMedia
 from charstream.stages.base import Stage
 from charstream.stages.conditioning.batcher import EncodeBatcher
@@ -94,25 +103,53 @@ def model_nodes(config: PipelineConfig, weights: str | None = "packaged",
     return nodes
 
 
+class SessionStream:
+    """A ``chunk_motion`` session's one chunk stream (``family.chunk_stream``), which its diffusion and decode
+    stages share: made by the first of them built, in the process that runs them (this one, or the model
+    engine that hosts them: there the front-end's holds only the ``portrait`` its host request carries)."""
+
+    def __init__(self, family: ModelFamily, weights: str | None, portrait: np.ndarray, device: str, seed: int) -> None:
+        self.family, self.weights, self.portrait, self.device, self.seed = family, weights, portrait, device, seed
+        self._stream: Any = None
+        self._lock = threading.Lock()
+
+    def get(self) -> Any:
+        with self._lock:
+            if self._stream is None:
+                self._stream = self.family.chunk_stream(self.weights, self.portrait, self.device, self.seed)
+            return self._stream
+
+
+def chunk_diffusion(stream: SessionStream, **kwargs: Any) -> ChunkDiffusionStage:
+    return ChunkDiffusionStage(stream=stream.get(), **kwargs)
+
+
+def chunk_decode(stream: SessionStream, **kwargs: Any) -> ChunkDecodeStage:
+    return ChunkDecodeStage(stream=stream.get(), **kwargs)
+
+
 def chunk_nodes(config: PipelineConfig, family: ModelFamily, weights: str | None, portrait: np.ndarray | None,
                 batcher: ChunkDenoiseBatcher | None = None, decode_batcher: ChunkDecodeBatcher | None = None,
                 encode_batcher: EncodeBatcher | None = None) -> list[Node]:
     """Conditioning, diffusion and decode of a ``chunk_motion`` family: the family's audio conditioner, then
-    one chunk stream (``family.chunk_stream``) shared by the chunk diffusion and decode stages."""
+    one chunk stream (``SessionStream``) shared by the chunk diffusion and decode stages; all three in the
+    caller's process (``inproc``) or a model engine's (``engine``), never apart."""
     if portrait is None:
         raise ValueError(f"model {family.name!r} animates a portrait: give one (--portrait IMAGE)")
-    if config.hosting != "inproc":
-        raise ValueError(f"model {family.name!r} runs inproc only so far, not hosting {config.hosting!r}")
+    if config.hosting not in ("inproc", "engine"):
+        raise ValueError(f"model {family.name!r} runs its model stages in one process (hosting inproc or engine), "
+                         f"not hosting {config.hosting!r}")
     weights = None if weights in (None, "random") else weights
     seed = config.diffusion.seed
-    stream = family.chunk_stream(weights, portrait, config.diffusion.device, seed)
+    stream = SessionStream(family, weights, portrait, config.diffusion.device, seed)
     cfg = family.config
+    group = ENGINE_GROUP if config.hosting == "engine" else LOCAL_GROUP
     return [Node("conditioning", build_conditioning, {"preset": config.preset, "weights": weights,
                                                       "config": config.conditioning, "seed": seed, "family": family,
-                                                      "batcher": encode_batcher}),
-            Node("diffusion", ChunkDiffusionStage, {"config": config.diffusion, "stream": stream, "batcher": batcher,
-                                                    "token_shape": (cfg.latents_per_chunk, cfg.audio_tokens, cfg.dim)}),
-            Node("decode", ChunkDecodeStage, {"config": config.decode, "stream": stream, "batcher": decode_batcher})]
+                                                      "batcher": encode_batcher}, group),
+            Node("diffusion", chunk_diffusion, {"config": config.diffusion, "stream": stream, "batcher": batcher,
+                                                "token_shape": (cfg.latents_per_chunk, cfg.audio_tokens, cfg.dim)}, group),
+            Node("decode", chunk_decode, {"config": config.decode, "stream": stream, "batcher": decode_batcher}, group)]
 
 
 def build_graph(config: PipelineConfig, output: PlayoutOutput, tracer: TurnTracer | None = None,
@@ -262,6 +299,38 @@ class LiveSession:
         return SessionMedia(self.output, self.link, self.user_audio, on_turn=self.tracer.merge, close=self.stop)
 
 
+def process_batchers(config: PipelineConfig, family: ModelFamily, weights: str | None) -> tuple[
+        StepBatcher | ChunkDenoiseBatcher | None, DecodeBatcher | ChunkDecodeBatcher | None, EncodeBatcher | None]:
+    """The batchers one process's sessions share (a serving process's, or a model engine's), as
+    ``(diffusion, decode, encode)``, None where off: with ``diffusion.batch_sessions`` > 1 one model and
+    their diffusion steps (``StepBatcher``), with ``decode.batch_sessions`` > 1 one decoder and their
+    chunks (``DecodeBatcher``); a ``chunk_motion`` family's their chunks' denoising and decoding through
+    shared runners (``stages/shared/chunk_batcher.py``) and, with ``conditioning.batch_sessions`` > 1,
+    their audio encodes (``EncodeBatcher``). On CUDA the shared model is loaded and compiled first."""
+    batch_steps, batch_decodes = config.diffusion.batch_sessions > 1, config.decode.batch_sessions > 1
+    model_weights = None if weights in (None, "random") else weights  # a family's: None = seeded random
+    device, seed = config.diffusion.device, config.diffusion.seed
+    if device.startswith("cuda"):
+        took = family.warm_up(model_weights, device, seed, batched=batch_steps or batch_decodes)
+        if took:
+            print(f"charstream: {config.preset} loaded and compiled on {device} in {took:.0f} s "
+                  "(longer on a first run, before torch's compile cache holds it)", file=sys.stderr, flush=True)
+    if family.generation_mode != "chunk_motion":
+        return (StepBatcher(config.diffusion, config.preset, weights) if batch_steps else None,
+                DecodeBatcher(config.decode, config.preset, weights, seed) if batch_decodes else None, None)
+
+    def runner(graphed: bool) -> ChunkRunner:  # each batcher its own, on a CUDA stream of its own
+        return family.chunk_runner(model_weights, device, seed, batched=True, graphed=graphed)
+
+    encode_batcher = None
+    if config.conditioning.batch_sessions > 1:  # the family's encoder, shared already
+        conditioner = family.audio_conditioner(model_weights, config.conditioning.device, seed, config.conditioning.graphed)
+        if conditioner.encode_batch is not None:
+            encode_batcher = EncodeBatcher(config.conditioning, conditioner, family.timeline)
+    return (ChunkDenoiseBatcher(config.diffusion, runner(config.diffusion.step.graphed)) if batch_steps else None,
+            ChunkDecodeBatcher(config.decode, runner(config.decode.graphed)) if batch_decodes else None, encode_batcher)
+
+
 def session_factory(config: PipelineConfig, weights: str | None = "packaged",
                     on_session: Callable[[LiveSession], Any] | None = None,
                     testcard: bool | Node = False, out_dir: Path | None = None,
@@ -286,36 +355,9 @@ def session_factory(config: PipelineConfig, weights: str | None = "packaged",
     here = not testcard and config.hosting != "engine"  # the engine batches its sessions' model stages itself
     prepare_process("serving", config, ["ingest", *(MODEL_STAGES if here else ())])
     family = family or get_family(config.preset)
-    chunks = family.generation_mode == "chunk_motion"
-    batch_steps = config.diffusion.batch_sessions > 1 and here
-    batch_decodes = config.decode.batch_sessions > 1 and here
-    model_weights = None if weights in (None, "random") else weights  # a family's: None = seeded random
-    if here and config.diffusion.device.startswith("cuda"):
-        took = family.warm_up(model_weights, config.diffusion.device, config.diffusion.seed,
-                              batched=batch_steps or batch_decodes)
-        if took:
-            print(f"charstream: {config.preset} loaded and compiled on {config.diffusion.device} in {took:.0f} s "
-                  "(longer on a first run, before torch's compile cache holds it)", file=sys.stderr, flush=True)
+    batcher, decode_batcher, encode_batcher = process_batchers(config, family, weights) if here else (None, None, None)
     started = 0
     sessions: dict[str, LiveSession] = {}
-    if chunks:  # the sessions' chunks through shared runners (FlashHead: one model, shared already)
-        def runner(graphed: bool) -> ChunkRunner:  # each batcher its own, on a CUDA stream of its own
-            return family.chunk_runner(model_weights, config.diffusion.device, config.diffusion.seed, batched=True,
-                                       graphed=graphed)
-
-        batcher = ChunkDenoiseBatcher(config.diffusion, runner(config.diffusion.step.graphed)) if batch_steps else None
-        decode_batcher = ChunkDecodeBatcher(config.decode, runner(config.decode.graphed)) if batch_decodes else None
-        encode_batcher = None
-        if config.conditioning.batch_sessions > 1 and here:  # the family's encoder, shared already
-            conditioner = family.audio_conditioner(model_weights, config.conditioning.device, config.diffusion.seed,
-                                                   config.conditioning.graphed)
-            if conditioner.encode_batch is not None:
-                encode_batcher = EncodeBatcher(config.conditioning, conditioner, family.timeline)
-    else:
-        encode_batcher = None
-        batcher = StepBatcher(config.diffusion, config.preset, weights) if batch_steps else None
-        decode_batcher = (DecodeBatcher(config.decode, config.preset, weights, config.diffusion.seed)
-                          if batch_decodes else None)
 
     async def factory(session_id: str) -> SessionMedia:
         nonlocal started

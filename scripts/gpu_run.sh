@@ -44,6 +44,8 @@
 #                                                   live sessions to aiortc clients, FH_CAPACITY_SESSIONS 8 16,
 #                                                   one ladder at FH_CAPACITY_BATCH 4 over FH_CAPACITY_WORKERS 4 server
 #                                                   processes (one process of 8 sends its video at ~20 fps),
+#                                                   FH_CAPACITY_ENGINES=1: every session's model stages in one
+#                                                   engine process (one batch), the workers only front-ends,
 #                                                   FH_CAPACITY_MODEL flashhead-pro for Pro; needs whl-a and whl-b);
 #                                                   ltx-layout (not by default: scripts/flashhead_ltx_layout_gpu.py)
 #               scripts/gpu_run.sh capacity DIR [BATCH...]   `charstream bench capacity --gpus 1` (~5 min): concurrent
@@ -227,7 +229,8 @@ elif [ "$cmd" = flashhead ]; then
                 section "capacity $model" 560 "capacity-$model.log" python3 -m charstream.pipeline.cli bench capacity \
                   --preset "$model" --weights random --portrait examples/portrait.png --gpus 1 --workers "${FH_CAPACITY_WORKERS:-4}" \
                   --clients "${CAPACITY_CLIENTS:-4}" --sessions ${FH_CAPACITY_SESSIONS:-8 16} \
-                  --batch-sessions "${FH_CAPACITY_BATCH:-4}" --hold 15 --start-timeout 450 --out "$OUT/capacity_$model.json" ;;
+                  --batch-sessions "${FH_CAPACITY_BATCH:-4}" ${FH_CAPACITY_ENGINES:+--engines "$FH_CAPACITY_ENGINES"} \
+                  --hold 15 --start-timeout 450 --out "$OUT/capacity_$model.json" ;;
       # Lite's LTX decode in the default 3-D layout against channels-last (a lab: not served)
       ltx-layout) section "LTX decode layouts" 300 ltx-layout.log python3 scripts/flashhead_ltx_layout_gpu.py --out "$OUT" ;;
       *) echo "unknown flashhead part $part (tests pro lite capacity ltx-layout)"; exit 2 ;;

@@ -84,12 +84,12 @@ def test_bench_capacity_serves_a_flashhead_session_to_its_client(tmp_path):
     assert "capacity: flashhead-lite sessions, CPU" in done.stdout
 
 
-def test_a_flashhead_capacity_run_needs_its_portrait_and_runs_inproc():
+def test_a_flashhead_capacity_run_needs_its_portrait_and_a_sessions_model_stages_in_one_process():
     from charstream.pipeline.cli import main
 
     with pytest.raises(SystemExit, match="needs --portrait IMAGE"):
         main(["bench", "capacity", "--preset", "flashhead-lite", "--weights", "random"])
-    with pytest.raises(SystemExit, match="inproc only"):
+    with pytest.raises(SystemExit, match=r"in one process \(hosting inproc or engine\)"):
         main(["bench", "capacity", "--preset", "flashhead-lite", "--weights", "random", "--portrait", str(PORTRAIT),
               "--hosting", "processes"])
     with pytest.raises(SystemExit, match="resize a FlashHead model"):

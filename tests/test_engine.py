@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import dataclasses
 import os
 import signal
@@ -19,6 +18,15 @@ import pytest
 import zmq
 import zmq.asyncio
 from batch_support import assert_same_frames, released_frames, seeded_configs
+from engine_support import (
+    DETECT_S,
+    answering,
+    die_with_the_test,
+    frames_released,
+    launch_engine,
+    start_engine,
+    stop_engine,
+)
 
 from charstream.model.step import StepOptions
 from charstream.pipeline.config import PipelineConfig
@@ -31,56 +39,6 @@ from charstream.pipeline.runtime.engine_link import (
 )
 from charstream.pipeline.session import LiveSession
 from charstream.transport.slots import mapped_blocks
-from charstream.transport.supervisor import PR_SET_PDEATHSIG
-
-DETECT_S = 2.0
-
-
-def launch_engine(endpoint: str, log_path, *args: str) -> subprocess.Popen:
-    """``charstream engine`` on ``endpoint``, started; it dies with the calling thread (PR_SET_PDEATHSIG)."""
-    log = open(log_path, "w")  # noqa: SIM115 -- the process writes it until the test ends
-    return subprocess.Popen([sys.executable, "-m", "charstream", "engine", "--bind", endpoint, *args],
-                            stdout=log, stderr=log, preexec_fn=die_with_the_test)
-
-
-async def answering(endpoint: str, proc: subprocess.Popen, log_path) -> None:
-    """Until the engine answers status (its torch imported, its socket bound); killed if it never does."""
-    deadline = time.monotonic() + 60
-    try:
-        while True:
-            try:
-                await engine_call(endpoint, {"cmd": "status"}, timeout=1.0)
-                return
-            except EngineError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"engine did not start: {open(log_path).read()[-2000:]}") from None
-    except BaseException:
-        proc.kill()  # never left behind
-        proc.wait()
-        raise
-
-
-def start_engine(endpoint: str, log_path, *args: str) -> subprocess.Popen:
-    """``charstream engine`` on ``endpoint``, answering status."""
-    proc = launch_engine(endpoint, log_path, *args)
-    asyncio.run(answering(endpoint, proc, log_path))
-    return proc
-
-
-def stop_engine(proc: subprocess.Popen) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        raise
-
-
-def die_with_the_test() -> None:
-    """(in the engine's process, before exec) SIGKILL when the test process dies: a killed run leaves no engine."""
-    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def engine_session(endpoint: str, seed: int) -> LiveSession:
@@ -89,19 +47,6 @@ def engine_session(endpoint: str, seed: int) -> LiveSession:
     config = PipelineConfig(hosting="engine", engine_endpoint=endpoint)
     config.diffusion.seed = seed
     return LiveSession(config, f"s{seed}", peer=False)
-
-
-async def frames_released(session: LiveSession, count: int) -> dict:
-    """The first ``count`` generated frames (not the held start frame) the session's playout releases,
-    by (chunk, frame in chunk)."""
-    out, index, frames = session.output, 0, {}
-    await out.wait_started()
-    while len(frames) < count:
-        frame = await out.frame_at(index)
-        index = frame.index + 1
-        if frame.chunk is not None:
-            frames[(frame.chunk, frame.frame_in_chunk)] = frame.image
-    return frames
 
 
 @pytest.fixture(scope="module")

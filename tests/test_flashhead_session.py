@@ -40,7 +40,7 @@ def test_flashhead_session_through_every_stage():
     async def main():
         session = LiveSession(config, "fh-smoke", weights="random", peer=False,
                               family=FlashHeadFamily("pro", config=SMALL), portrait=portrait())
-        stream = next(n for n in session.runner.graph.nodes if n.name == "decode").kwargs["stream"]
+        stream = next(n for n in session.runner.graph.nodes if n.name == "decode").kwargs["stream"].get()
         used: list[tuple[int, torch.Tensor]] = []  # each chunk made, and the motion latents it started from
         ready, denoise = stream.ready, stream.runner.denoise
         chunks: list[int] = []

@@ -65,7 +65,7 @@ import time
 import traceback
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import zmq
@@ -83,6 +83,9 @@ from charstream.stages.config import AGENT_PACES, IngestConfig
 from charstream.stages.playout.stats import UNDERRUN_CAUSES
 from charstream.timeline import CHARACTERS
 from charstream.transport.supervisor import Supervisor, describe_exit
+
+if TYPE_CHECKING:
+    from charstream.model.families.base import ModelFamily
 
 CAUSE_KEYS = tuple(f"{cause}_underruns" for cause in UNDERRUN_CAUSES)  # per session and level, beside the total
 
@@ -294,13 +297,14 @@ class Engines:
     """The model engines (``--engines``): started before the workers, asked for ``status`` on their own
     sockets (msgpack, ``pipeline/runtime/engine_link.py``), stopped with SIGTERM after the workers quit."""
 
-    def __init__(self, count: int, config: PipelineConfig, weights: str | None, folder: str, max_sessions: int) -> None:
+    def __init__(self, count: int, config: PipelineConfig, weights: str | None, folder: str, max_sessions: int,
+                 family: ModelFamily | None = None) -> None:
         self.supervisor = Supervisor()
         self.endpoints = {f"engine-{j}": engine_endpoint(folder, j) for j in range(count)}
         self.pids: dict[str, int] = {}
         self.devices: dict[str, dict[str, str]] = {}  # torch's version, the device and the GPU's name
         for name, endpoint in self.endpoints.items():
-            self.supervisor.launch(name, run_engine, config, weights, endpoint, max_sessions, "warning")
+            self.supervisor.launch(name, run_engine, config, weights, endpoint, max_sessions, "warning", family)
 
     async def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -689,7 +693,7 @@ async def ladder(args: argparse.Namespace, batch_sessions: int, budget_s: float 
     weights = None if args.weights == "random" else args.weights  # build_graph's: None = seeded random weights
     try:
         if args.engines:
-            engines = Engines(args.engines, config, weights, folder.name, per_process(args))
+            engines = Engines(args.engines, config, weights, folder.name, per_process(args), args.family)
             await engines.wait_ready(args.start_timeout)
             result["engines"] = {name: {"endpoint": ep, "pid": engines.pids[name], **engines.devices[name]}
                                  for name, ep in engines.endpoints.items()}
@@ -846,8 +850,9 @@ def run(args: argparse.Namespace) -> int:
         _, args.portrait_image = arguments.model_choice(args.preset, args.weights, args.portrait)
     except ValueError as e:
         raise SystemExit(f"charstream bench capacity: {e}") from None
-    if args.family.generation_mode == "chunk_motion" and (args.engines or hosting(args) != "inproc"):
-        raise SystemExit(f"charstream bench capacity: {args.preset} runs its sessions' model stages inproc only")
+    if args.family.generation_mode == "chunk_motion" and hosting(args) not in ("inproc", "engine"):
+        raise SystemExit(f"charstream bench capacity: {args.preset} runs a session's model stages in one process "
+                         "(hosting inproc or engine)")
     if args.min_fps is None:
         args.min_fps = float(args.family.timeline.fps)
     per = per_process(args)

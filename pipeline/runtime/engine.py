@@ -33,10 +33,11 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
+import numpy as np
 import zmq
 import zmq.asyncio
 
@@ -45,6 +46,7 @@ from charstream.pipeline import arguments
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.runtime.engine_link import (
     KEY_FIELDS,
+    MAX_PORTRAIT_SIDE,
     MAX_WIRE_BYTES,
     EngineError,
     check_engine_endpoint,
@@ -56,13 +58,14 @@ from charstream.pipeline.runtime.errors import unwrap
 from charstream.pipeline.runtime.loop_lag import LoopLag
 from charstream.pipeline.runtime.process import MODEL_STAGES, prepare_process
 from charstream.pipeline.runtime.runner import ENGINE_GROUP, Edge, GroupRun, GroupSpec
-from charstream.pipeline.session import model_nodes
+from charstream.pipeline.session import model_nodes, process_batchers
 from charstream.stages.config import TracingConfig
-from charstream.stages.decode.batcher import DecodeBatcher
-from charstream.stages.diffusion.batcher import StepBatcher
 from charstream.stages.shared.metrics import forget_session, serve_metrics
 from charstream.transport.channel import Transport
 from charstream.transport.security import CurveKeys
+
+if TYPE_CHECKING:
+    from charstream.model.families.base import ModelFamily
 
 MAX_EDGE_CAPACITY = 1024  # credits of one edge: far more than any session graph's
 STOP_TIMEOUT_S = 15.0  # on SIGTERM, hosted groups get this long to tear down
@@ -136,6 +139,22 @@ def _edges(request: dict[str, Any], name: str, hosted: set[str]) -> list[tuple[E
     return edges
 
 
+def _portrait(value: Any) -> np.ndarray | None:
+    """A host request's portrait (``engine_link.portrait_field``): RGB uint8 (height, width, 3)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != {"shape", "rgb"}:
+        raise RequestError("portrait: expected a map of shape and rgb")
+    shape, rgb = value["shape"], value["rgb"]
+    if not (isinstance(shape, list) and len(shape) == 3 and shape[2] == 3
+            and all(type(n) is int and 1 <= n <= MAX_PORTRAIT_SIDE for n in shape[:2])):
+        raise RequestError(f"portrait: shape {shape!r} is not [height, width, 3] of 1..{MAX_PORTRAIT_SIDE} pixels a side")
+    if not isinstance(rgb, bytes) or len(rgb) != shape[0] * shape[1] * 3:
+        raise RequestError(f"portrait: rgb must be {shape[0] * shape[1] * 3} bytes (uint8, {shape}), got "
+                           f"{len(rgb) if isinstance(rgb, bytes) else type(rgb).__name__}")
+    return np.frombuffer(rgb, np.uint8).reshape(shape).copy()
+
+
 def _keys(value: Any) -> CurveKeys | None:
     if value is None:
         return None
@@ -183,15 +202,19 @@ def check_engine_config(config: PipelineConfig, max_sessions: int) -> None:
 class Engine:
     """Serves host requests on ``endpoint`` until ``run``'s ``stop`` is set. ``config``: the devices,
     preset and batching of what it hosts (``apply_layout`` + ``batch_sessions``); ``weights`` as
-    ``build_graph``'s; at most ``max_sessions`` hosted at once."""
+    ``build_graph``'s; at most ``max_sessions`` hosted at once. ``family``: the model (default: the one
+    ``config.preset`` names; another size of it, e.g. a CPU check). A ``chunk_motion`` family's (FlashHead)
+    host request carries the session's portrait, which its stream encodes here."""
 
-    def __init__(self, config: PipelineConfig, weights: str | None, endpoint: str, max_sessions: int) -> None:
+    def __init__(self, config: PipelineConfig, weights: str | None, endpoint: str, max_sessions: int,
+                 family: ModelFamily | None = None) -> None:
+        from charstream.model.families import get_family
+
         check_engine_config(config, max_sessions)
         self.config, self.weights, self.max_sessions = config, weights, max_sessions
+        self.family = family or get_family(config.preset)
         self.endpoint = check_engine_endpoint(endpoint)
-        self.batcher = StepBatcher(config.diffusion, config.preset, weights) if config.diffusion.batch_sessions > 1 else None
-        self.decode_batcher = (DecodeBatcher(config.decode, config.preset, weights, config.diffusion.seed)
-                               if config.decode.batch_sessions > 1 else None)
+        self.batcher, self.decode_batcher, self.encode_batcher = process_batchers(config, self.family, weights)
         self.hosted: dict[bytes, _HostedGroup] = {}
         self.served = 0  # sessions hosted and ended
         self.lag = LoopLag()
@@ -307,7 +330,11 @@ class Engine:
         except (TypeError, ValueError) as e:
             raise RequestError(f"config: {e}") from None
         config = engine_session_config(self.config, session, weights, self.weights)
-        available = {n.name: n for n in model_nodes(config, weights, self.batcher, self.decode_batcher)}
+        portrait = _portrait(request.get("portrait"))
+        if self.family.generation_mode == "chunk_motion" and portrait is None:
+            raise RequestError(f"model {self.family.name!r} animates a portrait: the request carries none")
+        available = {n.name: n for n in model_nodes(config, weights, self.batcher, self.decode_batcher, self.family,
+                                                    portrait, self.encode_batcher)}
         names = _field(request, "nodes", list)
         if not names or len(set(names)) != len(names) or not set(names) <= set(available):
             raise RequestError(f"nodes {names!r}: expected distinct names of {', '.join(available)}")
@@ -367,7 +394,8 @@ class Engine:
             if mark:
                 hosted.steps_from = len(times)
         batchers = {kind: {"forwards": b.stats.forwards, "served": b.stats.steps}
-                    for kind, b in (("diffusion", self.batcher), ("decode", self.decode_batcher)) if b is not None}
+                    for kind, b in (("diffusion", self.batcher), ("decode", self.decode_batcher),
+                                    ("encode", self.encode_batcher)) if b is not None}
         status = {"pid": os.getpid(), "now": time.monotonic(), "device": self.device, "hosted": len(self.hosted),
                   "served": self.served,
                   "max_sessions": self.max_sessions, "sessions": [h.session_id for h in self.hosted.values()],
@@ -385,14 +413,16 @@ def engine_config(preset: str, gpus: str | None, batch_sessions: int) -> Pipelin
 
         config = apply_layout(config, gpus)
     config.diffusion.batch_sessions = config.decode.batch_sessions = batch_sessions
+    config.conditioning.batch_sessions = batch_sessions  # a chunk model's audio encodes (FlashHead)
     return config
 
 
 def run_engine(config: PipelineConfig, weights: str | None, endpoint: str, max_sessions: int,
-               log_level: str | None = None) -> dict[str, Any]:
+               log_level: str | None = None, family: ModelFamily | None = None) -> dict[str, Any]:
     """The engine's process (``charstream engine``, or a ``Supervisor`` target): serves until SIGTERM
     or SIGINT; returns its report. With ``config.tracing.prometheus_port``, its hosted sessions' step
-    times and its process metrics are served for Prometheus (``tracing.prometheus_host``)."""
+    times and its process metrics are served for Prometheus (``tracing.prometheus_host``). ``family``
+    as ``Engine``'s."""
     # Before the loop serves: an import inside it (or one a stage's thread holds the import lock of while
     # the loop wants the module) stalls every hosted session's heartbeats for seconds.
     prepare_process("engine", config, MODEL_STAGES, log_level)
@@ -404,7 +434,7 @@ def run_engine(config: PipelineConfig, weights: str | None, endpoint: str, max_s
         if config.diffusion.device.startswith("cuda"):
             torch.cuda.init()
             torch.zeros(1, device=config.diffusion.device)  # the context, before any session's heartbeats run
-        engine = Engine(config, weights, endpoint, max_sessions)
+        engine = Engine(config, weights, endpoint, max_sessions, family)
     except (RuntimeError, ValueError, AssertionError) as e:  # no such device, a bad config
         return {"error": f"engine at {endpoint}: {type(e).__name__}: {e}", "served": 0}
 
@@ -433,7 +463,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bind", default=PipelineConfig().engine_endpoint,
                         help="ipc://PATH or tcp://127.0.0.1:PORT (loopback only; default: %(default)s)")
     parser.add_argument("--preset", default="tiny", help="model preset of every hosted session (default: tiny)")
-    parser.add_argument("--weights", default="packaged", help="'packaged' (the trained weights shipped) or 'random'")
+    parser.add_argument("--weights", default="packaged",
+                        help="'packaged' (the trained weights shipped), 'random', or a FlashHead model's weights folder")
     parser.add_argument("--gpus", metavar="LAYOUT", default=None,
                         help="GPU layout of the hosted stages (pipeline/runtime/layouts.py, tp 1: 1 or 1+1); default: CPU")
     parser.add_argument("--batch-sessions", type=int, default=1,
@@ -444,19 +475,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="serve Prometheus metrics (the hosted sessions' step times, the process's) on this port")
     parser.add_argument("--metrics-host", default=TracingConfig().prometheus_host,
                         help="the metrics listener's address (default: %(default)s)")
+    parser.add_argument("--blocks", type=int, default=None, help="fewer FlashHead DiT blocks (a CPU check)")
+    parser.add_argument("--size", type=int, default=None, help="another square FlashHead video size (a CPU check)")
 
 
 def run(args: argparse.Namespace) -> int:
-    weights = None if args.weights == "random" else args.weights
     max_sessions = args.max_sessions or (args.batch_sessions if args.batch_sessions > 1 else 16)
     try:
+        family = arguments.sized_family(args.preset, args.blocks, args.size)
+        weights = arguments.model_weights(args.preset, args.weights)
         config = engine_config(args.preset, args.gpus, args.batch_sessions)
         config.tracing.prometheus_port, config.tracing.prometheus_host = args.metrics_port, args.metrics_host
         check_engine_endpoint(args.bind)
         check_engine_config(config, max_sessions)  # a bad layout, preset or count fails here, before torch
     except ValueError as e:
         raise SystemExit(f"charstream engine: {e}") from None
-    report = run_engine(config, weights, args.bind, max_sessions)
+    report = run_engine(config, weights, args.bind, max_sessions, family=family)
     if report.get("error"):
         print(report["error"], file=sys.stderr)
         return 1

@@ -29,6 +29,7 @@ from typing import Any
 
 import anyio
 import msgpack
+import numpy as np
 import zmq
 import zmq.asyncio
 
@@ -36,7 +37,8 @@ from charstream.pipeline.config import PipelineConfig
 from charstream.transport.config import TransportConfig
 from charstream.transport.security import CurveKeys, is_loopback
 
-MAX_WIRE_BYTES = 1 << 20  # a request or reply larger than this is refused (a config is a few KB)
+MAX_PORTRAIT_SIDE = 2048  # pixels: a host request's portrait (FlashHead), RGB, is at most 12 MiB
+MAX_WIRE_BYTES = 16 << 20  # a request or reply larger than this is refused (a config is a few KB, a portrait more)
 HOST_TIMEOUT_S = 10.0  # the engine answers a host request once validated, before building anything
 KEY_FIELDS = ("server_public", "server_secret", "client_public", "client_secret")
 
@@ -74,16 +76,26 @@ def unpack(frame: bytes) -> dict[str, Any]:
 
 def host_request(session_id: str, config: PipelineConfig, weights: str | None, nodes: list[str],
                  inputs: list[tuple[Any, str, int]], outputs: list[tuple[Any, str, int]], control: str,
-                 keys: CurveKeys | None) -> dict[str, Any]:
+                 keys: CurveKeys | None, portrait: np.ndarray | None = None) -> dict[str, Any]:
     """The host request of a session's engine group (``inputs`` / ``outputs``: the runner's
-    ``(Edge, endpoint, capacity)`` triples)."""
+    ``(Edge, endpoint, capacity)`` triples; ``portrait``: the RGB uint8 face a portrait model animates)."""
     def edges(triples: list[tuple[Any, str, int]]) -> list[dict[str, Any]]:
         return [{"src": e.src, "dst": e.dst, "types": list(e.types), "endpoint": ep, "capacity": cap}
                 for e, ep, cap in triples]
 
     return {"cmd": "host", "session_id": session_id, "config": dataclasses.asdict(config), "weights": weights,
             "nodes": nodes, "inputs": edges(inputs), "outputs": edges(outputs), "control": control,
-            "keys": None if keys is None else {f: getattr(keys, f) for f in KEY_FIELDS}}
+            "keys": None if keys is None else {f: getattr(keys, f) for f in KEY_FIELDS},
+            "portrait": None if portrait is None else portrait_field(portrait)}
+
+
+def portrait_field(portrait: np.ndarray) -> dict[str, Any]:
+    """A portrait as a host request carries it; ValueError if it is not RGB uint8 within ``MAX_PORTRAIT_SIDE``."""
+    if portrait.dtype != np.uint8 or portrait.ndim != 3 or portrait.shape[2] != 3 \
+            or max(portrait.shape[:2]) > MAX_PORTRAIT_SIDE:
+        raise ValueError(f"a portrait for the engine is RGB uint8 of at most {MAX_PORTRAIT_SIDE} pixels a side, "
+                         f"got {portrait.dtype} {portrait.shape}")
+    return {"shape": list(portrait.shape), "rgb": np.ascontiguousarray(portrait).tobytes()}
 
 
 class _Socket:

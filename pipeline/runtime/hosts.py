@@ -191,12 +191,14 @@ class EngineHost(GroupHost):
 
     async def run(self, end: EndSession, ended: anyio.Event) -> None:
         spec, stages = self.spec, self.stage_names
-        weights = {n.kwargs.get("weights") for n in spec.nodes}
+        weights = {n.kwargs["weights"] for n in spec.nodes if "weights" in n.kwargs}
+        # a chunk model's session stream (pipeline/session.py) holds the portrait the engine's stream encodes
+        portrait = next((n.kwargs["stream"].portrait for n in spec.nodes if "stream" in n.kwargs), None)
         try:
             if len(weights) != 1:
                 raise EngineError(f"the engine group's stages name different weights: {sorted(map(str, weights))}")
             request = host_request(spec.session_id, spec.config, weights.pop(), stages, spec.inputs, spec.outputs,
-                                   spec.control_endpoint, spec.keys)
+                                   spec.control_endpoint, spec.keys, portrait)
             async with EngineLink(self.endpoint, spec.config.transport) as link:
                 await link.host(request)
                 self.engine_pid = link.pid
