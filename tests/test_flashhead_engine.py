@@ -110,3 +110,12 @@ def test_a_flashhead_engine_refuses_a_host_request_without_a_good_portrait(engin
     assert "expected a map of shape and rgb" in name
     status = asyncio.run(engine_call(engine, {"cmd": "status"}))
     assert status["hosted"] == 0
+
+
+def test_a_flashhead_engine_needs_its_weights_folder_or_random(tmp_path):
+    from charstream.pipeline.cli import main
+
+    with pytest.raises(SystemExit, match="needs --weights DIR"):
+        main(["engine", "--preset", "flashhead-lite"])
+    with pytest.raises(SystemExit, match=str(tmp_path / "none")):
+        main(["engine", "--preset", "flashhead-lite", "--weights", str(tmp_path / "none")])
