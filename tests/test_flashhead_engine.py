@@ -1,8 +1,9 @@
-"""FlashHead sessions hosted by a real ``charstream engine`` process (a 2-block DiT at the real width, 32 x 32,
-seeded random weights, CPU): each front-end sends its portrait in its host request, the engine makes the
-session's chunk stream and runs both sessions' chunks and audio encodes through its batchers, and each session releases the frames it releases
-with its model stages in its own process. Then the engine's refusal of a host request without a portrait
-or with a malformed one."""
+"""FlashHead Lite sessions hosted by a real ``charstream engine`` process (a 2-block DiT at the real width,
+32 x 32, seeded random weights, CPU): each front-end sends its portrait in its host request, the engine
+makes the session's chunk stream and runs both sessions' chunks and audio encodes through its batchers,
+and a session releases the frames it releases with its model stages in its own process. Then the
+engine's refusal of a host request without a portrait or with a malformed one, and of a start without
+its weights."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.runtime.engine_link import EngineError, engine_call
 from charstream.pipeline.session import LiveSession
 
-FRAMES = 2 * 28  # two whole chunks
+FRAMES = 24  # a whole chunk (Lite: 24 new frames)
 TIMEOUT_S = 150
 
 
@@ -32,12 +33,12 @@ def session(shift: int, endpoint: str | None) -> LiveSession:
     """A listening session (no microphone, so every chunk is a listening chunk) animating ``face(shift)``; its
     model stages in the engine at ``endpoint``, or in this process (None). Seed 0, the engine's: random
     weights are seeded by it, and so is each session's noise."""
-    config = PipelineConfig(preset="flashhead-pro", hosting="engine" if endpoint else "inproc")
+    config = PipelineConfig(preset="flashhead-lite", hosting="engine" if endpoint else "inproc")
     if endpoint:
         config.engine_endpoint = endpoint
     config.playout.target_depth_chunks = 1
     config.diffusion.threads = config.decode.threads = 1
-    return LiveSession(config, f"s{shift}", weights="random", peer=False, family=sized_family("flashhead-pro", 2, 32),
+    return LiveSession(config, f"s{shift}", weights="random", peer=False, family=sized_family("flashhead-lite", 2, 32),
                        portrait=face(shift))
 
 
@@ -45,7 +46,7 @@ def session(shift: int, endpoint: str | None) -> LiveSession:
 def engine(tmp_path_factory):
     folder = tmp_path_factory.mktemp("engine")
     endpoint = f"ipc://{folder}/engine.sock"
-    proc = start_engine(endpoint, folder / "engine.log", "--preset", "flashhead-pro", "--weights", "random",
+    proc = start_engine(endpoint, folder / "engine.log", "--preset", "flashhead-lite", "--weights", "random",
                         "--blocks", "2", "--size", "32", "--batch-sessions", "2")
     try:
         yield endpoint
@@ -62,35 +63,34 @@ def test_flashhead_sessions_in_an_engine_release_the_frames_they_make_in_their_o
         frames = await asyncio.wait_for(asyncio.gather(*(frames_released(s, FRAMES) for s in hosted)), TIMEOUT_S)
         status = await engine_call(engine, {"cmd": "status"})
         results = [await s.stop() for s in hosted]
-        alone = []
-        for shift in (0, 3):
-            s = session(shift, None)
-            s.start()
-            alone.append(await asyncio.wait_for(frames_released(s, FRAMES), TIMEOUT_S))
-            await s.stop()
+        s = session(0, None)  # the first of them with its model stages in this process
+        s.start()
+        alone = await asyncio.wait_for(frames_released(s, FRAMES), TIMEOUT_S)
+        await s.stop()
         return hosted, frames, status, results, alone
 
     hosted, frames, status, results, alone = asyncio.run(main())
     assert all(r is not None and r.ok for r in results), [r and r.error for r in results]
     for s, result in zip(hosted, results, strict=True):
         assert "diffusion" not in s.stages and "playout" in s.stages  # the model stages ran in the engine
-        assert result.edges["decode->playout"]["receiver"]["received"] >= 2
+        assert result.edges["decode->playout"]["receiver"]["received"] >= 1
     # both sessions' chunks went through the engine's batchers
-    assert status["batchers"]["diffusion"]["served"] >= 4 and status["batchers"]["decode"]["served"] >= 4, status
-    assert status["batchers"]["encode"]["served"] >= 4, status
-    for got, expected in zip(frames, alone, strict=True):
-        assert sorted(got) == sorted(expected) and len(got) == FRAMES
-        assert {k[1] for k in got} == set(range(28))  # 28 new frames a chunk
+    assert status["batchers"]["diffusion"]["served"] >= 2 and status["batchers"]["decode"]["served"] >= 2, status
+    assert status["batchers"]["encode"]["served"] >= 2, status
+    for got in frames:
+        assert len(got) == FRAMES and {k[1] for k in got} == set(range(24))  # 24 new frames a chunk
         assert all(image.shape == (32, 32, 3) for image in got.values())
-        # a batch of two against one session alone: the same chunks within a level or two
-        worst = max(np.abs(got[k].astype(int) - expected[k].astype(int)).max() for k in got)
-        assert worst <= 2, worst
+    # a batch of two in the engine against the session alone in its own process: the same chunks within a
+    # level or two
+    assert sorted(frames[0]) == sorted(alone)
+    worst = max(np.abs(frames[0][k].astype(int) - alone[k].astype(int)).max() for k in alone)
+    assert worst <= 2, worst
     # each session animates its own portrait
     assert max(np.abs(frames[0][k].astype(int) - frames[1][k].astype(int)).max() for k in frames[0]) > 20
 
 
 def test_a_flashhead_engine_refuses_a_host_request_without_a_good_portrait(engine):
-    config = dataclasses.asdict(PipelineConfig(preset="flashhead-pro", hosting="engine"))
+    config = dataclasses.asdict(PipelineConfig(preset="flashhead-lite", hosting="engine"))
     base = {"cmd": "host", "session_id": "bad", "config": config, "weights": None, "nodes": ["conditioning"],
             "inputs": [], "outputs": [], "control": "ipc:///tmp/none", "keys": None}
 
