@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import sys
 import threading
 from collections.abc import Callable
@@ -109,14 +110,15 @@ class SessionStream:
     engine that hosts them: there the front-end's holds only the ``portrait`` its host request carries)."""
 
     def __init__(self, family: ModelFamily, weights: str | None, portrait: np.ndarray, device: str, seed: int) -> None:
-        self.family, self.weights, self.portrait, self.device, self.seed = family, weights, portrait, device, seed
+        self.portrait = portrait
+        self._make = functools.partial(family.chunk_stream, weights, portrait, device, seed)
         self._stream: Any = None
         self._lock = threading.Lock()
 
     def get(self) -> Any:
         with self._lock:
             if self._stream is None:
-                self._stream = self.family.chunk_stream(self.weights, self.portrait, self.device, self.seed)
+                self._stream = self._make()
             return self._stream
 
 
