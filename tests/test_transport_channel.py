@@ -283,6 +283,27 @@ def test_curve_refuses_unauthenticated_peers():
     anyio.run(main)
 
 
+def test_a_sender_whose_keys_are_refused_fails_saying_so():
+    """ZeroMQ never retries a handshake the authenticator refused: the sender's send raises, naming the
+    keys, instead of waiting for a credit that cannot come."""
+    keys = CurveKeys.generate()
+    stranger_public, stranger_secret = zmq.curve_keypair()
+    stranger = CurveKeys(keys.server_public, b"", stranger_public, stranger_secret)  # knows only the server key
+
+    async def main():
+        server = Transport(TransportConfig(curve=True), keys)
+        async with Receiver(server, "tcp://127.0.0.1:*", "a->b", 4) as rx:
+            client = Transport(TransportConfig(curve=True), stranger)
+            async with Sender(client, rx.endpoint, "a->b", "a") as tx:
+                with anyio.fail_after(5), pytest.raises(ChannelError, match="refused this end's CURVE keys"):
+                    await tx.send(cond(1))
+            client.close()
+            assert rx.stats.received == 0
+        server.close()
+
+    anyio.run(main)
+
+
 def test_a_killed_peer_process_is_detected_by_heartbeats(tmp_path):
     config = TransportConfig(heartbeat_s=0.1, dead_after_s=0.8)
     ep = f"ipc://{tmp_path}/hb.sock"

@@ -15,7 +15,8 @@ a ``Control``), GO (control bus: every stage is ready).
 A bad DATA message (see ``transport.codec``) is counted and logged, and its credit is returned: the
 channel keeps working and nothing valid is lost. Heartbeats run both ways every ``heartbeat_s``;
 a peer silent for ``dead_after_s`` (after first contact, ipc/tcp only: inproc peers share our fate)
-makes ``send``/``take`` raise ``PeerDeadError``.
+makes ``send``/``take`` raise ``PeerDeadError``. A connecting end whose CURVE keys the binding end
+refuses fails at once (``ChannelError``), since ZeroMQ never retries that handshake.
 
 The control bus: a ``ControlHub`` (ROUTER) in the session's parent and one ``ControlClient`` per
 stage. A client's message is broadcast to every other registered client and to the hub's owner.
@@ -34,6 +35,7 @@ import anyio
 import anyio.abc
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from charstream.logs import LogLimit, get_logger
 from charstream.transport.codec import MessageError, decode, encode
@@ -192,6 +194,8 @@ class _Endpoint:
         await self._tg.__aenter__()
         self._tg.start_soon(self._pump)
         self._tg.start_soon(self._heartbeat)
+        if self.socket_type == zmq.DEALER and self.endpoint.startswith("tcp://"):
+            self._tg.start_soon(self._watch_handshakes)
         return self
 
     async def __aexit__(self, *exc_info) -> bool:
@@ -214,6 +218,19 @@ class _Endpoint:
                 self.stats.errors += 1
                 self.log.exception("message_handling_failed", frames=len(frames))
                 self._count_bad(e)
+
+    async def _watch_handshakes(self) -> None:
+        """A connecting end whose keys the peer's authenticator refused is never connected again (ZeroMQ
+        does not retry a refused handshake): fail the channel saying so, rather than wait for credit forever."""
+        monitor = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                self._fail(ChannelError(f"the peer refused this end's CURVE keys (ZAP status {event['value']})",
+                                        self.name, self.endpoint))
+        finally:
+            self.sock.disable_monitor()
+            monitor.close(linger=0)
 
     async def _heartbeat(self) -> None:
         while True:
