@@ -41,3 +41,19 @@ def test_bench_transport_ipc_sends_video_through_slots_beside_raw_zeromq(tmp_pat
     assert printed["load_avg_1m_at_start"] >= 0
     # 9.2 MB is 2,250 pages: a fresh array per message would fault in each; pooled buffers are reused
     assert result["video_chunk"]["receiver_faults_per_message"] < 200
+
+
+def test_bench_transport_takes_the_video_shape_and_slot_size(tmp_path, capsys):
+    """``--video`` sizes the chunk (a FlashHead-shaped one here, small); a chunk larger than
+    ``--slot-bytes`` crosses ipc inline."""
+    import pytest
+
+    printed = _report(tmp_path, capsys, "--transports", "ipc", "--small", "4", "--large", "4",
+                      "--backpressure", "4", "--capacity", "2", "--video", "28x64x64", "--slot-bytes", "65536")
+    video = printed["transports"]["ipc"]["video_chunk"]
+    assert printed["video"] == [28, 64, 64] and printed["slot_bytes"] == 65536
+    assert 28 * 64 * 64 * 3 < video["bytes"] < 28 * 64 * 64 * 3 + 70_000 and video["slotted"] == 0
+    assert printed["transports"]["ipc"]["backpressure"]["message_mb"] == round(video["bytes"] / 1e6, 2)
+    with pytest.raises(SystemExit):
+        main(["bench", "transport", "--video", "28x512"])
+    assert "expected FRAMESxHxW" in capsys.readouterr().err

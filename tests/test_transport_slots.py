@@ -29,6 +29,25 @@ def cond(i: int, floats: int) -> Conditioning:
     return Conditioning("s", i, np.full(floats, i, np.float32), np.arange(8, dtype=np.int16), False)
 
 
+def test_a_slot_reserves_what_its_largest_message_needs_not_its_size():
+    """Shared memory is reserved before a page is touched (never SIGBUS), but only as far as the
+    messages written need: a slot sized for a 22 MB chunk costs a 1 MB message 1 MB."""
+    block = SlotBlock(2, 32 * MB)
+
+    def reserved_mb() -> float:
+        return os.fstat(block.fd).st_blocks * 512 / MB
+
+    assert reserved_mb() == 0
+    block.write(0, [memoryview(np.ones(MB, np.uint8))])
+    assert reserved_mb() == 1
+    block.write(0, [memoryview(np.ones(3 * MB, np.uint8))])  # a larger message in the same slot
+    block.write(1, [memoryview(np.ones(MB // 2, np.uint8)), memoryview(np.ones(MB // 2, np.uint8))])
+    assert reserved_mb() == 4
+    block.write(0, [memoryview(np.ones(MB, np.uint8))])  # a smaller one: nothing more
+    assert reserved_mb() == 4
+    block.close()
+
+
 def test_large_arrays_cross_in_slots_and_outlive_slot_reuse(tmp_path):
     config = TransportConfig(slot_bytes=12 * MB)
     tokens = np.random.default_rng(0).random((9, 1024, 256), dtype=np.float32)  # 9.4 MB

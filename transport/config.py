@@ -25,7 +25,9 @@ class TransportConfig(CheckedSection):
     curve: bool = False  # force CURVE on tcp even on loopback
     # ipc only: arrays of a message in [slot_min_bytes, slot_bytes] cross in a shared-memory slot
     # (capacity slots per edge); smaller ones are cheaper inline, larger ones go inline. 0 = off.
-    slot_bytes: int = field(default=16 * 1024 * 1024, metadata=within(4096, 2**31, off=0))
+    # 32 MiB holds a FlashHead Pro chunk (28 frames of 512 x 512, 22 MB); a slot reserves only what
+    # its largest message needed.
+    slot_bytes: int = field(default=32 * 1024 * 1024, metadata=within(4096, 2**31, off=0))
     slot_min_bytes: int = field(default=64 * 1024, metadata=within(0, 2**31))
 
     def check_together(self) -> None:

@@ -76,7 +76,7 @@ class SlotBlock:
     def __init__(self, slots: int, slot_bytes: int) -> None:
         fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            os.ftruncate(fd, slots * slot_bytes)  # sparse: a slot's pages are reserved on first use
+            os.ftruncate(fd, slots * slot_bytes)  # sparse: a slot's pages are reserved as messages need them
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
             self.buf = mmap.mmap(fd, slots * slot_bytes)
         except BaseException:
@@ -85,7 +85,7 @@ class SlotBlock:
         self.fd = fd
         self.slots = slots
         self.slot_bytes = slot_bytes
-        self._reserved = [False] * slots
+        self._reserved = [0] * slots  # bytes reserved at each slot's start: its largest message so far
         # The block goes with the sender on any exit path that runs Python (GC, atexit); the kernel
         # closes the rest.
         self._finalizer = weakref.finalize(self, _release_owned, self.buf, fd)
@@ -96,14 +96,16 @@ class SlotBlock:
 
     def write(self, slot: int, buffers: Sequence[memoryview]) -> bytes | None:
         """Copy ``buffers`` into ``slot``; the reference frame, or None if memory for it ran out."""
-        if not self._reserved[slot]:
+        size = sum(b.nbytes for b in buffers)
+        if size > self._reserved[slot]:
             try:
                 # A page that shmem cannot back is SIGBUS or the OOM killer on first touch, not an
-                # exception: reserve the slot first (ENOMEM here means inline sending).
-                os.posix_fallocate(self.fd, slot * self.slot_bytes, self.slot_bytes)
+                # exception: reserve what the message needs first (ENOMEM here means inline sending).
+                # Only that much: a slot sized for the largest message costs small ones nothing.
+                os.posix_fallocate(self.fd, slot * self.slot_bytes, size)
             except OSError:
                 return None
-            self._reserved[slot] = True
+            self._reserved[slot] = size
         offset = slot * self.slot_bytes
         for b in buffers:
             self.buf[offset:offset + b.nbytes] = b

@@ -18,13 +18,14 @@ Per transport (inproc: both ends in this process; ipc/tcp: the consumer in a spa
   faults per message after the warm-up (fresh memory faults in once per page).
 * **throughput** — capacity ``--capacity``, the producer sends as fast as credits allow;
   msgs/s = messages / (last arrival - first send).
-* **backpressure** — the consumer takes a 9.2 MB chunk every 10 ms, the producer tries every 1 ms
+* **backpressure** — the consumer takes a video chunk every 10 ms, the producer tries every 1 ms
   (1/10 its speed). ``max_in_flight`` is counted from the two sides' timestamps (sends started by
   t minus messages taken by t), independently of the credit accounting; producer RSS growth is the
   peak minus the start.
 
 Two message sizes: a ``Conditioning`` of the ``characters-57b`` preset (9 × 1024 float32 tokens +
-8,000 samples ≈ 53 kB) and a 704×1088, 4-frame ``VideoChunk`` (≈ 9.2 MB).
+8,000 samples ≈ 53 kB) and a ``VideoChunk``: by default the characters' 704×1088, 4 frames (≈ 9.2 MB);
+``--video 28x512x512`` is a FlashHead Pro chunk (22 MB). ``--slot-bytes`` sets the ipc slot size.
 """
 
 from __future__ import annotations
@@ -63,22 +64,27 @@ def conditioning(i: int) -> Conditioning:
     return Conditioning("bench", i, tokens, np.zeros(CHARACTERS.samples_per_chunk, np.int16), True)
 
 
-_FRAMES = np.random.default_rng(0).integers(0, 255, (4, 704, 1088, 3), dtype=np.uint8)
+VIDEO = (4, 704, 1088)  # the characters' chunk: frames, height, width
 
 
-def video_chunk(i: int) -> VideoChunk:
-    return VideoChunk("bench", i, _FRAMES, np.zeros(CHARACTERS.samples_per_chunk, np.int16), True)
+class Videos:
+    """``VideoChunk`` messages of one shape (frames, height, width)."""
+
+    def __init__(self, shape: tuple[int, int, int]) -> None:
+        self.frames = np.random.default_rng(0).integers(0, 255, (*shape, 3), dtype=np.uint8)
+
+    def chunk(self, i: int) -> VideoChunk:
+        return VideoChunk("bench", i, self.frames, np.zeros(CHARACTERS.samples_per_chunk, np.int16), True)
+
+    def fresh(self, i: int) -> VideoChunk:
+        """A chunk in newly allocated memory (one touched byte per page), like a decoder's output: if
+        messages queued up anywhere, the producer's RSS would grow by a chunk per queued message."""
+        frames = np.empty_like(self.frames)
+        frames.reshape(-1)[::4096] = i % 256
+        return VideoChunk("bench", i, frames, np.zeros(CHARACTERS.samples_per_chunk, np.int16), True)
 
 
-def fresh_video_chunk(i: int) -> VideoChunk:
-    """A chunk in newly allocated memory (one touched byte per page), like a decoder's output: if
-    messages queued up anywhere, the producer's RSS would grow by 9.2 MB per queued message."""
-    frames = np.empty_like(_FRAMES)
-    frames.reshape(-1)[::4096] = i % 256
-    return VideoChunk("bench", i, frames, np.zeros(CHARACTERS.samples_per_chunk, np.int16), True)
-
-
-MESSAGES = {"conditioning": conditioning, "video_chunk": video_chunk}
+MESSAGES = ("conditioning", "video_chunk")
 
 
 async def _consume(transport: Transport, endpoint: str, capacity: int, count: int, delay_s: float) -> dict:
@@ -213,14 +219,16 @@ def _max_in_flight(sent: list[float], taken: list[float]) -> int:
     return peak
 
 
-async def bench_transport(kind: str, counts: dict[str, int], capacity: int, backpressure_count: int) -> dict:
-    transport = Transport(TransportConfig(max_message_bytes=64 << 20))
+async def bench_transport(kind: str, counts: dict[str, int], capacity: int, backpressure_count: int,
+                          videos: Videos, slot_bytes: int) -> dict:
+    transport = Transport(TransportConfig(max_message_bytes=64 << 20, slot_bytes=slot_bytes))
+    makers = {"conditioning": conditioning, "video_chunk": videos.chunk}
     pool = None if kind == "inproc" else concurrent.futures.ProcessPoolExecutor(
         1, mp_context=multiprocessing.get_context("spawn")
     )
     out: dict[str, Any] = {}
     try:
-        for name, make in MESSAGES.items():
+        for name, make in makers.items():
             count = counts[name]
             _, consumer, _ = await _phase(kind, pool, transport, make, count + WARMUP, 1)
             latencies = np.array(consumer["latencies"][WARMUP:]) * 1e3
@@ -243,14 +251,14 @@ async def bench_transport(kind: str, counts: dict[str, int], capacity: int, back
                 xproc = out[name]["raw_zmq_xproc"] = raw_zmq_cross_process_latency(kind, size, count, pool)
                 out[name]["p50_vs_raw_zmq_xproc"] = round(out[name]["p50_ms"] / xproc["p50_ms"], 2)
         producer, consumer, rss0 = await _phase(
-            kind, pool, transport, fresh_video_chunk, backpressure_count, capacity, period_s=0.001, delay_s=0.010, sample_rss=True
+            kind, pool, transport, videos.fresh, backpressure_count, capacity, period_s=0.001, delay_s=0.010, sample_rss=True
         )
         out["backpressure"] = {
             "capacity": capacity,
             "max_in_flight": _max_in_flight(producer["started"], consumer["taken"]),
             "max_in_flight_credit": producer["max_in_flight_credit"],
             "messages": backpressure_count,
-            "message_mb": round(sum(memoryview(f).nbytes for f in encode(video_chunk(0))) / 1e6, 2),
+            "message_mb": round(sum(memoryview(f).nbytes for f in encode(videos.chunk(0))) / 1e6, 2),
             "producer_period_ms": 1.0,
             "consumer_period_ms": 10.0,
             "producer_rss_growth_mb": round((max(producer["rss"]) - rss0) / 1e6, 1),
@@ -285,7 +293,8 @@ def table(report: dict) -> str:
                          + (f"; {xproc['p50_ms']:.3f}/{xproc['p99_ms']:.3f}: {r['p50_vs_raw_zmq_xproc']:.2f}x"
                             if xproc else ""))
     lines.append("")
-    lines.append(f"{'transport':<9} backpressure (consumer at 1/10 producer speed, 9.2 MB chunks)")
+    first = next(iter(report["transports"].values()))["backpressure"]["message_mb"]
+    lines.append(f"{'transport':<9} backpressure (consumer at 1/10 producer speed, {first:g} MB chunks)")
     for kind, res in report["transports"].items():
         b = res["backpressure"]
         lines.append(f"{kind:<9} max_in_flight {b['max_in_flight']} (credit count {b['max_in_flight_credit']}) "
@@ -305,14 +314,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--small", type=int, default=1000, help="Conditioning messages per phase")
     parser.add_argument("--large", type=int, default=100, help="VideoChunk messages per phase")
     parser.add_argument("--backpressure", type=int, default=60, help="messages in the backpressure case")
+    parser.add_argument("--video", type=video_shape, default=VIDEO, metavar="FRAMESxHxW",
+                        help="the VideoChunk's frames, height and width (default 4x704x1088, the characters'; "
+                             "28x512x512 is a FlashHead Pro chunk)")
+    parser.add_argument("--slot-bytes", type=int, default=TransportConfig().slot_bytes,
+                        help="ipc shared-memory slot size (default: the transport's; 0: no slots)")
+
+
+def video_shape(text: str) -> tuple[int, int, int]:
+    """``FRAMESxHxW`` -> (frames, height, width)."""
+    parts = text.lower().split("x")
+    if len(parts) != 3 or not all(p.isdigit() and 0 < int(p) <= 4096 for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected FRAMESxHxW, each 1-4096 (e.g. 28x512x512)")
+    frames, height, width = (int(p) for p in parts)
+    return frames, height, width
 
 
 def run(args: argparse.Namespace) -> int:
     counts = {"conditioning": args.small, "video_chunk": args.large}
     load_at_start = round(psutil.getloadavg()[0], 2)
+    videos = Videos(args.video)
     transports = {}
     for kind in args.transports:
-        transports[kind] = anyio.run(bench_transport, kind, counts, args.capacity, args.backpressure)
+        transports[kind] = anyio.run(bench_transport, kind, counts, args.capacity, args.backpressure, videos,
+                                     args.slot_bytes)
     report = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {psutil.cpu_count()} CPUs, {platform.platform()}",
@@ -320,6 +345,8 @@ def run(args: argparse.Namespace) -> int:
         "load_avg_1m_at_end": round(psutil.getloadavg()[0], 2),
         "commit": commit_id(),
         "versions": _versions(),
+        "video": list(args.video),
+        "slot_bytes": args.slot_bytes,
         "transports": transports,
     }
     report["targets"] = {
