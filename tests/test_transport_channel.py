@@ -304,6 +304,28 @@ def test_a_sender_whose_keys_are_refused_fails_saying_so():
     anyio.run(main)
 
 
+def test_a_control_client_whose_keys_are_refused_cannot_register():
+    """A stage's control client refused by the hub fails its registration instead of blocking in it."""
+    keys = CurveKeys.generate()
+    stranger_public, stranger_secret = zmq.curve_keypair()
+    stranger = CurveKeys(keys.server_public, b"", stranger_public, stranger_secret)
+
+    async def main():
+        server = Transport(TransportConfig(curve=True), keys)
+        async with ControlHub(server, "tcp://127.0.0.1:*", {"a"}, lambda m, s: None, print) as hub:
+            client = Transport(TransportConfig(curve=True), stranger)
+            async with ControlClient(client, hub.endpoint, "a") as control:
+                with anyio.fail_after(5):
+                    while control.error is None:  # the refusal, seen by the client's handshake watch
+                        await anyio.sleep(0.01)
+                    with pytest.raises(ChannelError, match="refused this end's CURVE keys"):
+                        await control.register()
+            client.close()
+        server.close()
+
+    anyio.run(main)
+
+
 def test_a_killed_peer_process_is_detected_by_heartbeats(tmp_path):
     config = TransportConfig(heartbeat_s=0.1, dead_after_s=0.8)
     ep = f"ipc://{tmp_path}/hb.sock"

@@ -587,9 +587,15 @@ class ControlClient(_Endpoint):
         self.sock.close(linger=SEND_LINGER_MS)
 
     async def register(self) -> None:
-        """Tell the hub this stage is ready; ``started`` is set once every stage of the session is."""
+        """Tell the hub this stage is ready; ``started`` is set once every stage of the session is.
+        Raises if the hub refused this end: a socket refused has no peer left to queue for."""
+        if self.error is not None:
+            raise self.error
+        try:
+            await self.sock.send(HELLO, zmq.NOBLOCK)
+        except zmq.Again:
+            raise ChannelError("no connection to the hub to register on (it refused this end)", self.name, "hub") from None
         self._registered = True
-        await self.sock.send(HELLO)
 
     async def _on_frames(self, frames: list[zmq.Frame]) -> None:
         self.live.seen(b"hub")
