@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from charstream.pipeline.cli import main
 
 
@@ -46,8 +48,6 @@ def test_bench_transport_ipc_sends_video_through_slots_beside_raw_zeromq(tmp_pat
 def test_bench_transport_takes_the_video_shape_and_slot_size(tmp_path, capsys):
     """``--video`` sizes the chunk (a FlashHead-shaped one here, small); a chunk larger than
     ``--slot-bytes`` crosses ipc inline."""
-    import pytest
-
     printed = _report(tmp_path, capsys, "--transports", "ipc", "--small", "4", "--large", "4",
                       "--backpressure", "4", "--capacity", "2", "--video", "28x64x64", "--slot-bytes", "65536")
     video = printed["transports"]["ipc"]["video_chunk"]

@@ -283,12 +283,17 @@ def test_curve_refuses_unauthenticated_peers():
     anyio.run(main)
 
 
+def stranger_keys(keys: CurveKeys) -> CurveKeys:
+    """A client that knows the session's server key but holds a key pair of its own."""
+    public, secret = zmq.curve_keypair()
+    return CurveKeys(keys.server_public, b"", public, secret)
+
+
 def test_a_sender_whose_keys_are_refused_fails_saying_so():
     """ZeroMQ never retries a handshake the authenticator refused: the sender's send raises, naming the
     keys, instead of waiting for a credit that cannot come."""
     keys = CurveKeys.generate()
-    stranger_public, stranger_secret = zmq.curve_keypair()
-    stranger = CurveKeys(keys.server_public, b"", stranger_public, stranger_secret)  # knows only the server key
+    stranger = stranger_keys(keys)
 
     async def main():
         server = Transport(TransportConfig(curve=True), keys)
@@ -307,8 +312,7 @@ def test_a_sender_whose_keys_are_refused_fails_saying_so():
 def test_a_control_client_whose_keys_are_refused_cannot_register():
     """A stage's control client refused by the hub fails its registration instead of blocking in it."""
     keys = CurveKeys.generate()
-    stranger_public, stranger_secret = zmq.curve_keypair()
-    stranger = CurveKeys(keys.server_public, b"", stranger_public, stranger_secret)
+    stranger = stranger_keys(keys)
 
     async def main():
         server = Transport(TransportConfig(curve=True), keys)

@@ -194,7 +194,7 @@ class _Endpoint:
         await self._tg.__aenter__()
         self._tg.start_soon(self._pump)
         self._tg.start_soon(self._heartbeat)
-        if self.socket_type == zmq.DEALER and self.endpoint.startswith("tcp://"):
+        if self.socket_type == zmq.DEALER and self.sock.mechanism == zmq.CURVE:  # only CURVE's keys are refused
             self._tg.start_soon(self._watch_handshakes)
         return self
 
