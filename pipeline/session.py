@@ -181,7 +181,7 @@ def build_graph(config: PipelineConfig, output: PlayoutOutput, tracer: TurnTrace
         decode,
         Node("playout", PlayoutStage, {"config": config.playout, "output": output, "tracer": tracer,
                                        "timeline": output.timeline,
-                                       "whole_chunks": family.generation_mode == "chunk_motion"}),
+                                       "rephase": family.generation_mode == "chunk_motion"}),
     ]
     edges = [
         Edge("ingest", "conditioning"),

@@ -229,6 +229,34 @@ async def test_speech_starts_at_the_onset_frame_playout_chose_and_the_rewind_sta
 
 
 @pytest.mark.anyio
+async def test_a_rollback_with_a_start_frame_rephases_the_chunks_and_starts_the_speech_there():
+    """A chunk-motion model's ROLLBACK (``start_frame``): chunk ``c + 1`` starts at that media frame, the speech
+    with it (no silent lead, whatever the onset frame), every later chunk a whole chunk after it, and each
+    chunk says where it starts; a later rollback re-phases again."""
+    speech = tone(2 * CHARACTERS.samples_per_chunk)
+    frames = CHARACTERS.frames_per_chunk
+    async with anyio.create_task_group() as tg:
+        h = await started(stage(), tg, capacity=64)
+        first = await h.next()
+        assert first.start_frame == first.chunk * frames  # an unshifted grid
+        await h.speech(2, speech)
+        await h.stage.control(Control("sess", 1, ControlKind.ROLLBACK, chunk=1, epoch=1, payload=RollbackPayload(
+            ControlKind.TURN_START, 3, dropped=0, kept=0, start_frame=2 * frames + 3)), h.ctx)
+        await h.stage.process(TurnEvent("sess", 1, TurnKind.AGENT_TURN_END, 2, at=time.time()), h.ctx)
+        chunks = await h.of_epoch(1, 3)
+        assert [(c.chunk, c.start_frame, c.speaking) for c in chunks] == [(2, 11, True), (3, 15, True), (4, 19, False)]
+        assert np.array_equal(np.concatenate([c.audio for c in chunks[:2]]), speech)
+        padded = np.concatenate([np.zeros(CONTEXT, np.int16), speech, np.zeros(CHARACTERS.samples_per_chunk + LOOKAHEAD, np.int16)])
+        assert np.allclose(chunks[1].audio_tokens, h.stage.encode(padded[CHARACTERS.samples_per_chunk:][
+            :CONTEXT + CHARACTERS.samples_per_chunk + LOOKAHEAD]), atol=1e-5)
+        await h.stage.control(Control("sess", 2, ControlKind.ROLLBACK, chunk=6, epoch=2, payload=RollbackPayload(
+            ControlKind.INTERRUPT, 0, dropped=1, kept=0, start_frame=7 * frames + 1)), h.ctx)
+        after = await h.of_epoch(2, 2)
+        assert [(c.chunk, c.start_frame) for c in after] == [(7, 29), (8, 33)]
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
 async def test_while_the_first_chunk_gathers_listening_goes_just_in_time():
     """From the agent's first audio to the turn start, listening chunks leave one chunk ahead of their
     due time instead of the idle lead: the step is idle when the speech comes."""

@@ -35,7 +35,7 @@ def run_alone(dit, vae, portraits, seeds, tokens, chunks):
         made = []
         for t, chunk in zip(session_tokens, session_chunks, strict=True):
             latents = stream.denoise(t, chunk)
-            made.append((latents, stream.decode(latents, chunk)))
+            made.append((latents, stream.decode(latents)))
         out.append(made)
     return out
 
@@ -51,7 +51,7 @@ def run_batched(dit, vae, portraits, seeds, tokens, chunks):
         latents = runner.denoise(streams, [t[step] for t in tokens])
         frames, motions = runner.decode(streams, latents)
         for i, stream in enumerate(streams):
-            stream.decoded(motions[i], chunks[i][step])
+            stream.decoded(motions[i], frames[i])
             out[i].append((latents[i], frames[i]))
     return out
 

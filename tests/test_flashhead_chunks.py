@@ -85,11 +85,41 @@ def test_a_regenerated_chunk_continues_the_chunk_before_it_not_the_dropped_ones(
     tokens = np.random.default_rng(3).normal(size=(9, SMALL.audio_tokens, SMALL.dim)).astype(np.float32)
     left = {}
     for chunk in range(3):
-        stream.decode(stream.denoise(tokens, chunk), chunk)
+        stream.decode(stream.denoise(tokens, chunk))
         left[chunk] = stream.motion.clone()
     assert not torch.allclose(left[1], left[2], atol=1e-3)
     again = stream.denoise(tokens, 2)
     assert torch.equal(again[:, :, :2], left[1])
+
+
+def test_a_chunk_started_inside_the_last_one_continues_the_frames_shown_before_it(parts):
+    """A re-phased turn start: a chunk made from a media frame inside a decoded chunk (its first 11 frames
+    shown) takes its motion latents from the 5 frames shown before that frame, re-encoded; from frame 3 of
+    the first chunk, the portrait stands for the two frames before the first; a chunk started where one
+    ended takes the motion latents that one left; one whose frames are no longer kept continues the last."""
+    dit, vae = parts
+    stream = ChunkMotionStream(dit, vae, portrait_tensor(portrait(), 32, 32), seed=4)
+    tokens = np.random.default_rng(3).normal(size=(9, SMALL.audio_tokens, SMALL.dim)).astype(np.float32)
+    shown = [stream.decode(stream.denoise(tokens, 0))]
+    ended = stream.motion.clone()
+    shown.append(stream.decode(stream.denoise(tokens, 1)))
+
+    def motion(chunk: int, start: int | None = None) -> torch.Tensor:
+        stream.ready(chunk, start=start)
+        stream.skip()  # nothing denoised: the next ready need not wait
+        return stream.motion
+
+    def encoded(frames: np.ndarray) -> torch.Tensor:
+        return vae.encode_motion(torch.from_numpy(frames).permute(3, 0, 1, 2)[None].float() / 127.5 - 1)
+
+    torch.testing.assert_close(motion(1, 28 + 11), encoded(shown[1][6:11]), rtol=1e-4, atol=1e-4)
+    straddling = motion(1, 28 + 3)  # chunk 0's last 2 frames, then chunk 1's first 3
+    torch.testing.assert_close(straddling, encoded(np.concatenate([shown[0][-2:], shown[1][:3]])), rtol=1e-4, atol=1e-4)
+    portrait_pixels = ((portrait_tensor(portrait(), 32, 32)[0, :, 0].permute(1, 2, 0) + 1) * 127.5).round().byte().numpy()
+    torch.testing.assert_close(motion(0, 3), encoded(np.concatenate([portrait_pixels[None]] * 2 + [shown[0][:3]])),
+                               rtol=1e-4, atol=1e-4)
+    assert torch.equal(motion(1), ended)  # chunk 1 on the unshifted grid: what chunk 0 left
+    assert torch.equal(motion(0, 10_000), ended)  # nothing kept there: the last motion goes on
 
 
 def test_lite_streams_24_new_frames_through_its_ltx_posterior_samples():
@@ -101,11 +131,11 @@ def test_lite_streams_24_new_frames_through_its_ltx_posterior_samples():
     stream = ChunkMotionStream(dit, vae, portrait_tensor(portrait(), 32, 32), seed=4)
     assert stream.reference.shape == (1, 128, 5, 1, 1) and stream.motion.shape == (1, 128, 1, 1, 1)
     tokens = np.random.default_rng(1).normal(size=(5, lite.config.audio_tokens, lite.config.dim)).astype(np.float32)
-    frames = stream.decode(stream.denoise(tokens, 0), 0)
+    frames = stream.decode(stream.denoise(tokens, 0))
     assert frames.shape == (24, 32, 32, 3) and lite.timeline.frames_per_chunk == 24
     assert stream.motion.shape == (1, 128, 2, 1, 1)  # the next chunk's 2 motion latents from 9 frames
     again = ChunkMotionStream(dit, vae, portrait_tensor(portrait(), 32, 32), seed=4)
-    again.decode(again.denoise(tokens, 0), 0)
+    again.decode(again.denoise(tokens, 0))
     torch.testing.assert_close(again.motion, stream.motion)  # the posterior's samples follow the seed
 
 

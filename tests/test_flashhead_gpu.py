@@ -74,7 +74,7 @@ def test_compiled_stream_matches_eager():
                 dit, vae = build(cfg, state, "cuda", dtype)[0], random_wan_vae(5, "cuda", dtype)
                 for compiled in (False, True):
                     stream = ChunkMotionStream(dit, vae, portrait, seed=9, compiled=compiled)
-                    runs[dtype, compiled] = [(latents.float(), stream.decode(latents, chunk).astype(np.float32))
+                    runs[dtype, compiled] = [(latents.float(), stream.decode(latents).astype(np.float32))
                                              for chunk in range(2) for latents in [stream.denoise(tokens, chunk)]]
         finally:
             torch.backends.cuda.matmul.allow_tf32 = tf32
@@ -108,7 +108,7 @@ def test_batched_sessions_match_each_stream_alone():
     alone = []
     for i, face in enumerate(faces):
         stream = ChunkMotionStream(dit, vae, face, seed=i, compiled=True)
-        alone.append([(latents.float(), stream.decode(latents, chunk).astype(np.float32))
+        alone.append([(latents.float(), stream.decode(latents).astype(np.float32))
                       for chunk in range(2) for latents in [stream.denoise(tokens[i], chunk)]])
     runner = ChunkRunner(dit, vae, compiled=True, batched=True)
     streams = [ChunkMotionStream(dit, vae, face, seed=i, compiled=True) for i, face in enumerate(faces)]
@@ -118,7 +118,7 @@ def test_batched_sessions_match_each_stream_alone():
         latents = runner.denoise(streams, tokens)
         frames, motions = runner.decode(streams, latents)
         for i, s in enumerate(streams):
-            s.decoded(motions[i], chunk)
+            s.decoded(motions[i], frames[i])
             apart = relative(latents[i], alone[i][chunk][0]), float(np.abs(frames[i] - alone[i][chunk][1]).mean())
             print(f"session {i} chunk {chunk}: batched from alone {apart[0]:.2%} latents, {apart[1]:.2f} frame levels")
             assert apart[0] <= 0.01 and apart[1] <= 3.0, (i, chunk, apart)
@@ -161,7 +161,7 @@ def test_graphed_runner_matches_the_runner_it_graphs(variant):
             latents = runner.denoise(streams, tokens)
             frames, motions = runner.decode(streams, latents)
             for s, motion in zip(streams, motions, strict=True):
-                s.decoded(motion, chunk)
+                s.decoded(motion)
             runs[graphed].append((latents, frames, motions))
         assert set(runner.graphs) == captured, "a chunk captured a graph warm had not"
     assert len(captured) == 2 * 2 + 2  # sizes 1 and 2: denoise at two motion lengths, decode

@@ -41,13 +41,14 @@ def test_flashhead_session_through_every_stage():
         session = LiveSession(config, "fh-smoke", weights="random", peer=False,
                               family=FlashHeadFamily("pro", config=SMALL), portrait=portrait())
         stream = next(n for n in session.runner.graph.nodes if n.name == "decode").kwargs["stream"].get()
-        used: list[tuple[int, torch.Tensor]] = []  # each chunk made, and the motion latents it started from
+        # each chunk made, by its first media frame, and the motion latents it started from
+        used: list[tuple[int, torch.Tensor]] = []
         ready, denoise = stream.ready, stream.runner.denoise
         chunks: list[int] = []
 
-        def readying(chunk=None, timeout=None):
-            ready(chunk, timeout)
-            chunks.append(chunk)
+        def readying(chunk=None, timeout=None, start=None):
+            ready(chunk, timeout, start)
+            chunks.append(stream.start)
 
         def recording(streams, tokens):
             latents = denoise(streams, tokens)
@@ -81,14 +82,14 @@ def test_flashhead_session_through_every_stage():
     assert whole and all(p == list(range(28)) for p in whole)  # 28 new frames a chunk, in order
     assert all(f.image.shape == (32, 32, 3) for f in frames if f.chunk is not None)
     # chunk 0 (made again after a rollback to the start, too) continues the portrait from its first latent;
-    # chunk 1 on start from the previous chunk's re-encoded frames: not zeros, not the portrait's latents
+    # later ones start from the frames before them re-encoded: not zeros, not the portrait's latents
     assert len(used) >= 3 and used[0][0] == 0
-    for chunk, motion in used:
-        if chunk == 0:
+    for start, motion in used:
+        if start == 0:
             assert torch.equal(motion[:, :, :1], stream.reference[:, :, :1])
         else:
             assert motion.abs().mean() > 1e-3 and not torch.allclose(motion[:, :, :1], stream.reference[:, :, :1], atol=1e-3)
-    assert any(chunk > 0 for chunk, _ in used)
+    assert any(start > 0 for start, _ in used)
     # the turn's speech reached a chunk: its frames carry the turn and play its audio
     speaking = [f for f in frames if f.speaking]
     assert speaking and speaking[0].trace is not None and speaking[0].trace.turn_id is not None

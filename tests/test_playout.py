@@ -14,7 +14,7 @@ from charstream.stages.config import PlayoutConfig
 from charstream.stages.egress.testcard import card_chunk
 from charstream.stages.playout.output import PlayoutOutput
 from charstream.stages.playout.stage import PlayoutStage
-from charstream.timeline import CHARACTERS
+from charstream.timeline import CHARACTERS, Timeline
 from charstream.transport.messages import Control, ControlKind, TraceContext, TurnStartPayload, VideoChunk
 
 SIZE = 32
@@ -345,3 +345,81 @@ def test_frames_come_in_the_video_readers_format_when_it_asks(reader_format):
     held = [(before, f) for before, f in pairwise(frames) if f.chunk is None and before.video is not None]
     assert stats.underruns >= 1 and held, "the stall made no hold frame after a converted one"
     assert all(f.video is before.video for before, f in held)
+
+
+REPHASED = Timeline(fps=50, frames_per_chunk=20)  # a chunk-motion model's grid, scaled down: 0.4 s chunks
+
+
+def media_chunk(n: int, start: int, epoch: int, turn_id: int | None) -> VideoChunk:
+    """Chunk ``n`` made from media frame ``start`` on: each frame carries its media frame's number in its
+    first pixel and, as every sample of its audio, in its span (so a frame shown out of place shows)."""
+    count, span = REPHASED.frames_per_chunk, REPHASED.samples_per_frame
+    frames = np.zeros((count, SIZE, SIZE, 3), np.uint8)
+    frames[:, 0, 0, 0], frames[:, 0, 0, 1] = np.arange(start, start + count) % 256, np.arange(start, start + count) // 256
+    audio = np.repeat(np.arange(start, start + count), span).astype(np.int16)
+    return VideoChunk("turn", n, frames, audio, turn_id is not None, epoch, TraceContext(turn_id=turn_id))
+
+
+def test_a_rephased_turn_start_restarts_the_chunk_grid_at_the_speech_without_a_gap():
+    """A chunk-motion model's turn start (playout ``rephase``): the speech is placed at the first frame its
+    chunk reaches, inside a chunk, not at the next boundary; the ROLLBACK says at which media frame the
+    regenerated chunk starts (``start_frame``); the listening chunk plays up to there, then the speech's
+    chunk from its first frame. Media frames stay consecutive, each with its own audio, across two turn
+    starts and a barge-in (which restarts at the end of the chunk played), and each turn's first speaking
+    frame is its chunk's first, at the ``start_frame``, within a few frames of the measured latency."""
+    latency_s, step_s, frame_s = 0.06, 0.03, REPHASED.frame_seconds
+
+    async def upstream(session):  # conditioning, diffusion and decode: 2 chunks ahead of the playhead
+        playout, ctx = session.playout, session.ctx
+        epoch, phase, n, turn, seen = 0, 0, 0, None, 0
+        while True:
+            rollbacks = [c for c in session.controls if c.kind == ControlKind.ROLLBACK]
+            if len(rollbacks) > seen:
+                seen, last = len(rollbacks), rollbacks[-1]
+                epoch, n = last.epoch, last.chunk + 1
+                phase = last.payload.start_frame - n * REPHASED.frames_per_chunk
+                turn = 4 + seen if last.payload.reason == ControlKind.TURN_START else None
+                await asyncio.sleep(latency_s / 2)
+            if len(playout.clock.buffer) < 3:
+                chunk = media_chunk(n, n * REPHASED.frames_per_chunk + phase, epoch, turn)
+                await playout.process(stamped(chunk, latency_s, step_s), ctx)
+                n += 1
+            await asyncio.sleep(0.002)
+
+    async def turn(session, turn_id: int) -> float:
+        sent = time.time()
+        await session.playout.control(Control("turn", turn_id, ControlKind.TURN_START, chunk=0, trace=TraceContext(turn_id),
+                                              payload=TurnStartPayload(None, None, 0.0)), session.ctx)
+        return sent
+
+    async def main():
+        config = PlayoutConfig(target_depth_chunks=2, initial_allowance_s=frame_s)
+        playout = PlayoutStage(config, PlayoutOutput(config.history_frames, timeline=REPHASED), timeline=REPHASED,
+                               rephase=True)
+        session = await start_playout("turn", playout, upstream)
+        frames = await collect(playout.output, 30)
+        sent = [await turn(session, 5)]
+        frames += await collect_from(playout.output, frames[-1].index + 1, 50)
+        sent.append(await turn(session, 6))
+        frames += await collect_from(playout.output, frames[-1].index + 1, 50)
+        await playout.control(Control("turn", 7, ControlKind.INTERRUPT, chunk=0), session.ctx)
+        frames += await collect_from(playout.output, frames[-1].index + 1, 50)
+        rollbacks = [c for c in session.controls if c.kind == ControlKind.ROLLBACK]
+        stats = playout.stats
+        await session.close()
+        return frames, rollbacks, sent, stats
+
+    frames, rollbacks, sent, stats = asyncio.run(main())
+    assert stats.underruns == 0 and stats.late_speech == 0
+    media = [int(f.image[0, 0, 0]) + 256 * int(f.image[0, 0, 1]) for f in frames]
+    assert media == list(range(media[0], media[0] + len(media)))  # no frame skipped or repeated
+    assert all((f.audio == m).all() for f, m in zip(frames, media, strict=True))  # each with its own audio
+    assert [r.payload.reason for r in rollbacks] == [ControlKind.TURN_START, ControlKind.TURN_START, ControlKind.INTERRUPT]
+    for rollback, turn_id, at in zip(rollbacks, (5, 6), sent, strict=False):
+        [first] = [(f, m) for f, m in zip(frames, media, strict=True) if f.first_speaking and f.trace.turn_id == turn_id]
+        frame, number = first
+        assert number == rollback.payload.start_frame and frame.frame_in_chunk == 0 and frame.chunk == rollback.chunk + 1
+        assert frame.released_at - at <= latency_s + 4 * frame_s + 0.05  # not held back to a chunk boundary
+    barge = rollbacks[2]
+    assert barge.payload.start_frame % REPHASED.frames_per_chunk == rollbacks[1].payload.start_frame % REPHASED.frames_per_chunk
+    assert not any(f.speaking for f, m in zip(frames, media, strict=True) if m >= barge.payload.start_frame)

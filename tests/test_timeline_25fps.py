@@ -138,18 +138,21 @@ def test_a_flashhead_model_session_without_a_portrait_is_refused_in_one_line():
         model_nodes(PipelineConfig(preset="flashhead-pro"))
 
 
-@pytest.mark.parametrize("ready, expected", [(2, (0, 26, 0)), (30, (1, 27, 0)), (28, (0, 26, 0))])
-def test_a_chunk_motion_turn_replaces_whole_chunks(ready, expected):
-    """Speech placed for a chunk-motion model starts at a chunk boundary: the next one at or after the
-    frame its first chunk reaches (28-frame chunks; chunk 25 on screen at its first frame, 26.. buffered)."""
+@pytest.mark.parametrize("ready, step, expected", [(2, 0.5, (0, 25, 2)), (30, 0.5, (0, 26, 2)), (28, 0.5, (0, 26, 0)),
+                                                   (60, 0.5, (1, 27, 4)), (2, 36, (0, 25, 10))])
+def test_a_chunk_motion_turn_starts_at_the_first_frame_its_chunk_reaches(ready, step, expected):
+    """Speech placed for a chunk-motion model (``rephase``) starts at the first frame its first chunk reaches,
+    inside a chunk (28-frame chunks; chunk 25 on screen at its first frame, 26.. buffered), where the
+    characters family's placement would have to reach the next boundary with the chunk after; its next
+    chunk, made ``step`` frames later, is due a whole chunk after the onset."""
     from charstream.stages.playout.onset import Onset, Playhead, place_speech
     from charstream.stages.playout.speech_estimate import Estimate
     from charstream.transport.messages import TurnStartPayload
 
-    step_s = 0.5 / FLASHHEAD.fps
+    step_s = step / FLASHHEAD.fps
     estimate = Estimate(starts_s=(ready - 0.5) / FLASHHEAD.fps - step_s, step_s=step_s, delivery_s=0.0, allowance_s=0.0)
     playhead = Playhead(t0=0.0, next_index=100, on_screen=25, position=0, next_chunk=26, buffered=3, timeline=FLASHHEAD)
     turn_start = TurnStartPayload(earliest_chunk=None, last_emit_at=None, encode_s=0.0)
-    frame_placed = place_speech(estimate, turn_start, playhead, 100 / FLASHHEAD.fps)
-    assert frame_placed.onset == ready % 28 and frame_placed.onset < 28
-    assert place_speech(estimate, turn_start, playhead, 100 / FLASHHEAD.fps, whole_chunks=True) == Onset(*expected, estimate)
+    assert place_speech(estimate, turn_start, playhead, 100 / FLASHHEAD.fps, rephase=True) == Onset(*expected, estimate)
+    if step == 36:  # in place, the next chunk is due at the next boundary: the speech waits for frame 28
+        assert place_speech(estimate, turn_start, playhead, 100 / FLASHHEAD.fps) == Onset(0, 26, 0, estimate)

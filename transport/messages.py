@@ -18,7 +18,7 @@ from enum import StrEnum
 
 import numpy as np
 
-from charstream.timeline import CHARACTERS, TIMELINE_RATE
+from charstream.timeline import TIMELINE_RATE
 
 
 @dataclass
@@ -77,6 +77,9 @@ class Conditioning:
     speaking: bool
     epoch: int = 0  # bumped by each rollback; data of an older epoch is stale
     trace: TraceContext = field(default_factory=TraceContext)
+    # the chunk's first frame on the session's media timeline: chunk x frames_per_chunk, unless a turn start
+    # re-phased a chunk-motion model's grid (RollbackPayload.start_frame); None: that product
+    start_frame: int | None = None
 
 
 @dataclass
@@ -131,7 +134,10 @@ class TurnStartPayload:
 
 @dataclass(frozen=True)
 class RollbackPayload:
-    """Where the speech starts after a rollback: frame ``onset_frame`` of chunk ``Control.chunk + 1``."""
+    """Where the speech starts after a rollback: frame ``onset_frame`` of chunk ``Control.chunk + 1``. A
+    chunk-motion model (``start_frame`` set) restarts its chunk grid there instead: chunk ``Control.chunk + 1``
+    is made anew from media frame ``start_frame`` on (the speech's first frame, after ``onset_frame`` frames
+    of that chunk's listening version), each later chunk a whole chunk after it."""
 
     reason: ControlKind  # TURN_START or INTERRUPT
     onset_frame: int
@@ -139,14 +145,14 @@ class RollbackPayload:
     kept: int  # unplayed chunks kept to play before the speech
     placed_at: float | None = None  # wall clock of a speech placement (conditioning logs the control's hop)
     due_at: float | None = None  # wall clock at which chunk ``Control.chunk + 1`` is due (a placement's)
+    start_frame: int | None = None  # a chunk-motion model's restart: chunk ``Control.chunk + 1``'s first media frame
 
     def __post_init__(self) -> None:
         _require(self.reason in (ControlKind.TURN_START, ControlKind.INTERRUPT),
                  f"reason must be turn_start or interrupt, got {self.reason}")
-        # a speech onset inside a chunk is placed for the characters family's 4-frame chunks; families
-        # generating whole chunks (chunk_motion) roll back at chunk boundaries: onset 0
-        _require(0 <= self.onset_frame < CHARACTERS.frames_per_chunk,
-                 f"onset_frame must be in [0, {CHARACTERS.frames_per_chunk}), got {self.onset_frame}")
+        # within a chunk of the session's timeline: its stages check the upper bound
+        _require(self.onset_frame >= 0, f"onset_frame must be >= 0, got {self.onset_frame}")
+        _require(self.start_frame is None or self.start_frame >= 0, f"start_frame must be >= 0, got {self.start_frame}")
         _require(self.dropped >= 0 and self.kept >= 0, f"dropped and kept must be >= 0, got {self.dropped}, {self.kept}")
         for name in ("placed_at", "due_at"):
             value = getattr(self, name)

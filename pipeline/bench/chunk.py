@@ -96,9 +96,9 @@ class Session:
             latents = batchers.denoise.enqueue(self.stream, tokens).result()
         t2 = time.perf_counter()
         if batchers is None:
-            frames = self.stream.decode(latents, self.chunk)
+            frames = self.stream.decode(latents)
         else:
-            frames = batchers.decode.enqueue(self.stream, (latents, self.chunk)).result()
+            frames = batchers.decode.enqueue(self.stream, latents).result()
         t3 = time.perf_counter()
         assert frames.dtype == np.uint8  # on the host: the decode's copy is inside the timing
         self.chunk += 1

@@ -8,7 +8,8 @@ playout's ``Control(CLOCK)`` and each ROLLBACK's ``due_at``; just in time once a
 starts), sends ``Control(TURN_START)`` from ``process`` (the dispatch loop, never behind the chunk
 loop's wait for credit) once the first chunk's audio and look-ahead are in, and on the ROLLBACK places
 the speech at frame ``onset_frame`` of the chunk after the last kept one (its leading frames silent)
-and emits from there in the new epoch. With no answer within ``rollback_wait_s`` it places the speech
+and emits from there in the new epoch; a ROLLBACK with a ``start_frame`` (a chunk-motion model) re-phases
+the chunk grid instead: that chunk, and the speech, start at that media frame. With no answer within ``rollback_wait_s`` it places the speech
 at the next chunk anyway.
 
 A speaking chunk is emitted once its whole span plus the look-ahead has arrived, or the turn has
@@ -125,6 +126,7 @@ class ConditioningStage(Stage):
         self._encode_s: deque[float] = deque(maxlen=ENCODE_HISTORY)
         self.next_chunk = 0
         self.epoch = 0
+        self.phase = 0  # chunk n starts at media frame n x frames_per_chunk + phase (a re-phased rollback sets it)
         self.turn: _Turn | None = None
         self._closed: OrderedDict[int, None] = OrderedDict()  # finished/interrupted turns: late audio is dropped
         self._pending_stamps: OrderedDict[int, dict[str, float]] = OrderedDict()
@@ -148,12 +150,18 @@ class ConditioningStage(Stage):
             self.epoch = msg.epoch
             self.next_chunk = msg.chunk + 1
             self._anchor = (self.next_chunk, _due(msg))
-            start = self.next_chunk * self.timeline.samples_per_chunk
+            rollback = msg.payload if isinstance(msg.payload, RollbackPayload) else None
+            onset_frame = rollback.onset_frame if rollback is not None else None
+            if onset_frame is not None and onset_frame >= self.timeline.frames_per_chunk:
+                self._error(ctx, None, f"rollback onset frame {onset_frame} beyond a chunk: speech at the chunk's start")
+                onset_frame = 0
+            if rollback is not None and rollback.start_frame is not None:  # the grid re-phased: the chunk starts there
+                self.phase = rollback.start_frame - self.next_chunk * self.timeline.frames_per_chunk
+                onset_frame = 0
+            start = self._chunk_start(self.next_chunk)
             turn = self.turn
             # Speech that asked for this rollback, or is placed but not yet committed, starts at the
             # first uncommitted chunk, at the frame playout chose (the frames before it are silent).
-            rollback = msg.payload if isinstance(msg.payload, RollbackPayload) else None
-            onset_frame = rollback.onset_frame if rollback is not None else None
             if turn is not None and turn.turn_start_sent_at is not None and (
                     turn.placed_at is None or turn.placed_at >= start):
                 turn.placed_at = start + (onset_frame or 0) * self.timeline.samples_per_frame
@@ -306,8 +314,8 @@ class ConditioningStage(Stage):
                 return left
             ctx.log.warning("no rollback answer to turn start; speech placed at the next chunk",
                             turn_id=turn.turn_id, chunk=self.next_chunk)
-            turn.placed_at = self.next_chunk * self.timeline.samples_per_chunk
-        start = self.next_chunk * self.timeline.samples_per_chunk - turn.placed_at
+            turn.placed_at = self._chunk_start(self.next_chunk)
+        start = self._chunk_start(self.next_chunk) - turn.placed_at
         if turn.ended:
             if start >= turn.length:  # all of the turn's speech is out: back to listening
                 self._close(turn.turn_id)
@@ -337,13 +345,19 @@ class ConditioningStage(Stage):
         turn.ended = True
         return True
 
+    def _chunk_start(self, chunk: int) -> int:
+        """Chunk ``chunk``'s first sample on the media timeline."""
+        return (chunk * self.timeline.frames_per_chunk + self.phase) * self.timeline.samples_per_frame
+
     async def _build(self, chunk: int, epoch: int) -> Conditioning:
-        start = chunk * self.timeline.samples_per_chunk
+        start = self._chunk_start(chunk)
+        start_frame = start // self.timeline.samples_per_frame
         turn = self.turn
         rel = start - turn.placed_at if turn is not None and turn.placed_at is not None else None
         if turn is None or rel is None or rel + self.timeline.samples_per_chunk <= 0 or rel >= turn.length:
             return Conditioning(self._session, chunk, self._silence_tokens, np.zeros(self.timeline.samples_per_chunk, np.int16),
-                                speaking=False, epoch=epoch, trace=TraceContext(None).stamp("conditioning_ready"))
+                                speaking=False, epoch=epoch, trace=TraceContext(None).stamp("conditioning_ready"),
+                                start_frame=start_frame)
         window = self._window(turn, rel)
         tokens = await self._encode(window)
         trace = TraceContext(turn.turn_id)
@@ -351,7 +365,8 @@ class ConditioningStage(Stage):
             trace.stamps.update(turn.trace.stamps)
         trace.stamp("conditioning_ready")
         audio = window[self.context:self.context + self.timeline.samples_per_chunk].copy()
-        return Conditioning(self._session, chunk, tokens, audio, speaking=True, epoch=epoch, trace=trace)
+        return Conditioning(self._session, chunk, tokens, audio, speaking=True, epoch=epoch, trace=trace,
+                            start_frame=start_frame)
 
     def _window(self, turn: _Turn, rel: int) -> np.ndarray:
         """The encoder's window for the chunk starting ``rel`` samples into the turn's speech: left

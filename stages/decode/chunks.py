@@ -59,9 +59,9 @@ class ChunkDecodeStage(Stage):
         started = time.perf_counter()
         latents = torch.from_numpy(msg.latents)[None]
         if self.batcher is None:
-            frames = await self.worker.run(self.stream.decode, latents, msg.chunk)
+            frames = await self.worker.run(self.stream.decode, latents)
         else:
-            frames = await self.batcher.decode(self.stream, latents, msg.chunk)
+            frames = await self.batcher.decode(self.stream, latents)
         self.last_decode_s = time.perf_counter() - started
         self.decoded += 1
         msg.trace.stamp("decode_done")

@@ -61,7 +61,7 @@ class ChunkDiffusionStage(Stage):
             ctx.log.debug("diffusion_stale", chunk=msg.chunk, epoch=msg.epoch, current=self.epoch)
             return
         self.epoch = msg.epoch
-        await self._ready(msg.chunk)  # its previous chunk decoded: not the step's time
+        await self._ready(msg.chunk, msg.start_frame)  # its previous chunk decoded: not the step's time
         started = time.perf_counter()
         if self.batcher is None:
             (latents,) = await self.worker.run(self.stream.runner.denoise, [self.stream], [tokens])
@@ -74,13 +74,14 @@ class ChunkDiffusionStage(Stage):
         await ctx.emit(Latents(msg.session_id, msg.chunk, latents[0].float().cpu().numpy(), msg.audio, msg.speaking,
                                msg.epoch, msg.trace))
 
-    async def _ready(self, chunk: int) -> None:
-        """The stream ready for ``chunk``, waited for in short turns of the worker: a call on it is shielded
+    async def _ready(self, chunk: int, start: int | None) -> None:
+        """The stream ready for ``chunk``, starting at media frame ``start``, waited for in short turns of the
+        worker: a call on it is shielded
         from cancellation (torch work is never abandoned), and the decode a stopping session waits for may
         never come (its stream is closed only at teardown, after this returns)."""
         while True:
             try:
-                return await self.worker.run(self.stream.ready, chunk, READY_POLL_S)
+                return await self.worker.run(self.stream.ready, chunk, READY_POLL_S, start)
             except TimeoutError:
                 continue
 

@@ -8,6 +8,10 @@ Chunks wait in ``buffer``; the clock plays them frame by frame. Its state says w
   empty buffer there is an underrun (-> ``WAITING``);
 - ``HOLDING_ONSET``: the chunk on screen reached the frame where the placed speech takes over
   (docs/ARCHITECTURE.md, Turn-start rollback) and the speech's chunk is not there yet: hold.
+
+The speech's chunk takes over at its own onset frame (the characters family: the speech starts inside a
+chunk both versions share), or, ``rephase`` (a chunk-motion model), from its first frame: its chunks were
+made from the onset on, so the listening chunk's later frames are dropped and the grid moves with it.
 """
 
 from __future__ import annotations
@@ -54,8 +58,9 @@ class Tick:
 class PlayoutClock:
     """The jitter buffer and the playhead: ``next_frame`` once per tick, ``rollback`` on a turn start."""
 
-    def __init__(self, target_depth_chunks: int, timeline: Timeline = CHARACTERS) -> None:
+    def __init__(self, target_depth_chunks: int, timeline: Timeline = CHARACTERS, rephase: bool = False) -> None:
         self.timeline = timeline  # the session's: frames per chunk, audio per frame
+        self.rephase = rephase  # the speech's chunk plays from its first frame at the onset
         self.target_depth_chunks = target_depth_chunks
         self.state = ClockState.WAITING
         self.epoch = 0  # bumped by each rollback; chunks of older epochs are stale
@@ -154,6 +159,8 @@ class PlayoutClock:
             if self.buffer and (self.buffer[0].epoch, self.buffer[0].chunk) == (speech.epoch, speech.chunk):
                 self._play(self.buffer.popleft())
                 self.state = ClockState.PLAYING
+                if self.rephase:
+                    self.position = 0
             elif self.state is not ClockState.HOLDING_ONSET:
                 self.state = ClockState.HOLDING_ONSET
                 underrun = UnderrunCause.ONSET
@@ -178,7 +185,8 @@ class PlayoutClock:
         audio = chunk.audio[position * span:(position + 1) * span]
         # The speech a rollback placed starts at its onset frame; the frames before it are silent.
         speech = self.speech
-        onset = speech.frame if speech is not None and (speech.epoch, speech.chunk) == (chunk.epoch, chunk.chunk) else 0
+        onset = speech.frame if not self.rephase and speech is not None and \
+            (speech.epoch, speech.chunk) == (chunk.epoch, chunk.chunk) else 0
         speaking = chunk.speaking and position >= onset
         first_speaking = False
         turn = chunk.trace.turn_id

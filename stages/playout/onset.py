@@ -43,18 +43,19 @@ class Onset:
 
 
 def place_speech(estimate: Estimate, turn_start: TurnStartPayload, playhead: Playhead, now: float,
-                 whole_chunks: bool = False) -> Onset:
+                 rephase: bool = False) -> Onset:
     """The first frame the speech's first chunk, ready ``estimate.ready_s`` after ``now`` (monotonic),
     reaches in time, whose next chunk (made one step or encode later) is not due before it is there;
     no earlier than ``turn_start.earliest_chunk``, and no later than the end of what is buffered.
-    ``whole_chunks``: the first chunk boundary at or after that frame (a chunk-motion model makes a chunk
-    as one piece, continued from the last one shown: the speech replaces whole chunks)."""
+    ``rephase``: the speech's chunks start at the onset frame (a chunk-motion model makes a whole chunk
+    from any frame, continuing the frames shown before it), so its next chunk is due a whole chunk after
+    the onset, not at the boundary after it."""
     t0, left = playhead.t0, playhead.frames_left
     fps, n = playhead.timeline.fps, playhead.timeline.frames_per_chunk
     ready_at = now + estimate.ready_s
     ahead = max(0, math.ceil((ready_at - t0) * fps) - playhead.next_index)  # frames from the next release
     next_needed = ready_at + max(estimate.step_s, turn_start.encode_s)
-    while t0 + (playhead.next_index + _next_boundary(ahead, left, n)) / fps < next_needed:
+    while t0 + (playhead.next_index + (ahead + n if rephase else _next_boundary(ahead, left, n))) / fps < next_needed:
         ahead += 1
     first = playhead.next_chunk
     if ahead < left:  # within the chunk on screen
@@ -63,8 +64,6 @@ def place_speech(estimate: Estimate, turn_start: TurnStartPayload, playhead: Pla
     else:
         kept, onset = divmod(ahead - left, n)
         place = Onset(kept, first + kept, onset, estimate)
-    if whole_chunks and place.onset:  # the next chunk's start: the first buffered one, or the one after
-        place = Onset(0, first, 0, estimate) if ahead < left else Onset(place.kept + 1, place.chunk + 1, 0, estimate)
     earliest = turn_start.earliest_chunk
     if earliest is not None and place.chunk < earliest:  # a rewind that far would not be exact
         place = Onset(earliest - first, earliest, 0, estimate)

@@ -48,6 +48,7 @@ from charstream.transport.messages import (
     VideoChunk,
 )
 
+KEEP_EPOCHS = 16  # epochs whose grid phase is kept: more than the chunks playout holds span
 
 @dataclass
 class _SpeechPlan:
@@ -70,9 +71,11 @@ class PlayoutStage(Stage):
     control_during_process = True  # a turn start must not wait behind a chunk waiting for room
 
     def __init__(self, config: PlayoutConfig, output: PlayoutOutput | None = None,
-                 tracer: TurnTracer | None = None, timeline: Timeline = CHARACTERS, whole_chunks: bool = False) -> None:
+                 tracer: TurnTracer | None = None, timeline: Timeline = CHARACTERS, rephase: bool = False) -> None:
         self.config = config
-        self.whole_chunks = whole_chunks  # speech replaces whole chunks (chunk-motion models: onset.py)
+        # a chunk-motion model: a turn start re-phases the chunk grid at the speech's onset (onset.py, clock.py)
+        self.rephase = rephase
+        self._phases: dict[int, int] = {0: 0}  # epoch -> its chunk n's first media frame less n x frames a chunk
         # What egress reads; the session hands in the one it serves (None: a fresh one of our own).
         self.output = output if output is not None else PlayoutOutput(config.history_frames, timeline=timeline)
         if self.output.timeline != timeline:
@@ -81,7 +84,7 @@ class PlayoutStage(Stage):
         self.frame_seconds = timeline.frame_seconds
         self.tracer = tracer
         self.stats = PlayoutStats()
-        self.clock = PlayoutClock(config.target_depth_chunks, timeline)
+        self.clock = PlayoutClock(config.target_depth_chunks, timeline, rephase)
         self._control_seq = 0
         # The parts of recent chunks' production, and what turn starts took beyond their estimate.
         allowance = config.initial_allowance_s
@@ -211,14 +214,19 @@ class PlayoutStage(Stage):
         playhead = Playhead(t0, self.output.next_index, None if playing is None else playing.chunk, clock.position,
                             playing.chunk + 1 if playing is not None else clock.buffer[0].chunk, len(clock.buffer),
                             self.timeline)
-        return place_speech(estimate, turn_start, playhead, time.monotonic(), self.whole_chunks)
+        return place_speech(estimate, turn_start, playhead, time.monotonic(), self.rephase)
 
     async def rollback(self, ctx: StageContext, reason: ControlKind = ControlKind.TURN_START,
                        place: Onset | None = None) -> Control:
         """Keep the unplayed chunks before ``place`` and drop the rest (clock.py), then tell upstream where
         to regenerate from: the chunk after the last one kept whole. No ``place``: every unplayed chunk goes."""
         clock = self.clock
+        start_frame = self._restart_frame(place) if self.rephase else None
         kept, dropped, last = clock.rollback(place, turn_start=reason == ControlKind.TURN_START)
+        if start_frame is not None:
+            self._phases[clock.epoch] = start_frame - (last + 1) * self.timeline.frames_per_chunk
+            for old in [e for e in self._phases if e < clock.epoch - KEEP_EPOCHS]:
+                del self._phases[old]
         self.stats.rollbacks += 1
         self.stats.rolled_back_chunks += len(dropped)
         self.stats.kept_chunks += len(kept)
@@ -226,18 +234,20 @@ class PlayoutStage(Stage):
         self._control_seq += 1
         if place is None:
             self._speech_due, self._plan = None, None
-            payload = RollbackPayload(reason, 0, len(dropped), len(kept))
+            payload = RollbackPayload(reason, 0, len(dropped), len(kept), start_frame=start_frame)
         else:
-            # Deadlines of the chunk's first frame (conditioning's anchor) and of the onset frame.
+            # Deadlines of the chunk's first frame (conditioning's anchor) and of the onset frame; re-phased,
+            # the regenerated chunk starts at the onset, and so do the speech's later chunks' schedule.
             left = clock.frames_left_on_screen()
             start = self.output.next_index + (
                 -clock.position if place.chunk == clock.chunk_on_screen() else left + self.timeline.frames_per_chunk * place.kept)
             self._speech_due = self.output.t0 + (start + place.onset) / self.timeline.fps
             placed_at = time.time()
-            self._plan = _SpeechPlan(clock.epoch, place.chunk, place.onset,
-                                     time.monotonic() + place.estimate.expected_s, placed_at)
+            onset = 0 if self.rephase else place.onset
+            self._plan = _SpeechPlan(clock.epoch, place.chunk, onset, time.monotonic() + place.estimate.expected_s, placed_at)
             payload = RollbackPayload(reason, place.onset, len(dropped), len(kept), placed_at,
-                                      due_at=placed_at + self.output.t0 + start / self.timeline.fps - time.monotonic())
+                                      due_at=placed_at + self.output.t0 + (start + place.onset - onset) / self.timeline.fps
+                                      - time.monotonic(), start_frame=start_frame)
         rollback = Control(ctx.session_id, self._control_seq, ControlKind.ROLLBACK, chunk=last, epoch=clock.epoch,
                            payload=payload)
         ctx.log.info("playout_rollback", last_kept=last, epoch=clock.epoch, kept=[c.chunk for c in kept],
@@ -246,6 +256,25 @@ class PlayoutStage(Stage):
                      **({} if place is None else place.estimate.fields()))
         await ctx.send_control(rollback)
         return rollback
+
+    def _restart_frame(self, place: Onset | None) -> int:
+        """The media frame a re-phased rollback restarts the chunk grid at: ``place``'s onset frame, in the
+        chunk on screen or a buffered one (or, not made yet, the current epoch's grid); no ``place``: the
+        end of the last chunk played."""
+        n, clock = self.timeline.frames_per_chunk, self.clock
+        if place is None:
+            played = clock.playing
+            if played is None:
+                return (clock.last_committed + 1 if clock.last_committed is not None else 0) * n + self._phase(clock.epoch)
+            return (played.chunk + 1) * n + self._phase(played.epoch)
+        holder = clock.playing if place.chunk == clock.chunk_on_screen() else next(
+            (c for c in clock.buffer if c.chunk == place.chunk), None)
+        return place.chunk * n + self._phase(clock.epoch if holder is None else holder.epoch) + place.onset
+
+    def _phase(self, epoch: int) -> int:
+        """The grid phase of ``epoch``'s chunks: the last one set at or before it."""
+        known = [e for e in self._phases if e <= epoch]
+        return self._phases[max(known)] if known else 0
 
     # --- the clock -----------------------------------------------------------------------------
 

@@ -14,9 +14,9 @@ a batch of every size (``prepare``: cuDNN's per-thread timing), so the first ses
     denoiser = ChunkDenoiseBatcher(config.diffusion, runner)   # one each per process: session_factory
     decoder = ChunkDecodeBatcher(config.decode, runner)
     denoiser.opened(); decoder.opened()                        # a session's stages start
-    stream.ready(chunk)                                        # (blocking) its previous chunk decoded
+    stream.ready(chunk, start=start_frame)                     # (blocking) its previous chunk decoded
     latents = await denoiser.denoise(stream, tokens)           # (1, C, latents, h, w), complete
-    frames = await decoder.decode(stream, latents, chunk)      # uint8 (new frames, H, W, 3)
+    frames = await decoder.decode(stream, latents)             # uint8 (new frames, H, W, 3)
     denoiser.closed(stream); decoder.closed(stream)
 """
 
@@ -73,12 +73,12 @@ class ChunkDecodeBatcher(_ChunkBatcher):
     def __init__(self, config: DecodeConfig, runner: ChunkRunner) -> None:
         super().__init__(config, runner, "chunk-decode-batcher")
 
-    async def decode(self, stream: ChunkMotionStream, latents: Tensor, chunk: int | None) -> np.ndarray:
+    async def decode(self, stream: ChunkMotionStream, latents: Tensor) -> np.ndarray:
         """The chunk's new frames; the stream's next chunk may then start from its motion latents."""
-        return await self.submit(stream, (latents, chunk))
+        return await self.submit(stream, latents)
 
     def forward(self, keys: list[Any], items: list[Any]) -> list[Any]:
-        frames, motions = self.runner.decode(keys, [latents for latents, _ in items])
-        for stream, (_, chunk), motion in zip(keys, items, motions, strict=True):
-            stream.decoded(motion, chunk)
+        frames, motions = self.runner.decode(keys, items)
+        for stream, motion, shown in zip(keys, motions, frames, strict=True):
+            stream.decoded(motion, shown)
         return frames

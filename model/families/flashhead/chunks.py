@@ -16,9 +16,13 @@ add a cycle to the stage graph (its credits, its rollback) for no overlap. The s
 ``denoise`` (diffusion) and ``decode`` (decode) on the one session object: ``denoise`` waits (on its
 worker thread) until the previous chunk's ``decode`` has set the motion latents.
 
-A turn start or barge-in drops the unplayed chunks at playout and regenerates from the chunk after the
-last one played: the motion latents after each of the last ``KEEP_MOTION`` decoded chunks are kept by
-chunk index, so the regenerated chunk continues the frames on screen, not the dropped ones.
+A turn start or barge-in drops unplayed chunks at playout and regenerates from a frame of the media
+timeline: a barge-in from the end of the last chunk played, a turn start from any frame (the chunk grid
+re-phased there: the speech need not wait for a chunk boundary). Each chunk is made at its first frame
+on that timeline (``ready``'s ``start``): the motion latents each of the last ``KEEP_MOTION`` decoded chunks
+left are kept by the frame they end at, and the frames of the last ``KEEP_FRAMES``, so a chunk that
+starts where none ended takes its motion latents from the frames shown before its start, re-encoded.
+Either way the regenerated chunk continues the frames on screen, not the dropped ones.
 
 The model's work is a ``ChunkRunner``'s, over a list of streams: a stream alone runs its chunks through a
 runner of its own (a batch of one, on its own CUDA stream); the batchers (``stages/shared/chunk_batcher.py``)
@@ -29,7 +33,7 @@ own either way, so its frames do not depend on the batch it was in.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
@@ -48,6 +52,7 @@ from charstream.model.families.flashhead.vae_wan import WanVAE
 from charstream.model.graphs import capture_graph, one_capture_at_a_time
 
 KEEP_MOTION = 16  # chunks whose motion latents are kept: more than playout holds unplayed
+KEEP_FRAMES = 8  # chunks whose frames are kept: a turn start places its speech within those playout holds
 
 
 def portrait_tensor(image: np.ndarray, height: int, width: int) -> Tensor:
@@ -289,46 +294,83 @@ class ChunkMotionStream:
         # the first chunk continues the portrait: its first latent, as the released pipeline starts
         self.motion = self.reference[:, :, :1].clone()
         self.chunks = 0
-        # chunk -> the motion latents it left; "chunk -1" left the portrait's, so a rollback to the start
-        # continues the portrait as the first chunk does
-        self._motion_after: OrderedDict[int, Tensor] = OrderedDict({-1: self.motion})
+        self.start = 0  # the media frame the chunk being made starts at
+        # media frame -> the motion latents of the chunk that ended there; frame 0 has the portrait's, so a
+        # rollback to the start continues the portrait as the first chunk does
+        self._motion_at: OrderedDict[int, Tensor] = OrderedDict({0: self.motion})
+        self._shown: deque[tuple[int, np.ndarray]] = deque(maxlen=KEEP_FRAMES)  # (first frame, frames) by chunk
+        self._portrait = ((portrait[0, :, 0].permute(1, 2, 0) + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).numpy()
         self._decoded = threading.Event()  # the motion latents of the last chunk are in place
         self._decoded.set()
         self.closed = False
 
-    def ready(self, chunk: int | None = None, timeout: float | None = None) -> None:
-        """Wait until the last chunk given is decoded, then take the motion latents chunk ``chunk`` continues:
-        those chunk ``chunk - 1`` left (after a rollback, an earlier chunk than the last decoded; chunk 0: the
-        portrait's), else the last ones. Then the chunk may be denoised (here or in a batch)."""
+    def ready(self, chunk: int | None = None, timeout: float | None = None, start: int | None = None) -> None:
+        """Wait until the last chunk given is decoded, then take the motion latents of the chunk starting at
+        media frame ``start`` (default: chunk ``chunk``'s on the unshifted grid; neither: where the last one
+        ended): those the chunk that ended there left, else its frames before ``start`` re-encoded (after a
+        re-phased rollback). Then the chunk may be denoised (here or in a batch)."""
         if not self._decoded.wait(timeout):
             raise TimeoutError(f"the previous chunk was not decoded within {timeout} s")
         if self.closed:
             raise RuntimeError("the chunk stream is closed")
         self._decoded.clear()
-        if chunk is not None:
-            self.motion = self._motion_after.get(chunk - 1, self.motion)
+        if start is None and chunk is not None:
+            start = chunk * self.cfg.new_frames_per_chunk
+        if start is not None and start != self.start:
+            self.motion = self._motion_before(start)
+            self.start = start
 
-    def denoise(self, audio_tokens: np.ndarray | Tensor, chunk: int | None = None, timeout: float | None = None) -> Tensor:
+    def _motion_before(self, start: int) -> Tensor:
+        """The motion latents a chunk starting at media frame ``start`` continues from."""
+        motion = self._motion_at.get(start)
+        if motion is not None:
+            return motion
+        frames = self._frames_before(start)
+        if frames is None:  # shown too long ago to be kept: continue the last chunk made
+            return self.motion
+        device = self.reference.device
+        with torch.no_grad(), self.runner.on_stream():
+            pixels = (torch.from_numpy(frames).to(device).permute(3, 0, 1, 2)[None].float() / 127.5 - 1).contiguous()
+            return self.runner.encode(pixels, [self.generator])
+
+    def _frames_before(self, start: int) -> np.ndarray | None:
+        """The ``motion_frames`` frames shown before media frame ``start`` (the portrait before the first), or
+        None where one is no longer kept. The latest chunk decoded over a frame is the one shown there."""
+        frames = []
+        for at in range(start - self.cfg.motion_frames, start):
+            frame = self._portrait if at < 0 else next(
+                (shown[at - first] for first, shown in reversed(self._shown) if first <= at < first + len(shown)), None)
+            if frame is None:
+                return None
+            frames.append(frame)
+        return np.stack(frames)
+
+    def denoise(self, audio_tokens: np.ndarray | Tensor, chunk: int | None = None, timeout: float | None = None,
+                start: int | None = None) -> Tensor:
         """Chunk ``chunk``'s latents (1, C, latents, h, w) from its audio tokens (latents, tokens, d), by this
         stream's runner, once ready (``ready``). The latents are complete when it returns, so any thread may
         read them."""
-        self.ready(chunk, timeout)
+        self.ready(chunk, timeout, start)
         return self.runner.denoise([self], [audio_tokens])[0]
 
-    def decode(self, latents: Tensor, chunk: int | None = None) -> np.ndarray:
+    def decode(self, latents: Tensor) -> np.ndarray:
         """The chunk's new frames colour-matched to the portrait, uint8 (new_frames_per_chunk, H, W, 3), by this
         stream's runner; its last frames become the next chunk's motion latents."""
         (frames,), (motion,) = self.runner.decode([self], [latents])
-        self.decoded(motion, chunk)
+        self.decoded(motion, frames)
         return frames
 
-    def decoded(self, motion: Tensor, chunk: int | None = None) -> None:
-        """Chunk ``chunk`` is decoded and left ``motion``: the next chunk may start from it."""
-        self.motion = motion
-        if chunk is not None:
-            self._motion_after[chunk] = motion
-            while len(self._motion_after) > KEEP_MOTION:
-                self._motion_after.popitem(last=False)
+    def decoded(self, motion: Tensor, frames: np.ndarray | None = None) -> None:
+        """The chunk made last is decoded into ``frames`` (kept, where given) and left ``motion``: the next chunk
+        may start from it."""
+        end = self.start + self.cfg.new_frames_per_chunk
+        if frames is not None:
+            self._shown.append((self.start, frames))
+        self.motion, self.start = motion, end
+        self._motion_at[end] = motion
+        self._motion_at.move_to_end(end)
+        while len(self._motion_at) > KEEP_MOTION:
+            self._motion_at.popitem(last=False)
         self.chunks += 1
         self._decoded.set()
 

@@ -113,6 +113,8 @@ class FlashHeadFamily(ModelFamily):
         silence = np.zeros((cfg.latents_per_chunk, cfg.audio_tokens, cfg.dim), np.float32)
         streams = [self.chunk_stream(weights, grey, device, seed) for _ in range(2 if batched else 1)]
         streams[0].decode(streams[0].denoise(silence))
+        streams[0].ready(start=cfg.new_frames_per_chunk // 2)  # a re-phased chunk: motion re-encoded from frames
+        streams[0].skip()
         if batched:
             runner = self.chunk_runner(weights, device, seed, batched=True)
             for chunk in range(2):  # a batch of two (one row is the stream's compilation), as the batchers run them
@@ -120,7 +122,7 @@ class FlashHeadFamily(ModelFamily):
                     s.ready(chunk)
                 latents = runner.denoise(streams, [silence] * 2)
                 for s, motion in zip(streams, runner.decode(streams, latents)[1], strict=True):
-                    s.decoded(motion, chunk)
+                    s.decoded(motion)
         for s in streams:
             s.close()
         # Nothing compiles after this: an unforeseen shape runs eager. The sessions call the compiled code on
