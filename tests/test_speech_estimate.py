@@ -56,6 +56,22 @@ def test_chunks_queued_behind_each_other_measure_their_own_step():
     assert est.estimate(2000.0, 0.0, None).expected_s == pytest.approx(0.100 + 0.030)
 
 
+@pytest.mark.parametrize("waits_for_decode", [True, False])
+def test_a_chunk_motion_models_chunks_measure_their_step_from_the_decode_before(waits_for_decode):
+    """Listening chunks of a chunk-motion model, each conditioned ahead: a chunk's denoise (330 ms) starts
+    once the chunk before is decoded (210 ms after its denoise), so from its conditioning it took 540 ms,
+    of which the speech's first chunk, made after a rollback, waits for none. Without ``waits_for_decode``
+    (the characters' step, which a decode does not hold up) that wait counts."""
+    est = SpeechEstimator(initial_allowance_s=0.0, waits_for_decode=waits_for_decode)
+    decoded = 1000.0  # the chunk before's decode_done
+    for _ in range(12):
+        ready = decoded - 0.210  # conditioned while the chunk before decodes
+        done = decoded + 0.330  # its denoise starts once that decode is done
+        decoded = done + 0.210
+        est.observe({"conditioning_ready": ready, "diffusion_done": done, "decode_done": decoded}, decoded + 0.020)
+    assert est.step_s() == pytest.approx(0.330 if waits_for_decode else 0.540)
+
+
 def test_the_allowance_is_the_recent_speech_chunks_second_latest_error():
     est = observed([(0.110, 0.040)] * 30)
     assert est.end_turn() is None and est.allowance_s == INITIAL_ALLOWANCE_S  # nothing arrived: unchanged

@@ -8,7 +8,9 @@ each chunk's production after conditioning:
 - step: ``conditioning_ready`` -> ``diffusion_done`` (the hop to diffusion and the step itself), from
   the chunk before's ``diffusion_done`` where that is later: a chunk queued behind another's step (a
   session's first chunks go in a burst) measures its own step, not the queue -- the queue a speech
-  chunk meets is ``last_emit_at``'s part of the estimate;
+  chunk meets is ``last_emit_at``'s part of the estimate; for a chunk-motion model, whose chunk starts
+  only once the chunk before is decoded (``waits_for_decode``), from that chunk's ``decode_done`` where later:
+  a listening chunk waits for it, the speech's first chunk, made after a rollback, does not;
 - delivery: ``diffusion_done`` -> its arrival at playout (the hop to decode, decode, the hop here).
 
 The estimate, in seconds from now::
@@ -97,16 +99,18 @@ class SpeechEstimator:
     """The measured parts of recent chunks' production, and the allowance learned from turn starts."""
 
     def __init__(self, quantile: float = QUANTILE, history: int = HISTORY, error_history: int = ERROR_HISTORY,
-                 *, initial_allowance_s: float) -> None:
+                 *, initial_allowance_s: float, waits_for_decode: bool = False) -> None:
         """``initial_allowance_s``: the prior, the whole allowance until a turn has been measured
-        (``PlayoutConfig.initial_allowance_s``)."""
+        (``PlayoutConfig.initial_allowance_s``); ``waits_for_decode``: a chunk's step starts once the chunk
+        before is decoded (a chunk-motion model)."""
         if not 0 < quantile <= 1 or history < 1 or error_history < 2 or initial_allowance_s < 0:
             raise ValueError(f"speech estimate: need 0 < quantile <= 1, history >= 1, error history >= 2, an "
                              f"initial allowance >= 0; got {quantile}, {history}, {error_history}, {initial_allowance_s}")
         self.quantile = quantile
         self._step: deque[float] = deque(maxlen=history)
         self._delivery: deque[float] = deque(maxlen=history)
-        self._last_done: float | None = None  # the last observed chunk's diffusion_done
+        self.waits_for_decode = waits_for_decode
+        self._free_at: float | None = None  # when the last observed chunk let the next one's step start
         self.initial_allowance_s = initial_allowance_s
         self.turns_measured = 0
         self._learned_s = 0.0  # from the errors
@@ -130,9 +134,9 @@ class SpeechEstimator:
         ready, done = stamps.get("conditioning_ready"), stamps.get("diffusion_done")
         if ready is None or done is None:
             return
-        self._step.append(done - (ready if self._last_done is None else max(ready, self._last_done)))
+        self._step.append(done - (ready if self._free_at is None else max(ready, self._free_at)))
         self._delivery.append(arrived_at - done)
-        self._last_done = done
+        self._free_at = stamps.get("decode_done", done) if self.waits_for_decode else done
 
     def step_s(self) -> float:
         return nearest_rank(self._step, self.quantile)

@@ -88,7 +88,8 @@ class PlayoutStage(Stage):
         self._control_seq = 0
         # The parts of recent chunks' production, and what turn starts took beyond their estimate.
         allowance = config.initial_allowance_s
-        self._estimator = SpeechEstimator(initial_allowance_s=timeline.chunk_seconds if allowance is None else allowance)
+        self._estimator = SpeechEstimator(initial_allowance_s=timeline.chunk_seconds if allowance is None else allowance,
+                                          waits_for_decode=rephase)
         self._plan: _SpeechPlan | None = None
         self._speech_due: float | None = None  # monotonic deadline of the placed speech chunk's first frame
         self._metrics: SessionMetrics | None = None
