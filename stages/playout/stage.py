@@ -50,6 +50,7 @@ from charstream.transport.messages import (
 
 KEEP_EPOCHS = 16  # epochs whose grid phase is kept: more than the chunks playout holds span
 
+
 @dataclass
 class _SpeechPlan:
     """The placed speech's schedule: its chunk ``k`` is expected ``k`` chunks after the first (less the
