@@ -364,21 +364,23 @@ def test_a_rephased_turn_start_restarts_the_chunk_grid_at_the_speech_without_a_g
     """A chunk-motion model's turn start (playout ``rephase``): the speech is placed at the first frame its
     chunk reaches, inside a chunk, not at the next boundary; the ROLLBACK says at which media frame the
     regenerated chunk starts (``start_frame``); the listening chunk plays up to there, then the speech's
-    chunk from its first frame. Media frames stay consecutive, each with its own audio, across two turn
-    starts and a barge-in (which restarts at the end of the chunk played), and each turn's first speaking
-    frame is its chunk's first, at the ``start_frame``, within a few frames of the measured latency."""
+    chunk from its first frame. Media frames stay consecutive, each with its own audio, across three turn
+    starts -- one superseding the last before its onset (then placed at the end of the chunk playing) --
+    and a barge-in (which restarts at the end of the chunk played); each turn's first speaking frame is its
+    chunk's first, at the ``start_frame``, placed ones within a few frames of the measured latency."""
     latency_s, step_s, frame_s = 0.06, 0.03, REPHASED.frame_seconds
 
     async def upstream(session):  # conditioning, diffusion and decode: 2 chunks ahead of the playhead
         playout, ctx = session.playout, session.ctx
-        epoch, phase, n, turn, seen = 0, 0, 0, None, 0
+        epoch, phase, n, turn, seen, turns = 0, 0, 0, None, 0, iter((5, 6, 7))
         while True:
             rollbacks = [c for c in session.controls if c.kind == ControlKind.ROLLBACK]
             if len(rollbacks) > seen:
+                for r in rollbacks[seen:]:  # every turn start since the last look takes its turn id
+                    turn = next(turns) if r.payload.reason == ControlKind.TURN_START else None
                 seen, last = len(rollbacks), rollbacks[-1]
                 epoch, n = last.epoch, last.chunk + 1
                 phase = last.payload.start_frame - n * REPHASED.frames_per_chunk
-                turn = 4 + seen if last.payload.reason == ControlKind.TURN_START else None
                 await asyncio.sleep(latency_s / 2)
             if len(playout.clock.buffer) < 3:
                 chunk = media_chunk(n, n * REPHASED.frames_per_chunk + phase, epoch, turn)
@@ -401,7 +403,8 @@ def test_a_rephased_turn_start_restarts_the_chunk_grid_at_the_speech_without_a_g
         sent = [await turn(session, 5)]
         frames += await collect_from(playout.output, frames[-1].index + 1, 50)
         sent.append(await turn(session, 6))
-        frames += await collect_from(playout.output, frames[-1].index + 1, 50)
+        sent.append(await turn(session, 7))  # at once: turn 6's onset is still to come
+        frames += await collect_from(playout.output, frames[-1].index + 1, 60)
         await playout.control(Control("turn", 7, ControlKind.INTERRUPT, chunk=0), session.ctx)
         frames += await collect_from(playout.output, frames[-1].index + 1, 50)
         rollbacks = [c for c in session.controls if c.kind == ControlKind.ROLLBACK]
@@ -414,12 +417,16 @@ def test_a_rephased_turn_start_restarts_the_chunk_grid_at_the_speech_without_a_g
     media = [int(f.image[0, 0, 0]) + 256 * int(f.image[0, 0, 1]) for f in frames]
     assert media == list(range(media[0], media[0] + len(media)))  # no frame skipped or repeated
     assert all((f.audio == m).all() for f, m in zip(frames, media, strict=True))  # each with its own audio
-    assert [r.payload.reason for r in rollbacks] == [ControlKind.TURN_START, ControlKind.TURN_START, ControlKind.INTERRUPT]
-    for rollback, turn_id, at in zip(rollbacks, (5, 6), sent, strict=False):
+    assert [r.payload.reason for r in rollbacks] == [ControlKind.TURN_START] * 3 + [ControlKind.INTERRUPT]
+    assert rollbacks[1].payload.onset_frame > 0 or rollbacks[1].payload.kept  # turn 6 was placed ahead
+    assert rollbacks[2].payload.placed_at is None  # turn 7 was not: the chunk playing ends first
+    for rollback, turn_id, at in ((rollbacks[0], 5, sent[0]), (rollbacks[2], 7, None)):
         [first] = [(f, m) for f, m in zip(frames, media, strict=True) if f.first_speaking and f.trace.turn_id == turn_id]
         frame, number = first
         assert number == rollback.payload.start_frame and frame.frame_in_chunk == 0 and frame.chunk == rollback.chunk + 1
-        assert frame.released_at - at <= latency_s + 4 * frame_s + 0.05  # not held back to a chunk boundary
-    barge = rollbacks[2]
-    assert barge.payload.start_frame % REPHASED.frames_per_chunk == rollbacks[1].payload.start_frame % REPHASED.frames_per_chunk
+        if at is not None:
+            assert frame.released_at - at <= latency_s + 4 * frame_s + 0.05  # not held back to a chunk boundary
+    assert not any(f.first_speaking and f.trace.turn_id == 6 for f in frames)  # superseded before its onset
+    barge = rollbacks[3]
+    assert barge.payload.start_frame % REPHASED.frames_per_chunk == rollbacks[2].payload.start_frame % REPHASED.frames_per_chunk
     assert not any(f.speaking for f, m in zip(frames, media, strict=True) if m >= barge.payload.start_frame)

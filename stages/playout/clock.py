@@ -108,6 +108,10 @@ class PlayoutClock:
     def chunk_on_screen(self) -> int | None:
         return self.playing.chunk if self.playing is not None and self.position < self.timeline.frames_per_chunk else None
 
+    def onset_ahead(self) -> bool:
+        """A turn start's speech is placed inside a chunk and has not begun: that chunk plays only up to it."""
+        return self.speech_pending and self.speech is not None and self.speech.frame > 0
+
     def rollback(self, place: Onset | None, turn_start: bool) -> tuple[list[VideoChunk], list[VideoChunk], int]:
         """Keep the unplayed chunks before ``place`` (with an onset frame: its chunk's listening frames
         before it too), drop the rest and bump the epoch; no ``place``: every unplayed chunk goes.

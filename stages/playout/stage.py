@@ -207,9 +207,13 @@ class PlayoutStage(Stage):
 
     def _place_speech(self, turn_start: TurnStartPayload | None) -> Onset | None:
         """Where the turn's speech starts (None: no estimate -- no clock, starved, nothing measured yet, or
-        a turn start with nothing to place by -- so every unplayed chunk goes and the speech plays when it comes)."""
+        a turn start with nothing to place by -- so every unplayed chunk goes and the speech plays when it comes;
+        re-phased, also while an earlier placement's onset inside a chunk is still to come: the frames ahead
+        are not whole chunks then)."""
         clock, t0 = self.clock, self.output.t0
         if t0 is None or clock.state is ClockState.WAITING or not self._estimator.measured or turn_start is None:
+            return None
+        if self.rephase and clock.onset_ahead():
             return None
         estimate = self._estimator.estimate(time.time(), turn_start.encode_s, turn_start.last_emit_at)
         playing = clock.playing
