@@ -216,7 +216,7 @@ elif [ "$cmd" = flashhead ]; then
   [ $# -gt 0 ] || set -- tests pro lite
   for part in "$@"; do
     case $part in
-      tests) section "flashhead gpu tests" 300 flashhead-tests.log python3 -m pytest -q -s -m gpu -p no:cacheprovider \
+      tests) section "flashhead gpu tests" 480 flashhead-tests.log python3 -m pytest -q -s -m gpu -p no:cacheprovider \
                --timeout=280 tests/test_flashhead_gpu.py ${FH_TESTS_K:+-k "$FH_TESTS_K"} ;;
       pro|lite) counts=$([ "$part" = pro ] && echo "${CHUNK_SESSIONS_PRO:-1,2,3}" || echo "${CHUNK_SESSIONS_LITE:-1,4,8,16}")
                 section "bench chunk flashhead-$part" "${CHUNK_LIMIT:-330}" "bench-chunk-$part.log" python3 -m charstream.pipeline.cli \
