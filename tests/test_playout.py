@@ -357,7 +357,16 @@ def media_chunk(n: int, start: int, epoch: int, turn_id: int | None) -> VideoChu
     frames = np.zeros((count, SIZE, SIZE, 3), np.uint8)
     frames[:, 0, 0, 0], frames[:, 0, 0, 1] = np.arange(start, start + count) % 256, np.arange(start, start + count) // 256
     audio = np.repeat(np.arange(start, start + count), span).astype(np.int16)
-    return VideoChunk("turn", n, frames, audio, turn_id is not None, epoch, TraceContext(turn_id=turn_id))
+    return VideoChunk("turn", n, frames, audio, turn_id is not None, epoch, TraceContext(turn_id=turn_id), start)
+
+
+async def until_frame_in_chunk(output, index: int, position: int) -> list:
+    """Frames from ``index`` on, up to the first one at ``position`` in its chunk: the next turn start is
+    sent there, so its onset lands inside that chunk."""
+    frames = await collect_from(output, index, 1)
+    while frames[-1].frame_in_chunk != position:
+        frames += await collect_from(output, frames[-1].index + 1, 1)
+    return frames
 
 
 def test_a_rephased_turn_start_restarts_the_chunk_grid_at_the_speech_without_a_gap():
@@ -400,8 +409,10 @@ def test_a_rephased_turn_start_restarts_the_chunk_grid_at_the_speech_without_a_g
                                rephase=True)
         session = await start_playout("turn", playout, upstream)
         frames = await collect(playout.output, 30)
+        frames += await until_frame_in_chunk(playout.output, frames[-1].index + 1, 2)
         sent = [await turn(session, 5)]
         frames += await collect_from(playout.output, frames[-1].index + 1, 50)
+        frames += await until_frame_in_chunk(playout.output, frames[-1].index + 1, 2)
         sent.append(await turn(session, 6))
         sent.append(await turn(session, 7))  # at once: turn 6's onset is still to come
         frames += await collect_from(playout.output, frames[-1].index + 1, 60)
@@ -418,7 +429,8 @@ def test_a_rephased_turn_start_restarts_the_chunk_grid_at_the_speech_without_a_g
     assert media == list(range(media[0], media[0] + len(media)))  # no frame skipped or repeated
     assert all((f.audio == m).all() for f, m in zip(frames, media, strict=True))  # each with its own audio
     assert [r.payload.reason for r in rollbacks] == [ControlKind.TURN_START] * 3 + [ControlKind.INTERRUPT]
-    assert rollbacks[1].payload.onset_frame > 0 or rollbacks[1].payload.kept  # turn 6 was placed ahead
+    for placed in rollbacks[:2]:  # placed inside the chunk on screen (sent at its third frame)
+        assert placed.payload.placed_at is not None and placed.payload.onset_frame > 2 and placed.payload.kept == 0
     assert rollbacks[2].payload.placed_at is None  # turn 7 was not: the chunk playing ends first
     for rollback, turn_id, at in ((rollbacks[0], 5, sent[0]), (rollbacks[2], 7, None)):
         [first] = [(f, m) for f, m in zip(frames, media, strict=True) if f.first_speaking and f.trace.turn_id == turn_id]

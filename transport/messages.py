@@ -91,6 +91,7 @@ class Latents:
     speaking: bool
     epoch: int = 0  # bumped by each rollback; data of an older epoch is stale
     trace: TraceContext = field(default_factory=TraceContext)
+    start_frame: int | None = None  # its Conditioning's
 
 
 @dataclass
@@ -102,6 +103,7 @@ class VideoChunk:
     speaking: bool
     epoch: int = 0  # bumped by each rollback; data of an older epoch is stale
     trace: TraceContext = field(default_factory=TraceContext)
+    start_frame: int | None = None  # its Conditioning's: where playout restarts a re-phased grid from
 
 
 class ControlKind(StrEnum):

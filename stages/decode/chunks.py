@@ -65,7 +65,8 @@ class ChunkDecodeStage(Stage):
         self.last_decode_s = time.perf_counter() - started
         self.decoded += 1
         msg.trace.stamp("decode_done")
-        await ctx.emit(VideoChunk(msg.session_id, msg.chunk, frames, msg.audio, msg.speaking, msg.epoch, msg.trace))
+        await ctx.emit(VideoChunk(msg.session_id, msg.chunk, frames, msg.audio, msg.speaking, msg.epoch, msg.trace,
+                                  msg.start_frame))
 
     async def control(self, msg: Control, ctx: StageContext) -> None:
         if msg.kind == ControlKind.ROLLBACK:

@@ -176,7 +176,8 @@ class DecodeStage(Stage):
         self.stats.decoded += 1
         if msg.trace.turn_id is not None:
             msg.trace.stamp("decode_done")
-        await ctx.emit(VideoChunk(msg.session_id, msg.chunk, frames, msg.audio, msg.speaking, msg.epoch, msg.trace))
+        await ctx.emit(VideoChunk(msg.session_id, msg.chunk, frames, msg.audio, msg.speaking, msg.epoch, msg.trace,
+                                  msg.start_frame))
 
     def _rollback(self, last_committed: int, epoch: int) -> None:
         self.epoch = epoch

@@ -72,7 +72,7 @@ class ChunkDiffusionStage(Stage):
         self.stats.generated += 1
         msg.trace.stamp("diffusion_done")
         await ctx.emit(Latents(msg.session_id, msg.chunk, latents[0].float().cpu().numpy(), msg.audio, msg.speaking,
-                               msg.epoch, msg.trace))
+                               msg.epoch, msg.trace, msg.start_frame))
 
     async def _ready(self, chunk: int, start: int | None) -> None:
         """The stream ready for ``chunk``, starting at media frame ``start``, waited for in short turns of the

@@ -227,7 +227,8 @@ class DiffusionStage(Stage):
             return
         self.stats.generated += 1
         msg.trace.stamp("diffusion_done")  # on every chunk: playout budgets a speech placement from these
-        await ctx.emit(Latents(msg.session_id, msg.chunk, latent, msg.audio, msg.speaking, msg.epoch, msg.trace))
+        await ctx.emit(Latents(msg.session_id, msg.chunk, latent, msg.audio, msg.speaking, msg.epoch, msg.trace,
+                               msg.start_frame))
 
     async def control(self, msg: Control, ctx: StageContext) -> None:
         if msg.kind != ControlKind.ROLLBACK or msg.epoch <= self.epoch or msg.chunk is None:

@@ -48,8 +48,6 @@ from charstream.transport.messages import (
     VideoChunk,
 )
 
-KEEP_EPOCHS = 16  # epochs whose grid phase is kept: more than the chunks playout holds span
-
 
 @dataclass
 class _SpeechPlan:
@@ -76,7 +74,6 @@ class PlayoutStage(Stage):
         self.config = config
         # a chunk-motion model: a turn start re-phases the chunk grid at the speech's onset (onset.py, clock.py)
         self.rephase = rephase
-        self._phases: dict[int, int] = {0: 0}  # epoch -> its chunk n's first media frame less n x frames a chunk
         # What egress reads; the session hands in the one it serves (None: a fresh one of our own).
         self.output = output if output is not None else PlayoutOutput(config.history_frames, timeline=timeline)
         if self.output.timeline != timeline:
@@ -229,10 +226,6 @@ class PlayoutStage(Stage):
         clock = self.clock
         start_frame = self._restart_frame(place) if self.rephase else None
         kept, dropped, last = clock.rollback(place, turn_start=reason == ControlKind.TURN_START)
-        if start_frame is not None:
-            self._phases[clock.epoch] = start_frame - (last + 1) * self.timeline.frames_per_chunk
-            for old in [e for e in self._phases if e < clock.epoch - KEEP_EPOCHS]:
-                del self._phases[old]
         self.stats.rollbacks += 1
         self.stats.rolled_back_chunks += len(dropped)
         self.stats.kept_chunks += len(kept)
@@ -242,18 +235,19 @@ class PlayoutStage(Stage):
             self._speech_due, self._plan = None, None
             payload = RollbackPayload(reason, 0, len(dropped), len(kept), start_frame=start_frame)
         else:
-            # Deadlines of the chunk's first frame (conditioning's anchor) and of the onset frame; re-phased,
-            # the regenerated chunk starts at the onset, and so do the speech's later chunks' schedule.
+            # Deadlines of the regenerated chunk's first frame (conditioning's anchor) and of the onset frame;
+            # re-phased, that chunk starts at the onset, and the speech's later chunks a whole chunk apart.
             left = clock.frames_left_on_screen()
             start = self.output.next_index + (
                 -clock.position if place.chunk == clock.chunk_on_screen() else left + self.timeline.frames_per_chunk * place.kept)
+            shift = place.onset if self.rephase else 0
             self._speech_due = self.output.t0 + (start + place.onset) / self.timeline.fps
             placed_at = time.time()
-            onset = 0 if self.rephase else place.onset
-            self._plan = _SpeechPlan(clock.epoch, place.chunk, onset, time.monotonic() + place.estimate.expected_s, placed_at)
+            self._plan = _SpeechPlan(clock.epoch, place.chunk, place.onset - shift,
+                                     time.monotonic() + place.estimate.expected_s, placed_at)
             payload = RollbackPayload(reason, place.onset, len(dropped), len(kept), placed_at,
-                                      due_at=placed_at + self.output.t0 + (start + place.onset - onset) / self.timeline.fps
-                                      - time.monotonic(), start_frame=start_frame)
+                                      due_at=placed_at + self.output.t0 + (start + shift) / self.timeline.fps - time.monotonic(),
+                                      start_frame=start_frame)
         rollback = Control(ctx.session_id, self._control_seq, ControlKind.ROLLBACK, chunk=last, epoch=clock.epoch,
                            payload=payload)
         ctx.log.info("playout_rollback", last_kept=last, epoch=clock.epoch, kept=[c.chunk for c in kept],
@@ -263,24 +257,20 @@ class PlayoutStage(Stage):
         await ctx.send_control(rollback)
         return rollback
 
-    def _restart_frame(self, place: Onset | None) -> int:
-        """The media frame a re-phased rollback restarts the chunk grid at: ``place``'s onset frame, in the
-        chunk on screen or a buffered one (or, not made yet, the current epoch's grid); no ``place``: the
-        end of the last chunk played."""
+    def _restart_frame(self, place: Onset | None) -> int | None:
+        """The media frame a re-phased rollback restarts the chunk grid at, from the chunks' own first frames:
+        ``place``'s onset frame in the chunk on screen or a buffered one (not made yet: a whole chunk after the
+        last one here); no ``place``: the end of the chunk playing. None: nothing here to count from (the
+        grid stays as it is)."""
         n, clock = self.timeline.frames_per_chunk, self.clock
         if place is None:
-            played = clock.playing
-            if played is None:
-                return (clock.last_committed + 1 if clock.last_committed is not None else 0) * n + self._phase(clock.epoch)
-            return (played.chunk + 1) * n + self._phase(played.epoch)
+            return None if clock.playing is None else _first_frame(clock.playing, n) + n
         holder = clock.playing if place.chunk == clock.chunk_on_screen() else next(
             (c for c in clock.buffer if c.chunk == place.chunk), None)
-        return place.chunk * n + self._phase(clock.epoch if holder is None else holder.epoch) + place.onset
-
-    def _phase(self, epoch: int) -> int:
-        """The grid phase of ``epoch``'s chunks: the last one set at or before it."""
-        known = [e for e in self._phases if e <= epoch]
-        return self._phases[max(known)] if known else 0
+        if holder is not None:
+            return _first_frame(holder, n) + place.onset
+        last = clock.buffer[-1] if clock.buffer else clock.playing
+        return None if last is None else _first_frame(last, n) + n * (place.chunk - last.chunk)
 
     # --- the clock -----------------------------------------------------------------------------
 
@@ -354,6 +344,11 @@ class PlayoutStage(Stage):
         if self._metrics is not None:
             self._metrics.close(self.stats.achieved_fps if self.stats.frames_released else None)
             self._metrics = None
+
+
+def _first_frame(chunk: VideoChunk, frames_per_chunk: int) -> int:
+    """The chunk's first frame on the media timeline (the unshifted grid's where it does not say)."""
+    return chunk.chunk * frames_per_chunk if chunk.start_frame is None else chunk.start_frame
 
 
 def _check_chunk(chunk: VideoChunk, timeline: Timeline) -> str | None:
