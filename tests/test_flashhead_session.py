@@ -44,15 +44,15 @@ def test_flashhead_session_through_every_stage():
         # each chunk made, by its first media frame, and the motion latents it started from
         used: list[tuple[int, torch.Tensor]] = []
         ready, denoise = stream.ready, stream.runner.denoise
-        chunks: list[int] = []
+        starts: list[int] = []
 
         def readying(chunk=None, timeout=None, start=None):
             ready(chunk, timeout, start)
-            chunks.append(stream.start)
+            starts.append(stream.start)
 
         def recording(streams, tokens):
             latents = denoise(streams, tokens)
-            used.append((chunks[-1], latents[0][:, :, :SMALL.motion_latents].clone()))
+            used.append((starts[-1], latents[0][:, :, :SMALL.motion_latents].clone()))
             return latents
 
         stream.ready, stream.runner.denoise = readying, recording
