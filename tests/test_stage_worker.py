@@ -145,6 +145,22 @@ def test_a_cuda_worker_queues_its_work_on_a_stream_of_its_own_after_what_was_que
     anyio.run(main)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_an_urgent_worker_stream_has_the_devices_highest_priority():
+    """Conditioning's encodes go ahead of the chunks' kernels: its stream has the highest priority the
+    device offers, an ordinary worker's the default."""
+    async def main():
+        urgent, plain = StageWorker("u", cuda_stream="cuda:0", urgent=True), StageWorker("p", cuda_stream="cuda:0")
+        highest = torch.cuda.Stream(priority=-1000).priority  # clamped to the device's range
+        assert highest < 0
+        assert await urgent.run(lambda: torch.cuda.current_stream().priority) == highest
+        assert await plain.run(lambda: torch.cuda.current_stream().priority) == 0
+        urgent.close()
+        plain.close()
+
+    anyio.run(main)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_workers_start_while_another_thread_captures_a_graph():

@@ -13,7 +13,8 @@ thread, failures -- is ``stages/shared/batcher.py``'s.
     tokens = await batcher.submit(stage, window)       # float32 audio tokens, as ``encode`` returns them
     batcher.closed(stage)
 
-On CUDA the batches run on a stream of the batcher's own, so their copies to the host wait for no chunk.
+On CUDA the batches run on a stream of the batcher's own, of the highest priority, so their kernels and
+copies to the host wait for no chunk's.
 """
 
 from __future__ import annotations
@@ -51,9 +52,9 @@ class EncodeBatcher(SessionBatcher):
                              f"{type(item).__name__} {getattr(item, 'dtype', '')} {getattr(item, 'shape', '')}")
 
     def prepare(self) -> None:
-        """On CUDA, the worker thread's own stream."""
+        """On CUDA, the worker thread's own stream, urgent as a session's own encodes are."""
         if self.device.startswith("cuda"):
-            use_own_stream(self.device)
+            use_own_stream(self.device, urgent=True)
 
     def forward(self, keys: list[Any], items: list[Any]) -> list[Any]:
         return self.encode_batch(items)

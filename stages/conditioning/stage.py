@@ -109,7 +109,8 @@ class ConditioningStage(Stage):
         self.joined = False  # counted by the batcher's open sessions
         self.timeline = timeline  # the session's: its chunks' spans on the 48 kHz timeline
         cuda = config.device if config.device.startswith("cuda") else None
-        self.worker = StageWorker("conditioning", ENCODE_THREADS, cuda_stream=cuda)
+        # urgent: a turn's first encode is on the reply's path, beside the DiT's kernels of other chunks
+        self.worker = StageWorker("conditioning", ENCODE_THREADS, cuda_stream=cuda, urgent=True)
         self.lookahead = ms_samples(lookahead_ms)
         self.context = ms_samples(context_ms)
         self.rollback_wait_s = config.rollback_wait_s  # placement without a ROLLBACK answer after this long

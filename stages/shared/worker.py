@@ -34,28 +34,35 @@ import anyio
 T = TypeVar("T")
 
 
-def use_own_stream(device: str) -> None:
+def use_own_stream(device: str, urgent: bool = False) -> None:
     """The calling thread's GPU work on ``device`` goes on a new stream of its own from now on. What the
     default stream holds (a build's uploads and captures end on it) runs before this stream's work,
     ordered by an event: a device-wide synchronize would wait on, and so invalidate, another session's
-    graph capture in progress."""
+    graph capture in progress.
+
+    ``urgent``: the stream has the device's highest priority, so the block scheduler starts its kernels
+    (and the graphs replayed on it) before the queued blocks of other streams' kernels. For small work
+    on the reply's path -- a turn's audio encode -- that would otherwise wait behind each DiT kernel
+    queued ahead of it, one at a time."""
     import torch
 
-    stream = torch.cuda.Stream(device)
+    stream = torch.cuda.Stream(device, priority=-64 if urgent else 0)  # clamped to the highest there is
     stream.wait_stream(torch.cuda.default_stream(device))
     torch.cuda.set_stream(stream)  # the calling thread's current stream
 
 
 class StageWorker:
-    def __init__(self, name: str, threads: int | None = None, cuda_stream: str | None = None) -> None:
+    def __init__(self, name: str, threads: int | None = None, cuda_stream: str | None = None,
+                 urgent: bool = False) -> None:
         """``threads``: the thread's torch intra-op threads (CPU work; None leaves torch's setting and
         imports no torch). ``cuda_stream``: a CUDA device, whose work from this thread goes on a stream
-        of the thread's own (only for work no other thread touches: a batcher's lanes are the batcher's)."""
+        of the thread's own (only for work no other thread touches: a batcher's lanes are the batcher's),
+        of the highest priority if ``urgent`` (``use_own_stream``)."""
         if threads is not None and threads < 1:
             raise ValueError(f"{name} worker: intra-op threads must be >= 1, got {threads}")
         if cuda_stream is not None and not cuda_stream.startswith("cuda"):
             raise ValueError(f"{name} worker: a stream needs a CUDA device, not {cuda_stream!r}")
-        self.name, self.threads, self.cuda_stream = name, threads, cuda_stream
+        self.name, self.threads, self.cuda_stream, self.urgent = name, threads, cuda_stream, urgent
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=name, initializer=self._started)
         self._turn = anyio.Lock()
         self._closed = False
@@ -66,7 +73,7 @@ class StageWorker:
 
             set_intra_op_threads(self.threads)
         if self.cuda_stream is not None:
-            use_own_stream(self.cuda_stream)
+            use_own_stream(self.cuda_stream, self.urgent)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on the worker's thread; its result, or its exception raised here."""
