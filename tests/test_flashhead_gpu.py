@@ -180,7 +180,8 @@ def test_speech_encoder_on_the_gpu_gives_the_cpus_tokens():
     """FlashHead's conditioning (the 48 -> 16 kHz decimation in float64 on the encoder's device, wav2vec2, the
     adapter) on the GPU against the CPU with the same seeded random weights (made on the CPU, copied over),
     for fresh speech-like windows, alone and as one batch of three: the GPU may differ by its TF32
-    convolutions only."""
+    convolutions only. The graphed encode (a lone window's, as served) gives the eager one's tokens, window
+    after window."""
     import copy
 
     from charstream.model.families.flashhead.conditioner import ChunkSpeechEncoder
@@ -189,15 +190,19 @@ def test_speech_encoder_on_the_gpu_gives_the_cpus_tokens():
     adapter, speech = load_audio_side("random", "pro", "cpu", seed=6, cfg=TEST)
     cpu = ChunkSpeechEncoder(TEST, speech, adapter)
     gpu = ChunkSpeechEncoder(TEST, copy.deepcopy(speech).to("cuda"), copy.deepcopy(adapter).to("cuda"))
+    graphed = ChunkSpeechEncoder(TEST, gpu.speech, gpu.adapter, graphed=True)
+    assert graphed.graph is not None and gpu.graph is None
     n = cpu.window_samples
     rng = np.random.default_rng()
     windows = [(rng.standard_normal(n) * 6000 * np.abs(np.sin(np.linspace(0, rng.uniform(2, 9), n)))).astype(np.int16)
                for _ in range(3)]
     batched = gpu.encode_batch(windows)
     for window, together in zip(windows, batched, strict=True):
-        want, got = cpu.encode(window), gpu.encode(window)
+        want, got, replayed = cpu.encode(window), gpu.encode(window), graphed.encode(window)
         rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))
         rel_batch = float(np.linalg.norm(together - got) / np.linalg.norm(got))
-        print(f"FlashHead tokens, GPU from CPU {rel:.1e}, a batch of three from alone {rel_batch:.1e}")
-        assert got.shape == want.shape and np.isfinite(got).all()
-        assert rel < 5e-3 and rel_batch < 1e-3, (rel, rel_batch)
+        rel_graph = float(np.linalg.norm(replayed - got) / np.linalg.norm(got))
+        print(f"FlashHead tokens, GPU from CPU {rel:.1e}, a batch of three from alone {rel_batch:.1e}, "
+              f"graphed from eager {rel_graph:.1e}")
+        assert got.shape == want.shape == replayed.shape and np.isfinite(got).all()
+        assert rel < 5e-3 and rel_batch < 1e-3 and rel_graph < 1e-4, (rel, rel_batch, rel_graph)

@@ -74,7 +74,9 @@ class FlashHeadFamily(ModelFamily):
 
         adapter, speech = self._shared("audio", weights, device, seed, lambda w: load_audio_side(
             w, self.variant, device, seed, self.audio_encoder, self._config))
-        encoder = ChunkSpeechEncoder(self._config, speech, adapter)
+        graphed = graphed and str(device).startswith("cuda")
+        encoder = self._shared("audio-graphed" if graphed else "audio-encoder", weights, device, seed,
+                               lambda w: ChunkSpeechEncoder(self._config, speech, adapter, graphed))
         return AudioConditioner(encoder.encode, encoder.context_ms, 0.0, encode_batch=encoder.encode_batch)
 
     def chunk_stream(self, weights: str | None, portrait: np.ndarray, device: str = "cpu", seed: int = 0,
