@@ -257,6 +257,38 @@ async def test_a_rollback_with_a_start_frame_rephases_the_chunks_and_starts_the_
 
 
 @pytest.mark.anyio
+async def test_a_turn_start_estimates_its_encode_from_turns_first_encodes_only():
+    """The encode a turn start reports is the longest of recent turns' first speaking chunks' encodes: the
+    slower encodes of a turn's later chunks (here 0.3 s) do not delay the next turn's placement."""
+    speech = tone(3 * CHARACTERS.samples_per_chunk)
+    async with anyio.create_task_group() as tg:
+        h = await started(stage(), tg, capacity=64)
+        await h.next()  # the warm-up's encodes are done
+        encode, slow = h.stage.encode, []
+
+        def timed(window: np.ndarray) -> np.ndarray:
+            time.sleep(0.3 if slow else 0.0)
+            return encode(window)
+
+        h.stage.encode = timed
+        await h.speech(1, speech)
+        (first_start,) = h.controls
+        await h.stage.control(Control("sess", 1, ControlKind.ROLLBACK, chunk=first_start.chunk - 1, epoch=1,
+                                      payload=RollbackPayload(ControlKind.TURN_START, 0, dropped=0, kept=0)), h.ctx)
+        await h.stage.process(TurnEvent("sess", 1, TurnKind.AGENT_TURN_END, 2, at=time.time()), h.ctx)
+        (first,) = await h.of_epoch(1, 1)
+        assert first.speaking
+        slow.append(True)  # the turn's later chunks encode slowly
+        later = await h.of_epoch(1, 2)
+        assert [c.speaking for c in later] == [True, True]
+        assert max(h.stage._encode_s) >= 0.3
+        await h.speech(2, speech)
+        second_start = h.controls[-1]
+        assert second_start is not first_start and second_start.payload.encode_s < 0.2, second_start.payload
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
 async def test_while_the_first_chunk_gathers_listening_goes_just_in_time():
     """From the agent's first audio to the turn start, listening chunks leave one chunk ahead of their
     due time instead of the idle lead: the step is idle when the speech comes."""

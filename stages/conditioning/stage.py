@@ -64,7 +64,11 @@ KEEP_TURN_STAMPS = 16  # stamps of turns whose speech has not arrived yet (bound
 # playout's buffer covers the wait, and the step is idle (not busy with a chunk the speech replaces)
 # when the speech comes; one chunk still covers a step + decode if the agent is slow to send it.
 PENDING_LEAD_CHUNKS = 1
-ENCODE_HISTORY = 8  # recent encode durations: the estimate sent with a turn start is their max
+# Recent turns' first encodes: the estimate a turn start sends is their max. A turn's first encode runs
+# while the step idles (PENDING_LEAD_CHUNKS); the encodes inside a turn run beside the chunk before's
+# decode and its frames' arrival, and on an H100 took 75-80 ms against 8-28 (FlashHead Pro): counted,
+# they delayed every placement by the difference.
+ENCODE_HISTORY = 8
 ENCODE_THREADS = 1  # a chunk's encode is small ops that more intra-op threads do not speed up
 
 
@@ -124,7 +128,8 @@ class ConditioningStage(Stage):
         self.rollback_frames = rollback_frames
         self._anchor: tuple[int, float] | None = None  # (chunk, monotonic time it is due at playout)
         self._last_emit_at: float | None = None  # wall clock of the last emitted chunk
-        self._encode_s: deque[float] = deque(maxlen=ENCODE_HISTORY)
+        self._encode_s: deque[float] = deque(maxlen=ENCODE_HISTORY)  # every encode (the warm-up's until a turn)
+        self._first_encode_s: deque[float] = deque(maxlen=ENCODE_HISTORY)  # turns' first speaking chunks'
         self.next_chunk = 0
         self.epoch = 0
         self.phase = 0  # chunk n starts at media frame n x frames_per_chunk + phase (a re-phased rollback sets it)
@@ -224,7 +229,8 @@ class ConditioningStage(Stage):
             # a rewind to an earlier chunk would reach past the ring's margin (inexact)
             earliest_chunk=None if self.rollback_frames is None else self.next_chunk - self.rollback_frames,
             last_emit_at=self._last_emit_at,  # the step may still be busy with that chunk
-            encode_s=max(self._encode_s, default=0.0),  # the first speaking chunk is encoded once placed
+            # the first speaking chunk is encoded once placed
+            encode_s=max(self._first_encode_s or self._encode_s, default=0.0),
         )
         ctx.log.info("turn start", turn_id=turn.turn_id, chunk=self.next_chunk, epoch=self.epoch, **vars(payload))
         await ctx.send_control(Control(ctx.session_id, 0, ControlKind.TURN_START, chunk=self.next_chunk,
@@ -360,7 +366,7 @@ class ConditioningStage(Stage):
                                 speaking=False, epoch=epoch, trace=TraceContext(None).stamp("conditioning_ready"),
                                 start_frame=start_frame)
         window = self._window(turn, rel)
-        tokens = await self._encode(window)
+        tokens = await self._encode(window, first=rel <= 0)
         trace = TraceContext(turn.turn_id)
         if rel <= 0:  # the turn's first speaking chunk carries the turn's trace
             trace.stamps.update(turn.trace.stamps)
@@ -378,14 +384,15 @@ class ConditioningStage(Stage):
         window[lo - first:hi - first] = turn.audio[lo:hi]
         return window
 
-    async def _encode(self, window: np.ndarray) -> np.ndarray:
+    async def _encode(self, window: np.ndarray, first: bool = False) -> np.ndarray:
+        """``window``'s tokens; its duration recorded (``first``: a turn's first speaking chunk's)."""
         started = time.perf_counter()
         if self.batcher is None:
             tokens = np.asarray(await self.worker.run(self.encode, window), np.float32)
         else:  # shielded, as the worker's calls: a cancelled stage never leaves its window pending there
             with anyio.CancelScope(shield=True):
                 tokens = np.asarray(await self.batcher.submit(self, window), np.float32)
-        self._encode_s.append(time.perf_counter() - started)
+        (self._first_encode_s if first else self._encode_s).append(time.perf_counter() - started)
         return tokens
 
     async def setup(self, ctx: StageContext) -> None:
