@@ -145,6 +145,7 @@ def test_a_cuda_worker_queues_its_work_on_a_stream_of_its_own_after_what_was_que
     anyio.run(main)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_an_urgent_worker_stream_has_the_devices_highest_priority():
     """Conditioning's encodes go ahead of the chunks' kernels: its stream has the highest priority the
