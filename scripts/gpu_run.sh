@@ -201,12 +201,13 @@ elif [ "$cmd" = live ]; then
     model=(--model "$preset" --weights random) turns=14
     [ "$preset" = tiny ] && model=(--model tiny --weights packaged)
     if [[ "$preset" = flashhead-* ]]; then  # the example portrait, no recogniser (whl-c); 10 turns gave 88 s
+      # 16 turns: ~142 s of media after a fresh host's compile (~170 s), inside the section's 400 s
       model+=(--portrait examples/portrait.png --no-hear) turns=16
     fi
     for pace in ${PACES:-realtime}; do  # how the scripted agent streams its reply (--agent-pace)
       tag=$preset-$pace
-      section "live $preset --gpus $gpus --agent-pace $pace" 330 "live-$tag.log" python3 -m charstream.pipeline.cli demo \
-        "${model[@]}" --gpus "$gpus" --agent-pace "$pace" --turns $turns --timeout 300 --verbose \
+      section "live $preset --gpus $gpus --agent-pace $pace" 400 "live-$tag.log" python3 -m charstream.pipeline.cli demo \
+        "${model[@]}" --gpus "$gpus" --agent-pace "$pace" --turns $turns --timeout 370 --verbose \
         --out "/tmp/demo-$tag"
       cp "/tmp/demo-$tag/report.md" "$OUT/report-$tag.md" 2>/dev/null
       cp "/tmp/demo-$tag/trace.jsonl" "$OUT/trace-$tag.jsonl" 2>/dev/null
