@@ -66,7 +66,7 @@ KEEP_TURN_STAMPS = 16  # stamps of turns whose speech has not arrived yet (bound
 PENDING_LEAD_CHUNKS = 1
 # Recent turns' first encodes: the estimate a turn start sends is their max. A turn's first encode runs
 # while the step idles (PENDING_LEAD_CHUNKS); the encodes inside a turn run beside the chunk before's
-# decode and its frames' arrival, and on an H100 took 75-80 ms against 8-28 (FlashHead Pro): counted,
+# decode and its frames' arrival, and on an H100 took 72-81 ms against 8-28 (FlashHead Pro): counted,
 # they delayed every placement by the difference.
 ENCODE_HISTORY = 8
 ENCODE_THREADS = 1  # a chunk's encode is small ops that more intra-op threads do not speed up
