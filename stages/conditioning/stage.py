@@ -128,8 +128,8 @@ class ConditioningStage(Stage):
         self.rollback_frames = rollback_frames
         self._anchor: tuple[int, float] | None = None  # (chunk, monotonic time it is due at playout)
         self._last_emit_at: float | None = None  # wall clock of the last emitted chunk
-        self._encode_s: deque[float] = deque(maxlen=ENCODE_HISTORY)  # every encode (the warm-up's until a turn)
-        self._first_encode_s: deque[float] = deque(maxlen=ENCODE_HISTORY)  # turns' first speaking chunks'
+        self._encode_s: deque[float] = deque(maxlen=ENCODE_HISTORY)  # turns' first speaking chunks' encodes
+        self._warm_encode_s = 0.0  # the warm-up's encode: the estimate until a turn has been encoded
         self.next_chunk = 0
         self.epoch = 0
         self.phase = 0  # chunk n starts at media frame n x frames_per_chunk + phase (a re-phased rollback sets it)
@@ -230,7 +230,7 @@ class ConditioningStage(Stage):
             earliest_chunk=None if self.rollback_frames is None else self.next_chunk - self.rollback_frames,
             last_emit_at=self._last_emit_at,  # the step may still be busy with that chunk
             # the first speaking chunk is encoded once placed
-            encode_s=max(self._first_encode_s or self._encode_s, default=0.0),
+            encode_s=max(self._encode_s, default=self._warm_encode_s),
         )
         ctx.log.info("turn start", turn_id=turn.turn_id, chunk=self.next_chunk, epoch=self.epoch, **vars(payload))
         await ctx.send_control(Control(ctx.session_id, 0, ControlKind.TURN_START, chunk=self.next_chunk,
@@ -288,9 +288,8 @@ class ConditioningStage(Stage):
 
     async def run(self, ctx: StageContext) -> None:
         silence = np.zeros(self.context + self.timeline.samples_per_chunk + self.lookahead, np.int16)
-        for _ in range(2):  # the second, warm, encode is the first estimate a turn start sends
-            self._silence_tokens = await self._encode(silence)
-        del self._encode_s[0]
+        for _ in range(2):  # the second, warm, encode: the estimate until a turn has been encoded
+            self._silence_tokens, self._warm_encode_s = await self._encode(silence)
         while True:
             wait = self._wait_needed(ctx)
             await self._maybe_turn_start(ctx)  # a stalled agent's short first chunk still starts its turn
@@ -366,9 +365,10 @@ class ConditioningStage(Stage):
                                 speaking=False, epoch=epoch, trace=TraceContext(None).stamp("conditioning_ready"),
                                 start_frame=start_frame)
         window = self._window(turn, rel)
-        tokens = await self._encode(window, first=rel <= 0)
+        tokens, seconds = await self._encode(window)
         trace = TraceContext(turn.turn_id)
-        if rel <= 0:  # the turn's first speaking chunk carries the turn's trace
+        if rel <= 0:  # the turn's first speaking chunk: it carries the turn's trace, its encode the estimate's
+            self._encode_s.append(seconds)
             trace.stamps.update(turn.trace.stamps)
         trace.stamp("conditioning_ready")
         audio = window[self.context:self.context + self.timeline.samples_per_chunk].copy()
@@ -384,16 +384,15 @@ class ConditioningStage(Stage):
         window[lo - first:hi - first] = turn.audio[lo:hi]
         return window
 
-    async def _encode(self, window: np.ndarray, first: bool = False) -> np.ndarray:
-        """``window``'s tokens; its duration recorded (``first``: a turn's first speaking chunk's)."""
+    async def _encode(self, window: np.ndarray) -> tuple[np.ndarray, float]:
+        """``window``'s tokens, and the seconds the encode took."""
         started = time.perf_counter()
         if self.batcher is None:
             tokens = np.asarray(await self.worker.run(self.encode, window), np.float32)
         else:  # shielded, as the worker's calls: a cancelled stage never leaves its window pending there
             with anyio.CancelScope(shield=True):
                 tokens = np.asarray(await self.batcher.submit(self, window), np.float32)
-        (self._first_encode_s if first else self._encode_s).append(time.perf_counter() - started)
-        return tokens
+        return tokens, time.perf_counter() - started
 
     async def setup(self, ctx: StageContext) -> None:
         self._session = ctx.session_id
