@@ -55,11 +55,21 @@ KEEP_MOTION = 16  # chunks whose motion latents are kept: more than playout hold
 KEEP_FRAMES = 8  # chunks whose frames are kept: a turn start places its speech within those playout holds
 
 
+def to_unit(pixels: Tensor) -> Tensor:
+    """uint8 pixel values -> float32 in [-1, 1], the VAE's range."""
+    return pixels.float() / 127.5 - 1
+
+
+def to_pixels(x: Tensor) -> Tensor:
+    """Values in [-1, 1] -> uint8 pixel values."""
+    return ((x + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
+
+
 def portrait_tensor(image: np.ndarray, height: int, width: int) -> Tensor:
     """An RGB uint8 (H, W, 3) portrait -> (1, 3, 1, height, width) in [-1, 1], resized to the video size."""
     if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
         raise ValueError(f"a portrait is RGB uint8 (H, W, 3), got {image.dtype} {image.shape}")
-    x = torch.from_numpy(image).permute(2, 0, 1)[None].float() / 127.5 - 1
+    x = to_unit(torch.from_numpy(image).permute(2, 0, 1)[None])
     x = torch.nn.functional.interpolate(x, size=(height, width), mode="bilinear", antialias=True, align_corners=False)
     return x.clamp(-1, 1)[:, :, None]
 
@@ -204,7 +214,7 @@ class ChunkRunner:
             # what is shown is colour-matched, as the released pipeline shows it; its last frames feed the next chunk
             new = self._match(frames[:, :, cfg.motion_frames:].float(), ColourReference(mean, std))
             motion = self._encode(new[:, :, -cfg.motion_frames:], *noise).to(self.dtype)
-            pixels = ((new.permute(0, 2, 3, 4, 1) + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
+            pixels = to_pixels(new.permute(0, 2, 3, 4, 1))
             return pixels, motion
 
         with self.on_stream([s.cuda_stream for s in streams]):
@@ -299,7 +309,7 @@ class ChunkMotionStream:
         # rollback to the start continues the portrait as the first chunk does
         self._motion_at: OrderedDict[int, Tensor] = OrderedDict({0: self.motion})
         self._shown: deque[tuple[int, np.ndarray]] = deque(maxlen=KEEP_FRAMES)  # (first frame, frames) by chunk
-        self._portrait = ((portrait[0, :, 0].permute(1, 2, 0) + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).numpy()
+        self._portrait = to_pixels(portrait[0, :, 0].permute(1, 2, 0)).numpy()
         self._decoded = threading.Event()  # the motion latents of the last chunk are in place
         self._decoded.set()
         self.closed = False
@@ -330,7 +340,7 @@ class ChunkMotionStream:
             return self.motion
         device = self.reference.device
         with torch.no_grad(), self.runner.on_stream():
-            pixels = (torch.from_numpy(frames).to(device).permute(3, 0, 1, 2)[None].float() / 127.5 - 1).contiguous()
+            pixels = to_unit(torch.from_numpy(frames).to(device).permute(3, 0, 1, 2)[None]).contiguous()
             return self.runner.encode(pixels, [self.generator])
 
     def _frames_before(self, start: int) -> np.ndarray | None:
