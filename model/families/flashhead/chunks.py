@@ -336,7 +336,7 @@ class ChunkMotionStream:
         if motion is not None:
             return motion
         frames = self._frames_before(start)
-        if frames is None:  # shown too long ago to be kept: continue the last chunk made
+        if frames is None:  # not kept (shown too long ago, or never made): continue the last chunk made
             return self.motion
         device = self.reference.device
         with torch.no_grad(), self.runner.on_stream():
