@@ -126,6 +126,23 @@ def test_decode_matches_diffusers(ours, oracle):
 
 
 @torch.no_grad()
+def test_a_clip_decoded_in_parts_is_the_clip_decoded_at_once(ours):
+    """Each causal conv's last input frames carried from one part to the next: cut anywhere after the second
+    latent, in two parts or three, the frames are the whole decode's; a first part of one latent is refused."""
+    latents = torch.randn(2, 16, 9, 2, 2, generator=torch.Generator().manual_seed(5))
+    whole = ours.decode_chunk(latents)
+    for cuts in ((2,), (4,), (8,), (3, 4)):
+        parts, history = [], None
+        for start, end in zip((0, *cuts), (*cuts, 9), strict=True):
+            frames, history = ours.decode_part(latents[:, :, start:end], history, last=end == 9)
+            parts.append(frames)
+        assert [p.shape[2] for p in parts][0] == 1 + 4 * (cuts[0] - 1) and history == ()
+        assert rel(torch.cat(parts, dim=2), whole) < 1e-6, cuts
+    with pytest.raises(ValueError, match="at least 2 latents"):
+        ours.decode_part(latents[:, :, :1])
+
+
+@torch.no_grad()
 def test_encode_matches_diffusers(ours, oracle):
     frames = torch.rand(1, 3, 5, 16, 16, generator=torch.Generator().manual_seed(2)) * 2 - 1
     latents = ours.encode_motion(frames)

@@ -16,7 +16,9 @@ never mixes in time at the resampling layers:
 - encoder, temporal downsampling: frame 0 passes through, then a kernel-3 stride-2 conv over all frames (frame 0
   included) gives one frame per two.
 Both are done here on the whole clip; ``decode_chunk``/``encode_motion`` are therefore a fresh cache per call,
-which is what FlashHead does every chunk.
+which is what FlashHead does every chunk. ``decode_part`` decodes a clip in parts, in turn: each causal conv
+takes its history from the part before's last input frames (a ``History``) instead of zeros, so the parts
+are the whole clip's decode, and a clip's first frames can be shown before its last are decoded.
 
 Speed: activations are channels-last (N, T, H, W, C in memory), so each conv is one cuDNN implicit-GEMM call over
 the clip and every 2-D op runs on a free ``(B*T, C, H, W)`` view; the norm + SiLU + causal padding in front of each
@@ -75,8 +77,37 @@ def _per_frame(fn, x: Tensor) -> Tensor:
     return y.unflatten(0, (b, t)).transpose(1, 2)
 
 
+class History:
+    """The causal convs' input frames in time, carried from one part of a clip to the next: ``before``, each
+    conv's last input frames in the part before, in the order the convs run (None: the clip's first part,
+    zeros in front); ``after``, the same from this part, gathered as it runs when ``keep`` is set."""
+
+    def __init__(self, before: tuple[Tensor, ...] | None = None, keep: bool = False) -> None:
+        self.before, self.keep, self.after = before, keep, []
+        self._used = 0
+
+    @property
+    def first(self) -> bool:
+        return self.before is None
+
+    def pad(self, x: Tensor, frames: int) -> Tensor:
+        """``x`` with ``frames`` frames in front: the part before's, or zeros."""
+        if self.before is None:
+            padded = F.pad(x, (0, 0, 0, 0, frames, 0))
+        else:
+            front = self.before[self._used]
+            if front.shape[2] != frames:
+                raise ValueError(f"history {self._used} has {front.shape[2]} frames, its conv takes {frames}")
+            padded = torch.cat([front, x], dim=2)
+        self._used += 1
+        if self.keep:  # a copy: a view would keep the whole padded input alive
+            self.after.append(padded[:, :, -frames:].clone(memory_format=torch.channels_last_3d))
+        return padded
+
+
 class CausalConv3d(nn.Conv3d):
-    """A 3-D conv whose output frame t sees input frames t-k+1..t: zeros in front in time, centred in space."""
+    """A 3-D conv whose output frame t sees input frames t-k+1..t: zeros (or a ``History``) in front in
+    time, centred in space."""
 
     def __init__(self, in_dim: int, out_dim: int, kernel: int | tuple[int, int, int],
                  stride: tuple[int, int, int] = (1, 1, 1), causal: bool = True) -> None:
@@ -84,9 +115,9 @@ class CausalConv3d(nn.Conv3d):
         super().__init__(in_dim, out_dim, (kt, kh, kw), stride=stride, padding=(0, kh // 2, kw // 2))
         self.history = kt - 1 if causal else 0
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, history: History | None = None) -> Tensor:
         if self.history:
-            x = F.pad(x, (0, 0, 0, 0, self.history, 0))
+            x = F.pad(x, (0, 0, 0, 0, self.history, 0)) if history is None else history.pad(x, self.history)
         return super().forward(x)
 
 
@@ -111,9 +142,9 @@ class ResidualBlock(nn.Module):
         self.conv2 = CausalConv3d(out_dim, out_dim, 3)
         self.shortcut = CausalConv3d(in_dim, out_dim, 1) if in_dim != out_dim else nn.Identity()
 
-    def forward(self, x: Tensor) -> Tensor:
-        h = self.conv1(F.silu(self.norm1(x)))
-        h = self.conv2(F.silu(self.norm2(h)))
+    def forward(self, x: Tensor, history: History | None = None) -> Tensor:
+        h = self.conv1(F.silu(self.norm1(x)), history)
+        h = self.conv2(F.silu(self.norm2(h)), history)
         return self.shortcut(x) + h
 
 
@@ -133,8 +164,8 @@ class AttentionBlock(nn.Module):
         out = F.linear(F.scaled_dot_product_attention(q, k, v), self.proj.weight.flatten(1), self.proj.bias)
         return out.reshape(n, h, w, c).permute(0, 3, 1, 2)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return x + _per_frame(self._frames, x)
+    def forward(self, x: Tensor, history: History | None = None) -> Tensor:
+        return x + _per_frame(self._frames, x)  # frame by frame: no history
 
 
 # Nearest x2 then a 3x3 conv == per output phase (row parity a, column parity b) a 2x2 conv of the input: along
@@ -174,13 +205,16 @@ class Upsample(nn.Module):
                 out[:, :, a::2, b::2] = y[:, (2 * a + b) * out_c:(2 * a + b + 1) * out_c, a:a + h, b:b + wd]
         return out
 
-    def forward(self, x: Tensor) -> Tensor:
-        if self.time_conv is not None and x.shape[2] > 1:
+    def forward(self, x: Tensor, history: History | None = None) -> Tensor:
+        first = history is None or history.first  # the clip's frame 0 is in x
+        if self.time_conv is not None and (x.shape[2] > 1 or not first):
             b, c, t, h, w = x.shape
-            # Each later frame -> two (the conv's two channel halves, interleaved in time); frame 0 stays one.
-            pairs = self.time_conv(x[:, :, 1:]).unflatten(1, (2, c))
-            later = pairs.permute(0, 2, 3, 1, 4, 5).reshape(b, c, 2 * (t - 1), h, w)
-            x = torch.cat([x[:, :, :1], later], dim=2)
+            # Each later frame -> two (the conv's two channel halves, interleaved in time); frame 0 stays one,
+            # and is not in the later frames' history.
+            later = x[:, :, 1:] if first else x
+            pairs = self.time_conv(later, history).unflatten(1, (2, c))
+            doubled = pairs.permute(0, 2, 3, 1, 4, 5).reshape(b, c, 2 * later.shape[2], h, w)
+            x = torch.cat([x[:, :, :1], doubled], dim=2) if first else doubled
         return _per_frame(self._spatial, x)
 
 
@@ -247,9 +281,11 @@ class Decoder(nn.Module):
         self.head_norm = RMSNorm(dims[-1], 3)
         self.head_conv = CausalConv3d(dims[-1], 3, 3)
 
-    def forward(self, z: Tensor) -> Tensor:
-        x = self.upsamples(self.middle(self.conv_in(z)))
-        return self.head_conv(F.silu(self.head_norm(x)))
+    def forward(self, z: Tensor, history: History | None = None) -> Tensor:
+        x = self.conv_in(z, history)
+        for layer in (*self.middle, *self.upsamples):
+            x = layer(x, history)
+        return self.head_conv(F.silu(self.head_norm(x)), history)
 
 
 class WanVAE(nn.Module):
@@ -267,11 +303,25 @@ class WanVAE(nn.Module):
     def decode_chunk(self, latents: Tensor) -> Tensor:
         """Normalised latents ``(B, 16, T, h, w)`` -> frames ``(B, 3, 1 + 4 * (T - 1), 8h, 8w)``, float in
         [-1, 1] in the model's dtype, channels-last in memory. Fresh causal history (zeros) at the first latent."""
+        return self._decode(latents, None)
+
+    def decode_part(self, latents: Tensor, history: tuple[Tensor, ...] | None = None,
+                    last: bool = False) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """One part of a clip's latents decoded, continuing the part before: ``history`` is what that part
+        returned (None: this is the clip's first part, which must hold at least two latents). Returns the
+        part's frames (its first part's ``1 + 4 * (T - 1)``, a later part's ``4 * T``) and the history for the
+        next part (none after the ``last``). Parts decoded in turn give the frames ``decode_chunk`` gives."""
+        if history is None and latents.ndim == 5 and latents.shape[2] < 2:
+            raise ValueError(f"a clip's first part holds at least 2 latents, got {tuple(latents.shape)}")
+        carried = History(history, keep=not last)
+        return self._decode(latents, carried), tuple(carried.after)
+
+    def _decode(self, latents: Tensor, history: History | None) -> Tensor:
         if latents.ndim != 5 or latents.shape[1] != Z_DIM:
             raise ValueError(f"latents must be (B, {Z_DIM}, T, h, w), got {tuple(latents.shape)}")
         z = latents.to(self.latent_std.dtype) * self.latent_std + self.latent_mean
         z = z.to(self.post_quant_conv.weight.dtype).contiguous(memory_format=torch.channels_last_3d)
-        return self.decoder(self.post_quant_conv(z)).clamp_(-1.0, 1.0)
+        return self.decoder(self.post_quant_conv(z), history).clamp_(-1.0, 1.0)
 
     def encode_motion(self, frames: Tensor) -> Tensor:
         """Frames ``(B, 3, 1 + 4k, H, W)`` in [-1, 1] -> normalised latents ``(B, 16, 1 + k, H / 8, W / 8)``, the
