@@ -168,9 +168,15 @@ def test_bad_chunks_are_dropped_and_counted_not_fatal():
         session = await start_playout("bad", PlayoutStage(PlayoutConfig(target_depth_chunks=0)), realtime_source(0))
         playout = session.playout
         good = card_chunk("bad", 0, SIZE, SIZE)
-        await playout.process(VideoChunk("bad", 0, good.frames[:2], good.audio, False), session.ctx)
-        await playout.process(VideoChunk("bad", 0, good.frames, good.audio[:100], False), session.ctx)
-        await playout.process(VideoChunk("bad", 0, good.frames.astype(np.float32), good.audio, False), session.ctx)
+        silent = good.audio[:0]
+        for bad in (VideoChunk("bad", 0, good.frames[0], good.audio, False),
+                    VideoChunk("bad", 0, good.frames, good.audio[:100], False),
+                    VideoChunk("bad", 0, good.frames.astype(np.float32), good.audio, False),
+                    VideoChunk("bad", 0, good.frames[:0], good.audio, False),  # a part with no frames
+                    VideoChunk("bad", 0, good.frames[1:], good.audio, False, offset=1),  # a later part with audio
+                    VideoChunk("bad", 0, good.frames[1:], silent, False, offset=4),  # past the chunk's frames
+                    VideoChunk("bad", 0, good.frames, silent, False, offset=1)):  # more frames than the chunk has
+            await playout.process(bad, session.ctx)
         await playout.process(good, session.ctx)
         frames = await collect(playout.output, 4)
         stats = playout.stats
@@ -178,8 +184,36 @@ def test_bad_chunks_are_dropped_and_counted_not_fatal():
         return frames, stats
 
     frames, stats = asyncio.run(main())
-    assert stats.invalid_chunks == 3
+    assert stats.invalid_chunks == 7
     assert [f.chunk for f in frames] == [0, 0, 0, 0]
+
+
+def test_a_chunk_in_parts_plays_as_one_and_a_part_without_its_chunk_is_dropped():
+    """The first part (with the chunk's audio) plays as it lands; the later part continues it, each frame
+    with its own audio span; a part of a chunk playout never got, or out of order, changes nothing."""
+
+    async def main():
+        session = await start_playout("parts", PlayoutStage(PlayoutConfig(target_depth_chunks=0)), realtime_source(0))
+        playout = session.playout
+        whole = [card_chunk("parts", n, SIZE, SIZE) for n in range(2)]
+        silent = whole[0].audio[:0]
+        await playout.process(VideoChunk("parts", 0, whole[0].frames[:1], whole[0].audio, False), session.ctx)
+        await playout.process(VideoChunk("parts", 0, whole[0].frames[2:], silent, False, offset=2), session.ctx)
+        await playout.process(VideoChunk("parts", 7, whole[0].frames[1:], silent, False, offset=1), session.ctx)
+        await playout.process(VideoChunk("parts", 0, whole[0].frames[1:], silent, False, offset=1), session.ctx)
+        await playout.process(whole[1], session.ctx)
+        frames = await collect(playout.output, 8)
+        stats = playout.stats
+        await session.close()
+        return whole, frames, stats
+
+    whole, frames, stats = asyncio.run(main())
+    assert [(f.chunk, f.frame_in_chunk) for f in frames] == [(c, i) for c in (0, 1) for i in range(4)]
+    span = CHARACTERS.samples_per_frame
+    for f in frames:
+        assert np.array_equal(f.image, whole[f.chunk].frames[f.frame_in_chunk])
+        assert np.array_equal(f.audio, whole[f.chunk].audio[f.frame_in_chunk * span:(f.frame_in_chunk + 1) * span])
+    assert stats.invalid_chunks == 0 and stats.underruns == 0
 
 
 def test_output_handed_in_is_the_one_released_and_closed_at_teardown():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from charstream.stages.egress.testcard import card_chunk
 from charstream.stages.playout.clock import ClockState, PlayoutClock
 from charstream.stages.playout.onset import Onset
@@ -81,3 +83,23 @@ def test_a_rollback_ends_a_hold_for_an_earlier_placement():
     assert kept == [] and [c.chunk for c in dropped] == [1] and last == 0 and not clock.speech_pending
     resumed = ticks(clock, 1, 4)[0]  # the listening chunk plays on from the held frame
     assert clock.state is ClockState.PLAYING and (resumed.frame.chunk, resumed.frame.frame_in_chunk) == (0, 2)
+
+
+def test_a_chunk_whose_rest_is_late_holds_at_its_last_frame_and_plays_on_when_it_comes():
+    clock = PlayoutClock(target_depth_chunks=0)
+    whole = card_chunk("s", 0, SIZE, SIZE, speaking=True, turn_id=1)
+    clock.push(replace(whole, frames=whole.frames[:2]))  # the first part: 2 of 4 frames, all the audio
+    shown, late, held = ticks(clock, 3)
+    assert [(t.frame.chunk, t.frame.frame_in_chunk) for t in (shown, late)] == [(0, 0), (0, 1)]
+    assert held.underrun is UnderrunCause.SPEECH and held.frame.chunk is None and clock.state is ClockState.WAITING
+    assert (held.frame.image == late.frame.image).all() and not held.frame.audio.any()
+    rest = replace(whole, frames=whole.frames[2:], audio=whole.audio[:0], offset=2)
+    assert clock.extend(replace(rest, offset=3)) is None and clock.extend(replace(rest, epoch=1)) is None
+    assert clock.extend(rest) is clock.playing
+    on = ticks(clock, 2, 3)
+    assert [(t.frame.chunk, t.frame.frame_in_chunk, t.underrun, t.resumed) for t in on] == [
+        (0, 2, None, False), (0, 3, None, False)]
+    assert (on[0].frame.image == whole.frames[2]).all() and clock.state is ClockState.PLAYING
+    span = clock.timeline.samples_per_frame
+    assert (on[1].frame.audio == whole.audio[3 * span:]).all()  # the first part's audio, at the rest's frames
+    assert clock.extend(rest) is None  # played out: nothing to continue

@@ -72,6 +72,23 @@ def test_a_chunk_motion_models_chunks_measure_their_step_from_the_decode_before(
     assert est.step_s() == pytest.approx(0.330 if waits_for_decode else 0.540)
 
 
+def test_chunks_decoded_in_parts_measure_their_step_from_the_last_part_and_deliver_the_first():
+    """As above, each chunk's decode in two parts: its first frames 90 ms after its denoise (``decode_done``,
+    their arrival 20 ms later), the rest 120 ms after (``decode_rest_done``). The next chunk's step starts
+    at the rest's end; the delivery a turn's first frame waits for is the first part's."""
+    est = SpeechEstimator(initial_allowance_s=0.0, waits_for_decode=True)
+    decoded = 1000.0  # the chunk before's decode_rest_done
+    for _ in range(12):
+        ready = decoded - 0.210
+        done = decoded + 0.330
+        stamps = {"conditioning_ready": ready, "diffusion_done": done, "decode_done": done + 0.090}
+        est.observe(stamps, done + 0.110)
+        decoded = done + 0.210
+        est.decoded(stamps | {"decode_rest_done": decoded})
+    estimate = est.estimate(2000.0, 0.0, None)
+    assert est.step_s() == pytest.approx(0.330) and estimate.delivery_s == pytest.approx(0.110)
+
+
 def test_the_allowance_is_the_recent_speech_chunks_second_latest_error():
     est = observed([(0.110, 0.040)] * 30)
     assert est.end_turn() is None and est.allowance_s == INITIAL_ALLOWANCE_S  # nothing arrived: unchanged

@@ -44,6 +44,7 @@ def examples():
         VideoChunk("s", 5, np.random.randint(0, 255, (4, 16, 16, 3), np.uint8), audio, True),
         Control("s", 6, ControlKind.ROLLBACK, chunk=41, epoch=3,
                 payload=RollbackPayload(ControlKind.TURN_START, onset_frame=2, dropped=3, kept=1, placed_at=1.5, due_at=2.0)),
+        VideoChunk("s", 5, np.random.randint(0, 255, (3, 16, 16, 3), np.uint8), audio[:0], True, offset=1),  # a part
     ]
 
 

@@ -96,14 +96,19 @@ class Latents:
 
 @dataclass
 class VideoChunk:
+    """A chunk's frames and audio; or a part of them: a chunk may come in parts, in order, the first with
+    its first frames and all its audio, each later one (``offset`` > 0) with the frames from ``offset`` on
+    and no audio (shape (0,)), until the chunk's ``timeline.frames_per_chunk`` frames are there."""
+
     session_id: str
     chunk: int
-    frames: np.ndarray  # uint8, (timeline.frames_per_chunk, H, W, 3) RGB
-    audio: np.ndarray  # int16, (timeline.samples_per_chunk,)
+    frames: np.ndarray  # uint8, (frames, H, W, 3) RGB: the chunk's timeline.frames_per_chunk, or a part's
+    audio: np.ndarray  # int16, (timeline.samples_per_chunk,) in a chunk's first part, (0,) in a later one
     speaking: bool
     epoch: int = 0  # bumped by each rollback; data of an older epoch is stale
     trace: TraceContext = field(default_factory=TraceContext)
     start_frame: int | None = None  # its Conditioning's: where playout restarts a re-phased grid from
+    offset: int = 0  # the chunk's frame its first frame is
 
 
 class ControlKind(StrEnum):

@@ -5,7 +5,8 @@ Chunks wait in ``buffer``; the clock plays them frame by frame. Its state says w
 - ``WAITING``: the buffer has not reached ``resume_depth`` (before the start, after running dry):
   hold the last frame with silence;
 - ``PLAYING``: release the next frame of the chunk on screen, the next buffered chunk after it; an
-  empty buffer there is an underrun (-> ``WAITING``);
+  empty buffer there is an underrun (-> ``WAITING``), and so is a chunk on screen whose later part
+  (``VideoChunk.offset``) has not arrived at the frame it starts at (-> ``WAITING`` until it does);
 - ``HOLDING_ONSET``: the chunk on screen reached the frame where the placed speech takes over
   (docs/ARCHITECTURE.md, Turn-start rollback) and the speech's chunk is not there yet: hold.
 
@@ -34,6 +35,34 @@ class ClockState(Enum):
     WAITING = "waiting"
     PLAYING = "playing"
     HOLDING_ONSET = "holding_onset"
+
+
+class FrameParts:
+    """A chunk's frames (or their yuv420p versions) as its parts arrive, indexed without joining them."""
+
+    def __init__(self, frames: np.ndarray | None = None) -> None:
+        self._parts: list[tuple[int, np.ndarray]] = []
+        if frames is not None:
+            self.add(0, frames)
+
+    def add(self, offset: int, frames: np.ndarray) -> None:
+        self._parts.append((offset, frames))
+        self._parts.sort(key=lambda part: part[0])
+
+    def __len__(self) -> int:
+        """Frames there from the first on, without a gap."""
+        count = 0
+        for offset, frames in self._parts:
+            if offset != count:
+                break
+            count += len(frames)
+        return count
+
+    def get(self, index: int) -> np.ndarray | None:
+        for offset, frames in self._parts:
+            if offset <= index < offset + len(frames):
+                return frames[index - offset]
+        return None
 
 
 @dataclass(frozen=True)
@@ -75,9 +104,12 @@ class PlayoutClock:
         self.speech_pending = False  # a turn start's speech has not begun playing yet
         self._hold_cause = UnderrunCause.LISTENING  # of the underrun being held
         self._last_image: np.ndarray | None = None
-        # chunks' frames as yuv420p (``add_video``), by buffered chunk; the playing chunk's; the last released
-        self._videos: dict[int, np.ndarray] = {}
-        self._playing_video: np.ndarray | None = None
+        # chunks' frames (their parts) and the same as yuv420p (``add_video``), by buffered chunk; the playing
+        # chunk's; the last released
+        self._frames: dict[int, FrameParts] = {}
+        self._videos: dict[int, FrameParts] = {}
+        self._playing_frames = FrameParts()
+        self._playing_video = FrameParts()
         self._last_video: np.ndarray | None = None
         self._stamped_turns: set[int] = set()
         self._changed = asyncio.Event()
@@ -86,15 +118,31 @@ class PlayoutClock:
 
     def push(self, chunk: VideoChunk) -> None:
         self.buffer.append(chunk)
+        self._frames[id(chunk)] = FrameParts(chunk.frames)
+        self._videos[id(chunk)] = FrameParts()
         self._notify()
 
-    def add_video(self, chunk: VideoChunk, video: np.ndarray) -> None:
-        """``chunk``'s frames as yuv420p, converted after it was pushed: its frames released from now on carry
-        them. A chunk dropped or played out meanwhile has no use for them."""
+    def extend(self, part: VideoChunk) -> VideoChunk | None:
+        """A later part of a chunk on screen or buffered: its frames follow the chunk's. Returns the chunk, or
+        None where there is none it continues (dropped by a rollback, played out, or not the part next)."""
+        for chunk in (self.playing, *self.buffer):
+            if chunk is None or (chunk.session_id, chunk.epoch, chunk.chunk) != (part.session_id, part.epoch, part.chunk):
+                continue
+            frames = self._playing_frames if chunk is self.playing else self._frames[id(chunk)]
+            if len(frames) != part.offset or part.frames.shape[1:] != chunk.frames.shape[1:]:
+                return None
+            frames.add(part.offset, part.frames)
+            self._notify()
+            return chunk
+        return None
+
+    def add_video(self, chunk: VideoChunk, video: np.ndarray, offset: int = 0) -> None:
+        """``chunk``'s frames from ``offset`` as yuv420p, converted after they arrived: its frames released from
+        now on carry them. A chunk dropped or played out meanwhile has no use for them."""
         if chunk is self.playing:
-            self._playing_video = video
-        elif any(c is chunk for c in self.buffer):
-            self._videos[id(chunk)] = video
+            self._playing_video.add(offset, video)
+        elif id(chunk) in self._videos and any(c is chunk for c in self.buffer):
+            self._videos[id(chunk)].add(offset, video)
 
     async def wait_changed(self) -> None:
         """Until a chunk is pushed, taken to play or dropped."""
@@ -121,6 +169,7 @@ class PlayoutClock:
         dropped = list(self.buffer)
         self.buffer = deque(kept)
         for chunk in dropped:
+            self._frames.pop(id(chunk), None)
             self._videos.pop(id(chunk), None)
         self.epoch += 1
         self.resume_depth = 1  # speech should start as soon as its first chunk exists, not after a re-buffer
@@ -168,6 +217,14 @@ class PlayoutClock:
             elif self.state is not ClockState.HOLDING_ONSET:
                 self.state = ClockState.HOLDING_ONSET
                 underrun = UnderrunCause.ONSET
+        elif self.position >= len(self._playing_frames):  # the chunk's next part has not arrived
+            if self.state is ClockState.PLAYING:
+                self.state = ClockState.WAITING
+                speaking = self.playing.speaking and self.playing.epoch == self.epoch
+                underrun = UnderrunCause.ONSET if self.speech_pending else \
+                    UnderrunCause.SPEECH if speaking else UnderrunCause.LISTENING
+        elif self.state is ClockState.WAITING:  # it has: the chunk plays on
+            self.state = ClockState.PLAYING
         if underrun is not None:
             self._hold_cause = underrun
         if self.state is not ClockState.PLAYING:  # hold the last frame, play silence
@@ -182,9 +239,9 @@ class PlayoutClock:
         chunk, position = self.playing, self.position
         assert chunk is not None
         self.position += 1
-        image = chunk.frames[position]
+        image = self._playing_frames.get(position)
         self._last_image = image
-        self._last_video = None if self._playing_video is None else self._playing_video[position]
+        self._last_video = self._playing_video.get(position)
         span = self.timeline.samples_per_frame
         audio = chunk.audio[position * span:(position + 1) * span]
         # The speech a rollback placed starts at its onset frame; the frames before it are silent.
@@ -203,7 +260,9 @@ class PlayoutClock:
 
     def _play(self, chunk: VideoChunk) -> None:
         self.playing = chunk
-        self._playing_video = self._videos.pop(id(chunk), None)
+        frames, video = self._frames.pop(id(chunk), None), self._videos.pop(id(chunk), None)
+        self._playing_frames = FrameParts(chunk.frames) if frames is None else frames
+        self._playing_video = FrameParts() if video is None else video
         if chunk.epoch == self.epoch:  # the rollback's speech has begun (the chunks it kept are of the epoch before)
             self.resume_depth = self.target_depth_chunks + 1
             self.speech_pending = False

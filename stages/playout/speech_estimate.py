@@ -9,8 +9,9 @@ each chunk's production after conditioning:
   the chunk before's ``diffusion_done`` where that is later: a chunk queued behind another's step (a
   session's first chunks go in a burst) measures its own step, not the queue -- the queue a speech
   chunk meets is ``last_emit_at``'s part of the estimate; for a chunk-motion model, whose chunk starts
-  only once the chunk before is decoded (``waits_for_decode``), from that chunk's ``decode_done`` where later:
-  a listening chunk waits for it, the speech's first chunk, made after a rollback, does not;
+  only once the chunk before is decoded (``waits_for_decode``), from that chunk's ``decode_done`` where later
+  (of a chunk decoded in parts, its last part's ``decode_rest_done``: ``decoded``): a listening chunk waits
+  for it, the speech's first chunk, made after a rollback, does not;
 - delivery: ``diffusion_done`` -> its arrival at playout (the hop to decode, decode, the hop here).
 
 The estimate, in seconds from now::
@@ -137,6 +138,11 @@ class SpeechEstimator:
         self._step.append(done - (ready if self._free_at is None else max(ready, self._free_at)))
         self._delivery.append(arrived_at - done)
         self._free_at = stamps.get("decode_done", done) if self.waits_for_decode else done
+
+    def decoded(self, stamps: dict[str, float]) -> None:
+        """The last part of a chunk that came in parts arrived: the next chunk's step starts from its end."""
+        if self.waits_for_decode and "decode_rest_done" in stamps:
+            self._free_at = stamps["decode_rest_done"]
 
     def step_s(self) -> float:
         return nearest_rank(self._step, self.quantile)

@@ -120,6 +120,14 @@ class PlayoutStage(Stage):
             self.stats.invalid_chunks += 1
             ctx.log.error("playout_invalid_chunk", chunk=msg.chunk, problem=problem)
             return
+        if msg.offset:  # a later part: its chunk is in the buffer or on screen already
+            self._estimator.decoded(msg.trace.stamps)
+            chunk = self.clock.extend(msg)
+            if chunk is None:
+                ctx.log.debug("playout_part_without_chunk", chunk=msg.chunk, epoch=msg.epoch, offset=msg.offset)
+            elif self.output.video_format == FORMAT and Yuv420Converter.fits(msg.frames):
+                self._start_conversion(chunk, msg.frames, msg.offset)
+            return
         self._measure(msg)
         clock = self.clock
         # Waiting for room is the backpressure: while we wait, upstream gets no credit.
@@ -137,21 +145,24 @@ class PlayoutStage(Stage):
         clock.push(msg)
         self._set_depth()
         if self.output.video_format == FORMAT and Yuv420Converter.fits(msg.frames):
-            task = asyncio.create_task(self._convert(msg))
-            self._conversions.add(task)
-            task.add_done_callback(self._conversions.discard)
+            self._start_conversion(msg, msg.frames, 0)
 
-    async def _convert(self, chunk: VideoChunk) -> None:
-        """The chunk's frames in the video reader's format, on a worker thread; its frames released before
-        they are ready go without (the reader converts those itself)."""
+    def _start_conversion(self, chunk: VideoChunk, frames: np.ndarray, offset: int) -> None:
+        task = asyncio.create_task(self._convert(chunk, frames, offset))
+        self._conversions.add(task)
+        task.add_done_callback(self._conversions.discard)
+
+    async def _convert(self, chunk: VideoChunk, frames: np.ndarray, offset: int) -> None:
+        """The chunk's frames from ``offset`` in the video reader's format, on a worker thread; its frames
+        released before they are ready go without (the reader converts those itself)."""
         async with self._converting:
             try:
-                video = await asyncio.to_thread(self._yuv.convert, chunk.frames)
+                video = await asyncio.to_thread(self._yuv.convert, frames)
             except Exception as e:  # noqa: BLE001 -- the reader converts the frames itself
                 if self._ctx is not None:
                     self._ctx.log.warning("playout_conversion_failed", chunk=chunk.chunk, error=repr(e))
                 return
-        self.clock.add_video(chunk, video)
+        self.clock.add_video(chunk, video, offset)
 
     async def control(self, msg: Control, ctx: StageContext) -> None:
         if msg.kind in (ControlKind.TURN_START, ControlKind.INTERRUPT):
@@ -352,12 +363,17 @@ def _first_frame(chunk: VideoChunk, frames_per_chunk: int) -> int:
 
 
 def _check_chunk(chunk: VideoChunk, timeline: Timeline) -> str | None:
-    frames, audio, span = chunk.frames, chunk.audio, timeline.samples_per_chunk
+    """What is wrong with a chunk or a part of one (None: nothing)."""
+    frames, audio, n = chunk.frames, chunk.audio, timeline.frames_per_chunk
+    offset = chunk.offset if isinstance(chunk.offset, int) else -1
+    if not 0 <= offset < n:
+        return f"offset must be a frame of the chunk, 0 to {n - 1}, got {chunk.offset}"
     if not isinstance(frames, np.ndarray) or frames.dtype != np.uint8 or frames.ndim != 4 \
-            or frames.shape[0] != timeline.frames_per_chunk or frames.shape[3] != 3:
-        return f"frames must be uint8 ({timeline.frames_per_chunk}, H, W, 3), got {getattr(frames, 'dtype', type(frames))} " \
-               f"{getattr(frames, 'shape', '')}"
+            or not 0 < frames.shape[0] <= n - offset or frames.shape[3] != 3:
+        return f"frames must be uint8 (1 to {n - offset}, H, W, 3) from frame {offset}, got " \
+               f"{getattr(frames, 'dtype', type(frames))} {getattr(frames, 'shape', '')}"
+    span = 0 if offset else timeline.samples_per_chunk  # the first part carries the chunk's audio
     if not isinstance(audio, np.ndarray) or audio.dtype != np.int16 or audio.shape != (span,):
-        return f"audio must be int16 ({span},) at {TIMELINE_RATE} Hz, got " \
+        return f"audio must be int16 ({span},) at {TIMELINE_RATE} Hz in a part from frame {offset}, got " \
                f"{getattr(audio, 'dtype', type(audio))} {getattr(audio, 'shape', '')}"
     return None
