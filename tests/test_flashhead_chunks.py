@@ -194,6 +194,31 @@ def test_chunk_stages_drop_what_a_rollback_made_stale(parts):
     assert diffusion.stats.stale == 1 and diffusion.stats.rollbacks == 1 and decode.stale == 1 and decode.bad == 1
     assert diffusion.stats.generated == 4 and len(diffusion.stats.step_s) == 4
     assert [(m.chunk, m.epoch) for m in emitted(Latents)] == [(0, 0), (1, 0), (1, 1), (2, 1)]
-    assert [(m.chunk, m.epoch) for m in emitted(VideoChunk)] == [(0, 0), (1, 1)] and stream.chunks == 2
+    # each chunk in two parts: its lead's new frames, then the rest
+    assert [(m.chunk, m.epoch, m.offset, len(m.frames)) for m in emitted(VideoChunk)] == \
+        [(0, 0, 0, 8), (0, 0, 8, 20), (1, 1, 0, 8), (1, 1, 8, 20)] and stream.chunks == 2
     pinned = after_0.shape[2]  # the new chunk 1 continues chunk 0, not the dropped chunk 1
     assert torch.equal(torch.from_numpy(emitted(Latents)[2].latents[:, :pinned]), after_0[0].float())
+
+
+def test_a_chunks_lead_frames_are_handed_over_before_its_rest_is_decoded(parts):
+    """Pro decodes its first 4 latents, hands their 8 new frames over, then decodes the other 5 from the
+    carried history; the frames handed over are the chunk's first. A lead that leaves no new frames, or
+    the whole chunk, is refused."""
+    dit, vae = parts
+    stream = ChunkMotionStream(dit, vae, portrait_tensor(portrait(), 32, 32), seed=4)
+    tokens = np.random.default_rng(2).normal(size=(9, SMALL.audio_tokens, SMALL.dim)).astype(np.float32)
+    order = []
+    decode_part = stream.runner._decode_part
+
+    def part(latents, history=None, last=False):
+        order.append(("part", latents.shape[2]))
+        return decode_part(latents, history, last)
+
+    stream.runner._decode_part = part
+    frames = stream.decode(stream.denoise(tokens), lead=lambda lead: order.append(("lead", lead.copy())))
+    assert [step[0] for step in order] == ["part", "lead", "part"] and order[0][1] == 4 and order[2][1] == 5
+    assert SMALL.lead_frames == 8 and np.array_equal(order[1][1], frames[:8]) and frames.shape[0] == 28
+    for lead in (2, 9):
+        with pytest.raises(ValueError, match="lead_latents"):
+            SMALL.with_(lead_latents=lead)

@@ -93,6 +93,33 @@ def test_compiled_stream_matches_eager():
             f"chunk {chunk}: compiled bf16 {compiled16} from fp32, eager bf16 {eager16}"
 
 
+def test_a_chunk_decoded_in_two_parts_matches_it_decoded_at_once():
+    """Pro's served decode (its first 4 latents, their 8 new frames handed over, then the other 5 from the
+    carried causal history), compiled bf16, against the same chunks decoded at once: same weights, latents
+    and portrait. They differ by bf16 rounding only (cuDNN picks its kernels per shape); the frames handed
+    over, copied when handed, are the chunk's first 8."""
+    cfg = TEST.with_(height=256, width=256)
+    state = random_checkpoint(cfg, 4, "cuda")
+    vae = random_wan_vae(5, "cuda", torch.bfloat16)
+    y, x = np.mgrid[0:256, 0:256]
+    face = ((x - 128) ** 2 + (y - 135) ** 2 < 75**2)[..., None]
+    portrait = portrait_tensor(np.where(face, [210, 160, 130], [40, 60, 90]).astype(np.uint8), 256, 256)
+    tokens = np.random.default_rng(0).normal(size=(cfg.latents_per_chunk, cfg.audio_tokens, cfg.dim)).astype(np.float32)
+    parts = ChunkMotionStream(build(cfg, state, "cuda", torch.bfloat16)[0], vae, portrait, seed=9, compiled=True)
+    whole = ChunkMotionStream(build(cfg.with_(lead_latents=0), state, "cuda", torch.bfloat16)[0], vae, portrait, seed=9,
+                              compiled=True)
+    for chunk in range(3):
+        latents = parts.denoise(tokens, chunk)  # decoded both ways
+        handed: list[np.ndarray] = []
+        frames = parts.decode(latents, lambda f, h=handed: h.append(f.copy())).astype(np.float32)
+        at_once = whole.decode(latents).astype(np.float32)
+        apart = float(np.abs(frames - at_once).mean()), relative(parts.motion, whole.motion)
+        print(f"chunk {chunk}: two parts from at once {apart[0]:.3f} frame levels (max "
+              f"{np.abs(frames - at_once).max():.0f}), motion latents {apart[1]:.1e}")
+        assert apart[0] <= 0.5 and apart[1] <= 1e-2, (chunk, apart)
+        assert len(handed) == 1 and np.array_equal(handed[0], frames[:cfg.lead_frames].astype(np.uint8))
+
+
 def test_batched_sessions_match_each_stream_alone():
     """Three sessions' chunks through one batched runner (compiled, bf16, as the batchers serve them) against
     each session's own compiled stream: same weights, portraits, noise. A batch changes only the GEMMs'
@@ -159,12 +186,16 @@ def test_graphed_runner_matches_the_runner_it_graphs(variant):
             for s in streams:
                 s.ready(chunk)
             latents = runner.denoise(streams, tokens)
-            frames, motions = runner.decode(streams, latents)
+            handed: list[list[np.ndarray]] = [[] for _ in streams]  # copied when handed: on the host by then
+            frames, motions = runner.decode(streams, latents, [lambda f, h=h: h.append(f.copy()) for h in handed])
             for s, motion in zip(streams, motions, strict=True):
                 s.decoded(motion)
             runs[graphed].append((latents, frames, motions))
+            if cfg.lead_latents:  # Pro: each session's first new frames handed over while the rest decoded
+                assert all(len(h) == 1 and np.array_equal(h[0], f[:cfg.lead_frames]) for h, f in zip(handed, frames, strict=True))
         assert set(runner.graphs) == captured, "a chunk captured a graph warm had not"
-    assert len(captured) == 2 * 2 + 2  # sizes 1 and 2: denoise at two motion lengths, decode
+    # sizes 1 and 2: denoise at two motion lengths; decode (Pro: its lead and its rest)
+    assert len(captured) == 2 * 2 + 2 * (2 if cfg.lead_latents else 1)
     for chunk in range(2):
         for i in range(3):
             (latents, frames, motion), (latents_g, frames_g, motion_g) = (

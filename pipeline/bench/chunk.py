@@ -3,7 +3,8 @@
 One chunk is what the stages do for it, in order: the conditioning stage's encode of the 8 s audio window
 (wav2vec2 + adapter, tokens to the host), the diffusion stage's ``denoise`` (4 DiT passes) and the decode
 stage's ``decode`` (the VAE decode of 33 frames, the colour match and re-encode of the last 5 into the next
-chunk's motion latents, the 28 new frames to the host as uint8). Each part is timed as the stage sees it:
+chunk's motion latents, the 28 new frames to the host as uint8; ``decode_lead``, of a model that decodes in
+two parts: until its first new frames are on the host). Each part is timed as the stage sees it:
 it returns once its session's CUDA stream is done (tokens and frames on the host, latents complete), over
 ``--chunks`` chunks after ``--warmup`` (the first calls compile).
 
@@ -95,14 +96,22 @@ class Session:
             self.stream.ready(self.chunk)
             latents = batchers.denoise.enqueue(self.stream, tokens).result()
         t2 = time.perf_counter()
+        handed: list[float] = []  # when the first frames were on the host (a model that decodes in two parts)
+
+        def lead(frames: np.ndarray) -> None:
+            handed.append(time.perf_counter())
+
         if batchers is None:
-            frames = self.stream.decode(latents)
+            frames = self.stream.decode(latents, lead)
         else:
-            frames = batchers.decode.enqueue(self.stream, latents).result()
+            frames = batchers.decode.enqueue(self.stream, (latents, lead)).result()
         t3 = time.perf_counter()
         assert frames.dtype == np.uint8  # on the host: the decode's copy is inside the timing
         self.chunk += 1
-        return {"encode": t1 - t0, "denoise": t2 - t1, "decode": t3 - t2, "chunk": t3 - t0}
+        times = {"encode": t1 - t0, "denoise": t2 - t1, "decode": t3 - t2, "chunk": t3 - t0}
+        if handed:  # the decode's part before a turn's first frames can show
+            times["decode_lead"] = handed[0] - t2
+        return times
 
 
 def one_session(session: Session, chunks: int, warmup: int) -> dict:

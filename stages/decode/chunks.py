@@ -3,10 +3,15 @@
 last frames as the next chunk's motion latents (``model/families/flashhead/chunks.py``). Latents of an
 epoch a rollback ended, or malformed, are not decoded; the stream is told, so its next chunk starts
 without them. With a ``batcher`` (``decode.batch_sessions`` > 1, ``stages/shared/chunk_batcher.py``) the chunk is
-decoded in a batch with other sessions'."""
+decoded in a batch with other sessions'.
+
+A model that decodes a chunk in two parts (FlashHead Pro's ``lead_latents``) hands over its first frames
+while the rest decodes: they go on at once as the chunk's first part (with all its audio), the rest as a
+second part (``VideoChunk.offset``), so a turn's first speaking frame waits for a part of the decode only."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -58,15 +63,33 @@ class ChunkDecodeStage(Stage):
 
         started = time.perf_counter()
         latents = torch.from_numpy(msg.latents)[None]
+        loop = asyncio.get_running_loop()
+        lead: asyncio.Future[np.ndarray] = loop.create_future()
+
+        def handed(frames: np.ndarray) -> None:  # on the decoding thread
+            loop.call_soon_threadsafe(lambda: lead.done() or lead.set_result(frames))
+
         if self.batcher is None:
-            frames = await self.worker.run(self.stream.decode, latents)
+            decoding = asyncio.ensure_future(self.worker.run(self.stream.decode, latents, handed))
         else:
-            frames = await self.batcher.decode(self.stream, latents)
+            decoding = asyncio.ensure_future(self.batcher.decode(self.stream, latents, handed))
+        await asyncio.wait([lead, decoding], return_when=asyncio.FIRST_COMPLETED)
+        sent = 0
+        if lead.done():  # the first part's frames, while the rest decodes
+            msg.trace.stamp("decode_done")
+            await ctx.emit(self._chunk(msg, lead.result(), msg.audio, 0))
+            sent = len(lead.result())
+        frames = await decoding
         self.last_decode_s = time.perf_counter() - started
         self.decoded += 1
-        msg.trace.stamp("decode_done")
-        await ctx.emit(VideoChunk(msg.session_id, msg.chunk, frames, msg.audio, msg.speaking, msg.epoch, msg.trace,
-                                  msg.start_frame))
+        # the trace's decode_done is when the first frames were; the rest's end lets the next chunk start
+        msg.trace.stamp("decode_rest_done" if sent else "decode_done")
+        await ctx.emit(self._chunk(msg, frames[sent:], msg.audio[:0] if sent else msg.audio, sent))
+
+    @staticmethod
+    def _chunk(msg: Latents, frames: np.ndarray, audio: np.ndarray, offset: int) -> VideoChunk:
+        return VideoChunk(msg.session_id, msg.chunk, frames, audio, msg.speaking, msg.epoch, msg.trace,
+                          msg.start_frame, offset)
 
     async def control(self, msg: Control, ctx: StageContext) -> None:
         if msg.kind == ControlKind.ROLLBACK:

@@ -16,12 +16,13 @@ a batch of every size (``prepare``: cuDNN's per-thread timing), so the first ses
     denoiser.opened(); decoder.opened()                        # a session's stages start
     stream.ready(chunk, start=start_frame)                     # (blocking) its previous chunk decoded
     latents = await denoiser.denoise(stream, tokens)           # (1, C, latents, h, w), complete
-    frames = await decoder.decode(stream, latents)             # uint8 (new frames, H, W, 3)
+    frames = await decoder.decode(stream, latents, lead)       # uint8 (new frames, H, W, 3); lead(first frames)
     denoiser.closed(stream); decoder.closed(stream)
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -73,12 +74,14 @@ class ChunkDecodeBatcher(_ChunkBatcher):
     def __init__(self, config: DecodeConfig, runner: ChunkRunner) -> None:
         super().__init__(config, runner, "chunk-decode-batcher")
 
-    async def decode(self, stream: ChunkMotionStream, latents: Tensor) -> np.ndarray:
-        """The chunk's new frames; the stream's next chunk may then start from its motion latents."""
-        return await self.submit(stream, latents)
+    async def decode(self, stream: ChunkMotionStream, latents: Tensor,
+                     lead: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
+        """The chunk's new frames; the stream's next chunk may then start from its motion latents. ``lead``:
+        called with its first frames while the rest decodes (``ChunkRunner.decode``), on the batch's thread."""
+        return await self.submit(stream, (latents, lead))
 
     def forward(self, keys: list[Any], items: list[Any]) -> list[Any]:
-        frames, motions = self.runner.decode(keys, items)
+        frames, motions = self.runner.decode(keys, [latents for latents, _ in items], [lead for _, lead in items])
         for stream, motion, shown in zip(keys, motions, frames, strict=True):
             stream.decoded(motion, shown)
         return frames

@@ -83,7 +83,8 @@ class _BatchSizes:
         self.one, self.many, self.cfg = torch.compile(fn, dynamic=False), torch.compile(fn, dynamic=None), cfg
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        tensors = [t for arg in args for t in ((arg.mean, arg.std) if isinstance(arg, ColourReference) else (arg,))
+        tensors = [t for arg in args for t in ((arg.mean, arg.std) if isinstance(arg, ColourReference) else
+                                               arg if isinstance(arg, tuple) else (arg,))
                    if isinstance(t, Tensor) and t.ndim]
         if tensors[0].shape[0] == 1:
             return self.one(*args, **kwargs)
@@ -126,6 +127,7 @@ class ChunkRunner:
 
         self.dit = compile_(dit)
         self._decode = compile_(vae.decode_chunk)
+        self._decode_part = compile_(vae.decode_part) if self.cfg.lead_latents else None
         self._match = compile_(match_colours)
         self._encode = compile_(vae.encode_motion)
 
@@ -153,13 +155,16 @@ class ChunkRunner:
         if graph is None:
             return body(*inputs)
         for static, value in zip(graph.inputs, inputs, strict=True):
-            static.copy_(value)
+            if static is not value:  # another graph's output it reads in place
+                static.copy_(value)
         graph.graph.replay()
         return graph.outputs
 
     @one_capture_at_a_time
     def _capture(self, key: tuple, body: Callable[..., tuple[Tensor, ...]], inputs: tuple[Tensor, ...]) -> _Graph:
-        static = tuple(t.clone() for t in inputs)
+        # another graph's outputs are static already (replayed before this one): read in place, not copied
+        owned = {id(t) for g in self.graphs.values() for t in g.outputs}
+        static = tuple(t if id(t) in owned else t.clone() for t in inputs)
         graph, outputs = capture_graph(lambda: body(*static), self.cuda_stream, pool=self._pool)
         self.graphs[key] = _Graph(graph, static, outputs)
         return self.graphs[key]
@@ -202,38 +207,71 @@ class ChunkRunner:
         return out
 
     @torch.no_grad()
-    def decode(self, streams: list[ChunkMotionStream], latents: list[Tensor]) -> tuple[list[np.ndarray], list[Tensor]]:
+    def decode(self, streams: list[ChunkMotionStream], latents: list[Tensor],
+               leads: list[Callable[[np.ndarray], None] | None] | None = None) -> tuple[list[np.ndarray], list[Tensor]]:
         """Each stream's chunk decoded: its new frames colour-matched to its portrait, uint8 (new frames, H, W,
-        3), and its next motion latents (from its last ``motion_frames`` frames, re-encoded)."""
+        3), and its next motion latents (from its last ``motion_frames`` frames, re-encoded).
+
+        With the config's ``lead_latents`` the chunk decodes in two parts (the VAE's causal history carried
+        over): the lead's new frames are matched and copied to the host first, and ``leads[i]``, where given,
+        is called with stream ``i``'s (``lead_frames``, H, W, 3) while the rest decodes (on CUDA, once the lead
+        is on the host; on the CPU, before the rest starts)."""
         cfg = self.cfg
         frames_out: list[np.ndarray | None] = [None] * len(streams)
         motion_out: list[Tensor | None] = [None] * len(streams)
+        leads = leads or [None] * len(streams)
 
-        def body(batch: Tensor, mean: Tensor, std: Tensor, *noise: Tensor) -> tuple[Tensor, Tensor]:
-            frames = self._decode(batch)  # (batch, 3, F, H, W)
+        def finish(new: Tensor, mean: Tensor, std: Tensor, noise: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
             # what is shown is colour-matched, as the released pipeline shows it; its last frames feed the next chunk
-            new = self._match(frames[:, :, cfg.motion_frames:].float(), ColourReference(mean, std))
+            new = self._match(new.float(), ColourReference(mean, std))
             motion = self._encode(new[:, :, -cfg.motion_frames:], *noise).to(self.dtype)
-            pixels = to_pixels(new.permute(0, 2, 3, 4, 1))
-            return pixels, motion
+            return to_pixels(new.permute(0, 2, 3, 4, 1)), motion
+
+        def whole(batch: Tensor, mean: Tensor, std: Tensor, *noise: Tensor) -> tuple[Tensor, Tensor]:
+            return finish(self._decode(batch)[:, :, cfg.motion_frames:], mean, std, noise)
+
+        def lead(batch: Tensor, mean: Tensor, std: Tensor) -> tuple[Tensor, ...]:
+            frames, history = self._decode_part(batch)
+            new = self._match(frames[:, :, cfg.motion_frames:].float(), ColourReference(mean, std))
+            return to_pixels(new.permute(0, 2, 3, 4, 1)), *history
 
         with self.on_stream([s.cuda_stream for s in streams]):
             weight = next(self.vae.parameters())
-            copies = []
+            copies, announced = [], []
             for rows in batch_groups(list(range(len(streams)))):
                 batch = torch.cat([torch.as_tensor(latents[i]).to(weight.device, weight.dtype) for i in rows])
                 shown = (len(rows), 3, cfg.motion_frames, cfg.height, cfg.width)  # the frames re-encoded
-                inputs = (batch, torch.cat([streams[i].colours.mean for i in rows]),
-                          torch.cat([streams[i].colours.std for i in rows]),
-                          *self._posterior_noise(shown, [streams[i].generator for i in rows], weight.device))
-                pixels, motion = self._run(("decode", len(rows)), body, inputs)
+                colours = (torch.cat([streams[i].colours.mean for i in rows]),
+                           torch.cat([streams[i].colours.std for i in rows]))
+                noise = self._posterior_noise(shown, [streams[i].generator for i in rows], weight.device)
                 # to page-locked memory: a pageable copy runs at a tenth of the speed and blocks the thread
-                host = pixels
-                if pixels.is_cuda:
-                    host = torch.empty(pixels.shape, dtype=torch.uint8, pin_memory=True)
+                host = torch.empty((len(rows), cfg.new_frames_per_chunk, cfg.height, cfg.width, 3), dtype=torch.uint8,
+                                   pin_memory=weight.is_cuda)
+                # each copy is queued before any later replay rewrites what it copies
+                if cfg.lead_latents:
+                    head, *history = self._run(("lead", len(rows)), lead, (batch[:, :, :cfg.lead_latents], *colours))
+                    host[:, :cfg.lead_frames].copy_(head, non_blocking=True)
+                    if weight.is_cuda:
+                        ready = torch.cuda.Event()
+                        ready.record()
+                        announced.append((rows, host, ready))
+                    else:
+                        _announce(leads, rows, host, cfg.lead_frames)
+
+                    def rest(batch: Tensor, mean: Tensor, std: Tensor, *carried: Tensor, n: int = len(noise)):
+                        frames, _ = self._decode_part(batch, tuple(carried[n:]), last=True)
+                        return finish(frames, mean, std, carried[:n])
+
+                    pixels, motion = self._run(("rest", len(rows)), rest,
+                                               (batch[:, :, cfg.lead_latents:], *colours, *noise, *history))
+                    host[:, cfg.lead_frames:].copy_(pixels, non_blocking=True)
+                else:
+                    pixels, motion = self._run(("decode", len(rows)), whole, (batch, *colours, *noise))
                     host.copy_(pixels, non_blocking=True)
-                # the pixels' copy is queued before any later replay; the motion latents are kept
                 copies.append((rows, host, motion.clone()))
+            for rows, host, ready in announced:  # the rest still decoding
+                ready.synchronize()
+                _announce(leads, rows, host, cfg.lead_frames)
         # on_stream's exit waited for the copies: the host tensors are complete
         for rows, host, motion in copies:
             for row, i in enumerate(rows):
@@ -259,6 +297,12 @@ class ChunkRunner:
                     self.decode([stream] * size, [stream.reference] * size)
         finally:
             self._capturing = False
+
+
+def _announce(leads: list[Callable[[np.ndarray], None] | None], rows: list[int], host: Tensor, frames: int) -> None:
+    for row, i in enumerate(rows):
+        if leads[i] is not None:
+            leads[i](host[row, :frames].numpy())
 
 
 class _Graph(NamedTuple):
@@ -363,10 +407,11 @@ class ChunkMotionStream:
         self.ready(chunk, timeout, start)
         return self.runner.denoise([self], [audio_tokens])[0]
 
-    def decode(self, latents: Tensor) -> np.ndarray:
+    def decode(self, latents: Tensor, lead: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
         """The chunk's new frames colour-matched to the portrait, uint8 (new_frames_per_chunk, H, W, 3), by this
-        stream's runner; its last frames become the next chunk's motion latents."""
-        (frames,), (motion,) = self.runner.decode([self], [latents])
+        stream's runner; its last frames become the next chunk's motion latents. ``lead``: called with the
+        first ``lead_frames`` frames while the rest decodes (``ChunkRunner.decode``)."""
+        (frames,), (motion,) = self.runner.decode([self], [latents], [lead])
         self.decoded(motion, frames)
         return frames
 

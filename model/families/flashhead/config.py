@@ -36,6 +36,9 @@ class FlashHeadConfig:
     fps: int = 25
     frames_per_chunk: int = 33  # decoded frames the DiT generates at once
     motion_latents: int = 2  # leading latents re-encoded from the previous chunk's last frames
+    # latents decoded first, their new frames sent ahead of the rest (0: the chunk decoded at once); Pro's
+    # 4 give 8 frames (320 ms) to show while its other 5 latents decode
+    lead_latents: int = 0
     # audio
     sample_rate: int = 16000
     audio_context_s: int = 8  # rolling speech context re-encoded every chunk
@@ -77,6 +80,13 @@ class FlashHeadConfig:
         return self.frames_per_chunk - self.motion_frames
 
     @property
+    def lead_frames(self) -> int:
+        """New frames of the ``lead_latents`` part (0 without one)."""
+        if not self.lead_latents:
+            return 0
+        return (self.lead_latents - 1) * self.vae_stride[0] + 1 - self.motion_frames
+
+    @property
     def latent_grid(self) -> tuple[int, int]:
         return self.height // self.vae_stride[1], self.width // self.vae_stride[2]
 
@@ -95,11 +105,16 @@ class FlashHeadConfig:
     def sigmas(self) -> tuple[float, ...]:
         return tuple(shift_sigma(s, self.sigma_shift) for s in self.base_sigmas)
 
+    def __post_init__(self) -> None:
+        if self.lead_latents and not self.motion_latents < self.lead_latents < self.latents_per_chunk:
+            raise ValueError(f"lead_latents must be 0 or between motion_latents ({self.motion_latents}) and the "
+                             f"chunk's {self.latents_per_chunk} latents, got {self.lead_latents}")
+
     def with_(self, **changes) -> FlashHeadConfig:
         return replace(self, **changes)
 
 
-PRO = FlashHeadConfig(name="flashhead-pro", variant="pro")
+PRO = FlashHeadConfig(name="flashhead-pro", variant="pro", lead_latents=4)
 LITE = FlashHeadConfig(
     name="flashhead-lite", variant="lite", latent_channels=128, patch=(1, 1, 1), vae_stride=(8, 32, 32)
 )
