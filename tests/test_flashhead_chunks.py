@@ -209,13 +209,10 @@ def test_a_chunks_lead_frames_are_handed_over_before_its_rest_is_decoded(parts):
     stream = ChunkMotionStream(dit, vae, portrait_tensor(portrait(), 32, 32), seed=4)
     tokens = np.random.default_rng(2).normal(size=(9, SMALL.audio_tokens, SMALL.dim)).astype(np.float32)
     order = []
-    decode_part = stream.runner._decode_part
-
-    def part(latents, history=None, last=False):
-        order.append(("part", latents.shape[2]))
-        return decode_part(latents, history, last)
-
-    stream.runner._decode_part = part
+    runner = stream.runner
+    decode_lead, decode_rest = runner._decode_lead, runner._decode_rest
+    runner._decode_lead = lambda latents: order.append(("part", latents.shape[2])) or decode_lead(latents)
+    runner._decode_rest = lambda latents, history: order.append(("part", latents.shape[2])) or decode_rest(latents, history)
     frames = stream.decode(stream.denoise(tokens), lead=lambda lead: order.append(("lead", lead.copy())))
     assert [step[0] for step in order] == ["part", "lead", "part"] and order[0][1] == 4 and order[2][1] == 5
     assert SMALL.lead_frames == 8 and np.array_equal(order[1][1], frames[:8]) and frames.shape[0] == 28

@@ -127,7 +127,8 @@ class ChunkRunner:
 
         self.dit = compile_(dit)
         self._decode = compile_(vae.decode_chunk)
-        self._decode_part = compile_(vae.decode_part) if self.cfg.lead_latents else None
+        if self.cfg.lead_latents:
+            self._decode_lead, self._decode_rest = compile_(vae.decode_lead), compile_(vae.decode_rest)
         self._match = compile_(match_colours)
         self._encode = compile_(vae.encode_motion)
 
@@ -231,7 +232,7 @@ class ChunkRunner:
             return finish(self._decode(batch)[:, :, cfg.motion_frames:], mean, std, noise)
 
         def lead(batch: Tensor, mean: Tensor, std: Tensor) -> tuple[Tensor, ...]:
-            frames, history = self._decode_part(batch)
+            frames, history = self._decode_lead(batch)
             new = self._match(frames[:, :, cfg.motion_frames:].float(), ColourReference(mean, std))
             return to_pixels(new.permute(0, 2, 3, 4, 1)), *history
 
@@ -259,8 +260,7 @@ class ChunkRunner:
                         _announce(leads, rows, host, cfg.lead_frames)
 
                     def rest(batch: Tensor, mean: Tensor, std: Tensor, *carried: Tensor, n: int = len(noise)):
-                        frames, _ = self._decode_part(batch, tuple(carried[n:]), last=True)
-                        return finish(frames, mean, std, carried[:n])
+                        return finish(self._decode_rest(batch, tuple(carried[n:])), mean, std, carried[:n])
 
                     pixels, motion = self._run(("rest", len(rows)), rest,
                                                (batch[:, :, cfg.lead_latents:], *colours, *noise, *history))

@@ -316,6 +316,16 @@ class WanVAE(nn.Module):
         carried = History(history, keep=not last)
         return self._decode(latents, carried), tuple(carried.after)
 
+    def decode_lead(self, latents: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """A clip's first part: its frames and the history its next part continues from (``decode_part``).
+        The served two-part decode compiles this and ``decode_rest`` apart: each is one compilation per
+        shape, where ``decode_part``'s history and ``last`` would each add guards to one."""
+        return self.decode_part(latents)
+
+    def decode_rest(self, latents: Tensor, history: tuple[Tensor, ...]) -> Tensor:
+        """A clip's last part, continuing the part before from its ``history``: its frames."""
+        return self.decode_part(latents, history, last=True)[0]
+
     def _decode(self, latents: Tensor, history: History | None) -> Tensor:
         if latents.ndim != 5 or latents.shape[1] != Z_DIM:
             raise ValueError(f"latents must be (B, {Z_DIM}, T, h, w), got {tuple(latents.shape)}")
