@@ -103,3 +103,15 @@ def test_a_chunk_whose_rest_is_late_holds_at_its_last_frame_and_plays_on_when_it
     span = clock.timeline.samples_per_frame
     assert (on[1].frame.audio == whole.audio[3 * span:]).all()  # the first part's audio, at the rest's frames
     assert clock.extend(rest) is None  # played out: nothing to continue
+
+
+def test_a_chunk_whose_rest_never_comes_ends_where_a_later_chunk_arrives():
+    clock = PlayoutClock(target_depth_chunks=0)
+    whole = card_chunk("s", 0, SIZE, SIZE)
+    clock.push(replace(whole, frames=whole.frames[:2]))
+    played = ticks(clock, 3)
+    assert [t.frame.chunk for t in played] == [0, 0, None] and played[2].underrun is UnderrunCause.LISTENING
+    clock.push(card_chunk("s", 1, SIZE, SIZE))  # parts come in order: chunk 0's rest was lost on the way
+    on = ticks(clock, 4, 3)
+    assert [(t.frame.chunk, t.frame.frame_in_chunk) for t in on] == [(1, 0), (1, 1), (1, 2), (1, 3)]
+    assert clock.extend(replace(whole, frames=whole.frames[2:], audio=whole.audio[:0], offset=2)) is None

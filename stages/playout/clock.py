@@ -6,7 +6,8 @@ Chunks wait in ``buffer``; the clock plays them frame by frame. Its state says w
   hold the last frame with silence;
 - ``PLAYING``: release the next frame of the chunk on screen, the next buffered chunk after it; an
   empty buffer there is an underrun (-> ``WAITING``), and so is a chunk on screen whose later part
-  (``VideoChunk.offset``) has not arrived at the frame it starts at (-> ``WAITING`` until it does);
+  (``VideoChunk.offset``) has not arrived at the frame it starts at (-> ``WAITING`` until it does, or
+  until a later chunk arrives: then the part was lost and the chunk ends there);
 - ``HOLDING_ONSET``: the chunk on screen reached the frame where the placed speech takes over
   (docs/ARCHITECTURE.md, Turn-start rollback) and the speech's chunk is not there yet: hold.
 
@@ -218,6 +219,9 @@ class PlayoutClock:
                 self.state = ClockState.HOLDING_ONSET
                 underrun = UnderrunCause.ONSET
         elif self.position >= len(self._playing_frames):  # the chunk's next part has not arrived
+            if self.buffer:  # a later chunk has: parts come in order, so the rest was lost; the chunk ends here
+                self.position = self.timeline.frames_per_chunk
+                return self.next_frame(index, now)
             if self.state is ClockState.PLAYING:
                 self.state = ClockState.WAITING
                 speaking = self.playing.speaking and self.playing.epoch == self.epoch
