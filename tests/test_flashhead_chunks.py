@@ -13,7 +13,7 @@ import torch
 from test_flashhead_vae_wan import random_wan_state
 
 from charstream.model.families import get_family
-from charstream.model.families.flashhead.chunks import ChunkMotionStream, portrait_tensor
+from charstream.model.families.flashhead.chunks import ChunkMotionStream, ChunkRunner, portrait_tensor
 from charstream.model.families.flashhead.colour import colour_reference, match_colours
 from charstream.model.families.flashhead.config import LITE, TEST
 from charstream.model.families.flashhead.loader import load_dit
@@ -219,3 +219,5 @@ def test_a_chunks_lead_frames_are_handed_over_before_its_rest_is_decoded(parts):
     for lead in (2, 9):
         with pytest.raises(ValueError, match="lead_latents"):
             SMALL.with_(lead_latents=lead)
+    with pytest.raises(ValueError, match="needs the Wan VAE"):  # LTX decodes a chunk at once
+        ChunkRunner(dit, random_ltx_vae(0))

@@ -77,8 +77,9 @@ class ChunkDecodeStage(Stage):
         sent = 0
         if lead.done():  # the first part's frames, while the rest decodes
             msg.trace.stamp("decode_done")
-            await ctx.emit(self._chunk(msg, lead.result(), msg.audio, 0))
-            sent = len(lead.result())
+            first = lead.result()
+            await ctx.emit(self._chunk(msg, first, msg.audio, 0))
+            sent = len(first)
         frames = await decoding
         self.last_decode_s = time.perf_counter() - started
         self.decoded += 1

@@ -127,7 +127,9 @@ class ChunkRunner:
 
         self.dit = compile_(dit)
         self._decode = compile_(vae.decode_chunk)
-        if self.cfg.lead_latents:
+        if self.cfg.lead_latents:  # a VAE that decodes a chunk in parts: Pro's Wan VAE
+            if not isinstance(vae, WanVAE):
+                raise ValueError(f"{self.cfg.name}: lead_latents needs the Wan VAE, which decodes in parts")
             self._decode_lead, self._decode_rest = compile_(vae.decode_lead), compile_(vae.decode_rest)
         self._match = compile_(match_colours)
         self._encode = compile_(vae.encode_motion)
@@ -222,9 +224,12 @@ class ChunkRunner:
         motion_out: list[Tensor | None] = [None] * len(streams)
         leads = leads or [None] * len(streams)
 
-        def finish(new: Tensor, mean: Tensor, std: Tensor, noise: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
+        def matched(new: Tensor, mean: Tensor, std: Tensor) -> Tensor:
             # what is shown is colour-matched, as the released pipeline shows it; its last frames feed the next chunk
-            new = self._match(new.float(), ColourReference(mean, std))
+            return self._match(new.float(), ColourReference(mean, std))
+
+        def finish(new: Tensor, mean: Tensor, std: Tensor, noise: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
+            new = matched(new, mean, std)
             motion = self._encode(new[:, :, -cfg.motion_frames:], *noise).to(self.dtype)
             return to_pixels(new.permute(0, 2, 3, 4, 1)), motion
 
@@ -233,8 +238,10 @@ class ChunkRunner:
 
         def lead(batch: Tensor, mean: Tensor, std: Tensor) -> tuple[Tensor, ...]:
             frames, history = self._decode_lead(batch)
-            new = self._match(frames[:, :, cfg.motion_frames:].float(), ColourReference(mean, std))
-            return to_pixels(new.permute(0, 2, 3, 4, 1)), *history
+            return to_pixels(matched(frames[:, :, cfg.motion_frames:], mean, std).permute(0, 2, 3, 4, 1)), *history
+
+        def rest(batch: Tensor, mean: Tensor, std: Tensor, *history: Tensor) -> tuple[Tensor, Tensor]:
+            return finish(self._decode_rest(batch, history), mean, std, ())  # Pro: its motion encode draws no noise
 
         with self.on_stream([s.cuda_stream for s in streams]):
             weight = next(self.vae.parameters())
@@ -258,12 +265,7 @@ class ChunkRunner:
                         announced.append((rows, host, ready))
                     else:
                         _announce(leads, rows, host, cfg.lead_frames)
-
-                    def rest(batch: Tensor, mean: Tensor, std: Tensor, *carried: Tensor, n: int = len(noise)):
-                        return finish(self._decode_rest(batch, tuple(carried[n:])), mean, std, carried[:n])
-
-                    pixels, motion = self._run(("rest", len(rows)), rest,
-                                               (batch[:, :, cfg.lead_latents:], *colours, *noise, *history))
+                    pixels, motion = self._run(("rest", len(rows)), rest, (batch[:, :, cfg.lead_latents:], *colours, *history))
                     host[:, cfg.lead_frames:].copy_(pixels, non_blocking=True)
                 else:
                     pixels, motion = self._run(("decode", len(rows)), whole, (batch, *colours, *noise))
