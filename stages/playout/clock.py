@@ -39,25 +39,21 @@ class ClockState(Enum):
 
 
 class FrameParts:
-    """A chunk's frames (or their yuv420p versions) as its parts arrive, indexed without joining them."""
+    """A chunk's frames (or their yuv420p versions) as its parts arrive, in order, indexed without joining
+    them. ``len``: the frames there so far."""
 
     def __init__(self, frames: np.ndarray | None = None) -> None:
         self._parts: list[tuple[int, np.ndarray]] = []
+        self._count = 0
         if frames is not None:
             self.add(0, frames)
 
     def add(self, offset: int, frames: np.ndarray) -> None:
         self._parts.append((offset, frames))
-        self._parts.sort(key=lambda part: part[0])
+        self._count += len(frames)
 
     def __len__(self) -> int:
-        """Frames there from the first on, without a gap."""
-        count = 0
-        for offset, frames in self._parts:
-            if offset != count:
-                break
-            count += len(frames)
-        return count
+        return self._count
 
     def get(self, index: int) -> np.ndarray | None:
         for offset, frames in self._parts:
