@@ -113,19 +113,32 @@ def model_weights(name: str, weights: str | None) -> str | None:
     return None if weights == "random" else weights
 
 
-def sized_family(name: str, blocks: int | None = None, size: int | None = None) -> ModelFamily:
-    """The family ``name``, with fewer DiT blocks or another square video size when given (a FlashHead
-    model on the CPU, to check a bench end to end); a ValueError for a family that has no such sizes."""
+def add_size_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--blocks``, ``--size`` and ``--vae-width``: a smaller FlashHead model of the same architecture, to
+    check a command end to end on a CPU (``sized_family`` takes them)."""
+    parser.add_argument("--blocks", type=int, default=None, help="fewer FlashHead DiT blocks (a CPU check)")
+    parser.add_argument("--size", type=int, default=None, help="another square FlashHead video size (a CPU check)")
+    parser.add_argument("--vae-width", type=float, default=None,
+                        help="the FlashHead VAE's channels as a fraction of the released one's, random weights "
+                             "only (a CPU check)")
+
+
+def sized_family(name: str, blocks: int | None = None, size: int | None = None,
+                 vae_width: float | None = None) -> ModelFamily:
+    """The family ``name``, with fewer DiT blocks, another square video size or a narrower VAE when given (a
+    FlashHead model on the CPU, to check a bench end to end); a ValueError for a family that has no such sizes."""
     from charstream.model.families import get_family
 
     family = get_family(name)
-    if not blocks and not size:
+    if not blocks and not size and not vae_width:
         return family
     if family.generation_mode != "chunk_motion":
-        raise ValueError(f"--blocks and --size resize a FlashHead model, not {name!r}")
+        raise ValueError(f"--blocks, --size and --vae-width resize a FlashHead model, not {name!r}")
+    if vae_width is not None and not 0 < vae_width <= 1:
+        raise ValueError(f"--vae-width is a fraction in (0, 1], got {vae_width}")
     cfg = family.config
     return get_family(name, config=cfg.with_(n_blocks=blocks or cfg.n_blocks, height=size or cfg.height,
-                                            width=size or cfg.width))
+                                            width=size or cfg.width, vae_width=vae_width or cfg.vae_width))
 
 
 def renamed(parser: argparse.ArgumentParser, old: str, new: str) -> None:

@@ -65,7 +65,7 @@ def test_bench_capacity_serves_a_flashhead_session_to_its_client(tmp_path):
     out = tmp_path / "capacity.json"
     done = subprocess.run([sys.executable, "-m", "charstream", "bench", "capacity", "--preset", "flashhead-lite",
                            "--weights", "random", "--portrait", str(PORTRAIT), "--blocks", "1", "--size",
-                           "32", "--sessions", "1", "--workers", "1", "--clients", "1", "--threads", "2",
+                           "32", "--vae-width", "0.25", "--sessions", "1", "--workers", "1", "--clients", "1", "--threads", "2",
                            "--batch-sessions", "2", "--warmup", "2", "--hold", "4", "--start-timeout", "90",
                            "--out", str(out)],
                           capture_output=True, text=True, timeout=240)

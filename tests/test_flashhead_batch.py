@@ -1,6 +1,7 @@
-"""FlashHead sessions batched (CPU, fp32, the 2-block DiT at the real width, 32 x 32): several sessions'
-chunks denoised and decoded in one batch are the chunks each session makes alone -- its motion latents,
-portrait, colour reference and noise stay its own -- and the stages' batchers run them together."""
+"""FlashHead sessions batched (CPU, fp32, the 2-block DiT at the real width, a quarter-width VAE, 32 x 32):
+several sessions' chunks denoised and decoded in one batch are the chunks each session makes alone -- its
+motion latents, portrait, colour reference and noise stay its own -- and the stages' batchers run them
+together."""
 
 from __future__ import annotations
 
@@ -79,12 +80,12 @@ def test_pro_chunks_in_one_batch_are_each_sessions_own(parts):  # noqa: F811
     assert (alone[0][1][0] - alone[1][1][0]).abs().max() > 1e-2
 
 
-LITE_SMALL = LITE.with_(n_blocks=1, height=32, width=32)
+LITE_SMALL = LITE.with_(n_blocks=1, height=32, width=32, vae_width=0.25)
 
 
 @pytest.fixture(scope="module")
 def lite_parts():
-    return load_dit("random", "lite", seed=2, cfg=LITE_SMALL), random_ltx_vae(3)
+    return load_dit("random", "lite", seed=2, cfg=LITE_SMALL), random_ltx_vae(3, width=LITE_SMALL.vae_width)
 
 
 def test_lite_chunks_in_one_batch_draw_each_sessions_posterior_noise(lite_parts):

@@ -1,5 +1,6 @@
-"""FlashHead's chunk stream on the CPU: a 2-block DiT at the real width, the Wan VAE and wav2vec2 with seeded
-random weights loaded through their loaders (the released key spaces), a 32 x 32 picture.
+"""FlashHead's chunk stream on the CPU: a 2-block DiT at the real width and wav2vec2 with seeded random
+weights loaded through their loaders (the released key spaces), the Wan VAE at a quarter of its channels
+(its loader: test_flashhead_vae_wan.py), a 32 x 32 picture.
 
 Asserts the chunk-motion contract: 28 new frames a chunk; the first chunk continues the portrait; every
 later chunk's motion latents are the previous chunk's last 5 decoded frames, colour-matched to the
@@ -10,7 +11,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_flashhead_vae_wan import random_wan_state
 
 from charstream.model.families import get_family
 from charstream.model.families.flashhead.chunks import ChunkMotionStream, ChunkRunner, portrait_tensor
@@ -18,9 +18,9 @@ from charstream.model.families.flashhead.colour import colour_reference, match_c
 from charstream.model.families.flashhead.config import LITE, TEST
 from charstream.model.families.flashhead.loader import load_dit
 from charstream.model.families.flashhead.vae_ltx import random_ltx_vae
-from charstream.model.families.flashhead.vae_wan import load_wan_vae
+from charstream.model.families.flashhead.vae_wan import random_wan_vae
 
-SMALL = TEST.with_(height=32, width=32)
+SMALL = TEST.with_(height=32, width=32, vae_width=0.25)  # a quarter of the VAE's channels: the same steps, 10x quicker
 
 
 def portrait() -> np.ndarray:
@@ -31,10 +31,7 @@ def portrait() -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def parts(tmp_path_factory):
-    path = tmp_path_factory.mktemp("VAE_Wan") / "Wan2.1_VAE.pth"
-    torch.save(random_wan_state(5), path)
-    vae = load_wan_vae(path)
-    return load_dit("random", "pro", seed=2, cfg=SMALL), vae
+    return load_dit("random", "pro", seed=2, cfg=SMALL), random_wan_vae(5, width=SMALL.vae_width)
 
 
 def test_chunks_continue_through_recoded_motion_latents(parts):
@@ -125,9 +122,9 @@ def test_a_chunk_started_inside_the_last_one_continues_the_frames_shown_before_i
 def test_lite_streams_24_new_frames_through_its_ltx_posterior_samples():
     """FlashHead Lite: 5 latents of the LTX VAE a chunk (x8 in time, x32 in space), the last 9 decoded
     frames colour-matched and re-encoded as a sample of the posterior drawn from the session's noise."""
-    lite = get_family("flashhead-lite", config=LITE.with_(n_blocks=1, height=32, width=32))
+    lite = get_family("flashhead-lite", config=LITE.with_(n_blocks=1, height=32, width=32, vae_width=0.25))
     dit = load_dit("random", "lite", seed=2, cfg=lite.config)
-    vae = random_ltx_vae(3)
+    vae = random_ltx_vae(3, width=lite.config.vae_width)
     stream = ChunkMotionStream(dit, vae, portrait_tensor(portrait(), 32, 32), seed=4)
     assert stream.reference.shape == (1, 128, 5, 1, 1) and stream.motion.shape == (1, 128, 1, 1, 1)
     tokens = np.random.default_rng(1).normal(size=(5, lite.config.audio_tokens, lite.config.dim)).astype(np.float32)
@@ -220,4 +217,4 @@ def test_a_chunks_lead_frames_are_handed_over_before_its_rest_is_decoded(parts):
         with pytest.raises(ValueError, match="lead_latents"):
             SMALL.with_(lead_latents=lead)
     with pytest.raises(ValueError, match="needs the Wan VAE"):  # LTX decodes a chunk at once
-        ChunkRunner(dit, random_ltx_vae(0))
+        ChunkRunner(dit, random_ltx_vae(0, width=0.25))

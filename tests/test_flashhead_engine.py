@@ -1,5 +1,5 @@
 """FlashHead Lite sessions hosted by a real ``charstream engine`` process (a 2-block DiT at the real width,
-32 x 32, seeded random weights, CPU): each front-end sends its portrait in its host request, the engine
+a quarter-width VAE, 32 x 32, seeded random weights, CPU): each front-end sends its portrait in its host request, the engine
 makes the session's chunk stream and runs both sessions' chunks and audio encodes through its batchers,
 and a session releases the frames it releases with its model stages in its own process. Then the
 engine's refusal of a host request without a portrait or with a malformed one, and of a start without
@@ -38,7 +38,7 @@ def session(shift: int, endpoint: str | None) -> LiveSession:
         config.engine_endpoint = endpoint
     config.playout.target_depth_chunks = 1
     config.diffusion.threads = config.decode.threads = 1
-    return LiveSession(config, f"s{shift}", weights="random", peer=False, family=sized_family("flashhead-lite", 2, 32),
+    return LiveSession(config, f"s{shift}", weights="random", peer=False, family=sized_family("flashhead-lite", 2, 32, 0.25),
                        portrait=face(shift))
 
 
@@ -47,7 +47,7 @@ def engine(tmp_path_factory):
     folder = tmp_path_factory.mktemp("engine")
     endpoint = f"ipc://{folder}/engine.sock"
     proc = start_engine(endpoint, folder / "engine.log", "--preset", "flashhead-lite", "--weights", "random",
-                        "--blocks", "2", "--size", "32", "--batch-sessions", "2")
+                        "--blocks", "2", "--size", "32", "--vae-width", "0.25", "--batch-sessions", "2")
     try:
         yield endpoint
     finally:

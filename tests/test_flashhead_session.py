@@ -1,6 +1,6 @@
 """A FlashHead session through every stage on the CPU: the scripted agent (real speech synthesis, silero VAD)
 -> ingest -> conditioning (wav2vec2 + adapter over the 8 s rolling context) -> chunk diffusion (a 2-block DiT
-at the real width) -> chunk decode (the Wan VAE, the chunk's last frames colour-matched and re-encoded) ->
+at the real width) -> chunk decode (the Wan VAE at a quarter of its channels, the chunk's last frames colour-matched and re-encoded) ->
 playout at 25 fps. Seeded random weights through the loaders; a 32 x 32 picture. Asserts behaviour, not
 speed: frames on the 25 fps timeline, 28 new frames and 28 x 1,920 samples a chunk, motion latents fed from
 the previous chunk, the turn's speech reaching a chunk."""
@@ -18,7 +18,7 @@ from charstream.model.families.flashhead.family import FlashHeadFamily
 from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.session import LiveSession
 
-SMALL = TEST.with_(height=32, width=32)
+SMALL = TEST.with_(height=32, width=32, vae_width=0.25)
 TIMEOUT_S = 150
 
 

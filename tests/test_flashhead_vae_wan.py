@@ -137,7 +137,9 @@ def test_a_clip_decoded_in_parts_is_the_clip_decoded_at_once(ours):
             frames, history = ours.decode_part(latents[:, :, start:end], history, last=end == 9)
             parts.append(frames)
         assert [p.shape[2] for p in parts][0] == 1 + 4 * (cuts[0] - 1) and history == ()
-        assert rel(torch.cat(parts, dim=2), whole) < 1e-6, cuts
+        # fp32 rounding only (alone the parts are the whole bit for bit; after other convolutions in the
+        # process oneDNN may pick another algorithm for a part's shape): a wrong history is ~1e-1 off
+        assert rel(torch.cat(parts, dim=2), whole) < 1e-5, cuts
     with pytest.raises(ValueError, match="at least 2 latents"):
         ours.decode_part(latents[:, :, :1])
 
@@ -187,3 +189,27 @@ def test_refuses_bad_files(wan_file, ours, tmp_path):
 
     with pytest.raises(ValueError, match="1 \\+ 4k"):
         ours.encode_motion(torch.zeros(1, 3, 4, 16, 16))
+
+
+def test_a_narrower_vae_keeps_the_latents_and_is_refused_where_weights_are_released(tmp_path):
+    """``vae_width`` (a CPU check's VAE): the same latents and frames at a fraction of the channels, random
+    weights only; a width that leaves no even channel count, or a released folder, is refused naming it."""
+    from charstream.model.families.flashhead.family import FlashHeadFamily
+    from charstream.model.families.flashhead.vae_ltx import random_ltx_vae
+    from charstream.model.families.flashhead.vae_wan import random_wan_vae
+    from charstream.pipeline.arguments import sized_family
+
+    narrow = random_wan_vae(0, width=0.25)
+    assert narrow.decoder.conv_in.out_channels == 96  # 24 base channels x 4 at the deepest level
+    with torch.no_grad():
+        frames = narrow.decode_chunk(torch.randn(1, 16, 3, 2, 2))
+        assert frames.shape == (1, 3, 9, 16, 16) and narrow.encode_motion(frames).shape == (1, 16, 3, 2, 2)
+    assert random_ltx_vae(0, width=0.25).decoder.conv_in.conv.out_channels == 128  # 512 / 4
+    with pytest.raises(ValueError, match="even number"):
+        random_wan_vae(0, width=0.01)
+    family = sized_family("flashhead-pro", 1, 32, 0.25)
+    assert family.config.vae_width == 0.25 and family.config.n_blocks == 1
+    with pytest.raises(ValueError, match=r"fraction in \(0, 1\]"):
+        sized_family("flashhead-pro", vae_width=2.0)
+    with pytest.raises(ValueError, match="random weights only"):
+        FlashHeadFamily("pro", config=family.config).generator(str(tmp_path))

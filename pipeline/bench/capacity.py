@@ -41,8 +41,8 @@ started. The JSON (``--out``) is rewritten after each count, so a run cut short 
 
 A FlashHead preset (``--portrait`` the face every session animates; its weights folder or ``random``)
 holds its own rate (25 fps); its sessions share their worker's model (``inproc``), and with
-``--batch-sessions`` their chunks are batched. ``--blocks`` / ``--size`` make it small enough to check the
-bench on a CPU.
+``--batch-sessions`` their chunks are batched. ``--blocks`` / ``--size`` / ``--vae-width`` make it small
+enough to check the bench on a CPU.
 """
 
 from __future__ import annotations
@@ -106,8 +106,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", default="packaged",
                         help="'packaged' (the trained weights shipped), 'random', or a FlashHead weights folder")
     parser.add_argument("--portrait", help="the face a FlashHead preset animates (every session's)")
-    parser.add_argument("--blocks", type=int, default=None, help="fewer FlashHead DiT blocks (a CPU check of the bench)")
-    parser.add_argument("--size", type=int, default=None, help="another square FlashHead video size (a CPU check)")
+    arguments.add_size_arguments(parser)
     arguments.renamed(parser, "--placement", "--hosting")
     parser.add_argument("--gpus", metavar="LAYOUT", default=None,
                         help="GPU layout of every session (pipeline/runtime/layouts.py), e.g. 1; default: CPU")
@@ -846,7 +845,7 @@ def run(args: argparse.Namespace) -> int:
     if args.engines < 0 or args.engines > args.workers:
         raise SystemExit("charstream bench capacity: --engines must be 0..--workers (each worker's sessions use one engine)")
     try:  # the model (FlashHead: its weights folder checked from the headers, and the portrait)
-        args.family = arguments.sized_family(args.preset, args.blocks, args.size)
+        args.family = arguments.sized_family(args.preset, args.blocks, args.size, args.vae_width)
         _, args.portrait_image = arguments.model_choice(args.preset, args.weights, args.portrait)
     except ValueError as e:
         raise SystemExit(f"charstream bench capacity: {e}") from None
@@ -870,7 +869,7 @@ def run(args: argparse.Namespace) -> int:
     configure_logging("error")
     report: dict[str, Any] = {
         "bench": "capacity", "preset": args.preset, "weights": args.weights, "gpus": args.gpus,
-        "blocks": args.blocks, "size": args.size,
+        "blocks": args.blocks, "size": args.size, "vae_width": args.vae_width,
         "hosting": hosting(args), "engines": args.engines, "workers": args.workers, "clients": args.clients,
         "client_nice": args.client_nice, "sessions": args.sessions,
         "hold_s": args.hold, "warmup_s": args.warmup, "min_fps": args.min_fps, "budget_s": args.budget_s,

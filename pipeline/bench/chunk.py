@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from charstream.model.families import FLASHHEAD_NAMES
-from charstream.pipeline.arguments import sized_family
+from charstream.pipeline.arguments import add_size_arguments, sized_family
 from charstream.pipeline.bench.output import commit_id, emit_report, text_table
 from charstream.stages.conditioning.batcher import EncodeBatcher
 from charstream.stages.shared.chunk_batcher import ChunkDecodeBatcher, ChunkDenoiseBatcher
@@ -57,8 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "without CUDA graphs)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="torch.compile the DiT and the VAE (default: on CUDA, as served)")
-    parser.add_argument("--blocks", type=int, default=None, help="fewer DiT blocks (a CPU check of the bench)")
-    parser.add_argument("--size", type=int, default=None, help="another square video size (a CPU check)")
+    add_size_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print the report as JSON (the table goes to stderr)")
     parser.add_argument("--out", default=None, help="also write the JSON report here")
 
@@ -221,7 +220,7 @@ def side_by_side(sessions: list[Session], seconds: float, chunk_s: float, frames
 def measure(args: argparse.Namespace) -> dict:
     import torch
 
-    family = sized_family(args.model, args.blocks, args.size)
+    family = sized_family(args.model, args.blocks, args.size, args.vae_width)
     cfg = family.config
     chunk_s = family.timeline.chunk_seconds
     began = time.perf_counter()
@@ -257,7 +256,7 @@ def measure(args: argparse.Namespace) -> dict:
         "model": args.model, "weights": args.weights, "device": args.device,
         "gpu": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else platform.processor(),
         "torch": torch.__version__, "commit": commit_id(), "compiled": first.stream.compiled,
-        "size": [cfg.height, cfg.width], "blocks": cfg.n_blocks, "new_frames_per_chunk": cfg.new_frames_per_chunk,
+        "size": [cfg.height, cfg.width], "blocks": cfg.n_blocks, "vae_width": cfg.vae_width, "new_frames_per_chunk": cfg.new_frames_per_chunk,
         "fps": cfg.fps, "chunk_seconds": chunk_s, "first_session_load_s": load_s,
         "one_session": parts, "side_by_side": ladder,
         "peak_memory_gib": torch.cuda.max_memory_allocated(args.device) / 2**30 if args.device.startswith("cuda") else None,

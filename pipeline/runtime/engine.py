@@ -475,14 +475,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="serve Prometheus metrics (the hosted sessions' step times, the process's) on this port")
     parser.add_argument("--metrics-host", default=TracingConfig().prometheus_host,
                         help="the metrics listener's address (default: %(default)s)")
-    parser.add_argument("--blocks", type=int, default=None, help="fewer FlashHead DiT blocks (a CPU check)")
-    parser.add_argument("--size", type=int, default=None, help="another square FlashHead video size (a CPU check)")
+    arguments.add_size_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     max_sessions = args.max_sessions or (args.batch_sessions if args.batch_sessions > 1 else 16)
     try:
-        family = arguments.sized_family(args.preset, args.blocks, args.size)
+        family = arguments.sized_family(args.preset, args.blocks, args.size, args.vae_width)
         weights = arguments.model_weights(args.preset, args.weights)
         config = engine_config(args.preset, args.gpus, args.batch_sessions)
         config.tracing.prometheus_port, config.tracing.prometheus_host = args.metrics_port, args.metrics_host

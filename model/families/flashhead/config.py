@@ -30,6 +30,8 @@ class FlashHeadConfig:
     latent_channels: int = 16  # the VAE's; the DiT reads noise and reference latents stacked (2x)
     patch: tuple[int, int, int] = (1, 2, 2)  # (t, h, w) on the latent grid
     vae_stride: tuple[int, int, int] = (4, 8, 8)  # (t, h, w) of the VAE
+    # the VAE's channels as a fraction of the released one's: below 1 only with random weights (a CPU check)
+    vae_width: float = 1.0
     # video timeline
     height: int = 512
     width: int = 512

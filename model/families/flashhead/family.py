@@ -143,15 +143,18 @@ class FlashHeadFamily(ModelFamily):
             from charstream.model.families.flashhead.vae_ltx import load_ltx_vae, random_ltx_vae
             from charstream.model.families.flashhead.vae_wan import load_wan_vae, random_wan_vae
 
+            width = self._config.vae_width
+            if weights != "random" and width != 1.0:
+                raise ValueError(f"a VAE of width {width} has random weights only: {weights} holds the released VAE")
             cuda = str(device).startswith("cuda")
             if cuda:
                 torch.backends.cudnn.benchmark = True  # cuDNN's fastest conv per VAE shape, chosen once
             dtype = torch.bfloat16 if cuda else torch.float32
             dit = load_dit(weights, self.variant, device, dtype, seed, self.audio_encoder, self._config)
             if self.variant == "lite":
-                return dit, (random_ltx_vae(seed, device, dtype) if weights == "random"
+                return dit, (random_ltx_vae(seed, device, dtype, width) if weights == "random"
                              else load_ltx_vae(Path(weights) / LTX_VAE_DIR, device, dtype))
-            return dit, (random_wan_vae(seed, device, dtype) if weights == "random"
+            return dit, (random_wan_vae(seed, device, dtype, width) if weights == "random"
                          else load_wan_vae(Path(weights) / WAV_VAE, device, dtype))
 
         return self._shared("generator", weights, device, seed, load)

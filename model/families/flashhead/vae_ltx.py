@@ -150,9 +150,9 @@ class MidBlock(nn.Module):
 
 
 class Encoder(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, widths: Sequence[int]) -> None:
         super().__init__()
-        widths, layers = LTX_VAE_CONFIG["block_out_channels"], LTX_VAE_CONFIG["layers_per_block"]
+        layers = LTX_VAE_CONFIG["layers_per_block"]
         scaling = LTX_VAE_CONFIG["spatio_temporal_scaling"]
         self.conv_in = CausalConv3d(3 * PATCH * PATCH, widths[0])
         self.down_blocks = nn.ModuleList(
@@ -171,9 +171,9 @@ class Encoder(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, widths: Sequence[int]) -> None:
         super().__init__()
-        widths = LTX_VAE_CONFIG["block_out_channels"][::-1]
+        widths = widths[::-1]
         layers = LTX_VAE_CONFIG["layers_per_block"][::-1]
         scaling = LTX_VAE_CONFIG["spatio_temporal_scaling"][::-1]
         self.conv_in = CausalConv3d(LATENT_CHANNELS, widths[0], causal=False)
@@ -193,12 +193,17 @@ class Decoder(nn.Module):
 
 
 class LtxVAE(nn.Module):
-    """Encoder + decoder + the latent statistics stored with the weights. Build, then ``load_ltx_vae``."""
+    """Encoder + decoder + the latent statistics stored with the weights. Build, then ``load_ltx_vae``.
+    ``width``: the channels as a fraction of the released VAE's (1); a narrower one has the same
+    architecture and latents, for checks on a CPU with random weights."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: float = 1.0) -> None:
         super().__init__()
-        self.encoder = Encoder()
-        self.decoder = Decoder()
+        widths = [round(w * width) for w in LTX_VAE_CONFIG["block_out_channels"]]
+        if min(widths) < 1:
+            raise ValueError(f"an LTX VAE width of {width} leaves a block without channels: {widths}")
+        self.encoder = Encoder(widths)
+        self.decoder = Decoder(widths)
         self.register_buffer("latents_mean", torch.zeros(LATENT_CHANNELS))
         self.register_buffer("latents_std", torch.ones(LATENT_CHANNELS))
 
@@ -268,11 +273,13 @@ def load_ltx_vae(folder: str | Path, device: str | torch.device = "cpu", dtype: 
     return vae.eval().requires_grad_(False)
 
 
-def random_ltx_vae(seed: int, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> LtxVAE:
-    """Seeded random weights of the LTX VAE (PyTorch's initialisation), zero-mean unit-std latent statistics."""
+def random_ltx_vae(seed: int, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                   width: float = 1.0) -> LtxVAE:
+    """Seeded random weights of the LTX VAE (PyTorch's initialisation), zero-mean unit-std latent statistics;
+    ``width`` as ``LtxVAE``'s."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        vae = LtxVAE()
+        vae = LtxVAE(width)
     vae = vae.to(device, dtype)
     vae.latents_mean, vae.latents_std = vae.latents_mean.float(), vae.latents_std.float()
     return vae.eval().requires_grad_(False)

@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from charstream.model.families.flashhead.vae_files import check_shapes, load_torch_zip
 
 Z_DIM = 16
+BASE_DIM = 96  # the released VAE's base channels (x1, 2, 4, 4 by level)
 TEMPORAL_STRIDE = 4
 SPATIAL_STRIDE = 8
 # Per-channel statistics of the encoder's posterior mean (Wan2.1): the DiT sees (mu - mean) / std.
@@ -237,7 +238,7 @@ class Downsample(nn.Module):
 
 
 class Encoder(nn.Module):
-    def __init__(self, dim: int = 96, z_dim: int = 2 * Z_DIM, dim_mult: tuple[int, ...] = (1, 2, 4, 4),
+    def __init__(self, dim: int = BASE_DIM, z_dim: int = 2 * Z_DIM, dim_mult: tuple[int, ...] = (1, 2, 4, 4),
                  num_res_blocks: int = 2, temporal_downsample: tuple[bool, ...] = (False, True, True)) -> None:
         super().__init__()
         dims = [dim * m for m in (1, *dim_mult)]
@@ -261,7 +262,7 @@ class Encoder(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, dim: int = 96, z_dim: int = Z_DIM, dim_mult: tuple[int, ...] = (1, 2, 4, 4),
+    def __init__(self, dim: int = BASE_DIM, z_dim: int = Z_DIM, dim_mult: tuple[int, ...] = (1, 2, 4, 4),
                  num_res_blocks: int = 2, temporal_upsample: tuple[bool, ...] = (True, True, False)) -> None:
         super().__init__()
         dims = [dim * m for m in (dim_mult[-1], *dim_mult[::-1])]
@@ -289,14 +290,19 @@ class Decoder(nn.Module):
 
 
 class WanVAE(nn.Module):
-    """Encoder + decoder + latent normalisation. Build, then ``load_wan_vae`` (or ``load_state_dict``)."""
+    """Encoder + decoder + latent normalisation. Build, then ``load_wan_vae`` (or ``load_state_dict``).
+    ``width``: the channels as a fraction of the released VAE's (1); a narrower one has the same
+    architecture and latents, for checks on a CPU with random weights."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: float = 1.0) -> None:
         super().__init__()
-        self.encoder = Encoder()
+        dim = round(BASE_DIM * width)
+        if dim < 2 or dim % 2:
+            raise ValueError(f"a Wan VAE width of {width} gives {dim} base channels: an even number >= 2 is needed")
+        self.encoder = Encoder(dim)
         self.quant_conv = CausalConv3d(2 * Z_DIM, 2 * Z_DIM, 1)
         self.post_quant_conv = CausalConv3d(Z_DIM, Z_DIM, 1)
-        self.decoder = Decoder()
+        self.decoder = Decoder(dim)
         self.register_buffer("latent_mean", torch.tensor(LATENT_MEAN).view(1, Z_DIM, 1, 1, 1), persistent=False)
         self.register_buffer("latent_std", torch.tensor(LATENT_STD).view(1, Z_DIM, 1, 1, 1), persistent=False)
 
@@ -369,11 +375,13 @@ def load_wan_vae(path: str | Path, device: str | torch.device = "cpu", dtype: to
     return _channels_last(vae.eval().requires_grad_(False))
 
 
-def random_wan_vae(seed: int, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> WanVAE:
-    """Seeded random weights of the Wan VAE (PyTorch's initialisation), laid out as ``load_wan_vae``'s."""
+def random_wan_vae(seed: int, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                   width: float = 1.0) -> WanVAE:
+    """Seeded random weights of the Wan VAE (PyTorch's initialisation), laid out as ``load_wan_vae``'s;
+    ``width`` as ``WanVAE``'s."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        vae = WanVAE().to(device, dtype)
+        vae = WanVAE(width).to(device, dtype)
     vae.latent_mean = torch.tensor(LATENT_MEAN, device=device).view(1, Z_DIM, 1, 1, 1)  # statistics stay float32
     vae.latent_std = torch.tensor(LATENT_STD, device=device).view(1, Z_DIM, 1, 1, 1)
     return _channels_last(vae.eval().requires_grad_(False))
