@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
+from charstream.pipeline.bench import transport
 from charstream.pipeline.cli import main
 
 
@@ -43,6 +45,9 @@ def test_bench_transport_ipc_sends_video_through_slots_beside_raw_zeromq(tmp_pat
     assert printed["load_avg_1m_at_start"] >= 0
     # 9.2 MB is 2,250 pages: a fresh array per message would fault in each; pooled buffers are reused
     assert result["video_chunk"]["receiver_faults_per_message"] < 200
+    # libzmq leaves a bound ipc socket's file: they are in the run's own folder, which goes at exit
+    sockets = {p.name.rsplit("-", 1)[0] for p in Path(transport._ipc_folder()).glob("*.sock")}
+    assert sockets == {"channel", "raw", "raw-cross"}, sockets
 
 
 def test_bench_transport_takes_the_video_shape_and_slot_size(tmp_path, capsys):

@@ -31,7 +31,9 @@ Two message sizes: a ``Conditioning`` of the ``characters-57b`` preset (9 × 102
 from __future__ import annotations
 
 import argparse
+import atexit
 import concurrent.futures
+import functools
 import multiprocessing
 import platform
 import resource
@@ -129,13 +131,26 @@ async def _produce(transport: Transport, endpoint: str, make, count: int, period
     return {"started": started, "sent": sent, "rss": rss, "max_in_flight_credit": max_credit}
 
 
+@functools.cache
+def _ipc_folder() -> str:
+    """This process's folder for the bench's ipc sockets, removed at exit: libzmq leaves a bound socket's
+    file behind when the socket closes."""
+    folder = tempfile.TemporaryDirectory(prefix="charstream-bench-")
+    atexit.register(folder.cleanup)
+    return folder.name
+
+
+def _ipc_endpoint(name: str) -> str:
+    return f"ipc://{_ipc_folder()}/{name}-{time.monotonic_ns()}.sock"
+
+
 async def _phase(kind: str, pool, transport: Transport, make, count: int, capacity: int,
                  period_s: float = 0.0, delay_s: float = 0.0, sample_rss: bool = False) -> tuple[dict, dict, int]:
     """One producer/consumer run; returns (producer, consumer, producer RSS at start)."""
     if kind == "inproc":
         endpoint = f"inproc://bench-{time.monotonic_ns()}"
     elif kind == "ipc":
-        endpoint = f"ipc://{tempfile.gettempdir()}/charstream-bench-{time.monotonic_ns()}.sock"
+        endpoint = _ipc_endpoint("channel")
     else:
         endpoint = f"tcp://127.0.0.1:{free_tcp_port('127.0.0.1')}"
     rss0 = psutil.Process().memory_info().rss
@@ -159,7 +174,7 @@ def raw_zmq_latency(kind: str, nbytes: int, count: int) -> dict[str, float]:
     ctx = zmq.Context()
     endpoint = {
         "inproc": "inproc://raw",
-        "ipc": f"ipc://{tempfile.gettempdir()}/charstream-raw-{time.monotonic_ns()}.sock",
+        "ipc": _ipc_endpoint("raw"),
         "tcp": f"tcp://127.0.0.1:{free_tcp_port('127.0.0.1')}",
     }[kind]
     rx, tx = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
@@ -198,7 +213,7 @@ def raw_zmq_cross_process_latency(kind: str, nbytes: int, count: int, pool) -> d
     """Baseline across processes, like the channel's ipc/tcp runs, without asyncio, codec or credits."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PAIR)
-    sock.bind(f"ipc://{tempfile.gettempdir()}/charstream-rawx-{time.monotonic_ns()}.sock" if kind == "ipc"
+    sock.bind(_ipc_endpoint("raw-cross") if kind == "ipc"
               else "tcp://127.0.0.1:*")
     future = pool.submit(raw_zmq_receive, sock.last_endpoint.decode(), count + WARMUP)
     payload = np.ones(nbytes, np.uint8)
