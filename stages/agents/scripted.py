@@ -191,11 +191,14 @@ class ScriptedAgent:
                 yield AgentTurnStart(reply_line, heard=heard, answer=lines[reply_line].agent_text)
             if reply_line is not None:
                 reply = lines[reply_line].agent
-                step = int(round(reply.sample_rate * TICK_S))
-                until = sent + step  # real time: this tick's 20 ms
+                elapsed = int(reply.sample_rate * (now - reply_started))
+                # real time: the reply's clock and this tick's 20 ms -- a tick late on a busy machine sends what
+                # came due, and the ticks that catch up after it send nothing, so the audio never runs ahead
+                until = max(sent, elapsed + int(round(reply.sample_rate * TICK_S)))
                 if config.agent_pace == "synthesized":  # all that ingest takes now: max_ahead_s ahead of its clock
-                    until = max(until, int(reply.sample_rate * (now - reply_started + config.max_ahead_s)))
-                yield AgentAudioFrame(reply.samples[sent:until], reply.sample_rate, turn_ref=reply_line)
+                    until = max(until, elapsed + int(reply.sample_rate * config.max_ahead_s))
+                if until > sent:
+                    yield AgentAudioFrame(reply.samples[sent:until], reply.sample_rate, turn_ref=reply_line)
                 sent = until
                 if sent >= len(reply.samples):
                     yield AgentTurnEnd(reply_line)
