@@ -201,3 +201,48 @@ def test_synthesized_pace_the_user_waits_until_the_reply_is_said():
     said_by = _truth(agent, "agent_turn_start", 0) + agent._lines[0].agent.duration
     assert stage.stats.interrupts == 0
     assert _truth(agent, "user_speech_start", 1) >= said_by + config.turn_gap_s - 0.03
+
+
+@pytest.mark.parametrize("pace", ["realtime", "synthesized"])
+def test_a_late_tick_sends_what_came_due_and_the_reply_never_runs_ahead_of_its_clock(monkeypatch, pace):
+    """The agent's clock stalls 200 ms in the middle of a reply (a busy machine): the next tick sends the
+    audio that came due meanwhile, the ticks that catch up after it send nothing, and at no time has more
+    of the reply gone than its clock allows (one tick ahead; ``max_ahead_s`` when synthesized)."""
+    from charstream.stages.agents import scripted
+    from charstream.stages.ingest.adapters import AgentAudioFrame, AgentTurnStart
+    from charstream.transport.messages import TurnEvent
+
+    config = IngestConfig(think_delay_s=0.1, lead_in_s=0.0, agent_pace=pace, scripted_recognizer=False)
+    agent = ScriptedAgent(config, script=[ScriptLine("Hello there.", "Hi! Nice to meet you.")])
+    anyio.run(agent.start)
+    clock = [1000.0]
+
+    async def sleep(seconds: float) -> None:
+        clock[0] += seconds
+
+    monkeypatch.setattr(scripted.time, "time", lambda: clock[0])
+    monkeypatch.setattr(scripted.anyio, "sleep", sleep)
+
+    async def main():
+        sent, started, stalled = [], None, None
+        async for event in agent.events():
+            if any(what == "user_speech_end" for what, *_ in agent.truth) and agent._user_end is None:
+                await agent.notify(TurnEvent("s", 0, TurnKind.USER_SPEECH_END, 0, clock[0]))
+            if isinstance(event, AgentTurnStart):
+                started = clock[0]
+            elif isinstance(event, AgentAudioFrame) and event.turn_ref is not None:
+                sent.append((clock[0], len(event.samples)))
+                if stalled is None and clock[0] - started >= 0.5:
+                    clock[0] += 0.2  # the next tick runs 200 ms late; ten more are due at once
+                    stalled = len(sent)
+        return sent, started, stalled
+
+    sent, started, stalled = anyio.run(main)
+    rate = agent._lines[0].agent.sample_rate
+    lead = scripted.TICK_S if pace == "realtime" else config.max_ahead_s
+    total = 0
+    for at, n in sent:
+        total += n
+        assert total <= round(rate * (at - started + lead)) + 1, (at - started, total / rate)
+    assert total == len(agent._lines[0].agent.samples)
+    assert sent[stalled][1] >= rate * 0.2  # the late tick: what came due meanwhile, in one frame
