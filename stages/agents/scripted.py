@@ -4,10 +4,11 @@ Each script line is a user utterance and the character's reply. Both are synthes
 (``stages.agents.tts``): the user in ``IngestConfig.user_voice``, the character in ``agent_voice``.
 The agent runs one 20 ms tick at real-time pace and, per tick, yields the simulated user's
 microphone (48 kHz, speech or silence: ingest's VAD listens to it) and, while replying, one frame of
-the reply at espeak's own 22,050 Hz (ingest resamples it, as for any agent): its next 20 ms
-(``agent_pace = "realtime"``), or, as a TTS service pushes audio, all that ingest takes -- up to its
-``max_ahead_s`` ahead of real time (``"synthesized"``: espeak makes the whole line at once, so the
-first frame holds 0.25 s -- ingest's horizon: one chunk where chunks are longer -- each later one 20 ms).
+the reply at espeak's own 22,050 Hz (ingest resamples it, as for any agent): what its clock has
+reached and the next 20 ms (``agent_pace = "realtime"``; a tick that runs late sends what came due),
+or, as a TTS service pushes audio, all that ingest takes -- up to its ``max_ahead_s`` ahead of real
+time (``"synthesized"``: espeak makes the whole line at once, so the first frame holds 0.25 s --
+ingest's horizon: one chunk where chunks are longer -- each later one 20 ms).
 
 A turn: the user speaks → ingest's VAD detects the end of speech and ``notify``s the agent →
 the agent "thinks" for ``think_delay_s`` (standing for an LLM) → it streams the reply. The user's
