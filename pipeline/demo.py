@@ -79,7 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hear", action=argparse.BooleanOptionalAction, default=True,
                         help="run the scripted user's speech through the agent's recogniser (default); "
                              "--no-hear: the agent hears the script's line, and no recogniser is loaded")
-    parser.add_argument("--verbose", action="store_true", help="structured logs (info) on stderr")
+    parser.add_argument("--verbose", action="store_true",
+                        help="structured logs on stderr, at $CHARSTREAM_LOG_LEVEL (default info)")
 
 
 @dataclass
@@ -382,7 +383,7 @@ async def run_demo(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    configure_logging("info" if args.verbose else "error")  # the progress display shows underruns
+    configure_logging(None if args.verbose else "error")  # the progress display shows underruns
     try:
         return asyncio.run(run_demo(args))
     except (ValueError, OSError) as e:

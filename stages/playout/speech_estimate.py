@@ -130,14 +130,17 @@ class SpeechEstimator:
     def measured(self) -> bool:
         return bool(self._step) and bool(self._delivery)
 
-    def observe(self, stamps: dict[str, float], arrived_at: float) -> None:
-        """Record a chunk's parts from its stamps (wall clock) and its arrival here."""
+    def observe(self, stamps: dict[str, float], arrived_at: float) -> tuple[float, float] | None:
+        """Record a chunk's parts from its stamps (wall clock) and its arrival here; its (step, delivery)
+        in seconds, None without the stamps."""
         ready, done = stamps.get("conditioning_ready"), stamps.get("diffusion_done")
         if ready is None or done is None:
-            return
-        self._step.append(done - (ready if self._free_at is None else max(ready, self._free_at)))
-        self._delivery.append(arrived_at - done)
+            return None
+        step, delivery = done - (ready if self._free_at is None else max(ready, self._free_at)), arrived_at - done
+        self._step.append(step)
+        self._delivery.append(delivery)
         self._free_at = stamps.get("decode_done", done) if self.waits_for_decode else done
+        return step, delivery
 
     def decoded(self, stamps: dict[str, float]) -> None:
         """The last part of a chunk that came in parts arrived: the next chunk's step starts from its end."""

@@ -175,7 +175,13 @@ class PlayoutStage(Stage):
 
     def _measure(self, chunk: VideoChunk) -> None:
         """Record the parts of the chunk's production (its stamps, and its arrival now)."""
-        self._estimator.observe(chunk.trace.stamps, time.time())
+        stamps = chunk.trace.stamps
+        parts = self._estimator.observe(stamps, time.time())
+        if parts is not None and self._ctx is not None:
+            decoded = stamps.get("decode_done")
+            self._ctx.log.debug("playout_chunk_measured", chunk=chunk.chunk, epoch=chunk.epoch,
+                                step_ms=round(parts[0] * 1e3, 1), delivery_ms=round(parts[1] * 1e3, 1),
+                                decode_ms=None if decoded is None else round((decoded - stamps["diffusion_done"]) * 1e3, 1))
 
     def _follow_speech(self, chunk: VideoChunk, ctx: StageContext) -> None:
         """Measure the placed speech's chunks against its schedule; its end ends the turn's errors."""
