@@ -40,6 +40,14 @@ def test_busy_step_estimate_waits_for_its_end():
     assert e.expected_s == pytest.approx(0.080 + 0.110 + 0.040)
 
 
+def test_the_sessions_first_chunk_sets_no_estimate():
+    """Its decode paid the session's one-off costs: 2.4 s where the next five took 0.1 s."""
+    est = observed([(0.490, 2.426)] + [(0.310, 0.100)] * 5)
+    estimate = est.estimate(2000.0, 0.0, None)
+    assert (estimate.step_s, estimate.delivery_s) == pytest.approx((0.310, 0.100))
+    assert not observed([(0.490, 2.426)]).measured  # nothing counted yet: no estimate
+
+
 def test_one_slow_chunk_does_not_set_the_estimate_but_a_tenth_of_them_does():
     parts = [(0.110, 0.040)] * 47 + [(0.800, 0.300)]  # one queued / paused chunk in 48
     assert observed(parts).estimate(2000.0, 0.0, None).expected_s == pytest.approx(0.150)

@@ -20,7 +20,10 @@ The estimate, in seconds from now::
     ready = starts + step + delivery + allowance
 
 ``step`` and ``delivery`` are the nearest-rank ``QUANTILE`` (90th percentile) of the last ``HISTORY``
-chunks, so a chunk that waited in a queue or met a GC pause sets no estimate on its own.
+chunks, so a chunk that waited in a queue or met a GC pause sets no estimate on its own. The session's
+first chunk is not among them: it pays the session's one-off costs (a FlashHead Pro session's first
+decode took 2.4 s on an H100 where the next ones took 0.1 s, and with five chunks measured before the
+first turn the 90th percentile was that one).
 
 The allowance is the larger of two. Learned: the second latest of the last ``ERROR_HISTORY`` speech
 chunks' errors (the latest while they span one turn), >= 0 -- a jitter buffer's rule, so one stall in
@@ -40,7 +43,7 @@ from collections import deque
 from dataclasses import dataclass
 
 QUANTILE = 0.9  # of the recent chunks' step and delivery times
-HISTORY = 48  # chunks (8 s) the quantiles are taken over
+HISTORY = 48  # chunks the quantiles are taken over (8 s of tiny's, 54 s of FlashHead Pro's)
 ERROR_HISTORY = 256  # speech chunks (~8 turns) whose second latest error against its schedule is the allowance
 PRIOR_TURNS = 6  # measured turns after which the errors alone set the allowance (the prior halves each turn)
 MAX_TURN_CHUNKS = 256  # errors kept per turn for its log line (bounded; a turn of ~43 s)
@@ -136,9 +139,11 @@ class SpeechEstimator:
         ready, done = stamps.get("conditioning_ready"), stamps.get("diffusion_done")
         if ready is None or done is None:
             return None
-        step, delivery = done - (ready if self._free_at is None else max(ready, self._free_at)), arrived_at - done
-        self._step.append(step)
-        self._delivery.append(delivery)
+        first = self._free_at is None  # the session's first chunk: measured, not counted (module docstring)
+        step, delivery = done - (ready if first else max(ready, self._free_at)), arrived_at - done
+        if not first:
+            self._step.append(step)
+            self._delivery.append(delivery)
         self._free_at = stamps.get("decode_done", done) if self.waits_for_decode else done
         return step, delivery
 
