@@ -132,8 +132,9 @@ def test_lite_streams_24_new_frames_through_its_ltx_posterior_samples():
     assert frames.shape == (24, 32, 32, 3) and lite.timeline.frames_per_chunk == 24
     assert stream.motion.shape == (1, 128, 2, 1, 1)  # the next chunk's 2 motion latents from 9 frames
     again = ChunkMotionStream(dit, vae, portrait_tensor(portrait(), 32, 32), seed=4)
+    again.warm_thread()  # as a session's diffusion thread starts: its re-encode draws none of the session's noise
     again.decode(again.denoise(tokens, 0))
-    torch.testing.assert_close(again.motion, stream.motion)  # the posterior's samples follow the seed
+    assert torch.equal(again.motion, stream.motion)  # the posterior's samples follow the seed
 
 
 

@@ -46,6 +46,7 @@ class ChunkDiffusionStage(Stage):
         if self.batcher is not None:
             self.batcher.opened()
             self.joined = True
+        await self.worker.run(self.stream.warm_thread)  # a turn start's re-encode runs on this thread
 
     async def process(self, msg: Message, ctx: StageContext) -> None:
         tokens = getattr(msg, "audio_tokens", None)

@@ -384,10 +384,22 @@ class ChunkMotionStream:
         frames = self._frames_before(start)
         if frames is None:  # not kept (shown too long ago, or never made): continue the last chunk made
             return self.motion
+        return self._encode_frames(frames, self.generator)
+
+    def _encode_frames(self, frames: np.ndarray, generator: torch.Generator) -> Tensor:
+        """Motion latents of ``frames`` (frames, H, W, 3) uint8."""
         device = self.reference.device
         with torch.no_grad(), self.runner.on_stream():
             pixels = to_unit(torch.from_numpy(frames).to(device).permute(3, 0, 1, 2)[None]).contiguous()
-            return self.runner.encode(pixels, [self.generator])
+            return self.runner.encode(pixels, [generator])
+
+    def warm_thread(self) -> None:
+        """Re-encode the frames before media frame 0 once on the calling thread, result dropped (its noise
+        from a generator of its own: the stream's draws are unchanged). PyTorch keeps cuDNN's timed
+        convolution plans per thread, so the thread that makes a session's re-phased turn starts would
+        otherwise time the encode's convolutions inside its first turn: that chunk's step took 776 and
+        1,040 ms on an H100 where later turns' took ~320."""
+        self._encode_frames(self._frames_before(0), torch.Generator(self.reference.device).manual_seed(0))
 
     def _frames_before(self, start: int) -> np.ndarray | None:
         """The ``motion_frames`` frames shown before media frame ``start`` (the portrait before the first), or
