@@ -148,12 +148,24 @@ class _StdlibRecords(logging.Handler):
             self.handleError(record)
 
 
+LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def log_level(level: str | None = None) -> str:
+    """``level``, else $CHARSTREAM_LOG_LEVEL, else ``info``, checked: one of ``LEVELS`` (any case)."""
+    name = level or os.environ.get("CHARSTREAM_LOG_LEVEL") or "info"
+    if name.lower() not in LEVELS:
+        source = "log level" if level else "CHARSTREAM_LOG_LEVEL"
+        raise ValueError(f"{source}: {name!r} is not a log level (one of {', '.join(LEVELS)})")
+    return name.lower()
+
+
 def configure_logging(level: str | None = None) -> None:
-    """JSON lines to stderr at ``level`` (default: $CHARSTREAM_LOG_LEVEL or ``info``)."""
+    """JSON lines to stderr at ``level`` (default: $CHARSTREAM_LOG_LEVEL or ``info``; ``log_level``)."""
     global _configured
     if _configured:
         return
-    name = (level or os.environ.get("CHARSTREAM_LOG_LEVEL", "info")).upper()
+    name = log_level(level).upper()
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

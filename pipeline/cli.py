@@ -12,6 +12,7 @@ import importlib
 import sys
 
 from charstream import __version__
+from charstream.logs import log_level
 
 # (command words, module, one-line help)
 COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
@@ -74,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
             module.add_arguments(leaves[key])
             break
     args = parser.parse_args(argv)
+    try:  # every command logs, in this process and the ones it starts: a bad level is said once, here
+        log_level()
+    except ValueError as e:
+        parser.error(str(e))
     return int(importlib.import_module(args._module).run(args) or 0)
 
 

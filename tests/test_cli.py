@@ -105,3 +105,14 @@ def test_the_renamed_placement_config_key_is_refused_naming_hosting(tmp_path, ca
     assert main(["serve", "--config", str(tmp_path / "old.toml")]) == 2
     assert capsys.readouterr().out.strip() == ("charstream serve: config key 'placement' is now 'hosting' "
                                                "(inproc, processes or engine)")
+
+
+def test_a_bad_log_level_in_the_environment_is_one_usage_error(monkeypatch, capsys):
+    monkeypatch.setenv("CHARSTREAM_LOG_LEVEL", "loud")
+    with pytest.raises(SystemExit) as exit_:
+        main(["trace", "report", "nothing.jsonl"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "CHARSTREAM_LOG_LEVEL: 'loud' is not a log level (one of debug, info, warning, error, critical)" in err
+    assert "Traceback" not in err
+
