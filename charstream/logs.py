@@ -36,6 +36,7 @@ QUEUE_LINES = 10_000
 DRAIN_S = 1.0
 LIMITED_LINES = 10  # lines of one limited event per window
 LIMITED_PER_S = 10.0  # the window
+LEVELS = ("debug", "info", "warning", "error", "critical")  # structlog's methods, the standard levels
 _configured = False
 
 
@@ -142,13 +143,10 @@ class _StdlibRecords(logging.Handler):
                 fields["error"] = " ".join(f"{type(error).__name__}: {error}".split())[:300]  # aiohttp's spans lines
             level = record.levelname.lower()
             logger = structlog.get_logger()
-            emit = getattr(logger, level if level in ("debug", "info", "warning", "error", "critical") else "error")
+            emit = getattr(logger, level if level in LEVELS else "error")
             log_limited(emit, record.getMessage()[:300], key=f"{record.name}:{record.msg}", **fields)
         except Exception:  # a logging failure must not reach the code that logged
             self.handleError(record)
-
-
-LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 def log_level(level: str | None = None) -> str:

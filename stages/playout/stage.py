@@ -128,7 +128,7 @@ class PlayoutStage(Stage):
             elif self.output.video_format == FORMAT and Yuv420Converter.fits(msg.frames):
                 self._start_conversion(chunk, msg.frames, msg.offset)
             return
-        self._measure(msg)
+        self._measure(msg, ctx)
         clock = self.clock
         # Waiting for room is the backpressure: while we wait, upstream gets no credit.
         while len(clock.buffer) >= self.config.max_depth_chunks:
@@ -173,15 +173,12 @@ class PlayoutStage(Stage):
         elif msg.kind == ControlKind.INTERRUPT:
             await self.rollback(ctx, ControlKind.INTERRUPT)
 
-    def _measure(self, chunk: VideoChunk) -> None:
+    def _measure(self, chunk: VideoChunk, ctx: StageContext) -> None:
         """Record the parts of the chunk's production (its stamps, and its arrival now)."""
-        stamps = chunk.trace.stamps
-        parts = self._estimator.observe(stamps, time.time())
-        if parts is not None and self._ctx is not None:
-            decoded = stamps.get("decode_done")
-            self._ctx.log.debug("playout_chunk_measured", chunk=chunk.chunk, epoch=chunk.epoch,
-                                step_ms=round(parts[0] * 1e3, 1), delivery_ms=round(parts[1] * 1e3, 1),
-                                decode_ms=None if decoded is None else round((decoded - stamps["diffusion_done"]) * 1e3, 1))
+        parts = self._estimator.observe(chunk.trace.stamps, time.time())
+        if parts is not None:
+            ctx.log.debug("playout_chunk_measured", chunk=chunk.chunk, epoch=chunk.epoch,
+                          step_ms=round(parts[0] * 1e3, 1), delivery_ms=round(parts[1] * 1e3, 1))
 
     def _follow_speech(self, chunk: VideoChunk, ctx: StageContext) -> None:
         """Measure the placed speech's chunks against its schedule; its end ends the turn's errors."""
