@@ -128,7 +128,12 @@ def make_factory(source: str, config: PipelineConfig, out: Path | None = None,
                  agent_hub: AgentHub | None = None, weights: str | None = "packaged",
                  portrait: np.ndarray | None = None) -> SessionFactory:
     from charstream.pipeline.session import LiveSession, session_factory
+    from charstream.stages.agents.asr import make_recognizer
 
+    if config.ingest.adapter == "listening":
+        # its model loads once per process (Moonshine's in ~4 s): now, not in the first session's start,
+        # where it would hold up that session's WebRTC handshake and clocks
+        make_recognizer(config.ingest.recognizer)
     reports: set[asyncio.Task] = set()
 
     def on_session(session: LiveSession) -> None:

@@ -13,7 +13,7 @@ from charstream.config_checks import PORT, CheckedSection, check_number, within
 from charstream.model.step.options import StepOptions
 
 AGENT_PACES = ("realtime", "synthesized")  # IngestConfig.agent_pace
-RECOGNIZERS = ("whisper", "pocketsphinx-domain", "pocketsphinx-general")  # IngestConfig.recognizer
+RECOGNIZERS = ("moonshine", "whisper", "pocketsphinx-domain", "pocketsphinx-general")  # IngestConfig.recognizer
 
 
 @dataclass
@@ -21,9 +21,9 @@ class IngestConfig(CheckedSection):
     SECTION = "ingest"
 
     adapter: str = "listening"  # listening (the built-in agent: hears the mic) | scripted | zmq | pipecat | livekit
-    # built-in agent's speech recogniser: whisper (tiny.en, offline) | pocketsphinx-domain (the conversation's
-    # trigram) | pocketsphinx-general (stages/agents/asr.py; pipeline/bench/asr.py measures them)
-    recognizer: str = "whisper"
+    # built-in agent's speech recogniser, all offline: moonshine (base) | whisper (tiny.en) | pocketsphinx-domain
+    # (the conversation's trigram) | pocketsphinx-general (stages/agents/asr.py; pipeline/bench/asr.py measures them)
+    recognizer: str = "moonshine"
     think_delay_s: float = field(default=0.4, metadata=within(0, 60))  # stands for STT + LLM in the scripted agent
     user_voice: str = "en-us"
     agent_voice: str = "en+f3"

@@ -71,12 +71,12 @@ def test_opus_round_trip_keeps_the_speech_in_time():
 
 
 def test_a_small_benchmark_run_reports_every_condition():
-    results = bench(["whisper"], eval_sentences()[:1], ["en-us"], realtime=0)
+    results = bench(["moonshine"], eval_sentences()[:1], ["en-us"], realtime=0)
     assert len(results["runs"]) == 6  # one voice x clean/20 dB/10 dB x raw/Opus
-    clean = results["runs"]["whisper | en-us | clean | opus"]
+    clean = results["runs"]["moonshine | en-us | clean | opus"]
     assert clean["utterances"] == 1 and clean["reference_words"] == 12 and clean["vad_missed_end"] == 0
     assert clean["wer"] <= 0.25, clean["errors"]
-    assert set(results["summary"]) == {f"whisper | all voices | {noise} | {channel}"
+    assert set(results["summary"]) == {f"moonshine | all voices | {noise} | {channel}"
                                        for noise in ("clean", "20 dB", "10 dB") for channel in ("raw", "opus")}
 
 

@@ -17,7 +17,7 @@ from charstream.pipeline.config import PipelineConfig
 from charstream.pipeline.session import session_factory
 from charstream.pipeline.web.server import EgressServer
 from charstream.stages.agents.tts import synthesize
-from charstream.stages.config import EgressConfig
+from charstream.stages.config import EgressConfig, IngestConfig
 from charstream.transport.messages import TurnKind
 
 CHROMIUM = "/usr/bin/chromium"
@@ -114,10 +114,29 @@ def test_page_connects_plays_sends_mic_and_reports_frames():
     assert out["left"] == ({}, {})  # disconnect released the session
 
 
+def _heard_offline(wav: Path) -> str:
+    """What the built-in agent's recogniser hears in ``wav`` through Opus, fed as the agent hears it."""
+    from charstream.pipeline.bench.asr import opus_round_trip, recognise
+    from charstream.stages.agents.asr import TurnRecognizer
+    from charstream.stages.ingest.resample import resample, to_int16
+    from charstream.stages.ingest.vad import UserAudioVAD
+
+    with wave.open(str(wav)) as f:
+        rate, samples = f.getframerate(), np.frombuffer(f.readframes(f.getnframes()), np.int16)
+    mic = opus_round_trip(to_int16(resample(samples.astype(np.float32) / 32768.0, rate, 48_000)))
+
+    async def hear() -> str:
+        ears = await TurnRecognizer.load(IngestConfig().recognizer)
+        return (await recognise(ears, UserAudioVAD(sample_rate=48_000), mic, False))[0]
+
+    return asyncio.run(hear())
+
+
 def test_serve_default_hears_the_fake_microphone_and_answers():
     """``serve``'s default session (the full pipeline, the built-in agent) in real Chromium: the fake
-    microphone's sentence, one the agent was never built around, is heard with its content words
-    (the trace says what was recognised), answered on screen, and
+    microphone's sentence, one the agent was never built around, is heard with its content words, as
+    many as the same recogniser hears in the same file offline through Opus (the trace says what was
+    recognised), answered on screen, and
     the trace's user-experienced latency agrees with the page's own measurement of it (the page
     meters its microphone on its own clock; the server dates the end of speech at capture through
     RTP timestamps + RTCP sender reports + the data channel's clock offset). Two consecutive
@@ -130,6 +149,7 @@ def test_serve_default_hears_the_fake_microphone_and_answers():
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out"
         results = asyncio.run(run_sessions(2, Path(tmp), out=out))
+        offline = set(normalise(_heard_offline(Path(tmp) / "speech.wav")))
         for _ in range(100):  # serve --out writes each report once its session has ended
             reports = sorted(out.glob("*/report.md"))
             if len(reports) == 2 and all((r.parent / "waterfall.png").is_file() for r in reports):
@@ -142,9 +162,12 @@ def test_serve_default_hears_the_fake_microphone_and_answers():
     assert len(traces) == 2 and all(t[0]["heard"] and t[0]["answer"] and "vad" in t[0] for t in traces), traces
     assert " ".join(words(SENTENCE)) not in {" ".join(line) for line in corpus_lines()}
     content = {"cousin", "denver", "tomorrow", "mountains"}
+    # Moonshine hears "tomorrow" in espeak's en-us voice as other words, offline too
+    assert len(content & offline) >= 2, offline
     for r in results:
         assert r.mic_dropped == 0 and r.heard and r.answer  # every word reached the recogniser
-        assert len(content & set(normalise(r.heard))) >= 3, r.heard  # through Opus, tiny.en may miss one
+        heard = content & set(normalise(r.heard))
+        assert len(heard) >= max(2, len(content & offline) - 1), (r.heard, offline)  # WebRTC's audio path may cost one
         assert r.stamps["user_speech_end"] < r.stamps["vad_speech_end"] < r.stamps["vad_decided"]
         # the trace's and the page's clocks agree within a few ms in most sessions; now and then one
         # differs by 40-75 ms (docs/PERF.md, Turn latency; cause not established): a bound, not a median

@@ -29,7 +29,7 @@ USAGE_ERRORS = [  # (argv, what argparse says after "argument OPTION: ")
     (["bench", "fleet", "--nodes", "2,x"], "not a whole number: 'x'"),
     (["bench", "fleet", "--sessions", "1,0"], "must be >= 1, got 0"),
     (["bench", "asr", "--recognizers", "whisper,klingon"],
-     "unknown ['klingon']; known: pocketsphinx-domain, pocketsphinx-general, whisper"),
+     "unknown ['klingon']; known: moonshine, pocketsphinx-domain, pocketsphinx-general, whisper"),
 ]
 
 

@@ -83,9 +83,9 @@ def test_session_mp4_is_24_fps_with_audio_and_covers_the_conversation(demo):
 
 
 def test_a_session_that_fails_at_start_ends_the_demo_with_its_reason(tmp_path):
-    # The scripted agent's recogniser runs on CTranslate2: without it, ingest fails in its setup, before
+    # The scripted agent's recogniser runs on onnxruntime: without it, ingest fails in its setup, before
     # playout exists -- the demo says why and exits 1 (it used to die on the missing playout stats).
-    code = ("import runpy, sys; sys.modules['ctranslate2'] = None; "
+    code = ("import runpy, sys; sys.modules['onnxruntime'] = None; "
             f"sys.argv = ['charstream', 'demo', '--turns', '1', '--out', {str(tmp_path)!r}]; "
             "runpy.run_module('charstream', run_name='__main__')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -1,7 +1,7 @@
 """Speech-recognition benchmark: word error rate and time to the final transcript of the built-in
 agent's recognisers, on speech the system never saw.
 
-    charstream bench asr [--json asr-bench.json] [--recognizers whisper,pocketsphinx-domain]
+    charstream bench asr [--json asr-bench.json] [--recognizers moonshine,whisper]
                          [--sentences 32] [--realtime 32] [--dev] [--noise "10 dB"] [--channel opus]
 
 The sentences are ``pipeline/bench/asr_sentences.txt``: written for this benchmark and used for

@@ -1,8 +1,8 @@
 """Offline speech recognition with pocketsphinx (its wheel ships the US English acoustic model and
 dictionary), streaming: audio is decoded while the user speaks, so the transcript is final a few
-tens of milliseconds after the end of speech. The built-in agent's default recogniser is Whisper
-tiny.en (``stages.agents.whisper``, 12% WER where pocketsphinx had 80-90% on held-out speech:
-``pipeline/bench/asr.py``); pocketsphinx stays selectable (``ingest.recognizer``).
+tens of milliseconds after the end of speech. The built-in agent's default recogniser is Moonshine
+base (``stages.agents.moonshine``, 8% WER on held-out speech where pocketsphinx had 80-90%:
+``pipeline/bench/asr.py``); Whisper tiny.en and pocketsphinx stay selectable (``ingest.recognizer``).
 
     recogniser = SpeechRecognizer(language_model="domain")   # or "general"
     recogniser.begin()
@@ -42,7 +42,7 @@ from charstream.stages.ingest.resample import StreamingResampler, to_int16
 from charstream.stages.ingest.vad import speech_end
 
 if TYPE_CHECKING:
-    from charstream.stages.agents.whisper import WhisperRecognizer
+    from charstream.stages.agents.streaming import StreamingRecognizer
 
 ASR_RATE = 16_000
 LANGUAGE_MODELS = ("domain", "general")
@@ -173,11 +173,15 @@ def _clean(hypothesis: str) -> str:
     return " ".join(kept)
 
 
-def make_recognizer(name: str, sample_rate: int = 48_000) -> SpeechRecognizer | WhisperRecognizer:
-    """The recogniser ``name`` (``stages.config.RECOGNIZERS``): "whisper" (tiny.en, the default),
-    "pocketsphinx-domain" or "pocketsphinx-general"."""
+def make_recognizer(name: str, sample_rate: int = 48_000) -> SpeechRecognizer | StreamingRecognizer:
+    """The recogniser ``name`` (``stages.config.RECOGNIZERS``): "moonshine" (base, the default),
+    "whisper" (tiny.en), "pocketsphinx-domain" or "pocketsphinx-general"."""
+    if name == "moonshine":
+        from charstream.stages.agents.moonshine import MoonshineRecognizer  # it imports this module
+
+        return MoonshineRecognizer(sample_rate)
     if name == "whisper":
-        from charstream.stages.agents.whisper import WhisperRecognizer  # it imports this module
+        from charstream.stages.agents.whisper import WhisperRecognizer
 
         return WhisperRecognizer(sample_rate)
     if name.startswith("pocketsphinx-"):
@@ -192,9 +196,9 @@ class TurnRecognizer:
     before the VAD's start to ``TAIL_S`` after the last loud sample (the VAD only ends a turn after
     300 ms of silence, and pocketsphinx turned trailing silence into words — "do you" — often).
     So the newest ``hold_s`` of an utterance is held back while the user speaks and cut at the end.
-    Whisper (``hold_s`` 0) gets the audio at once and finds the end of speech itself."""
+    A streaming recogniser (``hold_s`` 0) gets the audio at once and finds the end of speech itself."""
 
-    def __init__(self, recogniser: SpeechRecognizer | WhisperRecognizer) -> None:
+    def __init__(self, recogniser: SpeechRecognizer | StreamingRecognizer) -> None:
         self.recogniser = recogniser
         self._worker = anyio.CapacityLimiter(1)  # one decoder call at a time, in order
         self._recent = _Window(round(PREROLL_S * recogniser.sample_rate))  # before an utterance: its lead
@@ -202,7 +206,7 @@ class TurnRecognizer:
         self.listening = False  # between the VAD's start and end of the user's speech
 
     @classmethod
-    async def load(cls, recogniser: str = "whisper", sample_rate: int = 48_000) -> TurnRecognizer:
+    async def load(cls, recogniser: str = "moonshine", sample_rate: int = 48_000) -> TurnRecognizer:
         return cls(await anyio.to_thread.run_sync(make_recognizer, recogniser, sample_rate))
 
     async def hear(self, samples: np.ndarray) -> None:

@@ -1,7 +1,7 @@
 """The built-in voice agent: it hears the user's microphone, recognises what was said offline,
 answers by a few honest rules and speaks with espeak-ng (``IngestConfig.adapter = "listening"``).
 
-    hear(frame) ──────────────► decoded while the user speaks (stages.agents.whisper, offline)
+    hear(frame) ──────────────► decoded while the user speaks (stages.agents.moonshine, offline)
     notify(USER_SPEECH_START) ► the utterance opens (with the pre-roll the VAD needed)
     notify(USER_SPEECH_END)   ► the transcript is final → reply_policy.reply → espeak-ng, sentence
                                 by sentence → AgentTurnStart (with what was heard and answered),
