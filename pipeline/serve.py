@@ -131,8 +131,8 @@ def make_factory(source: str, config: PipelineConfig, out: Path | None = None,
     from charstream.stages.agents.asr import make_recognizer
 
     if config.ingest.adapter == "listening":
-        # its model loads once per process (Moonshine's in ~4 s): now, not in the first session's start,
-        # where it would hold up that session's WebRTC handshake and clocks
+        # its model loads once per process (Moonshine's ~0.7 s, ~6 s the first time on a machine): now, not in
+        # the first session's start, where it would hold up that session's WebRTC handshake and clocks
         make_recognizer(config.ingest.recognizer)
     reports: set[asyncio.Task] = set()
 

@@ -218,3 +218,22 @@ def test_moonshine_folded_graphs_compute_what_the_wheels_graphs_compute():
     states = recogniser._encoder.run(None, {"input_values": audio[None]})[0]
     assert np.abs(folded_states - states).max() <= 1e-4 * np.abs(states).max()
     assert folded_tokens == recogniser._greedy(audio, []) and len(folded_tokens) > 5
+
+
+def test_moonshine_prepares_its_graphs_once_and_again_when_the_cache_is_damaged(tmp_path, monkeypatch,
+                                                                                 fresh_model_checks):
+    monkeypatch.setenv("CHARSTREAM_CACHE", str(tmp_path))
+    make_recognizer("moonshine")  # the empty cache is filled by a child process
+    decoder = moonshine.cache_directory() / "decoder_model_merged.onnx"
+    made = decoder.stat().st_mtime_ns
+    moonshine._loaded_model.cache_clear()
+    make_recognizer("moonshine")
+    assert decoder.stat().st_mtime_ns == made  # reused, not made again
+    decoder.write_bytes(b"not a model")
+    moonshine._loaded_model.cache_clear()
+    recogniser = make_recognizer("moonshine", 48_000)  # made again
+    assert decoder.stat().st_size > 100_000_000 and not list(tmp_path.rglob("*.part"))
+    recogniser.partials = False
+    recogniser.begin()
+    recogniser.feed(mic_audio(HELD_OUT))
+    assert heard_content(recogniser.end().text) >= 4
