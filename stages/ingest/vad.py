@@ -228,10 +228,22 @@ def speech_level(quiet_blocks: list[np.ndarray]) -> float:
     return max(SPEECH_LEVEL, 2.0 * quiet)
 
 
+def _loud(audio: np.ndarray, block: int) -> np.ndarray:
+    """Indices of the samples of ``audio`` (int16 or float) above the speech level, the level set by its
+    quietest ``block``-sample block."""
+    x = audio.astype(np.float32) / 32768.0 if audio.dtype == np.int16 else np.asarray(audio, np.float32)
+    blocks = [x[i:i + block] for i in range(0, len(x) - block + 1, block)] or [x]
+    return np.flatnonzero(np.abs(x) > speech_level(blocks))
+
+
+def speech_start(audio: np.ndarray, block: int) -> int | None:
+    """Index of the first sample of ``audio`` above the speech level (``speech_end``'s rule); None if none."""
+    loud = _loud(audio, block)
+    return int(loud[0]) if len(loud) else None
+
+
 def speech_end(audio: np.ndarray, block: int) -> int | None:
     """Index just after the last sample of ``audio`` (int16 or float) above the speech level, the
     level set by its quietest ``block``-sample block; None if no sample is above it."""
-    x = audio.astype(np.float32) / 32768.0 if audio.dtype == np.int16 else np.asarray(audio, np.float32)
-    blocks = [x[i:i + block] for i in range(0, len(x) - block + 1, block)] or [x]
-    loud = np.flatnonzero(np.abs(x) > speech_level(blocks))
+    loud = _loud(audio, block)
     return int(loud[-1]) + 1 if len(loud) else None
