@@ -115,10 +115,6 @@ class SpeechRecognizer:
         self._samples = 0
         self._open = False
 
-    @property
-    def in_utterance(self) -> bool:
-        return self._open
-
     def begin(self) -> None:
         """Start an utterance (an open one is abandoned)."""
         if self._open:

@@ -101,10 +101,6 @@ class StreamingRecognizer:
         raise NotImplementedError
 
     @property
-    def in_utterance(self) -> bool:
-        return self._utterance is not None
-
-    @property
     def partial_text(self) -> str:
         """The newest partial transcript of the open (or last) utterance."""
         return self._last.partial_text if self._last is not None else ""
