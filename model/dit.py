@@ -241,3 +241,19 @@ class DiT(nn.Module):
         shift, scale = modulation.final
         x = self.final_norm(x[:, :, : self.cfg.video_tokens]) * scale + shift
         return self.unpatchify(self.head(x))
+
+
+def step_flops(model: DiT) -> int:
+    """Floating-point operations (a multiply-add is 2) of one step (every pass) of ``model`` with its window
+    full: the blocks' fused GEMMs, self-attention over the window, cross-attention, the per-pass embeddings
+    and the once-a-step cross K/V. Per rank when ``model`` is a tensor-parallel shard (model/tp.py)."""
+    cfg = model.cfg
+    block = model.blocks[0]
+    heads = block.n_heads
+    t, a = cfg.tokens_per_step, cfg.n_audio_tokens
+    attended = (cfg.sink_frames + cfg.window_frames) * t
+    gemm = 2 * t * (block.w_in.weight.numel() + block.w_out.weight.numel())
+    attention = 4 * t * attended * cfg.head_dim * heads + 4 * t * a * cfg.head_dim * heads
+    replicated = 2 * cfg.video_tokens * cfg.latent_channels * cfg.patch**2 * cfg.dim * 2 + 2 * a * cfg.audio_dim * cfg.dim
+    per_step_once = cfg.n_blocks * 2 * a * block.w_cross_kv.weight.numel() + 2 * a * cfg.audio_dim * cfg.dim
+    return len(cfg.noise_levels) * (cfg.n_blocks * (gemm + attention) + replicated) + per_step_once

@@ -14,10 +14,11 @@ import json
 import torch
 
 from charstream.model.config import PRESETS, ModelConfig, get_preset
-from charstream.model.dit import DiT
+from charstream.model.dit import DiT, step_flops
 from charstream.model.families import FAMILY_NAMES, get_family
 from charstream.model.families.base import CheckpointError
 from charstream.model.tp import apply_tp
+from charstream.timeline import CHARACTERS, Timeline
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", help="the family's weights folder as released, or 'random' (with --model)")
     parser.add_argument("--audio-encoder", help="the wav2vec2-base-960h folder, if not in or beside --weights")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
+    parser.add_argument("--peak-tflops", type=float, metavar="TFLOPS",
+                        help="an accelerator's peak rate at the model's precision (e.g. 989 for an H100 or H200 in "
+                             "bf16, dense): adds the most sessions it could hold in real time at 100%% use")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -42,12 +46,7 @@ def model_report(cfg: ModelConfig, tp: int) -> dict[str, int | float | str]:
     t, a = cfg.tokens_per_step, cfg.n_audio_tokens
     attended = (cfg.sink_frames + cfg.window_frames) * t
     passes = len(cfg.noise_levels)
-    # per pass and rank: the two fused GEMMs of every block, self-attention over the window, cross-attention
-    gemm = 2 * t * (block.w_in.weight.numel() + block.w_out.weight.numel())
-    attention = 4 * t * attended * cfg.head_dim * heads + 4 * t * a * cfg.head_dim * heads
-    replicated = 2 * cfg.video_tokens * cfg.latent_channels * cfg.patch**2 * cfg.dim * 2 + 2 * a * cfg.audio_dim * cfg.dim
-    per_step_once = cfg.n_blocks * 2 * a * block.w_cross_kv.weight.numel() + 2 * a * cfg.audio_dim * cfg.dim
-    flops_rank = passes * (cfg.n_blocks * (gemm + attention) + replicated) + per_step_once
+    flops_rank = step_flops(model)
     kv_elements = 2 * cfg.n_blocks * heads * cfg.storage_slots * cfg.head_dim  # K and V
     return {
         "preset": cfg.name,
@@ -80,8 +79,23 @@ def _human(n: float, unit: str = "") -> str:
     return f"{n:g} {unit}".strip()
 
 
-def family_report(name: str, weights: str, audio_encoder: str | None) -> dict[str, object]:
-    """The family's timeline and parameter count, and what ``weights`` holds against what it needs."""
+def compute_report(flops_per_chunk: dict[str, int], timeline: Timeline, peak_tflops: float | None) -> dict[str, int | float]:
+    """A chunk's FLOPs by part and in all, what a session costs per second of video, and with ``peak_tflops``
+    the most sessions an accelerator of that peak could hold in real time (every FLOP at its peak rate: an
+    upper bound, never reached)."""
+    total = sum(flops_per_chunk.values())
+    per_second = round(total * timeline.fps / timeline.frames_per_chunk)
+    report: dict[str, int | float] = {f"flops_{part}_per_chunk": n for part, n in flops_per_chunk.items()}
+    report |= {"flops_per_chunk": total, "flops_per_video_second": per_second}
+    if peak_tflops is not None:
+        if not peak_tflops > 0:
+            raise ValueError(f"--peak-tflops must be > 0, got {peak_tflops}")
+        report |= {"peak_tflops": peak_tflops, "sessions_at_most": int(peak_tflops * 1e12 // per_second)}
+    return report
+
+
+def family_report(name: str, weights: str, audio_encoder: str | None, peak_tflops: float | None = None) -> dict[str, object]:
+    """The family's timeline, parameter count and compute, and what ``weights`` holds against what it needs."""
     family = get_family(name, **({"audio_encoder": audio_encoder} if audio_encoder else {}))
     timeline = family.timeline
     head = {
@@ -90,9 +104,11 @@ def family_report(name: str, weights: str, audio_encoder: str | None) -> dict[st
         "fps": timeline.fps,
         "new_frames_per_chunk": timeline.frames_per_chunk,
     }
+    compute = compute_report(family.flops_per_chunk(), timeline, peak_tflops)
     if weights == "random":
-        return head | {"variant": family.variant, "weights": "random (seeded)", "ok": True, "params": family.parameter_count()}
-    return head | family.inspect(weights).as_dict()
+        return head | {"variant": family.variant, "weights": "random (seeded)", "ok": True,
+                       "params": family.parameter_count()} | compute
+    return head | family.inspect(weights).as_dict() | compute
 
 
 def run(args: argparse.Namespace) -> int:
@@ -100,8 +116,8 @@ def run(args: argparse.Namespace) -> int:
         if args.weights is None:
             raise SystemExit("charstream model info: --model needs --weights DIR (or --weights random)")
         try:
-            report = family_report(args.model, args.weights, args.audio_encoder)
-        except CheckpointError as e:
+            report = family_report(args.model, args.weights, args.audio_encoder, args.peak_tflops)
+        except (CheckpointError, ValueError) as e:
             raise SystemExit(f"charstream model info: {e}") from None
         if not report["ok"]:
             if args.json:
@@ -113,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("charstream model info: --weights goes with --model (a preset's weights are not checked here)")
     try:
         report = model_report(get_preset(args.preset), args.tp)
-    except ValueError as e:  # a TP size the preset's heads or FFN do not divide
+        report |= compute_report({"denoise": report["flops_per_step_total"]}, CHARACTERS, args.peak_tflops)
+    except ValueError as e:  # a TP size the preset's heads or FFN do not divide; a peak that is no rate
         raise SystemExit(f"charstream model info: {e}") from None
     _print(report, args.json)
     return 0
@@ -126,10 +143,10 @@ def _print(report: dict, as_json: bool) -> None:
     for key, value in report.items():
         if isinstance(value, int) and ("bytes" in key):
             shown = _human(value, "B")
-        elif isinstance(value, int) and ("params" in key or "flops" in key):
+        elif isinstance(value, int) and ("params" in key or key.startswith("flops")):
             shown = _human(value, "FLOP" if "flops" in key else "")
         elif isinstance(value, list):
             shown = f"{len(value)}" + (f" (first: {value[0]})" if value else "")
         else:
             shown = str(value)
-        print(f"{key:28s} {shown}")
+        print(f"{key:30s} {shown}")

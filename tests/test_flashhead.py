@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -292,9 +293,21 @@ def test_model_info_cli(tmp_path, capsys):
     info = json.loads(capsys.readouterr().out)
     assert info["ok"] and info["variant"] == "pro" and info["stored_params"] == 1_507_694_912
     assert info["generation_mode"] == "chunk_motion" and info["new_frames_per_chunk"] == 28
-    assert main(["model", "info", "--model", "flashhead-lite", "--weights", "random"]) == 0
+    # a pass's FLOPs by hand: the blocks' linears over the image tokens (cross-attention's k, v over each
+    # latent's 32 audio tokens), self-attention over every token, each frame's tokens over its audio tokens
+    n, d, audio = 9 * 32 * 32, PRO.dim, 9 * PRO.audio_tokens
+    per_pass = PRO.n_blocks * (2 * n * (6 * d * d + 2 * d * PRO.ffn_dim) + 2 * audio * 2 * d * d
+                               + 4 * n * n * d + 4 * n * PRO.audio_tokens * d)
+    assert info["flops_denoise_per_chunk"] == pytest.approx(4 * per_pass, rel=2e-3)
+    assert 60e12 < info["flops_decode_per_chunk"] < 80e12  # 3-D convs over 33 frames at 512x512
+    assert info["flops_per_video_second"] == pytest.approx(info["flops_per_chunk"] * 25 / 28, rel=1e-9)
+    assert main(["model", "info", "--model", "flashhead-lite", "--weights", "random", "--peak-tflops", "989"]) == 0
     table = capsys.readouterr().out
     assert "flashhead-lite" in table and "24" in table
+    per_second = float(re.search(r"flops_per_video_second +([0-9.]+) TFLOP", table).group(1))
+    assert int(re.search(r"sessions_at_most +(\d+)", table).group(1)) == int(989 // per_second)
+    with pytest.raises(SystemExit, match="--peak-tflops must be > 0"):
+        main(["model", "info", "--model", "flashhead-lite", "--weights", "random", "--peak-tflops", "nan"])
     specs = checkpoint_specs(PRO)
     del specs["blocks.29.ffn.2.bias"]
     write_header_only_folder(tmp_path / "broken", PRO, specs=specs)

@@ -97,6 +97,16 @@ class CheckpointReport:
         }
 
 
+def meta_flops(fn: Callable[[], Any]) -> int:
+    """The floating-point operations of ``fn()`` as PyTorch's FLOP counter sees them (matrix products,
+    convolutions, attention); ``fn`` builds and runs its modules on the meta device."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.device("meta"), torch.no_grad(), FlopCounterMode(display=False) as counter:
+        fn()
+    return int(counter.get_total_flops())
+
+
 class ModelFamily(ABC):
     name: str
     variants: tuple[str, ...]
@@ -117,6 +127,11 @@ class ModelFamily(ABC):
     @abstractmethod
     def parameter_count(self) -> int:
         """Parameters of the variant's model, counted on the meta device."""
+
+    @abstractmethod
+    def flops_per_chunk(self) -> dict[str, int]:
+        """Floating-point operations (a multiply-add is 2) of one chunk of the timeline, by part of the model,
+        counted on the meta device (nothing allocated): what a session costs the accelerator per chunk."""
 
     @abstractmethod
     def inspect(self, weights_dir: str | Path) -> CheckpointReport:

@@ -47,6 +47,14 @@ class CharactersFamily(ModelFamily):
         with torch.device("meta"):
             return sum(p.numel() for p in DiT(self._config).parameters())
 
+    def flops_per_chunk(self) -> dict[str, int]:
+        """A chunk is one step: the DiT's passes with the window full (model/dit.py ``step_flops``); the
+        decoder's convolutions are not counted."""
+        from charstream.model.dit import DiT, step_flops
+
+        with torch.device("meta"):
+            return {"denoise": step_flops(DiT(self._config))}
+
     def inspect(self, weights_dir: str | Path) -> CheckpointReport:
         from charstream.model.dit import DiT
         from charstream.model.families.flashhead.loader import read_safetensors_header

@@ -69,10 +69,10 @@ class ChunkSpeechEncoder:
                 out.append(self._replay(windows[rows[0]]))
                 continue
             samples = torch.from_numpy(np.stack([windows[i] for i in rows])).to(self.taps.device)
-            out.extend(self._tokens(samples).cpu().numpy())
+            out.extend(self.tokens(samples).cpu().numpy())
         return out
 
-    def _tokens(self, samples: Tensor) -> Tensor:
+    def tokens(self, samples: Tensor) -> Tensor:
         """int16 windows (rows, window_samples) on the encoder's device -> float32 (rows, latents, tokens, d)."""
         cfg = self.cfg
         frames = cfg.audio_context_s * cfg.fps
@@ -87,7 +87,7 @@ class ChunkSpeechEncoder:
     def _capture(self) -> None:
         self.samples = torch.zeros(1, self.window_samples, dtype=torch.int16, device=self.taps.device)
         self.capture_stream = torch.cuda.Stream(self.taps.device)  # kept (model/graphs.py says why)
-        self.graph, self.graph_tokens = capture_graph(lambda: self._tokens(self.samples), self.capture_stream)
+        self.graph, self.graph_tokens = capture_graph(lambda: self.tokens(self.samples), self.capture_stream)
 
     def _replay(self, window: np.ndarray) -> np.ndarray:
         with self._turn:

@@ -10,8 +10,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from torch import Tensor
 
-from charstream.model.families.base import AudioConditioner, CheckpointReport, GenerationMode, ModelFamily
+from charstream.model.families.base import (
+    AudioConditioner,
+    CheckpointReport,
+    GenerationMode,
+    ModelFamily,
+    meta_flops,
+)
 from charstream.model.families.flashhead.config import VARIANTS, FlashHeadConfig
 from charstream.model.families.flashhead.loader import (
     LTX_VAE_DIR,
@@ -59,6 +66,43 @@ class FlashHeadFamily(ModelFamily):
 
     def parameter_count(self) -> int:
         return sum(torch.Size(s).numel() for s in used_shapes(self.config).values())
+
+    def flops_per_chunk(self) -> dict[str, int]:
+        """The audio window's encode (wav2vec2 over the whole context + the adapter), the DiT's passes, the VAE
+        decode of the chunk's frames and the re-encode of its last frames into the next chunk's motion latents."""
+        from transformers import Wav2Vec2Config, Wav2Vec2Model
+
+        from charstream.model.families.flashhead.audio import AudioAdapter, SpeechFeatures
+        from charstream.model.families.flashhead.conditioner import ChunkSpeechEncoder
+        from charstream.model.families.flashhead.dit import FlashHeadDiT
+        from charstream.model.families.flashhead.vae_ltx import LtxVAE
+        from charstream.model.families.flashhead.vae_wan import WanVAE
+
+        cfg = self._config
+
+        def latents() -> Tensor:
+            return torch.zeros(1, cfg.latent_channels, cfg.latents_per_chunk, *cfg.latent_grid)
+
+        def audio() -> None:
+            # wav2vec2-base's sizes; the library builds on the CPU whatever the default device
+            speech = SpeechFeatures(Wav2Vec2Model(Wav2Vec2Config()).to("meta"))
+            encoder = ChunkSpeechEncoder(cfg, speech, AudioAdapter(cfg))
+            encoder.tokens(torch.zeros(1, encoder.window_samples, dtype=torch.int16))
+
+        def denoise() -> None:
+            audio_tokens = torch.zeros(1, cfg.latents_per_chunk, cfg.audio_tokens, cfg.dim)
+            FlashHeadDiT(cfg)(latents(), latents(), torch.zeros(1), audio_tokens)
+
+        def vae() -> WanVAE | LtxVAE:
+            return (LtxVAE if self.variant == "lite" else WanVAE)(cfg.vae_width)
+
+        return {
+            "audio_encode": meta_flops(audio),
+            "denoise": len(cfg.sigmas) * meta_flops(denoise),
+            "decode": meta_flops(lambda: vae().decode_chunk(latents())),
+            "motion_encode": meta_flops(lambda: vae().encode_motion(torch.zeros(1, 3, cfg.motion_frames,
+                                                                                cfg.height, cfg.width))),
+        }
 
     def inspect(self, weights_dir: str | Path) -> CheckpointReport:
         return inspect_folder(weights_dir, self.variant, self.audio_encoder)[0]
