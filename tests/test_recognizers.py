@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 
 import anyio
 import numpy as np
@@ -235,7 +236,18 @@ def test_moonshine_folded_graphs_compute_what_the_wheels_graphs_compute():
 def test_moonshine_prepares_its_graphs_once_and_again_when_the_cache_is_damaged(tmp_path, monkeypatch,
                                                                                  fresh_model_checks):
     monkeypatch.setenv("CHARSTREAM_CACHE", str(tmp_path))
+    # other versions' folders: one unused for 40 days (removed when this version's graphs are made), one
+    # loaded yesterday by another installation, and a folder that is not the recogniser's (both kept)
+    days = 86_400
+    for name, age in (("moonshine-base-0.0.1", 40 * days), ("moonshine-base-0.0.2", days), ("other", 40 * days)):
+        (tmp_path / name).mkdir()
+        mark = tmp_path / name / moonshine.USED_MARK
+        mark.touch()
+        os.utime(mark, (time.time() - age,) * 2)
     make_recognizer("moonshine")  # the empty cache is filled by a child process
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["moonshine-base-0.0.2", "other",
+                                                                moonshine.cache_directory().name])
+    assert (moonshine.cache_directory() / moonshine.USED_MARK).is_file()
     decoder = moonshine.cache_directory() / "decoder_model_merged.onnx"
     made = decoder.stat().st_mtime_ns
     moonshine._loaded_model.cache_clear()

@@ -16,7 +16,9 @@ fold. At load the graphs are written out as ONNX and those nodes computed once (
 arithmetic, the same outputs, a 3 s utterance decoded in ~0.10 s instead of ~0.32 s on 2 cores
 (docs/decisions/0030). The fold runs once per machine, in a child process (seconds of protobuf and
 numpy work, which in the loading process stalled its event loop and heartbeats),
-into ``$XDG_CACHE_HOME/charstream/`` (``~/.cache`` by default; ``$CHARSTREAM_CACHE`` overrides it).
+into ``$XDG_CACHE_HOME/charstream/`` (``~/.cache`` by default; ``$CHARSTREAM_CACHE`` overrides it), one
+folder per wheel version; another version's folder that no process has loaded for ``STALE_DAYS`` is removed
+when this version's graphs are made.
 
     recogniser = MoonshineRecognizer(sample_rate=48_000)
     recogniser.begin(); recogniser.feed(samples); transcript = recogniser.end()
@@ -30,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +58,8 @@ MIN_AUDIO = SAMPLE_RATE // 4  # the encoder's convolutions need this much; short
 # won (docs/decisions/0030).
 LEAD_S = 0.1
 _CACHED = np.array([True])  # the decoder's use_cache_branch after its first step
+STALE_DAYS = 30
+USED_MARK = ".last-used"  # touched at every load: how an older version's folder is known to be unused
 
 
 def model_directory() -> Path:
@@ -162,7 +167,21 @@ def folded_files(directory: Path, names: tuple[str, ...]) -> list[Path]:
         if done.returncode != 0 or not all(target.is_file() for _, target in missing):
             error = (done.stderr.strip().splitlines() or ["no output"])[-1]
             raise ModelFileError(f"speech recogniser: could not prepare Moonshine's graphs in {cache_directory()}: {error}")
+        prune_stale(cache_directory())
+    (cache_directory() / USED_MARK).touch()
     return targets
+
+
+def prune_stale(current: Path, days: float = STALE_DAYS) -> None:
+    """Remove the other versions' folders beside ``current`` that no process has loaded for ``days`` (each
+    is ~250 MB); one that another installation still loads stays."""
+    cutoff = time.time() - days * 86_400
+    for other in current.parent.glob("moonshine-base-*"):
+        if other == current or not other.is_dir():
+            continue
+        mark = other / USED_MARK
+        if (mark if mark.exists() else other).stat().st_mtime < cutoff:
+            shutil.rmtree(other, ignore_errors=True)
 
 
 def _fold_into(source: Path, target: Path) -> None:
