@@ -64,6 +64,7 @@ class _Engine:
         self.lib.espeak_Initialize.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
         self.lib.espeak_SetVoiceByName.argtypes = [ctypes.c_char_p]
         self.lib.espeak_SetParameter.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        self.lib.espeak_ng_SetRandSeed.argtypes = [ctypes.c_long]
         self.lib.espeak_Synth.argtypes = [
             ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint, ctypes.c_int, ctypes.c_uint,
             ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p,
@@ -74,6 +75,9 @@ class _Engine:
         )
         if rate <= 0:
             raise RuntimeError(f"espeak-ng failed to initialise (returned {rate}) with data at {data_parent!r}")
+        # breathy voices (en+f3) draw noise from espeak's generator, which it seeds from the clock's second:
+        # a fixed seed makes a process's utterances the same audio in every run
+        self.lib.espeak_ng_SetRandSeed(0)
         self.sample_rate = rate
         self._chunks: list[np.ndarray] = []
         self._events: list[tuple[int, int, int, int, bytes]] = []
