@@ -6,7 +6,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from charstream.logs import configure_logging
 from charstream.model.threads import set_intra_op_threads
+
+
+@pytest.fixture(autouse=True, scope="session")
+def logging_configured_at_start():
+    """Configure this process's logging once, before any test, as every charstream process does at its start.
+
+    Configuration is once per process (later calls are no-ops). A test running a command in-process
+    (``main(["demo", ...])``, which configures logging at ``error``) would otherwise fix the level for
+    every later test, filtering the warnings a test reads from its captured stderr."""
+    configure_logging()
 
 
 @pytest.fixture(scope="module")
