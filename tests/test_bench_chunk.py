@@ -5,6 +5,8 @@ batchers -- the table and JSON."""
 import json
 import time
 
+import pytest
+
 from charstream.model.families.flashhead import family as flashhead_family
 from charstream.pipeline.cli import main
 
@@ -21,11 +23,18 @@ def test_bench_chunk_times_the_parts_and_runs_sessions_side_by_side(tmp_path, ca
     assert set(parts) == {"encode", "denoise", "decode", "decode_lead", "chunk"}
     assert 0 < parts["decode_lead"]["median_ms"] < parts["decode"]["median_ms"]  # the first 8 frames out first
     assert parts["chunk"]["median_ms"] >= parts["denoise"]["median_ms"] > 0
+    # each part's rate: the family's count of its work over its median time (the lead part has no count)
+    flops = report["flops_per_chunk"]
+    assert flops["chunk"] == flops["encode"] + flops["denoise"] + flops["decode"] > 0
+    for part in ("encode", "denoise", "decode", "chunk"):
+        assert parts[part]["tflops"] == pytest.approx(flops[part] / parts[part]["median_ms"] / 1e9)
+    assert "tflops" not in parts["decode_lead"]
     alone, threads, batched = report["side_by_side"]
     assert (alone["mode"], alone["sessions"]) == ("threads", 1)  # one session: on its own stream only
     assert threads["mode"] == "threads" and batched["mode"] == "batched"
     for ladder in (threads, batched):
         assert ladder["sessions"] == 2 and ladder["chunks"] >= 2 and ladder["generated_fps"] > 0
+        assert ladder["model_tflops"] == pytest.approx(ladder["generated_fps"] / 28 * flops["chunk"] / 1e12)
     assert threads["largest_batch"] is None and batched["largest_batch"] in (1, 2)
     assert report["compiled"] is False and report["size"] == [32, 32] and report["blocks"] == 1
     assert report["vae_width"] == 0.25
@@ -37,8 +46,6 @@ def test_bench_chunk_times_the_parts_and_runs_sessions_side_by_side(tmp_path, ca
 
 def test_a_failing_session_stops_the_side_by_side_run_with_its_error():
     """A session whose chunk raises ends the run with that error, not a wait for its first chunk."""
-    import pytest
-
     from charstream.pipeline.bench.chunk import side_by_side
 
     class Session:

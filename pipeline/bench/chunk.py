@@ -19,7 +19,9 @@ own windows (what batching the encodes gains); ``ungraphed``, ``batched`` withou
 gain). A session
 keeps up when its chunks come at least as fast as they play (28 frames at 25 fps: one every 1.12 s); the
 report gives each K's per-session chunk period (median, p90), the frames a second generated in all and
-how long a session waits for each part of its chunk.
+how long a session waits for each part of its chunk. Each part's rate in TFLOP/s is the family's count of its
+work (``ModelFamily.flops_per_chunk``, as ``charstream model info`` prints it) over its median time, and each
+K's the model's work done per second: set beside the accelerator's peak, how much of it a chunk uses.
 This is the model's side of capacity (no WebRTC, no playout): the sessions a GPU can feed.
 """
 
@@ -113,13 +115,26 @@ class Session:
         return times
 
 
-def one_session(session: Session, chunks: int, warmup: int) -> dict:
+def part_flops(flops_per_chunk: dict[str, int]) -> dict[str, int]:
+    """The family's FLOPs of a chunk by the bench's parts: the decode part holds the motion re-encode too."""
+    f = flops_per_chunk
+    return {"encode": f["audio_encode"], "denoise": f["denoise"], "decode": f["decode"] + f["motion_encode"],
+            "chunk": sum(f.values())}
+
+
+def one_session(session: Session, chunks: int, warmup: int, flops: dict[str, int]) -> dict:
+    """Each part's median, min and max ms over ``chunks`` after ``warmup``, and its TFLOP/s (of ``flops``, by part)."""
     for _ in range(warmup):
         session.run_chunk()
     runs = [session.run_chunk() for _ in range(chunks)]
-    return {part: {"median_ms": 1e3 * statistics.median(r[part] for r in runs),
-                   "min_ms": 1e3 * min(r[part] for r in runs),
-                   "max_ms": 1e3 * max(r[part] for r in runs)} for part in runs[0]}
+    parts = {}
+    for part in runs[0]:
+        median = statistics.median(r[part] for r in runs)
+        parts[part] = {"median_ms": 1e3 * median, "min_ms": 1e3 * min(r[part] for r in runs),
+                       "max_ms": 1e3 * max(r[part] for r in runs)}
+        if part in flops:
+            parts[part]["tflops"] = flops[part] / median / 1e12
+    return parts
 
 
 @dataclass
@@ -226,7 +241,8 @@ def measure(args: argparse.Namespace) -> dict:
     began = time.perf_counter()
     first = Session(family, args.weights, args.device, 0, args.compile)
     load_s = time.perf_counter() - began
-    parts = one_session(first, args.chunks, args.warmup)
+    flops = part_flops(family.flops_per_chunk())
+    parts = one_session(first, args.chunks, args.warmup, flops)
     print(f"one session: chunk median {parts['chunk']['median_ms']:.1f} ms", file=sys.stderr, flush=True)
     counts = [int(k) for k in args.sessions.split(",") if k.strip()]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -249,6 +265,7 @@ def measure(args: argparse.Namespace) -> dict:
                 Batchers.make(family, args.weights, args.device, k, first.stream.compiled, encodes=mode != "chunks",
                               graphed=mode != "ungraphed")
             ladder.append(side_by_side(streams[:k], args.seconds, chunk_s, cfg.new_frames_per_chunk, batchers, mode))
+            ladder[-1]["model_tflops"] = ladder[-1]["generated_fps"] / cfg.new_frames_per_chunk * flops["chunk"] / 1e12
             print(ladder_line(ladder[-1]), file=sys.stderr, flush=True)  # a long ladder's rows as they come
             if batchers is not None:
                 batchers.close(streams[:k])
@@ -257,7 +274,7 @@ def measure(args: argparse.Namespace) -> dict:
         "gpu": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else platform.processor(),
         "torch": torch.__version__, "commit": commit_id(), "compiled": first.stream.compiled,
         "size": [cfg.height, cfg.width], "blocks": cfg.n_blocks, "vae_width": cfg.vae_width, "new_frames_per_chunk": cfg.new_frames_per_chunk,
-        "fps": cfg.fps, "chunk_seconds": chunk_s, "first_session_load_s": load_s,
+        "fps": cfg.fps, "chunk_seconds": chunk_s, "first_session_load_s": load_s, "flops_per_chunk": flops,
         "one_session": parts, "side_by_side": ladder,
         "peak_memory_gib": torch.cuda.max_memory_allocated(args.device) / 2**30 if args.device.startswith("cuda") else None,
     }
@@ -266,7 +283,8 @@ def measure(args: argparse.Namespace) -> dict:
 def ladder_line(r: dict) -> str:
     return (f"{r['sessions']} sessions, {r['mode']}: {r['chunks']} chunks, period median "
             f"{r['period_median_ms']:.0f} ms, worst p90 {r['period_p90_worst_session_ms']:.0f} ms, "
-            f"{r['generated_fps']:.1f} generated fps, keeps up {r['keeps_up']}; a session waits for encode / "
+            f"{r['generated_fps']:.1f} generated fps ({r['model_tflops']:.3g} TFLOP/s), keeps up {r['keeps_up']}; "
+            f"a session waits for encode / "
             f"denoise / decode {part_waits(r)} ms")
 
 
@@ -276,18 +294,20 @@ def part_waits(r: dict) -> str:
 
 
 def table(report: dict) -> str:
-    rows = [["part of a chunk", "median ms", "min", "max"]]
+    rows = [["part of a chunk", "median ms", "min", "max", "TFLOP/s"]]
     for part, t in report["one_session"].items():
-        rows.append([part, f"{t['median_ms']:.1f}", f"{t['min_ms']:.1f}", f"{t['max_ms']:.1f}"])
+        rate = f"{t['tflops']:.3g}" if "tflops" in t else "-"
+        rows.append([part, f"{t['median_ms']:.1f}", f"{t['min_ms']:.1f}", f"{t['max_ms']:.1f}", rate])
     chunk_ms = report["one_session"]["chunk"]["median_ms"]
     lines = [text_table(rows),
              f"one session: {report['new_frames_per_chunk'] / chunk_ms * 1e3:.1f} generated fps "
              f"({report['chunk_seconds'] * 1e3 / chunk_ms:.2f}x real time at {report['fps']} fps)", ""]
-    rows = [["sessions", "mode", "chunks", "period median ms", "worst session p90 ms", "generated fps", "keeps up",
-             "largest batch", "encode / denoise / decode ms"]]
+    rows = [["sessions", "mode", "chunks", "period median ms", "worst session p90 ms", "generated fps", "TFLOP/s",
+             "keeps up", "largest batch", "encode / denoise / decode ms"]]
     for r in report["side_by_side"]:
         rows.append([str(r["sessions"]), r["mode"], str(r["chunks"]), f"{r['period_median_ms']:.0f}",
-                     f"{r['period_p90_worst_session_ms']:.0f}", f"{r['generated_fps']:.1f}", str(r["keeps_up"]),
+                     f"{r['period_p90_worst_session_ms']:.0f}", f"{r['generated_fps']:.1f}",
+                     f"{r['model_tflops']:.3g}", str(r["keeps_up"]),
                      "-" if r["largest_batch"] is None else str(r["largest_batch"]),
                      part_waits(r)])
     lines += [text_table(rows),
