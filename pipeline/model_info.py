@@ -30,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     parser.add_argument("--peak-tflops", type=float, metavar="TFLOPS",
                         help="an accelerator's peak rate at the model's precision (e.g. 989 for an H100 or H200 in "
-                             "bf16, dense): adds the most sessions it could hold in real time at 100%% use")
+                             "bf16, dense): adds the most sessions it (--tp of them, for a preset) could hold in "
+                             "real time at 100%% use")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -79,9 +80,10 @@ def _human(n: float, unit: str = "") -> str:
     return f"{n:g} {unit}".strip()
 
 
-def compute_report(flops_per_chunk: dict[str, int], timeline: Timeline, peak_tflops: float | None) -> dict[str, int | float]:
+def compute_report(flops_per_chunk: dict[str, int], timeline: Timeline, peak_tflops: float | None,
+                   accelerators: int = 1) -> dict[str, int | float]:
     """A chunk's FLOPs by part and in all, what a session costs per second of video, and with ``peak_tflops``
-    the most sessions an accelerator of that peak could hold in real time (every FLOP at its peak rate: an
+    the most sessions ``accelerators`` of that peak could hold in real time (every FLOP at its peak rate: an
     upper bound, never reached)."""
     total = sum(flops_per_chunk.values())
     per_second = round(total * timeline.fps / timeline.frames_per_chunk)
@@ -90,7 +92,7 @@ def compute_report(flops_per_chunk: dict[str, int], timeline: Timeline, peak_tfl
     if peak_tflops is not None:
         if not peak_tflops > 0:
             raise ValueError(f"--peak-tflops must be > 0, got {peak_tflops}")
-        report |= {"peak_tflops": peak_tflops, "sessions_at_most": int(peak_tflops * 1e12 // per_second)}
+        report |= {"peak_tflops": peak_tflops, "sessions_at_most": int(accelerators * peak_tflops * 1e12 // per_second)}
     return report
 
 
@@ -129,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("charstream model info: --weights goes with --model (a preset's weights are not checked here)")
     try:
         report = model_report(get_preset(args.preset), args.tp)
-        report |= compute_report({"denoise": report["flops_per_step_total"]}, CHARACTERS, args.peak_tflops)
+        report |= compute_report({"denoise": report["flops_per_step_total"]}, CHARACTERS, args.peak_tflops, args.tp)
     except ValueError as e:  # a TP size the preset's heads or FFN do not divide; a peak that is no rate
         raise SystemExit(f"charstream model info: {e}") from None
     _print(report, args.json)
