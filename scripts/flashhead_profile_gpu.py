@@ -9,7 +9,10 @@
    ``gelu`` (the FFN's GELU in its first GEMM's epilogue, cuBLASLt's tanh GELU), both;
 4. ``decode``: one compiled Wan decode of 9 latents, profiled the same way;
 5. ``lite``: Lite at a batch of 16 sessions (as its capacity runs): a compiled DiT pass, the LTX decode of
-   5 latents and the re-encode of 9 motion frames, each profiled and timed.
+   5 latents and the re-encode of 9 motion frames, each profiled and timed;
+6. ``conv_forms``: the decoder's slowest convs -- a 96-channel 3x3x3 conv at 512x512 and the 96 -> 3 head --
+   as served against equal forms of the same arithmetic (``FORMS``), each timed and its difference from the
+   served form given.
 
     python scripts/flashhead_profile_gpu.py --out DIR [--parts ceilings,convs,dit,decode] [--reps 10]
 
@@ -141,6 +144,62 @@ def convs(reps: int) -> list[dict]:
     return rows
 
 
+def served_form(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """A 3x3x3 conv over ``x`` (already padded in time), channels-last, as the decoder runs it."""
+    return F.conv3d(x, w, b, padding=(0, 1, 1))
+
+
+def contiguous_form(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The same conv in PyTorch's default layout (cuDNN may pick other kernels); the layout copies timed too."""
+    return F.conv3d(x.contiguous(), w.contiguous(), b, padding=(0, 1, 1))
+
+
+def folded_form(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The same conv as a 2-D conv per frame over its 3 input frames stacked in channels (3C in): a wider K
+    for the GEMM, the stack's copy timed too."""
+    bsz, c, t_in, h, wd = x.shape
+    t = t_in - 2
+    stacked = torch.cat([x[:, :, k:k + t] for k in range(3)], dim=1)  # (B, 3C, T, H, W): taps in order
+    frames = stacked.transpose(1, 2).reshape(bsz * t, 3 * c, h, wd).contiguous(memory_format=torch.channels_last)
+    w2 = w.permute(0, 2, 1, 3, 4).reshape(w.shape[0], 3 * c, 3, 3).contiguous(memory_format=torch.channels_last)
+    y = F.conv2d(frames, w2, b, padding=1)
+    return y.reshape(bsz, t, w.shape[0], h, wd).transpose(1, 2)
+
+
+def padded_form(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, to: int = 8) -> torch.Tensor:
+    """A conv with few outputs (the head's 3) padded to ``to`` outputs of zero weight, then sliced."""
+    n = w.shape[0]
+    wp = torch.cat([w, w.new_zeros(to - n, *w.shape[1:])]).contiguous(memory_format=torch.channels_last_3d)
+    return F.conv3d(x, wp, torch.cat([b, b.new_zeros(to - n)]), padding=(0, 1, 1))[:, :n]
+
+
+FORMS = {"served": served_form, "contiguous": contiguous_form, "folded": folded_form, "padded": padded_form}
+
+
+def conv_forms(reps: int, frames: int = 33, size: int = 512, device: str = "cuda",
+               dtype: torch.dtype = torch.bfloat16) -> list[dict]:
+    """Each form of the 96-channel conv and of the 96 -> 3 head on one random input: ms and the relative
+    difference from the served form (``device``/``dtype``: a CPU check of the forms at a small size)."""
+    torch.backends.cudnn.benchmark = True
+    g = torch.Generator(device).manual_seed(0)
+    x = torch.randn(1, 96, frames + 2, size, size, device=device, dtype=dtype, generator=g)
+    x = x.contiguous(memory_format=torch.channels_last_3d)
+    rows = []
+    for label, out, forms in (("96 -> 96", 96, ("served", "contiguous", "folded")),
+                              ("96 -> 3 head", 3, ("served", "contiguous", "folded", "padded"))):
+        w = (torch.randn(out, 96, 3, 3, 3, device=device, dtype=dtype, generator=g) / 50).contiguous(
+            memory_format=torch.channels_last_3d)
+        b = torch.randn(out, device=device, dtype=dtype, generator=g) / 50
+        with torch.no_grad():
+            reference = served_form(x, w, b).float()
+            for form in forms:
+                fn = partial(FORMS[form], x, w, b)
+                y = fn().float()
+                rows.append({"conv": label, "form": form, "rel_from_served": ((y - reference).norm() / reference.norm()).item(),
+                             "ms": timed(fn, reps) if device == "cuda" else None})
+    return rows
+
+
 def fused_qkv_forward(self, x, audio, time_mod, rope):
     """FlashHeadBlock.forward with self-attention's q, k, v as one GEMM and, with ``self.gelu_epilogue``, the
     FFN's GELU in its first GEMM."""
@@ -264,13 +323,14 @@ def lite_part(reps: int, batch: int = 16) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--parts", default="ceilings,convs,dit,decode,lite")
+    parser.add_argument("--parts", default="ceilings,convs,conv_forms,dit,decode,lite")
     parser.add_argument("--reps", type=int, default=10)
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    parts = {"ceilings": ceilings, "convs": convs, "dit": dit_part, "decode": decode_part, "lite": lite_part}
+    parts = {"ceilings": ceilings, "convs": convs, "dit": dit_part, "decode": decode_part, "lite": lite_part,
+             "conv_forms": conv_forms}
     for name in args.parts.split(","):
         start = time.perf_counter()
         try:
