@@ -131,7 +131,9 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("charstream model info: --weights goes with --model (a preset's weights are not checked here)")
     try:
         report = model_report(get_preset(args.preset), args.tp)
-        report |= compute_report({"denoise": report["flops_per_step_total"]}, CHARACTERS, args.peak_tflops, args.tp)
+        # the step's FLOPs over every rank (its replicated parts once per rank) and its decode
+        parts = get_family(args.preset).flops_per_chunk() | {"denoise": report["flops_per_step_total"]}
+        report |= compute_report(parts, CHARACTERS, args.peak_tflops, args.tp)
     except ValueError as e:  # a TP size the preset's heads or FFN do not divide; a peak that is no rate
         raise SystemExit(f"charstream model info: {e}") from None
     _print(report, args.json)

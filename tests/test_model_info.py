@@ -25,8 +25,11 @@ def test_characters_57b_info(tp, capsys):
     assert info["kv_bytes_per_rank_bf16"] == 2 * (info["kv_bytes_per_rank_fp8"] - 8 * 60 * (60 // tp))
     assert info["all_reduces_per_step"] == 240
     assert 2e14 < info["flops_per_step_total"] < 5e14  # ~ 2 x 757 tokens x 4 passes x 57 B + attention
-    # a step is a chunk of 4 frames at 24 fps: 6 a second; the bound counts the TP group's accelerators
-    assert info["flops_per_video_second"] == pytest.approx(6 * info["flops_per_step_total"], rel=1e-9)
+    # a step is a chunk of 4 frames at 24 fps: 6 a second; its latent frame's decode is counted too; the
+    # bound counts the TP group's accelerators
+    assert 0 < info["flops_decode_per_chunk"] < 0.01 * info["flops_per_step_total"]
+    assert info["flops_per_video_second"] == pytest.approx(
+        6 * (info["flops_per_step_total"] + info["flops_decode_per_chunk"]), rel=1e-9)
     assert main(["model", "info", "--preset", "characters-57b", "--tp", str(tp), "--peak-tflops", "1979", "--json"]) == 0
     bound = json.loads(capsys.readouterr().out)
     assert bound["sessions_at_most"] == int(tp * 1979e12 // info["flops_per_video_second"]) >= 2

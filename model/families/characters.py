@@ -18,6 +18,7 @@ from charstream.model.families.base import (
     CheckpointReport,
     GenerationMode,
     ModelFamily,
+    meta_flops,
 )
 from charstream.timeline import CHARACTERS, Timeline
 
@@ -48,12 +49,16 @@ class CharactersFamily(ModelFamily):
             return sum(p.numel() for p in DiT(self._config).parameters())
 
     def flops_per_chunk(self) -> dict[str, int]:
-        """A chunk is one step: the DiT's passes with the window full (model/dit.py ``step_flops``); the
-        decoder's convolutions are not counted."""
+        """A chunk is one step: the DiT's passes with the window full (model/dit.py ``step_flops``) and the
+        decode of its latent frame (PyTorch's FLOP counter on the meta device)."""
         from charstream.model.dit import DiT, step_flops
+        from charstream.model.vae import Decoder
 
+        cfg = self._config
         with torch.device("meta"):
-            return {"denoise": step_flops(DiT(self._config))}
+            denoise = step_flops(DiT(cfg))
+        latent = (cfg.latent_channels, cfg.latent_height, cfg.latent_width)
+        return {"denoise": denoise, "decode": meta_flops(lambda: Decoder(cfg).decode_chunk(torch.zeros(latent)))}
 
     def inspect(self, weights_dir: str | Path) -> CheckpointReport:
         from charstream.model.dit import DiT
