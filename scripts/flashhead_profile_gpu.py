@@ -4,17 +4,16 @@
 2. ``convs``: the Wan VAE decoder's 3-D convs, one per distinct shape (cuDNN, channels-last, bf16,
    benchmark mode as served), each with how often a decode runs it: time and TFLOP/s;
 3. ``dit``: one compiled Pro DiT pass, profiled (kernel time by kind: GEMM, attention, fused pointwise,
-   other), then candidate changes timed against it, pass for pass alternating, with their relative
-   difference from the served pass's velocity: ``qkv`` (one GEMM for self-attention's q, k and v),
-   ``gelu`` (the FFN's GELU in its first GEMM's epilogue, cuBLASLt's tanh GELU), both;
-4. ``decode``: one compiled Wan decode of 9 latents, profiled the same way;
+   other) and timed;
+4. ``decode``: one compiled Wan decode of 9 latents, profiled the same way (rates: the family's FLOP count,
+   ``ModelFamily.flops_per_chunk``);
 5. ``lite``: Lite at a batch of 16 sessions (as its capacity runs): a compiled DiT pass, the LTX decode of
    5 latents and the re-encode of 9 motion frames, each profiled and timed;
 6. ``conv_forms``: the decoder's slowest convs -- a 96-channel 3x3x3 conv at 512x512 and the 96 -> 3 head --
    as served against equal forms of the same arithmetic (``FORMS``), each timed and its difference from the
    served form given.
 
-    python scripts/flashhead_profile_gpu.py --out DIR [--parts ceilings,convs,dit,decode] [--reps 10]
+    python scripts/flashhead_profile_gpu.py --out DIR [--parts ceilings,convs,conv_forms,dit,decode,lite] [--reps 10]
 
 Prints a table per part, writes ``flashhead_profile_gpu.json`` under DIR.
 """
@@ -23,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
-import types
 from collections import defaultdict
 from functools import partial
 from pathlib import Path
@@ -34,27 +31,13 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
+from charstream.model.families import get_family
 from charstream.model.families.flashhead.config import LITE, PRO
-from charstream.model.families.flashhead.dit import FlashHeadDiT, apply_rope
+from charstream.model.families.flashhead.dit import FlashHeadDiT
 from charstream.model.families.flashhead.loader import random_checkpoint
 from charstream.model.families.flashhead.vae_ltx import random_ltx_vae
 from charstream.model.families.flashhead.vae_wan import CausalConv3d, random_wan_vae
-
-
-def timed(fn, reps: int, warmup: int = 3) -> float:
-    """Median ms of ``fn`` over ``reps`` CUDA-event-timed calls."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+from charstream.pipeline.bench.output import cuda_median_ms
 
 
 def kind(name: str) -> str:
@@ -93,11 +76,11 @@ def ceilings(reps: int) -> dict:
     out = {}
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    ms = timed(lambda: a @ b, reps)
+    ms = cuda_median_ms(lambda: a @ b, reps)
     out["bf16 8192^3"] = 2 * 8192**3 / ms / 1e9
     a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t().contiguous().t()
     one = torch.ones((), device="cuda")
-    ms = timed(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), reps)
+    ms = cuda_median_ms(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), reps)
     out["fp8 8192^3"] = 2 * 8192**3 / ms / 1e9
     m = PRO.latents_per_chunk * PRO.tokens_per_latent
     for label, k, n in (("q/k/v/o 1536->1536", 1536, 1536), ("qkv 1536->4608", 1536, 4608),
@@ -105,7 +88,7 @@ def ceilings(reps: int) -> dict:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-        ms = timed(partial(F.linear, x, w, bias), reps)
+        ms = cuda_median_ms(partial(F.linear, x, w, bias), reps)
         out[f"bf16 {m} x {label}"] = 2 * m * k * n / ms / 1e9
     return out
 
@@ -138,7 +121,7 @@ def convs(reps: int) -> list[dict]:
         x = torch.randn(shape, device="cuda", dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last_3d)
         y = F.conv3d(x, module.weight, module.bias, module.stride, module.padding)
         flops = 2 * y.numel() * module.weight[0].numel()
-        ms = timed(partial(F.conv3d, x, module.weight, module.bias, module.stride, module.padding), reps)
+        ms = cuda_median_ms(partial(F.conv3d, x, module.weight, module.bias, module.stride, module.padding), reps)
         rows.append({"weight": wshape, "input": shape, "count": count, "ms": ms, "tflops": flops / ms / 1e9,
                      "total_ms": ms * count, "total_tflop": flops * count / 1e12})
     return rows
@@ -196,46 +179,8 @@ def conv_forms(reps: int, frames: int = 33, size: int = 512, device: str = "cuda
                 fn = partial(FORMS[form], x, w, b)
                 y = fn().float()
                 rows.append({"conv": label, "form": form, "rel_from_served": ((y - reference).norm() / reference.norm()).item(),
-                             "ms": timed(fn, reps) if device == "cuda" else None})
+                             "ms": cuda_median_ms(fn, reps) if device == "cuda" else None})
     return rows
-
-
-def fused_qkv_forward(self, x, audio, time_mod, rope):
-    """FlashHeadBlock.forward with self-attention's q, k, v as one GEMM and, with ``self.gelu_epilogue``, the
-    FFN's GELU in its first GEMM."""
-    shift, scale, gate, ffn_shift, ffn_scale, ffn_gate = (self.modulation + time_mod).chunk(6, dim=1)
-    a = self.self_attn
-    h = self.norm_self(x) * (1 + scale) + shift
-    if self.fuse_qkv:
-        q, k, v = F.linear(h, a.qkv_weight, a.qkv_bias).chunk(3, dim=-1)
-    else:
-        q, k, v = a.to_q(h), a.to_k(h), a.to_v(h)
-    q = apply_rope(a.q_norm(q).unflatten(-1, (a.n_heads, -1)), *rope)
-    k = apply_rope(a.k_norm(k).unflatten(-1, (a.n_heads, -1)), *rope)
-    v = v.unflatten(-1, (a.n_heads, -1))
-    att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-    x = x + a.to_out(att.transpose(1, 2).flatten(2)) * gate
-    batch, frames = audio.shape[:2]
-    per_frame = self.norm_cross(x).reshape(batch * frames, -1, x.shape[-1])
-    x = x + self.cross_attn(per_frame, context=audio.flatten(0, 1)).reshape(x.shape)
-    h = self.norm_ffn(x) * (1 + ffn_scale) + ffn_shift
-    if self.gelu_epilogue:
-        hidden = torch._addmm_activation(self.ffn_in.bias, h.flatten(0, 1), self.ffn_in.weight.t(), use_gelu=True)
-        hidden = hidden.unflatten(0, h.shape[:2])
-    else:
-        hidden = F.gelu(self.ffn_in(h), approximate="tanh")
-    return x + self.ffn_out(hidden) * ffn_gate
-
-
-def variant(dit: FlashHeadDiT, qkv: bool, gelu: bool) -> FlashHeadDiT:
-    for block in dit.blocks:
-        a = block.self_attn
-        if qkv and not hasattr(a, "qkv_weight"):
-            a.qkv_weight = torch.cat([a.to_q.weight, a.to_k.weight, a.to_v.weight])
-            a.qkv_bias = torch.cat([a.to_q.bias, a.to_k.bias, a.to_v.bias])
-        block.fuse_qkv, block.gelu_epilogue = qkv, gelu
-        block.forward = types.MethodType(fused_qkv_forward, block)
-    return dit
 
 
 def pass_inputs(cfg, seed: int = 1, batch: int = 1) -> tuple[torch.Tensor, ...]:
@@ -255,37 +200,15 @@ def random_dit(cfg) -> FlashHeadDiT:
     return dit
 
 
-def dit_part(reps: int, ab_blocks: int = 10) -> dict:
-    """The served pass at full depth, profiled and timed; the candidates A/B at ``ab_blocks`` blocks (a third
-    of the compile time; every block is the same work)."""
-    # every instance compiles the same forward: past dynamo's default of 8 recompiles the rest would run eager
-    torch._dynamo.config.recompile_limit = 64
+def dit_part(reps: int) -> dict:
+    """The served pass at full depth, profiled and timed."""
     inputs = pass_inputs(PRO)
     served = torch.compile(random_dit(PRO), dynamic=False)
-    result: dict = {}
+    tflop = get_family(PRO.name).flops_per_chunk()["denoise"] / len(PRO.sigmas) / 1e12
     with torch.no_grad():
-        result["served_kinds_ms"], result["served_top"] = profiled(partial(served, *inputs))
-        result["served_pass_ms"] = timed(partial(served, *inputs), reps)
-        result["served_pass_tflops"] = 38.844 / result["served_pass_ms"] * 1e3
-        served = None  # its memory back before the A/B
-        torch.cuda.empty_cache()
-        cfg = PRO.with_(n_blocks=ab_blocks)
-        base_dit = random_dit(cfg)
-        fns = {"served": torch.compile(base_dit, dynamic=False)}
-        base = fns["served"](*inputs).float()
-        result["variants"] = {}
-        for name, (qkv, gelu) in {"qkv": (True, False), "gelu": (False, True), "qkv+gelu": (True, True)}.items():
-            fns[name] = torch.compile(variant(random_dit(cfg), qkv, gelu), dynamic=False)
-            out = fns[name](*inputs).float()
-            result["variants"][name] = {"rel_from_served": ((out - base).norm() / base.norm()).item()}
-        times = defaultdict(list)
-        for _ in range(reps):  # alternating, so a clock change falls on all of them alike
-            for name, fn in fns.items():
-                times[name].append(timed(partial(fn, *inputs), 1, warmup=1))
-        result[f"pass_ms_{ab_blocks}_blocks"] = {name: statistics.median(v) for name, v in times.items()}
-        for name, fn in fns.items():
-            result["variants"].setdefault(name, {})["kinds_ms"] = profiled(partial(fn, *inputs))[0]
-    return result
+        kinds, top = profiled(partial(served, *inputs))
+        ms = cuda_median_ms(partial(served, *inputs), reps)
+    return {"pass_ms": ms, "tflops": tflop / ms * 1e3, "kinds_ms": kinds, "top": top}
 
 
 def decode_part(reps: int) -> dict:
@@ -295,8 +218,9 @@ def decode_part(reps: int) -> dict:
     decode = torch.compile(vae.decode_chunk, dynamic=False)
     with torch.no_grad():
         kinds, top = profiled(lambda: decode(z))
-        ms = timed(lambda: decode(z), reps)
-    return {"decode_ms": ms, "kinds_ms": kinds, "top": top, "tflops": 70.53 / ms * 1e3}
+        ms = cuda_median_ms(lambda: decode(z), reps)
+    tflop = get_family(PRO.name).flops_per_chunk()["decode"] / 1e12
+    return {"decode_ms": ms, "kinds_ms": kinds, "top": top, "tflops": tflop / ms * 1e3}
 
 
 def lite_part(reps: int, batch: int = 16) -> dict:
@@ -308,13 +232,14 @@ def lite_part(reps: int, batch: int = 16) -> dict:
     z = torch.randn(batch, 128, LITE.latents_per_chunk, *LITE.latent_grid, device="cuda", dtype=torch.bfloat16)
     frames = torch.rand(batch, 3, LITE.motion_frames, LITE.height, LITE.width, device="cuda", dtype=torch.bfloat16) * 2 - 1
     noise = torch.randn(vae.latent_shape(frames.shape), device="cuda")
-    parts = {"dit pass": (partial(dit, *inputs), 3.5575 * batch),
-             "ltx decode": (partial(torch.compile(vae.decode_chunk, dynamic=False), z), 7.714 * batch),
-             "ltx encode": (partial(torch.compile(vae.encode_motion, dynamic=False), frames, noise), 2.104 * batch)}
+    flops = {part: batch * n / 1e12 for part, n in get_family(LITE.name).flops_per_chunk().items()}
+    parts = {"dit pass": (partial(dit, *inputs), flops["denoise"] / len(LITE.sigmas)),
+             "ltx decode": (partial(torch.compile(vae.decode_chunk, dynamic=False), z), flops["decode"]),
+             "ltx encode": (partial(torch.compile(vae.encode_motion, dynamic=False), frames, noise), flops["motion_encode"])}
     with torch.no_grad():
         for name, (fn, tflop) in parts.items():
             kinds, top = profiled(fn)
-            ms = timed(fn, reps)
+            ms = cuda_median_ms(fn, reps)
             result[name] = {"ms": ms, "ms_per_session": ms / batch, "tflops": tflop / ms * 1e3, "kinds_ms": kinds,
                             "top": top}
     return result
