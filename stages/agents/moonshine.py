@@ -58,6 +58,7 @@ MIN_AUDIO = SAMPLE_RATE // 4  # the encoder's convolutions need this much; short
 # won (docs/decisions/0030).
 LEAD_S = 0.1
 _CACHED = np.array([True])  # the decoder's use_cache_branch after its first step
+CACHE_PREFIX = "moonshine-base-"  # + the wheel's version: a cache folder
 STALE_DAYS = 30
 USED_MARK = ".last-used"  # touched at every load: how an older version's folder is known to be unused
 
@@ -152,7 +153,7 @@ def session_options(threads: int):  # -> onnxruntime.SessionOptions
 def cache_directory() -> Path:
     """Where the folded graphs are kept, per version of the wheel."""
     root = os.environ.get("CHARSTREAM_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "charstream"
-    return Path(root) / f"moonshine-base-{WHEEL_VERSION}"
+    return Path(root) / f"{CACHE_PREFIX}{WHEEL_VERSION}"
 
 
 def folded_files(directory: Path, names: tuple[str, ...]) -> list[Path]:
@@ -176,7 +177,7 @@ def prune_stale(current: Path, days: float = STALE_DAYS) -> None:
     """Remove the other versions' folders beside ``current`` that no process has loaded for ``days`` (each
     is ~250 MB); one that another installation still loads stays."""
     cutoff = time.time() - days * 86_400
-    for other in current.parent.glob("moonshine-base-*"):
+    for other in current.parent.glob(f"{CACHE_PREFIX}*"):
         if other == current or not other.is_dir():
             continue
         mark = other / USED_MARK
